@@ -1,0 +1,458 @@
+"""One typed configuration tree for a training job.
+
+A job is described by :class:`JobConfig`, a tree of keyword-only dataclasses
+loaded from a YAML preset in ``model_configs/`` and narrowed by command-line
+overrides of the form ``section.key=value``.  Unknown keys and values of the
+wrong type are errors that name the key and the fix (:class:`ConfigError`).
+
+This module is pure data: the conversion to megatron-core's
+``TransformerConfig`` happens in exactly one place,
+:func:`jobruntime.model.to_transformer_config`.  GeoMesh and CONA read their
+own sections (:class:`GeoMeshConfig`, :class:`ConaConfig`) and never raw
+arguments.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import yaml
+
+# Where the bundled presets live (``model_configs/`` next to this package).
+REPO_ROOT = Path(__file__).resolve().parent.parent
+MODEL_CONFIGS_DIR = REPO_ROOT / "model_configs"
+
+
+class ConfigError(ValueError):
+    """A configuration key or value is invalid; the message names it and the fix."""
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    """Architecture of the model (one of the GPT-3, Llama or BERT families)."""
+
+    family: Literal["gpt", "llama", "bert"] = "gpt"
+    """Model family: ``gpt`` and ``llama`` build megatron-core ``GPTModel``;
+    ``bert`` builds ``BertModel`` trained with masked LM."""
+    num_layers: int = 4
+    """Number of transformer layers; must be divisible by ``parallel.pp``."""
+    hidden_size: int = 256
+    """Model width ``h``."""
+    num_attention_heads: int = 4
+    """Query heads ``a``; must be divisible by ``parallel.tp``."""
+    num_query_groups: Optional[int] = None
+    """Key/value heads for grouped-query attention; ``None`` means ``a`` (MHA)."""
+    ffn_hidden_size: Optional[int] = None
+    """MLP inner width; ``None`` means ``4 * hidden_size``."""
+    vocab_size: int = 8192
+    """Tokenizer vocabulary size (megatron pads it for TP, see
+    :func:`jobruntime.model.padded_vocab_size`)."""
+    seq_length: int = 256
+    """Training sequence length in tokens."""
+    max_position_embeddings: Optional[int] = None
+    """Learned position table size; ``None`` means ``seq_length``."""
+    position_embedding: Literal["learned_absolute", "rope"] = "learned_absolute"
+    """Position encoding."""
+    rotary_base: int = 10000
+    """RoPE base ``theta``."""
+    rope_scaling: bool = False
+    """Llama-3 frequency scaling of RoPE (low/high frequency factors 1 and 4)."""
+    rope_scaling_factor: float = 8.0
+    """Llama-3 RoPE scaling factor (32 for Llama-3.2)."""
+    normalization: Literal["LayerNorm", "RMSNorm"] = "LayerNorm"
+    """Normalization layer."""
+    activation: Literal["gelu", "swiglu"] = "gelu"
+    """MLP activation; ``swiglu`` uses a fused gate/up projection."""
+    add_bias_linear: bool = True
+    """Biases in the linear layers (GPT-3 and BERT yes, Llama no)."""
+    tie_embeddings: bool = True
+    """Share the input embedding with the output layer."""
+    init_method_std: float = 0.02
+    """Standard deviation of the normal weight initialisation."""
+    layernorm_epsilon: float = 1e-5
+    """Epsilon of LayerNorm / RMSNorm."""
+    dropout: float = 0.0
+    """Hidden and attention dropout probability (0 keeps runs deterministic)."""
+    mask_prob: float = 0.15
+    """BERT only: fraction of tokens masked for masked LM."""
+
+    @property
+    def ffn(self) -> int:
+        return self.ffn_hidden_size or 4 * self.hidden_size
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_query_groups or self.num_attention_heads
+
+    @property
+    def max_positions(self) -> int:
+        return self.max_position_embeddings or self.seq_length
+
+    def validate(self) -> None:
+        if self.hidden_size % self.num_attention_heads:
+            raise ConfigError(
+                f"model.hidden_size={self.hidden_size} is not divisible by "
+                f"model.num_attention_heads={self.num_attention_heads}; pick sizes that divide"
+            )
+        if self.num_attention_heads % self.kv_heads:
+            raise ConfigError(
+                f"model.num_attention_heads={self.num_attention_heads} is not divisible by "
+                f"model.num_query_groups={self.kv_heads}"
+            )
+        for name in ("num_layers", "hidden_size", "vocab_size", "seq_length"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"model.{name} must be positive, got {getattr(self, name)}")
+        if self.family == "bert" and self.position_embedding != "learned_absolute":
+            raise ConfigError("model.position_embedding must be learned_absolute for bert")
+
+
+@dataclass(kw_only=True)
+class ParallelConfig:
+    """Parallel layout.  DP is not set: it is ``world_size / (tp * pp)``."""
+
+    tp: int = 1
+    """Tensor-parallel size."""
+    pp: int = 1
+    """Pipeline-parallel size."""
+    micro_batch_size: int = 4
+    """Sequences per micro-batch per DP rank."""
+    global_batch_size: int = 8
+    """Sequences per optimizer step across all DP ranks; must be a multiple of
+    ``micro_batch_size * dp``.  Gradient accumulation makes up the rest."""
+    sequence_parallel: bool = False
+    """Megatron sequence parallelism (needs ``tp > 1``)."""
+
+    def validate(self, model: ModelConfig, world_size: int) -> int:
+        """Check the layout against the model and world; return the DP size.
+
+        Raises:
+            ConfigError: a size does not divide (names the key and the fix).
+        """
+        for name in ("tp", "pp", "micro_batch_size", "global_batch_size"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"parallel.{name} must be positive, got {getattr(self, name)}")
+        if world_size % (self.tp * self.pp):
+            raise ConfigError(
+                f"world size {world_size} is not divisible by parallel.tp*parallel.pp="
+                f"{self.tp * self.pp}; launch a multiple of tp*pp processes"
+            )
+        dp = world_size // (self.tp * self.pp)
+        if model.num_attention_heads % self.tp or model.kv_heads % self.tp:
+            raise ConfigError(
+                f"parallel.tp={self.tp} must divide model.num_attention_heads="
+                f"{model.num_attention_heads} and the KV heads ({model.kv_heads})"
+            )
+        if model.num_layers % self.pp:
+            raise ConfigError(
+                f"parallel.pp={self.pp} must divide model.num_layers={model.num_layers}"
+            )
+        if self.global_batch_size % (self.micro_batch_size * dp):
+            raise ConfigError(
+                f"parallel.global_batch_size={self.global_batch_size} is not a multiple of "
+                f"micro_batch_size*dp={self.micro_batch_size}*{dp}; change one of them"
+            )
+        if self.sequence_parallel and self.tp == 1:
+            raise ConfigError("parallel.sequence_parallel needs parallel.tp > 1")
+        return dp
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    """Optimisation and loop settings."""
+
+    iters: int = 100
+    """Optimizer steps to run."""
+    lr: float = 1e-3
+    """Peak learning rate (AdamW)."""
+    min_lr: float = 1e-4
+    """Learning rate at the end of the cosine decay."""
+    warmup_iters: int = 10
+    """Linear warmup steps."""
+    lr_decay_iters: Optional[int] = None
+    """Cosine decay length in steps; ``None`` means ``iters``."""
+    weight_decay: float = 0.1
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    """Global gradient-norm clip; 0 disables clipping."""
+    seed: int = 1234
+    """Seed for weights, data order and dropout."""
+    precision: Literal["fp32", "bf16", "auto"] = "auto"
+    """``auto`` = bf16 on CUDA, fp32 on CPU."""
+    log_interval: int = 1
+    """Steps between metrics records."""
+    eval_interval: int = 20
+    """Steps between validation evaluations (and at the last step); 0 disables."""
+    eval_iters: int = 4
+    """Validation batches (of the global batch size) per evaluation."""
+    target_ppl: Optional[float] = None
+    """Validation perplexity that defines time-to-target-perplexity (TTP)."""
+    stop_at_target: bool = False
+    """Stop the run once ``target_ppl`` is reached."""
+    max_wall_s: Optional[float] = None
+    """Stop (after the current step, with a final evaluation) past this many seconds."""
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    """Corpus, tokenizer and split."""
+
+    path: str = "data/python-docs-3.11.jsonl.xz"
+    """JSONL (``text`` field, optionally .xz/.gz), a .txt file or a folder of
+    them, a local Hugging Face dataset folder (``save_to_disk``), or a Megatron
+    indexed-dataset prefix (``PREFIX.bin``/``PREFIX.idx``).  Relative paths are
+    resolved against the working directory, then the repository."""
+    tokenizer: str = "auto"
+    """``auto`` trains (once, cached) a sentencepiece model of
+    ``model.vocab_size`` on the training documents; otherwise a path to a
+    sentencepiece ``.model`` or a Hugging Face ``tokenizer.json``."""
+    text_key: str = "text"
+    """Field holding the document text in JSONL / HF datasets."""
+    val_every: int = 20
+    """Every ``val_every``-th document (by position) is held out for validation."""
+    cache_dir: str = ".cache"
+    """Where tokenizers and tokenized indexed datasets are cached."""
+    max_documents: Optional[int] = None
+    """Read only the first N documents (quick tests)."""
+
+
+@dataclass(kw_only=True)
+class CheckpointConfig:
+    """dist_checkpointing save/load."""
+
+    save_interval: int = 0
+    """Save every N steps (and at the end when > 0); 0 disables saving."""
+    load: Optional[str] = None
+    """Checkpoint directory to resume from (a run's ``checkpoints/`` folder or
+    one ``iter_XXXXXXX`` folder inside it)."""
+    keep_last: int = 2
+    """Number of checkpoints kept; older ones are deleted."""
+
+
+@dataclass(kw_only=True)
+class LoggingConfig:
+    """Metrics sinks."""
+
+    wandb: Literal["offline", "online", "disabled"] = "offline"
+    """wandb mode; offline runs can be synced later with ``wandb sync``."""
+    project: str = "geocona"
+    group: Optional[str] = None
+    """wandb group (runs of one comparison share it)."""
+    name: Optional[str] = None
+    """Run name; ``None`` derives one from the config and time."""
+    progress: Literal["auto", "on", "off"] = "auto"
+    """Terminal progress bar: ``auto`` shows it on a TTY for runs of > 50 steps."""
+
+
+@dataclass(kw_only=True)
+class GeoMeshConfig:
+    """GeoMesh: geo-distributed synchronous training (see ``geomesh/``)."""
+
+    method: Literal["none", "geomesh", "diloco", "ddp", "async"] = "none"
+    """``none`` trains one ordinary job; others run the named method."""
+    cluster: Optional[str] = None
+    """Cluster description YAML (workers, GPUs, regions, WAN, mode)."""
+    outer_steps: int = 10
+    """Outer steps (rounds) to run."""
+    outer_lr: float = 0.7
+    """Outer Nesterov SGD learning rate (DiLoCo default)."""
+    outer_momentum: float = 0.9
+    """Outer Nesterov momentum (DiLoCo default)."""
+    inner_steps: int = 20
+    """Inner steps ``H`` per round for uniform methods; GeoMesh's planner
+    targets ``inner_steps * global_batch_size`` tokens-worth per round."""
+    error_feedback: bool = True
+    """Keep the sign-compression residual locally and add it next round."""
+    target_model: Optional[str] = None
+    """Emulated mode: preset whose FLOPs and bytes set time and traffic."""
+    timeout_s: float = 600.0
+    """Real mode: seconds to wait for a region before failing with its name."""
+
+
+@dataclass(kw_only=True)
+class ConaConfig:
+    """CONA: online parallelism-strategy chaining (see ``cona/``)."""
+
+    enabled: bool = False
+    decision_interval: int = 20
+    """Steps between controller decisions (K)."""
+    candidates: Optional[list] = None
+    """Explicit candidates ``[{dp, tp, pp, micro_batch_size, global_batch_size}]``;
+    ``None`` enumerates them."""
+    gpu: str = "A100-80GB"
+    """Emulated mode: GPU type whose profile times the target model."""
+    num_gpus: Optional[int] = None
+    """Emulated mode: device count; ``None`` = world size."""
+    target_model: Optional[str] = None
+    """Emulated mode: preset that gives FLOPs and memory; ``None`` = this model."""
+    clock: Literal["wall", "emulated"] = "wall"
+    min_gain: float = 0.05
+    """Switch only if the best candidate scores this fraction above current."""
+    horizon_steps: int = 100
+    """Steps over which a switch must repay its measured cost."""
+    lr_scaling: Literal["sqrt", "linear", "none"] = "sqrt"
+    """How the learning rate follows the global batch size when it changes."""
+
+
+@dataclass(kw_only=True)
+class JobConfig:
+    """The whole job.  Sections are documented in their own classes."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    geomesh: GeoMeshConfig = field(default_factory=GeoMeshConfig)
+    cona: ConaConfig = field(default_factory=ConaConfig)
+    name: str = "job"
+    """Preset name (file stem), used in run names."""
+
+    def validate(self, world_size: int = 1) -> int:
+        """Validate every section; return the DP size for ``world_size`` processes."""
+        self.model.validate()
+        return self.parallel.validate(self.model, world_size)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+# ---------------------------------------------------------------------------
+# Loading and overrides
+# ---------------------------------------------------------------------------
+
+
+def _check_type(value: Any, hint: Any, where: str) -> Any:
+    """Return ``value`` coerced to ``hint`` or raise ConfigError naming ``where``."""
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(hint)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _check_type(value, arg, where)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(errors[0] if errors else f"{where}: bad value {value!r}")
+    if origin is Literal:
+        allowed = typing.get_args(hint)
+        if value not in allowed:
+            raise ConfigError(f"{where}={value!r} is not one of {list(allowed)}")
+        return value
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{where}={value!r} must be true or false")
+    if hint is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ConfigError(f"{where}={value!r} must be an integer")
+    if hint is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise ConfigError(f"{where}={value!r} must be a number")
+    if hint is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(f"{where}={value!r} must be a string")
+    if hint is list or origin is list:
+        if isinstance(value, list):
+            return value
+        raise ConfigError(f"{where}={value!r} must be a list")
+    return value
+
+
+def _apply(obj: Any, values: dict, where: str) -> None:
+    hints = typing.get_type_hints(type(obj))
+    names = {f.name for f in dataclasses.fields(obj)}
+    for key, value in values.items():
+        path = f"{where}.{key}" if where else key
+        if key not in names:
+            raise ConfigError(
+                f"unknown config key '{path}'; valid keys here: {', '.join(sorted(names))}"
+            )
+        current = getattr(obj, key)
+        if dataclasses.is_dataclass(current):
+            if not isinstance(value, dict):
+                raise ConfigError(f"'{path}' is a section; give it a mapping of keys")
+            _apply(current, value, path)
+        else:
+            setattr(obj, key, _check_type(value, hints[key], path))
+
+
+def resolve_preset(name_or_path: str | Path) -> Path:
+    """Map ``tiny_gpt`` or ``model_configs/tiny_gpt.yaml`` or any path to a file.
+
+    Raises:
+        ConfigError: no such preset or file.
+    """
+    p = Path(name_or_path)
+    candidates = [p, MODEL_CONFIGS_DIR / p, MODEL_CONFIGS_DIR / f"{p}.yaml", REPO_ROOT / p]
+    for c in candidates:
+        if c.is_file():
+            return c
+    known = sorted(x.stem for x in MODEL_CONFIGS_DIR.glob("*.yaml"))
+    raise ConfigError(f"config '{name_or_path}' not found; use a YAML file or one of {known}")
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """Split ``section.key=value`` into (``[section, key]``, YAML-parsed value)."""
+    if "=" not in text:
+        raise ConfigError(f"override '{text}' must look like section.key=value")
+    key, raw = text.split("=", 1)
+    if not key:
+        raise ConfigError(f"override '{text}' has no key")
+    try:
+        value = yaml.safe_load(raw) if raw != "" else ""
+    except yaml.YAMLError as e:
+        raise ConfigError(f"override '{text}': value is not valid YAML ({e})") from None
+    return key.split("."), value
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple = ()) -> JobConfig:
+    """Load a preset YAML and apply ``section.key=value`` overrides.
+
+    Args:
+        path: preset name (``tiny_gpt``) or YAML path; ``None`` = defaults.
+        overrides: strings ``section.key=value``; values are parsed as YAML.
+
+    Raises:
+        ConfigError: unknown key, wrong type, unreadable YAML.
+    """
+    cfg = JobConfig()
+    if path is not None:
+        file = resolve_preset(path)
+        try:
+            values = yaml.safe_load(file.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{file}: not valid YAML ({e})") from None
+        if not isinstance(values, dict):
+            raise ConfigError(f"{file}: top level must be a mapping of sections")
+        values.setdefault("name", file.stem)
+        _apply(cfg, values, "")
+    for text in overrides:
+        keys, value = parse_override(text)
+        nested: Any = value
+        for k in reversed(keys):
+            nested = {k: nested}
+        _apply(cfg, nested, "")
+    return cfg
+
+
+def save_config(cfg: JobConfig, path: str | Path) -> None:
+    """Write the resolved config as YAML (atomically: temp file, then rename)."""
+    path = Path(path)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    tmp.replace(path)
