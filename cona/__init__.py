@@ -1,0 +1,44 @@
+"""CONA: online parallelism-strategy chaining.
+
+Pure logic (no process groups): :mod:`cona.strategy` (layouts),
+:mod:`cona.memory_model` (per-device bytes), :mod:`cona.cost_model`
+(iteration time, calibration), :mod:`cona.grad_stats` (gradient noise scale),
+:mod:`cona.surrogate` (Pollux goodput), :mod:`cona.controller` (when to switch).
+The switch itself (rebuild groups, reshard state) lives elsewhere in ``cona/``.
+"""
+
+from .controller import (
+    Controller,
+    Decision,
+    best_goodput_strategy,
+    best_throughput_strategy,
+    scale_lr,
+)
+from .cost_model import CostModel, Interconnect, IterationEstimate
+from .grad_stats import GradientNoiseScale, estimate_from_norms
+from .memory_model import MemoryEstimate, MemoryModel
+from .strategy import Strategy, check_strategy, enumerate_strategies, strategies_from_dicts
+from .surrogate import Score, goodput, rank_strategies, statistical_efficiency
+
+__all__ = [
+    "Controller",
+    "CostModel",
+    "Decision",
+    "GradientNoiseScale",
+    "Interconnect",
+    "IterationEstimate",
+    "MemoryEstimate",
+    "MemoryModel",
+    "Score",
+    "Strategy",
+    "best_goodput_strategy",
+    "best_throughput_strategy",
+    "check_strategy",
+    "enumerate_strategies",
+    "estimate_from_norms",
+    "goodput",
+    "rank_strategies",
+    "scale_lr",
+    "statistical_efficiency",
+    "strategies_from_dicts",
+]

@@ -20,8 +20,8 @@ def num_params(model: ModelConfig, *, padded_vocab: int | None = None) -> int:
     Matches what megatron-core builds for the local layer spec: biases when
     ``add_bias_linear``, two norms per layer plus a final norm, learned
     positions for ``learned_absolute``, an untied output layer when
-    ``tie_embeddings`` is false, and BERT's token-type embedding, LM-head
-    transform and binary (NSP) head.
+    ``tie_embeddings`` is false, and BERT's token-type embedding and LM-head
+    transform (no binary NSP head: this project trains masked LM only).
 
     Args:
         padded_vocab: vocabulary size after megatron padding; ``None`` uses
@@ -45,7 +45,6 @@ def num_params(model: ModelConfig, *, padded_vocab: int | None = None) -> int:
     if model.family == "bert":
         total += 2 * h  # token-type embedding (2 types)
         total += h * h + h + norm + v  # LM head: dense + bias, layernorm, output bias
-        total += h * h + h + 2 * h + 2  # pooler dense + binary head
     return total
 
 

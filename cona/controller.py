@@ -1,0 +1,293 @@
+"""The online controller: every K steps rank candidates, decide whether to switch.
+
+Decision rule at a decision step (every ``cfg.decision_interval`` steps):
+
+1. Score every candidate and the current strategy with
+   :func:`cona.surrogate.rank_strategies` (calibrated cost model x Pollux
+   efficiency at the current noise scale ``phi``).  Until the GNS estimator
+   has a value, only candidates with the current global batch size are
+   considered (their efficiencies are equal, so throughput alone is safe).
+2. ``gain = score_best / score_current - 1``; no switch if ``gain < min_gain``.
+3. Repay test: over a horizon of ``T = horizon_steps * iter_s(current)``
+   seconds, the best strategy makes the current one's progress ``r_c T`` in
+   ``T r_c / r_b`` seconds, saving ``T (1 - r_c/r_b)``.  Switch only if that
+   exceeds the expected switch cost ``C``.
+
+Switch cost ``C`` (seconds) is a running mean of measured switches, kept
+separately for *layout* switches (dp, tp or pp change: rebuild process groups,
+reshard weights and optimizer state) and *batch* switches (same layout, new
+micro/global batch: no resharding).  Before any measurement the priors are
+used: 30 s for a layout switch (an assumption, about a group rebuild plus an
+in-memory reshard of a ~1B model; replaced by the first measurement) and 1 s
+for a batch switch.
+
+Learning rate follows the global batch ``B`` from the reference batch ``B_ref``
+(where ``base_lr`` was tuned): ``lr = base_lr * (B/B_ref)^k`` with ``k = 0.5``
+(``sqrt``, Krizhevsky 2014 / Hoffer et al. 2017, matched to Adam by Malladi et
+al. 2022), ``1`` (``linear``, Goyal et al. 2017) or ``0`` (``none``).
+
+Every decision is logged as a dict in :attr:`Controller.decisions`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from jobruntime.config import ConaConfig
+
+from .cost_model import CostModel
+from .grad_stats import GradientNoiseScale
+from .strategy import Strategy
+from .surrogate import Score, rank_strategies
+
+LR_EXPONENTS = {"sqrt": 0.5, "linear": 1.0, "none": 0.0}
+SWITCH_COST_PRIORS_S = {"layout": 30.0, "batch": 1.0}
+
+
+def scale_lr(base_lr: float, batch: float, reference_batch: float, rule: str) -> float:
+    """``base_lr * (batch / reference_batch) ** k``, ``k`` from ``rule`` (sqrt/linear/none).
+
+    Raises:
+        ValueError: unknown rule or non-positive batch sizes.
+    """
+    if rule not in LR_EXPONENTS:
+        raise ValueError(f"lr_scaling={rule!r} is not one of {sorted(LR_EXPONENTS)}")
+    if batch <= 0 or reference_batch <= 0:
+        raise ValueError(f"batch sizes must be positive, got {batch}, {reference_batch}")
+    return base_lr * (batch / reference_batch) ** LR_EXPONENTS[rule]
+
+
+def switch_kind(a: Strategy, b: Strategy) -> str:
+    """``"layout"`` if dp, tp or pp differ (resharding), else ``"batch"``."""
+    return "layout" if (a.dp, a.tp, a.pp) != (b.dp, b.tp, b.pp) else "batch"
+
+
+def best_throughput_strategy(candidates: Iterable[Strategy], cost_model: CostModel) -> Strategy:
+    """Oracle baseline: the highest-tokens/s candidate (ignores statistical efficiency).
+
+    Raises:
+        ValueError: no candidates.
+    """
+    cands = list(candidates)
+    if not cands:
+        raise ValueError("no candidates")
+    return max(cands, key=lambda s: (cost_model.tokens_per_second(s), s.label))
+
+
+def best_goodput_strategy(
+    candidates: Iterable[Strategy],
+    cost_model: CostModel,
+    noise_scale: float | None,
+    reference_batch: float,
+) -> Strategy:
+    """Oracle baseline: the best surrogate score at a given noise scale.
+
+    Raises:
+        ValueError: no candidates.
+    """
+    ranked = rank_strategies(candidates, cost_model, noise_scale, reference_batch)
+    if not ranked:
+        raise ValueError("no candidates")
+    return ranked[0].strategy
+
+
+@dataclass
+class Decision:
+    """Outcome of one decision step (see :meth:`to_dict` for the logged form)."""
+
+    step: int
+    current: Strategy
+    best: Strategy
+    switch: bool
+    reason: str
+    scores: dict[str, float]
+    noise_scale: float | None
+    gain: float
+    time_saved_s: float
+    switch_cost_s: float
+    lr: float
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "current": self.current.label,
+            "best": self.best.label,
+            "switch": self.switch,
+            "reason": self.reason,
+            "scores": dict(self.scores),
+            "noise_scale": self.noise_scale,
+            "gain": self.gain,
+            "time_saved_s": self.time_saved_s,
+            "switch_cost_s": self.switch_cost_s,
+            "lr": self.lr,
+            **self.extra,
+        }
+
+
+class Controller:
+    """Ranks candidates every ``cfg.decision_interval`` steps and decides switches.
+
+    It never switches anything itself: :meth:`decide` returns a
+    :class:`Decision`; the runtime performs the switch and then calls
+    :meth:`commit_switch` with the measured cost.
+
+    Args:
+        candidates: strategies to choose from (validated elsewhere).
+        cost_model: calibrated throughput model (:meth:`record_iteration` feeds it).
+        gns_estimator: the runtime updates it every step.
+        cfg: ``decision_interval``, ``min_gain``, ``horizon_steps``, ``lr_scaling``.
+        current: the strategy the job starts with (need not be a candidate).
+        base_lr: learning rate tuned for ``reference_batch``.
+        reference_batch: ``M0`` of the efficiency and ``B_ref`` of the LR rule;
+            ``None`` = ``current.global_batch_size``.
+        switch_cost_priors_s: override :data:`SWITCH_COST_PRIORS_S`.
+
+    Raises:
+        ValueError: no candidates, or invalid ``cfg`` values.
+    """
+
+    def __init__(
+        self,
+        candidates: Sequence[Strategy],
+        cost_model: CostModel,
+        gns_estimator: GradientNoiseScale,
+        cfg: ConaConfig,
+        *,
+        current: Strategy,
+        base_lr: float,
+        reference_batch: int | None = None,
+        switch_cost_priors_s: dict[str, float] | None = None,
+    ) -> None:
+        if not candidates:
+            raise ValueError("Controller needs at least one candidate strategy")
+        if cfg.decision_interval <= 0:
+            raise ValueError(f"cona.decision_interval must be positive, got {cfg.decision_interval}")
+        if cfg.min_gain < 0 or cfg.horizon_steps <= 0:
+            raise ValueError("cona.min_gain must be >= 0 and cona.horizon_steps positive")
+        scale_lr(base_lr, 1, 1, cfg.lr_scaling)  # validates the rule
+        self.candidates = list(dict.fromkeys(candidates))
+        self.cost_model = cost_model
+        self.gns = gns_estimator
+        self.cfg = cfg
+        self.current = current
+        self.base_lr = base_lr
+        self.reference_batch = reference_batch or current.global_batch_size
+        self._priors = dict(SWITCH_COST_PRIORS_S, **(switch_cost_priors_s or {}))
+        self._switch_costs: dict[str, list[float]] = {"layout": [], "batch": []}
+        self.decisions: list[dict[str, Any]] = []
+
+    # -- inputs from the training loop --------------------------------------
+
+    def record_iteration(self, iter_s: float, strategy: Strategy | None = None) -> None:
+        """Feed a measured step time (s) of ``strategy`` (default: current) to the cost model."""
+        self.cost_model.calibrate(strategy or self.current, iter_s)
+
+    def record_switch_cost(self, kind: str, seconds: float) -> None:
+        """Add a measured switch cost (``kind`` = ``"layout"`` or ``"batch"``).
+
+        Raises:
+            ValueError: unknown kind or negative seconds.
+        """
+        if kind not in self._switch_costs or seconds < 0:
+            raise ValueError(f"bad switch cost record: kind={kind!r}, seconds={seconds}")
+        self._switch_costs[kind].append(float(seconds))
+
+    def switch_cost_s(self, new: Strategy) -> float:
+        """Expected seconds to switch from the current strategy to ``new`` (0 if equal)."""
+        if new == self.current:
+            return 0.0
+        kind = switch_kind(self.current, new)
+        seen = self._switch_costs[kind]
+        return sum(seen) / len(seen) if seen else self._priors[kind]
+
+    def commit_switch(self, new: Strategy, measured_cost_s: float | None = None) -> float:
+        """The runtime switched to ``new``; record its cost; return the new learning rate."""
+        if measured_cost_s is not None:
+            self.record_switch_cost(switch_kind(self.current, new), measured_cost_s)
+        self.current = new
+        return self.lr()
+
+    # -- decisions ----------------------------------------------------------
+
+    def lr(self, strategy: Strategy | None = None) -> float:
+        """Learning rate for ``strategy``'s global batch (default: current)."""
+        gb = (strategy or self.current).global_batch_size
+        return scale_lr(self.base_lr, gb, self.reference_batch, self.cfg.lr_scaling)
+
+    def should_decide(self, step: int) -> bool:
+        """True at steps ``K, 2K, ...`` (never at step 0: no statistics yet)."""
+        return step > 0 and step % self.cfg.decision_interval == 0
+
+    def rank(self) -> list[Score]:
+        """Current ranking (candidates + current strategy), best first."""
+        phi = self.gns.noise_scale
+        pool = list(dict.fromkeys([*self.candidates, self.current]))
+        if phi is None:
+            pool = [s for s in pool if s.global_batch_size == self.current.global_batch_size]
+        return rank_strategies(pool, self.cost_model, phi, self.reference_batch)
+
+    def decide(self, step: int) -> Decision:
+        """Rank and decide; the decision is appended to :attr:`decisions`."""
+        phi = self.gns.noise_scale
+        ranked = self.rank()
+        by_strategy = {sc.strategy: sc for sc in ranked}
+        cur, best = by_strategy[self.current], ranked[0]
+        gain = best.score / cur.score - 1.0 if cur.score > 0 else float("inf")
+        horizon_s = self.cfg.horizon_steps * cur.iter_s
+        time_saved = horizon_s * (1.0 - cur.score / best.score) if best.score > 0 else 0.0
+        cost = self.switch_cost_s(best.strategy)
+        if best.strategy == self.current:
+            switch, reason = False, "current_is_best"
+        elif gain < self.cfg.min_gain:
+            switch, reason = False, f"gain {gain:.3f} < min_gain {self.cfg.min_gain}"
+        elif time_saved <= cost:
+            switch, reason = False, (
+                f"saves {time_saved:.1f} s over {self.cfg.horizon_steps} steps "
+                f"<= switch cost {cost:.1f} s"
+            )
+        else:
+            switch, reason = True, (
+                f"gain {gain:.3f}; saves {time_saved:.1f} s > switch cost {cost:.1f} s"
+            )
+        if phi is None:
+            reason += " (no noise scale yet: same global batch only)"
+        d = Decision(
+            step=step,
+            current=self.current,
+            best=best.strategy,
+            switch=switch,
+            reason=reason,
+            scores={sc.strategy.label: sc.score for sc in ranked},
+            noise_scale=phi,
+            gain=gain,
+            time_saved_s=time_saved,
+            switch_cost_s=cost,
+            lr=self.lr(best.strategy if switch else self.current),
+        )
+        self.decisions.append(d.to_dict())
+        return d
+
+    def maybe_decide(self, step: int) -> Decision | None:
+        """:meth:`decide` at decision steps, else ``None``."""
+        return self.decide(step) if self.should_decide(step) else None
+
+    # -- checkpointing ------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "current": self.current.label,
+            "switch_costs": {k: list(v) for k, v in self._switch_costs.items()},
+            "decisions": list(self.decisions),
+            "gns": self.gns.state_dict(),
+            "cost_model": self.cost_model.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.current = Strategy.from_label(state["current"])
+        self._switch_costs = {k: list(v) for k, v in state["switch_costs"].items()}
+        self.decisions = list(state["decisions"])
+        self.gns.load_state_dict(state["gns"])
+        self.cost_model.load_state_dict(state["cost_model"])

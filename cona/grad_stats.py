@@ -1,0 +1,217 @@
+"""Gradient noise scale (GNS) from gradient norms at two batch sizes.
+
+McCandlish et al. 2018, "An Empirical Model of Large-Batch Training",
+Sec. 2.2 and Appendix A.1.  For a batch of ``B`` i.i.d. samples the mean
+gradient ``G_B`` satisfies ``E|G_B|^2 = |G|^2 + tr(Sigma)/B``, with ``G`` the
+true gradient and ``Sigma`` the per-sample gradient covariance.  Two batch
+sizes ``B_small < B_big`` give unbiased estimates::
+
+    |G|^2     ~ (B_big |G_big|^2 - B_small |G_small|^2) / (B_big - B_small)
+    tr(Sigma) ~ (|G_small|^2 - |G_big|^2) / (1/B_small - 1/B_big)
+
+and the simple noise scale ``B_simple = tr(Sigma) / |G|^2`` (in the units of
+the batch sizes passed: sequences in this project; times ``seq_length`` for
+tokens).  Each estimate is noisy (``|G|^2`` may come out negative), so, as
+in the paper, exponential moving averages of both are kept and their ratio is
+reported.
+
+In training, ``G_small`` is a micro-batch gradient or one DP replica's local
+gradient (before the DP all-reduce) and ``G_big`` the averaged gradient of the
+whole global batch, so no extra backward pass is needed.  Gradients must be of
+the *mean* loss over their batch (not the sum), before clipping, in fp32.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # torch is only needed by the helpers; keep the import cheap
+    import torch
+
+
+def estimate_from_norms(
+    small_sq_norm: float, small_batch: float, big_sq_norm: float, big_batch: float
+) -> tuple[float, float]:
+    """One-step unbiased estimates ``(|G|^2, tr(Sigma))`` (McCandlish App. A.1).
+
+    Args:
+        small_sq_norm: ``|G_small|^2`` (mean over several small batches is fine).
+        small_batch: ``B_small`` (samples per small batch).
+        big_sq_norm: ``|G_big|^2``.
+        big_batch: ``B_big``, larger than ``B_small``.
+
+    Raises:
+        ValueError: batch sizes not ``0 < B_small < B_big``, or a norm negative
+            or not finite.
+    """
+    if not 0 < small_batch < big_batch:
+        raise ValueError(f"need 0 < small_batch < big_batch, got {small_batch}, {big_batch}")
+    for name, v in (("small_sq_norm", small_sq_norm), ("big_sq_norm", big_sq_norm)):
+        if not (v >= 0 and math.isfinite(v)):
+            raise ValueError(f"{name} must be a finite non-negative number, got {v}")
+    g_sq = (big_batch * big_sq_norm - small_batch * small_sq_norm) / (big_batch - small_batch)
+    trace = (small_sq_norm - big_sq_norm) / (1.0 / small_batch - 1.0 / big_batch)
+    return g_sq, trace
+
+
+class GradientNoiseScale:
+    """Running (EMA) estimate of ``|G|^2``, ``tr(Sigma)`` and ``B_simple``.
+
+    Args:
+        ema_decay: weight of the past in each EMA (0 <= decay < 1); the EMAs
+            are bias-corrected like Adam's moments so early values are usable.
+            0.95 averages over ~20 steps.
+
+    Raises:
+        ValueError: ``ema_decay`` outside [0, 1).
+    """
+
+    def __init__(self, ema_decay: float = 0.95) -> None:
+        if not 0.0 <= ema_decay < 1.0:
+            raise ValueError(f"ema_decay={ema_decay} must be in [0, 1)")
+        self.ema_decay = ema_decay
+        self._g_sq = 0.0
+        self._trace = 0.0
+        self._weight = 0.0  # 1 - decay^n, the bias correction
+        self.num_updates = 0
+
+    def update(
+        self,
+        small_sq_norms: Sequence[float] | float,
+        small_batch: int,
+        big_sq_norm: float,
+        big_batch: int,
+    ) -> tuple[float, float]:
+        """Add one step's norms; return this step's raw ``(|G|^2, tr(Sigma))`` estimates.
+
+        Args:
+            small_sq_norms: squared L2 norms of the small-batch gradients
+                (one per micro-batch or per DP replica), or their mean.
+            small_batch: samples in each small batch.
+            big_sq_norm: squared L2 norm of the averaged global-batch gradient.
+            big_batch: samples in the global batch.
+
+        Raises:
+            ValueError: as :func:`estimate_from_norms`, or an empty list.
+        """
+        if isinstance(small_sq_norms, int | float):
+            small = float(small_sq_norms)
+        else:
+            vals = [float(v) for v in small_sq_norms]
+            if not vals:
+                raise ValueError("small_sq_norms is empty")
+            small = sum(vals) / len(vals)
+        g_sq, trace = estimate_from_norms(small, small_batch, big_sq_norm, big_batch)
+        d = self.ema_decay
+        self._g_sq = d * self._g_sq + (1 - d) * g_sq
+        self._trace = d * self._trace + (1 - d) * trace
+        self._weight = d * self._weight + (1 - d)
+        self.num_updates += 1
+        return g_sq, trace
+
+    @property
+    def g_sq(self) -> float | None:
+        """Bias-corrected EMA of ``|G|^2``; ``None`` before the first update."""
+        return self._g_sq / self._weight if self.num_updates else None
+
+    @property
+    def trace_sigma(self) -> float | None:
+        """Bias-corrected EMA of ``tr(Sigma)`` (per-sample); ``None`` before the first update."""
+        return self._trace / self._weight if self.num_updates else None
+
+    @property
+    def noise_scale(self) -> float | None:
+        """``B_simple = tr(Sigma)/|G|^2`` in samples; ``None`` until both EMAs are positive."""
+        if not self.num_updates or self._g_sq <= 0 or self._trace <= 0:
+            return None
+        return self._trace / self._g_sq
+
+    def to_dict(self) -> dict[str, Any]:
+        """Metrics record: ``gns``, ``gns_g_sq``, ``gns_trace``, ``gns_updates``."""
+        return {
+            "gns": self.noise_scale,
+            "gns_g_sq": self.g_sq,
+            "gns_trace": self.trace_sigma,
+            "gns_updates": self.num_updates,
+        }
+
+    def state_dict(self) -> dict[str, float]:
+        return {
+            "ema_decay": self.ema_decay,
+            "g_sq": self._g_sq,
+            "trace": self._trace,
+            "weight": self._weight,
+            "num_updates": self.num_updates,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.ema_decay = float(state["ema_decay"])
+        self._g_sq = float(state["g_sq"])
+        self._trace = float(state["trace"])
+        self._weight = float(state["weight"])
+        self.num_updates = int(state["num_updates"])
+
+
+# ---------------------------------------------------------------------------
+# Pure-torch helpers (plain nn.Module, single process; for tests and demos)
+# ---------------------------------------------------------------------------
+
+
+def grad_sq_norm(params: Iterable[torch.Tensor]) -> float:
+    """Sum of squared L2 norms of ``p.grad`` over ``params`` (fp32; missing grads skipped)."""
+    import torch
+
+    total = torch.zeros((), dtype=torch.float64)
+    for p in params:
+        if p.grad is not None:
+            total += p.grad.detach().double().pow(2).sum()
+    return float(total)
+
+
+def microbatch_grad_sq_norms(
+    model: torch.nn.Module,
+    loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor],
+    microbatches: Sequence[Any],
+) -> tuple[list[float], float]:
+    """Squared norms of each micro-batch gradient and of their average.
+
+    Runs one backward per micro-batch (as gradient accumulation does) and
+    leaves the averaged gradient in ``p.grad``, so an optimizer step may
+    follow.  Micro-batches must have equal sizes (the average of their mean
+    gradients is then the mean gradient of the global batch).
+
+    Args:
+        model: parameters with ``requires_grad`` are measured.
+        loss_fn: ``loss_fn(model, microbatch) -> scalar`` mean loss over the micro-batch.
+        microbatches: at least two micro-batches.
+
+    Returns:
+        ``([|G_mb_i|^2 for each micro-batch], |mean_i G_mb_i|^2)``.
+
+    Raises:
+        ValueError: fewer than two micro-batches.
+    """
+    import torch
+
+    if len(microbatches) < 2:
+        raise ValueError("need at least two micro-batches to separate noise from signal")
+    params = [p for p in model.parameters() if p.requires_grad]
+    total = [torch.zeros_like(p, dtype=torch.float64) for p in params]
+    small = []
+    for mb in microbatches:
+        for p in params:
+            p.grad = None
+        loss_fn(model, mb).backward()
+        small.append(grad_sq_norm(params))
+        for acc, p in zip(total, params):
+            if p.grad is not None:
+                acc += p.grad.detach().double()
+    n = len(microbatches)
+    big = 0.0
+    for acc, p in zip(total, params):
+        acc /= n
+        big += float(acc.pow(2).sum())
+        p.grad = acc.to(p.dtype)
+    return small, big

@@ -1,0 +1,102 @@
+"""Goodput surrogate: throughput x statistical efficiency of the global batch.
+
+Statistical efficiency (Qiao et al., "Pollux: Co-adaptive Cluster Scheduling
+for Goodput-Optimized Deep Learning", OSDI 2021, Sec. 3.1, eq. 5)::
+
+    E(M) = (phi + M0) / (phi + M)
+
+with ``M`` the global batch size, ``M0`` the reference batch size (the one the
+learning rate was tuned for; ``E(M0) = 1``) and ``phi`` the gradient noise
+scale (Pollux uses the preconditioned GNS; we use ``B_simple`` from
+:mod:`cona.grad_stats`, McCandlish et al. 2018).  It follows from
+McCandlish's ``E_examples = E_min (1 + B/B_noise)``: a sample trained at batch
+``M`` is worth ``E(M)`` samples at batch ``M0``.
+
+Score (Pollux's GOODPUT, eq. 4)::
+
+    score = samples_per_s(M) * E(M)
+
+in *reference-batch samples per second*: the rate of training progress
+measured as samples at the reference batch.  Ranking by it is ranking by
+"perplexity progress per second" to first order.  ``M``, ``M0`` and ``phi``
+must share a unit (sequences here).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from .cost_model import CostModel
+from .strategy import Strategy
+
+
+def statistical_efficiency(
+    batch_size: float, noise_scale: float | None, reference_batch: float
+) -> float:
+    """Pollux ``E(M) = (phi + M0)/(phi + M)``; 1.0 when ``noise_scale`` is ``None``.
+
+    ``None`` (no estimate yet) returns 1.0: callers must then compare only
+    strategies with the same global batch (see :class:`cona.controller.Controller`).
+
+    Raises:
+        ValueError: a batch size is not positive, or ``noise_scale`` is negative.
+    """
+    if batch_size <= 0 or reference_batch <= 0:
+        raise ValueError(
+            f"batch sizes must be positive, got batch {batch_size}, reference {reference_batch}"
+        )
+    if noise_scale is None:
+        return 1.0
+    if noise_scale < 0:
+        raise ValueError(f"noise_scale must be >= 0, got {noise_scale}")
+    return (noise_scale + reference_batch) / (noise_scale + batch_size)
+
+
+def goodput(
+    samples_per_s: float, batch_size: float, noise_scale: float | None, reference_batch: float
+) -> float:
+    """Throughput (samples/s) x :func:`statistical_efficiency`, in reference-batch samples/s."""
+    return samples_per_s * statistical_efficiency(batch_size, noise_scale, reference_batch)
+
+
+@dataclass(frozen=True)
+class Score:
+    """One strategy's surrogate.
+
+    Attributes:
+        strategy: the strategy scored.
+        iter_s: predicted (calibrated) seconds per optimizer step.
+        samples_per_s: sequences per second.
+        efficiency: Pollux statistical efficiency of its global batch.
+        score: ``samples_per_s * efficiency`` (reference-batch samples/s).
+    """
+
+    strategy: Strategy
+    iter_s: float
+    samples_per_s: float
+    efficiency: float
+    score: float
+
+
+def score_strategy(
+    strategy: Strategy,
+    cost_model: CostModel,
+    noise_scale: float | None,
+    reference_batch: float,
+) -> Score:
+    """Score one strategy with the cost model's calibrated prediction."""
+    est = cost_model.predict(strategy)
+    eff = statistical_efficiency(strategy.global_batch_size, noise_scale, reference_batch)
+    return Score(strategy, est.iter_s, est.samples_per_s, eff, est.samples_per_s * eff)
+
+
+def rank_strategies(
+    candidates: Iterable[Strategy],
+    cost_model: CostModel,
+    noise_scale: float | None,
+    reference_batch: float,
+) -> list[Score]:
+    """Scores of ``candidates``, best first (ties broken by label for determinism)."""
+    scores = [score_strategy(s, cost_model, noise_scale, reference_batch) for s in candidates]
+    return sorted(scores, key=lambda x: (-x.score, x.strategy.label))

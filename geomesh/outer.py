@@ -1,0 +1,192 @@
+"""Token-weighted aggregation of pseudo-gradients and the outer Nesterov optimizer.
+
+Aggregation.  Worker ``i`` trained on ``n_i`` tokens this round and sends
+``C(Δ_i) = m_i · sign(Δ_i)`` (see :mod:`geomesh.compression`).  With
+``N = Σ_i n_i`` the outer gradient is the token-weighted mean
+
+    Δ = Σ_i (n_i / N) · m_i · sign(Δ_i)                                    (1)
+
+so a worker that processed more data (a faster GPU, larger ``b_i`` or
+``H_i``) counts proportionally more — the estimate a single job would get
+from the union of all workers' tokens.  With equal ``n_i`` this is DiLoCo's
+plain mean (Douillard et al. 2023, Alg. 1, line 12).
+
+Outer optimizer.  Nesterov momentum SGD on ``Δ`` as the gradient, with
+PyTorch's ``torch.optim.SGD(nesterov=True, dampening=0)`` semantics
+(Sutskever et al. 2013 in the Bengio et al. 2013 reformulation):
+
+    v_t = μ · v_{t-1} + Δ_t            (v_0 = 0, so v_1 = Δ_1)
+    θ_t = θ_{t-1} − lr · (Δ_t + μ · v_t)                                    (2)
+
+DiLoCo's defaults are ``lr = 0.7``, ``μ = 0.9``.  With ``nesterov=False``
+the update is heavy-ball ``θ ← θ − lr · v``.  Every worker applies (1)–(2)
+to the same messages in the same order, so all copies of ``θ_global`` stay
+bitwise identical without another broadcast.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from .compression import WorkerMessage, unpack_signs
+
+
+def _check_weights(num_tokens: Sequence[int]) -> list[float]:
+    if not num_tokens:
+        raise ValueError("aggregate: no workers' pseudo-gradients given")
+    if any(n < 0 for n in num_tokens):
+        raise ValueError(f"aggregate: token counts must be >= 0, got {list(num_tokens)}")
+    total = sum(num_tokens)
+    if total <= 0:
+        raise ValueError("aggregate: all workers report 0 tokens; nothing was trained this round")
+    return [n / total for n in num_tokens]
+
+
+def aggregate(deltas: Sequence[Mapping[str, torch.Tensor]], num_tokens: Sequence[int]
+              ) -> dict[str, torch.Tensor]:
+    """Token-weighted mean ``Σ (n_i/N) Δ_i`` of (decompressed) pseudo-gradients.
+
+    Args:
+        deltas: one name -> tensor mapping per worker, same names and shapes.
+        num_tokens: ``n_i`` per worker, same order.
+
+    Returns:
+        name -> fp32 tensor (on the first worker's device).
+
+    Raises:
+        ValueError: mismatched lengths, names or shapes; no tokens at all.
+    """
+    if len(deltas) != len(num_tokens):
+        raise ValueError(f"aggregate: {len(deltas)} pseudo-gradients but {len(num_tokens)} token counts")
+    weights = _check_weights(num_tokens)
+    names = list(deltas[0])
+    out: dict[str, torch.Tensor] = {}
+    for name in names:
+        ref = deltas[0][name]
+        acc = torch.zeros(ref.shape, dtype=torch.float32, device=ref.device)
+        for i, (d, w) in enumerate(zip(deltas, weights)):
+            if name not in d or d[name].shape != ref.shape:
+                raise ValueError(f"aggregate: worker {i} lacks '{name}' or has another shape")
+            acc.add_(d[name].float(), alpha=w)
+        out[name] = acc
+    for i, d in enumerate(deltas):
+        if len(d) != len(names):
+            raise ValueError(f"aggregate: worker {i} has {len(d)} tensors, worker 0 has {len(names)}")
+    return out
+
+
+def aggregate_messages(messages: Sequence[WorkerMessage], *,
+                       device: torch.device | str | None = None) -> dict[str, torch.Tensor]:
+    """Equation (1) straight from compressed messages (no per-worker fp32 copies).
+
+    Each term is added as ``sign * ((n_i/N) · m_i)`` in message order, so every
+    worker that calls this on the same list gets bitwise the same result.
+
+    Args:
+        messages: decoded messages of all workers (any order, but the same on
+            every worker — use the transport's worker order).
+        device: where to build the result (default: where the signs are).
+
+    Raises:
+        ValueError: messages with different tensor sets; no tokens at all.
+    """
+    weights = _check_weights([m.num_tokens for m in messages])
+    names = list(messages[0].tensors)
+    out: dict[str, torch.Tensor] = {}
+    for name in names:
+        acc = None
+        for m, w in zip(messages, weights):
+            ct = m.tensors.get(name)
+            if ct is None or len(m.tensors) != len(names):
+                raise ValueError(f"aggregate: worker {m.worker}'s message has other tensors than worker "
+                                 f"{messages[0].worker}'s (missing '{name}' or extra ones)")
+            packed = ct.packed if device is None else ct.packed.to(device)
+            sign = unpack_signs(packed, ct.shape)  # fp32 ±1, shape of the tensor
+            if acc is None:
+                acc = sign.mul_(w * ct.scale)
+            else:
+                acc.add_(sign, alpha=w * ct.scale)
+        out[name] = acc
+    return out
+
+
+class OuterNesterov:
+    """Outer optimizer: Nesterov SGD on pseudo-gradients, equation (2).
+
+    Owns the global weights ``θ_global`` (fp32, updated in place) and the
+    momentum buffers ``v`` (fp32, same shapes: 4 bytes per parameter).
+
+    Args:
+        params: name -> fp32 tensor of the global weights (kept by reference).
+        lr: outer learning rate (DiLoCo: 0.7).
+        momentum: ``μ`` (DiLoCo: 0.9).
+        nesterov: Nesterov (True) or heavy-ball (False) momentum.
+    """
+
+    def __init__(self, params: Mapping[str, torch.Tensor], *, lr: float = 0.7,
+                 momentum: float = 0.9, nesterov: bool = True) -> None:
+        if lr <= 0 or not 0 <= momentum < 1:
+            raise ValueError(f"OuterNesterov: need lr > 0 and 0 <= momentum < 1, got lr={lr}, momentum={momentum}")
+        self.params: dict[str, torch.Tensor] = dict(params)
+        self.lr = lr
+        self.momentum = momentum
+        self.nesterov = nesterov
+        self.momentum_buffer: dict[str, torch.Tensor] = {}
+        self.step_count = 0
+
+    @torch.no_grad()
+    def step(self, delta: Mapping[str, torch.Tensor]) -> None:
+        """Apply one outer step with pseudo-gradient ``delta`` (= θ_global − θ_avg).
+
+        Raises:
+            ValueError: ``delta`` names or shapes differ from the parameters.
+        """
+        if set(delta) != set(self.params):
+            missing = sorted(set(self.params) - set(delta))[:5]
+            extra = sorted(set(delta) - set(self.params))[:5]
+            raise ValueError(f"outer step: pseudo-gradient names differ (missing {missing}, extra {extra})")
+        for name, p in self.params.items():
+            g = delta[name].to(device=p.device, dtype=p.dtype)
+            if g.shape != p.shape:
+                raise ValueError(f"outer step: '{name}' has shape {tuple(g.shape)}, parameter {tuple(p.shape)}")
+            buf = self.momentum_buffer.get(name)
+            if buf is None:
+                buf = self.momentum_buffer[name] = g.clone()  # v_1 = Δ_1
+            else:
+                buf.mul_(self.momentum).add_(g)
+            update = g.add(buf, alpha=self.momentum) if self.nesterov else buf
+            p.sub_(update, alpha=self.lr)
+        self.step_count += 1
+
+    def state_dict(self) -> dict:
+        """Copies of the global weights, momentum buffers and hyper-parameters."""
+        return {
+            "lr": self.lr, "momentum": self.momentum, "nesterov": self.nesterov,
+            "step": self.step_count,
+            "params": {k: v.detach().clone() for k, v in self.params.items()},
+            "momentum_buffer": {k: v.clone() for k, v in self.momentum_buffer.items()},
+        }
+
+    @torch.no_grad()
+    def load_state_dict(self, state: Mapping) -> None:
+        """Restore :meth:`state_dict` output; weights are copied into the existing tensors.
+
+        Raises:
+            ValueError: the saved weights have other names or shapes.
+        """
+        saved = state["params"]
+        if set(saved) != set(self.params):
+            raise ValueError("outer load_state_dict: saved weights have other names than the model "
+                             f"(e.g. {sorted(set(saved) ^ set(self.params))[:5]})")
+        for k, p in self.params.items():
+            if saved[k].shape != p.shape:
+                raise ValueError(f"outer load_state_dict: '{k}' saved {tuple(saved[k].shape)}, model {tuple(p.shape)}")
+            p.copy_(saved[k])
+        self.lr = state["lr"]
+        self.momentum = state["momentum"]
+        self.nesterov = state["nesterov"]
+        self.step_count = state["step"]
+        self.momentum_buffer = {k: v.clone().to(self.params[k].device)
+                                for k, v in state["momentum_buffer"].items()}

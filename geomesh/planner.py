@@ -1,0 +1,368 @@
+"""Balancing planner: per-worker micro-batch, accumulation and inner steps.
+
+Objective.  Worker ``i`` runs ``H_i`` inner steps of ``b_i = mb_i · a_i · dp_i``
+sequences (micro-batch ``mb_i``, ``a_i`` gradient-accumulation steps, ``dp_i``
+replicas), i.e. ``n_i = H_i · b_i · s`` tokens in ``C_i = H_i · t_i`` seconds.
+Choose ``(mb_i, a_i, H_i)`` for all workers such that
+
+* every worker fits in memory: ``mem_i(mb_i) ≤ usable · memory_per_gpu_i``;
+* compute time per round is equal within ``tolerance``:
+  ``(max_i C_i − min_i C_i) / max_i C_i ≤ tolerance`` (no straggler idle);
+* total tokens ``N = Σ n_i`` stay near the target ``T`` (default
+  ``inner_steps · global_batch_size · seq_length``, what a uniform DiLoCo
+  round would process);
+* secondary: ``H_i`` near the configured ``inner_steps`` (every worker's
+  pseudo-gradient spans a similar number of optimizer steps, as in DiLoCo;
+  speed differences go into the batch size ``b_i``), then the largest
+  micro-batch (highest GPU efficiency).
+
+Algorithm.  (1) For each worker list the micro-batch sizes that fit (memory
+model below; in real mode only the measured ones).  (2) Start from the
+common round time ``R = T / Σ_i r_i`` (``r_i`` = the worker's tokens/s at its
+largest fitting micro-batch) — the time at which every worker working at full
+speed produces ``T`` tokens together.  (3) For each worker enumerate
+``mb`` and ``a ≤ max_grad_accum``, set ``H = round(R / t(mb, a))`` and keep
+the candidate with ``|H·t − R| / R ≤ tolerance / 2.5`` that is best in the
+secondary order (if none is, the one closest to ``R``).  (4) Rescale
+``R ← R · T / N`` and repeat (a fixed-point iteration, ≤ 30 passes); return
+the best plan seen (balanced first, then closest to ``T``).
+
+Memory model (bytes per GPU, worker with ``t = tp``, ``p = pp``):
+
+* static: ``16 · P / (t·p)`` — bf16 weights (2) and grads (2), fp32 master
+  weights (4) and Adam moments (4 + 4) (ZeRO paper, Rajbhandari et al. 2020,
+  §3.1), plus ``extra_bytes_per_param`` (e.g. 12 if θ_global, the outer
+  momentum and the error-feedback residual are kept on the GPU, fp32 each);
+* activations per micro-batch of ``b`` sequences: ``L · s·b·h ·
+  (10 + 24/t + 5·a·s/(h·t))`` (Korthikanti et al. 2022, "Reducing Activation
+  Recomputation in Large Transformer Models", eq. 2 with TP; with 1F1B the
+  first stage keeps ``p`` micro-batches of ``L/p`` layers = ``L`` layers);
+  selective recomputation drops the ``5as/h`` term, full recomputation keeps
+  ``2sbh`` per layer.  For ``t = 1`` this is the familiar ``sbh(34 + 5as/h)``;
+* ``usable_fraction`` (0.9) of device memory leaves room for the CUDA
+  context, workspace and fragmentation.  Logits and embeddings are not split
+  over stages (approximation).
+
+Errors: :class:`PlanError` (a ``ValueError``) when a worker cannot fit even
+micro-batch 1, naming the worker, the bytes needed and the fixes.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from typing import Literal, Protocol
+
+from jobruntime.config import JobConfig, ModelConfig, load_config
+from jobruntime.flops import num_params
+
+from .clock import pipeline_bubble_factor, worker_tokens_per_s
+from .cluster import ClusterSpec, WorkerSpec
+
+log = logging.getLogger(__name__)
+
+
+class PlanError(ValueError):
+    """No feasible plan; the message names the worker and the fix."""
+
+
+# ---------------------------------------------------------------------------
+# Throughput and memory models
+# ---------------------------------------------------------------------------
+
+
+class ThroughputModel(Protocol):
+    """Tokens/s of a whole worker (bubble-free) as a function of micro-batch size."""
+
+    def micro_batch_sizes(self, worker: WorkerSpec) -> list[int] | None:
+        """Allowed micro-batch sizes (``None`` = any)."""
+
+    def tokens_per_s(self, worker: WorkerSpec, micro_batch_size: int) -> float: ...
+
+
+class ProfileThroughput:
+    """Emulated mode: GPU profile efficiency curve × target model FLOPs per token."""
+
+    def __init__(self, model: ModelConfig, *, seq_length: int | None = None) -> None:
+        self.model = model
+        self.seq_length = seq_length or model.seq_length
+
+    def micro_batch_sizes(self, worker: WorkerSpec) -> list[int] | None:
+        return None
+
+    def tokens_per_s(self, worker: WorkerSpec, micro_batch_size: int) -> float:
+        return worker_tokens_per_s(worker, self.model, micro_batch_size, seq_length=self.seq_length)
+
+
+class MeasuredThroughput:
+    """Real mode: measured tokens/s per worker and micro-batch size.
+
+    Args:
+        table: ``{worker_name: {micro_batch_size: tokens_per_s}}`` (whole worker,
+            all its GPUs, without pipeline bubble).
+    """
+
+    def __init__(self, table: Mapping[str, Mapping[int, float]]) -> None:
+        self.table = {w: {int(k): float(v) for k, v in t.items()} for w, t in table.items()}
+
+    def micro_batch_sizes(self, worker: WorkerSpec) -> list[int] | None:
+        if worker.name not in self.table:
+            raise PlanError(f"no measured throughput for worker '{worker.name}'; measure it "
+                            "(tokens/s per micro-batch size) before planning")
+        return sorted(self.table[worker.name])
+
+    def tokens_per_s(self, worker: WorkerSpec, micro_batch_size: int) -> float:
+        return self.table[worker.name][micro_batch_size]
+
+
+@dataclass(frozen=True, kw_only=True)
+class MemoryModel:
+    """Per-GPU training memory of the target model (see module docstring)."""
+
+    model: ModelConfig
+    seq_length: int | None = None
+    bytes_per_param: float = 16.0
+    extra_bytes_per_param: float = 0.0
+    activation_recompute: Literal["none", "selective", "full"] = "none"
+    usable_fraction: float = 0.9
+
+    def static_bytes(self, worker: WorkerSpec) -> float:
+        """Weights, grads and optimizer states per GPU, bytes."""
+        per_param = self.bytes_per_param + self.extra_bytes_per_param
+        return per_param * num_params(self.model) / (worker.tp * worker.pp)
+
+    def activation_bytes(self, worker: WorkerSpec, micro_batch_size: int) -> float:
+        """Activations of one micro-batch (all in-flight 1F1B micro-batches), bytes per GPU."""
+        m = self.model
+        s, h, a, t = self.seq_length or m.seq_length, m.hidden_size, m.num_attention_heads, worker.tp
+        sbh = s * micro_batch_size * h
+        if self.activation_recompute == "full":
+            per_layer = 2 * sbh
+        elif self.activation_recompute == "selective":
+            per_layer = sbh * (10 + 24 / t)
+        else:
+            per_layer = sbh * (10 + 24 / t + 5 * a * s / (h * t))
+        return m.num_layers * per_layer
+
+    def bytes_per_gpu(self, worker: WorkerSpec, micro_batch_size: int) -> float:
+        return self.static_bytes(worker) + self.activation_bytes(worker, micro_batch_size)
+
+    def limit_bytes(self, worker: WorkerSpec) -> float:
+        return self.usable_fraction * worker.memory_bytes_per_gpu
+
+    def fits(self, worker: WorkerSpec, micro_batch_size: int) -> bool:
+        return self.bytes_per_gpu(worker, micro_batch_size) <= self.limit_bytes(worker)
+
+
+# ---------------------------------------------------------------------------
+# Plans
+# ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkerPlan:
+    """One worker's share of a round.
+
+    Attributes:
+        batch_size: sequences per inner step, ``micro_batch_size · grad_accum · dp``.
+        tokens: tokens per round, ``inner_steps · batch_size · seq_length``.
+        step_time_s: predicted seconds per inner step.
+        compute_s: predicted seconds of compute per round (``inner_steps · step_time_s``).
+        memory_bytes / memory_limit_bytes: predicted need and usable memory per GPU.
+    """
+
+    worker: str
+    micro_batch_size: int
+    grad_accum: int
+    dp: int
+    batch_size: int
+    inner_steps: int
+    seq_length: int
+    tokens: int
+    step_time_s: float
+    compute_s: float
+    memory_bytes: float
+    memory_limit_bytes: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    """A balanced round: one :class:`WorkerPlan` per worker, cluster order."""
+
+    workers: tuple[WorkerPlan, ...]
+    target_tokens: int
+    tolerance: float
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(w.tokens for w in self.workers)
+
+    @property
+    def round_time_s(self) -> float:
+        """Compute time of the slowest worker."""
+        return max(w.compute_s for w in self.workers)
+
+    @property
+    def imbalance(self) -> float:
+        """``(max C_i − min C_i) / max C_i``."""
+        times = [w.compute_s for w in self.workers]
+        return (max(times) - min(times)) / max(times)
+
+    @property
+    def balanced(self) -> bool:
+        return self.imbalance <= self.tolerance
+
+    def for_worker(self, name: str) -> WorkerPlan:
+        for w in self.workers:
+            if w.worker == name:
+                return w
+        raise KeyError(f"no worker '{name}' in plan")
+
+    def to_dict(self) -> dict:
+        return {"target_tokens": self.target_tokens, "total_tokens": self.total_tokens,
+                "round_time_s": self.round_time_s, "imbalance": self.imbalance,
+                "workers": [asdict(w) for w in self.workers]}
+
+
+class Planner:
+    """Plans (and re-plans) balanced rounds for a cluster; algorithm in the module docstring.
+
+    Args:
+        cluster: validated cluster.
+        model: target model (FLOPs and memory).
+        tokens_per_round: target ``T`` (tokens per round over all workers).
+        inner_steps: preferred ``H`` (DiLoCo's inner steps).
+        seq_length: sequence length ``s`` (default the model's).
+        tolerance: allowed relative spread of per-worker compute time.
+        throughput: tokens/s model (default :class:`ProfileThroughput`).
+        memory: memory model (default :class:`MemoryModel` of ``model``).
+        max_micro_batch_size, max_grad_accum: search bounds.
+    """
+
+    def __init__(self, cluster: ClusterSpec, model: ModelConfig, *, tokens_per_round: int,
+                 inner_steps: int = 20, seq_length: int | None = None, tolerance: float = 0.05,
+                 throughput: ThroughputModel | None = None, memory: MemoryModel | None = None,
+                 max_micro_batch_size: int = 16, max_grad_accum: int = 256) -> None:
+        if tokens_per_round <= 0 or inner_steps <= 0 or not 0 < tolerance < 1:
+            raise PlanError("need tokens_per_round > 0, inner_steps > 0 and 0 < tolerance < 1")
+        self.cluster = cluster
+        self.model = model
+        self.seq_length = seq_length or model.seq_length
+        self.target_tokens = int(tokens_per_round)
+        self.inner_steps = inner_steps
+        self.tolerance = tolerance
+        self.throughput = throughput or ProfileThroughput(model, seq_length=self.seq_length)
+        self.memory = memory or MemoryModel(model=model, seq_length=self.seq_length)
+        self.max_micro_batch_size = max_micro_batch_size
+        self.max_grad_accum = max_grad_accum
+        self.speed: dict[str, float] = {w.name: 1.0 for w in cluster.workers}
+        """Correction factor on modelled throughput, from :meth:`replan`."""
+        self.current: Plan | None = None
+
+    @classmethod
+    def from_job_config(cls, cfg: JobConfig, cluster: ClusterSpec, **kwargs) -> Planner:
+        """Planner for a job: target model ``geomesh.target_model`` (else the job's
+        model), ``T = geomesh.inner_steps · parallel.global_batch_size · seq_length``."""
+        model = load_config(cfg.geomesh.target_model).model if cfg.geomesh.target_model else cfg.model
+        tokens = cfg.geomesh.inner_steps * cfg.parallel.global_batch_size * model.seq_length
+        return cls(cluster, model, tokens_per_round=tokens, inner_steps=cfg.geomesh.inner_steps, **kwargs)
+
+    # -- building blocks -----------------------------------------------------
+    def _micro_batches(self, w: WorkerSpec) -> list[int]:
+        allowed = self.throughput.micro_batch_sizes(w)
+        cands = allowed if allowed is not None else range(1, self.max_micro_batch_size + 1)
+        fit = [mb for mb in cands if self.memory.fits(w, mb)]
+        if not fit:
+            need = self.memory.bytes_per_gpu(w, min(cands) if cands else 1)
+            raise PlanError(
+                f"worker '{w.name}' ({w.gpu}, tp={w.tp}, pp={w.pp}) cannot fit the target model: "
+                f"{need / 2**30:.1f} GiB per GPU needed at micro-batch {min(cands) if cands else 1}, "
+                f"{self.memory.limit_bytes(w) / 2**30:.1f} GiB usable; raise tp or pp for this worker, "
+                "use activation recompute, or drop the worker")
+        return fit
+
+    def _rate(self, w: WorkerSpec, mb: int) -> float:
+        return self.throughput.tokens_per_s(w, mb) * self.speed[w.name]
+
+    def _step_time(self, w: WorkerSpec, mb: int, a: int) -> float:
+        return mb * a * w.dp * self.seq_length / self._rate(w, mb) * pipeline_bubble_factor(w.pp, a)
+
+    def _choose(self, w: WorkerSpec, mbs: list[int], R: float) -> WorkerPlan:
+        e_max = self.tolerance / 2.5
+        best_key, best = None, None
+        for mb in mbs:
+            for a in range(1, self.max_grad_accum + 1):
+                step = self._step_time(w, mb, a)
+                if a > 1 and step > R * (1 + e_max):
+                    break  # larger a only gets slower
+                H = max(1, round(R / step))
+                err = abs(H * step - R) / R
+                ok = err <= e_max
+                key = (not ok, err if not ok else 0.0, abs(math.log(H / self.inner_steps)), -mb, err)
+                if best_key is None or key < best_key:
+                    best_key, best = key, (mb, a, H, step)
+        mb, a, H, step = best
+        batch = mb * a * w.dp
+        return WorkerPlan(worker=w.name, micro_batch_size=mb, grad_accum=a, dp=w.dp, batch_size=batch,
+                          inner_steps=H, seq_length=self.seq_length, tokens=H * batch * self.seq_length,
+                          step_time_s=step, compute_s=H * step,
+                          memory_bytes=self.memory.bytes_per_gpu(w, mb),
+                          memory_limit_bytes=self.memory.limit_bytes(w))
+
+    # -- public --------------------------------------------------------------
+    def plan(self) -> Plan:
+        """Compute a balanced plan with the current speed estimates (stored in :attr:`current`).
+
+        Raises:
+            PlanError: a worker cannot fit the model in memory.
+        """
+        workers = self.cluster.workers
+        mbs = {w.name: self._micro_batches(w) for w in workers}
+        R = self.target_tokens / sum(self._rate(w, max(mbs[w.name])) for w in workers)
+        best_key, best = None, None
+        for _ in range(30):
+            plan = Plan(workers=tuple(self._choose(w, mbs[w.name], R) for w in workers),
+                        target_tokens=self.target_tokens, tolerance=self.tolerance)
+            dev = abs(plan.total_tokens - self.target_tokens) / self.target_tokens
+            key = (not plan.balanced, dev, plan.imbalance)
+            if best_key is None or key < best_key:
+                best_key, best = key, plan
+            if plan.balanced and dev < self.tolerance / 5:
+                break
+            R *= self.target_tokens / plan.total_tokens
+        if not best.balanced:
+            log.warning("GeoMesh plan imbalance %.1f%% exceeds tolerance %.1f%%; "
+                        "raise max_grad_accum or tokens per round", 100 * best.imbalance, 100 * self.tolerance)
+        self.current = best
+        return best
+
+    def replan(self, measured_step_times: Mapping[str, float]) -> Plan:
+        """Re-plan after workers' speeds drift (e.g. a GPU throttles mid-run).
+
+        Args:
+            measured_step_times: seconds per inner step measured at the current
+                plan's ``(micro_batch_size, grad_accum)``, by worker name (a
+                subset is fine: others keep their estimate).
+
+        Returns:
+            A new plan if any worker deviates from its prediction by more than
+            ``tolerance``, else the current plan.  Speed corrections persist.
+
+        Raises:
+            RuntimeError: :meth:`plan` was never called.
+            ValueError: unknown worker or a non-positive time.
+        """
+        if self.current is None:
+            raise RuntimeError("Planner.replan: call plan() first")
+        drifted = False
+        for name, measured in measured_step_times.items():
+            if name not in self.speed:
+                raise ValueError(f"replan: unknown worker '{name}'")
+            if not (measured > 0 and math.isfinite(measured)):
+                raise ValueError(f"replan: step time of '{name}' must be a positive number, got {measured}")
+            predicted = self.current.for_worker(name).step_time_s
+            self.speed[name] *= predicted / measured
+            drifted |= abs(measured / predicted - 1) > self.tolerance
+        return self.plan() if drifted else self.current

@@ -1,0 +1,183 @@
+"""Checkpoints with megatron-core ``dist_checkpointing``: layout-independent
+model and optimizer state, plus the LR schedule, step, data position and RNG.
+
+Layout of a run's ``checkpoints/`` folder::
+
+    iter_0000020/      one dist_checkpointing checkpoint (+ COMPLETE marker)
+    latest             text file naming the newest complete checkpoint
+
+A save writes into ``iter_XXXXXXX.tmp``; only after every rank has finished
+does rank 0 write the ``COMPLETE`` marker, rename the folder and update
+``latest`` (atomically).  A crash during a save therefore leaves at most a
+``.tmp`` folder that :func:`find_checkpoint` never returns.
+
+Because dist_checkpointing stores global tensors, a checkpoint saved at one
+TP/PP/DP layout loads into any other (resharding on load).
+"""
+
+from __future__ import annotations
+
+import random
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from megatron.core import dist_checkpointing
+
+from .config import ModelConfig
+
+COMPLETE = "COMPLETE"
+FORMAT_VERSION = 1
+# Model fields that change tensor shapes or semantics: a mismatch is an error.
+_ARCH_FIELDS = (
+    "family", "num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
+    "ffn_hidden_size", "vocab_size", "position_embedding", "normalization", "activation",
+    "add_bias_linear", "tie_embeddings",
+)
+
+
+class CheckpointError(ValueError):
+    """The checkpoint is missing, incomplete or from another model."""
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def find_checkpoint(path: str | Path) -> Path:
+    """Resolve a ``checkpoints/`` folder (via ``latest``) or one ``iter_*`` folder.
+
+    Raises:
+        CheckpointError: no complete checkpoint there.
+    """
+    path = Path(path)
+    if (path / COMPLETE).is_file():
+        return path
+    latest = path / "latest"
+    if latest.is_file():
+        ckpt = path / latest.read_text().strip()
+        if (ckpt / COMPLETE).is_file():
+            return ckpt
+    complete = sorted(p for p in path.glob("iter_*") if (p / COMPLETE).is_file())
+    if complete:
+        return complete[-1]
+    raise CheckpointError(
+        f"no complete checkpoint in '{path}'; point checkpoint.load at a run's checkpoints/ "
+        "folder or an iter_XXXXXXX folder that has a COMPLETE marker"
+    )
+
+
+def _arch(model: ModelConfig) -> dict:
+    return {k: getattr(model, k) for k in _ARCH_FIELDS}
+
+
+def _rng_state() -> dict:
+    return {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+    }
+
+
+def _set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if state.get("cuda") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def save_checkpoint(root: Path, trainer, *, consumed_samples: int, extra: dict | None = None,
+                    keep_last: int = 2) -> Path:
+    """Save ``trainer`` (model, optimizer, scheduler, step) to ``root/iter_<step>``.
+
+    Args:
+        root: the run's ``checkpoints/`` folder.
+        consumed_samples: data position (samples of the training set consumed).
+        extra: more picklable state (e.g. GeoMesh's outer optimizer), stored as
+            common (rank 0) state under ``"extra"``.
+        keep_last: delete older complete checkpoints beyond this many.
+
+    Returns:
+        The final checkpoint folder.
+    """
+    name = f"iter_{trainer.step:07d}"
+    final, tmp = root / name, root / f"{name}.tmp"
+    if _rank() == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        for stale in (tmp, final):
+            if stale.exists():
+                shutil.rmtree(stale)
+        tmp.mkdir()
+    _barrier()
+    model_sd = trainer.module.sharded_state_dict(prefix="")
+    state = {
+        "model": model_sd,
+        "optimizer": trainer.optimizer.sharded_state_dict(model_sd),
+        "scheduler": trainer.scheduler.state_dict(),
+        "step": trainer.step,
+        "consumed_samples": consumed_samples,
+        "rng": _rng_state(),
+        "arch": _arch(trainer.cfg.model),
+        "format_version": FORMAT_VERSION,
+        "extra": extra or {},
+    }
+    dist_checkpointing.save(state, str(tmp))
+    _barrier()
+    if _rank() == 0:
+        (tmp / COMPLETE).write_text(f"step {trainer.step}\n")
+        tmp.rename(final)
+        latest_tmp = root / ".latest.tmp"
+        latest_tmp.write_text(name + "\n")
+        latest_tmp.replace(root / "latest")
+        complete = sorted(p for p in root.glob("iter_*") if (p / COMPLETE).is_file())
+        for old in complete[:-keep_last] if keep_last > 0 else []:
+            shutil.rmtree(old, ignore_errors=True)
+    _barrier()
+    return final
+
+
+def load_checkpoint(path: str | Path, trainer, *, load_optimizer: bool = True) -> dict:
+    """Load a checkpoint into ``trainer`` (any TP/PP/DP layout).
+
+    Returns:
+        ``{"step", "consumed_samples", "extra"}`` of the checkpoint.
+
+    Raises:
+        CheckpointError: not found, incomplete, or saved from another model
+            architecture (the message names the differing fields).
+    """
+    ckpt = find_checkpoint(path)
+    common = dist_checkpointing.load_common_state_dict(str(ckpt))
+    if not isinstance(common, dict) or "arch" not in common:
+        raise CheckpointError(f"'{ckpt}' is not a checkpoint of this project (no 'arch' record)")
+    mine = _arch(trainer.cfg.model)
+    diff = {k: (common["arch"].get(k), v) for k, v in mine.items() if common["arch"].get(k) != v}
+    if diff:
+        desc = ", ".join(f"{k}: checkpoint {a!r} vs config {b!r}" for k, (a, b) in diff.items())
+        raise CheckpointError(f"checkpoint '{ckpt}' is from another model ({desc}); use the "
+                              "matching --config or start without checkpoint.load")
+    model_sd = trainer.module.sharded_state_dict(prefix="")
+    request = {"model": model_sd}
+    if load_optimizer:
+        request["optimizer"] = trainer.optimizer.sharded_state_dict(model_sd, is_loading=True)
+    loaded = dist_checkpointing.load(request, str(ckpt))
+    trainer.module.load_state_dict(loaded["model"])
+    if load_optimizer:
+        trainer.optimizer.load_state_dict(loaded["optimizer"])
+        trainer.scheduler.load_state_dict(common["scheduler"])
+        trainer.step = int(common["step"])
+        _set_rng_state(common["rng"])
+    return {
+        "step": int(common["step"]),
+        "consumed_samples": int(common["consumed_samples"]),
+        "extra": common.get("extra", {}),
+    }

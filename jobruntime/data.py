@@ -1,0 +1,351 @@
+"""Corpus → tokenizer → Megatron indexed dataset → megatron-core GPT/BERT datasets.
+
+Input formats (:func:`read_documents`): JSONL with a text field (optionally
+``.xz``/``.gz``/``.bz2``), plain ``.txt`` files (one document per file), a
+folder of those, or a local Hugging Face dataset folder (``save_to_disk``).
+A Megatron indexed dataset (``PREFIX.bin``/``PREFIX.idx``) is used as is.
+
+Tokenised corpora are cached as indexed datasets under ``data.cache_dir``,
+keyed by the corpus, tokenizer and model family.  GPT datasets store one
+sequence per document (tokens + end-of-document); BERT datasets store one
+sequence per non-empty line, grouped into documents, as megatron-core's
+``BERTMaskedWordPieceDataset`` expects.
+
+The validation split holds out every ``val_every``-th *document* (never lines
+shuffled across documents), by passing disjoint document indices to
+megatron-core's ``GPTDataset`` / ``BERTMaskedWordPieceDataset``.
+"""
+
+from __future__ import annotations
+
+import bz2
+import gzip
+import json
+import lzma
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from .config import REPO_ROOT, DataConfig, ModelConfig
+from .tokenizer import Tokenizer, corpus_fingerprint, load_tokenizer, train_sentencepiece
+
+
+class DataError(ValueError):
+    """The data path or its content is unusable; the message says how to fix it."""
+
+
+_OPENERS = {".xz": lzma.open, ".gz": gzip.open, ".bz2": bz2.open}
+
+
+def resolve_data_path(path: str) -> Path:
+    """Resolve ``path`` against the working directory, then the repository root.
+
+    A Megatron indexed-dataset prefix resolves when ``PREFIX.bin`` exists.
+
+    Raises:
+        DataError: nothing exists at either place.
+    """
+    for base in (Path.cwd(), REPO_ROOT):
+        p = base / path
+        if p.exists() or Path(f"{p}.bin").is_file():
+            return p
+    raise DataError(
+        f"data file '{path}' not found (looked in {Path.cwd()} and {REPO_ROOT}); "
+        "set data.path to a JSONL/.txt file, a folder, a saved HF dataset or a .bin/.idx prefix"
+    )
+
+
+def is_indexed_prefix(path: Path) -> bool:
+    return Path(f"{path}.bin").is_file() and Path(f"{path}.idx").is_file()
+
+
+def _read_jsonl(path: Path, text_key: str, limit: int | None) -> list[str]:
+    opener = _OPENERS.get(path.suffix, open)
+    docs = []
+    with opener(path, "rt", encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+            if not isinstance(obj, dict) or text_key not in obj:
+                raise DataError(
+                    f"{path}:{lineno}: no '{text_key}' field; set data.text_key to the field "
+                    "holding the document text"
+                )
+            docs.append(str(obj[text_key]))
+            if limit and len(docs) >= limit:
+                break
+    return docs
+
+
+def read_documents(path: Path, text_key: str = "text", limit: int | None = None) -> list[str]:
+    """Read documents (strings) from a JSONL/text file, a folder or a saved HF dataset.
+
+    Raises:
+        DataError: unknown format, malformed JSON, missing text field, no documents.
+    """
+    if path.is_dir():
+        if (path / "dataset_info.json").is_file() or (path / "dataset_dict.json").is_file():
+            import datasets
+
+            ds = datasets.load_from_disk(str(path))
+            if isinstance(ds, datasets.DatasetDict):
+                ds = ds["train"] if "train" in ds else next(iter(ds.values()))
+            if text_key not in ds.column_names:
+                raise DataError(f"{path}: HF dataset has no '{text_key}' column ({ds.column_names})")
+            docs = list(ds[text_key][:limit] if limit else ds[text_key])
+        else:
+            docs = []
+            for f in sorted(path.rglob("*")):
+                if f.is_file():
+                    docs.extend(read_documents(f, text_key, None))
+            docs = docs[:limit] if limit else docs
+    else:
+        suffixes = [s for s in path.suffixes if s not in _OPENERS]
+        if suffixes and suffixes[-1] in (".jsonl", ".json"):
+            docs = _read_jsonl(path, text_key, limit)
+        elif suffixes and suffixes[-1] in (".txt", ".md", ".rst"):
+            opener = _OPENERS.get(path.suffix, open)
+            with opener(path, "rt", encoding="utf-8") as f:
+                docs = [f.read()]
+        else:
+            raise DataError(
+                f"{path}: unknown data format; use .jsonl (optionally .xz/.gz), .txt, a folder, "
+                "a saved HF dataset or a Megatron .bin/.idx prefix"
+            )
+    docs = [d for d in docs if d.strip()]
+    if not docs:
+        raise DataError(f"{path}: no non-empty documents found")
+    return docs
+
+
+def val_document_mask(num_docs: int, val_every: int) -> np.ndarray:
+    """Boolean mask over documents: True for every ``val_every``-th (held out)."""
+    if val_every < 2:
+        raise DataError(f"data.val_every must be >= 2, got {val_every}")
+    idx = np.arange(num_docs)
+    return (idx % val_every) == (val_every - 1)
+
+
+def _write_indexed(seqs_per_doc, prefix: Path, vocab_size: int) -> None:
+    """Write an indexed dataset atomically (temp names, then rename both files)."""
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    dtype = np.uint16 if vocab_size <= 65536 else np.int32
+    tmp = Path(f"{prefix}.tmp{os.getpid()}")
+    builder = IndexedDatasetBuilder(f"{tmp}.bin", dtype=dtype)
+    for seqs in seqs_per_doc:
+        flat = [t for s in seqs for t in s]
+        builder.add_document(flat, [len(s) for s in seqs])
+    builder.finalize(f"{tmp}.idx")
+    os.replace(f"{tmp}.bin", f"{prefix}.bin")
+    os.replace(f"{tmp}.idx", f"{prefix}.idx")
+
+
+@dataclass
+class Corpus:
+    """A tokenised corpus ready for sampling.
+
+    Attributes:
+        tokenizer: the tokenizer used.
+        prefix: indexed-dataset path prefix (``.bin``/``.idx``).
+        train_docs / val_docs: document indices (int64 arrays) of each split.
+    """
+
+    tokenizer: Tokenizer
+    prefix: Path
+    train_docs: np.ndarray
+    val_docs: np.ndarray
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def prepare_corpus(data: DataConfig, model: ModelConfig) -> Corpus:
+    """Tokenise ``data.path`` (cached) and split its documents.
+
+    Rank 0 builds missing cache files while other ranks wait at a barrier.
+
+    Raises:
+        DataError / TokenizerError: missing files, unusable content.
+    """
+    src = resolve_data_path(data.path)
+    cache = Path(data.cache_dir)
+    if not cache.is_absolute():
+        cache = Path.cwd() / cache
+    bert = model.family == "bert"
+    if is_indexed_prefix(src):
+        if data.tokenizer == "auto":
+            raise DataError(
+                f"{src} is a tokenised indexed dataset: set data.tokenizer to the tokenizer "
+                "file it was made with"
+            )
+        tokenizer = load_tokenizer(data.tokenizer)
+        prefix = src
+    else:
+        stat = src.stat()
+        fp = corpus_fingerprint(src.resolve(), stat.st_size, stat.st_mtime, data.text_key,
+                                data.max_documents, data.val_every)
+        docs = None
+        if data.tokenizer == "auto":
+            tok_path = cache / f"spm2-{fp}-v{model.vocab_size}.model"
+            if _rank() == 0 and not tok_path.is_file():
+                docs = read_documents(src, data.text_key, data.max_documents)
+                held = val_document_mask(len(docs), data.val_every)
+                train_sentencepiece((d for d, h in zip(docs, held) if not h), model.vocab_size, tok_path)
+            _barrier()
+        else:
+            tok_path = Path(data.tokenizer)
+        tokenizer = load_tokenizer(tok_path)
+        kind = "bert" if bert else "gpt"
+        prefix = cache / f"tokens-{fp}-{corpus_fingerprint(tok_path.resolve(), tok_path.stat().st_mtime)}-{kind}"
+        if _rank() == 0 and not is_indexed_prefix(prefix):
+            if docs is None:
+                docs = read_documents(src, data.text_key, data.max_documents)
+            prefix.parent.mkdir(parents=True, exist_ok=True)
+            if bert:
+                seqs = []
+                for d in docs:
+                    lines = [ln for ln in d.splitlines() if ln.strip()]
+                    seqs.append([s for s in tokenizer.encode(lines) if s] or [[tokenizer.sep]])
+            else:
+                seqs = [[ids + [tokenizer.eod]] for ids in tokenizer.encode(docs)]
+            _write_indexed(seqs, prefix, tokenizer.vocab_size)
+        _barrier()
+    if tokenizer.vocab_size > model.vocab_size:
+        raise DataError(
+            f"tokenizer has {tokenizer.vocab_size} ids but model.vocab_size={model.vocab_size}; "
+            "set model.vocab_size to at least the tokenizer's size"
+        )
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    n_docs = len(IndexedDataset(str(prefix)).document_indices) - 1
+    held = val_document_mask(n_docs, data.val_every)
+    return Corpus(tokenizer, prefix, np.flatnonzero(~held), np.flatnonzero(held))
+
+
+def build_dataset(corpus: Corpus, model: ModelConfig, split: str, num_samples: int, seed: int,
+                  cache_dir: str):
+    """Build megatron-core's ``GPTDataset`` (gpt, llama) or ``BERTMaskedWordPieceDataset``.
+
+    Args:
+        split: ``"train"`` or ``"valid"``.
+        num_samples: samples to draw (the dataset cycles epochs to reach it).
+
+    Returns:
+        A map-style dataset whose items are dicts of NumPy arrays of length
+        ``model.seq_length``: ``tokens``, ``labels``, ``loss_mask``,
+        ``position_ids`` (GPT) or ``text``, ``types``, ``labels``,
+        ``padding_mask``, ``loss_mask`` (BERT).
+    """
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+    from megatron.core.datasets.utils import Split
+
+    indices = corpus.train_docs if split == "train" else corpus.val_docs
+    sp = Split.train if split == "train" else Split.valid
+    indexed = IndexedDataset(str(corpus.prefix))
+    cache = str(Path(cache_dir).absolute() / "index_cache")
+    common = dict(
+        random_seed=seed,
+        sequence_length=model.seq_length,
+        tokenizer=corpus.tokenizer,
+        path_to_cache=cache,
+        blend=([str(corpus.prefix)], None),
+        split="1,0,0",  # unused: we pass document indices ourselves
+    )
+    if model.family == "bert":
+        from megatron.core.datasets.bert_dataset import (
+            BERTMaskedWordPieceDataset,
+            BERTMaskedWordPieceDatasetConfig,
+        )
+
+        cfg = BERTMaskedWordPieceDatasetConfig(
+            masking_probability=model.mask_prob,
+            short_sequence_probability=0.0,
+            masking_max_ngram=1,
+            masking_do_full_word=False,
+            masking_do_permutation=False,
+            masking_use_longer_ngrams=False,
+            masking_use_geometric_distribution=False,
+            classification_head=False,
+            **common,
+        )
+        cls = BERTMaskedWordPieceDataset
+    else:
+        from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+
+        cfg = GPTDatasetConfig(
+            reset_position_ids=False,
+            reset_attention_mask=False,
+            eod_mask_loss=False,
+            create_attention_mask=False,
+            **common,
+        )
+        cls = GPTDataset
+    # Rank 0 writes the sample-index cache first; the others then read it.
+    ds = None
+    if _rank() == 0:
+        ds = cls(indexed, str(corpus.prefix), indices, num_samples, sp, cfg)
+    _barrier()
+    if ds is None:
+        ds = cls(indexed, str(corpus.prefix), indices, num_samples, sp, cfg)
+    return ds
+
+
+def collate(samples: list[dict]) -> dict[str, torch.Tensor]:
+    """Stack a list of dataset items into ``[micro_batch, seq]`` tensors."""
+    keys = [k for k, v in samples[0].items() if isinstance(v, (np.ndarray, torch.Tensor))]
+    return {k: torch.stack([torch.as_tensor(s[k]) for s in samples]) for k in keys}
+
+
+class GlobalBatchSampler:
+    """Deterministic micro-batches of the global batch for one DP rank.
+
+    Global batch ``k`` is samples ``[k*G, (k+1)*G)`` of the dataset (``G`` =
+    global batch size); DP rank ``r`` takes the contiguous slice
+    ``[r*G/dp, (r+1)*G/dp)`` of it, cut into micro-batches.  The same samples
+    thus form step ``k`` in every layout, which makes TP/PP/DP runs comparable
+    and a resumed run continue exactly (the position is ``consumed_samples``).
+    """
+
+    def __init__(self, dataset, *, global_batch_size: int, micro_batch_size: int, dp: int,
+                 dp_rank: int, consumed_samples: int = 0):
+        self.dataset = dataset
+        self.global_batch_size = global_batch_size
+        self.micro_batch_size = micro_batch_size
+        self.dp, self.dp_rank = dp, dp_rank
+        self.consumed_samples = consumed_samples
+
+    @property
+    def num_microbatches(self) -> int:
+        return self.global_batch_size // (self.micro_batch_size * self.dp)
+
+    def microbatches_at(self, start: int) -> list[dict[str, torch.Tensor]]:
+        """Micro-batches of this rank for the global batch starting at sample ``start``."""
+        per_rank = self.global_batch_size // self.dp
+        base = start + self.dp_rank * per_rank
+        n = len(self.dataset)
+        out = []
+        for j in range(self.num_microbatches):
+            lo = base + j * self.micro_batch_size
+            out.append(collate([self.dataset[(lo + i) % n] for i in range(self.micro_batch_size)]))
+        return out
+
+    def next(self) -> list[dict[str, torch.Tensor]]:
+        """This rank's micro-batches for the next global batch; advances the position."""
+        mbs = self.microbatches_at(self.consumed_samples)
+        self.consumed_samples += self.global_batch_size
+        return mbs

@@ -1,0 +1,24 @@
+"""Rank-aware logging: rank 0 (or the given rank) logs at INFO, others at WARNING."""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+
+
+def setup_logging(level: int = logging.INFO) -> None:
+    """Configure the ``jobruntime``/``geomesh``/``cona`` loggers for this rank.
+
+    Also silences megatron-core's import-time warnings about missing Apex and
+    Transformer Engine, which are expected on CPU.
+    """
+    rank = int(os.environ.get("RANK", "0"))
+    fmt = f"[%(asctime)s r{rank}] %(name)s: %(message)s" if "RANK" in os.environ else \
+        "[%(asctime)s] %(name)s: %(message)s"
+    logging.basicConfig(level=level if rank == 0 else logging.WARNING, format=fmt,
+                        datefmt="%H:%M:%S")
+    for pattern in ("Transformer Engine", "Apex is not installed", "full scope is deprecated"):
+        warnings.filterwarnings("ignore", message=f".*{pattern}.*")
+    for name in ("megatron", "megatron.core"):
+        logging.getLogger(name).setLevel(logging.WARNING)

@@ -1,0 +1,150 @@
+"""The training loop of one job: data, steps, evaluation, checkpoints, metrics.
+
+``run(cfg, run_dir)`` is what ``train.py`` calls for an ordinary job (GeoMesh
+and CONA wrap the same pieces).  Time is wall-clock seconds since the loop
+started; on resume it continues from the checkpoint's recorded time.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from .checkpoint import load_checkpoint, save_checkpoint
+from .config import JobConfig, save_config
+from .data import Corpus, GlobalBatchSampler, build_dataset, prepare_corpus
+from .metrics import MetricsWriter, TTPTracker, perplexity
+from .parallel import Topology, initialize_layout, set_seed
+from .trainer import Trainer
+
+log = logging.getLogger("jobruntime")
+
+
+@dataclass
+class DataPipes:
+    """Training sampler and the fixed validation batches of one job."""
+
+    corpus: Corpus
+    train: GlobalBatchSampler
+    val_batches: list
+
+
+def build_data(cfg: JobConfig, topo: Topology, consumed_samples: int = 0) -> DataPipes:
+    """Tokenise (cached), build megatron datasets and this rank's samplers."""
+    p, t = cfg.parallel, cfg.train
+    corpus = prepare_corpus(cfg.data, cfg.model)
+    train_ds = build_dataset(corpus, cfg.model, "train", max(t.iters, 1) * p.global_batch_size,
+                             t.seed, cfg.data.cache_dir)
+    val_ds = build_dataset(corpus, cfg.model, "valid", max(t.eval_iters, 1) * p.global_batch_size,
+                           t.seed, cfg.data.cache_dir)
+    kw = dict(global_batch_size=p.global_batch_size, micro_batch_size=p.micro_batch_size,
+              dp=topo.dp, dp_rank=topo.dp_rank)
+    train = GlobalBatchSampler(train_ds, consumed_samples=consumed_samples, **kw)
+    val = GlobalBatchSampler(val_ds, **kw)
+    val_batches = [val.microbatches_at(i * p.global_batch_size) for i in range(t.eval_iters)]
+    return DataPipes(corpus, train, val_batches)
+
+
+def _progress(cfg: JobConfig, topo: Topology, total: int, initial: int):
+    import sys
+
+    show = cfg.logging.progress == "on" or (
+        cfg.logging.progress == "auto" and sys.stderr.isatty() and total > 50
+    )
+    if not (show and topo.is_logging_rank):
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True)
+
+
+def run(cfg: JobConfig, run_dir: Path) -> dict:
+    """Train ``cfg`` and write metrics, summary and checkpoints under ``run_dir``.
+
+    Returns:
+        The summary dict (also written to ``run_dir/summary.json`` on the
+        logging rank): ``target_ppl``, ``ttp_s``, ``ttp_tokens``,
+        ``final_val_ppl``, ``tokens``, ``wall_s`` and more.
+
+    Raises:
+        ConfigError, DataError, TokenizerError, CheckpointError: bad input.
+    """
+    topo = initialize_layout(cfg)
+    set_seed(cfg.train.seed)
+    trainer = Trainer(cfg)
+    consumed, start_time, extra = 0, 0.0, {}
+    if cfg.checkpoint.load:
+        state = load_checkpoint(cfg.checkpoint.load, trainer)
+        consumed, extra = state["consumed_samples"], state["extra"]
+        start_time = float(extra.get("time_s", 0.0))
+    data = build_data(cfg, topo, consumed)
+    t = cfg.train
+    writer = MetricsWriter(
+        run_dir, clock="wall", mode="single", enabled=topo.is_logging_rank,
+        wandb_mode=cfg.logging.wandb, wandb_project=cfg.logging.project,
+        wandb_group=cfg.logging.group, wandb_name=cfg.logging.name or run_dir.name,
+        config=cfg.to_dict(),
+    )
+    if topo.is_logging_rank:
+        save_config(cfg, run_dir / "config.yaml")
+    ttp = TTPTracker(t.target_ppl)
+    if extra.get("ttp_s") is not None:
+        ttp.ttp_s, ttp.ttp_tokens, ttp.ttp_step = extra["ttp_s"], extra["ttp_tokens"], extra["ttp_step"]
+    tokens_per_step = cfg.parallel.global_batch_size * cfg.model.seq_length
+    bar = _progress(cfg, topo, t.iters, trainer.step)
+    t0 = time.perf_counter() - start_time
+    last_val_ppl = extra.get("final_val_ppl")
+    stop = False
+    while trainer.step < t.iters and not stop:
+        step_t0 = time.perf_counter()
+        result = trainer.train_step(data.train.next())
+        step_s = time.perf_counter() - step_t0
+        now = time.perf_counter() - t0
+        tokens = trainer.step * tokens_per_step
+        record = dict(step=trainer.step, tokens=tokens, time_s=now, loss=result.loss,
+                      lr=result.lr, grad_norm=result.grad_norm,
+                      tokens_per_s=result.tokens / step_s)
+        last = trainer.step == t.iters
+        if t.max_wall_s is not None and now >= t.max_wall_s:
+            stop = last = True
+        if t.eval_interval and (trainer.step % t.eval_interval == 0 or last):
+            val_loss = trainer.evaluate(data.val_batches)
+            last_val_ppl = perplexity(val_loss)
+            record.update(val_loss=val_loss, val_ppl=last_val_ppl)
+            if ttp.update(last_val_ppl, now, tokens, trainer.step):
+                log.info("target perplexity %.1f reached at step %d (%.1f s)",
+                         t.target_ppl, trainer.step, now)
+                stop = stop or t.stop_at_target
+        if trainer.step % t.log_interval == 0 or "val_loss" in record:
+            writer.log(record)
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix(loss=f"{result.loss:.3f}",
+                            val_ppl=f"{last_val_ppl:.1f}" if last_val_ppl else "-")
+        if math.isnan(result.loss):
+            log.error("loss is NaN at step %d; stopping", trainer.step)
+            stop = True
+        save_now = cfg.checkpoint.save_interval and (
+            trainer.step % cfg.checkpoint.save_interval == 0 or trainer.step == t.iters or stop)
+        if save_now:
+            save_checkpoint(run_dir / "checkpoints", trainer,
+                            consumed_samples=data.train.consumed_samples,
+                            keep_last=cfg.checkpoint.keep_last,
+                            extra={"time_s": now, "ttp_s": ttp.ttp_s, "ttp_tokens": ttp.ttp_tokens,
+                                   "ttp_step": ttp.ttp_step, "final_val_ppl": last_val_ppl})
+    if bar is not None:
+        bar.close()
+    wall = time.perf_counter() - t0
+    summary = dict(
+        target_ppl=t.target_ppl, ttp_s=ttp.ttp_s, ttp_tokens=ttp.ttp_tokens, ttp_step=ttp.ttp_step,
+        final_val_ppl=last_val_ppl, tokens=trainer.step * tokens_per_step, steps=trainer.step,
+        wall_s=wall, world_size=topo.world_size, dp=topo.dp, tp=topo.tp, pp=topo.pp,
+        model=cfg.name,
+    )
+    writer.summary(summary)
+    summary["wandb_dir"] = writer.wandb_dir
+    writer.close()
+    return summary

@@ -1,0 +1,140 @@
+"""Metrics sinks of a run: ``metrics.jsonl``, ``summary.json`` and wandb.
+
+Every record carries the time on the run's clock: ``"wall"`` (seconds since
+the run started) or ``"emulated"`` (seconds of a modelled cluster, see
+``geomesh/`` and ``cona/``).  :class:`TTPTracker` records the
+time-to-target-perplexity (TTP): the clock time and tokens at which
+validation perplexity first reached ``target_ppl``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("jobruntime")
+
+
+def perplexity(loss: float) -> float:
+    """exp(loss), capped to avoid overflow for diverged runs."""
+    return math.exp(min(loss, 50.0))
+
+
+def write_json_atomic(path: Path, obj: Any) -> None:
+    """Write JSON to ``path`` via a temp file and rename (never half-written)."""
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(json.dumps(obj, indent=2, default=float) + "\n")
+    tmp.replace(path)
+
+
+@dataclass
+class TTPTracker:
+    """Time-to-target-perplexity.
+
+    Attributes:
+        target_ppl: target validation perplexity (``None``: never reached).
+        ttp_s: clock seconds when it was first reached, else ``None``.
+        ttp_tokens: training tokens consumed by then.
+    """
+
+    target_ppl: float | None
+    ttp_s: float | None = None
+    ttp_tokens: int | None = None
+    ttp_step: int | None = None
+
+    def update(self, val_ppl: float, time_s: float, tokens: int, step: int) -> bool:
+        """Record an evaluation; return True the first time the target is reached."""
+        if self.target_ppl is None or self.ttp_s is not None or not val_ppl <= self.target_ppl:
+            return False
+        self.ttp_s, self.ttp_tokens, self.ttp_step = time_s, tokens, step
+        return True
+
+    @property
+    def reached(self) -> bool:
+        return self.ttp_s is not None
+
+
+@dataclass
+class MetricsWriter:
+    """Writes metrics of one run to its run directory and (optionally) wandb.
+
+    Only the logging rank should create one with ``enabled=True``; other ranks
+    get a disabled writer whose methods do nothing.
+    """
+
+    run_dir: Path
+    clock: str = "wall"
+    mode: str = "single"
+    enabled: bool = True
+    wandb_mode: str = "offline"
+    wandb_project: str = "geocona"
+    wandb_group: str | None = None
+    wandb_name: str | None = None
+    config: dict = field(default_factory=dict)
+    _file: Any = None
+    _wandb: Any = None
+
+    def __post_init__(self):
+        if self.clock not in ("wall", "emulated"):
+            raise ValueError(f"clock must be 'wall' or 'emulated', got {self.clock!r}")
+        if not self.enabled:
+            return
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._file = open(self.run_dir / "metrics.jsonl", "a", buffering=1)
+        if self.wandb_mode != "disabled":
+            try:
+                import wandb
+
+                os.environ.setdefault("WANDB_SILENT", "true")
+                self._wandb = wandb.init(
+                    project=self.wandb_project,
+                    group=self.wandb_group,
+                    name=self.wandb_name,
+                    mode=self.wandb_mode,
+                    dir=str(self.run_dir),
+                    config={**self.config, "clock": self.clock, "mode": self.mode},
+                    reinit="finish_previous",
+                )
+            except Exception as e:  # wandb must never kill a training run
+                log.warning("wandb disabled: %s", e)
+                self._wandb = None
+
+    def log(self, record: dict) -> None:
+        """Append one record (must contain ``step``) to metrics.jsonl and wandb."""
+        if not self.enabled:
+            return
+        record = {"clock": self.clock, **record}
+        self._file.write(json.dumps(record, default=float) + "\n")
+        if self._wandb is not None:
+            self._wandb.log({k: v for k, v in record.items() if isinstance(v, (int, float))},
+                            step=int(record["step"]))
+
+    def summary(self, summary: dict) -> Path | None:
+        """Write ``summary.json`` (atomically) and set the wandb run summary."""
+        if not self.enabled:
+            return None
+        summary = {"mode": self.mode, "clock": self.clock, **summary}
+        path = self.run_dir / "summary.json"
+        write_json_atomic(path, summary)
+        if self._wandb is not None:
+            for k, v in summary.items():
+                if isinstance(v, (int, float, str)) or v is None:
+                    self._wandb.summary[k] = v
+        return path
+
+    @property
+    def wandb_dir(self) -> str | None:
+        return getattr(self._wandb, "dir", None) if self._wandb is not None else None
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        if self._wandb is not None:
+            self._wandb.finish()
+            self._wandb = None

@@ -1,0 +1,185 @@
+"""Build megatron-core ``GPTModel`` / ``BertModel`` from a :class:`ModelConfig`.
+
+The one place where this project's config becomes megatron-core's
+``TransformerConfig`` (:func:`to_transformer_config`).  Layer specs: Transformer
+Engine (``get_gpt_layer_with_transformer_engine_spec``) when CUDA and
+``transformer_engine`` are importable, megatron-core's local specs otherwise.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from .config import ModelConfig, ParallelConfig
+
+
+@functools.cache
+def transformer_engine_available() -> bool:
+    """True when CUDA is present and Transformer Engine imports."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import transformer_engine  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = 128) -> int:
+    """Megatron's padding of the vocabulary to a multiple of ``divisible_by * tp``."""
+    multiple = divisible_by * tp
+    return ((vocab_size + multiple - 1) // multiple) * multiple
+
+
+def to_transformer_config(
+    model: ModelConfig,
+    parallel: ParallelConfig,
+    *,
+    params_dtype: torch.dtype = torch.float32,
+    perform_initialization: bool = True,
+) -> TransformerConfig:
+    """Map the project's config to megatron-core's ``TransformerConfig``.
+
+    Weights are initialised on the CPU from the full (unsharded) tensor and then
+    split (``use_cpu_initialization``), so with the same seed a TP=2 model holds
+    the same weights as a TP=1 model.  Kernel fusions that need CUDA/JIT are off
+    on CPU.
+    """
+    on_gpu = torch.cuda.is_available()
+    swiglu = model.activation == "swiglu"
+    return TransformerConfig(
+        num_layers=model.num_layers,
+        hidden_size=model.hidden_size,
+        num_attention_heads=model.num_attention_heads,
+        num_query_groups=model.kv_heads,
+        ffn_hidden_size=model.ffn,
+        tensor_model_parallel_size=parallel.tp,
+        pipeline_model_parallel_size=parallel.pp,
+        sequence_parallel=parallel.sequence_parallel,
+        normalization=model.normalization,
+        layernorm_epsilon=model.layernorm_epsilon,
+        activation_func=F.silu if swiglu else F.gelu,
+        gated_linear_unit=swiglu,
+        add_bias_linear=model.add_bias_linear,
+        hidden_dropout=model.dropout,
+        attention_dropout=model.dropout,
+        init_method_std=model.init_method_std,
+        params_dtype=params_dtype,
+        pipeline_dtype=params_dtype,
+        bf16=params_dtype == torch.bfloat16,
+        use_cpu_initialization=True,
+        perform_initialization=perform_initialization,
+        bias_activation_fusion=on_gpu and not swiglu,
+        bias_dropout_fusion=on_gpu,
+        masked_softmax_fusion=on_gpu,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=on_gpu,
+    )
+
+
+def _layer_spec(model: ModelConfig):
+    if model.family == "bert":
+        from megatron.core.models.bert import bert_layer_specs
+
+        if transformer_engine_available():
+            return bert_layer_specs.get_bert_layer_with_transformer_engine_spec()
+        return bert_layer_specs.bert_layer_local_spec
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_local_spec,
+        get_gpt_layer_with_transformer_engine_spec,
+    )
+
+    if transformer_engine_available():
+        return get_gpt_layer_with_transformer_engine_spec()
+    return get_gpt_layer_local_spec(normalization=model.normalization)
+
+
+def build_model(
+    model: ModelConfig,
+    parallel: ParallelConfig,
+    *,
+    params_dtype: torch.dtype = torch.float32,
+    pre_process: bool | None = None,
+    post_process: bool | None = None,
+    meta: bool = False,
+) -> torch.nn.Module:
+    """Build this rank's model chunk for the current ``parallel_state`` layout.
+
+    Args:
+        pre_process / post_process: embedding / output-layer stage flags;
+            ``None`` derives them from the pipeline rank.
+        meta: build on the meta device (no memory; for sizes and parameter counts).
+
+    Returns:
+        A ``GPTModel`` (families ``gpt``, ``llama``) or ``BertModel`` (``bert``)
+        holding this rank's shard: ``num_layers / pp`` layers, TP-split weights.
+    """
+    from megatron.core.models.bert.bert_model import BertModel
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    if pre_process is None:
+        pre_process = parallel_state.is_pipeline_first_stage()
+    if post_process is None:
+        post_process = parallel_state.is_pipeline_last_stage()
+    tcfg = to_transformer_config(
+        model, parallel, params_dtype=params_dtype, perform_initialization=not meta
+    )
+    vocab = padded_vocab_size(model.vocab_size, parallel.tp)
+    ctx = torch.device("meta") if meta else contextlib.nullcontext()
+    with ctx:
+        if model.family == "bert":
+            return BertModel(
+                config=tcfg,
+                num_tokentypes=2,
+                transformer_layer_spec=_layer_spec(model),
+                vocab_size=vocab,
+                max_sequence_length=model.max_positions,
+                pre_process=pre_process,
+                post_process=post_process,
+                share_embeddings_and_output_weights=model.tie_embeddings,
+                add_binary_head=False,
+            )
+        return GPTModel(
+            config=tcfg,
+            transformer_layer_spec=_layer_spec(model),
+            vocab_size=vocab,
+            max_sequence_length=model.max_positions,
+            pre_process=pre_process,
+            post_process=post_process,
+            share_embeddings_and_output_weights=model.tie_embeddings,
+            position_embedding_type=model.position_embedding,
+            rotary_base=model.rotary_base,
+            rope_scaling=model.rope_scaling,
+            rope_scaling_factor=model.rope_scaling_factor,
+        )
+
+
+def count_parameters(module: torch.nn.Module, *, vocab_size: int | None = None,
+                     padded_vocab: int | None = None) -> int:
+    """Number of parameters of ``module`` (shared tensors counted once).
+
+    When ``vocab_size`` and ``padded_vocab`` are given, the rows megatron adds
+    to pad the vocabulary are subtracted, so the count matches the
+    architecture's published size.
+    """
+    seen, total = set(), 0
+    for p in module.parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        total += p.numel()
+    if vocab_size is not None and padded_vocab is not None:
+        pad = padded_vocab - vocab_size
+        for name, p in module.named_parameters():
+            if name.endswith("word_embeddings.weight") or name.endswith("output_layer.weight"):
+                total -= pad * p.shape[1]
+            elif name.endswith("output_layer.bias") or name.endswith("lm_head.bias") or name == "output_layer.bias":
+                total -= pad
+    return total

@@ -1,0 +1,124 @@
+"""Process groups and the parallel layout of one job.
+
+:class:`Topology` is the validated description of the layout that code
+receives explicitly; megatron-core's ``parallel_state`` holds the groups
+themselves (the one module-level singleton we accept, because megatron's
+layers read it).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import random
+import socket
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state, tensor_parallel
+
+from . import cpu_compat
+from .config import JobConfig
+
+
+@dataclass(frozen=True, kw_only=True)
+class Topology:
+    """This rank's place in the (DP, TP, PP) layout."""
+
+    world_size: int
+    rank: int
+    dp: int
+    tp: int
+    pp: int
+    dp_rank: int
+    tp_rank: int
+    pp_rank: int
+
+    @property
+    def pp_is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def pp_is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp - 1
+
+    @property
+    def is_logging_rank(self) -> bool:
+        """The rank that writes metrics: DP rank 0, TP rank 0, last PP stage."""
+        return self.dp_rank == 0 and self.tp_rank == 0 and self.pp_is_last_stage
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(timeout_s: float = 600.0) -> None:
+    """Initialise ``torch.distributed`` from torchrun's environment, or as a world of 1.
+
+    Backend: NCCL with CUDA, gloo on CPU (where the CPU layer of
+    :mod:`jobruntime.cpu_compat` is switched on first).
+    """
+    cpu_compat.enable()
+    if dist.is_initialized():
+        return
+    if "RANK" not in os.environ:
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(
+        backend=cpu_compat.backend(), timeout=datetime.timedelta(seconds=timeout_s)
+    )
+
+
+def initialize_layout(cfg: JobConfig) -> Topology:
+    """(Re)build megatron's process groups for ``cfg.parallel``; return the topology.
+
+    Raises:
+        ConfigError: the layout does not fit the world size or the model.
+    """
+    init_distributed()
+    world = dist.get_world_size()
+    dp = cfg.validate(world)
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=cfg.parallel.tp,
+        pipeline_model_parallel_size=cfg.parallel.pp,
+    )
+    return Topology(
+        world_size=world,
+        rank=dist.get_rank(),
+        dp=dp,
+        tp=cfg.parallel.tp,
+        pp=cfg.parallel.pp,
+        dp_rank=parallel_state.get_data_parallel_rank(),
+        tp_rank=parallel_state.get_tensor_model_parallel_rank(),
+        pp_rank=parallel_state.get_pipeline_model_parallel_rank(),
+    )
+
+
+def set_seed(seed: int) -> None:
+    """Seed Python, NumPy, torch and megatron's model-parallel RNG tracker.
+
+    All ranks use the same base seed: weights are initialised from the full
+    tensor on every rank (see :func:`jobruntime.model.to_transformer_config`),
+    so every layout starts from the same model.
+    """
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def shutdown() -> None:
+    """Destroy megatron's groups and the default process group."""
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,178 @@
+"""Tokenizers: a sentencepiece model (trained from the corpus, or loaded) or a
+Hugging Face ``tokenizer.json``.
+
+Both expose what megatron-core's GPT and BERT datasets read from a tokenizer
+(``vocab_size``, ``eod``, ``pad``, ``cls``, ``sep``, ``mask``, ``inv_vocab``;
+see ``megatron.core.datasets.gpt_dataset`` and ``bert_dataset``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+SPECIAL_PIECES = ("[CLS]", "[SEP]", "[MASK]")
+
+
+class TokenizerError(ValueError):
+    """The tokenizer file is missing or unusable; the message says what to do."""
+
+
+class Tokenizer:
+    """A tokenizer with the attributes megatron-core's datasets use.
+
+    Attributes:
+        vocab_size: number of ids the tokenizer can produce.
+        eod: end-of-document id appended after each document (GPT).
+        pad, cls, sep, mask: special ids (BERT masked LM).
+        inv_vocab: ``{id: piece}`` for every id.
+    """
+
+    def __init__(self, encode_batch, id_to_piece, vocab_size, *, eod, pad, cls, sep, mask, kind,
+                 source: str = ""):
+        self._encode_batch = encode_batch
+        # megatron-core datasets hash this into their cache keys
+        self.unique_identifiers = {"class": f"Tokenizer-{kind}", "source": source,
+                                   "vocab_size": vocab_size}
+        self.vocab_size = vocab_size
+        self.eod, self.pad, self.cls, self.sep, self.mask = eod, pad, cls, sep, mask
+        self.kind = kind
+        self.inv_vocab = {i: id_to_piece(i) for i in range(vocab_size)}
+
+    def encode(self, texts: Sequence[str]) -> list[list[int]]:
+        """Token ids of each text (no special tokens added)."""
+        return self._encode_batch(list(texts))
+
+    # megatron's MegatronTokenizer spells these as properties too
+    @property
+    def eos(self) -> int:
+        return self.eod
+
+
+def _from_sentencepiece(model_proto: bytes, source: str = "") -> Tokenizer:
+    import sentencepiece as spm
+
+    sp = spm.SentencePieceProcessor(model_proto=model_proto)
+    ids = {p: sp.piece_to_id(p) for p in SPECIAL_PIECES}
+    unk = sp.unk_id()
+    missing = [p for p, i in ids.items() if i == unk]
+    if missing:
+        # A user-supplied model without BERT specials: fall back to unk/eos ids.
+        ids.update({p: unk for p in missing})
+    eod = sp.eos_id() if sp.eos_id() >= 0 else unk
+    pad = sp.pad_id() if sp.pad_id() >= 0 else eod
+    return Tokenizer(
+        lambda texts: sp.encode(texts),
+        sp.id_to_piece,
+        sp.get_piece_size(),
+        eod=eod,
+        pad=pad,
+        cls=ids["[CLS]"],
+        sep=ids["[SEP]"],
+        mask=ids["[MASK]"],
+        kind="sentencepiece",
+        source=source,
+    )
+
+
+def _from_hf_json(path: Path) -> Tokenizer:
+    from tokenizers import Tokenizer as HFTokenizer
+
+    tok = HFTokenizer.from_file(str(path))
+    vocab = tok.get_vocab(with_added_tokens=True)
+
+    def find(*names):
+        for n in names:
+            if n in vocab:
+                return vocab[n]
+        return None
+
+    eod = find("<|end_of_text|>", "<|endoftext|>", "</s>", "[SEP]", "<eos>")
+    if eod is None:
+        raise TokenizerError(f"{path}: no end-of-text token found (looked for <|endoftext|>, </s>, [SEP])")
+    pad = find("[PAD]", "<pad>", "<|finetune_right_pad_id|>") or eod
+    size = max(vocab.values()) + 1
+    return Tokenizer(
+        lambda texts: [e.ids for e in tok.encode_batch(texts, add_special_tokens=False)],
+        lambda i: tok.id_to_token(i) or "",
+        size,
+        eod=eod,
+        pad=pad,
+        cls=find("[CLS]", "<s>", "<|begin_of_text|>") or eod,
+        sep=find("[SEP]", "</s>") or eod,
+        mask=find("[MASK]", "<mask>") or eod,
+        kind="hf",
+        source=str(path),
+    )
+
+
+def train_sentencepiece(texts: Iterable[str], vocab_size: int, out: Path) -> Path:
+    """Train a unigram sentencepiece model on ``texts`` and write it to ``out``.
+
+    Specials: ``<pad>`` 0, ``<unk>`` 1, ``<s>`` 2, ``</s>`` 3 (end of document),
+    then ``[CLS] [SEP] [MASK]`` for BERT.  Pad is 0 because megatron-core's BERT
+    dataset pads token types and the padding mask with the pad id and feeds
+    them to 2-row and boolean uses.  Written atomically.
+    """
+    import sentencepiece as spm
+
+    def lines():
+        for t in texts:
+            for line in t.splitlines():
+                if line.strip():
+                    yield line
+
+    buf = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=lines(),
+        model_writer=buf,
+        vocab_size=vocab_size,
+        model_type="unigram",
+        input_sentence_size=400_000,
+        shuffle_input_sentence=True,
+        character_coverage=0.9999,
+        user_defined_symbols=list(SPECIAL_PIECES),
+        pad_id=0,
+        unk_id=1,
+        bos_id=2,
+        eos_id=3,
+        num_threads=min(4, os.cpu_count() or 1),
+        minloglevel=2,
+    )
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_bytes(buf.getvalue())
+    tmp.replace(out)
+    return out
+
+
+def load_tokenizer(path: str | Path) -> Tokenizer:
+    """Load a sentencepiece ``.model`` or a Hugging Face ``tokenizer.json``.
+
+    Raises:
+        TokenizerError: the file does not exist or cannot be parsed.
+    """
+    path = Path(path)
+    if path.is_dir() and (path / "tokenizer.json").is_file():
+        path = path / "tokenizer.json"
+    if not path.is_file():
+        raise TokenizerError(
+            f"tokenizer file '{path}' not found; set data.tokenizer to a sentencepiece "
+            "'.model', a Hugging Face 'tokenizer.json', or 'auto' to train one"
+        )
+    try:
+        if path.suffix == ".json":
+            return _from_hf_json(path)
+        return _from_sentencepiece(path.read_bytes(), corpus_fingerprint(path.resolve(), path.stat().st_mtime))
+    except TokenizerError:
+        raise
+    except Exception as e:  # parse errors from the libraries
+        raise TokenizerError(f"tokenizer '{path}' could not be loaded: {e}") from None
+
+
+def corpus_fingerprint(*parts: object) -> str:
+    """Short stable hash naming cached tokenizers and datasets."""
+    return hashlib.sha1("|".join(map(str, parts)).encode()).hexdigest()[:12]

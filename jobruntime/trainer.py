@@ -1,0 +1,212 @@
+"""One training job's state and step: model chunks in megatron DDP, the
+megatron optimizer (AdamW), the LR schedule, and the forward/backward schedule.
+
+:class:`Trainer` is what GeoMesh workers and CONA layouts hold: build it for
+the current ``parallel_state`` layout, call :meth:`Trainer.train_step` with
+this rank's micro-batches, :meth:`Trainer.evaluate` for validation loss.
+
+Wraps: ``megatron.core.distributed.DistributedDataParallel``,
+``megatron.core.optimizer.get_megatron_optimizer``,
+``megatron.core.optimizer_param_scheduler.OptimizerParamScheduler`` and
+``megatron.core.pipeline_parallel.get_forward_backward_func`` (no pipelining
+or 1F1B, chosen by the PP size).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.distributed import finalize_model_grads
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.pipeline_parallel import get_forward_backward_func
+
+from .config import JobConfig
+from .model import build_model
+
+
+@dataclass
+class StepResult:
+    """Outcome of one optimizer step (identical on every rank).
+
+    Attributes:
+        loss: mean training loss over the global batch (nats per token).
+        grad_norm: global L2 norm of the gradient before clipping.
+        lr: learning rate used for this step.
+        tokens: tokens in the global batch.
+    """
+
+    loss: float
+    grad_norm: float
+    lr: float
+    tokens: int
+
+
+def resolve_dtype(precision: str) -> torch.dtype:
+    """``auto`` → bf16 on CUDA, fp32 on CPU."""
+    if precision == "bf16" or (precision == "auto" and torch.cuda.is_available()):
+        return torch.bfloat16
+    return torch.float32
+
+
+def _gpt_forward(batch, model):
+    return model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+
+
+def _bert_forward(batch, model):
+    loss, _ = model(
+        batch["text"], batch["padding_mask"], tokentype_ids=batch["types"], lm_labels=batch["labels"]
+    )
+    return loss
+
+
+def _masked_mean_loss(loss_mask: torch.Tensor, output: torch.Tensor):
+    """Mean per-token loss over ``loss_mask``; output and mask are ``[b, s]``."""
+    mask = loss_mask.float()
+    loss = (output.float() * mask).sum() / mask.sum().clamp(min=1.0)
+    # clone: megatron divides the returned loss in place by the micro-batch count
+    return loss, {"lm loss": loss.detach().clone()}
+
+
+class Trainer:
+    """Model, optimizer and LR schedule of one job on the current layout.
+
+    Args:
+        cfg: the job config (model, parallel, train sections are read).
+        build: build a fresh model; pass ``False`` plus ``model`` to wrap one.
+
+    Raises:
+        ConfigError: via the config's validation.
+    """
+
+    def __init__(self, cfg: JobConfig, model: torch.nn.Module | None = None):
+        self.cfg = cfg
+        self.dtype = resolve_dtype(cfg.train.precision)
+        module = model if model is not None else build_model(cfg.model, cfg.parallel, params_dtype=self.dtype)
+        self.tcfg = module.config
+        ddp_cfg = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False
+        )
+        self.model = [DistributedDataParallel(config=self.tcfg, ddp_config=ddp_cfg, module=module)]
+        t = cfg.train
+        # clip_grad=0 disables clipping; an infinite threshold keeps megatron
+        # computing (and returning) the gradient norm without ever clipping.
+        clip = t.clip_grad if t.clip_grad > 0 else math.inf
+        opt_cfg = OptimizerConfig(
+            optimizer="adam",
+            lr=t.lr,
+            min_lr=t.min_lr,
+            weight_decay=t.weight_decay,
+            adam_beta1=t.adam_beta1,
+            adam_beta2=t.adam_beta2,
+            adam_eps=t.adam_eps,
+            clip_grad=clip,
+            bf16=self.dtype == torch.bfloat16,
+            params_dtype=self.dtype,
+            use_distributed_optimizer=False,
+        )
+        self.optimizer = get_megatron_optimizer(opt_cfg, self.model)
+        self.scheduler = OptimizerParamScheduler(
+            self.optimizer,
+            init_lr=0.0,
+            max_lr=t.lr,
+            min_lr=t.min_lr,
+            lr_warmup_steps=t.warmup_iters,
+            # megatron needs warmup < decay; short runs simply stay in warmup
+            lr_decay_steps=max(t.lr_decay_iters or t.iters, t.warmup_iters + 1),
+            lr_decay_style="cosine",
+            start_wd=t.weight_decay,
+            end_wd=t.weight_decay,
+            wd_incr_steps=t.iters,
+            wd_incr_style="constant",
+        )
+        self.tcfg.finalize_model_grads_func = finalize_model_grads
+        self.tcfg.no_sync_func = self.model[0].no_sync
+        self.tcfg.grad_scale_func = self.optimizer.scale_loss
+        self._forward = _bert_forward if cfg.model.family == "bert" else _gpt_forward
+        self.step = 0
+        self.microbatch_hook: Callable[[int], None] | None = None
+        """Called with the micro-batch index before each forward (after the previous backward)."""
+
+    # -- schedule ---------------------------------------------------------
+    def _forward_step(self, data_iterator, model):
+        index, batch = next(data_iterator)
+        if self.microbatch_hook is not None:
+            self.microbatch_hook(index)
+        output = self._forward(batch, model)
+        return output, partial(_masked_mean_loss, batch["loss_mask"])
+
+    def _run_schedule(self, microbatches: list[dict], forward_only: bool) -> list[dict]:
+        fwd_bwd = get_forward_backward_func()
+        return fwd_bwd(
+            forward_step_func=self._forward_step,
+            data_iterator=iter(enumerate(microbatches)),
+            model=self.model,
+            num_microbatches=len(microbatches),
+            seq_length=self.cfg.model.seq_length,
+            micro_batch_size=self.cfg.parallel.micro_batch_size,
+            forward_only=forward_only,
+        )
+
+    def _mean_loss(self, losses: list[dict]) -> float:
+        """Average the micro-batch losses over micro-batches and DP; broadcast from the last stage."""
+        value = torch.zeros(1, dtype=torch.float64)
+        if parallel_state.is_pipeline_last_stage() and losses:
+            value[0] = torch.stack([d["lm loss"].double() for d in losses]).mean()
+            dist.all_reduce(value, group=parallel_state.get_data_parallel_group())
+            value /= parallel_state.get_data_parallel_world_size()
+        if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+            last = parallel_state.get_pipeline_model_parallel_last_rank()
+            dist.broadcast(value, src=last, group=parallel_state.get_pipeline_model_parallel_group())
+        return float(value[0])
+
+    # -- public -----------------------------------------------------------
+    def train_step(self, microbatches: list[dict]) -> StepResult:
+        """One optimizer step on this rank's micro-batches of a global batch.
+
+        Args:
+            microbatches: ``global_batch / (dp * micro_batch)`` dicts of
+                ``[micro_batch, seq]`` tensors from :class:`GlobalBatchSampler`.
+        """
+        for m in self.model:
+            m.train()
+            m.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        losses = self._run_schedule(microbatches, forward_only=False)
+        _, grad_norm, _ = self.optimizer.step()
+        lr = self.optimizer.param_groups[0]["lr"]
+        self.scheduler.step(increment=1)
+        self.step += 1
+        tokens = (
+            self.cfg.parallel.global_batch_size * self.cfg.model.seq_length
+        )
+        return StepResult(
+            loss=self._mean_loss(losses),
+            grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
+            lr=lr,
+            tokens=tokens,
+        )
+
+    @torch.no_grad()
+    def evaluate(self, batches: list[list[dict]]) -> float:
+        """Mean validation loss over ``batches`` (each one global batch's micro-batches)."""
+        for m in self.model:
+            m.eval()
+        total = 0.0
+        for microbatches in batches:
+            total += self._mean_loss(self._run_schedule(microbatches, forward_only=True))
+        for m in self.model:
+            m.train()
+        return total / max(len(batches), 1)
+
+    @property
+    def module(self) -> torch.nn.Module:
+        """The unwrapped megatron model chunk (``GPTModel`` / ``BertModel``)."""
+        return self.model[0].module

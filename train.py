@@ -1,0 +1,80 @@
+"""Train a model with megatron-core: an ordinary job, GeoMesh or CONA.
+
+Usage::
+
+    # the bundled demo: tiny_gpt on the bundled Python-docs corpus (CPU is fine)
+    python train.py
+
+    # a preset, with overrides (section.key=value, type-checked)
+    python train.py --config model_configs/tiny_gpt.yaml train.iters=100 parallel.tp=2
+
+    # several processes on one machine (gloo on CPU, NCCL on GPU)
+    torchrun --nproc-per-node 4 train.py --config tiny_llama parallel.tp=2 parallel.pp=2
+
+    # several nodes (run on each node; see README for a SLURM script)
+    torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d \
+        --rdzv-endpoint $HEAD_NODE:29500 train.py --config gpt3_1.3b parallel.tp=8
+
+Exit codes: 0 done, 2 bad input (config, data, tokenizer, checkpoint), with a
+one-line message on stderr naming the problem and the fix.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default="tiny_gpt", help="preset name or YAML file (default: tiny_gpt)")
+    p.add_argument("--run-dir", default=None, help="output folder (default: runs/<preset>-<time>)")
+    p.add_argument("overrides", nargs="*", help="section.key=value overrides")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    from jobruntime.logging_utils import setup_logging
+
+    setup_logging()
+    from jobruntime.checkpoint import CheckpointError
+    from jobruntime.config import ConfigError, load_config
+    from jobruntime.data import DataError
+    from jobruntime.tokenizer import TokenizerError
+
+    bad_input = (ConfigError, DataError, TokenizerError, CheckpointError)
+    try:
+        cfg = load_config(args.config, args.overrides)
+        cfg.model.validate()
+        run_dir = Path(args.run_dir or f"runs/{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}")
+        if cfg.geomesh.method != "none":
+            from geomesh.run import run as run_job
+        elif cfg.cona.enabled:
+            from cona.run import run as run_job
+        else:
+            from jobruntime.loop import run as run_job
+        summary = run_job(cfg, run_dir)
+    except bad_input as e:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        from jobruntime.parallel import shutdown
+
+        shutdown()
+    if int(os.environ.get("RANK", "0")) == 0:
+        ttp = summary.get("ttp_s")
+        print(f"results: {run_dir.resolve()}  (metrics.jsonl, summary.json, config.yaml"
+              f"{', wandb/' if summary.get('wandb_dir') else ''})")
+        print(f"final val ppl {summary.get('final_val_ppl') or float('nan'):.1f}, target "
+              f"{summary.get('target_ppl')}, TTP {f'{ttp:.1f} s' if ttp is not None else 'not reached'}"
+              f" ({summary.get('clock', 'wall')} clock), {summary.get('tokens')} tokens")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
