@@ -300,7 +300,10 @@ class Planner:
                 H = max(1, round(R / step))
                 err = abs(H * step - R) / R
                 ok = err <= e_max
-                key = (not ok, err if not ok else 0.0, abs(math.log(H / self.inner_steps)), -mb, err)
+                # H within ~25 % of the target counts as equal; then the fastest
+                # configuration (tokens/s incl. pipeline bubble), then accuracy.
+                h_bucket = int(abs(math.log(H / self.inner_steps)) / math.log(1.25))
+                key = (not ok, err if not ok else 0.0, h_bucket, -mb * a / step, err)
                 if best_key is None or key < best_key:
                     best_key, best = key, (mb, a, H, step)
         mb, a, H, step = best
@@ -321,17 +324,31 @@ class Planner:
         workers = self.cluster.workers
         mbs = {w.name: self._micro_batches(w) for w in workers}
         R = self.target_tokens / sum(self._rate(w, max(mbs[w.name])) for w in workers)
-        best_key, best = None, None
-        for _ in range(30):
+        best_key, best, best_R = None, None, R
+
+        def consider(R: float) -> tuple:
+            nonlocal best_key, best, best_R
             plan = Plan(workers=tuple(self._choose(w, mbs[w.name], R) for w in workers),
                         target_tokens=self.target_tokens, tolerance=self.tolerance)
             dev = abs(plan.total_tokens - self.target_tokens) / self.target_tokens
-            key = (not plan.balanced, dev, plan.imbalance)
+            # Balanced first; within the token tolerance the fastest plan
+            # (seconds per token of the round), then the closest to T.
+            key = (not plan.balanced, dev > self.tolerance,
+                   plan.round_time_s / plan.total_tokens if dev <= self.tolerance else dev, dev)
             if best_key is None or key < best_key:
-                best_key, best = key, plan
+                best_key, best, best_R = key, plan, R
+            return plan, dev
+
+        for _ in range(30):  # fixed point R <- R * T / N
+            plan, dev = consider(R)
             if plan.balanced and dev < self.tolerance / 5:
                 break
             R *= self.target_tokens / plan.total_tokens
+        # Discrete choices make N(R) a step function and the fixed point may
+        # cycle; a scan of R around it also finds faster balanced choices.
+        R0 = best_R
+        for k in range(-40, 41):
+            consider(R0 * (1 + k * 0.005))
         if not best.balanced:
             log.warning("GeoMesh plan imbalance %.1f%% exceeds tolerance %.1f%%; "
                         "raise max_grad_accum or tokens per round", 100 * best.imbalance, 100 * self.tolerance)

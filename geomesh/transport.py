@@ -34,7 +34,8 @@ from __future__ import annotations
 
 import struct
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Union
 
@@ -169,13 +170,66 @@ class InProcessTransport(Transport):
         return out
 
 
+@dataclass
+class TransportGroups:
+    """Sub-groups of the hierarchical exchange, as seen by one rank.
+
+    Attributes:
+        region: the intra-region group of this rank's region (``None`` for a
+            one-worker region or a rank outside every group).
+        leaders: the group of region leaders (``None`` if this rank is not a
+            leader or there is one region).
+    """
+
+    region: dist.ProcessGroup | None = None
+    leaders: dist.ProcessGroup | None = None
+
+
+def build_transport_groups(cluster: ClusterSpec, leader_ranks: Sequence[int] | None = None, *,
+                           timeout_s: float = 600.0) -> TransportGroups:
+    """Create the intra-region groups and the region-leader group.
+
+    Like megatron's ``initialize_model_parallel``, *every* rank of the default
+    (world) group must call this, in the same order and with the same
+    arguments: ``torch.distributed.new_group`` needs all ranks (its
+    ``use_local_synchronization`` mode derives group names from a per-process
+    group count, which differs between ranks that belong to different groups).
+
+    Args:
+        leader_ranks: global rank of each worker's leader process, in worker
+            order (default ``0 .. len(workers) - 1``).
+
+    Returns:
+        The groups this rank belongs to.
+    """
+    ranks = list(leader_ranks) if leader_ranks is not None else list(range(len(cluster.workers)))
+    if len(ranks) != len(cluster.workers):
+        raise TransportError(f"{len(ranks)} leader ranks for {len(cluster.workers)} workers")
+    me = dist.get_rank()
+    tout = timedelta(seconds=timeout_s)
+    out = TransportGroups()
+    index = {w.name: i for i, w in enumerate(cluster.workers)}
+    for r in cluster.regions:  # same order on every rank
+        members = [ranks[index[w.name]] for w in cluster.workers_in(r.name)]
+        if len(members) > 1:
+            g = dist.new_group(members, timeout=tout)
+            if me in members:
+                out.region = g
+    if len(cluster.regions) > 1:
+        leaders = [ranks[index[cluster.leader_of(r.name).name]] for r in cluster.regions]
+        g = dist.new_group(leaders, timeout=tout)
+        if me in leaders:
+            out.leaders = g
+    return out
+
+
 class TorchDistributedTransport(Transport):
     """Real mode: one process per worker (its leader rank) in ``group``.
 
-    Group rank ``i`` plays worker ``i`` of the cluster.  Sub-groups (one per
-    multi-worker region, one of region leaders) are created here with
-    ``use_local_synchronization=True``: every rank of ``group`` must construct
-    its transport in the same order, ranks outside ``group`` need not.
+    Group rank ``i`` plays worker ``i`` of the cluster.  The hierarchical
+    exchange needs the sub-groups of :func:`build_transport_groups`; when
+    ``group`` is the whole world (one process per worker) they are built here,
+    so every rank must then construct its transports in the same order.
 
     Args:
         cluster: the cluster; ``len(cluster.workers)`` must equal the group size.
@@ -183,15 +237,18 @@ class TorchDistributedTransport(Transport):
         store: store for the arrival barrier (default: the default group's store).
         timeout_s: seconds to wait for all workers to arrive at an exchange.
         hierarchical: intra-region, then leaders, then broadcast (else one flat all-gather).
+        groups: pre-built sub-groups (needed when ``group`` is not the world).
         prefix: store key prefix (distinct per transport object).
 
     Raises:
-        TransportError: group size differs from the cluster, or no store is available.
+        TransportError: group size differs from the cluster, missing sub-groups,
+            or no store is available.
     """
 
     def __init__(self, cluster: ClusterSpec, group: dist.ProcessGroup | None = None, *,
                  store: dist.Store | None = None, timeout_s: float = 600.0,
-                 hierarchical: bool = True, prefix: str = "geomesh") -> None:
+                 hierarchical: bool = True, groups: TransportGroups | None = None,
+                 prefix: str = "geomesh") -> None:
         self.cluster = cluster
         self.group = group if group is not None else dist.group.WORLD
         self.ranks = dist.get_process_group_ranks(self.group)  # global rank of worker i
@@ -221,16 +278,18 @@ class TorchDistributedTransport(Transport):
         self.region_members = self._by_rank([index[w.name] for w in cluster.workers_in(self.region)])
         self.leaders = self._by_rank([index[cluster.leader_of(r.name).name] for r in cluster.regions])
         self.is_leader = self.worker == index[cluster.leader_of(self.region).name]
-        self.region_group = None
-        self.leader_group = None
-        if hierarchical:
-            tout = timedelta(seconds=timeout_s)
-            if len(self.region_members) > 1:
-                self.region_group = dist.new_group([self.ranks[i] for i in self.region_members],
-                                                   timeout=tout, use_local_synchronization=True)
-            if self.is_leader and len(self.leaders) > 1:
-                self.leader_group = dist.new_group([self.ranks[i] for i in self.leaders],
-                                                   timeout=tout, use_local_synchronization=True)
+        if hierarchical and groups is None:
+            if dist.get_world_size() != len(self.ranks):
+                raise TransportError("group is not the whole world: build the sub-groups on every "
+                                     "rank with build_transport_groups() and pass groups=")
+            groups = build_transport_groups(cluster, self.ranks, timeout_s=timeout_s)
+        groups = groups or TransportGroups()
+        self.region_group = groups.region
+        self.leader_group = groups.leaders
+        if hierarchical and ((len(self.region_members) > 1) != (self.region_group is not None)
+                             or (self.is_leader and len(self.leaders) > 1) != (self.leader_group is not None)):
+            raise TransportError(f"sub-groups do not match cluster '{cluster.name}' for worker "
+                                 f"{me.name}; build them with build_transport_groups()")
 
     # -- arrival barrier -----------------------------------------------------
     def _key(self, rnd: int, worker: int) -> str:

@@ -1,0 +1,159 @@
+"""Surrogate (Pollux goodput) and the online controller's decisions."""
+
+from __future__ import annotations
+
+import pytest
+
+from cona.controller import (
+    Controller,
+    best_goodput_strategy,
+    best_throughput_strategy,
+    scale_lr,
+)
+from cona.cost_model import CostModel
+from cona.grad_stats import GradientNoiseScale
+from cona.strategy import Strategy
+from cona.surrogate import goodput, rank_strategies, statistical_efficiency
+from jobruntime.config import ConaConfig, load_config
+
+GPT3 = load_config("gpt3_1.3b").model
+SLOW = Strategy(1, 1, 8, 1, 64)  # ~30 samples/s on 8x A100 (pipeline bubble)
+FAST = Strategy(8, 1, 1, 4, 64)  # ~63 samples/s, same global batch
+SMALL_GB = Strategy(8, 1, 1, 1, 64)  # ~48 samples/s
+BIG_GB = Strategy(8, 1, 1, 4, 512)  # ~65 samples/s, 8x the batch
+
+
+def _gns(noise_scale: float | None) -> GradientNoiseScale:
+    """An estimator holding exactly ``noise_scale`` (fed exact expectations, |G|^2 = 1)."""
+    est = GradientNoiseScale()
+    if noise_scale is not None:
+        est.update(1 + noise_scale / 8, 8, 1 + noise_scale / 64, 64)
+    return est
+
+
+def _controller(candidates, current, noise_scale=None, **cfg):
+    cfg = ConaConfig(**{"decision_interval": 10, "min_gain": 0.05, "horizon_steps": 100, **cfg})
+    return Controller(
+        candidates, CostModel(GPT3, "A100-80GB"), _gns(noise_scale), cfg,
+        current=current, base_lr=2e-4,
+    )
+
+
+def test_statistical_efficiency_pollux():
+    """Catches an inverted Pollux ratio: E(M0) = 1, E falls with M, large noise scales make
+    big batches nearly free (E -> 1), and goodput = throughput * E.  Exact arithmetic."""
+    assert statistical_efficiency(64, 100.0, 64) == 1.0
+    assert statistical_efficiency(512, 100.0, 64) == pytest.approx(164 / 612)
+    assert statistical_efficiency(512, 1e9, 64) == pytest.approx(1.0, abs=1e-6)
+    assert statistical_efficiency(512, None, 64) == 1.0
+    assert goodput(10.0, 512, 100.0, 64) == pytest.approx(10 * 164 / 612)
+    with pytest.raises(ValueError):
+        statistical_efficiency(0, 1.0, 64)
+
+
+def test_noise_scale_decides_batch_size():
+    """Catches a surrogate that ignores statistical efficiency (it would always pick the
+    bigger, faster batch): at a noise scale of 10 samples the 64-sequence batch must win;
+    at 10^4 (late training) the 512-sequence batch must win."""
+    cm = CostModel(GPT3, "A100-80GB")
+    assert best_throughput_strategy([SMALL_GB, BIG_GB], cm) == BIG_GB
+    assert best_goodput_strategy([SMALL_GB, BIG_GB], cm, 10.0, 64) == SMALL_GB
+    assert best_goodput_strategy([SMALL_GB, BIG_GB], cm, 1e4, 64) == BIG_GB
+    ranked = rank_strategies([SMALL_GB, BIG_GB], cm, 10.0, 64)
+    assert ranked[0].score >= ranked[1].score
+
+    ctrl = _controller([SMALL_GB, BIG_GB], SMALL_GB, noise_scale=10.0)
+    assert not ctrl.decide(10).switch
+    ctrl.gns = _gns(1e4)
+    d = ctrl.decide(20)
+    assert d.switch and d.best == BIG_GB
+
+
+def test_switches_when_clearly_better_candidate_appears():
+    """Catches a controller that never switches, or ranks on the model while ignoring
+    measurements.  (1) Start on SLOW: FAST scores ~2x and saves ~110 s over 100 steps,
+    more than the 30 s prior switch cost -> switch, logged with step/current/best/scores.
+    (2) Start on FAST, the model's favourite, but measure it 3x slower than modelled while
+    SLOW measures as modelled -> SLOW is now clearly better -> switch; the measured switch
+    cost then replaces the prior."""
+    ctrl = _controller([SLOW, FAST], SLOW)
+    assert [ctrl.should_decide(s) for s in (0, 5, 10, 20)] == [False, False, True, True]
+    d = ctrl.decide(10)
+    assert d.switch and d.best == FAST and d.gain > 0.5
+    assert d.time_saved_s > d.switch_cost_s == 30.0
+    log = ctrl.decisions[-1]
+    assert {"step", "current", "best", "scores", "reason"} <= set(log)
+    assert log["current"] == SLOW.label and log["best"] == FAST.label
+    assert set(log["scores"]) == {SLOW.label, FAST.label}
+
+    # a candidate that only measurements reveal as better: start on FAST, measure it 3x
+    # slower than modelled -> SLOW becomes clearly better
+    ctrl = _controller([SLOW, FAST], FAST)
+    assert not ctrl.decide(10).switch
+    predicted = ctrl.cost_model.iteration_time(FAST)
+    ctrl.record_iteration(3.0 * predicted)
+    ctrl.record_iteration(ctrl.cost_model.analytic(SLOW).analytic_s, SLOW)  # as modelled
+    d = ctrl.decide(20)
+    assert d.switch and d.best == SLOW
+    assert ctrl.commit_switch(SLOW, measured_cost_s=12.0) == pytest.approx(2e-4)
+    assert ctrl.current == SLOW and ctrl.switch_cost_s(FAST) == 12.0
+
+
+def test_no_switch_when_switch_cost_cannot_be_repaid():
+    """Catches ignoring the switch cost: with a 10-step horizon FAST saves ~11 s < 30 s
+    prior; with the default horizon but a measured 500 s switch cost it saves ~110 s
+    < 500 s.  Neither may switch."""
+    ctrl = _controller([SLOW, FAST], SLOW, horizon_steps=10)
+    d = ctrl.decide(10)
+    assert not d.switch and d.best == FAST and "switch cost" in d.reason
+    ctrl = _controller([SLOW, FAST], SLOW)
+    ctrl.record_switch_cost("layout", 500.0)
+    d = ctrl.decide(10)
+    assert not d.switch and d.switch_cost_s == 500.0
+
+
+def test_no_switch_below_min_gain():
+    """Catches flapping between near-equal strategies: FAST vs dp8-mb2 differ by ~11 %;
+    with min_gain 0.2 the controller must stay, with 0.05 it may go."""
+    other = Strategy(8, 1, 1, 2, 64)
+    ctrl = _controller([FAST, other], other, min_gain=0.2)
+    d = ctrl.decide(10)
+    assert not d.switch and "min_gain" in d.reason
+    assert _controller([FAST, other], other, min_gain=0.05).decide(10).switch
+
+
+def test_without_noise_scale_only_same_global_batch():
+    """Catches switching to a larger global batch before the GNS is known (efficiency 1 for
+    every batch would make the biggest, fastest batch win blindly)."""
+    ctrl = _controller([SMALL_GB, BIG_GB, FAST], SMALL_GB, noise_scale=None)
+    d = ctrl.decide(10)
+    assert BIG_GB.label not in d.scores
+    assert d.best == FAST and d.switch
+
+
+def test_lr_scaling_rules():
+    """Catches wrong exponents in lr = lr_ref * (B/B_ref)^k: 4x the batch gives 2x (sqrt),
+    4x (linear), 1x (none); and the controller applies it from the reference batch."""
+    assert scale_lr(1e-3, 256, 64, "sqrt") == pytest.approx(2e-3)
+    assert scale_lr(1e-3, 256, 64, "linear") == pytest.approx(4e-3)
+    assert scale_lr(1e-3, 256, 64, "none") == pytest.approx(1e-3)
+    assert scale_lr(1e-3, 16, 64, "sqrt") == pytest.approx(5e-4)
+    with pytest.raises(ValueError, match="lr_scaling"):
+        scale_lr(1e-3, 256, 64, "cubic")
+    ctrl = _controller([SMALL_GB, BIG_GB], SMALL_GB, lr_scaling="linear")
+    assert ctrl.lr() == pytest.approx(2e-4)
+    assert ctrl.commit_switch(BIG_GB) == pytest.approx(2e-4 * 8)
+
+
+def test_state_dict_roundtrip():
+    """Catches losing controller state across a checkpoint or a switch restart (current
+    strategy, measured switch costs, GNS EMAs, calibration)."""
+    ctrl = _controller([SLOW, FAST], SLOW, noise_scale=50.0)
+    ctrl.record_iteration(5.0)
+    ctrl.commit_switch(FAST, measured_cost_s=7.0)
+    ctrl.decide(10)
+    other = _controller([SLOW, FAST], SLOW)
+    other.load_state_dict(ctrl.state_dict())
+    assert other.current == FAST and other.gns.noise_scale == pytest.approx(50.0)
+    assert other.cost_model.iteration_time(SLOW) == pytest.approx(5.0)
+    assert other.decisions == ctrl.decisions
