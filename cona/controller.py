@@ -164,7 +164,9 @@ class Controller:
         if not candidates:
             raise ValueError("Controller needs at least one candidate strategy")
         if cfg.decision_interval <= 0:
-            raise ValueError(f"cona.decision_interval must be positive, got {cfg.decision_interval}")
+            raise ValueError(
+                f"cona.decision_interval must be positive, got {cfg.decision_interval}"
+            )
         if cfg.min_gain < 0 or cfg.horizon_steps <= 0:
             raise ValueError("cona.min_gain must be >= 0 and cona.horizon_steps positive")
         scale_lr(base_lr, 1, 1, cfg.lr_scaling)  # validates the rule
@@ -244,13 +246,17 @@ class Controller:
         elif gain < self.cfg.min_gain:
             switch, reason = False, f"gain {gain:.3f} < min_gain {self.cfg.min_gain}"
         elif time_saved <= cost:
-            switch, reason = False, (
-                f"saves {time_saved:.1f} s over {self.cfg.horizon_steps} steps "
-                f"<= switch cost {cost:.1f} s"
+            switch, reason = (
+                False,
+                (
+                    f"saves {time_saved:.1f} s over {self.cfg.horizon_steps} steps "
+                    f"<= switch cost {cost:.1f} s"
+                ),
             )
         else:
-            switch, reason = True, (
-                f"gain {gain:.3f}; saves {time_saved:.1f} s > switch cost {cost:.1f} s"
+            switch, reason = (
+                True,
+                (f"gain {gain:.3f}; saves {time_saved:.1f} s > switch cost {cost:.1f} s"),
             )
         if phi is None:
             reason += " (no noise scale yet: same global batch only)"

@@ -70,29 +70,39 @@ class Interconnect:
 # Per-direction bandwidths: NVLink totals on datasheets are bidirectional.
 DEFAULT_INTERCONNECTS: dict[str, Interconnect] = {
     "A100": Interconnect(
-        intra_node_gbs=300.0, inter_node_gbs=25.0,
+        intra_node_gbs=300.0,
+        inter_node_gbs=25.0,
         source="A100 SXM4 NVLink3 600 GB/s bidirectional; HDR InfiniBand 200 Gb/s per GPU",
     ),
     "H100": Interconnect(
-        intra_node_gbs=450.0, inter_node_gbs=50.0,
+        intra_node_gbs=450.0,
+        inter_node_gbs=50.0,
         source="H100 SXM5 NVLink4 900 GB/s bidirectional; NDR InfiniBand 400 Gb/s per GPU",
     ),
     "H200": Interconnect(
-        intra_node_gbs=450.0, inter_node_gbs=50.0,
+        intra_node_gbs=450.0,
+        inter_node_gbs=50.0,
         source="H200 SXM NVLink4 900 GB/s bidirectional; NDR InfiniBand 400 Gb/s per GPU",
     ),
     "V100": Interconnect(
-        intra_node_gbs=150.0, inter_node_gbs=12.5,
+        intra_node_gbs=150.0,
+        inter_node_gbs=12.5,
         source="V100 SXM2 NVLink2 300 GB/s bidirectional; EDR InfiniBand 100 Gb/s",
     ),
     "T4": Interconnect(
-        intra_node_gbs=16.0, inter_node_gbs=12.5, source="PCIe Gen3 x16; 100 GbE",
+        intra_node_gbs=16.0,
+        inter_node_gbs=12.5,
+        source="PCIe Gen3 x16; 100 GbE",
     ),
     "L4": Interconnect(
-        intra_node_gbs=32.0, inter_node_gbs=12.5, source="PCIe Gen4 x16; 100 GbE",
+        intra_node_gbs=32.0,
+        inter_node_gbs=12.5,
+        source="PCIe Gen4 x16; 100 GbE",
     ),
     "A10": Interconnect(
-        intra_node_gbs=32.0, inter_node_gbs=12.5, source="PCIe Gen4 x16; 100 GbE",
+        intra_node_gbs=32.0,
+        inter_node_gbs=12.5,
+        source="PCIe Gen4 x16; 100 GbE",
     ),
 }
 
@@ -140,8 +150,12 @@ class IterationEstimate:
     @property
     def analytic_s(self) -> float:
         return (
-            self.compute_s + self.bubble_s + self.tp_comm_s + self.pp_comm_s
-            + self.dp_comm_s + self.optimizer_s
+            self.compute_s
+            + self.bubble_s
+            + self.tp_comm_s
+            + self.pp_comm_s
+            + self.dp_comm_s
+            + self.optimizer_s
         )
 
     @property
@@ -271,9 +285,7 @@ class CostModel:
             dp_exposed += ring_allreduce_s(v * h / tp * grad_b, 2, gbs_pp, lat_pp)
 
         local_params = params / dp if self.distributed_optimizer else params
-        optimizer_s = local_params * self.optimizer_bytes_per_param / (
-            self.gpu.memory_bw_gbs * 1e9
-        )
+        optimizer_s = local_params * self.optimizer_bytes_per_param / (self.gpu.memory_bw_gbs * 1e9)
         return IterationEstimate(
             strategy=st,
             compute_s=compute_s,
@@ -339,7 +351,8 @@ class CostModel:
             return 1.0
         if self.calibration == "layout":
             same = [
-                f for s, f in self._log_factors.items()
+                f
+                for s, f in self._log_factors.items()
                 if (s.tp, s.pp) == (strategy.tp, strategy.pp)
             ]
             if same:

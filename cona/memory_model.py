@@ -143,9 +143,7 @@ class MemoryModel:
 
     def __post_init__(self) -> None:
         if self.precision not in STATE_BYTES:
-            raise ValueError(
-                f"precision={self.precision!r} is not one of {sorted(STATE_BYTES)}"
-            )
+            raise ValueError(f"precision={self.precision!r} is not one of {sorted(STATE_BYTES)}")
 
     # -- parameters ---------------------------------------------------------
 

@@ -183,3 +183,21 @@ def count_parameters(module: torch.nn.Module, *, vocab_size: int | None = None,
             elif name.endswith("output_layer.bias") or name.endswith("lm_head.bias") or name == "output_layer.bias":
                 total -= pad
     return total
+
+
+def meta_parameter_count(cfg) -> dict:
+    """Build ``cfg``'s model on the meta device (no weight memory) and count it.
+
+    Needs an initialised layout (:func:`jobruntime.parallel.initialize_layout`);
+    counts this rank's shard, so call it at TP=PP=1 for the whole model.
+
+    Returns:
+        ``{"params": N, "params_padded": N_with_vocab_padding}``.
+    """
+    module = build_model(cfg.model, cfg.parallel, meta=True)
+    padded = padded_vocab_size(cfg.model.vocab_size, cfg.parallel.tp)
+    assert all(p.device.type == "meta" for p in module.parameters())
+    return {
+        "params": count_parameters(module, vocab_size=cfg.model.vocab_size, padded_vocab=padded),
+        "params_padded": count_parameters(module),
+    }

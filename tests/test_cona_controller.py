@@ -34,8 +34,12 @@ def _gns(noise_scale: float | None) -> GradientNoiseScale:
 def _controller(candidates, current, noise_scale=None, **cfg):
     cfg = ConaConfig(**{"decision_interval": 10, "min_gain": 0.05, "horizon_steps": 100, **cfg})
     return Controller(
-        candidates, CostModel(GPT3, "A100-80GB"), _gns(noise_scale), cfg,
-        current=current, base_lr=2e-4,
+        candidates,
+        CostModel(GPT3, "A100-80GB"),
+        _gns(noise_scale),
+        cfg,
+        current=current,
+        base_lr=2e-4,
     )
 
 

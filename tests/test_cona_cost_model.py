@@ -22,7 +22,9 @@ def test_compute_term_is_flops_over_achieved_rate():
     gpu = get_gpu_profile("A100-80GB")
     tokens = s.global_batch_size * GPT3.seq_length
     mb_tokens = s.micro_batch_size * GPT3.seq_length
-    expected = flops_per_token(GPT3) * tokens / (gpu.peak_tflops * 1e12 * gpu.efficiency(mb_tokens) * 8)
+    expected = (
+        flops_per_token(GPT3) * tokens / (gpu.peak_tflops * 1e12 * gpu.efficiency(mb_tokens) * 8)
+    )
     est = cm.analytic(s)
     assert est.compute_s == pytest.approx(expected, rel=1e-12)
     assert est.bubble_s == 0 and est.tp_comm_s == 0 and est.pp_comm_s == 0
@@ -40,7 +42,9 @@ def test_pipeline_bubble_fraction(pp, gb):
     m = s.num_microbatches
     assert e.bubble_s / pipeline == pytest.approx((pp - 1) / (m + pp - 1), rel=1e-12)
     more = cm.analytic(Strategy(8 // pp, 1, pp, 1, gb * 4))
-    assert more.bubble_s / (more.compute_s + more.bubble_s) < e.bubble_s / (e.compute_s + e.bubble_s)
+    assert more.bubble_s / (more.compute_s + more.bubble_s) < e.bubble_s / (
+        e.compute_s + e.bubble_s
+    )
 
 
 def test_communication_terms():
@@ -54,12 +58,21 @@ def test_communication_terms():
     assert tp_comm[0] == 0 and all(x < y for x, y in zip(tp_comm, tp_comm[1:]))
     assert cm.analytic(Strategy(1, 8, 1, 1, 64)).dp_comm_s == 0
     no_overlap = CostModel(GPT3, "A100-80GB", dp_overlap=0.0)
-    assert no_overlap.analytic(Strategy(8, 1, 1, 1, 64)).dp_comm_s > cm.analytic(
-        Strategy(8, 1, 1, 1, 64)
-    ).dp_comm_s > 0
+    assert (
+        no_overlap.analytic(Strategy(8, 1, 1, 1, 64)).dp_comm_s
+        > cm.analytic(Strategy(8, 1, 1, 1, 64)).dp_comm_s
+        > 0
+    )
     # TP over 16 GPUs crosses nodes: the slower inter-node link must be used
-    slow = CostModel(GPT3, "A100-80GB", interconnect=Interconnect(intra_node_gbs=300, inter_node_gbs=25, gpus_per_node=4))
-    assert slow.analytic(Strategy(1, 8, 1, 1, 64)).tp_comm_s > 5 * cm.analytic(Strategy(1, 8, 1, 1, 64)).tp_comm_s
+    slow = CostModel(
+        GPT3,
+        "A100-80GB",
+        interconnect=Interconnect(intra_node_gbs=300, inter_node_gbs=25, gpus_per_node=4),
+    )
+    assert (
+        slow.analytic(Strategy(1, 8, 1, 1, 64)).tp_comm_s
+        > 5 * cm.analytic(Strategy(1, 8, 1, 1, 64)).tp_comm_s
+    )
     assert default_interconnect("A100-40GB").intra_node_gbs == 300
     with pytest.raises(KeyError, match="interconnect"):
         default_interconnect("TPUv4")
@@ -71,7 +84,11 @@ def test_calibrate_changes_predictions():
     a same-(tp, pp) neighbour inherits it; another layout gets the global mean; ``exact``
     mode leaves neighbours alone; a second measurement moves the factor by the EMA weight."""
     cm = CostModel(GPT3, "A100-80GB")
-    a, same_layout, other = Strategy(8, 1, 1, 1, 64), Strategy(8, 1, 1, 2, 128), Strategy(4, 2, 1, 1, 64)
+    a, same_layout, other = (
+        Strategy(8, 1, 1, 1, 64),
+        Strategy(8, 1, 1, 2, 128),
+        Strategy(4, 2, 1, 1, 64),
+    )
     base = {s: cm.iteration_time(s) for s in (a, same_layout, other)}
     assert cm.correction(a) == 1.0
     assert cm.calibrate(a, 2.0 * base[a]) == pytest.approx(2.0)

@@ -53,7 +53,9 @@ def test_gpt3_tp3_excluded_by_heads():
     assert ss
     assert {s.tp for s in ss} == {1, 2, 4}
     assert all(_valid(s, GPT3, 12) for s in ss)
-    assert any("num_attention_heads" in r for r in check_strategy(Strategy(4, 3, 1, 1, 48), GPT3, 12))
+    assert any(
+        "num_attention_heads" in r for r in check_strategy(Strategy(4, 3, 1, 1, 48), GPT3, 12)
+    )
 
 
 def test_gpt3_8xa100_valid_and_memory_feasible():
@@ -73,9 +75,10 @@ def test_gpt3_8xa100_valid_and_memory_feasible():
     assert all(mm.peak_bytes(s) <= A100_80 for s in feasible)
     assert all(mm.peak_bytes(s) > A100_80 for s in set(unlimited) - set(feasible))
     # a plain callable works as the memory model too
-    assert enumerate_strategies(
-        GPT3, 8, memory_limit_bytes=A100_80, memory_model=mm.peak_bytes, **kw
-    ) == feasible
+    assert (
+        enumerate_strategies(GPT3, 8, memory_limit_bytes=A100_80, memory_model=mm.peak_bytes, **kw)
+        == feasible
+    )
 
 
 def test_llama_kv_heads_constrain_tp():
