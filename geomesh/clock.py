@@ -63,8 +63,9 @@ from .cluster import ClusterSpec, WorkerSpec
 # ---------------------------------------------------------------------------
 
 
-def worker_tokens_per_s(worker: WorkerSpec, model: ModelConfig, micro_batch_size: int, *,
-                        seq_length: int | None = None) -> float:
+def worker_tokens_per_s(
+    worker: WorkerSpec, model: ModelConfig, micro_batch_size: int, *, seq_length: int | None = None
+) -> float:
     """Training throughput of the whole worker, tokens/s, at a micro-batch size.
 
     ``num_gpus · achieved_flops(mb · s) / flops_per_token`` (no pipeline bubble).
@@ -79,8 +80,14 @@ def pipeline_bubble_factor(pp: int, grad_accum: int) -> float:
     return (grad_accum + pp - 1) / grad_accum
 
 
-def inner_step_time_s(worker: WorkerSpec, model: ModelConfig, micro_batch_size: int,
-                      grad_accum: int, *, seq_length: int | None = None) -> float:
+def inner_step_time_s(
+    worker: WorkerSpec,
+    model: ModelConfig,
+    micro_batch_size: int,
+    grad_accum: int,
+    *,
+    seq_length: int | None = None,
+) -> float:
     """Seconds of one inner optimizer step of ``worker``, equation (1)."""
     s = seq_length or model.seq_length
     tokens = micro_batch_size * grad_accum * worker.dp * s
@@ -205,7 +212,11 @@ class EmulatedClock:
             t = bundle_ready[r.name]
             for q in c.regions:
                 if q.name != r.name:
-                    t = max(t, bundle_ready[q.name] + c.link(q.name, r.name).transfer_s(bundle_bytes[q.name]))
+                    t = max(
+                        t,
+                        bundle_ready[q.name]
+                        + c.link(q.name, r.name).transfer_s(bundle_bytes[q.name]),
+                    )
                     wan += bundle_bytes[q.name]
             have_all[r.name] = t
         timings: dict[str, WorkerTiming] = {}
@@ -218,9 +229,13 @@ class EmulatedClock:
                     intra += total - int(message_bytes[m.name])
                 straggler = slowest - ready[m.name]
                 timings[m.name] = WorkerTiming(
-                    start_s=self._round_start[m.name], compute_s=self._round_compute[m.name],
-                    straggler_idle_s=straggler, wan_idle_s=end - ready[m.name] - straggler,
-                    end_s=end, sent_bytes=int(message_bytes[m.name]))
+                    start_s=self._round_start[m.name],
+                    compute_s=self._round_compute[m.name],
+                    straggler_idle_s=straggler,
+                    wan_idle_s=end - ready[m.name] - straggler,
+                    end_s=end,
+                    sent_bytes=int(message_bytes[m.name]),
+                )
         for name, t in timings.items():
             self.time_s[name] = t.end_s
             self._round_start[name] = t.end_s
@@ -231,14 +246,16 @@ class EmulatedClock:
             self.totals[name].end_s = t.end_s
         self.wan_bytes += wan
         self.intra_bytes += intra
-        sched = RoundSchedule(workers={w.name: timings[w.name] for w in c.workers},
-                              wan_bytes=wan, intra_bytes=intra)
+        sched = RoundSchedule(
+            workers={w.name: timings[w.name] for w in c.workers}, wan_bytes=wan, intra_bytes=intra
+        )
         self.rounds.append(sched)
         return sched
 
 
-def geomesh_round(cluster: ClusterSpec, compute_s: Mapping[str, float],
-                  message_bytes: Mapping[str, int] | int) -> RoundSchedule:
+def geomesh_round(
+    cluster: ClusterSpec, compute_s: Mapping[str, float], message_bytes: Mapping[str, int] | int
+) -> RoundSchedule:
     """Schedule of one GeoMesh round starting at time 0 (all workers together).
 
     Args:
@@ -272,14 +289,16 @@ def allreduce_s(cluster: ClusterSpec, nbytes: int) -> tuple[float, int, int]:
     if R == 1:
         return 2 * intra_t, 0, intra_bytes
     chunk = nbytes / R
-    step = max(cluster.link(regions[k].name, regions[(k + 1) % R].name).transfer_s(chunk)
-               for k in range(R))
+    step = max(
+        cluster.link(regions[k].name, regions[(k + 1) % R].name).transfer_s(chunk) for k in range(R)
+    )
     wan_bytes = int(round(2 * (R - 1) * R * chunk))
     return 2 * intra_t + 2 * (R - 1) * step, wan_bytes, intra_bytes
 
 
-def ddp_schedule(cluster: ClusterSpec, step_compute_s: Mapping[str, float], grad_bytes: int,
-                 num_steps: int) -> RoundSchedule:
+def ddp_schedule(
+    cluster: ClusterSpec, step_compute_s: Mapping[str, float], grad_bytes: int, num_steps: int
+) -> RoundSchedule:
     """Synchronous DDP over the WAN: every step, all-reduce ``grad_bytes`` (fp32 grads).
 
     Each step starts on all workers at once, worker ``i`` computes
@@ -292,13 +311,18 @@ def ddp_schedule(cluster: ClusterSpec, step_compute_s: Mapping[str, float], grad
     step_s = slowest + ar_s
     timings = {
         w.name: WorkerTiming(
-            start_s=0.0, compute_s=num_steps * step_compute_s[w.name],
+            start_s=0.0,
+            compute_s=num_steps * step_compute_s[w.name],
             straggler_idle_s=num_steps * (slowest - step_compute_s[w.name]),
-            wan_idle_s=num_steps * ar_s, end_s=num_steps * step_s,
-            sent_bytes=num_steps * grad_bytes)
+            wan_idle_s=num_steps * ar_s,
+            end_s=num_steps * step_s,
+            sent_bytes=num_steps * grad_bytes,
+        )
         for w in cluster.workers
     }
-    return RoundSchedule(workers=timings, wan_bytes=num_steps * wan_b, intra_bytes=num_steps * intra_b)
+    return RoundSchedule(
+        workers=timings, wan_bytes=num_steps * wan_b, intra_bytes=num_steps * intra_b
+    )
 
 
 @dataclass(frozen=True)
@@ -318,9 +342,15 @@ class AsyncUpdate:
     staleness: int
 
 
-def async_schedule(cluster: ClusterSpec, round_compute_s: Mapping[str, float], update_bytes: int,
-                   model_bytes: int, horizon_s: float, *, server_region: str | None = None
-                   ) -> RoundSchedule:
+def async_schedule(
+    cluster: ClusterSpec,
+    round_compute_s: Mapping[str, float],
+    update_bytes: int,
+    model_bytes: int,
+    horizon_s: float,
+    *,
+    server_region: str | None = None,
+) -> RoundSchedule:
     """Asynchronous baseline: each worker's update is applied when it arrives.
 
     A parameter server sits at the leader of ``server_region`` (default: the
@@ -334,7 +364,9 @@ def async_schedule(cluster: ClusterSpec, round_compute_s: Mapping[str, float], u
     server = server_region or cluster.workers[0].region
     cluster.region(server)  # KeyError on a bad name
     timings = {w.name: WorkerTiming() for w in cluster.workers}
-    heap: list[tuple[float, int, float, int]] = []  # (arrival, worker idx, compute start, version read)
+    heap: list[
+        tuple[float, int, float, int]
+    ] = []  # (arrival, worker idx, compute start, version read)
     for i, w in enumerate(cluster.workers):
         arrive = round_compute_s[w.name] + cluster.link(w.region, server).transfer_s(update_bytes)
         heapq.heappush(heap, (arrive, i, 0.0, 0))
@@ -346,7 +378,9 @@ def async_schedule(cluster: ClusterSpec, round_compute_s: Mapping[str, float], u
         if arrive > horizon_s:
             continue
         w = cluster.workers[i]
-        events.append(AsyncUpdate(time_s=arrive, worker=w.name, version_read=read, staleness=version - read))
+        events.append(
+            AsyncUpdate(time_s=arrive, worker=w.name, version_read=read, staleness=version - read)
+        )
         version += 1
         back = arrive + cluster.link(server, w.region).transfer_s(model_bytes)
         t = timings[w.name]
@@ -356,6 +390,8 @@ def async_schedule(cluster: ClusterSpec, round_compute_s: Mapping[str, float], u
         t.end_s = back
         if w.region != server:
             wan += update_bytes + model_bytes
-        nxt = back + round_compute_s[w.name] + cluster.link(w.region, server).transfer_s(update_bytes)
+        nxt = (
+            back + round_compute_s[w.name] + cluster.link(w.region, server).transfer_s(update_bytes)
+        )
         heapq.heappush(heap, (nxt, i, back, version))
     return RoundSchedule(workers=timings, wan_bytes=wan, events=events)

@@ -32,7 +32,6 @@ the offending field (``workers[2].gpu``) and says how to fix it.
 
 from __future__ import annotations
 
-import csv
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,9 +42,9 @@ import yaml
 from jobruntime.config import ConfigError
 from jobruntime.hardware import GPUProfile, get_gpu_profile, gpu_profiles
 
-PACKAGE_DIR = Path(__file__).resolve().parent
-DEFAULT_WAN_CSV = PACKAGE_DIR / "data" / "azure_wan.csv"
-CLUSTERS_DIR = PACKAGE_DIR / "clusters"
+from .wan import DEFAULT_WAN_CSV, WanLink, WanProfileError, gbps_to_bytes_per_s, load_wan_csv
+
+CLUSTERS_DIR = Path(__file__).resolve().parent / "clusters"
 
 # Intra-region defaults between two VMs of one Azure region (assumptions, not
 # measurements): accelerated networking gives tens of Gbit/s and < 2 ms RTT.
@@ -55,36 +54,6 @@ DEFAULT_INTRA_RTT_MS = 1.0
 
 class ClusterError(ConfigError):
     """A cluster description is invalid; the message names the field and the fix."""
-
-
-def gbps_to_bytes_per_s(gbps: float) -> float:
-    """Gbit/s (10^9 bit/s, as in the CSV) to bytes/s."""
-    return gbps * 1e9 / 8.0
-
-
-@dataclass(frozen=True, kw_only=True)
-class WanLink:
-    """One directed link.
-
-    Attributes:
-        src, dst: region names.
-        rtt_s: round-trip latency, seconds.
-        bandwidth_bytes_per_s: sustained throughput, bytes/s (already scaled by
-            ``wan_bandwidth_scale`` for WAN links).
-    """
-
-    src: str
-    dst: str
-    rtt_s: float
-    bandwidth_bytes_per_s: float
-
-    def transfer_s(self, nbytes: int) -> float:
-        """Seconds for a one-way push of ``nbytes``: ``rtt/2 + nbytes/bandwidth``.
-
-        One-way propagation is half the RTT; TCP slow start and handshakes are
-        not modelled (long-lived connections are assumed).
-        """
-        return self.rtt_s / 2.0 + nbytes / self.bandwidth_bytes_per_s
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -155,8 +124,10 @@ class ClusterSpec:
         for w in self.workers:
             if w.name == name:
                 return w
-        raise KeyError(f"no worker '{name}' in cluster '{self.name}'; "
-                       f"workers: {[w.name for w in self.workers]}")
+        raise KeyError(
+            f"no worker '{name}' in cluster '{self.name}'; "
+            f"workers: {[w.name for w in self.workers]}"
+        )
 
     def worker_index(self, name: str) -> int:
         return [w.name for w in self.workers].index(self.worker(name).name)
@@ -184,7 +155,9 @@ class ClusterSpec:
     def rendezvous_host_port(self) -> tuple[str, int]:
         """``(host, port)`` of :attr:`rendezvous` (real mode)."""
         if not self.rendezvous:
-            raise ClusterError(f"cluster '{self.name}' has no rendezvous; set rendezvous: host:port")
+            raise ClusterError(
+                f"cluster '{self.name}' has no rendezvous; set rendezvous: host:port"
+            )
         host, port = self.rendezvous.rsplit(":", 1)
         return host, int(port)
 
@@ -194,40 +167,16 @@ class ClusterSpec:
 # ---------------------------------------------------------------------------
 
 
-def load_wan_csv(path: str | Path = DEFAULT_WAN_CSV) -> dict[tuple[str, str], tuple[float, float]]:
-    """Read a WAN CSV into ``{(src, dst): (rtt_ms, gbps)}`` (unscaled).
-
-    Columns: ``src_region,dst_region,rtt_p95_ms,throughput_gbps``.
-
-    Raises:
-        ClusterError: missing file, missing column or a non-positive value.
-    """
-    path = Path(path)
-    if not path.is_file():
-        raise ClusterError(f"wan_csv: file {path} not found; give an existing CSV or 'default'")
-    out: dict[tuple[str, str], tuple[float, float]] = {}
-    with path.open(newline="") as f:
-        reader = csv.DictReader(f)
-        need = {"src_region", "dst_region", "rtt_p95_ms", "throughput_gbps"}
-        if not need <= set(reader.fieldnames or ()):
-            raise ClusterError(f"wan_csv {path}: needs columns {sorted(need)}, has {reader.fieldnames}")
-        for lineno, row in enumerate(reader, start=2):
-            try:
-                rtt, gbps = float(row["rtt_p95_ms"]), float(row["throughput_gbps"])
-            except ValueError:
-                raise ClusterError(f"wan_csv {path}:{lineno}: rtt/throughput are not numbers") from None
-            if rtt < 0 or gbps <= 0:
-                raise ClusterError(f"wan_csv {path}:{lineno}: need rtt >= 0 and throughput > 0")
-            out[(row["src_region"].strip(), row["dst_region"].strip())] = (rtt, gbps)
-    return out
-
-
 def _num(value: Any, where: str, *, positive: bool = True, integer: bool = False) -> float:
     ok = isinstance(value, (int, float)) and not isinstance(value, bool)
     if integer:
         ok = ok and float(value).is_integer()
     if not ok or not math.isfinite(value) or (positive and value <= 0) or value < 0:
-        kind = "a positive integer" if integer else ("a positive number" if positive else "a number >= 0")
+        kind = (
+            "a positive integer"
+            if integer
+            else ("a positive number" if positive else "a number >= 0")
+        )
         raise ClusterError(f"{where}={value!r} must be {kind}")
     return int(value) if integer else float(value)
 
@@ -237,31 +186,14 @@ def _check_keys(d: Any, allowed: set[str], where: str) -> dict:
         raise ClusterError(f"{where} must be a mapping with keys {sorted(allowed)}")
     unknown = set(d) - allowed
     if unknown:
-        raise ClusterError(f"{where}: unknown key(s) {sorted(unknown)}; valid keys: {sorted(allowed)}")
+        raise ClusterError(
+            f"{where}: unknown key(s) {sorted(unknown)}; valid keys: {sorted(allowed)}"
+        )
     return d
 
 
-def cluster_from_dict(raw: dict, *, base_dir: Path | None = None) -> ClusterSpec:
-    """Validate a parsed YAML mapping and build a :class:`ClusterSpec`.
-
-    Args:
-        raw: the YAML mapping (schema in the module docstring).
-        base_dir: directory against which a relative ``wan_csv`` is resolved.
-
-    Raises:
-        ClusterError: any invalid field (the message names it and the fix).
-    """
-    top = {"name", "mode", "rendezvous", "wan_csv", "wan_bandwidth_scale", "wan_links",
-           "regions", "workers"}
-    raw = _check_keys(raw, top, "cluster")
-    name = str(raw.get("name", "cluster"))
-    mode = raw.get("mode", "emulated")
-    if mode not in ("emulated", "real"):
-        raise ClusterError(f"mode={mode!r} must be 'emulated' or 'real'")
-    scale = _num(raw.get("wan_bandwidth_scale", 1.0), "wan_bandwidth_scale")
-
-    # -- workers -------------------------------------------------------------
-    raw_workers = raw.get("workers")
+def _parse_workers(raw_workers: Any) -> list[WorkerSpec]:
+    """``workers:`` list -> WorkerSpecs (GPU known, num_gpus divisible by tp*pp, unique names)."""
     if not isinstance(raw_workers, list) or not raw_workers:
         raise ClusterError("workers must be a non-empty list of {name, gpu, num_gpus, region}")
     workers: list[WorkerSpec] = []
@@ -275,27 +207,42 @@ def cluster_from_dict(raw: dict, *, base_dir: Path | None = None) -> ClusterSpec
         try:
             get_gpu_profile(w["gpu"])
         except KeyError:
-            raise ClusterError(f"{where}.gpu={w['gpu']!r} is unknown; use one of "
-                               f"{sorted(gpu_profiles())} or add it to jobruntime/gpu_profiles.yaml") from None
+            raise ClusterError(
+                f"{where}.gpu={w['gpu']!r} is unknown; use one of "
+                f"{sorted(gpu_profiles())} or add it to jobruntime/gpu_profiles.yaml"
+            ) from None
         n = _num(w.get("num_gpus", 1), f"{where}.num_gpus", integer=True)
         tp = _num(w.get("tp", 1), f"{where}.tp", integer=True)
         pp = _num(w.get("pp", 1), f"{where}.pp", integer=True)
         if n % (tp * pp):
-            raise ClusterError(f"{where}.num_gpus={n} is not a multiple of tp*pp={tp * pp}; "
-                               "change num_gpus, tp or pp")
+            raise ClusterError(
+                f"{where}.num_gpus={n} is not a multiple of tp*pp={tp * pp}; "
+                "change num_gpus, tp or pp"
+            )
         mem = w.get("memory_gib")
         if mem is not None:
             mem = _num(mem, f"{where}.memory_gib")
-        workers.append(WorkerSpec(name=w["name"], gpu=get_gpu_profile(w["gpu"]).name, num_gpus=n,
-                                  region=w["region"], tp=tp, pp=pp, memory_gib=mem))
+        workers.append(
+            WorkerSpec(
+                name=w["name"],
+                gpu=get_gpu_profile(w["gpu"]).name,
+                num_gpus=n,
+                region=w["region"],
+                tp=tp,
+                pp=pp,
+                memory_gib=mem,
+            )
+        )
     names = [w.name for w in workers]
     dup = sorted({x for x in names if names.count(x) > 1})
     if dup:
         raise ClusterError(f"workers: duplicate name(s) {dup}; worker names must be unique")
+    return workers
 
-    # -- regions -------------------------------------------------------------
+
+def _parse_regions(raw_regions: Any, workers: list[WorkerSpec]) -> list[RegionSpec]:
+    """``regions:`` list (default: workers' regions) -> RegionSpecs sorted by id."""
     used = list(dict.fromkeys(w.region for w in workers))  # first-appearance order
-    raw_regions = raw.get("regions")
     if raw_regions is None:
         raw_regions = [{"name": r, "id": k} for k, r in enumerate(used)]
     if not isinstance(raw_regions, list):
@@ -310,29 +257,44 @@ def cluster_from_dict(raw: dict, *, base_dir: Path | None = None) -> ClusterSpec
         rid = r.get("id", i)
         if not isinstance(rid, int) or isinstance(rid, bool) or rid < 0:
             raise ClusterError(f"{where}.id={rid!r} must be an integer >= 0")
-        intra = WanLink(src=r["name"], dst=r["name"],
-                        rtt_s=_num(r.get("intra_rtt_ms", DEFAULT_INTRA_RTT_MS),
-                                   f"{where}.intra_rtt_ms", positive=False) / 1e3,
-                        bandwidth_bytes_per_s=gbps_to_bytes_per_s(
-                            _num(r.get("intra_gbps", DEFAULT_INTRA_GBPS), f"{where}.intra_gbps")))
+        intra = WanLink(
+            src=r["name"],
+            dst=r["name"],
+            rtt_s=_num(
+                r.get("intra_rtt_ms", DEFAULT_INTRA_RTT_MS), f"{where}.intra_rtt_ms", positive=False
+            )
+            / 1e3,
+            bandwidth_bytes_per_s=gbps_to_bytes_per_s(
+                _num(r.get("intra_gbps", DEFAULT_INTRA_GBPS), f"{where}.intra_gbps")
+            ),
+        )
         regions.append(RegionSpec(name=r["name"], region_id=rid, intra_link=intra))
     rnames = [r.name for r in regions]
     if len(set(rnames)) != len(rnames):
         raise ClusterError(f"regions: duplicate region names in {rnames}")
     ids = sorted(r.region_id for r in regions)
     if ids != list(range(len(regions))):
-        raise ClusterError(f"regions[*].id = {ids} must be 0..{len(regions) - 1}, each once "
-                           "(they are the region ranks in real mode)")
+        raise ClusterError(
+            f"regions[*].id = {ids} must be 0..{len(regions) - 1}, each once "
+            "(they are the region ranks in real mode)"
+        )
     for i, w in enumerate(workers):
         if w.region not in rnames:
-            raise ClusterError(f"workers[{i}].region={w.region!r} is not listed under regions "
-                               f"{rnames}; add it there or fix the name")
+            raise ClusterError(
+                f"workers[{i}].region={w.region!r} is not listed under regions "
+                f"{rnames}; add it there or fix the name"
+            )
     unused = [r for r in rnames if r not in used]
     if unused:
         raise ClusterError(f"regions {unused} have no workers; remove them from regions")
     regions.sort(key=lambda r: r.region_id)
+    return regions
 
-    # -- WAN -------------------------------------------------------------------
+
+def _parse_links(
+    raw: dict, rnames: list[str], scale: float, base_dir: Path | None
+) -> dict[tuple[str, str], WanLink]:
+    """WAN CSV + ``wan_links`` overrides -> a link for every ordered region pair (scaled)."""
     csv_opt = raw.get("wan_csv", "default")
     if csv_opt in (None, "default"):
         csv_path = DEFAULT_WAN_CSV
@@ -340,7 +302,10 @@ def cluster_from_dict(raw: dict, *, base_dir: Path | None = None) -> ClusterSpec
         csv_path = Path(str(csv_opt))
         if not csv_path.is_absolute() and base_dir is not None:
             csv_path = base_dir / csv_path
-    table = load_wan_csv(csv_path)
+    try:
+        table = load_wan_csv(csv_path)
+    except WanProfileError as e:
+        raise ClusterError(f"wan_csv: {e}") from None
     lkeys = {"src", "dst", "rtt_ms", "gbps"}
     for i, link in enumerate(raw.get("wan_links") or []):
         where = f"wan_links[{i}]"
@@ -348,7 +313,9 @@ def cluster_from_dict(raw: dict, *, base_dir: Path | None = None) -> ClusterSpec
         if set(link) != lkeys:
             raise ClusterError(f"{where} needs all of {sorted(lkeys)}")
         table[(str(link["src"]), str(link["dst"]))] = (
-            _num(link["rtt_ms"], f"{where}.rtt_ms", positive=False), _num(link["gbps"], f"{where}.gbps"))
+            _num(link["rtt_ms"], f"{where}.rtt_ms", positive=False),
+            _num(link["gbps"], f"{where}.gbps"),
+        )
     known = sorted({s for s, _ in table} | {d for _, d in table})
     links: dict[tuple[str, str], WanLink] = {}
     for src in rnames:
@@ -359,26 +326,78 @@ def cluster_from_dict(raw: dict, *, base_dir: Path | None = None) -> ClusterSpec
                 raise ClusterError(
                     f"no WAN link {src!r} -> {dst!r} in {csv_path.name} or wan_links; regions "
                     f"known there: {known}; fix the region name or add "
-                    f"{{src: {src}, dst: {dst}, rtt_ms: ..., gbps: ...}} under wan_links")
+                    f"{{src: {src}, dst: {dst}, rtt_ms: ..., gbps: ...}} under wan_links"
+                )
             rtt_ms, gbps = table[(src, dst)]
-            links[(src, dst)] = WanLink(src=src, dst=dst, rtt_s=rtt_ms / 1e3,
-                                        bandwidth_bytes_per_s=gbps_to_bytes_per_s(gbps) * scale)
+            links[(src, dst)] = WanLink(
+                src=src,
+                dst=dst,
+                rtt_s=rtt_ms / 1e3,
+                bandwidth_bytes_per_s=gbps_to_bytes_per_s(gbps) * scale,
+            )
+    return links
 
-    # -- real mode -----------------------------------------------------------
-    rendezvous = raw.get("rendezvous")
+
+def _parse_rendezvous(rendezvous: Any, mode: str) -> str | None:
+    """``rendezvous: host:port`` (required in real mode)."""
     if rendezvous is not None:
         ok = isinstance(rendezvous, str) and ":" in rendezvous
         if ok:
             host, port = rendezvous.rsplit(":", 1)
             ok = bool(host) and port.isdigit() and 0 < int(port) < 65536
         if not ok:
-            raise ClusterError(f"rendezvous={rendezvous!r} must look like host:port (e.g. 10.0.0.1:29500)")
+            raise ClusterError(
+                f"rendezvous={rendezvous!r} must look like host:port (e.g. 10.0.0.1:29500)"
+            )
     if mode == "real" and rendezvous is None:
-        raise ClusterError("mode=real needs rendezvous: host:port of the inter-worker store "
-                           "(a TCPStore all worker leaders can reach)")
+        raise ClusterError(
+            "mode=real needs rendezvous: host:port of the inter-worker store "
+            "(a TCPStore all worker leaders can reach)"
+        )
+    return rendezvous
 
-    return ClusterSpec(name=name, mode=mode, workers=tuple(workers), regions=tuple(regions),
-                       links=links, wan_bandwidth_scale=scale, rendezvous=rendezvous)
+
+def cluster_from_dict(raw: dict, *, base_dir: Path | None = None) -> ClusterSpec:
+    """Validate a parsed YAML mapping and build a :class:`ClusterSpec`.
+
+    Args:
+        raw: the YAML mapping (schema in the module docstring).
+        base_dir: directory against which a relative ``wan_csv`` is resolved.
+
+    Raises:
+        ClusterError: any invalid field (the message names it and the fix).
+    """
+    top = {
+        "name",
+        "mode",
+        "rendezvous",
+        "wan_csv",
+        "wan_bandwidth_scale",
+        "wan_links",
+        "regions",
+        "workers",
+    }
+    raw = _check_keys(raw, top, "cluster")
+    name = str(raw.get("name", "cluster"))
+    mode = raw.get("mode", "emulated")
+    if mode not in ("emulated", "real"):
+        raise ClusterError(f"mode={mode!r} must be 'emulated' or 'real'")
+    scale = _num(raw.get("wan_bandwidth_scale", 1.0), "wan_bandwidth_scale")
+
+    workers = _parse_workers(raw.get("workers"))
+    regions = _parse_regions(raw.get("regions"), workers)
+    links = _parse_links(raw, [r.name for r in regions], scale, base_dir)
+    rendezvous = _parse_rendezvous(raw.get("rendezvous"), mode)
+
+    return ClusterSpec(
+        name=name,
+        mode=mode,
+        workers=tuple(workers),
+        regions=tuple(regions),
+        links=links,
+        wan_bandwidth_scale=scale,
+        rendezvous=rendezvous,
+    )
 
 
 def resolve_cluster(name_or_path: str | Path) -> Path:
@@ -395,7 +414,9 @@ def resolve_cluster(name_or_path: str | Path) -> Path:
     raise ClusterError(f"cluster '{name_or_path}' not found; give a YAML path or one of {known}")
 
 
-def load_cluster(name_or_path: str | Path, *, wan_bandwidth_scale: float | None = None) -> ClusterSpec:
+def load_cluster(
+    name_or_path: str | Path, *, wan_bandwidth_scale: float | None = None
+) -> ClusterSpec:
     """Load and validate a cluster YAML (``geomesh.cluster`` in the job config).
 
     Args:

@@ -96,8 +96,9 @@ def pack_signs(t: torch.Tensor) -> tuple[torch.Tensor, int]:
     return packed, n
 
 
-def unpack_signs(packed: torch.Tensor, shape: Sequence[int] | torch.Size, *,
-                 dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def unpack_signs(
+    packed: torch.Tensor, shape: Sequence[int] | torch.Size, *, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     """Inverse of :func:`pack_signs`: ``±1`` tensor of ``shape``.
 
     Args:
@@ -110,9 +111,13 @@ def unpack_signs(packed: torch.Tensor, shape: Sequence[int] | torch.Size, *,
     shape = torch.Size(shape)
     n = shape.numel()
     if packed.dtype != torch.uint8 or packed.dim() != 1:
-        raise ValueError(f"packed signs must be a 1-D uint8 tensor, got {packed.dtype} {tuple(packed.shape)}")
+        raise ValueError(
+            f"packed signs must be a 1-D uint8 tensor, got {packed.dtype} {tuple(packed.shape)}"
+        )
     if packed.numel() != packed_size(n):
-        raise ValueError(f"packed signs have {packed.numel()} bytes; shape {tuple(shape)} needs {packed_size(n)}")
+        raise ValueError(
+            f"packed signs have {packed.numel()} bytes; shape {tuple(shape)} needs {packed_size(n)}"
+        )
     shifts = torch.tensor(_SHIFTS, dtype=torch.uint8, device=packed.device)
     bits = (packed.unsqueeze(1) >> shifts) & 1  # [n/8, 8] uint8
     bits = bits.reshape(-1)[:n]
@@ -167,25 +172,34 @@ def compress(delta: torch.Tensor, residual: torch.Tensor | None = None) -> Compr
     x = delta.detach().float()
     if residual is not None:
         if residual.shape != delta.shape:
-            raise ValueError(f"residual shape {tuple(residual.shape)} != delta shape {tuple(delta.shape)}")
+            raise ValueError(
+                f"residual shape {tuple(residual.shape)} != delta shape {tuple(delta.shape)}"
+            )
         x = x + residual.float()
     scale = _fp32(x.abs().mean().item()) if x.numel() else 0.0
     if not math.isfinite(scale):
-        raise ValueError(f"pseudo-gradient of shape {tuple(delta.shape)} has NaN/Inf; "
-                         "the worker diverged (lower the inner learning rate)")
+        raise ValueError(
+            f"pseudo-gradient of shape {tuple(delta.shape)} has NaN/Inf; "
+            "the worker diverged (lower the inner learning rate)"
+        )
     packed, _ = pack_signs(x)
     return CompressedTensor(packed=packed, scale=scale, shape=torch.Size(delta.shape))
 
 
-def decompress(ct: CompressedTensor, *, dtype: torch.dtype = torch.float32,
-               device: torch.device | str | None = None) -> torch.Tensor:
+def decompress(
+    ct: CompressedTensor,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
     """``scale * sign`` as a ``dtype`` tensor of ``ct.shape``."""
     packed = ct.packed if device is None else ct.packed.to(device)
     return unpack_signs(packed, ct.shape, dtype=dtype).mul_(ct.scale)
 
 
-def compress_with_feedback(delta: torch.Tensor, residual: torch.Tensor | None
-                           ) -> tuple[CompressedTensor, torch.Tensor]:
+def compress_with_feedback(
+    delta: torch.Tensor, residual: torch.Tensor | None
+) -> tuple[CompressedTensor, torch.Tensor]:
     """EF-signSGD step: ``ct = C(delta + residual)``, new residual ``x - D(ct)`` (fp32)."""
     x = delta.detach().float() if residual is None else delta.detach().float() + residual.float()
     ct = compress(x)
@@ -277,8 +291,14 @@ class WorkerMessage:
         return sum(ct.wire_bytes for ct in self.tensors.values()) + 8
 
 
-def compress_message(deltas: Mapping[str, torch.Tensor], num_tokens: int, *, worker: int,
-                     round: int, feedback: ErrorFeedback | None = None) -> WorkerMessage:
+def compress_message(
+    deltas: Mapping[str, torch.Tensor],
+    num_tokens: int,
+    *,
+    worker: int,
+    round: int,
+    feedback: ErrorFeedback | None = None,
+) -> WorkerMessage:
     """Compress every pseudo-gradient of a worker (with error feedback if given)."""
     if feedback is None:
         tensors = {k: compress(v) for k, v in deltas.items()}
@@ -297,9 +317,21 @@ def encode_message(msg: WorkerMessage, schema: TensorSchema) -> bytes:
     if set(msg.tensors) != set(names):
         missing = sorted(set(names) - set(msg.tensors))
         extra = sorted(set(msg.tensors) - set(names))
-        raise ValueError(f"message tensors differ from the schema: missing {missing[:5]}, extra {extra[:5]}")
-    parts = [_HEADER.pack(MAGIC, VERSION, 0, msg.worker, msg.round % 2**32, msg.num_tokens,
-                          schema.digest, len(names))]
+        raise ValueError(
+            f"message tensors differ from the schema: missing {missing[:5]}, extra {extra[:5]}"
+        )
+    parts = [
+        _HEADER.pack(
+            MAGIC,
+            VERSION,
+            0,
+            msg.worker,
+            msg.round % 2**32,
+            msg.num_tokens,
+            schema.digest,
+            len(names),
+        )
+    ]
     for name, shape in schema.entries:
         ct = msg.tensors[name]
         if tuple(ct.shape) != shape:
@@ -321,19 +353,27 @@ def decode_message(data: bytes | bytearray | memoryview, schema: TensorSchema) -
     buf = bytearray(data)  # writable copy: torch.frombuffer shares it below
     n = len(buf)
     if n < HEADER_BYTES + _CRC.size:
-        raise MessageError(f"GeoMesh message truncated: {n} bytes, the header alone needs {HEADER_BYTES + _CRC.size}")
+        raise MessageError(
+            f"GeoMesh message truncated: {n} bytes, the header alone needs {HEADER_BYTES + _CRC.size}"
+        )
     magic, version, _flags, worker, rnd, tokens, digest, count = _HEADER.unpack_from(buf, 0)
     who = f"message from worker {worker} (round {rnd})"
     if magic != MAGIC:
-        raise MessageError(f"not a GeoMesh message (magic {bytes(magic)!r}, expected {MAGIC!r}); "
-                           "is another program talking on this port?")
+        raise MessageError(
+            f"not a GeoMesh message (magic {bytes(magic)!r}, expected {MAGIC!r}); "
+            "is another program talking on this port?"
+        )
     if version != VERSION:
-        raise MessageError(f"{who} has wire version {version}, this build reads {VERSION}; "
-                           "run the same GeoMesh version on all workers")
+        raise MessageError(
+            f"{who} has wire version {version}, this build reads {VERSION}; "
+            "run the same GeoMesh version on all workers"
+        )
     if digest != schema.digest or count != len(schema.entries):
-        raise MessageError(f"{who} is for a different model ({count} tensors, schema digest "
-                           f"{digest.hex()}; here {len(schema.entries)} tensors, {schema.digest.hex()}); "
-                           "all workers must build the same model")
+        raise MessageError(
+            f"{who} is for a different model ({count} tensors, schema digest "
+            f"{digest.hex()}; here {len(schema.entries)} tensors, {schema.digest.hex()}); "
+            "all workers must build the same model"
+        )
     expected = schema.encoded_bytes()
     if n != expected:
         kind = "truncated" if n < expected else "overlong"
@@ -349,8 +389,11 @@ def decode_message(data: bytes | bytearray | memoryview, schema: TensorSchema) -
         if not (math.isfinite(scale) and scale >= 0):
             raise MessageError(f"{who}: tensor '{name}' has scale {scale}; must be finite and >= 0")
         nb = packed_size(math.prod(shape))
-        packed = (torch.frombuffer(buf, dtype=torch.uint8, count=nb, offset=off) if nb
-                  else torch.empty(0, dtype=torch.uint8))
+        packed = (
+            torch.frombuffer(buf, dtype=torch.uint8, count=nb, offset=off)
+            if nb
+            else torch.empty(0, dtype=torch.uint8)
+        )
         off += nb
         tensors[name] = CompressedTensor(packed=packed, scale=scale, shape=torch.Size(shape))
     return WorkerMessage(worker=worker, round=rnd, num_tokens=tokens, tensors=tensors)

@@ -44,8 +44,9 @@ def _check_weights(num_tokens: Sequence[int]) -> list[float]:
     return [n / total for n in num_tokens]
 
 
-def aggregate(deltas: Sequence[Mapping[str, torch.Tensor]], num_tokens: Sequence[int]
-              ) -> dict[str, torch.Tensor]:
+def aggregate(
+    deltas: Sequence[Mapping[str, torch.Tensor]], num_tokens: Sequence[int]
+) -> dict[str, torch.Tensor]:
     """Token-weighted mean ``Σ (n_i/N) Δ_i`` of (decompressed) pseudo-gradients.
 
     Args:
@@ -59,7 +60,9 @@ def aggregate(deltas: Sequence[Mapping[str, torch.Tensor]], num_tokens: Sequence
         ValueError: mismatched lengths, names or shapes; no tokens at all.
     """
     if len(deltas) != len(num_tokens):
-        raise ValueError(f"aggregate: {len(deltas)} pseudo-gradients but {len(num_tokens)} token counts")
+        raise ValueError(
+            f"aggregate: {len(deltas)} pseudo-gradients but {len(num_tokens)} token counts"
+        )
     weights = _check_weights(num_tokens)
     names = list(deltas[0])
     out: dict[str, torch.Tensor] = {}
@@ -73,12 +76,15 @@ def aggregate(deltas: Sequence[Mapping[str, torch.Tensor]], num_tokens: Sequence
         out[name] = acc
     for i, d in enumerate(deltas):
         if len(d) != len(names):
-            raise ValueError(f"aggregate: worker {i} has {len(d)} tensors, worker 0 has {len(names)}")
+            raise ValueError(
+                f"aggregate: worker {i} has {len(d)} tensors, worker 0 has {len(names)}"
+            )
     return out
 
 
-def aggregate_messages(messages: Sequence[WorkerMessage], *,
-                       device: torch.device | str | None = None) -> dict[str, torch.Tensor]:
+def aggregate_messages(
+    messages: Sequence[WorkerMessage], *, device: torch.device | str | None = None
+) -> dict[str, torch.Tensor]:
     """Equation (1) straight from compressed messages (no per-worker fp32 copies).
 
     Each term is added as ``sign * ((n_i/N) · m_i)`` in message order, so every
@@ -100,8 +106,10 @@ def aggregate_messages(messages: Sequence[WorkerMessage], *,
         for m, w in zip(messages, weights):
             ct = m.tensors.get(name)
             if ct is None or len(m.tensors) != len(names):
-                raise ValueError(f"aggregate: worker {m.worker}'s message has other tensors than worker "
-                                 f"{messages[0].worker}'s (missing '{name}' or extra ones)")
+                raise ValueError(
+                    f"aggregate: worker {m.worker}'s message has other tensors than worker "
+                    f"{messages[0].worker}'s (missing '{name}' or extra ones)"
+                )
             packed = ct.packed if device is None else ct.packed.to(device)
             sign = unpack_signs(packed, ct.shape)  # fp32 ±1, shape of the tensor
             if acc is None:
@@ -125,10 +133,18 @@ class OuterNesterov:
         nesterov: Nesterov (True) or heavy-ball (False) momentum.
     """
 
-    def __init__(self, params: Mapping[str, torch.Tensor], *, lr: float = 0.7,
-                 momentum: float = 0.9, nesterov: bool = True) -> None:
+    def __init__(
+        self,
+        params: Mapping[str, torch.Tensor],
+        *,
+        lr: float = 0.7,
+        momentum: float = 0.9,
+        nesterov: bool = True,
+    ) -> None:
         if lr <= 0 or not 0 <= momentum < 1:
-            raise ValueError(f"OuterNesterov: need lr > 0 and 0 <= momentum < 1, got lr={lr}, momentum={momentum}")
+            raise ValueError(
+                f"OuterNesterov: need lr > 0 and 0 <= momentum < 1, got lr={lr}, momentum={momentum}"
+            )
         self.params: dict[str, torch.Tensor] = dict(params)
         self.lr = lr
         self.momentum = momentum
@@ -146,11 +162,15 @@ class OuterNesterov:
         if set(delta) != set(self.params):
             missing = sorted(set(self.params) - set(delta))[:5]
             extra = sorted(set(delta) - set(self.params))[:5]
-            raise ValueError(f"outer step: pseudo-gradient names differ (missing {missing}, extra {extra})")
+            raise ValueError(
+                f"outer step: pseudo-gradient names differ (missing {missing}, extra {extra})"
+            )
         for name, p in self.params.items():
             g = delta[name].to(device=p.device, dtype=p.dtype)
             if g.shape != p.shape:
-                raise ValueError(f"outer step: '{name}' has shape {tuple(g.shape)}, parameter {tuple(p.shape)}")
+                raise ValueError(
+                    f"outer step: '{name}' has shape {tuple(g.shape)}, parameter {tuple(p.shape)}"
+                )
             buf = self.momentum_buffer.get(name)
             if buf is None:
                 buf = self.momentum_buffer[name] = g.clone()  # v_1 = Δ_1
@@ -163,7 +183,9 @@ class OuterNesterov:
     def state_dict(self) -> dict:
         """Copies of the global weights, momentum buffers and hyper-parameters."""
         return {
-            "lr": self.lr, "momentum": self.momentum, "nesterov": self.nesterov,
+            "lr": self.lr,
+            "momentum": self.momentum,
+            "nesterov": self.nesterov,
             "step": self.step_count,
             "params": {k: v.detach().clone() for k, v in self.params.items()},
             "momentum_buffer": {k: v.clone() for k, v in self.momentum_buffer.items()},
@@ -178,15 +200,20 @@ class OuterNesterov:
         """
         saved = state["params"]
         if set(saved) != set(self.params):
-            raise ValueError("outer load_state_dict: saved weights have other names than the model "
-                             f"(e.g. {sorted(set(saved) ^ set(self.params))[:5]})")
+            raise ValueError(
+                "outer load_state_dict: saved weights have other names than the model "
+                f"(e.g. {sorted(set(saved) ^ set(self.params))[:5]})"
+            )
         for k, p in self.params.items():
             if saved[k].shape != p.shape:
-                raise ValueError(f"outer load_state_dict: '{k}' saved {tuple(saved[k].shape)}, model {tuple(p.shape)}")
+                raise ValueError(
+                    f"outer load_state_dict: '{k}' saved {tuple(saved[k].shape)}, model {tuple(p.shape)}"
+                )
             p.copy_(saved[k])
         self.lr = state["lr"]
         self.momentum = state["momentum"]
         self.nesterov = state["nesterov"]
         self.step_count = state["step"]
-        self.momentum_buffer = {k: v.clone().to(self.params[k].device)
-                                for k, v in state["momentum_buffer"].items()}
+        self.momentum_buffer = {
+            k: v.clone().to(self.params[k].device) for k, v in state["momentum_buffer"].items()
+        }

@@ -37,7 +37,6 @@ from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Union
 
 import torch
 import torch.distributed as dist
@@ -45,7 +44,7 @@ import torch.distributed as dist
 from .clock import EmulatedClock, RoundSchedule
 from .cluster import ClusterSpec
 
-MessageLike = Union[bytes, bytearray, memoryview, torch.Tensor]
+MessageLike = bytes | bytearray | memoryview | torch.Tensor
 
 _BUNDLE_MAGIC = b"GMBD"
 
@@ -94,14 +93,18 @@ def decode_bundle(data: bytes) -> list[bytes]:
     (count,) = struct.unpack_from("<I", data, 4)
     off = 8 + 8 * count
     if len(data) < off:
-        raise TransportError(f"corrupted message bundle: {count} lengths announced, {len(data)} bytes")
+        raise TransportError(
+            f"corrupted message bundle: {count} lengths announced, {len(data)} bytes"
+        )
     lengths = struct.unpack_from(f"<{count}Q", data, 8)
     if off + sum(lengths) != len(data):
-        raise TransportError(f"corrupted message bundle: lengths sum to {sum(lengths)}, "
-                             f"payload has {len(data) - off} bytes")
+        raise TransportError(
+            f"corrupted message bundle: lengths sum to {sum(lengths)}, "
+            f"payload has {len(data) - off} bytes"
+        )
     out = []
     for n in lengths:
-        out.append(bytes(data[off: off + n]))
+        out.append(bytes(data[off : off + n]))
         off += n
     return out
 
@@ -134,8 +137,10 @@ class Transport(ABC):
 
     def _check_local(self, messages: Mapping[int, MessageLike]) -> None:
         if sorted(messages) != sorted(self.local_workers):
-            raise ValueError(f"exchange: got messages for workers {sorted(messages)}, "
-                             f"this process plays {sorted(self.local_workers)}")
+            raise ValueError(
+                f"exchange: got messages for workers {sorted(messages)}, "
+                f"this process plays {sorted(self.local_workers)}"
+            )
 
 
 class InProcessTransport(Transport):
@@ -149,8 +154,13 @@ class InProcessTransport(Transport):
             model's messages are much smaller.
     """
 
-    def __init__(self, cluster: ClusterSpec, *, clock: EmulatedClock | None = None,
-                 charged_bytes: int | None = None) -> None:
+    def __init__(
+        self,
+        cluster: ClusterSpec,
+        *,
+        clock: EmulatedClock | None = None,
+        charged_bytes: int | None = None,
+    ) -> None:
         self.cluster = cluster
         self.local_workers = list(range(len(cluster.workers)))
         self.clock = clock
@@ -164,8 +174,10 @@ class InProcessTransport(Transport):
         out = [as_bytes(messages[i]) for i in self.local_workers]
         self.bytes_sent += sum(map(len, out))
         if self.clock is not None:
-            sizes = {w.name: (self.charged_bytes if self.charged_bytes is not None else len(m))
-                     for w, m in zip(self.cluster.workers, out)}
+            sizes = {
+                w.name: (self.charged_bytes if self.charged_bytes is not None else len(m))
+                for w, m in zip(self.cluster.workers, out)
+            }
             self.last_schedule = self.clock.exchange(sizes)
         return out
 
@@ -185,8 +197,9 @@ class TransportGroups:
     leaders: dist.ProcessGroup | None = None
 
 
-def build_transport_groups(cluster: ClusterSpec, leader_ranks: Sequence[int] | None = None, *,
-                           timeout_s: float = 600.0) -> TransportGroups:
+def build_transport_groups(
+    cluster: ClusterSpec, leader_ranks: Sequence[int] | None = None, *, timeout_s: float = 600.0
+) -> TransportGroups:
     """Create the intra-region groups and the region-leader group.
 
     Like megatron's ``initialize_model_parallel``, *every* rank of the default
@@ -245,16 +258,25 @@ class TorchDistributedTransport(Transport):
             or no store is available.
     """
 
-    def __init__(self, cluster: ClusterSpec, group: dist.ProcessGroup | None = None, *,
-                 store: dist.Store | None = None, timeout_s: float = 600.0,
-                 hierarchical: bool = True, groups: TransportGroups | None = None,
-                 prefix: str = "geomesh") -> None:
+    def __init__(
+        self,
+        cluster: ClusterSpec,
+        group: dist.ProcessGroup | None = None,
+        *,
+        store: dist.Store | None = None,
+        timeout_s: float = 600.0,
+        hierarchical: bool = True,
+        groups: TransportGroups | None = None,
+        prefix: str = "geomesh",
+    ) -> None:
         self.cluster = cluster
         self.group = group if group is not None else dist.group.WORLD
         self.ranks = dist.get_process_group_ranks(self.group)  # global rank of worker i
         if len(self.ranks) != len(cluster.workers):
-            raise TransportError(f"process group has {len(self.ranks)} ranks but cluster '{cluster.name}' "
-                                 f"has {len(cluster.workers)} workers; launch one leader rank per worker")
+            raise TransportError(
+                f"process group has {len(self.ranks)} ranks but cluster '{cluster.name}' "
+                f"has {len(cluster.workers)} workers; launch one leader rank per worker"
+            )
         self.worker = dist.get_rank(self.group)
         self.local_workers = [self.worker]
         if store is None:
@@ -268,28 +290,41 @@ class TorchDistributedTransport(Transport):
         self.prefix = prefix
         self.round = 0
         backend = dist.get_backend(self.group)
-        self.device = (torch.device("cuda", torch.cuda.current_device()) if backend == "nccl"
-                       else torch.device("cpu"))
+        self.device = (
+            torch.device("cuda", torch.cuda.current_device())
+            if backend == "nccl"
+            else torch.device("cpu")
+        )
         me = cluster.workers[self.worker]
         self.region = me.region
         index = {w.name: i for i, w in enumerate(cluster.workers)}
         # Sub-group collectives return results in ascending global-rank order.
         self._by_rank = lambda idx: sorted(idx, key=lambda i: self.ranks[i])
-        self.region_members = self._by_rank([index[w.name] for w in cluster.workers_in(self.region)])
-        self.leaders = self._by_rank([index[cluster.leader_of(r.name).name] for r in cluster.regions])
+        self.region_members = self._by_rank(
+            [index[w.name] for w in cluster.workers_in(self.region)]
+        )
+        self.leaders = self._by_rank(
+            [index[cluster.leader_of(r.name).name] for r in cluster.regions]
+        )
         self.is_leader = self.worker == index[cluster.leader_of(self.region).name]
         if hierarchical and groups is None:
             if dist.get_world_size() != len(self.ranks):
-                raise TransportError("group is not the whole world: build the sub-groups on every "
-                                     "rank with build_transport_groups() and pass groups=")
+                raise TransportError(
+                    "group is not the whole world: build the sub-groups on every "
+                    "rank with build_transport_groups() and pass groups="
+                )
             groups = build_transport_groups(cluster, self.ranks, timeout_s=timeout_s)
         groups = groups or TransportGroups()
         self.region_group = groups.region
         self.leader_group = groups.leaders
-        if hierarchical and ((len(self.region_members) > 1) != (self.region_group is not None)
-                             or (self.is_leader and len(self.leaders) > 1) != (self.leader_group is not None)):
-            raise TransportError(f"sub-groups do not match cluster '{cluster.name}' for worker "
-                                 f"{me.name}; build them with build_transport_groups()")
+        if hierarchical and (
+            (len(self.region_members) > 1) != (self.region_group is not None)
+            or (self.is_leader and len(self.leaders) > 1) != (self.leader_group is not None)
+        ):
+            raise TransportError(
+                f"sub-groups do not match cluster '{cluster.name}' for worker "
+                f"{me.name}; build them with build_transport_groups()"
+            )
 
     # -- arrival barrier -----------------------------------------------------
     def _key(self, rnd: int, worker: int) -> str:
@@ -312,7 +347,9 @@ class TorchDistributedTransport(Transport):
                 f"GeoMesh exchange {rnd}: no answer within {self.timeout_s:g} s from region(s) "
                 f"{regions} (workers {[w.name for w in workers]}); check that those processes are "
                 "alive and reachable, or raise geomesh.timeout_s if they are just slow",
-                regions, [w.name for w in workers]) from None
+                regions,
+                [w.name for w in workers],
+            ) from None
         if rnd >= 2:  # everyone has passed round rnd-1, so nobody waits on rnd-2 any more
             self.store.delete_key(self._key(rnd - 2, self.worker))
 
@@ -326,18 +363,23 @@ class TorchDistributedTransport(Transport):
             lengths = [int(s.item()) for s in sizes]
             buf = torch.zeros(max(max(lengths), 1), dtype=torch.uint8, device=self.device)
             if data:
-                buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.device)
+                buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(
+                    self.device
+                )
             outs = [torch.empty_like(buf) for _ in range(n)]
             dist.all_gather(outs, buf, group=group)
         except RuntimeError as e:
             raise TransportError(f"GeoMesh exchange {self.round}: {phase} failed: {e}") from e
         return [o[:k].cpu().numpy().tobytes() for o, k in zip(outs, lengths)]
 
-    def _broadcast(self, data: bytes | None, src_worker: int, group: dist.ProcessGroup,
-                   phase: str) -> bytes:
+    def _broadcast(
+        self, data: bytes | None, src_worker: int, group: dist.ProcessGroup, phase: str
+    ) -> bytes:
         src = self.ranks[src_worker]
         try:
-            size = torch.tensor([len(data) if data is not None else 0], dtype=torch.int64, device=self.device)
+            size = torch.tensor(
+                [len(data) if data is not None else 0], dtype=torch.int64, device=self.device
+            )
             dist.broadcast(size, src=src, group=group)
             n = int(size.item())
             buf = torch.empty(max(n, 1), dtype=torch.uint8, device=self.device)
@@ -362,30 +404,36 @@ class TorchDistributedTransport(Transport):
     def _hierarchical(self, mine: bytes) -> list[bytes]:
         region = self.region
         if self.region_group is not None:  # 1. intra-region all-gather
-            local = self._all_gather(mine, self.region_group, f"intra-region all-gather in {region!r}")
+            local = self._all_gather(
+                mine, self.region_group, f"intra-region all-gather in {region!r}"
+            )
         else:
             local = [mine]
         full = None
         if self.is_leader:  # 2. leaders exchange region bundles over the WAN
             bundle = encode_bundle(local)
             if self.leader_group is not None:
-                bundles = self._all_gather(bundle, self.leader_group,
-                                           f"inter-region all-gather (leader of {region!r})")
+                bundles = self._all_gather(
+                    bundle, self.leader_group, f"inter-region all-gather (leader of {region!r})"
+                )
             else:
                 bundles = [bundle]
             by_worker: dict[int, bytes] = {}
             for leader, b in zip(self.leaders, bundles):
                 lregion = self.cluster.workers[leader].region
-                members = self._by_rank([i for i, w in enumerate(self.cluster.workers)
-                                         if w.region == lregion])
+                members = self._by_rank(
+                    [i for i, w in enumerate(self.cluster.workers) if w.region == lregion]
+                )
                 msgs = decode_bundle(b)
                 if len(msgs) != len(members):
-                    raise TransportError(f"region {lregion!r} sent {len(msgs)} messages for "
-                                         f"{len(members)} workers")
+                    raise TransportError(
+                        f"region {lregion!r} sent {len(msgs)} messages for {len(members)} workers"
+                    )
                 by_worker.update(zip(members, msgs))
             full = encode_bundle([by_worker[i] for i in range(len(self.cluster.workers))])
         if self.region_group is not None:  # 3. leader broadcasts everything to its region
             leader = self.cluster.worker_index(self.cluster.leader_of(region).name)
-            full = self._broadcast(full, leader, self.region_group,
-                                   f"intra-region broadcast in {region!r}")
+            full = self._broadcast(
+                full, leader, self.region_group, f"intra-region broadcast in {region!r}"
+            )
         return decode_bundle(full)

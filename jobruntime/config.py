@@ -361,6 +361,11 @@ def _check_type(value: Any, hint: Any, where: str) -> Any:
     if hint is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads "3e-4" (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
         raise ConfigError(f"{where}={value!r} must be a number")
     if hint is str:
         if isinstance(value, str):

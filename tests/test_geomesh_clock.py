@@ -16,8 +16,10 @@ from jobruntime.config import load_config
 from jobruntime.flops import flops_per_token
 
 # A -> B: 100 ms RTT, 8 Gbit/s = 1e9 B/s;  B -> A: 200 ms RTT, 4 Gbit/s = 5e8 B/s.
-LINKS = [{"src": "A", "dst": "B", "rtt_ms": 100, "gbps": 8},
-         {"src": "B", "dst": "A", "rtt_ms": 200, "gbps": 4}]
+LINKS = [
+    {"src": "A", "dst": "B", "rtt_ms": 100, "gbps": 8},
+    {"src": "B", "dst": "A", "rtt_ms": 200, "gbps": 4},
+]
 REGIONS = [{"name": "A", "id": 0, "intra_gbps": 8, "intra_rtt_ms": 2}, {"name": "B", "id": 1}]
 
 
@@ -42,7 +44,9 @@ def test_two_worker_round_by_hand():
     computes 10 s, y (B) 9 s, both send 1e9 bytes:
       x has y's message at 9 + 0.1 + 1e9/5e8 = 11.1  -> straggler 0, WAN 1.1
       y has x's message at 10 + 0.05 + 1e9/1e9 = 11.05 -> straggler 1, WAN 1.05."""
-    c = _cluster([{"name": "x", "gpu": "H100", "region": "A"}, {"name": "y", "gpu": "T4", "region": "B"}])
+    c = _cluster(
+        [{"name": "x", "gpu": "H100", "region": "A"}, {"name": "y", "gpu": "T4", "region": "B"}]
+    )
     s = geomesh_round(c, {"x": 10.0, "y": 9.0}, 10**9)
     x, y = s.workers["x"], s.workers["y"]
     assert (x.compute_s, x.straggler_idle_s, x.end_s) == (10.0, 0.0, pytest.approx(11.1))
@@ -60,8 +64,13 @@ def test_hierarchical_round_by_hand_and_clock_accumulates():
       B has A's bundle (2e8 B) at 10.101 + 0.05 + 0.2 = 10.351,
       w1 gets the 2e8 bytes it lacks at 10.3 + 0.001 + 0.2 = 10.501.
     A second round starts from each worker's own end time."""
-    c = _cluster([{"name": "w0", "gpu": "H100", "region": "A"}, {"name": "w1", "gpu": "H100", "region": "A"},
-                  {"name": "w2", "gpu": "H100", "region": "B"}])
+    c = _cluster(
+        [
+            {"name": "w0", "gpu": "H100", "region": "A"},
+            {"name": "w1", "gpu": "H100", "region": "A"},
+            {"name": "w2", "gpu": "H100", "region": "B"},
+        ]
+    )
     clock = EmulatedClock(c)
     for w in ("w0", "w1", "w2"):
         clock.compute(w, 10.0)
@@ -87,7 +96,9 @@ def test_ddp_and_async_baselines_by_hand():
     2 steps of max(0.05 + 0.5, 0.1 + 1.0) = 2.2 s; 10 steps of (1 s, 0.5 s) compute
     end at 10 * 3.2 s.  Async (server in A): y's first update, computed on version
     0, lands after x's first one -> staleness 1."""
-    c = _cluster([{"name": "x", "gpu": "H100", "region": "A"}, {"name": "y", "gpu": "T4", "region": "B"}])
+    c = _cluster(
+        [{"name": "x", "gpu": "H100", "region": "A"}, {"name": "y", "gpu": "T4", "region": "B"}]
+    )
     d = ddp_schedule(c, {"x": 1.0, "y": 0.5}, 10**9, 10)
     assert d.end_s == pytest.approx(32.0)
     assert d.workers["y"].straggler_idle_s == pytest.approx(5.0)

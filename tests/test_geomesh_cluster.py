@@ -15,15 +15,23 @@ def test_shipped_examples_load():
     assert [r.name for r in c.regions] == ["East US", "West Europe", "Japan East", "Australia East"]
     assert len(c.links) == 12
     eu_jp = c.link("West Europe", "Japan East")
-    assert eu_jp.rtt_s == pytest.approx(0.240) and eu_jp.bandwidth_bytes_per_s == pytest.approx(4.19e9 / 8)
+    assert eu_jp.rtt_s == pytest.approx(0.240) and eu_jp.bandwidth_bytes_per_s == pytest.approx(
+        4.19e9 / 8
+    )
     two = load_cluster("two_worker", wan_bandwidth_scale=0.1)
-    assert two.link("East US", "West Europe").bandwidth_bytes_per_s == pytest.approx(13.38e9 / 8 * 0.1)
+    assert two.link("East US", "West Europe").bandwidth_bytes_per_s == pytest.approx(
+        13.38e9 / 8 * 0.1
+    )
     real = load_cluster("two_worker_real")
     assert real.mode == "real" and real.rendezvous_host_port == ("127.0.0.1", 29511)
 
 
-BASE = {"workers": [{"name": "a", "gpu": "H100", "region": "East US"},
-                    {"name": "b", "gpu": "T4", "num_gpus": 4, "tp": 4, "region": "West Europe"}]}
+BASE = {
+    "workers": [
+        {"name": "a", "gpu": "H100", "region": "East US"},
+        {"name": "b", "gpu": "T4", "num_gpus": 4, "tp": 4, "region": "West Europe"},
+    ]
+}
 
 
 def _with(**changes):
@@ -36,17 +44,23 @@ def _with(**changes):
     return raw
 
 
-@pytest.mark.parametrize("changes, message", [
-    ({"w1_gpu": "RTX9000"}, r"workers\[1\]\.gpu='RTX9000' is unknown"),
-    ({"w1_region": "Mars"}, r"no WAN link .*'Mars'.* add .* under wan_links"),
-    ({"w1_num_gpus": 6}, r"workers\[1\]\.num_gpus=6 is not a multiple of tp\*pp=4"),
-    ({"w1_speed": 3}, r"workers\[1\]: unknown key\(s\) \['speed'\]"),
-    ({"w1_name": "a"}, r"duplicate name"),
-    ({"mode": "real"}, r"mode=real needs rendezvous"),
-    ({"mode": "real", "rendezvous": "host"}, r"rendezvous='host' must look like host:port"),
-    ({"wan_bandwidth_scale": 0}, r"wan_bandwidth_scale=0 must be a positive number"),
-    ({"regions": [{"name": "East US", "id": 0}, {"name": "West Europe", "id": 2}]}, r"must be 0\.\.1"),
-])
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"w1_gpu": "RTX9000"}, r"workers\[1\]\.gpu='RTX9000' is unknown"),
+        ({"w1_region": "Mars"}, r"no WAN link .*'Mars'.* add .* under wan_links"),
+        ({"w1_num_gpus": 6}, r"workers\[1\]\.num_gpus=6 is not a multiple of tp\*pp=4"),
+        ({"w1_speed": 3}, r"workers\[1\]: unknown key\(s\) \['speed'\]"),
+        ({"w1_name": "a"}, r"duplicate name"),
+        ({"mode": "real"}, r"mode=real needs rendezvous"),
+        ({"mode": "real", "rendezvous": "host"}, r"rendezvous='host' must look like host:port"),
+        ({"wan_bandwidth_scale": 0}, r"wan_bandwidth_scale=0 must be a positive number"),
+        (
+            {"regions": [{"name": "East US", "id": 0}, {"name": "West Europe", "id": 2}]},
+            r"must be 0\.\.1",
+        ),
+    ],
+)
 def test_validation_names_field_and_fix(changes, message):
     """Catches vague or missing validation: each mistake raises ClusterError (a
     ValueError) whose message names the field and the way out."""
@@ -58,11 +72,21 @@ def test_validation_names_field_and_fix(changes, message):
 def test_custom_links_and_scale():
     """Catches wan_links overrides being ignored or the scale applied twice / to
     intra-region links: Gbit/s -> bytes/s, ms -> s, scale only on WAN."""
-    raw = {"wan_bandwidth_scale": 0.5,
-           "wan_links": [{"src": "A", "dst": "B", "rtt_ms": 100, "gbps": 8},
-                         {"src": "B", "dst": "A", "rtt_ms": 200, "gbps": 4}],
-           "regions": [{"name": "A", "id": 0, "intra_gbps": 16, "intra_rtt_ms": 2}, {"name": "B", "id": 1}],
-           "workers": [{"name": "x", "gpu": "V100", "region": "A"}, {"name": "y", "gpu": "V100", "region": "B"}]}
+    raw = {
+        "wan_bandwidth_scale": 0.5,
+        "wan_links": [
+            {"src": "A", "dst": "B", "rtt_ms": 100, "gbps": 8},
+            {"src": "B", "dst": "A", "rtt_ms": 200, "gbps": 4},
+        ],
+        "regions": [
+            {"name": "A", "id": 0, "intra_gbps": 16, "intra_rtt_ms": 2},
+            {"name": "B", "id": 1},
+        ],
+        "workers": [
+            {"name": "x", "gpu": "V100", "region": "A"},
+            {"name": "y", "gpu": "V100", "region": "B"},
+        ],
+    }
     c = cluster_from_dict(raw)
     assert c.link("A", "B").bandwidth_bytes_per_s == pytest.approx(0.5e9)
     assert c.link("B", "A").rtt_s == pytest.approx(0.2)

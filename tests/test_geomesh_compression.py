@@ -74,8 +74,11 @@ def test_scale_is_mean_abs_and_error_feedback_identity():
 
 def _message():
     g = torch.Generator().manual_seed(1)
-    named = {"emb": torch.randn(11, 3, generator=g), "bias": torch.randn(7, generator=g),
-             "scalar": torch.randn((), generator=g)}
+    named = {
+        "emb": torch.randn(11, 3, generator=g),
+        "bias": torch.randn(7, generator=g),
+        "scalar": torch.randn((), generator=g),
+    }
     schema = TensorSchema.from_tensors(named)
     msg = compress_message(named, 4096, worker=3, round=17)
     return named, schema, msg
@@ -92,7 +95,10 @@ def test_message_round_trip_and_exact_size():
     assert (back.worker, back.round, back.num_tokens) == (3, 17, 4096)
     for k in named:
         assert torch.equal(back.tensors[k].packed, msg.tensors[k].packed)
-        assert back.tensors[k].scale == msg.tensors[k].scale and back.tensors[k].shape == named[k].shape
+        assert (
+            back.tensors[k].scale == msg.tensors[k].scale
+            and back.tensors[k].shape == named[k].shape
+        )
 
 
 def test_malformed_peer_message_errors_are_clear():
@@ -109,8 +115,14 @@ def test_malformed_peer_message_errors_are_clear():
         "CRC": data[:40] + bytes([data[40] ^ 0xFF]) + data[41:],
         "overlong": data + b"\0",
     }
-    expect = {"truncated": "truncated", "header alone": "truncated", "magic": "not a GeoMesh",
-              "version": "version 99", "CRC": "CRC", "overlong": "overlong"}
+    expect = {
+        "truncated": "truncated",
+        "header alone": "truncated",
+        "magic": "not a GeoMesh",
+        "version": "version 99",
+        "CRC": "CRC",
+        "overlong": "overlong",
+    }
     for case, bad in cases.items():
         with pytest.raises(MessageError, match=expect[case]):
             decode_message(bad, schema)
@@ -122,18 +134,26 @@ def test_malformed_peer_message_errors_are_clear():
 def gpt_param_shapes(m) -> list[tuple[str, tuple[int, ...]]]:
     """megatron GPTModel parameter shapes (local spec, MHA, biases, tied embeddings)."""
     h, f, v, s = m.hidden_size, m.ffn, m.vocab_size, m.max_positions
-    shapes = [("embedding.word_embeddings.weight", (v, h)),
-              ("embedding.position_embeddings.weight", (s, h))]
+    shapes = [
+        ("embedding.word_embeddings.weight", (v, h)),
+        ("embedding.position_embeddings.weight", (s, h)),
+    ]
     for i in range(m.num_layers):
         p = f"decoder.layers.{i}."
-        shapes += [(p + "input_layernorm.weight", (h,)), (p + "input_layernorm.bias", (h,)),
-                   (p + "self_attention.linear_qkv.weight", (3 * h, h)),
-                   (p + "self_attention.linear_qkv.bias", (3 * h,)),
-                   (p + "self_attention.linear_proj.weight", (h, h)),
-                   (p + "self_attention.linear_proj.bias", (h,)),
-                   (p + "pre_mlp_layernorm.weight", (h,)), (p + "pre_mlp_layernorm.bias", (h,)),
-                   (p + "mlp.linear_fc1.weight", (f, h)), (p + "mlp.linear_fc1.bias", (f,)),
-                   (p + "mlp.linear_fc2.weight", (h, f)), (p + "mlp.linear_fc2.bias", (h,))]
+        shapes += [
+            (p + "input_layernorm.weight", (h,)),
+            (p + "input_layernorm.bias", (h,)),
+            (p + "self_attention.linear_qkv.weight", (3 * h, h)),
+            (p + "self_attention.linear_qkv.bias", (3 * h,)),
+            (p + "self_attention.linear_proj.weight", (h, h)),
+            (p + "self_attention.linear_proj.bias", (h,)),
+            (p + "pre_mlp_layernorm.weight", (h,)),
+            (p + "pre_mlp_layernorm.bias", (h,)),
+            (p + "mlp.linear_fc1.weight", (f, h)),
+            (p + "mlp.linear_fc1.bias", (f,)),
+            (p + "mlp.linear_fc2.weight", (h, f)),
+            (p + "mlp.linear_fc2.bias", (h,)),
+        ]
     shapes += [("decoder.final_layernorm.weight", (h,)), ("decoder.final_layernorm.bias", (h,))]
     return shapes
 

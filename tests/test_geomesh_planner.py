@@ -40,7 +40,7 @@ def test_balances_4x_spread_within_memory():
     H100 vs 4xT4 (TP=4) differ ~4-5x in throughput; compute times must agree
     within 5 % and tokens stay within 5 % of the target."""
     c = load_cluster("two_worker")
-    ratio = (worker_tokens_per_s(c.workers[0], GPT, 4) / worker_tokens_per_s(c.workers[1], GPT, 2))
+    ratio = worker_tokens_per_s(c.workers[0], GPT, 4) / worker_tokens_per_s(c.workers[1], GPT, 2)
     assert 4 <= ratio <= 5.5
     plan = Planner(c, GPT, tokens_per_round=T, inner_steps=20).plan()
     _check_plan(plan, c)
@@ -58,7 +58,12 @@ def test_four_regions_and_measured_synthetic_speeds():
     only measured micro-batch sizes allowed) both balance within 5 %."""
     c = load_cluster("four_region")
     _check_plan(Planner(c, GPT, tokens_per_round=T).plan(), c)
-    speeds = {"h100-eastus": 4.0, "a100-westeurope": 2.0, "v100-japaneast": 1.5, "t4-australiaeast": 1.0}
+    speeds = {
+        "h100-eastus": 4.0,
+        "a100-westeurope": 2.0,
+        "v100-japaneast": 1.5,
+        "t4-australiaeast": 1.0,
+    }
     table = {name: {1: 4000 * s, 2: 7000 * s} for name, s in speeds.items()}
     plan = Planner(c, GPT, tokens_per_round=T, throughput=MeasuredThroughput(table)).plan()
     _check_plan(plan, c)
@@ -75,8 +80,12 @@ def test_replan_after_slowdown_rebalances():
     slow = {"h100-eastus": 1.0, "t4-westeurope": 2.0}
 
     def true_compute(plan):
-        return [wp.inner_steps * slow[wp.worker] * inner_step_time_s(
-            c.worker(wp.worker), GPT, wp.micro_batch_size, wp.grad_accum) for wp in plan.workers]
+        return [
+            wp.inner_steps
+            * slow[wp.worker]
+            * inner_step_time_s(c.worker(wp.worker), GPT, wp.micro_batch_size, wp.grad_accum)
+            for wp in plan.workers
+        ]
 
     before = true_compute(old)
     assert (max(before) - min(before)) / max(before) > 0.05

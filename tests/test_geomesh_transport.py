@@ -33,9 +33,11 @@ from geomesh.transport import (
 # East US holds workers 0 and 2 (non-contiguous); region ids differ from worker order.
 CLUSTER = {
     "regions": [{"name": "West Europe", "id": 0}, {"name": "East US", "id": 1}],
-    "workers": [{"name": "w0", "gpu": "H100", "region": "East US"},
-                {"name": "w1", "gpu": "T4", "region": "West Europe"},
-                {"name": "w2", "gpu": "V100", "region": "East US"}],
+    "workers": [
+        {"name": "w0", "gpu": "H100", "region": "East US"},
+        {"name": "w1", "gpu": "T4", "region": "West Europe"},
+        {"name": "w2", "gpu": "V100", "region": "East US"},
+    ],
 }
 WORLD = 3
 
@@ -45,24 +47,38 @@ def _payloads() -> list[list[bytes]]:
     g = torch.Generator().manual_seed(0)
     named = {"a": torch.randn(33, 5, generator=g), "b": torch.randn(7, generator=g)}
     schema = TensorSchema.from_tensors(named)
-    round0 = [encode_message(compress_message({k: v * (i + 1) - i for k, v in named.items()}, 100 * (i + 1),
-                                              worker=i, round=0), schema) for i in range(WORLD)]
+    round0 = [
+        encode_message(
+            compress_message(
+                {k: v * (i + 1) - i for k, v in named.items()}, 100 * (i + 1), worker=i, round=0
+            ),
+            schema,
+        )
+        for i in range(WORLD)
+    ]
     round1 = [bytes(i % 251 for i in range(n)) for n in (1001, 0, 17)]
     return [round0, round1]
 
 
 def _worker(rank: int, world: int, port: int, outdir: str, payloads) -> None:
     store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=timedelta(seconds=60))
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=60))
+    dist.init_process_group(
+        "gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=60)
+    )
     cluster = cluster_from_dict(CLUSTER)
     result: dict = {}
     try:
         hier = TorchDistributedTransport(cluster, store=store, timeout_s=30, prefix="hier")
-        flat = TorchDistributedTransport(cluster, store=store, timeout_s=30, prefix="flat", hierarchical=False)
+        flat = TorchDistributedTransport(
+            cluster, store=store, timeout_s=30, prefix="flat", hierarchical=False
+        )
         for r, msgs in enumerate(payloads):
             result[f"hier{r}"] = hier.exchange({rank: msgs[rank]})
-            as_tensor = torch.frombuffer(bytearray(msgs[rank]), dtype=torch.uint8) if msgs[rank] else \
-                torch.empty(0, dtype=torch.uint8)
+            as_tensor = (
+                torch.frombuffer(bytearray(msgs[rank]), dtype=torch.uint8)
+                if msgs[rank]
+                else torch.empty(0, dtype=torch.uint8)
+            )
             result[f"flat{r}"] = flat.exchange({rank: as_tensor})
         hier.timeout_s = 1.0
         if rank != 1:  # worker 1 (West Europe) never arrives
@@ -89,8 +105,13 @@ def _free_port() -> int:
 def gloo_results(tmp_path_factory):
     out = tmp_path_factory.mktemp("gloo")
     world = WORLD
-    ctx = mp.start_processes(_worker, args=(world, _free_port(), str(out), _payloads()), nprocs=world,
-                             join=False, start_method="spawn")
+    ctx = mp.start_processes(
+        _worker,
+        args=(world, _free_port(), str(out), _payloads()),
+        nprocs=world,
+        join=False,
+        start_method="spawn",
+    )
     deadline = time.monotonic() + 90
     while not ctx.join(timeout=1):
         if time.monotonic() > deadline:

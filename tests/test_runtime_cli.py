@@ -1,0 +1,117 @@
+"""train.py end to end: outputs, resume, and one-line errors with exit code 2."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def train(*args, cwd=REPO, timeout=600):
+    env = {**os.environ, "WANDB_SILENT": "true"}
+    return subprocess.run([sys.executable, str(REPO / "train.py"), *map(str, args)], cwd=cwd,
+                          capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def base_run(cache_dir, tmp_path_factory):
+    """8 steps of tiny_gpt with evaluation and checkpoints every 4 steps."""
+    run_dir = tmp_path_factory.mktemp("runs") / "base"
+    proc = train("--run-dir", run_dir, "train.iters=8", "train.eval_interval=4",
+                 "train.eval_iters=2", "checkpoint.save_interval=4", f"data.cache_dir={cache_dir}",
+                 "train.target_ppl=100000")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return run_dir, proc
+
+
+def test_run_writes_metrics_summary_and_wandb(base_run):
+    """Catches a run that trains but loses its outputs: every field the issue
+    lists must be in metrics.jsonl and summary.json, and an offline wandb run
+    must exist."""
+    run_dir, proc = base_run
+    records = read_metrics(run_dir)
+    assert [r["step"] for r in records] == list(range(1, 9))
+    for r in records:
+        assert {"step", "tokens", "time_s", "loss", "lr", "grad_norm", "tokens_per_s"} <= r.keys()
+    evals = [r for r in records if "val_loss" in r]
+    assert [r["step"] for r in evals] == [4, 8] and all("val_ppl" in r for r in evals)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["mode"] == "single" and summary["clock"] == "wall"
+    assert summary["ttp_s"] is not None and summary["ttp_s"] == evals[0]["time_s"]
+    assert summary["ttp_tokens"] == evals[0]["tokens"]
+    assert summary["final_val_ppl"] == pytest.approx(evals[-1]["val_ppl"])
+    assert summary["tokens"] == 8 * 8 * 256
+    assert (run_dir / "config.yaml").is_file()
+    assert list((run_dir / "wandb").glob("offline-run-*")), "no offline wandb run"
+    assert str(run_dir.resolve()) in proc.stdout
+
+
+def test_resume_reproduces_uninterrupted_run(base_run, cache_dir, tmp_path):
+    """Catches a resume that loses optimizer moments, LR schedule, RNG or data
+    position: any of these changes the next losses by far more than 1e-5."""
+    run_dir, _ = base_run
+    resumed = tmp_path / "resumed"
+    proc = train("--run-dir", resumed, "train.iters=8", "train.eval_interval=4",
+                 "train.eval_iters=2", f"data.cache_dir={cache_dir}",
+                 f"checkpoint.load={run_dir / 'checkpoints' / 'iter_0000004'}",
+                 "train.target_ppl=100000")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    full = {r["step"]: r for r in read_metrics(run_dir)}
+    again = read_metrics(resumed)
+    assert [r["step"] for r in again] == [5, 6, 7, 8]
+    for r in again:
+        assert r["loss"] == pytest.approx(full[r["step"]]["loss"], abs=1e-5)
+        assert r["lr"] == pytest.approx(full[r["step"]]["lr"], rel=1e-9)
+    assert again[-1]["val_loss"] == pytest.approx(full[8]["val_loss"], abs=1e-5)
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["train.foo=1"], "unknown config key 'train.foo'"),
+        (["train.iters=abc"], "train.iters"),
+        (["data.path=no/such/file.jsonl"], "no/such/file.jsonl"),
+    ],
+    ids=["bad-key", "bad-type", "missing-data"],
+)
+def test_bad_input_is_one_line_exit_2(args, needle, cache_dir):
+    """Catches tracebacks or wrong exit codes on user errors."""
+    proc = train(*args, f"data.cache_dir={cache_dir}", "logging.wandb=disabled")
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], proc.stderr
+
+
+def test_checkpoint_of_another_model_is_one_line_exit_2(base_run, cache_dir):
+    """Catches loading a GPT checkpoint into a Llama model (shape errors deep in
+    megatron, or worse, a partial load)."""
+    run_dir, _ = base_run
+    proc = train("--config", "tiny_llama", f"checkpoint.load={run_dir / 'checkpoints'}",
+                 f"data.cache_dir={cache_dir}", "logging.wandb=disabled", "train.iters=1")
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "another model" in lines[0], proc.stderr
+
+
+def test_full_size_presets_build_on_meta_with_published_sizes():
+    """Catches architecture mistakes in the presets (a missing bias, an untied
+    output layer, wrong FFN or KV heads): the counts are the published ones."""
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / "model_sizes.py")],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    models = json.loads(proc.stdout)["models"]
+    assert models["llama3.2_1b"]["params"] == 1_235_814_400
+    assert 1.30e9 <= models["gpt3_1.3b"]["params"] <= 1.33e9
+    assert 330e6 <= models["bert_large"]["params"] <= 345e6
+    for m in models.values():
+        assert m["params"] == m["analytic_params"]

@@ -1,0 +1,164 @@
+"""Pure-logic tests of the job runtime: config, data formats, CPU layer, checkpoints."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from jobruntime.config import ConfigError, load_config
+from jobruntime.data import DataError, read_documents, val_document_mask
+from jobruntime.metrics import TTPTracker
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_overrides_are_type_checked_and_unknown_keys_rejected():
+    """Catches silently ignored typos in overrides (a classic source of wasted runs)."""
+    cfg = load_config("tiny_gpt", ["train.iters=7", "train.lr=3e-4", "parallel.tp=2",
+                                   "train.target_ppl=null"])
+    assert (cfg.train.iters, cfg.train.lr, cfg.parallel.tp, cfg.train.target_ppl) == (7, 3e-4, 2, None)
+    with pytest.raises(ConfigError, match="unknown config key 'model.hiden_size'"):
+        load_config("tiny_gpt", ["model.hiden_size=3"])
+    with pytest.raises(ConfigError, match="model.normalization"):
+        load_config("tiny_gpt", ["model.normalization=BatchNorm"])
+    with pytest.raises(ConfigError, match="not found"):
+        load_config("no_such_preset")
+
+
+def test_layout_validation_names_the_field():
+    """Catches layouts megatron would reject later with an assertion."""
+    cfg = load_config("tiny_gpt", ["parallel.tp=3"])
+    with pytest.raises(ConfigError, match="parallel.tp"):
+        cfg.validate(world_size=3)
+    cfg = load_config("tiny_gpt", ["parallel.global_batch_size=6"])
+    with pytest.raises(ConfigError, match="global_batch_size"):
+        cfg.validate(world_size=2)
+    assert load_config("tiny_gpt").validate(world_size=2) == 2
+
+
+def test_documents_split_by_document_not_line():
+    """Catches a validation set that shares documents with training."""
+    mask = val_document_mask(100, 20)
+    assert mask.sum() == 5 and list(np.flatnonzero(mask)) == [19, 39, 59, 79, 99]
+
+
+def test_read_documents_formats(tmp_path):
+    """JSONL (plain and .gz), text files, folders and saved HF datasets give the
+    same documents; malformed input names the file and line."""
+    import gzip
+
+    docs = ["first doc\nline two", "second doc", "third"]
+    (tmp_path / "a.jsonl").write_text("\n".join(json.dumps({"text": d}) for d in docs))
+    with gzip.open(tmp_path / "a.jsonl.gz", "wt") as f:
+        f.write("\n".join(json.dumps({"text": d}) for d in docs))
+    folder = tmp_path / "txt"
+    folder.mkdir()
+    for i, d in enumerate(docs):
+        (folder / f"{i}.txt").write_text(d)
+    import datasets
+
+    datasets.Dataset.from_dict({"text": docs}).save_to_disk(str(tmp_path / "hf"))
+    for p in ("a.jsonl", "a.jsonl.gz", "txt", "hf"):
+        assert read_documents(tmp_path / p) == docs, p
+    (tmp_path / "bad.jsonl").write_text('{"text": "ok"}\n{"body": "x"}\n')
+    with pytest.raises(DataError, match=r"bad.jsonl:2: no 'text' field"):
+        read_documents(tmp_path / "bad.jsonl")
+    (tmp_path / "x.parquet").write_text("")
+    with pytest.raises(DataError, match="unknown data format"):
+        read_documents(tmp_path / "x.parquet")
+
+
+def test_ttp_tracker_records_first_crossing_only():
+    """Catches TTP taken at the last evaluation instead of the first below target."""
+    t = TTPTracker(target_ppl=100.0)
+    assert not t.update(150.0, 10.0, 1000, 1)
+    assert t.update(99.0, 20.0, 2000, 2)
+    assert not t.update(50.0, 30.0, 3000, 3)
+    assert (t.ttp_s, t.ttp_tokens, t.ttp_step) == (20.0, 2000, 2)
+    assert not TTPTracker(target_ppl=None).update(1.0, 1.0, 1, 1)
+    assert not TTPTracker(target_ppl=10.0).update(math.nan, 1.0, 1, 1)
+
+
+_CPU_LAYER_SCRIPT = r"""
+import torch
+from jobruntime import cpu_compat
+assert cpu_compat.enable() and cpu_compat.enable()  # idempotent
+a = torch.zeros(3, device="cuda"); b = torch.ones(2, device=torch.cuda.current_device())
+c = torch.empty(1).cuda(); d = torch.ones(1).to("cuda:0")
+assert {t.device.type for t in (a, b, c, d)} == {"cpu"}
+with torch.cuda.stream(torch.cuda.Stream()):
+    torch.cuda.synchronize()
+# megatron's RNG tracker forks and restores the generator state
+from megatron.core import tensor_parallel
+tracker = tensor_parallel.get_cuda_rng_tracker()
+tracker.reset(); tracker.add("model-parallel-rng", 7)
+torch.manual_seed(0); x0 = torch.rand(1)
+torch.manual_seed(0)
+with tracker.fork():
+    torch.rand(5)
+x1 = torch.rand(1)
+assert torch.equal(x0, x1), "fork() did not restore the default generator"
+# gradient clipping: same math as torch's clip_grad_norm_
+from megatron.core.optimizer import clip_grads
+p = [torch.nn.Parameter(torch.randn(10)) for _ in range(3)]
+q = [torch.nn.Parameter(t.detach().clone()) for t in p]
+for x, y in zip(p, q):
+    x.grad = torch.randn(10); y.grad = x.grad.clone()
+norm = torch.norm(torch.stack([x.grad.norm() for x in p])).item()
+clip_grads.clip_grad_by_total_norm_fp32(p, 0.5, norm)
+torch.nn.utils.clip_grad_norm_(q, 0.5)
+assert all(torch.allclose(x.grad, y.grad, atol=1e-6) for x, y in zip(p, q))
+print("ok")
+"""
+
+
+def test_cpu_layer_maps_cuda_to_cpu_and_clips_like_torch():
+    """Catches the CPU layer missing a CUDA entry point megatron-core uses
+    (device="cuda", streams, RNG tracker fork, gradient clipping). Runs in a
+    fresh interpreter because the layer is process-wide."""
+    proc = subprocess.run([sys.executable, "-c", _CPU_LAYER_SCRIPT], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
+
+
+_CRASH_SCRIPT = r"""
+import sys
+from pathlib import Path
+from megatron.core import dist_checkpointing
+from jobruntime.config import load_config
+from jobruntime.parallel import initialize_layout, set_seed
+from jobruntime.trainer import Trainer
+from jobruntime import checkpoint
+root = Path(sys.argv[1])
+cfg = load_config("tiny_gpt", ["model.num_layers=1", "model.vocab_size=512"])
+initialize_layout(cfg); set_seed(1)
+tr = Trainer(cfg)
+checkpoint.save_checkpoint(root, tr, consumed_samples=8)
+tr.step = 2
+real_save = dist_checkpointing.save
+def crash(state, path, *a, **k):
+    real_save(state, path, *a, **k)   # the data is on disk...
+    raise KeyboardInterrupt("killed")  # ...but the process dies before finishing
+checkpoint.dist_checkpointing.save = crash
+try:
+    checkpoint.save_checkpoint(root, tr, consumed_samples=16)
+except KeyboardInterrupt:
+    pass
+print(checkpoint.find_checkpoint(root).name)
+"""
+
+
+def test_crash_during_save_never_yields_a_valid_checkpoint(tmp_path):
+    """Catches a half-written checkpoint being picked up on resume: after a
+    crash inside the save of step 2, the newest loadable one is still step 0."""
+    proc = subprocess.run([sys.executable, "-c", _CRASH_SCRIPT, str(tmp_path)], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().splitlines()[-1] == "iter_0000000"
+    assert (tmp_path / "iter_0000002.tmp").is_dir() and not (tmp_path / "iter_0000002").exists()
