@@ -19,7 +19,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Literal
 
 import yaml
 
@@ -45,16 +45,16 @@ class ModelConfig:
     """Model width ``h``."""
     num_attention_heads: int = 4
     """Query heads ``a``; must be divisible by ``parallel.tp``."""
-    num_query_groups: Optional[int] = None
+    num_query_groups: int | None = None
     """Key/value heads for grouped-query attention; ``None`` means ``a`` (MHA)."""
-    ffn_hidden_size: Optional[int] = None
+    ffn_hidden_size: int | None = None
     """MLP inner width; ``None`` means ``4 * hidden_size``."""
     vocab_size: int = 8192
     """Tokenizer vocabulary size (megatron pads it for TP, see
     :func:`jobruntime.model.padded_vocab_size`)."""
     seq_length: int = 256
     """Training sequence length in tokens."""
-    max_position_embeddings: Optional[int] = None
+    max_position_embeddings: int | None = None
     """Learned position table size; ``None`` means ``seq_length``."""
     position_embedding: Literal["learned_absolute", "rope"] = "learned_absolute"
     """Position encoding."""
@@ -173,7 +173,7 @@ class TrainConfig:
     """Learning rate at the end of the cosine decay."""
     warmup_iters: int = 10
     """Linear warmup steps."""
-    lr_decay_iters: Optional[int] = None
+    lr_decay_iters: int | None = None
     """Cosine decay length in steps; ``None`` means ``iters``."""
     weight_decay: float = 0.1
     adam_beta1: float = 0.9
@@ -191,11 +191,11 @@ class TrainConfig:
     """Steps between validation evaluations (and at the last step); 0 disables."""
     eval_iters: int = 4
     """Validation batches (of the global batch size) per evaluation."""
-    target_ppl: Optional[float] = None
+    target_ppl: float | None = None
     """Validation perplexity that defines time-to-target-perplexity (TTP)."""
     stop_at_target: bool = False
     """Stop the run once ``target_ppl`` is reached."""
-    max_wall_s: Optional[float] = None
+    max_wall_s: float | None = None
     """Stop (after the current step, with a final evaluation) past this many seconds."""
 
 
@@ -218,7 +218,7 @@ class DataConfig:
     """Every ``val_every``-th document (by position) is held out for validation."""
     cache_dir: str = ".cache"
     """Where tokenizers and tokenized indexed datasets are cached."""
-    max_documents: Optional[int] = None
+    max_documents: int | None = None
     """Read only the first N documents (quick tests)."""
 
 
@@ -228,7 +228,7 @@ class CheckpointConfig:
 
     save_interval: int = 0
     """Save every N steps (and at the end when > 0); 0 disables saving."""
-    load: Optional[str] = None
+    load: str | None = None
     """Checkpoint directory to resume from (a run's ``checkpoints/`` folder or
     one ``iter_XXXXXXX`` folder inside it)."""
     keep_last: int = 2
@@ -242,9 +242,9 @@ class LoggingConfig:
     wandb: Literal["offline", "online", "disabled"] = "offline"
     """wandb mode; offline runs can be synced later with ``wandb sync``."""
     project: str = "geocona"
-    group: Optional[str] = None
+    group: str | None = None
     """wandb group (runs of one comparison share it)."""
-    name: Optional[str] = None
+    name: str | None = None
     """Run name; ``None`` derives one from the config and time."""
     progress: Literal["auto", "on", "off"] = "auto"
     """Terminal progress bar: ``auto`` shows it on a TTY for runs of > 50 steps."""
@@ -256,7 +256,7 @@ class GeoMeshConfig:
 
     method: Literal["none", "geomesh", "diloco", "ddp", "async"] = "none"
     """``none`` trains one ordinary job; others run the named method."""
-    cluster: Optional[str] = None
+    cluster: str | None = None
     """Cluster description YAML (workers, GPUs, regions, WAN, mode)."""
     outer_steps: int = 10
     """Outer steps (rounds) to run."""
@@ -269,7 +269,7 @@ class GeoMeshConfig:
     targets ``inner_steps * global_batch_size`` tokens-worth per round."""
     error_feedback: bool = True
     """Keep the sign-compression residual locally and add it next round."""
-    target_model: Optional[str] = None
+    target_model: str | None = None
     """Emulated mode: preset whose FLOPs and bytes set time and traffic."""
     timeout_s: float = 600.0
     """Real mode: seconds to wait for a region before failing with its name."""
@@ -282,14 +282,14 @@ class ConaConfig:
     enabled: bool = False
     decision_interval: int = 20
     """Steps between controller decisions (K)."""
-    candidates: Optional[list] = None
+    candidates: list | None = None
     """Explicit candidates ``[{dp, tp, pp, micro_batch_size, global_batch_size}]``;
     ``None`` enumerates them."""
     gpu: str = "A100-80GB"
     """Emulated mode: GPU type whose profile times the target model."""
-    num_gpus: Optional[int] = None
+    num_gpus: int | None = None
     """Emulated mode: device count; ``None`` = world size."""
-    target_model: Optional[str] = None
+    target_model: str | None = None
     """Emulated mode: preset that gives FLOPs and memory; ``None`` = this model."""
     clock: Literal["wall", "emulated"] = "wall"
     min_gain: float = 0.05
@@ -347,6 +347,10 @@ def _check_type(value: Any, hint: Any, where: str) -> Any:
         raise ConfigError(errors[0] if errors else f"{where}: bad value {value!r}")
     if origin is Literal:
         allowed = typing.get_args(hint)
+        if isinstance(value, bool) and value not in allowed:
+            # YAML 1.1 reads on/off/yes/no as booleans; map them back to the words.
+            words = ("on", "true", "yes") if value else ("off", "false", "no")
+            value = next((w for w in words if w in allowed), value)
         if value not in allowed:
             raise ConfigError(f"{where}={value!r} is not one of {list(allowed)}")
         return value
