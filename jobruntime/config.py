@@ -231,6 +231,10 @@ class CheckpointConfig:
     load: str | None = None
     """Checkpoint directory to resume from (a run's ``checkpoints/`` folder or
     one ``iter_XXXXXXX`` folder inside it)."""
+    load_optimizer: bool = True
+    """Resume optimizer, LR schedule, step, data position and clock from
+    ``load``; ``false`` loads only the model weights and starts training afresh
+    (fine-tuning, e.g. from ``tools/convert_checkpoint.py`` output)."""
     keep_last: int = 2
     """Number of checkpoints kept; older ones are deleted."""
 
@@ -273,6 +277,18 @@ class GeoMeshConfig:
     """Emulated mode: preset whose FLOPs and bytes set time and traffic."""
     timeout_s: float = 600.0
     """Real mode: seconds to wait for a region before failing with its name."""
+    mode: Literal["emulated", "real"] | None = None
+    """Override the cluster file's mode (``None`` = the file's)."""
+    region: str | None = None
+    """Real mode with one ``torchrun`` per region: the region this job plays
+    (its processes join the others at the cluster's ``rendezvous``).  ``None``
+    = this ``torchrun`` plays every worker of the cluster."""
+    wan_bandwidth_scale: float | None = None
+    """Multiply every WAN bandwidth of the cluster (``None`` = the file's scale)."""
+    replan: bool = True
+    """Re-plan ``b_i``, ``H_i`` when measured speeds drift (method ``geomesh``)."""
+    eval_interval: int = 1
+    """Outer steps between validation evaluations (and at the last one)."""
 
 
 @dataclass(kw_only=True)
