@@ -78,6 +78,22 @@ def _arch(model: ModelConfig) -> dict:
     return {k: getattr(model, k) for k in _ARCH_FIELDS}
 
 
+def arch_diff(saved: dict, model: ModelConfig) -> dict:
+    """``{field: (checkpoint value, config value)}`` where the architectures differ.
+
+    Defaults are resolved first, so ``num_query_groups: null`` equals the head
+    count and ``ffn_hidden_size: null`` equals ``4 * hidden_size``.
+    """
+    def resolved(arch: dict) -> dict:
+        out = dict(arch)
+        out["num_query_groups"] = arch.get("num_query_groups") or arch.get("num_attention_heads")
+        out["ffn_hidden_size"] = arch.get("ffn_hidden_size") or 4 * (arch.get("hidden_size") or 0)
+        return out
+
+    a, b = resolved(saved), resolved(_arch(model))
+    return {k: (saved.get(k), getattr(model, k)) for k in _ARCH_FIELDS if a.get(k) != b[k]}
+
+
 def _rng_state() -> dict:
     return {
         "python": random.getstate(),
@@ -159,12 +175,14 @@ def load_checkpoint(path: str | Path, trainer, *, load_optimizer: bool = True) -
     common = dist_checkpointing.load_common_state_dict(str(ckpt))
     if not isinstance(common, dict) or "arch" not in common:
         raise CheckpointError(f"'{ckpt}' is not a checkpoint of this project (no 'arch' record)")
-    mine = _arch(trainer.cfg.model)
-    diff = {k: (common["arch"].get(k), v) for k, v in mine.items() if common["arch"].get(k) != v}
+    diff = arch_diff(common["arch"], trainer.cfg.model)
     if diff:
         desc = ", ".join(f"{k}: checkpoint {a!r} vs config {b!r}" for k, (a, b) in diff.items())
         raise CheckpointError(f"checkpoint '{ckpt}' is from another model ({desc}); use the "
                               "matching --config or start without checkpoint.load")
+    if load_optimizer and common.get("weights_only"):
+        raise CheckpointError(f"'{ckpt}' holds model weights only (a converted checkpoint); "
+                              "set checkpoint.load_optimizer=false to fine-tune from it")
     model_sd = trainer.module.sharded_state_dict(prefix="")
     request = {"model": model_sd}
     if load_optimizer:

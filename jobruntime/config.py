@@ -301,6 +301,9 @@ class ConaConfig:
     candidates: list | None = None
     """Explicit candidates ``[{dp, tp, pp, micro_batch_size, global_batch_size}]``;
     ``None`` enumerates them."""
+    global_batch_sizes: list | None = None
+    """Global batch sizes (sequences) the enumeration tries; ``None`` =
+    ``parallel.global_batch_size`` times 1, 2, 4 and 8."""
     gpu: str = "A100-80GB"
     """Emulated mode: GPU type whose profile times the target model."""
     num_gpus: int | None = None

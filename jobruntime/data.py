@@ -134,8 +134,28 @@ def val_document_mask(num_docs: int, val_every: int) -> np.ndarray:
     return (idx % val_every) == (val_every - 1)
 
 
-def _write_indexed(seqs_per_doc, prefix: Path, vocab_size: int) -> None:
-    """Write an indexed dataset atomically (temp names, then rename both files)."""
+def tokenize_documents(docs: list[str], tokenizer: Tokenizer, bert: bool) -> list[list[list[int]]]:
+    """Token sequences of each document, as the indexed dataset stores them.
+
+    GPT: one sequence per document, its ids followed by ``tokenizer.eod``.
+    BERT: one sequence per non-empty line (``[sep]`` for a document without tokens).
+    """
+    if bert:
+        out = []
+        for d in docs:
+            lines = [ln for ln in d.splitlines() if ln.strip()]
+            out.append([s for s in tokenizer.encode(lines) if s] or [[tokenizer.sep]])
+        return out
+    return [[ids + [tokenizer.eod]] for ids in tokenizer.encode(docs)]
+
+
+def write_indexed(seqs_per_doc, prefix: Path, vocab_size: int) -> None:
+    """Write an indexed dataset atomically (temp names, then rename both files).
+
+    Args:
+        seqs_per_doc: iterable (may be a generator) of documents, each a list
+            of token sequences (see :func:`tokenize_documents`).
+    """
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
     dtype = np.uint16 if vocab_size <= 65536 else np.int32
@@ -216,14 +236,7 @@ def prepare_corpus(data: DataConfig, model: ModelConfig) -> Corpus:
             if docs is None:
                 docs = read_documents(src, data.text_key, data.max_documents)
             prefix.parent.mkdir(parents=True, exist_ok=True)
-            if bert:
-                seqs = []
-                for d in docs:
-                    lines = [ln for ln in d.splitlines() if ln.strip()]
-                    seqs.append([s for s in tokenizer.encode(lines) if s] or [[tokenizer.sep]])
-            else:
-                seqs = [[ids + [tokenizer.eod]] for ids in tokenizer.encode(docs)]
-            _write_indexed(seqs, prefix, tokenizer.vocab_size)
+            write_indexed(tokenize_documents(docs, tokenizer, bert), prefix, tokenizer.vocab_size)
         _barrier()
     if tokenizer.vocab_size > model.vocab_size:
         raise DataError(

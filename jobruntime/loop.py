@@ -77,9 +77,11 @@ def run(cfg: JobConfig, run_dir: Path) -> dict:
     trainer = Trainer(cfg)
     consumed, start_time, extra = 0, 0.0, {}
     if cfg.checkpoint.load:
-        state = load_checkpoint(cfg.checkpoint.load, trainer)
-        consumed, extra = state["consumed_samples"], state["extra"]
-        start_time = float(extra.get("time_s", 0.0))
+        state = load_checkpoint(cfg.checkpoint.load, trainer,
+                                load_optimizer=cfg.checkpoint.load_optimizer)
+        if cfg.checkpoint.load_optimizer:  # resume; else fine-tune from the weights only
+            consumed, extra = state["consumed_samples"], state["extra"]
+            start_time = float(extra.get("time_s", 0.0))
     data = build_data(cfg, topo, consumed)
     t = cfg.train
     writer = MetricsWriter(

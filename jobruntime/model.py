@@ -84,11 +84,12 @@ def to_transformer_config(
     )
 
 
-def _layer_spec(model: ModelConfig):
+def _layer_spec(model: ModelConfig, local: bool = False):
+    te = transformer_engine_available() and not local
     if model.family == "bert":
         from megatron.core.models.bert import bert_layer_specs
 
-        if transformer_engine_available():
+        if te:
             return bert_layer_specs.get_bert_layer_with_transformer_engine_spec()
         return bert_layer_specs.bert_layer_local_spec
     from megatron.core.models.gpt.gpt_layer_specs import (
@@ -96,7 +97,7 @@ def _layer_spec(model: ModelConfig):
         get_gpt_layer_with_transformer_engine_spec,
     )
 
-    if transformer_engine_available():
+    if te:
         return get_gpt_layer_with_transformer_engine_spec()
     return get_gpt_layer_local_spec(normalization=model.normalization)
 
@@ -109,6 +110,7 @@ def build_model(
     pre_process: bool | None = None,
     post_process: bool | None = None,
     meta: bool = False,
+    local_spec: bool = False,
 ) -> torch.nn.Module:
     """Build this rank's model chunk for the current ``parallel_state`` layout.
 
@@ -116,6 +118,9 @@ def build_model(
         pre_process / post_process: embedding / output-layer stage flags;
             ``None`` derives them from the pipeline rank.
         meta: build on the meta device (no memory; for sizes and parameter counts).
+        local_spec: megatron-core's local layer specs even where Transformer
+            Engine is available (same checkpoint keys, plain state-dict names
+            such as ``input_layernorm``; used by checkpoint conversion).
 
     Returns:
         A ``GPTModel`` (families ``gpt``, ``llama``) or ``BertModel`` (``bert``)
@@ -138,7 +143,7 @@ def build_model(
             return BertModel(
                 config=tcfg,
                 num_tokentypes=2,
-                transformer_layer_spec=_layer_spec(model),
+                transformer_layer_spec=_layer_spec(model, local_spec),
                 vocab_size=vocab,
                 max_sequence_length=model.max_positions,
                 pre_process=pre_process,
@@ -148,7 +153,7 @@ def build_model(
             )
         return GPTModel(
             config=tcfg,
-            transformer_layer_spec=_layer_spec(model),
+            transformer_layer_spec=_layer_spec(model, local_spec),
             vocab_size=vocab,
             max_sequence_length=model.max_positions,
             pre_process=pre_process,

@@ -31,6 +31,7 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
+from . import cpu_compat
 from .config import JobConfig
 from .model import build_model
 
@@ -83,21 +84,39 @@ class Trainer:
 
     Args:
         cfg: the job config (model, parallel, train sections are read).
-        build: build a fresh model; pass ``False`` plus ``model`` to wrap one.
+        model: wrap this model chunk instead of building a fresh one.
+        dp_group: data-parallel group of this job's gradient all-reduce and
+            loss average; ``None`` = megatron's DP group.  GeoMesh passes the
+            group of one worker's replicas, so that workers sharing one
+            ``parallel_state`` world do not all-reduce each other's gradients.
 
     Raises:
         ConfigError: via the config's validation.
     """
 
-    def __init__(self, cfg: JobConfig, model: torch.nn.Module | None = None):
+    def __init__(self, cfg: JobConfig, model: torch.nn.Module | None = None, *,
+                 dp_group: dist.ProcessGroup | None = None):
         self.cfg = cfg
         self.dtype = resolve_dtype(cfg.train.precision)
+        self.device = cpu_compat.device()
         module = model if model is not None else build_model(cfg.model, cfg.parallel, params_dtype=self.dtype)
         self.tcfg = module.config
         ddp_cfg = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False
         )
-        self.model = [DistributedDataParallel(config=self.tcfg, ddp_config=ddp_cfg, module=module)]
+        self.dp_group = dp_group
+        pgs = None
+        if dp_group is not None:
+            from megatron.core.process_groups_config import ProcessGroupCollection
+
+            pgs = ProcessGroupCollection(
+                tp=parallel_state.get_tensor_model_parallel_group(),
+                pp=parallel_state.get_pipeline_model_parallel_group(),
+                ep=parallel_state.get_expert_model_parallel_group(),
+                dp=dp_group, dp_cp=dp_group, expt_dp=dp_group,
+            )
+        self.model = [DistributedDataParallel(config=self.tcfg, ddp_config=ddp_cfg, module=module,
+                                              pg_collection=pgs)]
         t = cfg.train
         # clip_grad=0 disables clipping; an infinite threshold keeps megatron
         # computing (and returning) the gradient norm without ever clipping.
@@ -141,6 +160,7 @@ class Trainer:
     # -- schedule ---------------------------------------------------------
     def _forward_step(self, data_iterator, model):
         index, batch = next(data_iterator)
+        batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
         if self.microbatch_hook is not None:
             self.microbatch_hook(index)
         output = self._forward(batch, model)
@@ -163,8 +183,9 @@ class Trainer:
         value = torch.zeros(1, dtype=torch.float64)
         if parallel_state.is_pipeline_last_stage() and losses:
             value[0] = torch.stack([d["lm loss"].double() for d in losses]).mean()
-            dist.all_reduce(value, group=parallel_state.get_data_parallel_group())
-            value /= parallel_state.get_data_parallel_world_size()
+            group = self.dp_group or parallel_state.get_data_parallel_group()
+            dist.all_reduce(value, group=group)
+            value /= dist.get_world_size(group)
         if parallel_state.get_pipeline_model_parallel_world_size() > 1:
             last = parallel_state.get_pipeline_model_parallel_last_rank()
             dist.broadcast(value, src=last, group=parallel_state.get_pipeline_model_parallel_group())
@@ -208,6 +229,51 @@ class Trainer:
         for m in self.model:
             m.train()
         return total / max(len(batches), 1)
+
+    def set_batch_size(self, global_batch_size: int, micro_batch_size: int) -> None:
+        """Change the batch of later steps (sequences per step over this job's DP
+        group, and per micro-batch); optimizer and LR schedule are kept."""
+        self.cfg.parallel.global_batch_size = global_batch_size
+        self.cfg.parallel.micro_batch_size = micro_batch_size
+
+    def _main_params(self) -> dict[int, torch.Tensor]:
+        """id(model param) -> fp32 main copy kept by a mixed-precision optimizer."""
+        out = {}
+        for model_group, main_group in zip(getattr(self.optimizer, "float16_groups", []),
+                                           getattr(self.optimizer, "fp32_from_float16_groups", [])):
+            for p, main in zip(model_group, main_group):
+                out[id(p)] = main
+        return out
+
+    @torch.no_grad()
+    def get_params(self) -> dict[str, torch.Tensor]:
+        """fp32 copies of this rank's parameters (its TP/PP shard), by name.
+
+        With bf16 training the optimizer's fp32 main parameters are returned,
+        so no precision is lost.
+        """
+        main = self._main_params()
+        return {name: main.get(id(p), p).detach().float().clone()
+                for name, p in self.module.named_parameters()}
+
+    @torch.no_grad()
+    def set_params(self, params: dict[str, torch.Tensor]) -> None:
+        """Overwrite this rank's parameters (and fp32 main copies) with ``params``.
+
+        Raises:
+            KeyError: a parameter of the model is missing from ``params``.
+        """
+        main = self._main_params()
+        for name, p in self.module.named_parameters():
+            p.copy_(params[name])
+            if id(p) in main:
+                main[id(p)].copy_(params[name])
+
+    def tp_sharded_names(self) -> set[str]:
+        """Names of parameters split across the tensor-parallel ranks (the
+        others are replicated on every TP rank)."""
+        return {name for name, p in self.module.named_parameters()
+                if getattr(p, "tensor_model_parallel", False)}
 
     @property
     def module(self) -> torch.nn.Module:
