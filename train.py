@@ -22,6 +22,7 @@ one-line message on stderr naming the problem and the fix.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 import time
@@ -57,6 +58,12 @@ def main(argv=None) -> int:
             from cona.run import run as run_job
         else:
             from jobruntime.loop import run as run_job
+
+            if cfg.train.zero_shot_tasks:
+                from tools.zero_shot import end_of_run_hook
+
+                run_job = functools.partial(run_job,
+                                            end_of_run=end_of_run_hook(cfg.train.zero_shot_tasks))
         summary = run_job(cfg, run_dir)
     except bad_input as e:
         if int(os.environ.get("RANK", "0")) == 0:
@@ -73,6 +80,9 @@ def main(argv=None) -> int:
         print(f"final val ppl {summary.get('final_val_ppl') or float('nan'):.1f}, target "
               f"{summary.get('target_ppl')}, TTP {f'{ttp:.1f} s' if ttp is not None else 'not reached'}"
               f" ({summary.get('clock', 'wall')} clock), {summary.get('tokens')} tokens")
+        for zs in summary.get("zero_shot", []):
+            print(f"zero-shot {zs['task']}: accuracy {zs['accuracy']:.3f}, "
+                  f"accuracy_norm {zs['accuracy_norm']:.3f} (n={zs['n']})")
     return 0
 
 

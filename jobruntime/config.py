@@ -197,6 +197,9 @@ class TrainConfig:
     """Stop the run once ``target_ppl`` is reached."""
     max_wall_s: float | None = None
     """Stop (after the current step, with a final evaluation) past this many seconds."""
+    zero_shot_tasks: list | None = None
+    """Local JSONL files in the HellaSwag or PIQA layout scored zero-shot at the
+    end of the run (``tools/zero_shot.py``); results go to summary.json."""
 
 
 @dataclass(kw_only=True)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -61,13 +62,18 @@ def _progress(cfg: JobConfig, topo: Topology, total: int, initial: int):
     return tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True)
 
 
-def run(cfg: JobConfig, run_dir: Path) -> dict:
+def run(cfg: JobConfig, run_dir: Path,
+        end_of_run: Callable[[Trainer, Corpus], dict] | None = None) -> dict:
     """Train ``cfg`` and write metrics, summary and checkpoints under ``run_dir``.
 
     Returns:
         The summary dict (also written to ``run_dir/summary.json`` on the
         logging rank): ``target_ppl``, ``ttp_s``, ``ttp_tokens``,
         ``final_val_ppl``, ``tokens``, ``wall_s`` and more.
+
+    Args:
+        end_of_run: called on every rank after training with the trainer and
+            corpus; its dict is merged into the summary (e.g. zero-shot scores).
 
     Raises:
         ConfigError, DataError, TokenizerError, CheckpointError: bad input.
@@ -146,6 +152,8 @@ def run(cfg: JobConfig, run_dir: Path) -> dict:
         wall_s=wall, world_size=topo.world_size, dp=topo.dp, tp=topo.tp, pp=topo.pp,
         model=cfg.name,
     )
+    if end_of_run is not None:
+        summary.update(end_of_run(trainer, data.corpus))
     writer.summary(summary)
     summary["wandb_dir"] = writer.wandb_dir
     writer.close()

@@ -29,7 +29,8 @@ def base_run(cache_dir, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("runs") / "base"
     proc = train("--run-dir", run_dir, "train.iters=8", "train.eval_interval=4",
                  "train.eval_iters=2", "checkpoint.save_interval=4", f"data.cache_dir={cache_dir}",
-                 "train.target_ppl=100000")
+                 "train.target_ppl=100000",
+                 f"train.zero_shot_tasks=[{REPO / 'tools/samples/piqa_synthetic.jsonl'}]")
     assert proc.returncode == 0, proc.stderr[-3000:]
     return run_dir, proc
 
@@ -54,6 +55,8 @@ def test_run_writes_metrics_summary_and_wandb(base_run):
     assert (run_dir / "config.yaml").is_file()
     assert list((run_dir / "wandb").glob("offline-run-*")), "no offline wandb run"
     assert str(run_dir.resolve()) in proc.stdout
+    (zs,) = summary["zero_shot"]  # end-of-run zero-shot evaluation ran
+    assert zs["task"] == "piqa_synthetic" and zs["n"] == 8 and 0 <= zs["accuracy"] <= 1
 
 
 def test_resume_reproduces_uninterrupted_run(base_run, cache_dir, tmp_path):

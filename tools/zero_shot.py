@@ -50,6 +50,8 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 import torch
 import torch.distributed as dist
 
+from jobruntime.config import ConfigError
+
 _MASKED_LOGIT = -1e30
 
 
@@ -221,6 +223,28 @@ def evaluate_zero_shot(trainer, tokenizer, task_file: str | Path, *, limit: int 
     scores = score_requests(trainer, build_requests(examples, tokenizer))
     result = {**accuracy(examples, scores), "task": Path(task_file).stem}
     return {**result, "scores": scores} if return_scores else result
+
+
+def end_of_run_hook(task_files: list[str]):
+    """A ``jobruntime.loop.run`` ``end_of_run`` callback scoring ``task_files``.
+
+    Returns ``{"zero_shot": [result per task]}`` for the run's summary.
+
+    Raises:
+        ConfigError: a task file does not exist (checked now, before training).
+    """
+    missing = [f for f in task_files if not Path(f).is_file()]
+    if missing:
+        raise ConfigError(f"train.zero_shot_tasks: no such file(s) {missing}; give local JSONL "
+                          "files in the HellaSwag or PIQA layout")
+
+    def hook(trainer, corpus) -> dict:
+        if trainer.cfg.model.family == "bert":
+            raise ConfigError("train.zero_shot_tasks needs a left-to-right LM (gpt or llama)")
+        return {"zero_shot": [evaluate_zero_shot(trainer, corpus.tokenizer, f)
+                              for f in task_files]}
+
+    return hook
 
 
 def _tokenizer_for(cfg, path: str | None):
