@@ -247,7 +247,15 @@ def prepare_corpus(data: DataConfig, model: ModelConfig) -> Corpus:
 
     n_docs = len(IndexedDataset(str(prefix)).document_indices) - 1
     held = val_document_mask(n_docs, data.val_every)
-    return Corpus(tokenizer, prefix, np.flatnonzero(~held), np.flatnonzero(held))
+    train_docs, val_docs = np.flatnonzero(~held), np.flatnonzero(held)
+    if len(val_docs) == 0 or len(train_docs) == 0:
+        # megatron's samplers would loop forever looking for tokens
+        raise DataError(
+            f"{src}: {n_docs} document(s) with data.val_every={data.val_every} leave "
+            f"{len(train_docs)} for training and {len(val_docs)} for validation; give at least "
+            f"{data.val_every} documents or lower data.val_every (>= 2)"
+        )
+    return Corpus(tokenizer, prefix, train_docs, val_docs)
 
 
 def build_dataset(corpus: Corpus, model: ModelConfig, split: str, num_samples: int, seed: int,
