@@ -21,6 +21,19 @@ used: 30 s for a layout switch (an assumption, about a group rebuild plus an
 in-memory reshard of a ~1B model; replaced by the first measurement) and 1 s
 for a batch switch.
 
+Uncertainty of extrapolated step times: a candidate's time is predicted from
+its own measurements, from measured strategies of the same TP/PP layout, or
+from other layouts (:meth:`CostModel.calibration_source`).  After each switch
+the first measured step of the new strategy is compared with the prediction
+that motivated it; the mean ``|log(measured / predicted)|`` per source is
+kept, and the scores of candidates (not of the current strategy, whose time
+is being measured) predicted from that source are discounted by
+``exp(-mean error)`` when ranking.  Where the analytic model is exact (emulated
+mode) nothing changes; where it is poor (an A100 model timing CPU processes)
+the controller stops chasing layouts it has only extrapolated, and noisy step
+times (source ``"measured"``: returning to a strategy measured before) raise
+the bar for switching back, instead of flapping on optimistic predictions.
+
 Learning rate follows the global batch ``B`` from the reference batch ``B_ref``
 (where ``base_lr`` was tuned): ``lr = base_lr * (B/B_ref)^k`` with ``k = 0.5``
 (``sqrt``, Krizhevsky 2014 / Hoffer et al. 2017, matched to Adam by Malladi et
@@ -31,8 +44,9 @@ Every decision is logged as a dict in :attr:`Controller.decisions`.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from jobruntime.config import ConaConfig
@@ -179,13 +193,29 @@ class Controller:
         self.reference_batch = reference_batch or current.global_batch_size
         self._priors = dict(SWITCH_COST_PRIORS_S, **(switch_cost_priors_s or {}))
         self._switch_costs: dict[str, list[float]] = {"layout": [], "batch": []}
+        self._pred_errors: dict[str, list[float]] = {}
+        self._pending: tuple[Strategy, float, str] | None = None
         self.decisions: list[dict[str, Any]] = []
 
     # -- inputs from the training loop --------------------------------------
 
     def record_iteration(self, iter_s: float, strategy: Strategy | None = None) -> None:
-        """Feed a measured step time (s) of ``strategy`` (default: current) to the cost model."""
-        self.cost_model.calibrate(strategy or self.current, iter_s)
+        """Feed a measured step time (s) of ``strategy`` (default: current) to the cost model.
+
+        The first measurement after a switch also scores the prediction that
+        motivated it (module docstring).
+        """
+        strategy = strategy or self.current
+        if self._pending is not None and self._pending[0] == strategy and iter_s > 0:
+            _, predicted, source = self._pending
+            self._pred_errors.setdefault(source, []).append(abs(math.log(iter_s / predicted)))
+            self._pending = None
+        self.cost_model.calibrate(strategy, iter_s)
+
+    def prediction_error(self, source: str) -> float:
+        """Mean ``|log(measured/predicted)|`` of past switches predicted from ``source`` (0 if none)."""
+        errs = self._pred_errors.get(source)
+        return sum(errs) / len(errs) if errs else 0.0
 
     def record_switch_cost(self, kind: str, seconds: float) -> None:
         """Add a measured switch cost (``kind`` = ``"layout"`` or ``"batch"``).
@@ -209,6 +239,12 @@ class Controller:
         """The runtime switched to ``new``; record its cost; return the new learning rate."""
         if measured_cost_s is not None:
             self.record_switch_cost(switch_kind(self.current, new), measured_cost_s)
+        if new != self.current:
+            self._pending = (
+                new,
+                self.cost_model.predict(new).iter_s,
+                self.cost_model.calibration_source(new),
+            )
         self.current = new
         return self.lr()
 
@@ -224,12 +260,22 @@ class Controller:
         return step > 0 and step % self.cfg.decision_interval == 0
 
     def rank(self) -> list[Score]:
-        """Current ranking (candidates + current strategy), best first."""
+        """Current ranking (candidates + current strategy), best first; scores are
+        discounted by the prediction error of their calibration source."""
         phi = self.gns.noise_scale
         pool = list(dict.fromkeys([*self.candidates, self.current]))
         if phi is None:
             pool = [s for s in pool if s.global_batch_size == self.current.global_batch_size]
-        return rank_strategies(pool, self.cost_model, phi, self.reference_batch)
+        ranked = rank_strategies(pool, self.cost_model, phi, self.reference_batch)
+        if not self._pred_errors:
+            return ranked
+        out = []
+        for sc in ranked:
+            err = 0.0
+            if sc.strategy != self.current:  # the current strategy's time is being measured
+                err = self.prediction_error(self.cost_model.calibration_source(sc.strategy))
+            out.append(replace(sc, score=sc.score * math.exp(-err)) if err else sc)
+        return sorted(out, key=lambda x: (-x.score, x.strategy.label))
 
     def decide(self, step: int) -> Decision:
         """Rank and decide; the decision is appended to :attr:`decisions`."""
@@ -272,6 +318,13 @@ class Controller:
             time_saved_s=time_saved,
             switch_cost_s=cost,
             lr=self.lr(best.strategy if switch else self.current),
+            extra={
+                "prediction_error": dict(
+                    sorted((k, self.prediction_error(k)) for k in self._pred_errors)
+                )
+            }
+            if self._pred_errors
+            else {},
         )
         self.decisions.append(d.to_dict())
         return d
@@ -286,6 +339,7 @@ class Controller:
         return {
             "current": self.current.label,
             "switch_costs": {k: list(v) for k, v in self._switch_costs.items()},
+            "prediction_errors": {k: list(v) for k, v in self._pred_errors.items()},
             "decisions": list(self.decisions),
             "gns": self.gns.state_dict(),
             "cost_model": self.cost_model.state_dict(),
@@ -294,6 +348,7 @@ class Controller:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.current = Strategy.from_label(state["current"])
         self._switch_costs = {k: list(v) for k, v in state["switch_costs"].items()}
+        self._pred_errors = {k: list(v) for k, v in state.get("prediction_errors", {}).items()}
         self.decisions = list(state["decisions"])
         self.gns.load_state_dict(state["gns"])
         self.cost_model.load_state_dict(state["cost_model"])

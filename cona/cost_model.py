@@ -360,6 +360,19 @@ class CostModel:
         vals = list(self._log_factors.values())
         return math.exp(sum(vals) / len(vals))
 
+    def calibration_source(self, strategy: Strategy) -> str:
+        """Where :meth:`correction` takes ``strategy``'s factor from: ``"measured"`` (its
+        own), ``"layout"`` (same TP/PP measured), ``"global"`` (other layouts) or ``"none"``."""
+        if strategy in self._log_factors:
+            return "measured"
+        if self.calibration == "exact" or not self._log_factors:
+            return "none"
+        if self.calibration == "layout" and any(
+            (s.tp, s.pp) == (strategy.tp, strategy.pp) for s in self._log_factors
+        ):
+            return "layout"
+        return "global"
+
     @property
     def measured(self) -> dict[Strategy, float]:
         """Correction factors of the measured strategies."""

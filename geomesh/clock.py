@@ -174,6 +174,25 @@ class EmulatedClock:
         self._round_compute[worker] += seconds
         self.totals[worker].compute_s += seconds
 
+    def state_dict(self) -> dict:
+        """Clocks and totals (not the per-round history) for checkpoints."""
+        return {
+            "time_s": dict(self.time_s),
+            "round_start": dict(self._round_start),
+            "round_compute": dict(self._round_compute),
+            "totals": {k: vars(v).copy() for k, v in self.totals.items()},
+            "wan_bytes": self.wan_bytes,
+            "intra_bytes": self.intra_bytes,
+        }
+
+    def load_state_dict(self, state: Mapping) -> None:
+        self.time_s = dict(state["time_s"])
+        self._round_start = dict(state["round_start"])
+        self._round_compute = dict(state["round_compute"])
+        self.totals = {k: WorkerTiming(**v) for k, v in state["totals"].items()}
+        self.wan_bytes = state["wan_bytes"]
+        self.intra_bytes = state["intra_bytes"]
+
     def exchange(self, message_bytes: Mapping[str, int]) -> RoundSchedule:
         """Hierarchical all-gather of one message per worker (module docstring).
 

@@ -21,6 +21,10 @@ YAML schema (all keys but ``workers`` optional)::
     workers:
       - {name: h100-eastus, gpu: H100, num_gpus: 8, region: East US,
          tp: 1, pp: 1, memory_gib: null}
+    slowdown:                 # optional injected slowdown (tests of re-planning);
+      - {worker: h100-eastus, factor: 2, from_round: 3, until_round: null}
+                              # a single mapping is fine too; emulated mode scales
+                              # the worker's compute time, real mode sleeps
 
 Units: bandwidth in bytes/s and latency in seconds once loaded
 (:class:`WanLink`); the YAML and CSV use Gbit/s and milliseconds.
@@ -103,6 +107,17 @@ class WorkerSpec:
 
 
 @dataclass(frozen=True, kw_only=True)
+class Slowdown:
+    """Worker ``worker`` computes ``factor`` times slower in rounds
+    ``from_round <= r < until_round`` (``until_round=None``: to the end)."""
+
+    worker: str
+    factor: float
+    from_round: int = 0
+    until_round: int | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
 class ClusterSpec:
     """A validated cluster.  Workers keep YAML order; worker index = position.
 
@@ -118,6 +133,17 @@ class ClusterSpec:
     links: dict[tuple[str, str], WanLink] = field(default_factory=dict)
     wan_bandwidth_scale: float = 1.0
     rendezvous: str | None = None
+    slowdowns: tuple[Slowdown, ...] = ()
+
+    def slowdown_factor(self, worker: str, round: int) -> float:
+        """Injected compute-time factor of ``worker`` in outer step ``round`` (1 = none)."""
+        f = 1.0
+        for s in self.slowdowns:
+            if s.worker == worker and s.from_round <= round and (
+                s.until_round is None or round < s.until_round
+            ):
+                f *= s.factor
+        return f
 
     # -- lookups -------------------------------------------------------------
     def worker(self, name: str) -> WorkerSpec:
@@ -357,6 +383,32 @@ def _parse_rendezvous(rendezvous: Any, mode: str) -> str | None:
     return rendezvous
 
 
+def _parse_slowdowns(raw: Any, workers: list[WorkerSpec]) -> tuple[Slowdown, ...]:
+    """``slowdown:`` (one mapping or a list) -> Slowdowns naming existing workers."""
+    if raw is None:
+        return ()
+    items = [raw] if isinstance(raw, dict) else raw
+    if not isinstance(items, list):
+        raise ClusterError("slowdown must be a mapping {worker, factor, from_round} or a list of them")
+    names = [w.name for w in workers]
+    out = []
+    for i, d in enumerate(items):
+        where = f"slowdown[{i}]"
+        _check_keys(d, {"worker", "factor", "from_round", "until_round"}, where)
+        if d.get("worker") not in names:
+            raise ClusterError(f"{where}.worker={d.get('worker')!r} is not a worker; use one of {names}")
+        until = d.get("until_round")
+        out.append(Slowdown(
+            worker=d["worker"],
+            factor=_num(d.get("factor"), f"{where}.factor"),
+            from_round=int(_num(d.get("from_round", 0), f"{where}.from_round", positive=False,
+                                integer=True)),
+            until_round=None if until is None else int(
+                _num(until, f"{where}.until_round", integer=True)),
+        ))
+    return tuple(out)
+
+
 def cluster_from_dict(raw: dict, *, base_dir: Path | None = None) -> ClusterSpec:
     """Validate a parsed YAML mapping and build a :class:`ClusterSpec`.
 
@@ -376,6 +428,7 @@ def cluster_from_dict(raw: dict, *, base_dir: Path | None = None) -> ClusterSpec
         "wan_links",
         "regions",
         "workers",
+        "slowdown",
     }
     raw = _check_keys(raw, top, "cluster")
     name = str(raw.get("name", "cluster"))
@@ -388,6 +441,7 @@ def cluster_from_dict(raw: dict, *, base_dir: Path | None = None) -> ClusterSpec
     regions = _parse_regions(raw.get("regions"), workers)
     links = _parse_links(raw, [r.name for r in regions], scale, base_dir)
     rendezvous = _parse_rendezvous(raw.get("rendezvous"), mode)
+    slowdowns = _parse_slowdowns(raw.get("slowdown"), workers)
 
     return ClusterSpec(
         name=name,
@@ -397,6 +451,7 @@ def cluster_from_dict(raw: dict, *, base_dir: Path | None = None) -> ClusterSpec
         links=links,
         wan_bandwidth_scale=scale,
         rendezvous=rendezvous,
+        slowdowns=slowdowns,
     )
 
 

@@ -14,6 +14,16 @@ tensor's L1 norm equal to the input's.  signSGD itself (Bernstein et al.
 sizes differ across tensors and workers (DiLoCo, Douillard et al. 2023, sends
 the full pseudo-gradient).
 
+Row scales (``TensorSchema(row_scales=True)``, GeoMesh's default in
+:class:`geomesh.codec.SignCodec`).  A tensor of two or more dimensions may
+carry one scale per row (``shape[0]`` scales, each ``mean |x|`` of its row)
+instead of one per tensor: the same minimiser applied row by row.  It matters
+for embeddings and output layers, whose rows (tokens) see very different
+updates in a round — with one scale per tensor, every row of a token not seen
+in the round would receive ``±m`` of the seen rows.  Cost: 4 bytes per row,
+e.g. 2 MB on GPT-3 1.3B's 164 MB of signs (compression ratio 31.6 instead of
+32.0).  The wire format then sends the row scales in place of the one scale.
+
 Sign convention: bit 1 for ``x >= 0`` (``+0`` and ``-0`` included), bit 0 for
 ``x < 0`` or NaN (non-finite input is rejected by :func:`compress`).  Bits are
 MSB-first within a byte (``numpy.packbits`` order); pad bits are 0.
@@ -26,7 +36,8 @@ Wire format (little-endian), one message per worker per round::
 
     header  36 B  magic "GMSH" | version u16 | flags u16 | worker u32 | round u32
                   | num_tokens u64 | schema digest 8 B | num_tensors u32
-    body          per tensor, in schema order: scale f32 | ceil(numel/8) sign bytes
+    body          per tensor, in schema order: scale f32 (rows x f32 with row
+                  scales) | ceil(numel/8) sign bytes
     trailer  4 B  CRC-32 of header + body
 
 Names and shapes are not sent: every worker builds the same model, and the
@@ -49,6 +60,7 @@ import torch
 
 MAGIC = b"GMSH"
 VERSION = 1
+FLAG_ROW_SCALES = 1  # header flag: tensors of 2+ dims carry one scale per row
 _HEADER = struct.Struct("<4sHHIIQ8sI")  # 36 bytes
 _SCALE = struct.Struct("<f")
 _CRC = struct.Struct("<I")
@@ -135,12 +147,13 @@ class CompressedTensor:
 
     Attributes:
         packed: uint8 ``[ceil(numel/8)]`` sign bits.
-        scale: fp32-representable magnitude ``mean |x|`` (>= 0).
+        scale: fp32-representable magnitude ``mean |x|`` (>= 0), or an fp32
+            tensor ``[shape[0]]`` of row scales.
         shape: shape of the original tensor.
     """
 
     packed: torch.Tensor
-    scale: float
+    scale: float | torch.Tensor
     shape: torch.Size
 
     @property
@@ -148,9 +161,25 @@ class CompressedTensor:
         return self.shape.numel()
 
     @property
+    def num_scales(self) -> int:
+        return self.scale.numel() if isinstance(self.scale, torch.Tensor) else 1
+
+    @property
     def wire_bytes(self) -> int:
-        """Sign bytes + 4-byte fp32 scale."""
-        return self.packed.numel() + _SCALE.size
+        """Sign bytes + 4 bytes per fp32 scale."""
+        return self.packed.numel() + _SCALE.size * self.num_scales
+
+
+def num_row_scales(shape: Sequence[int]) -> int:
+    """Scales of a tensor with row scales: ``shape[0]`` for 2+ dims, else 1."""
+    return int(shape[0]) if len(shape) >= 2 else 1
+
+
+def scale_signs(sign: torch.Tensor, scale: float | torch.Tensor) -> torch.Tensor:
+    """``sign * scale`` in place; a tensor ``scale`` multiplies row by row."""
+    if isinstance(scale, torch.Tensor):
+        return sign.view(scale.numel(), -1).mul_(scale.to(sign.dtype).unsqueeze(1)).view(sign.shape)
+    return sign.mul_(scale)
 
 
 def _fp32(x: float) -> float:
@@ -194,7 +223,8 @@ def decompress(
 ) -> torch.Tensor:
     """``scale * sign`` as a ``dtype`` tensor of ``ct.shape``."""
     packed = ct.packed if device is None else ct.packed.to(device)
-    return unpack_signs(packed, ct.shape, dtype=dtype).mul_(ct.scale)
+    scale = ct.scale.to(packed.device) if isinstance(ct.scale, torch.Tensor) else ct.scale
+    return scale_signs(unpack_signs(packed, ct.shape, dtype=dtype), scale)
 
 
 def compress_with_feedback(
@@ -236,6 +266,8 @@ class TensorSchema:
     """Ordered ``(name, shape)`` list that all workers share (same model)."""
 
     entries: tuple[tuple[str, tuple[int, ...]], ...]
+    row_scales: bool = False
+    """One scale per row of 2+-dimensional tensors (module docstring)."""
 
     @classmethod
     def from_tensors(cls, named: Mapping[str, torch.Tensor]) -> TensorSchema:
@@ -250,15 +282,21 @@ class TensorSchema:
     def digest(self) -> bytes:
         """8-byte BLAKE2b digest of names and shapes."""
         text = ";".join(f"{k}:{','.join(map(str, s))}" for k, s in self.entries)
+        if self.row_scales:
+            text += ";row_scales"
         return hashlib.blake2b(text.encode(), digest_size=8).digest()
+
+    def num_scales(self, shape: Sequence[int]) -> int:
+        return num_row_scales(shape) if self.row_scales else 1
 
     @property
     def numel(self) -> int:
         return sum(math.prod(s) for _, s in self.entries)
 
     def wire_bytes(self) -> int:
-        """Payload bytes of one message: sign bytes + 4 B per tensor + 8 B tokens."""
-        return sum(packed_size(math.prod(s)) + _SCALE.size for _, s in self.entries) + 8
+        """Payload bytes of one message: sign bytes + 4 B per scale + 8 B tokens."""
+        return sum(packed_size(math.prod(s)) + _SCALE.size * self.num_scales(s)
+                   for _, s in self.entries) + 8
 
     def encoded_bytes(self) -> int:
         """Exact length of an encoded message for this schema."""
@@ -324,7 +362,7 @@ def encode_message(msg: WorkerMessage, schema: TensorSchema) -> bytes:
         _HEADER.pack(
             MAGIC,
             VERSION,
-            0,
+            FLAG_ROW_SCALES if schema.row_scales else 0,
             msg.worker,
             msg.round % 2**32,
             msg.num_tokens,
@@ -336,7 +374,15 @@ def encode_message(msg: WorkerMessage, schema: TensorSchema) -> bytes:
         ct = msg.tensors[name]
         if tuple(ct.shape) != shape:
             raise ValueError(f"tensor '{name}' has shape {tuple(ct.shape)}, schema says {shape}")
-        parts.append(_SCALE.pack(ct.scale))
+        n = schema.num_scales(shape)
+        if ct.num_scales != n or (schema.row_scales and len(shape) >= 2) != isinstance(
+            ct.scale, torch.Tensor
+        ):
+            raise ValueError(f"tensor '{name}' has {ct.num_scales} scale(s), the schema needs {n}")
+        if isinstance(ct.scale, torch.Tensor):
+            parts.append(ct.scale.detach().cpu().numpy().astype("<f4", copy=False).tobytes())
+        else:
+            parts.append(_SCALE.pack(ct.scale))
         parts.append(ct.packed.detach().cpu().numpy().tobytes())
     body = b"".join(parts)
     return body + _CRC.pack(zlib.crc32(body))
@@ -384,10 +430,20 @@ def decode_message(data: bytes | bytearray | memoryview, schema: TensorSchema) -
     off = HEADER_BYTES
     tensors: dict[str, CompressedTensor] = {}
     for name, shape in schema.entries:
-        (scale,) = _SCALE.unpack_from(buf, off)
-        off += _SCALE.size
-        if not (math.isfinite(scale) and scale >= 0):
-            raise MessageError(f"{who}: tensor '{name}' has scale {scale}; must be finite and >= 0")
+        if schema.row_scales and len(shape) >= 2:
+            rows = int(shape[0])
+            scale = torch.frombuffer(buf, dtype=torch.float32, count=rows, offset=off).clone()
+            off += _SCALE.size * rows
+            bad = not bool((torch.isfinite(scale) & (scale >= 0)).all()) if rows else False
+            if bad:
+                raise MessageError(f"{who}: tensor '{name}' has a negative or non-finite row scale")
+        else:
+            (scale,) = _SCALE.unpack_from(buf, off)
+            off += _SCALE.size
+            if not (math.isfinite(scale) and scale >= 0):
+                raise MessageError(
+                    f"{who}: tensor '{name}' has scale {scale}; must be finite and >= 0"
+                )
         nb = packed_size(math.prod(shape))
         packed = (
             torch.frombuffer(buf, dtype=torch.uint8, count=nb, offset=off)

@@ -30,7 +30,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from .compression import WorkerMessage, unpack_signs
+from .compression import WorkerMessage, scale_signs, unpack_signs
 
 
 def _check_weights(num_tokens: Sequence[int]) -> list[float]:
@@ -112,7 +112,10 @@ def aggregate_messages(
                 )
             packed = ct.packed if device is None else ct.packed.to(device)
             sign = unpack_signs(packed, ct.shape)  # fp32 ±1, shape of the tensor
-            if acc is None:
+            if isinstance(ct.scale, torch.Tensor):  # row scales: sign * (w · m_row)
+                term = scale_signs(sign, ct.scale.to(sign.device) * w)
+                acc = term if acc is None else acc.add_(term)
+            elif acc is None:
                 acc = sign.mul_(w * ct.scale)
             else:
                 acc.add_(sign, alpha=w * ct.scale)

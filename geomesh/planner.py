@@ -29,7 +29,8 @@ differ by < ``tolerance``) that is best in the per-worker order above (if none
 is, the one closest to ``R``).  (4) Rescale ``R ← R · T / N`` and repeat (a
 fixed-point iteration, ≤ 30 passes); since the choices are discrete, ``N(R)``
 is a step function, so finally scan ``R`` over ±20 % of the best in 0.5 %
-steps.  Return the best plan seen (balanced, tokens within tolerance, fastest).
+steps (first over ×/÷ 100 in 10 % steps if the fixed point missed the
+token tolerance).  Return the best plan seen (balanced, tokens within tolerance, fastest).
 Cost: ~0.5 s for 4 workers on one CPU core; call it once per run and on
 :meth:`Planner.replan`.
 
@@ -393,7 +394,16 @@ class Planner:
                 break
             R *= self.target_tokens / plan.total_tokens
         # Discrete choices make N(R) a step function and the fixed point may
-        # cycle; a scan of R around it also finds faster balanced choices.
+        # cycle between two steps far apart (small models, whose step time
+        # hardly grows with the micro-batch): then scan R geometrically over
+        # a wide range first.  A scan of R around the best also finds faster
+        # balanced choices.
+        if not best.balanced or abs(best.total_tokens - self.target_tokens) > (
+            self.tolerance * self.target_tokens
+        ):
+            R0 = best_R
+            for k in range(-48, 49):
+                consider(R0 * 1.1**k)
         R0 = best_R
         for k in range(-40, 41):
             consider(R0 * (1 + k * 0.005))
@@ -406,6 +416,31 @@ class Planner:
             )
         self.current = best
         return best
+
+    def uniform(self, batch_size: int, inner_steps: int | None = None) -> Plan:
+        """The unbalanced plan of the baselines: every worker ``batch_size``
+        sequences per step and ``inner_steps`` steps (DiLoCo, DDP, async).
+
+        Per worker, the largest fitting micro-batch that divides its per-replica
+        share (``batch_size / dp``, rounded up to whole sequences per replica),
+        the rest by gradient accumulation.  Not stored in :attr:`current`.
+        """
+        H = inner_steps or self.inner_steps
+        out = []
+        for w in self.cluster.workers:
+            per_replica = max(1, -(-batch_size // w.dp))
+            fit = [mb for mb in self._micro_batches(w) if per_replica % mb == 0] or [1]
+            mb = max(fit)
+            a = per_replica // mb
+            step = self._step_time(w, mb, a)
+            batch = mb * a * w.dp
+            out.append(WorkerPlan(
+                worker=w.name, micro_batch_size=mb, grad_accum=a, dp=w.dp, batch_size=batch,
+                inner_steps=H, seq_length=self.seq_length, tokens=H * batch * self.seq_length,
+                step_time_s=step, compute_s=H * step, memory_bytes=self.memory.bytes_per_gpu(w, mb),
+                memory_limit_bytes=self.memory.limit_bytes(w),
+            ))
+        return Plan(workers=tuple(out), target_tokens=self.target_tokens, tolerance=self.tolerance)
 
     def replan(self, measured_step_times: Mapping[str, float]) -> Plan:
         """Re-plan after workers' speeds drift (e.g. a GPU throttles mid-run).

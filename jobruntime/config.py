@@ -276,6 +276,15 @@ class GeoMeshConfig:
     targets ``inner_steps * global_batch_size`` tokens-worth per round."""
     error_feedback: bool = True
     """Keep the sign-compression residual locally and add it next round."""
+    inner_lr_scaling: Literal["sqrt", "linear", "none"] = "sqrt"
+    """How a worker's inner learning rate follows its batch ``b_i``, relative to
+    the uniform per-worker batch ``G/K`` for which ``train.lr`` is meant:
+    ``lr · (b_i K / G)^{1/2}`` (``sqrt``, the usual rule for Adam), linear, or
+    unchanged (``none``).  Uniform methods (DiLoCo, async) are unaffected."""
+    compression: Literal["sign_row", "sign", "fp32"] = "sign_row"
+    """GeoMesh's pseudo-gradient codec: sign bits with one fp32 magnitude per
+    row of every matrix (``sign_row``, ~1 % more bytes than ``sign``), per
+    tensor (``sign``), or none (``fp32``, an ablation)."""
     target_model: str | None = None
     """Emulated mode: preset whose FLOPs and bytes set time and traffic."""
     timeout_s: float = 600.0

@@ -154,6 +154,9 @@ class Trainer:
         self.tcfg.grad_scale_func = self.optimizer.scale_loss
         self._forward = _bert_forward if cfg.model.family == "bert" else _gpt_forward
         self.step = 0
+        self.lr_scale = 1.0
+        """Multiplies the scheduled learning rate of the next steps (GeoMesh scales a
+        worker's LR with its batch size); the schedule itself is unchanged."""
         self.microbatch_hook: Callable[[int], None] | None = None
         """Called with the micro-batch index before each forward (after the previous backward)."""
 
@@ -204,6 +207,9 @@ class Trainer:
             m.zero_grad_buffer()
         self.optimizer.zero_grad()
         losses = self._run_schedule(microbatches, forward_only=False)
+        if self.lr_scale != 1.0:  # the scheduler resets every group's lr after each step
+            for group in self.optimizer.param_groups:
+                group["lr"] = group["lr"] * self.lr_scale
         _, grad_norm, _ = self.optimizer.step()
         lr = self.optimizer.param_groups[0]["lr"]
         self.scheduler.step(increment=1)
@@ -269,10 +275,10 @@ class Trainer:
             if id(p) in main:
                 main[id(p)].copy_(params[name])
 
-    def tp_sharded_names(self) -> set[str]:
-        """Names of parameters split across the tensor-parallel ranks (the
-        others are replicated on every TP rank)."""
-        return {name for name, p in self.module.named_parameters()
+    def tp_partition_dims(self) -> dict[str, int]:
+        """``{name: dim}`` of the parameters split across the tensor-parallel
+        ranks along ``dim`` (the others are replicated on every TP rank)."""
+        return {name: int(getattr(p, "partition_dim", 0)) for name, p in self.module.named_parameters()
                 if getattr(p, "tensor_model_parallel", False)}
 
     @property

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from cona.controller import (
@@ -161,3 +163,33 @@ def test_state_dict_roundtrip():
     assert other.current == FAST and other.gns.noise_scale == pytest.approx(50.0)
     assert other.cost_model.iteration_time(SLOW) == pytest.approx(5.0)
     assert other.decisions == ctrl.decisions
+
+
+def test_wrong_extrapolation_discounts_unmeasured_layouts():
+    """Catches flapping on a poor cost model (real mode on CPU with an A100 model): after a
+    switch to FAST that turns out hardly faster than SLOW (the prediction was off by ~2x),
+    another never-measured layout that the (now globally calibrated) model still predicts
+    ~1.3x faster must not trigger a switch; a same-layout batch change, whose prediction
+    rests on FAST's own measurement, is not discounted."""
+    tp2 = Strategy(4, 2, 1, 2, 64)
+    ctrl = _controller([SLOW, FAST, tp2, BIG_GB], SLOW, noise_scale=None)
+    cm = ctrl.cost_model
+    slow_s = cm.analytic(SLOW).analytic_s
+    ctrl.record_iteration(slow_s)
+    d = ctrl.decide(10)
+    assert d.switch and d.best == FAST
+    ctrl.commit_switch(FAST, measured_cost_s=1.0)
+    ctrl.record_iteration(0.95 * slow_s)  # FAST measured: hardly faster than SLOW
+    assert ctrl.prediction_error("global") == pytest.approx(
+        math.log(0.95 * slow_s / cm.analytic(FAST).analytic_s), rel=0.01
+    )
+    assert cm.calibration_source(tp2) == "global"
+    undiscounted = rank_strategies([FAST, tp2], cm, None, 64)
+    assert undiscounted[0].strategy == tp2 and undiscounted[0].score > 1.2 * undiscounted[1].score
+    d = ctrl.decide(20)
+    assert not d.switch and d.best == FAST and "prediction_error" in ctrl.decisions[-1]
+    ctrl.gns = _gns(1e4)  # a batch change on FAST's layout rests on FAST's own measurement
+    assert cm.calibration_source(BIG_GB) == "layout"
+    ranked = {sc.strategy: sc.score for sc in ctrl.rank()}
+    plain = {sc.strategy: sc.score for sc in rank_strategies([BIG_GB, tp2], cm, 1e4, 64)}
+    assert ranked[BIG_GB] == plain[BIG_GB] and ranked[tp2] < 0.6 * plain[tp2]

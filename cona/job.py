@@ -1,0 +1,306 @@
+"""A CONA job: trainer, data position, gradient statistics and clock on one strategy.
+
+:class:`RealJob` (``cona.clock=wall``) runs the strategy's layout on the
+launched processes (torchrun / gloo or NCCL), times steps with the wall
+clock (max over ranks) and switches with :mod:`cona.switch`.
+:class:`EmulatedJob` (``cona.clock=emulated``) trains the proxy in one process
+at the strategy's global batch and takes step and switch times from
+:class:`cona.emulated.EmulatedCluster`.  Both expose the same interface to
+the loop in :mod:`cona.run`: :meth:`Job.train_step`, :meth:`Job.evaluate`,
+:meth:`Job.apply` (switch), ``clock_s``, ``consumed_samples``.
+
+Validation uses one fixed set of sequences whatever the strategy (its size
+is a multiple of every candidate's ``dp * micro_batch``), so perplexities of
+different strategies are comparable.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from jobruntime.config import JobConfig
+from jobruntime.data import Corpus, GlobalBatchSampler, build_dataset, prepare_corpus
+from jobruntime.parallel import Topology, initialize_layout, set_seed
+from jobruntime.trainer import StepResult
+
+from . import state as cstate
+from .controller import scale_lr, switch_kind
+from .emulated import EmulatedCluster, lcm_of, proxy_micro_batch_size
+from .grad_stats import GradientNoiseScale
+from .probe import GNSProbe
+from .strategy import Strategy
+from .switch import PeakRSS, switch_batch, switch_layout
+
+log = logging.getLogger("cona")
+
+
+@dataclass
+class Datasets:
+    """Tokenised corpus and the train / validation datasets (built once per run)."""
+
+    corpus: Corpus
+    train: object
+    val: object
+    val_samples: int
+
+
+def build_datasets(cfg: JobConfig, *, train_samples: int, val_samples: int) -> Datasets:
+    """Tokenise (cached) and build megatron datasets of the given sizes (collective)."""
+    corpus = prepare_corpus(cfg.data, cfg.model)
+    train = build_dataset(
+        corpus, cfg.model, "train", train_samples, cfg.train.seed, cfg.data.cache_dir
+    )
+    val = build_dataset(corpus, cfg.model, "valid", val_samples, cfg.train.seed, cfg.data.cache_dir)
+    return Datasets(corpus, train, val, val_samples)
+
+
+def val_set_size(cfg: JobConfig, batch_units: list[int], reference_batch: int) -> int:
+    """Validation sequences: ``eval_iters * reference_batch`` rounded up to a multiple of
+    every ``dp * micro_batch`` in ``batch_units``."""
+    unit = lcm_of(batch_units)
+    want = max(cfg.train.eval_iters, 1) * reference_batch
+    return -(-want // unit) * unit
+
+
+class Job:
+    """Shared state and interface of real and emulated jobs (see module docstring).
+
+    Attributes:
+        strategy: the strategy in use (for emulated jobs: the modelled one).
+        trainer: the :class:`~jobruntime.trainer.Trainer` of the current layout.
+        gns: gradient-noise-scale estimator fed by :attr:`probe` every step.
+        reference_batch: global batch the base LR was tuned for (``B_ref``).
+    """
+
+    strategy: Strategy
+    is_logging_rank: bool = True
+
+    def __init__(self, cfg: JobConfig, data: Datasets, reference_batch: int):
+        self.cfg, self.data, self.reference_batch = cfg, data, reference_batch
+        self.gns = GradientNoiseScale()
+        self.probe = GNSProbe(self.gns)
+
+    # -- helpers ------------------------------------------------------------
+    def lr_for(self, strategy: Strategy) -> tuple[float, float]:
+        """(peak, final) LR for ``strategy``'s global batch by ``cona.lr_scaling``."""
+        t, rule = self.cfg.train, self.cfg.cona.lr_scaling
+        gb = strategy.global_batch_size
+        return (
+            scale_lr(t.lr, gb, self.reference_batch, rule),
+            scale_lr(t.min_lr, gb, self.reference_batch, rule),
+        )
+
+    def _sampler(self, topo: Topology, consumed: int) -> GlobalBatchSampler:
+        p = self.trainer.cfg.parallel
+        return GlobalBatchSampler(
+            self.data.train,
+            global_batch_size=p.global_batch_size,
+            micro_batch_size=p.micro_batch_size,
+            dp=topo.dp,
+            dp_rank=topo.dp_rank,
+            consumed_samples=consumed,
+        )
+
+    def _val_batches(self, topo: Topology, micro_batch_size: int) -> list:
+        val = GlobalBatchSampler(
+            self.data.val,
+            global_batch_size=self.data.val_samples,
+            micro_batch_size=micro_batch_size,
+            dp=topo.dp,
+            dp_rank=topo.dp_rank,
+        )
+        return [val.microbatches_at(0)]
+
+    @property
+    def consumed_samples(self) -> int:
+        return self.sampler.consumed_samples
+
+    def evaluate(self) -> float:
+        """Mean validation loss (nats/token) on the fixed validation set."""
+        return self.trainer.evaluate(self.val_batches)
+
+    # -- interface ----------------------------------------------------------
+    @property
+    def clock_s(self) -> float:
+        raise NotImplementedError
+
+    def train_step(self) -> tuple[StepResult, float]:
+        """One optimizer step; returns the result and the step's clock seconds."""
+        raise NotImplementedError
+
+    def apply(self, strategy: Strategy) -> dict | None:
+        """Switch to ``strategy``; return the switch record (``None`` if unchanged)."""
+        raise NotImplementedError
+
+
+class RealJob(Job):
+    """The strategy's layout on the launched processes; wall clock (see module docstring)."""
+
+    def __init__(self, cfg: JobConfig, data: Datasets, reference_batch: int, start: Strategy):
+        super().__init__(cfg, data, reference_batch)
+        self.strategy = start
+        lr, min_lr = self.lr_for(start)
+        run_cfg = cstate.strategy_config(cfg, start, lr=lr, min_lr=min_lr)
+        self.topo = initialize_layout(run_cfg)
+        set_seed(cfg.train.seed)
+        self.trainer = cstate.build_trainer(run_cfg, reference_batch)
+        self.probe.attach(self.trainer)
+        self.sampler = self._sampler(self.topo, 0)
+        self.val_batches = self._val_batches(self.topo, start.micro_batch_size)
+        self._t0 = time.perf_counter()
+        self.fresh = True  # the first step after a (re)build is not a representative timing
+
+    @property
+    def is_logging_rank(self) -> bool:
+        return self.topo.is_logging_rank
+
+    @property
+    def clock_s(self) -> float:
+        return time.perf_counter() - self._t0
+
+    def train_step(self) -> tuple[StepResult, float]:
+        t0 = time.perf_counter()
+        result = self.trainer.train_step(self.sampler.next())
+        dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+        dist.all_reduce(dt, op=dist.ReduceOp.MAX)  # identical controller inputs on all ranks
+        self.fresh = False
+        return result, float(dt[0])
+
+    def apply(self, strategy: Strategy) -> dict | None:
+        if strategy == self.strategy:
+            return None
+        old, kind = self.strategy, switch_kind(self.strategy, strategy)
+        lr, min_lr = self.lr_for(strategy)
+        new_cfg = cstate.strategy_config(self.cfg, strategy, lr=lr, min_lr=min_lr)
+        consumed = self.consumed_samples
+        self.probe.detach()
+        if kind == "layout":
+            self.topo, report = switch_layout(
+                self, new_cfg, reference_batch=self.reference_batch, seed=self.cfg.train.seed
+            )
+        else:
+            report = switch_batch(self.trainer, new_cfg)
+        self.probe.attach(self.trainer)
+        self.sampler = self._sampler(self.topo, consumed)
+        self.val_batches = self._val_batches(self.topo, strategy.micro_batch_size)
+        self.strategy, self.fresh = strategy, True
+        return {
+            "from": old.label,
+            "to": strategy.label,
+            "switch_s": report.seconds,
+            "cost_s": report.seconds,
+            "lr": lr,
+            **report.to_dict(),
+        }
+
+
+class EmulatedJob(Job):
+    """The proxy at the strategy's global batch; modelled clock.
+
+    Normally one process.  Launched on ``W`` processes (torchrun), the proxy
+    runs data-parallel over them (DP = ``W``, each global batch must be a
+    multiple of ``W``): only the wall time changes, not the trajectory's
+    mathematics or the clock.
+    """
+
+    def __init__(
+        self,
+        cfg: JobConfig,
+        data: Datasets,
+        reference_batch: int,
+        start: Strategy,
+        cluster: EmulatedCluster,
+        val_micro_batch: int,
+    ):
+        super().__init__(cfg, data, reference_batch)
+        self.cluster = cluster
+        self.strategy = start
+        self._clock = 0.0
+        self.world = dist.get_world_size()
+        run_cfg = self._proxy_cfg(start)
+        self.topo = initialize_layout(run_cfg)
+        set_seed(cfg.train.seed)
+        self.trainer = cstate.build_trainer(run_cfg, reference_batch)
+        self.probe.attach(self.trainer)
+        self.sampler = self._sampler(self.topo, 0)
+        self.val_batches = self._val_batches(self.topo, val_micro_batch)
+
+    def _proxy_cfg(self, strategy: Strategy) -> JobConfig:
+        lr, min_lr = self.lr_for(strategy)
+        gb, w = strategy.global_batch_size, self.world
+        if gb % w:
+            raise ValueError(
+                f"emulated CONA on {w} processes needs global batches divisible by {w}; "
+                f"{strategy.label} is not (launch fewer processes or set cona.global_batch_sizes)"
+            )
+        mb = proxy_micro_batch_size(gb // w, self.cfg.parallel.micro_batch_size)
+        proxy = Strategy(w, 1, 1, mb, gb)
+        return cstate.strategy_config(self.cfg, proxy, lr=lr, min_lr=min_lr)
+
+    @property
+    def clock_s(self) -> float:
+        return self._clock
+
+    @property
+    def is_logging_rank(self) -> bool:
+        return self.topo.is_logging_rank
+
+    def train_step(self) -> tuple[StepResult, float]:
+        result = self.trainer.train_step(self.sampler.next())
+        dt = self.cluster.iter_s(self.strategy)
+        self._clock += dt
+        return result, dt
+
+    def apply(self, strategy: Strategy) -> dict | None:
+        if strategy == self.strategy:
+            return None
+        old = self.strategy
+        cost = self.cluster.switch_s(old, strategy)
+        consumed = self.consumed_samples
+        with PeakRSS() as rss:
+            t0 = time.perf_counter()
+            self.probe.detach()
+            switch_batch(self.trainer, self._proxy_cfg(strategy))
+            self.probe.attach(self.trainer)
+            self.sampler = self._sampler(self.topo, consumed)
+            measured = time.perf_counter() - t0
+        self._clock += cost
+        self.strategy = strategy
+        return {
+            "from": old.label,
+            "to": strategy.label,
+            "kind": switch_kind(old, strategy),
+            "cost_s": cost,
+            "switch_s": cost,
+            "proxy_switch_s": measured,
+            "peak_rss_mib": rss.peak / 2**20,
+            "lr": self.trainer.scheduler.max_lr,
+        }
+
+    # -- in-memory branching (oracle chain) ---------------------------------
+    def snapshot(self) -> dict:
+        """Everything needed to resume from here: model, optimizer, schedule, data, clock, GNS."""
+        return {
+            "trainer": cstate.snapshot(self.trainer),
+            "strategy": self.strategy,
+            "consumed": self.consumed_samples,
+            "clock": self._clock,
+            "gns": self.gns.state_dict(),
+        }
+
+    def restore(self, snap: dict) -> None:
+        self.probe.detach()
+        if snap["strategy"] != self.strategy:
+            switch_batch(self.trainer, self._proxy_cfg(snap["strategy"]))
+            self.strategy = snap["strategy"]
+        cstate.restore(self.trainer, snap["trainer"])
+        self.trainer.scheduler.global_batch_size = self.strategy.global_batch_size
+        self.probe.attach(self.trainer)
+        self.sampler = self._sampler(self.topo, snap["consumed"])
+        self._clock = snap["clock"]
+        self.gns.load_state_dict(snap["gns"])

@@ -1,0 +1,160 @@
+"""Feed the gradient noise scale from the training step, without an extra backward.
+
+Two small/big gradient pairs come for free (McCandlish et al. 2018, App. A.1;
+estimator in :mod:`cona.grad_stats`):
+
+- **DP > 1** (``"replica"``): megatron's ``finalize_model_grads`` all-reduces
+  the DP replicas' gradient buffers.  Just before it, each buffer holds that
+  replica's mean gradient over ``B/dp`` samples (``G_small``); just after it,
+  the mean over the global batch ``B`` (``G_big``).  The probe wraps
+  ``config.finalize_model_grads_func`` to read both.
+- **DP = 1, PP = 1, >= 2 micro-batches** (``"microbatch"``):
+  :attr:`Trainer.microbatch_hook` runs before the forward of micro-batch 1,
+  i.e. after the backward of micro-batch 0; the buffer then holds micro-batch
+  0's mean gradient divided by ``m`` (megatron scales each micro-batch loss by
+  ``1/m``), so ``|G_small|^2 = m^2 |buffer|^2`` with ``B_small`` = micro-batch
+  size.  (With PP > 1 the 1F1B schedule runs several forwards before the first
+  backward, so this point does not exist; no estimate then.)
+
+Squared norms follow megatron's gradient-norm rules: TP-duplicated parameters
+count once, the last stage's tied copy of the word embedding (``shared``) is
+skipped, and shards are summed over the model-parallel group.  Before the DP
+all-reduce with ``pp > 1`` and tied embeddings, the first stage's embedding
+gradient lacks the output-layer part (megatron adds it inside
+``finalize_model_grads``), so the probe sums a copy over the embedding group.
+The replica norms are averaged over DP.  All results are identical on every
+rank.  Cost: two passes over the gradients and a few scalar all-reduces per step.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state, tensor_parallel
+
+from jobruntime.trainer import Trainer
+
+from .grad_stats import GradientNoiseScale
+
+log = logging.getLogger("cona")
+
+
+def _is_counted(param: torch.nn.Parameter) -> bool:
+    if getattr(param, "shared", False):
+        return False
+    return tensor_parallel.param_is_not_tensor_parallel_duplicate(param)
+
+
+def _sq(t: torch.Tensor) -> torch.Tensor:
+    """Squared L2 norm accumulated in fp64 (without an fp64 copy of ``t``)."""
+    return torch.linalg.vector_norm(t.detach(), dtype=torch.float64) ** 2
+
+
+def _all_reduce(t: torch.Tensor, group) -> None:
+    if dist.get_world_size(group) > 1:  # a one-rank gloo collective still costs ~ms
+        dist.all_reduce(t, group=group)
+
+
+def _grad(param) -> torch.Tensor | None:
+    return getattr(param, "main_grad", None) if hasattr(param, "main_grad") else param.grad
+
+
+class GNSProbe:
+    """Updates a :class:`GradientNoiseScale` after every training step of a trainer.
+
+    Args:
+        estimator: the estimator the controller reads.
+
+    Attributes:
+        mode: ``"replica"``, ``"microbatch"`` or ``None`` (no estimate possible).
+        last: the last step's ``(small_sq, small_batch, big_sq, big_batch)``.
+    """
+
+    def __init__(self, estimator: GradientNoiseScale):
+        self.estimator = estimator
+        self.trainer: Trainer | None = None
+        self.mode: str | None = None
+        self.last: tuple | None = None
+        self._orig = None
+        self._pending: float | None = None
+
+    # -- wiring -------------------------------------------------------------
+    def attach(self, trainer: Trainer) -> None:
+        """Hook into ``trainer`` (its current layout and batch); detaches from any other."""
+        self.detach()
+        p = trainer.cfg.parallel
+        dp = parallel_state.get_data_parallel_world_size()
+        m = p.global_batch_size // (p.micro_batch_size * dp)
+        if dp > 1:
+            self.mode = "replica"
+        elif m >= 2 and p.pp == 1:
+            self.mode = "microbatch"
+        else:
+            self.mode = None
+            log.info("GNS probe: no estimate at dp=1, pp=%d, %d micro-batch(es)", p.pp, m)
+        self.trainer, self._dp, self._m = trainer, dp, m
+        self._orig = trainer.tcfg.finalize_model_grads_func
+        trainer.tcfg.finalize_model_grads_func = self._finalize
+        if self.mode == "microbatch":
+            trainer.microbatch_hook = self._on_microbatch
+
+    def detach(self) -> None:
+        if self.trainer is not None:
+            self.trainer.tcfg.finalize_model_grads_func = self._orig
+            if self.trainer.microbatch_hook == self._on_microbatch:
+                self.trainer.microbatch_hook = None
+        self.trainer, self._orig, self._pending = None, None, None
+
+    # -- norms --------------------------------------------------------------
+    def _sq_norm(self, fix_tied: bool) -> float:
+        """Squared norm of this replica's gradient, summed over the model-parallel group."""
+        module = self.trainer.module
+        total = torch.zeros(1, dtype=torch.float64)
+        tied = None
+        if (
+            fix_tied
+            and parallel_state.get_pipeline_model_parallel_world_size() > 1
+            and getattr(module, "share_embeddings_and_output_weights", False)
+            and module._is_in_embd_group()
+        ):
+            w = module.shared_embedding_or_output_weight()
+            g = _grad(w).detach().clone()
+            dist.all_reduce(g, group=module.embd_group)  # input + output parts
+            tied = w
+            if _is_counted(w):
+                total += _sq(g)
+        for param in module.parameters():
+            g = _grad(param)
+            if g is None or param is tied or not _is_counted(param):
+                continue
+            total += _sq(g)
+        _all_reduce(total, parallel_state.get_model_parallel_group())
+        return float(total[0])
+
+    def _on_microbatch(self, index: int) -> None:
+        if index == 0:
+            self._pending = None
+        elif index == 1:
+            self._pending = self._sq_norm(fix_tied=False) * self._m**2
+
+    def _finalize(self, *args, **kwargs):
+        small = None
+        p = self.trainer.cfg.parallel
+        if self.mode == "replica":
+            local = torch.tensor([self._sq_norm(fix_tied=True)], dtype=torch.float64)
+            _all_reduce(local, parallel_state.get_data_parallel_group())
+            small, small_batch = float(local[0]) / self._dp, p.global_batch_size // self._dp
+        elif self.mode == "microbatch":
+            small, small_batch = self._pending, p.micro_batch_size
+        self._pending = None
+        out = self._orig(*args, **kwargs)
+        if small is not None:
+            big = self._sq_norm(fix_tied=False)
+            self.last = (small, small_batch, big, p.global_batch_size)
+            try:
+                self.estimator.update(small, small_batch, big, p.global_batch_size)
+            except ValueError as e:  # a non-finite norm (diverged step): skip it
+                log.warning("GNS update skipped: %s", e)
+        return out

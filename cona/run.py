@@ -1,0 +1,410 @@
+"""CONA's training loop: train, measure, rank candidates every K steps, switch when worth it.
+
+``run(cfg, run_dir)`` is what ``train.py`` calls with ``cona.enabled=true``::
+
+    # real mode: the layouts run on the launched processes, wall clock
+    torchrun --nproc-per-node 4 train.py --config tiny_gpt cona.enabled=true
+    # emulated mode: the proxy trains (one process, or data-parallel over torchrun's
+    # processes), time from the cost model of the target on num_gpus x gpu
+    python train.py --config tiny_gpt cona.enabled=true cona.clock=emulated \\
+        cona.target_model=gpt3_1.3b cona.gpu=A100-80GB cona.num_gpus=8
+
+Per step the loop records the loss, the step's clock time (wall: max over
+ranks; emulated: the target's modelled step time) and the gradient noise scale
+(:mod:`cona.probe`).  Every ``cona.decision_interval`` steps the
+:class:`cona.controller.Controller` ranks the candidates (goodput = calibrated
+throughput x Pollux efficiency) and, if the best one repays its switch cost,
+the job switches (:meth:`cona.job.Job.apply`); the LR follows the global batch
+(``cona.lr_scaling``) and the decision with its reasons is logged.
+
+Budget and schedule are in samples (the strategies' global batches differ):
+``train.iters * B_ref`` samples with ``B_ref = parallel.global_batch_size``;
+warmup and decay likewise (:mod:`cona.state`).  Validation runs every
+``train.eval_interval * B_ref`` samples on a fixed validation set;
+time-to-target-perplexity (TTP) is the clock time of the first evaluation at
+or below ``train.target_ppl``.  In real mode the clock is the wall time since
+the start of training (switches and evaluations included); in emulated mode
+it is step and switch time only.
+
+Outputs (logging rank): ``metrics.jsonl`` (``event``: ``step``, ``decision``,
+``switch``), ``summary.json`` with ``switches``, ``chain`` (``[{strategy,
+start_step}]``), ``ttp_s``, ``final_val_ppl``, ``clock``, and wandb.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from jobruntime.config import ConfigError, JobConfig, save_config
+from jobruntime.metrics import MetricsWriter, TTPTracker, perplexity
+from jobruntime.parallel import init_distributed
+
+from .controller import Controller, best_throughput_strategy
+from .cost_model import CostModel
+from .emulated import (
+    EmulatedCluster,
+    build_candidates,
+    proxy_micro_batch_size,
+    target_model_config,
+)
+from .job import Datasets, EmulatedJob, Job, RealJob, build_datasets, val_set_size
+from .strategy import Strategy
+
+log = logging.getLogger("cona")
+
+
+@dataclass
+class Progress:
+    """What a run has recorded so far (copied as a whole when the oracle chain branches)."""
+
+    ttp: TTPTracker
+    next_eval: int
+    chain: list = field(default_factory=list)
+    switches: list = field(default_factory=list)
+    evals: list = field(default_factory=list)
+    records: list = field(default_factory=list)
+    last_val_ppl: float | None = None
+    nan: bool = False
+
+
+class Loop:
+    """Steps a :class:`~cona.job.Job`, evaluates, decides and records (module docstring).
+
+    Args:
+        job: the job (real or emulated).
+        controller: ``None`` trains the current strategy only (static runs).
+        writer: metrics sink; ``None`` buffers records in ``progress.records``.
+        budget_samples: stop after this many training samples.
+        eval_samples: samples between evaluations.
+    """
+
+    def __init__(
+        self,
+        job: Job,
+        cfg: JobConfig,
+        *,
+        controller: Controller | None = None,
+        writer: MetricsWriter | None = None,
+        budget_samples: int,
+        eval_samples: int,
+    ):
+        self.job, self.cfg, self.controller, self.writer = job, cfg, controller, writer
+        self.budget_samples, self.eval_samples = budget_samples, max(eval_samples, 1)
+        self.progress = Progress(ttp=TTPTracker(cfg.train.target_ppl), next_eval=eval_samples)
+        self.progress.chain.append({"strategy": job.strategy.label, "start_step": 0})
+        self._wall0 = time.perf_counter()
+
+    def emit(self, record: dict) -> None:
+        if self.writer is not None:
+            self.writer.log(record)
+        else:
+            self.progress.records.append(record)
+
+    # -- stopping -----------------------------------------------------------
+    @property
+    def done(self) -> bool:
+        t, p = self.cfg.train, self.progress
+        if p.nan or self.job.consumed_samples >= self.budget_samples:
+            return True
+        if t.stop_at_target and p.ttp.reached:
+            return True
+        return t.max_wall_s is not None and time.perf_counter() - self._wall0 >= t.max_wall_s
+
+    # -- one step -----------------------------------------------------------
+    def evaluate(self) -> float:
+        """Evaluate now, record it (and TTP); return the validation perplexity."""
+        job, p = self.job, self.progress
+        val_loss = job.evaluate()
+        ppl = perplexity(val_loss)
+        p.last_val_ppl = ppl
+        samples, step = job.consumed_samples, job.trainer.step
+        tokens = samples * self.cfg.model.seq_length
+        p.evals.append({"step": step, "samples": samples, "time_s": job.clock_s, "val_ppl": ppl})
+        if p.ttp.update(ppl, job.clock_s, tokens, step):
+            log.info(
+                "target perplexity %.1f reached at step %d (%.2f s %s clock)",
+                self.cfg.train.target_ppl,
+                step,
+                job.clock_s,
+                self.cfg.cona.clock,
+            )
+        return val_loss
+
+    def step(self) -> None:
+        job, p = self.job, self.progress
+        fresh = getattr(job, "fresh", False)
+        result, step_s = job.train_step()
+        if self.controller is not None and not fresh:
+            self.controller.record_iteration(step_s, job.strategy)
+        samples = job.consumed_samples
+        record = {
+            "event": "step",
+            "step": job.trainer.step,
+            "samples": samples,
+            "tokens": samples * self.cfg.model.seq_length,
+            "time_s": job.clock_s,
+            "loss": result.loss,
+            "lr": result.lr,
+            "grad_norm": result.grad_norm,
+            "step_s": step_s,
+            "strategy": job.strategy.label,
+            "global_batch_size": job.strategy.global_batch_size,
+            **job.gns.to_dict(),
+        }
+        if samples >= p.next_eval or samples >= self.budget_samples:
+            while p.next_eval <= samples:
+                p.next_eval += self.eval_samples
+            val_loss = self.evaluate()
+            record.update(val_loss=val_loss, val_ppl=p.last_val_ppl)
+        if math.isnan(result.loss):
+            log.error("loss is NaN at step %d; stopping", job.trainer.step)
+            p.nan = True
+        self.emit(record)
+        if self.controller is not None and self.controller.should_decide(job.trainer.step):
+            self.decide()
+
+    def decide(self) -> None:
+        job, ctl = self.job, self.controller
+        d = ctl.decide(job.trainer.step)
+        target = d.best if d.switch else None
+        if dist.is_initialized() and dist.get_world_size() > 1:  # one decision for all ranks
+            obj = [target]
+            dist.broadcast_object_list(obj, src=0)
+            target = obj[0]
+        self.emit({"event": "decision", "time_s": job.clock_s, **d.to_dict()})
+        if target is None or self.done:
+            return
+        rec = job.apply(target)
+        lr = ctl.commit_switch(target, rec["cost_s"])
+        rec.update(event="switch", step=job.trainer.step, time_s=job.clock_s, controller_lr=lr)
+        self.progress.switches.append(rec)
+        self.progress.chain.append({"strategy": target.label, "start_step": job.trainer.step})
+        log.info(
+            "switched %s -> %s at step %d (%s, %.2f s)",
+            rec["from"],
+            rec["to"],
+            job.trainer.step,
+            rec.get("kind"),
+            rec["cost_s"],
+        )
+        self.emit(rec)
+
+    def run(self, until=None) -> None:
+        """Step until done (or ``until()`` is true); evaluate at the end if not just done."""
+        while not self.done and not (until is not None and until()):
+            self.step()
+
+    def finish(self) -> None:
+        """Final evaluation unless the last step was just evaluated."""
+        p = self.progress
+        if not p.evals or p.evals[-1]["samples"] != self.job.consumed_samples:
+            val_loss = self.evaluate()
+            self.emit(
+                {
+                    "event": "eval",
+                    "step": self.job.trainer.step,
+                    "time_s": self.job.clock_s,
+                    "samples": self.job.consumed_samples,
+                    "val_loss": val_loss,
+                    "val_ppl": p.last_val_ppl,
+                }
+            )
+
+    def summary(self) -> dict:
+        p, job = self.progress, self.job
+        return {
+            "clock": self.cfg.cona.clock,
+            "target_ppl": self.cfg.train.target_ppl,
+            "ttp_s": p.ttp.ttp_s,
+            "ttp_tokens": p.ttp.ttp_tokens,
+            "ttp_step": p.ttp.ttp_step,
+            "final_val_ppl": p.last_val_ppl,
+            "switches": len(p.switches),
+            "chain": p.chain,
+            "switch_log": [{k: v for k, v in s.items() if k != "event"} for s in p.switches],
+            "steps": job.trainer.step,
+            "samples": job.consumed_samples,
+            "tokens": job.consumed_samples * self.cfg.model.seq_length,
+            "clock_s": job.clock_s,
+            "wall_s": time.perf_counter() - self._wall0,
+            "final_strategy": job.strategy.label,
+        }
+
+
+# ---------------------------------------------------------------------------
+# Building a run
+# ---------------------------------------------------------------------------
+
+
+def start_strategy(
+    candidates: list[Strategy], cost_model: CostModel, global_batch_size: int
+) -> Strategy:
+    """Emulated start: the fastest candidate at the configured global batch (else any)."""
+    same = [s for s in candidates if s.global_batch_size == global_batch_size]
+    return best_throughput_strategy(same or candidates, cost_model)
+
+
+@dataclass
+class Setup:
+    """Everything :func:`run` and the baselines build before training."""
+
+    job: Job
+    controller: Controller
+    candidates: list
+    cluster: EmulatedCluster | None
+    budget_samples: int
+    eval_samples: int
+
+
+def emulated_plan(cfg: JobConfig) -> tuple[EmulatedCluster, list[Strategy]]:
+    """The emulated cluster and its candidates (no data, no model).
+
+    Raises:
+        ValueError: no valid candidate, or an invalid explicit one.
+    """
+    init_distributed()
+    num_gpus = cfg.cona.num_gpus or dist.get_world_size()
+    cluster = EmulatedCluster(target_model_config(cfg), cfg.cona.gpu, num_gpus)
+    cands = build_candidates(
+        cfg, cluster.target, num_gpus, memory_limit_bytes=cluster.memory_limit_bytes
+    )
+    return cluster, cands
+
+
+def setup(cfg: JobConfig, *, start: Strategy | None = None, data: Datasets | None = None) -> Setup:
+    """Build candidates, data, the job and its controller for ``cfg`` (real or emulated).
+
+    Args:
+        start: the first strategy (default: ``cfg.parallel`` in real mode, the
+            fastest candidate at the configured global batch in emulated mode).
+        data: datasets of an earlier setup of the same config, to reuse.
+
+    Raises:
+        ConfigError: invalid layout or candidates.
+    """
+    ref = cfg.parallel.global_batch_size
+    budget = max(cfg.train.iters, 1) * ref
+    eval_samples = max(cfg.train.eval_interval, 1) * ref
+    try:
+        if cfg.cona.clock == "emulated":
+            cluster, cands = emulated_plan(cfg)
+            world = dist.get_world_size()
+            cands = [c for c in cands if c.global_batch_size % world == 0]
+            if not cands:
+                raise ValueError(f"no candidate global batch is divisible by {world} processes")
+            cost_model = cluster.cost_model
+            start = start or start_strategy(cands, cost_model, ref)
+            gbs = {s.global_batch_size for s in [*cands, start]}
+            val_mb = proxy_micro_batch_size(max(ref // world, 1), cfg.parallel.micro_batch_size)
+            val_n = val_set_size(cfg, [world * val_mb], ref)
+            if data is None:
+                data = build_datasets(cfg, train_samples=budget + max(gbs), val_samples=val_n)
+            job = EmulatedJob(cfg, data, ref, start, cluster, val_mb)
+            priors = cluster.switch_cost_priors(start)
+        else:
+            init_distributed()
+            world = dist.get_world_size()
+            dp = cfg.validate(world)
+            p = cfg.parallel
+            start = start or Strategy(dp, p.tp, p.pp, p.micro_batch_size, p.global_batch_size)
+            limit = (
+                torch.cuda.get_device_properties(0).total_memory
+                if torch.cuda.is_available()
+                else None
+            )
+            precision = "mixed" if torch.cuda.is_available() else "fp32"
+            cands = build_candidates(
+                cfg, cfg.model, world, memory_limit_bytes=limit, precision=precision
+            )
+            cost_model = CostModel(cfg.model, cfg.cona.gpu, precision=precision)
+            cluster = None
+            units = [s.dp * s.micro_batch_size for s in [*cands, start]]
+            val_n = val_set_size(cfg, units, ref)
+            gbs = {s.global_batch_size for s in [*cands, start]}
+            if data is None:
+                data = build_datasets(cfg, train_samples=budget + max(gbs), val_samples=val_n)
+            job = RealJob(cfg, data, ref, start)
+            priors = None
+    except ValueError as e:
+        if isinstance(e, ConfigError):
+            raise
+        raise ConfigError(str(e)) from None
+    controller = Controller(
+        cands,
+        cost_model,
+        job.gns,
+        cfg.cona,
+        current=start,
+        base_lr=cfg.train.lr,
+        reference_batch=ref,
+        switch_cost_priors_s=priors,
+    )
+    return Setup(job, controller, cands, cluster, budget, eval_samples)
+
+
+def run(cfg: JobConfig, run_dir: Path) -> dict:
+    """Train ``cfg`` with CONA; write metrics and ``summary.json`` under ``run_dir``.
+
+    Returns:
+        The summary dict (see module docstring), the same on every rank.
+
+    Raises:
+        ConfigError, DataError, TokenizerError: bad input.
+    """
+    run_dir = Path(run_dir)
+    s = setup(cfg)
+    job = s.job
+    writer = MetricsWriter(
+        run_dir,
+        clock=cfg.cona.clock,
+        mode="cona",
+        enabled=job.is_logging_rank,
+        wandb_mode=cfg.logging.wandb,
+        wandb_project=cfg.logging.project,
+        wandb_group=cfg.logging.group,
+        wandb_name=cfg.logging.name or run_dir.name,
+        config=cfg.to_dict(),
+    )
+    if job.is_logging_rank:
+        save_config(cfg, run_dir / "config.yaml")
+    log.info(
+        "CONA (%s clock): %d candidates, start %s",
+        cfg.cona.clock,
+        len(s.candidates),
+        job.strategy.label,
+    )
+    loop = Loop(
+        job,
+        cfg,
+        controller=s.controller,
+        writer=writer,
+        budget_samples=s.budget_samples,
+        eval_samples=s.eval_samples,
+    )
+    loop.run()
+    loop.finish()
+    summary = loop.summary()
+    summary.update(
+        model=cfg.name,
+        candidates=len(s.candidates),
+        decisions=s.controller.decisions,
+        world_size=dist.get_world_size(),
+    )
+    if s.cluster is not None:
+        summary.update(
+            target_model=cfg.cona.target_model or cfg.name,
+            gpu=cfg.cona.gpu,
+            num_gpus=s.cluster.num_gpus,
+        )
+    writer.summary(copy.deepcopy(summary))
+    summary["wandb_dir"] = writer.wandb_dir
+    writer.close()
+    return summary

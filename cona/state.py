@@ -1,0 +1,237 @@
+"""A CONA job's trainer state: sample-based LR schedule, named optimizer state, snapshots.
+
+CONA changes the global batch size during training, so the learning-rate
+schedule counts *samples*, not optimizer steps (Megatron-LM's sample-based
+schedule, ``--lr-warmup-samples`` / ``--lr-decay-samples``): warmup and decay
+then end after the same amount of data whatever batch sizes were used.  The
+peak LR follows the global batch by the controller's rule
+(:func:`cona.controller.scale_lr`), applied with :func:`set_peak_lr`.
+
+:func:`optimizer_state_by_name` exposes the megatron optimizer's per-parameter
+state (AdamW ``exp_avg``, ``exp_avg_sq``, ``step``; fp32 master weights under
+bf16) keyed by the model's parameter names, which is what resharding
+(:mod:`cona.switch`) and in-memory snapshots (:func:`snapshot` /
+:func:`restore`, used by the oracle-chain baseline) need.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+from jobruntime.config import JobConfig
+from jobruntime.trainer import Trainer
+
+from .strategy import Strategy
+
+
+class SampleScheduler(OptimizerParamScheduler):
+    """Megatron's scheduler counting samples instead of steps.
+
+    ``Trainer.train_step`` calls ``step(increment=1)`` once per optimizer step;
+    this class turns that into ``+global_batch_size`` samples, so warmup and
+    cosine decay (given in samples) are independent of the batch size.
+    :attr:`global_batch_size` must follow the current strategy.
+    """
+
+    def __init__(self, optimizer, *, global_batch_size: int, **kwargs):
+        self.global_batch_size = global_batch_size
+        super().__init__(optimizer, **kwargs)
+
+    def step(self, increment: int) -> None:
+        super().step(increment=increment * self.global_batch_size)
+
+
+def build_scheduler(
+    trainer: Trainer, cfg: JobConfig, reference_batch: int, num_samples: int = 0
+) -> SampleScheduler:
+    """A :class:`SampleScheduler` for ``trainer`` from ``cfg.train`` (steps x reference batch).
+
+    ``cfg.train.lr`` / ``min_lr`` are the peak and final LR of this strategy
+    (already scaled); ``num_samples`` restores the position in the schedule.
+    """
+    t = cfg.train
+    warmup = t.warmup_iters * reference_batch
+    decay = max((t.lr_decay_iters or t.iters) * reference_batch, warmup + 1)
+    sched = SampleScheduler(
+        trainer.optimizer,
+        global_batch_size=cfg.parallel.global_batch_size,
+        init_lr=0.0,
+        max_lr=t.lr,
+        min_lr=t.min_lr,
+        lr_warmup_steps=warmup,
+        lr_decay_steps=decay,
+        lr_decay_style="cosine",
+        start_wd=t.weight_decay,
+        end_wd=t.weight_decay,
+        wd_incr_steps=decay,
+        wd_incr_style="constant",
+    )
+    sched.num_steps = num_samples
+    set_peak_lr(trainer, sched, t.lr, t.min_lr)
+    return sched
+
+
+def set_peak_lr(
+    trainer: Trainer, scheduler: OptimizerParamScheduler, lr: float, min_lr: float
+) -> None:
+    """Set the schedule's peak and final LR (megatron keeps them per param group too)."""
+    scheduler.max_lr, scheduler.min_lr = float(lr), float(min_lr)
+    for group in trainer.optimizer.param_groups:
+        group["max_lr"], group["min_lr"] = float(lr), float(min_lr)
+    scheduler.step(0)  # recompute the current LR of every group
+
+
+def build_trainer(
+    cfg: JobConfig,
+    reference_batch: int,
+    *,
+    model: torch.nn.Module | None = None,
+    num_samples: int = 0,
+) -> Trainer:
+    """A :class:`Trainer` for ``cfg`` with a :class:`SampleScheduler` at ``num_samples``."""
+    trainer = Trainer(cfg, model=model)
+    trainer.scheduler = build_scheduler(trainer, cfg, reference_batch, num_samples)
+    return trainer
+
+
+def strategy_config(
+    cfg: JobConfig,
+    strategy: Strategy,
+    *,
+    lr: float,
+    min_lr: float,
+    micro_batch_size: int | None = None,
+) -> JobConfig:
+    """A copy of ``cfg`` whose parallel section is ``strategy`` and whose LR is ``lr``.
+
+    ``micro_batch_size`` overrides the strategy's (the emulated proxy runs
+    its own micro-batch size in one process).
+    """
+    new = copy.deepcopy(cfg)
+    p = new.parallel
+    p.tp, p.pp = strategy.tp, strategy.pp
+    p.micro_batch_size = micro_batch_size or strategy.micro_batch_size
+    p.global_batch_size = strategy.global_batch_size
+    new.train.lr, new.train.min_lr = lr, min_lr
+    return new
+
+
+# ---------------------------------------------------------------------------
+# Optimizer state by parameter name
+# ---------------------------------------------------------------------------
+
+
+@dataclass
+class ParamState:
+    """One model parameter with its optimizer view.
+
+    Attributes:
+        param: the model parameter (bf16 or fp32).
+        main: the parameter the optimizer updates (fp32 master copy under
+            bf16, else ``param`` itself).
+        state: the torch optimizer's state dict of ``main`` (``exp_avg``,
+            ``exp_avg_sq``, ``step``); empty before the first step.
+        holder: the torch optimizer owning ``main``.
+    """
+
+    param: torch.nn.Parameter
+    main: torch.Tensor
+    state: dict
+    holder: torch.optim.Optimizer
+
+
+def _torch_optimizers(optimizer) -> list[torch.optim.Optimizer]:
+    inner = getattr(optimizer, "chained_optimizers", None) or [optimizer]
+    return [o.optimizer for o in inner if getattr(o, "optimizer", None) is not None]
+
+
+def optimizer_state_by_name(trainer: Trainer) -> dict[str, ParamState]:
+    """Map every parameter name of ``trainer.module`` to its optimizer state.
+
+    Raises:
+        KeyError: a parameter is not in the optimizer (never expected).
+    """
+    owners = {}
+    for opt in _torch_optimizers(trainer.optimizer):
+        for group in opt.param_groups:
+            for p in group["params"]:
+                owners[id(p)] = opt
+    out = {}
+    for name, p in trainer.module.named_parameters():
+        main = getattr(p, "main_param", p)
+        opt = owners.get(id(main))
+        if opt is None:
+            raise KeyError(f"parameter {name} is not held by the optimizer")
+        out[name] = ParamState(p, main, opt.state[main], opt)
+    return out
+
+
+def state_keys(states: dict[str, ParamState]) -> list[str]:
+    """Optimizer-state keys present (e.g. ``["exp_avg", "exp_avg_sq", "step"]``), sorted."""
+    keys: set[str] = set()
+    for s in states.values():
+        keys.update(s.state)
+    return sorted(keys)
+
+
+# ---------------------------------------------------------------------------
+# Single-process snapshots (oracle chain branches)
+# ---------------------------------------------------------------------------
+
+
+def rng_state() -> dict:
+    return {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+    }
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+
+
+def _clone(v):
+    return v.detach().clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v)
+
+
+@torch.no_grad()
+def snapshot(trainer: Trainer) -> dict:
+    """Copy of model weights, optimizer state, schedule position, step and RNG.
+
+    Restoring it into the *same* trainer (same layout) with :func:`restore`
+    continues bit-for-bit as if nothing happened in between.
+    """
+    states = optimizer_state_by_name(trainer)
+    return {
+        "params": {n: s.param.detach().clone() for n, s in states.items()},
+        "main": {n: s.main.detach().clone() for n, s in states.items() if s.main is not s.param},
+        "opt": {n: {k: _clone(v) for k, v in s.state.items()} for n, s in states.items()},
+        "sched": (trainer.scheduler.num_steps, trainer.scheduler.max_lr, trainer.scheduler.min_lr),
+        "step": trainer.step,
+        "rng": rng_state(),
+    }
+
+
+@torch.no_grad()
+def restore(trainer: Trainer, snap: dict) -> None:
+    """Load a :func:`snapshot` back in place (parameter objects are kept)."""
+    states = optimizer_state_by_name(trainer)
+    for n, s in states.items():
+        s.param.copy_(snap["params"][n])
+        if n in snap["main"]:
+            s.main.copy_(snap["main"][n])
+        s.holder.state[s.main] = {k: _clone(v) for k, v in snap["opt"][n].items()}
+    num, max_lr, min_lr = snap["sched"]
+    trainer.scheduler.num_steps = num
+    set_peak_lr(trainer, trainer.scheduler, max_lr, min_lr)
+    trainer.step = snap["step"]
+    set_rng_state(snap["rng"])

@@ -1,0 +1,233 @@
+"""Pseudo-gradient codecs: what a worker puts on the wire each round.
+
+:class:`SignCodec` (GeoMesh) sends one sign bit per element and one fp32
+scale per tensor (:mod:`geomesh.compression`), with optional error feedback;
+:class:`DenseCodec` (DiLoCo, async baseline) sends the fp32 pseudo-gradient.
+Both decode a round's messages straight into the token-weighted aggregate
+``Δ = Σ (n_i/N) · D(msg_i)`` (:mod:`geomesh.outer`, eq. 1).
+
+Layout independence.  A worker may be tensor-parallel: each TP rank holds a
+shard of every TP-split tensor and exchanges that shard with the same TP rank
+of the other workers.  The sign of an element does not depend on the layout,
+but the scale ``m = mean |x|`` of a split tensor does if taken per shard.  The
+sign codec therefore takes it over the *whole* tensor: every TP rank sums
+``|x|`` over its shard (fp64), the sums of split tensors are all-reduced over
+the worker's TP group (one small vector per round), and ``m = Σ|x| / numel``.
+With row scales, a row split across ranks (a row-parallel weight, split
+along columns) is reduced the same way; rows kept whole on one rank
+(column-parallel weights, the vocabulary-parallel embedding) need nothing.
+Replicated tensors (layer norms, row-parallel biases) use their local sums.
+With this, a TP=2 worker computes bit for bit the message halves a TP=1
+worker would send, and GeoMesh's math is the same in every layout.
+
+Dense wire format (little-endian), one message per worker per round::
+
+    header  36 B  magic "GMDN" | version u16 | flags u16 | worker u32 | round u32
+                  | num_tokens u64 | schema digest 8 B | num_tensors u32
+    body          per tensor, in schema order: numel fp32 values
+    trailer  4 B  CRC-32 of header + body
+"""
+
+from __future__ import annotations
+
+import struct
+import zlib
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from .compression import (
+    CompressedTensor,
+    ErrorFeedback,
+    MessageError,
+    TensorSchema,
+    WorkerMessage,
+    decode_message,
+    encode_message,
+    pack_signs,
+    scale_signs,
+    unpack_signs,
+)
+from .outer import aggregate, aggregate_messages
+
+_DENSE_HEADER = struct.Struct("<4sHHIIQ8sI")
+_DENSE_MAGIC = b"GMDN"
+_CRC = struct.Struct("<I")
+
+
+class Codec:
+    """Interface: ``encode`` one worker's pseudo-gradients, ``aggregate`` a round.
+
+    Attributes:
+        schema: this rank's ``(name, shape)`` list (its shard of the model).
+        kind: ``"sign"`` or ``"fp32"``.
+    """
+
+    kind = "codec"
+
+    def __init__(self, schema: TensorSchema) -> None:
+        self.schema = schema
+
+    def encode(
+        self,
+        deltas: Mapping[str, torch.Tensor],
+        num_tokens: int,
+        *,
+        worker: int,
+        round: int,
+        feedback: ErrorFeedback | None = None,
+    ) -> bytes:
+        raise NotImplementedError
+
+    def aggregate(self, messages: Sequence[bytes]) -> tuple[dict[str, torch.Tensor], list[int]]:
+        """Decode all workers' messages (worker order); return ``(Δ, n_i list)``."""
+        raise NotImplementedError
+
+    @classmethod
+    def encoded_bytes(cls, schema: TensorSchema) -> int:
+        """Exact bytes of one encoded message for ``schema`` (e.g. the target model's)."""
+        raise NotImplementedError
+
+    @classmethod
+    def compression_ratio(cls, schema: TensorSchema) -> float:
+        """fp32 bytes of the pseudo-gradient / bytes of its encoded message."""
+        return 4 * schema.numel / cls.encoded_bytes(schema)
+
+
+class SignCodec(Codec):
+    """GeoMesh: ``m · sign(Δ + e)``, scales over whole (unsharded) tensors or rows.
+
+    Args:
+        schema: this rank's tensors; ``schema.row_scales`` selects one scale per
+            row of 2+-dimensional tensors (:mod:`geomesh.compression`).
+        tp_group: the worker's TP group (``None`` or size 1: no reduction).
+        tp_partition: ``{name: dim}`` of tensors split across ``tp_group``.
+    """
+
+    kind = "sign"
+
+    def __init__(
+        self,
+        schema: TensorSchema,
+        *,
+        tp_group: dist.ProcessGroup | None = None,
+        tp_partition: Mapping[str, int] | None = None,
+    ) -> None:
+        super().__init__(schema)
+        self.tp_group = tp_group
+        self.tp_size = dist.get_world_size(tp_group) if tp_group is not None else 1
+        self.tp_partition = dict(tp_partition or {})
+
+    def _reduced(self, name: str, shape: tuple[int, ...]) -> bool:
+        """Whether the L1 sums of ``name`` need the other TP ranks' parts: the
+        tensor is split and a scale's elements (whole tensor, or a row when
+        splitting along columns) are spread over the ranks."""
+        if self.tp_size == 1 or name not in self.tp_partition:
+            return False
+        return not (self.schema.row_scales and len(shape) >= 2 and self.tp_partition[name] == 0)
+
+    def encode(self, deltas, num_tokens, *, worker, round, feedback=None) -> bytes:
+        xs, sums, counts, reduce = [], [], [], []
+        for name, shape in self.schema.entries:
+            x = deltas[name].detach().float()
+            if feedback is not None and name in feedback.residuals:
+                x = x + feedback.residuals[name]
+            n = self.schema.num_scales(shape)
+            rows = x.reshape(n, -1) if x.numel() else x.reshape(n, 0)
+            xs.append(x)
+            sums.append(rows.abs().sum(dim=1, dtype=torch.float64))  # [n] fp64 L1 per scale
+            per = rows.shape[1]
+            red = self._reduced(name, shape)
+            counts.append(torch.full((n,), float(per * (self.tp_size if red else 1)),
+                                     dtype=torch.float64))
+            reduce.append(torch.full((n,), red, dtype=torch.bool))
+        l1 = torch.cat(sums) if sums else torch.zeros(0, dtype=torch.float64)
+        mask = torch.cat(reduce) if reduce else torch.zeros(0, dtype=torch.bool)
+        if bool(mask.any()):  # one all-reduce of the split tensors' partial sums
+            part = torch.where(mask, l1, torch.zeros_like(l1))
+            dist.all_reduce(part, group=self.tp_group)
+            l1 = torch.where(mask, part, l1)
+        scales = (l1 / torch.cat(counts).clamp(min=1)).float()  # fp32 on the wire
+        if not bool(torch.isfinite(scales).all()):
+            raise ValueError(f"pseudo-gradient of worker {worker} has NaN/Inf; the worker "
+                             "diverged (lower the inner learning rate)")
+        tensors, off = {}, 0
+        for (name, shape), x in zip(self.schema.entries, xs):
+            n = self.schema.num_scales(shape)
+            scale = scales[off:off + n].clone() if self.schema.row_scales and len(shape) >= 2 \
+                else float(scales[off])
+            off += n
+            packed, _ = pack_signs(x)
+            tensors[name] = CompressedTensor(packed=packed, scale=scale, shape=torch.Size(x.shape))
+            if feedback is not None:  # e ← x − m·sign(x), kept locally (EF-signSGD)
+                feedback.residuals[name] = x - scale_signs(unpack_signs(packed, x.shape), scale)
+        msg = WorkerMessage(worker=worker, round=round, num_tokens=int(num_tokens), tensors=tensors)
+        return encode_message(msg, self.schema)
+
+    def aggregate(self, messages):
+        decoded = [decode_message(m, self.schema) for m in messages]
+        return aggregate_messages(decoded), [m.num_tokens for m in decoded]
+
+    @classmethod
+    def encoded_bytes(cls, schema: TensorSchema) -> int:
+        return schema.encoded_bytes()
+
+
+class DenseCodec(Codec):
+    """DiLoCo: the fp32 pseudo-gradient itself (format in the module docstring)."""
+
+    kind = "fp32"
+
+    def encode(self, deltas, num_tokens, *, worker, round, feedback=None) -> bytes:
+        parts = [
+            _DENSE_HEADER.pack(
+                _DENSE_MAGIC, 1, 0, worker, round % 2**32, int(num_tokens), self.schema.digest,
+                len(self.schema.entries),
+            )
+        ]
+        for name, shape in self.schema.entries:
+            t = deltas[name].detach().float().contiguous()
+            if tuple(t.shape) != shape:
+                raise ValueError(f"tensor '{name}' has shape {tuple(t.shape)}, schema says {shape}")
+            if not bool(torch.isfinite(t).all()):
+                raise ValueError(f"pseudo-gradient '{name}' of worker {worker} has NaN/Inf")
+            parts.append(t.cpu().numpy().astype("<f4", copy=False).tobytes())
+        body = b"".join(parts)
+        return body + _CRC.pack(zlib.crc32(body))
+
+    def _decode(self, data: bytes) -> tuple[dict[str, torch.Tensor], int]:
+        buf = bytearray(data)
+        if len(buf) != self.encoded_bytes(self.schema):
+            raise MessageError(
+                f"fp32 message has {len(buf)} bytes, the schema needs {self.encoded_bytes(self.schema)}"
+            )
+        magic, _v, _f, worker, rnd, tokens, digest, count = _DENSE_HEADER.unpack_from(buf, 0)
+        if magic != _DENSE_MAGIC or digest != self.schema.digest:
+            raise MessageError(f"fp32 message from worker {worker} is for another model or format")
+        (crc,) = _CRC.unpack_from(buf, len(buf) - _CRC.size)
+        if crc != zlib.crc32(memoryview(buf)[: len(buf) - _CRC.size]):
+            raise MessageError(f"fp32 message from worker {worker}: CRC-32 mismatch")
+        off, out = _DENSE_HEADER.size, {}
+        for name, shape in self.schema.entries:
+            n = int(np.prod(shape)) if shape else 1
+            out[name] = torch.frombuffer(buf, dtype=torch.float32, count=n, offset=off).reshape(shape)
+            off += 4 * n
+        return out, tokens
+
+    def aggregate(self, messages):
+        decoded = [self._decode(m) for m in messages]
+        tokens = [t for _, t in decoded]
+        return aggregate([d for d, _ in decoded], tokens), tokens
+
+    @classmethod
+    def encoded_bytes(cls, schema: TensorSchema) -> int:
+        return _DENSE_HEADER.size + 4 * schema.numel + _CRC.size
+
+
+def build_codec(kind: str, schema: TensorSchema, **kwargs) -> Codec:
+    """``"sign"`` → :class:`SignCodec`, ``"fp32"`` → :class:`DenseCodec`."""
+    if kind == "sign":
+        return SignCodec(schema, **kwargs)
+    return DenseCodec(schema)

@@ -1,0 +1,199 @@
+"""Everything a GeoMesh method needs, built once per run: cluster, placement,
+planner, target-model schema, data and the metrics writer.
+
+The *target* model sets time and bytes (emulated mode: ``geomesh.target_model``,
+e.g. ``gpt3_1.3b`` with its global batch ``G_t``); the job's own model is the
+*proxy* that is really trained, at global batch ``G_p =
+parallel.global_batch_size``.  Without ``target_model`` — and always in real
+mode — the target is the job's model and ``G_t = G_p``.  One round processes
+``T = H · G_t · s_t`` target tokens (``H = geomesh.inner_steps``), what one
+DiLoCo round of ``H`` steps at the global batch would, and ``H · G_p`` proxy
+sequences.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+from jobruntime.config import ConfigError, JobConfig, load_config, save_config
+from jobruntime.data import GlobalBatchSampler, build_dataset, prepare_corpus
+from jobruntime.metrics import MetricsWriter
+from jobruntime.model import build_model
+from jobruntime.parallel import initialize_layout
+
+from .cluster import ClusterSpec, load_cluster
+from .compression import TensorSchema
+from .deploy import Placement, place_emulated, place_real
+from .planner import Planner
+
+log = logging.getLogger(__name__)
+
+METHODS = ("geomesh", "diloco", "ddp", "async")
+
+
+@dataclass
+class RunContext:
+    """Shared setup of one run (see the module docstring for target vs proxy)."""
+
+    cfg: JobConfig
+    layout_cfg: JobConfig
+    """``cfg`` with the workers' TP/PP (real) or TP=PP=1 (emulated): what trainers are built from."""
+    method: str
+    cluster: ClusterSpec
+    placement: Placement
+    planner: Planner
+    target: JobConfig
+    batch_target: int
+    """``G_t``: target global batch (sequences)."""
+    target_schema: TensorSchema | None
+    """Emulated mode: the target model's tensors (bytes on the wire); ``None`` in real mode."""
+    train_ds: object
+    val_ds: object
+    writer: MetricsWriter
+    run_dir: Path
+
+    @property
+    def emulated(self) -> bool:
+        return self.cluster.mode == "emulated"
+
+    @property
+    def clock_name(self) -> str:
+        return "emulated" if self.emulated else "wall"
+
+    @property
+    def inner_steps(self) -> int:
+        return self.cfg.geomesh.inner_steps
+
+    @property
+    def outer_steps(self) -> int:
+        return self.cfg.geomesh.outer_steps
+
+    @property
+    def batch_proxy(self) -> int:
+        """``G_p``: the proxy's global batch (sequences)."""
+        return self.cfg.parallel.global_batch_size
+
+    @property
+    def scale(self) -> float:
+        """``G_p / G_t``: proxy sequences per target sequence."""
+        return self.batch_proxy / self.batch_target
+
+    @property
+    def round_samples(self) -> int:
+        """``S = H · G_p``: proxy sequences of one round (= ``H`` DDP steps)."""
+        return self.inner_steps * self.batch_proxy
+
+    @property
+    def reference_batch(self) -> float:
+        """``G_p / K``: proxy sequences per worker step of a uniform round (what
+        ``train.lr`` is meant for; see ``geomesh.inner_lr_scaling``)."""
+        return self.batch_proxy / len(self.cluster.workers)
+
+    @property
+    def uniform_batch(self) -> int:
+        """Baselines' per-worker batch: ``G_t / K`` target sequences."""
+        return max(1, self.batch_target // len(self.cluster.workers))
+
+    def val_batches(self, *, dp: int, dp_rank: int) -> list:
+        p = self.cfg.parallel
+        sampler = GlobalBatchSampler(self.val_ds, global_batch_size=p.global_batch_size,
+                                     micro_batch_size=p.micro_batch_size, dp=dp, dp_rank=dp_rank)
+        return [sampler.microbatches_at(i * p.global_batch_size)
+                for i in range(max(self.cfg.train.eval_iters, 1))]
+
+    def is_eval_step(self, step: int) -> bool:
+        g = self.cfg.geomesh
+        return step % g.eval_interval == 0 or step == g.outer_steps
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+def _validate(cfg: JobConfig) -> None:
+    g = cfg.geomesh
+    if g.method not in METHODS:
+        raise ConfigError(f"geomesh.method={g.method!r}: use one of {list(METHODS)}")
+    if not g.cluster:
+        raise ConfigError(
+            f"geomesh.method={g.method} needs geomesh.cluster=FILE (a cluster YAML, e.g. "
+            "geomesh/clusters/four_region.yaml)"
+        )
+    for name in ("outer_steps", "inner_steps", "eval_interval"):
+        if getattr(g, name) <= 0:
+            raise ConfigError(f"geomesh.{name} must be positive, got {getattr(g, name)}")
+    if g.timeout_s <= 0:
+        raise ConfigError(f"geomesh.timeout_s must be positive, got {g.timeout_s}")
+
+
+def target_schema(target: JobConfig) -> TensorSchema:
+    """``(name, shape)`` of the whole target model, built on the meta device (TP=PP=1 layout)."""
+    par = dataclasses.replace(target.parallel, tp=1, pp=1)
+    model = build_model(target.model, par, meta=True)
+    return TensorSchema.from_tensors(dict(model.named_parameters()))
+
+
+def build_context(cfg: JobConfig, run_dir: Path) -> RunContext:
+    """Validate, place this process, plan, and open data and metrics.
+
+    Raises:
+        ConfigError / ClusterError: bad settings, cluster file or process count.
+        DataError, TokenizerError: unusable data.
+    """
+    _validate(cfg)
+    g = cfg.geomesh
+    cluster = load_cluster(g.cluster, wan_bandwidth_scale=g.wan_bandwidth_scale)
+    cluster = dataclasses.replace(cluster, mode=g.mode or cluster.mode)
+    K = len(cluster.workers)
+    if cluster.mode == "emulated":
+        if g.region is not None:
+            raise ConfigError("geomesh.region is for real mode (one torchrun per region); unset it")
+        placement = place_emulated()
+        placement.workers = list(range(K))
+        layout_cfg = copy.deepcopy(cfg)
+        layout_cfg.parallel.tp = layout_cfg.parallel.pp = 1
+        check = copy.deepcopy(layout_cfg)
+        check.parallel.micro_batch_size = check.parallel.global_batch_size = 1
+        placement.topology = initialize_layout(check)
+        target = load_config(g.target_model) if g.target_model else cfg
+    else:
+        if g.method == "async":
+            raise ConfigError("geomesh.method=async runs in emulated mode only; set geomesh.mode=emulated")
+        placement, layout_cfg = place_real(cfg, cluster)
+        per = cfg.parallel.micro_batch_size * placement.dp_in
+        if cfg.parallel.global_batch_size % per:
+            raise ConfigError(
+                f"parallel.global_batch_size={cfg.parallel.global_batch_size} (validation batch) "
+                f"is not a multiple of micro_batch_size*dp_in={per}; change one of them"
+            )
+        if g.target_model:
+            log.warning("real mode: geomesh.target_model is ignored (time and bytes are measured)")
+        target = cfg
+    G_t = target.parallel.global_batch_size
+    s_t = target.model.seq_length
+    planner = Planner(cluster, target.model, tokens_per_round=g.inner_steps * G_t * s_t,
+                      inner_steps=g.inner_steps)
+    schema = target_schema(target) if cluster.mode == "emulated" else None
+    t = cfg.train
+    corpus = prepare_corpus(cfg.data, cfg.model)
+    stream = 2 * g.outer_steps * g.inner_steps * cfg.parallel.global_batch_size
+    train_ds = build_dataset(corpus, cfg.model, "train", stream, t.seed, cfg.data.cache_dir)
+    val_ds = build_dataset(corpus, cfg.model, "valid",
+                           max(t.eval_iters, 1) * cfg.parallel.global_batch_size, t.seed,
+                           cfg.data.cache_dir)
+    writer = MetricsWriter(
+        run_dir, clock="emulated" if cluster.mode == "emulated" else "wall", mode="geomesh",
+        enabled=placement.is_logging_rank, wandb_mode=cfg.logging.wandb,
+        wandb_project=cfg.logging.project,
+        wandb_group=cfg.logging.group or f"geomesh-{cluster.name}",
+        wandb_name=cfg.logging.name or f"{g.method}-{run_dir.name}", config=cfg.to_dict(),
+    )
+    if placement.is_logging_rank:
+        save_config(cfg, run_dir / "config.yaml")
+    return RunContext(cfg=cfg, layout_cfg=layout_cfg, method=g.method, cluster=cluster,
+                      placement=placement, planner=planner, target=target, batch_target=G_t,
+                      target_schema=schema, train_ds=train_ds, val_ds=val_ds, writer=writer,
+                      run_dir=run_dir)

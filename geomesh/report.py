@@ -1,0 +1,119 @@
+"""Run statistics of a GeoMesh comparison: per-worker time split, traffic, TTP, summary.
+
+Every second of a worker is compute, straggler idle (waiting for a slower
+worker's compute) or WAN idle (waiting for communication), see
+:mod:`geomesh.clock`.  Fractions are over all workers' time together:
+
+    straggler_idle_frac = Σ_i straggler_i / Σ_i (compute_i + straggler_i + wan_i)
+
+and likewise ``wan_idle_frac``.  ``bytes_per_outer_step`` counts the bytes
+the workers (and, for the async baseline, the parameter server) put on the
+links per outer step — for DDP per ``H`` synchronous steps, the same tokens
+as one outer step.  ``compression_ratio`` = fp32 bytes of the same tensors /
+bytes on the wire.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from jobruntime.metrics import TTPTracker
+
+from .cluster import ClusterSpec
+
+
+@dataclass
+class WorkerTotals:
+    """One worker's totals over the run (seconds, bytes, proxy tokens)."""
+
+    compute_s: float = 0.0
+    straggler_idle_s: float = 0.0
+    wan_idle_s: float = 0.0
+    sent_bytes: int = 0
+    tokens: int = 0
+
+
+@dataclass
+class RunStats:
+    """Accumulates rounds; restored from checkpoints with :meth:`load_state_dict`."""
+
+    workers: dict[str, WorkerTotals]
+    target_ppl: float | None = None
+    outer_steps: int = 0
+    tokens: int = 0
+    time_s: float = 0.0
+    bytes_total: int = 0
+    fp32_bytes_total: int = 0
+    final_val_ppl: float | None = None
+    final_val_loss: float | None = None
+    ttp: TTPTracker = field(default_factory=lambda: TTPTracker(None))
+
+    @classmethod
+    def for_cluster(cls, cluster: ClusterSpec, target_ppl: float | None) -> RunStats:
+        return cls(workers={w.name: WorkerTotals() for w in cluster.workers},
+                   target_ppl=target_ppl, ttp=TTPTracker(target_ppl))
+
+    def add_worker(self, name: str, *, compute_s: float = 0.0, straggler_idle_s: float = 0.0,
+                   wan_idle_s: float = 0.0, sent_bytes: int = 0, tokens: int = 0) -> None:
+        w = self.workers[name]
+        w.compute_s += compute_s
+        w.straggler_idle_s += straggler_idle_s
+        w.wan_idle_s += wan_idle_s
+        w.sent_bytes += int(sent_bytes)
+        w.tokens += int(tokens)
+
+    def evaluated(self, val_loss: float, val_ppl: float, step: int) -> bool:
+        """Record an evaluation at the current time/tokens; True when the target is first reached."""
+        self.final_val_loss, self.final_val_ppl = val_loss, val_ppl
+        return self.ttp.update(val_ppl, self.time_s, self.tokens, step)
+
+    def _frac(self, attr: str) -> float | None:
+        total = sum(w.compute_s + w.straggler_idle_s + w.wan_idle_s for w in self.workers.values())
+        if total <= 0:
+            return None
+        return sum(getattr(w, attr) for w in self.workers.values()) / total
+
+    def summary(self, *, method: str, clock: str, cluster: ClusterSpec, extra: dict | None = None,
+                worker_info: dict[str, dict] | None = None) -> dict:
+        """The ``summary.json`` fields of the run (module docstring)."""
+        table = []
+        for w in cluster.workers:
+            row = {"worker": w.name, "gpu": w.gpu, "region": w.region, **asdict(self.workers[w.name])}
+            row.update((worker_info or {}).get(w.name, {}))
+            table.append(row)
+        ratio = self.fp32_bytes_total / self.bytes_total if self.bytes_total else None
+        return {
+            "method": method,
+            "clock": clock,
+            "cluster": cluster.name,
+            "target_ppl": self.target_ppl,
+            "ttp_s": self.ttp.ttp_s,
+            "ttp_tokens": self.ttp.ttp_tokens,
+            "ttp_step": self.ttp.ttp_step,
+            "final_val_ppl": self.final_val_ppl,
+            "final_val_loss": self.final_val_loss,
+            "tokens": self.tokens,
+            "outer_steps": self.outer_steps,
+            "time_s": self.time_s,
+            "straggler_idle_frac": self._frac("straggler_idle_s"),
+            "wan_idle_frac": self._frac("wan_idle_s"),
+            "bytes_per_outer_step": self.bytes_total / self.outer_steps if self.outer_steps else None,
+            "compression_ratio": ratio,
+            "workers": table,
+            **(extra or {}),
+        }
+
+    def state_dict(self) -> dict:
+        return {
+            "workers": {k: asdict(v) for k, v in self.workers.items()},
+            "scalars": {k: getattr(self, k) for k in (
+                "target_ppl", "outer_steps", "tokens", "time_s", "bytes_total", "fp32_bytes_total",
+                "final_val_ppl", "final_val_loss")},
+            "ttp": asdict(self.ttp),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.workers = {k: WorkerTotals(**v) for k, v in state["workers"].items()}
+        for k, v in state["scalars"].items():
+            setattr(self, k, v)
+        self.ttp = TTPTracker(**state["ttp"])

@@ -1,0 +1,103 @@
+"""Checkpoints of a GeoMesh run: outer state plus every worker's inner state.
+
+What a resumed run needs to continue bit for bit: ``θ_global`` and the outer
+momentum (:class:`geomesh.outer.OuterNesterov`), the error-feedback residuals,
+each worker's AdamW moments and LR-schedule position, the data-stream
+position, the plan and the planner's speed corrections, the emulated clock,
+and the run statistics (TTP, idle time, bytes).
+
+Layout (one file per process, each written atomically; the folder becomes
+visible only when complete)::
+
+    checkpoints/outer_0000002/rank00000.pt   torch.save of that rank's state
+    checkpoints/outer_0000002/COMPLETE
+    checkpoints/latest                       name of the newest complete one
+
+A checkpoint belongs to one layout (same cluster, same ranks): state is
+per-rank shards of ``θ_global`` and per-worker optimizer states.  When several
+``torchrun`` jobs (regions) run, each writes under its own run directory.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from jobruntime.checkpoint import CheckpointError
+
+COMPLETE = "COMPLETE"
+
+
+def _barrier() -> None:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def save_state(root: Path, step: int, state: dict, *, rank: int, job_leader: bool,
+               keep_last: int = 2) -> Path:
+    """Write this rank's ``state`` into ``root/outer_<step>`` (collective over the world)."""
+    name = f"outer_{step:07d}"
+    final, tmp = root / name, root / f"{name}.tmp"
+    if job_leader:
+        root.mkdir(parents=True, exist_ok=True)
+        for stale in (tmp, final):
+            if stale.exists():
+                shutil.rmtree(stale)
+        tmp.mkdir()
+    _barrier()
+    part = tmp / f".rank{rank:05d}.pt.tmp"
+    torch.save(state, part)
+    os.replace(part, tmp / f"rank{rank:05d}.pt")
+    _barrier()
+    if job_leader:
+        (tmp / COMPLETE).write_text(f"outer step {step}\n")
+        tmp.rename(final)
+        latest = root / ".latest.tmp"
+        latest.write_text(name + "\n")
+        latest.replace(root / "latest")
+        done = sorted(p for p in root.glob("outer_*") if (p / COMPLETE).is_file())
+        for old in done[:-keep_last] if keep_last > 0 else []:
+            shutil.rmtree(old, ignore_errors=True)
+    _barrier()
+    return final
+
+
+def find_state(path: str | Path) -> Path:
+    """A run's ``checkpoints/`` folder (via ``latest``) or one ``outer_*`` folder.
+
+    Raises:
+        CheckpointError: no complete GeoMesh checkpoint there.
+    """
+    path = Path(path)
+    if (path / COMPLETE).is_file() and path.name.startswith("outer_"):
+        return path
+    latest = path / "latest"
+    if latest.is_file() and (path / latest.read_text().strip() / COMPLETE).is_file():
+        return path / latest.read_text().strip()
+    done = sorted(p for p in path.glob("outer_*") if (p / COMPLETE).is_file())
+    if done:
+        return done[-1]
+    raise CheckpointError(
+        f"no complete GeoMesh checkpoint in '{path}'; point checkpoint.load at a GeoMesh run's "
+        "checkpoints/ folder or an outer_XXXXXXX folder with a COMPLETE marker"
+    )
+
+
+def load_state(path: str | Path, *, rank: int) -> dict:
+    """This rank's state from a checkpoint.
+
+    Raises:
+        CheckpointError: not found, or saved with another layout (no file for this rank).
+    """
+    folder = find_state(path)
+    f = folder / f"rank{rank:05d}.pt"
+    if not f.is_file():
+        raise CheckpointError(
+            f"'{folder}' has no state for rank {rank}; a GeoMesh checkpoint resumes only with the "
+            "cluster and process layout it was saved with"
+        )
+    return torch.load(f, map_location="cpu", weights_only=False)

@@ -1,0 +1,252 @@
+"""The synchronous outer loop: GeoMesh and DiLoCo, emulated or real.
+
+Per round ``r`` (Douillard et al. 2023, "DiLoCo", Alg. 1, with GeoMesh's
+balancing and compression):
+
+1. every worker ``i`` sets ``θ_i ← θ_global`` and runs ``H_i`` inner AdamW
+   steps of ``b_i`` sequences (:class:`geomesh.worker.InnerWorker`);
+2. ``Δ_i = θ_global − θ_i`` (fp32) is encoded — GeoMesh: sign + per-tensor
+   scale with error feedback (:class:`geomesh.codec.SignCodec`); DiLoCo: fp32
+   (:class:`geomesh.codec.DenseCodec`) — with the worker's token count ``n_i``;
+3. the messages are all-gathered (:mod:`geomesh.transport`), decoded and
+   aggregated, ``Δ = Σ (n_i/N) D(msg_i)``;
+4. the outer Nesterov step updates ``θ_global`` (:class:`geomesh.outer.OuterNesterov`);
+   every worker applies it to the same messages, so all copies stay equal.
+
+GeoMesh plans ``b_i, H_i`` with :class:`geomesh.planner.Planner` so that all
+workers finish their compute together, and re-plans when measured step times
+drift (real: wall-clock per inner step; emulated: the injected
+``slowdown`` of the cluster file).  DiLoCo uses the same ``b = G_t/K`` and
+``H`` everywhere, so fast workers wait for the slowest (straggler idle).
+
+Time.  Emulated: worker ``i``'s compute is the GPU-profile time of its plan on
+the target model (:func:`geomesh.clock.inner_step_time_s`) times any injected
+slowdown, charged to an :class:`~geomesh.clock.EmulatedClock`; the exchange is
+charged with the target model's message size.  Real: wall-clock; a worker's
+straggler idle is ``max_j compute_j − compute_i`` and its WAN idle the rest
+of its time in the exchange.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+
+import torch
+
+from jobruntime.checkpoint import CheckpointError
+from jobruntime.metrics import perplexity
+
+from .clock import EmulatedClock, inner_step_time_s
+from .codec import DenseCodec, SignCodec
+from .compression import ErrorFeedback, TensorSchema
+from .context import RunContext
+from .deploy import world_gather
+from .outer import OuterNesterov
+from .planner import Plan
+from .report import RunStats
+from .state import load_state, save_state
+from .transport import InProcessTransport
+from .worker import InnerWorker, ProxyStep, proxy_steps
+
+log = logging.getLogger(__name__)
+
+
+def _true_step_s(ctx: RunContext, step: ProxyStep, round_: int) -> float:
+    """Emulated physics: profile time of one inner step on the target, times the slowdown."""
+    w = ctx.cluster.worker(step.target.worker)
+    t = inner_step_time_s(w, ctx.target.model, step.target.micro_batch_size,
+                          step.target.grad_accum, seq_length=step.target.seq_length)
+    return t * ctx.cluster.slowdown_factor(w.name, round_)
+
+
+def _proxy(ctx: RunContext, plan: Plan) -> list[ProxyStep]:
+    return proxy_steps(plan, ctx.scale, round_samples=ctx.round_samples,
+                       dp_in=ctx.placement.dp_in, max_micro_batch=ctx.cfg.parallel.micro_batch_size)
+
+
+def run_sync(ctx: RunContext) -> dict:
+    """Train ``geomesh.outer_steps`` rounds; return the summary (also written to disk)."""
+    cfg, g, cl, pl = ctx.cfg, ctx.cfg.geomesh, ctx.cluster, ctx.placement
+    geomesh = ctx.method == "geomesh"
+    K = len(cl.workers)
+    plan = ctx.planner.plan() if geomesh else ctx.planner.uniform(ctx.uniform_batch)
+    steps = _proxy(ctx, plan)
+    workers: dict[int, InnerWorker] = {}
+    for i in pl.workers:
+        h = steps[i].inner_steps
+        warm = round(cfg.train.warmup_iters * h / g.inner_steps)
+        workers[i] = InnerWorker(ctx.layout_cfg, i, ctx.train_ds, inner_iters=g.outer_steps * h,
+                                 warmup_iters=warm, reference_batch=ctx.reference_batch,
+                                 dp_group=pl.dp_group, dp_in=pl.dp_in,
+                                 dp_in_rank=pl.dp_in_rank)
+    first = workers[pl.workers[0]]
+    theta = first.trainer.get_params()  # θ_global, fp32, this rank's shard
+    sign = geomesh and g.compression != "fp32"
+    row_scales = sign and g.compression == "sign_row"
+    schema = dataclasses.replace(TensorSchema.from_tensors(theta), row_scales=row_scales)
+    if sign:
+        codec = SignCodec(schema, tp_group=pl.tp_group,
+                          tp_partition=first.trainer.tp_partition_dims())
+    else:
+        codec = DenseCodec(schema)
+    outer = OuterNesterov(theta, lr=g.outer_lr, momentum=g.outer_momentum)
+    feedback = {i: ErrorFeedback() for i in pl.workers} if sign and g.error_feedback else {}
+    clock = transport = None
+    if ctx.emulated:
+        clock = EmulatedClock(cl)
+        target = dataclasses.replace(ctx.target_schema, row_scales=row_scales)
+        charged = codec.encoded_bytes(target)
+        transport = InProcessTransport(cl, clock=clock, charged_bytes=charged)
+    val = ctx.val_batches(dp=pl.dp_in, dp_rank=pl.dp_in_rank)
+    stats = RunStats.for_cluster(cl, cfg.train.target_ppl)
+    position, start, replans = 0, 0, 0
+    history: dict[str, list[float]] = {}  # measured seconds per inner step since the last plan
+    if cfg.checkpoint.load:
+        st = load_state(cfg.checkpoint.load, rank=pl.rank)
+        if st["method"] != ctx.method:
+            raise CheckpointError(f"checkpoint is from method {st['method']}, not {ctx.method}")
+        outer.load_state_dict(st["outer"])  # copies into theta
+        for i, fb in feedback.items():
+            fb.load_state_dict(st["feedback"][i])
+        for i, w in workers.items():
+            w.load_state_dict(st["workers"][i])
+        ctx.planner.speed = dict(st["planner_speed"])
+        ctx.planner.current = plan = st["plan"]
+        steps = _proxy(ctx, plan)
+        if clock is not None:
+            clock.load_state_dict(st["clock"])
+        stats.load_state_dict(st["stats"])
+        position, start, replans = st["position"], st["round"], st["replans"]
+        history = st["history"]
+        torch.set_rng_state(st["rng"])
+        log.info("resumed %s at outer step %d", ctx.method, start)
+    t0 = time.perf_counter() - stats.time_s
+    wall0 = time.perf_counter()
+    for r in range(start, g.outer_steps):
+        step = r + 1
+        offsets = [sum(s.samples for s in steps[:i]) for i in range(K)]
+        msgs, done = {}, {}
+        for i in pl.workers:
+            name = cl.workers[i].name
+            w0 = time.perf_counter()
+            res = workers[i].train_round(theta, steps[i], position + offsets[i])
+            if ctx.emulated:
+                compute = _true_step_s(ctx, steps[i], r) * steps[i].target.inner_steps
+                clock.compute(name, compute)
+            else:
+                wall = time.perf_counter() - w0
+                factor = cl.slowdown_factor(name, r)
+                if factor != 1.0:  # injected slowdown: sleep the extra time
+                    time.sleep((factor - 1.0) * wall)
+                compute = wall * factor
+            msgs[i] = codec.encode(res.delta, res.tokens, worker=i, round=r,
+                                   feedback=feedback.get(i))
+            done[i] = (res, compute)
+        x0 = time.perf_counter()
+        received = transport.exchange(msgs) if ctx.emulated else pl.exchange(msgs)
+        exchange_s = time.perf_counter() - x0
+        agg, tokens = codec.aggregate(received)
+        outer.step(agg)
+        position += sum(s.samples for s in steps)
+
+        # -- round statistics --------------------------------------------------
+        per: dict[str, dict] = {}
+        if ctx.emulated:
+            for w in cl.workers:
+                t = transport.last_schedule.workers[w.name]
+                per[w.name] = dict(compute_s=t.compute_s, straggler_idle_s=t.straggler_idle_s,
+                                   wan_idle_s=t.wan_idle_s, sent_bytes=t.sent_bytes)
+            losses = {i: done[i][0].loss for i in done}
+            round_bytes = charged * K
+            round_fp32 = 4 * ctx.target_schema.numel * K
+            stats.time_s = clock.now_s
+        else:
+            me = pl.workers[0]
+            sent = len(msgs[me]) if pl.transport is not None else 0
+            rows = world_gather([me, done[me][0].loss, done[me][1], exchange_s, sent,
+                                 4 * schema.numel if sent else 0])
+            compute = {k: max(x[2] for x in rows if int(x[0]) == k) for k in range(K)}
+            slowest = max(compute.values())
+            losses = {}
+            for k, w in enumerate(cl.workers):
+                mine = [x for x in rows if int(x[0]) == k]
+                straggler = slowest - compute[k]
+                losses[k] = mine[0][1]
+                per[w.name] = dict(compute_s=compute[k], straggler_idle_s=straggler,
+                                   wan_idle_s=max(max(x[3] for x in mine) - straggler, 0.0),
+                                   sent_bytes=int(sum(x[4] for x in mine)))
+            round_bytes = int(sum(x[4] for x in rows))
+            round_fp32 = int(sum(x[5] for x in rows))
+            stats.time_s = time.perf_counter() - t0
+        for k, w in enumerate(cl.workers):
+            stats.add_worker(w.name, tokens=tokens[k], **per[w.name])
+        ntok = sum(tokens)
+        stats.tokens += ntok
+        stats.outer_steps = step
+        stats.bytes_total += round_bytes
+        stats.fp32_bytes_total += round_fp32
+        times = [per[w.name]["compute_s"] for w in cl.workers]
+        record = dict(
+            step=step, tokens=stats.tokens, time_s=stats.time_s,
+            loss=sum(tokens[k] * losses[k] for k in range(K)) / max(ntok, 1),
+            compute_s=max(times), imbalance=(max(times) - min(times)) / max(times),
+            straggler_idle_s=sum(p["straggler_idle_s"] for p in per.values()),
+            wan_idle_s=sum(p["wan_idle_s"] for p in per.values()), bytes=round_bytes,
+            batch_sizes=[s.batch_size for s in steps],
+            target_batch_sizes=[s.target.batch_size for s in steps],
+            inner_steps=[s.target.inner_steps for s in steps],
+            proxy_samples=[s.samples for s in steps],
+        )
+        if ctx.is_eval_step(step):
+            first.trainer.set_params(theta)
+            first.trainer.set_batch_size(cfg.parallel.global_batch_size,
+                                         cfg.parallel.micro_batch_size)
+            val_loss = first.trainer.evaluate(val)
+            record.update(val_loss=val_loss, val_ppl=perplexity(val_loss))
+            if stats.evaluated(val_loss, record["val_ppl"], step):
+                log.info("target perplexity %s reached at outer step %d (%.1f s, %s clock)",
+                         cfg.train.target_ppl, step, stats.time_s, ctx.clock_name)
+        # -- re-plan on drift (GeoMesh) ------------------------------------------
+        # Emulated measurements are exact: the last one is used.  Wall-clock
+        # ones are noisy: real mode averages the last two rounds since the plan
+        # last changed (and waits for two).
+        for k, w in enumerate(cl.workers):
+            history.setdefault(w.name, []).append(
+                per[w.name]["compute_s"] / steps[k].target.inner_steps)
+        need = 1 if ctx.emulated else 2
+        if geomesh and g.replan and step < g.outer_steps and len(history[cl.workers[0].name]) >= need:
+            measured = {n: sum(v[-need:]) / need for n, v in history.items()}
+            new = ctx.planner.replan(measured)
+            if new is not plan:
+                plan, steps, replans, history = new, _proxy(ctx, new), replans + 1, {}
+                record["replanned"] = True
+                log.info("outer step %d: re-planned b_i=%s H_i=%s", step,
+                         [s.target.batch_size for s in steps], [s.target.inner_steps for s in steps])
+        ctx.writer.log(record)
+        reached_stop = cfg.train.stop_at_target and stats.ttp.reached
+        save_every = cfg.checkpoint.save_interval
+        if save_every and (step % save_every == 0 or step == g.outer_steps or reached_stop):
+            state = {
+                "method": ctx.method, "round": step, "position": position, "replans": replans,
+                "outer": outer.state_dict(),
+                "feedback": {i: fb.state_dict() for i, fb in feedback.items()},
+                "workers": {i: w.state_dict() for i, w in workers.items()},
+                "planner_speed": dict(ctx.planner.speed), "plan": plan,
+                "clock": clock.state_dict() if clock is not None else None,
+                "stats": stats.state_dict(), "rng": torch.get_rng_state(), "history": history,
+            }
+            save_state(ctx.run_dir / "checkpoints", step, state, rank=pl.rank,
+                       job_leader=pl.is_logging_rank, keep_last=cfg.checkpoint.keep_last)
+        if reached_stop:
+            break
+    info = {w.name: {"batch_size": s.target.batch_size, "inner_steps": s.target.inner_steps,
+                     "proxy_batches": list(s.batches)}
+            for w, s in zip(cl.workers, steps)}
+    extra = {"codec": codec.kind + ("-row" if row_scales else ""), "error_feedback": bool(feedback),
+             "replans": replans,
+             "plan": plan.to_dict(), "wall_s": time.perf_counter() - wall0,
+             "world_size": pl.world, "inner_steps": g.inner_steps}
+    return stats.summary(method=ctx.method, clock=ctx.clock_name, cluster=cl, extra=extra,
+                         worker_info=info)

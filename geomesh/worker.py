@@ -1,0 +1,204 @@
+"""One worker's inner loop, and the mapping of a target-model plan to the proxy.
+
+A worker is an ordinary job of the runtime (:class:`jobruntime.trainer.Trainer`,
+its own AdamW state, LR schedule and — in real mode — TP/PP/DP ranks).  Per
+round it starts from ``θ_global``, runs ``H_i`` optimizer steps of ``b_i``
+sequences and returns ``Δ_i = θ_global − θ_i`` (fp32).  The inner optimizer
+state stays with the worker across rounds (DiLoCo, Douillard et al. 2023).
+
+Data.  All methods read one global stream of training samples (megatron's
+``GPTDataset`` of the run's seed).  Round ``r`` takes the next ``Σ_i H_i b_i``
+samples; worker ``i`` gets the contiguous slice after workers ``0..i-1``,
+and its step ``h`` the ``b_i`` samples at ``start_i + h·b_i`` (split over the
+worker's ``dp_in`` replicas as in :class:`jobruntime.data.GlobalBatchSampler`).
+Workers thus see different data, and every method consumes the same tokens
+in the same order, which makes "equal tokens" comparisons exact.
+
+Proxy batches.  In emulated mode the planner sizes ``b_i`` for the *target*
+model (e.g. GPT-3 1.3B, global batch ``G_t = 512`` sequences) while a small
+proxy model is trained at global batch ``G_p`` (``parallel.global_batch_size``).
+A proxy round processes exactly ``S = H · G_p`` sequences, like a uniform
+DiLoCo round and ``H`` DDP steps, so all methods see equal tokens.  ``S`` is
+split over the workers in proportion to their planned target tokens
+``n_i = H_i b_i s`` (largest remainders), and worker ``i`` spreads its
+``S_i`` sequences over its ``H_i`` steps (batches ``⌊S_i/H_i⌋`` or one more).
+A worker whose share is below one sequence per step (a slow GPU with a small
+``b_i`` and large ``H_i``) runs ``S_i`` steps of one sequence instead, the
+only place where the proxy's ``H_i`` departs from the plan.  Micro-batch: the
+largest divisor of the step's batch (per replica) not above
+``parallel.micro_batch_size``.  Time and bytes always come from the target
+plan; tokens reported are proxy tokens.  In real mode the trained model is
+the target (``G_t = G_p``) and the plan is followed as is: ``S_i = H_i b_i``.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from jobruntime.config import JobConfig
+from jobruntime.data import GlobalBatchSampler
+from jobruntime.parallel import set_seed
+from jobruntime.trainer import Trainer
+
+from .planner import Plan, WorkerPlan
+
+
+@dataclass(frozen=True)
+class ProxyStep:
+    """What a worker trains per round on the proxy (sizes in proxy sequences).
+
+    Attributes:
+        target: the planner's choice for the target model (time, target batch).
+        batches: proxy sequences of each inner step (all replicas); ``H_i`` entries.
+        max_micro_batch: upper bound of the micro-batch per replica.
+        dp_in: replicas of the worker (a step's batch is split over them).
+    """
+
+    target: WorkerPlan
+    batches: tuple[int, ...]
+    max_micro_batch: int = 4
+    dp_in: int = 1
+
+    @property
+    def inner_steps(self) -> int:
+        return len(self.batches)
+
+    @property
+    def samples(self) -> int:
+        """Proxy sequences per round."""
+        return sum(self.batches)
+
+    @property
+    def batch_size(self) -> int:
+        """Largest step batch (for reports)."""
+        return max(self.batches)
+
+    @property
+    def micro_batch_size(self) -> int:
+        return self.micro_batch_for(self.batch_size)
+
+    def micro_batch_for(self, batch: int) -> int:
+        return largest_divisor_at_most(batch // self.dp_in, self.max_micro_batch)
+
+
+def largest_divisor_at_most(n: int, cap: int) -> int:
+    return max(d for d in range(1, min(n, cap) + 1) if n % d == 0)
+
+
+def _apportion(total: int, weights: list[float]) -> list[int]:
+    """Integers summing to ``total`` proportional to ``weights`` (largest remainders)."""
+    raw = [total * w / sum(weights) for w in weights]
+    out = [int(x) for x in raw]
+    order = sorted(range(len(raw)), key=lambda i: (out[i] - raw[i], i))
+    for i in order[: total - sum(out)]:
+        out[i] += 1
+    return out
+
+
+def proxy_steps(plan: Plan, scale: float, *, round_samples: int | None = None, dp_in: int = 1,
+                max_micro_batch: int = 4) -> list[ProxyStep]:
+    """Map a target plan to proxy step batches (module docstring), worker order.
+
+    Args:
+        scale: ``G_p / G_t``; 1 follows the plan as is.
+        round_samples: ``S`` (proxy sequences per round) when ``scale != 1``.
+    """
+    if scale == 1 or round_samples is None:
+        return [ProxyStep(target=wp, batches=(wp.batch_size,) * wp.inner_steps,
+                          max_micro_batch=max_micro_batch, dp_in=dp_in) for wp in plan.workers]
+    units = _apportion(round_samples // dp_in, [wp.tokens for wp in plan.workers])
+    out = []
+    for wp, u in zip(plan.workers, units):
+        u = max(u, 1)
+        H = min(wp.inner_steps, u)
+        batches = [dp_in * (u // H + (1 if h < u % H else 0)) for h in range(H)]
+        out.append(ProxyStep(target=wp, batches=tuple(batches), max_micro_batch=max_micro_batch,
+                             dp_in=dp_in))
+    return out
+
+
+@dataclass
+class RoundResult:
+    """One worker's round: pseudo-gradient, tokens, mean training loss, steps."""
+
+    delta: dict[str, torch.Tensor]
+    tokens: int
+    loss: float
+    steps: int
+
+
+class InnerWorker:
+    """A worker's trainer and data access.
+
+    Args:
+        cfg: the job config; copied, its batch sizes then belong to this worker.
+        index: worker index in the cluster.
+        dataset: the run's training dataset (the global stream).
+        inner_iters: inner optimizer steps of the whole run (LR schedule length).
+        warmup_iters: LR warmup steps.
+        reference_batch: the batch ``train.lr`` is meant for (the uniform
+            per-worker batch ``G/K``); steps of other sizes scale the LR by
+            ``geomesh.inner_lr_scaling``.
+        dp_group, dp_in, dp_in_rank: the worker's replicas (real mode).
+    """
+
+    def __init__(self, cfg: JobConfig, index: int, dataset, *, inner_iters: int,
+                 warmup_iters: int, reference_batch: float, dp_group: dist.ProcessGroup | None = None,
+                 dp_in: int = 1, dp_in_rank: int = 0) -> None:
+        self.cfg = copy.deepcopy(cfg)
+        self.cfg.train.iters = max(inner_iters, 1)
+        self.cfg.train.warmup_iters = warmup_iters
+        self.cfg.train.lr_decay_iters = None
+        self.index = index
+        self.dataset = dataset
+        self.reference_batch = reference_batch
+        self.lr_scaling = cfg.geomesh.inner_lr_scaling
+        self.dp_in, self.dp_in_rank = dp_in, dp_in_rank
+        set_seed(cfg.train.seed)  # every worker builds the same initial model
+        self.trainer = Trainer(self.cfg, dp_group=dp_group)
+
+    def lr_scale(self, batch: int) -> float:
+        """Inner LR multiplier for a step of ``batch`` sequences (``geomesh.inner_lr_scaling``)."""
+        ratio = batch / self.reference_batch
+        return {"sqrt": ratio**0.5, "linear": ratio, "none": 1.0}[self.lr_scaling]
+
+    def microbatches(self, start: int, batch_size: int, micro_batch_size: int) -> list[dict]:
+        """This rank's micro-batches of the ``batch_size`` samples at stream position ``start``."""
+        sampler = GlobalBatchSampler(self.dataset, global_batch_size=batch_size,
+                                     micro_batch_size=micro_batch_size, dp=self.dp_in,
+                                     dp_rank=self.dp_in_rank)
+        return sampler.microbatches_at(start)
+
+    def train_round(self, theta: dict[str, torch.Tensor], step: ProxyStep, start: int) -> RoundResult:
+        """``H_i`` steps from ``θ_global`` on samples ``[start, start + S_i)``."""
+        tr = self.trainer
+        tr.set_params(theta)
+        losses = []
+        for b in step.batches:
+            mb = step.micro_batch_for(b)
+            tr.set_batch_size(b, mb)
+            tr.lr_scale = self.lr_scale(b)
+            losses.append(tr.train_step(self.microbatches(start, b, mb)).loss)
+            start += b
+        local = tr.get_params()
+        delta = {k: theta[k] - local[k] for k in theta}  # Δ_i = θ_global − θ_i (fp32)
+        tokens = step.samples * self.cfg.model.seq_length
+        return RoundResult(delta=delta, tokens=tokens, loss=sum(losses) / max(len(losses), 1),
+                           steps=step.inner_steps)
+
+    def state_dict(self) -> dict:
+        """Inner optimizer moments, LR schedule and step.  The weights are not
+        needed: every round starts from ``θ_global`` (saved with the outer state)."""
+        tr = self.trainer
+        return {"optimizer": tr.optimizer.state_dict(), "scheduler": tr.scheduler.state_dict(),
+                "step": tr.step}
+
+    def load_state_dict(self, state: dict) -> None:
+        tr = self.trainer
+        tr.optimizer.load_state_dict(state["optimizer"])
+        tr.scheduler.load_state_dict(state["scheduler"])
+        tr.step = int(state["step"])

@@ -1,0 +1,126 @@
+"""Pure logic of CONA's runtime: candidates, emulated clock, proxy batches, sample schedule."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from cona.emulated import (
+    BATCH_SWITCH_STEPS,
+    LAYOUT_SWITCH_FIXED_S,
+    EmulatedCluster,
+    build_candidates,
+    global_batch_sizes,
+    proxy_micro_batch_size,
+    target_model_config,
+)
+from cona.job import val_set_size
+from cona.state import SampleScheduler, set_peak_lr, strategy_config
+from cona.strategy import Strategy
+from jobruntime.config import ConfigError, load_config
+
+
+def _cfg(*overrides):
+    return load_config("tiny_gpt", ["cona.target_model=gpt3_1.3b", *overrides])
+
+
+def test_candidates_auto_and_explicit():
+    """Catches enumeration that ignores the batch list, memory or the device count, and
+    explicit candidates that bypass validation."""
+    cfg = _cfg()
+    assert global_batch_sizes(cfg) == [8, 16, 32, 64]
+    target = target_model_config(cfg)
+    assert target.num_layers == 24
+    cluster = EmulatedCluster(target, "A100-80GB", 8)
+    cands = build_candidates(cfg, target, 8, memory_limit_bytes=cluster.memory_limit_bytes)
+    assert {c.global_batch_size for c in cands} == {8, 16, 32, 64}
+    assert all(c.world_size == 8 for c in cands)
+    small = build_candidates(cfg, target, 8, memory_limit_bytes=8 * 2**30)  # 8 GiB GPUs
+    assert 0 < len(small) < len(cands) and all(c.model_parallel_size > 1 for c in small)
+    cfg2 = _cfg(
+        "cona.candidates=[{dp: 8, tp: 1, pp: 1, micro_batch_size: 1, global_batch_size: 8}]"
+    )
+    assert build_candidates(cfg2, target, 8) == [Strategy(8, 1, 1, 1, 8)]
+    with pytest.raises(ValueError, match="pp=5"):
+        build_candidates(
+            _cfg(
+                "cona.candidates=[{dp: 1, tp: 1, pp: 5, micro_batch_size: 1, global_batch_size: 8}]"
+            ),
+            target,
+            5,
+        )
+    with pytest.raises(ConfigError):
+        _cfg("cona.global_batch_sizes=8")
+
+
+def test_emulated_switch_costs():
+    """Catches a clock that charges resharding for a batch-only change (or nothing for a
+    layout change): batch switches cost one step of the new strategy, layout switches
+    the fixed cost plus moving a shard's 14 bytes/parameter (GPT-3 1.3B over 300 GB/s
+    NVLink: ms)."""
+    cluster = EmulatedCluster(target_model_config(_cfg()), "A100-80GB", 8)
+    a, b, c = Strategy(8, 1, 1, 1, 8), Strategy(8, 1, 1, 2, 16), Strategy(4, 2, 1, 2, 16)
+    assert cluster.switch_s(a, a) == 0.0
+    assert cluster.switch_s(a, b) == BATCH_SWITCH_STEPS * cluster.iter_s(b)
+    assert LAYOUT_SWITCH_FIXED_S < cluster.switch_s(a, c) < LAYOUT_SWITCH_FIXED_S + 1.0
+    assert cluster.iter_s(b) > cluster.iter_s(a) > 0
+    priors = cluster.switch_cost_priors(a)
+    assert priors["batch"] == cluster.iter_s(a) and priors["layout"] > LAYOUT_SWITCH_FIXED_S
+
+
+@pytest.mark.parametrize(
+    "gb,mb,want", [(8, 4, 4), (16, 4, 4), (32, 4, 8), (64, 4, 16), (2, 4, 1), (12, 4, 4), (6, 8, 3)]
+)
+def test_proxy_micro_batch_size_gives_two_or_more_microbatches(gb, mb, want):
+    """Catches a proxy micro-batch that leaves one micro-batch per step (no GNS estimate
+    in one process) or does not divide the global batch."""
+    got = proxy_micro_batch_size(gb, mb)
+    assert got == want and gb % got == 0 and gb // got >= 2
+
+
+def test_val_set_size_fits_every_layout():
+    """Catches a validation set that some layout cannot split evenly (then layouts
+    would evaluate different sequences and their perplexities would not compare)."""
+    cfg = _cfg("train.eval_iters=4")
+    n = val_set_size(cfg, [8, 4, 2, 16], 8)
+    assert n == 32 and all(n % u == 0 for u in (8, 4, 2, 16))
+    assert val_set_size(cfg, [24], 8) == 48
+
+
+def test_sample_schedule_and_lr_scaling():
+    """Catches a schedule that counts steps instead of samples (warmup would end 8x later
+    in samples at an 8x larger batch) and an LR change that megatron's per-group max_lr
+    silently overrides."""
+    p = torch.nn.Parameter(torch.zeros(2))
+    opt = torch.optim.AdamW([{"params": [p], "max_lr": 1e-3, "min_lr": 1e-4}], lr=0.0)
+    sched = SampleScheduler(
+        opt,
+        global_batch_size=8,
+        init_lr=0.0,
+        max_lr=1e-3,
+        min_lr=1e-4,
+        lr_warmup_steps=64,
+        lr_decay_steps=640,
+        lr_decay_style="cosine",
+        start_wd=0.0,
+        end_wd=0.0,
+        wd_incr_steps=640,
+        wd_incr_style="constant",
+    )
+    sched.step(1)
+    assert sched.num_steps == 8 and opt.param_groups[0]["lr"] == pytest.approx(1e-3 * 8 / 64)
+    sched.global_batch_size = 32
+    set_peak_lr(types.SimpleNamespace(optimizer=opt), sched, 2e-3, 2e-4)
+    sched.step(1)
+    assert sched.num_steps == 40
+    assert opt.param_groups[0]["lr"] == pytest.approx(2e-3 * 40 / 64)
+    cfg = strategy_config(_cfg(), Strategy(2, 2, 1, 2, 16), lr=5e-3, min_lr=5e-4)
+    assert (
+        cfg.parallel.tp,
+        cfg.parallel.pp,
+        cfg.parallel.micro_batch_size,
+        cfg.parallel.global_batch_size,
+        cfg.train.lr,
+    ) == (2, 1, 2, 16, 5e-3)

@@ -1,0 +1,195 @@
+"""CONA's run loop end to end: real mode on 4 gloo ranks (wall clock) and emulated mode.
+
+Real mode starts tiny_gpt at DP1-PP4 (a pipeline bubble the cost model sees)
+with DP4 and DP2-TP2 as candidates, so the controller must switch layouts at
+the first decision; the run then has to finish with wall-clock metrics, the
+measured switch in ``metrics.jsonl`` and a summary naming the chain.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.dist_utils import launch
+
+COMMON = [
+    "model.seq_length=64",
+    "logging.wandb=disabled",
+    "cona.enabled=true",
+    "train.warmup_iters=2",
+]
+
+
+def _real(cache_dir, run_dir):
+    import torch
+
+    torch.set_num_threads(1)
+    from cona.run import run
+    from jobruntime.config import load_config
+
+    cands = (
+        "[{dp: 4, tp: 1, pp: 1, micro_batch_size: 2, global_batch_size: 16},"
+        " {dp: 2, tp: 2, pp: 1, micro_batch_size: 2, global_batch_size: 16}]"
+    )
+    cfg = load_config(
+        "tiny_gpt",
+        [
+            f"data.cache_dir={cache_dir}",
+            *COMMON,
+            "parallel.pp=4",
+            "parallel.micro_batch_size=2",
+            "parallel.global_batch_size=16",
+            "train.iters=12",
+            "train.eval_interval=6",
+            "cona.decision_interval=4",
+            "cona.horizon_steps=1000",
+            f"cona.candidates={cands}",
+        ],
+    )
+    return run(cfg, Path(run_dir))
+
+
+def _emulated(cache_dir, run_dir):
+    """The emulated run, then (same process) the probe's micro-batch norms by hand."""
+    import torch
+
+    torch.set_num_threads(1)  # the machine is shared: no OpenMP oversubscription
+    from cona.run import run
+    from jobruntime.config import load_config
+
+    cfg = load_config(
+        "tiny_gpt",
+        [
+            f"data.cache_dir={cache_dir}",
+            *COMMON,
+            "cona.clock=emulated",
+            "cona.target_model=gpt3_1.3b",
+            "cona.num_gpus=8",
+            "cona.global_batch_sizes=[8,16]",
+            "train.iters=16",
+            "train.eval_interval=8",
+            "cona.decision_interval=4",
+        ],
+    )
+    return run(cfg, Path(run_dir)), _probe_by_hand(cfg)
+
+
+def _probe_by_hand(cfg):
+    """Probe norms of one step (dp=1, 4 micro-batches) and the same norms recomputed from
+    separate forward/backward passes of micro-batch 0 alone and of all four."""
+    import torch
+
+    from cona.grad_stats import GradientNoiseScale
+    from cona.job import build_datasets
+    from cona.probe import GNSProbe
+    from cona.state import build_trainer, restore, snapshot, strategy_config
+    from cona.strategy import Strategy
+    from jobruntime.data import GlobalBatchSampler
+    from jobruntime.parallel import initialize_layout, set_seed
+
+    c = strategy_config(cfg, Strategy(1, 1, 1, 2, 8), lr=cfg.train.lr, min_lr=cfg.train.min_lr)
+    initialize_layout(c)
+    set_seed(c.train.seed)
+    trainer = build_trainer(c, 8)
+    data = build_datasets(c, train_samples=64, val_samples=8)
+    mbs = GlobalBatchSampler(
+        data.train, global_batch_size=8, micro_batch_size=2, dp=1, dp_rank=0
+    ).microbatches_at(0)
+    state = snapshot(trainer)
+    probe = GNSProbe(GradientNoiseScale())
+    probe.attach(trainer)
+    trainer.train_step(mbs)
+    probe.detach()
+    got = probe.last
+    restore(trainer, state)
+
+    def sq_norm_after(batch):
+        for m in trainer.model:
+            m.zero_grad_buffer()
+        trainer.optimizer.zero_grad()  # p.grad aliases main_grad after an optimizer step
+        trainer._run_schedule(batch, forward_only=False)
+        return sum(float(p.main_grad.double().pow(2).sum()) for p in trainer.module.parameters())
+
+    with torch.enable_grad():
+        want_small = sq_norm_after(mbs[:1])
+        want_big = sq_norm_after(mbs)
+    return {"probe": got, "small": want_small, "big": want_big}
+
+
+@pytest.fixture(scope="module")
+def real(cache_dir, tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("cona_real")
+    summaries = launch(_real, 4, cache_dir, str(run_dir))
+    return summaries, run_dir
+
+
+def _records(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_real_mode_switches_and_logs_wall_clock(real):
+    """Catches a real-mode loop that never acts on the controller, switches on some ranks
+    only, or loses the switch's measured time: the run must leave DP1-PP4, every rank
+    must report the same chain, and metrics.jsonl must hold the switch with its
+    measured seconds and peak RSS and wall-clock step times."""
+    summaries, run_dir = real
+    s = summaries[0]
+    assert s["clock"] == "wall" and s["switches"] >= 1
+    assert s["chain"][0] == {"strategy": "dp1-tp1-pp4-mb2-gb16", "start_step": 0}
+    assert s["chain"][1]["start_step"] == 4
+    assert all(x["chain"] == s["chain"] for x in summaries)
+    assert s["final_val_ppl"] is not None and s["samples"] == 12 * 16
+    recs = _records(run_dir)
+    switches = [r for r in recs if r.get("event") == "switch"]
+    assert switches and switches[0]["switch_s"] > 0 and switches[0]["peak_rss_mib"] > 0
+    steps = [r for r in recs if r.get("event") == "step"]
+    assert len(steps) == 12 and all(r["clock"] == "wall" and r["step_s"] > 0 for r in steps)
+    assert any(r.get("event") == "decision" for r in recs)
+    saved = json.loads((run_dir / "summary.json").read_text())
+    assert saved["switches"] == s["switches"] and saved["clock"] == "wall"
+
+
+@pytest.fixture(scope="module")
+def emulated(cache_dir, tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("cona_emulated")
+    ((summary, probe),) = launch(_emulated, 1, cache_dir, str(run_dir))
+    return summary, probe, run_dir
+
+
+def test_emulated_mode_uses_modelled_time(emulated):
+    """Catches an emulated run that leaks wall time into the clock or mislabels it: the
+    clock must be the sum of the target's modelled step times (GPT-3 1.3B on 8 A100)
+    plus modelled switch costs, and the summary must say it is emulated."""
+    s, _, run_dir = emulated
+    assert s["clock"] == "emulated" and s["num_gpus"] == 8 and s["target_model"] == "gpt3_1.3b"
+    from cona.emulated import EmulatedCluster, target_model_config
+    from cona.strategy import Strategy
+    from jobruntime.config import load_config
+
+    cluster = EmulatedCluster(
+        target_model_config(load_config("tiny_gpt", ["cona.target_model=gpt3_1.3b"])),
+        "A100-80GB",
+        8,
+    )
+    steps = [r for r in _records(run_dir) if r.get("event") == "step"]
+    modelled = sum(cluster.iter_s(Strategy.from_label(r["strategy"])) for r in steps)
+    modelled += sum(x["cost_s"] for x in s["switch_log"])
+    assert s["clock_s"] == pytest.approx(modelled, rel=1e-9)
+    assert s["samples"] >= 16 * 8 and s["final_val_ppl"] is not None
+    assert all(r["gns"] is None or r["gns"] > 0 for r in steps)
+
+
+def test_gns_probe_microbatch_norms_match_direct_computation(emulated):
+    """Catches wrong wiring of the one-process GNS probe (wrong micro-batch read, missing
+    m^2 scaling of the 1/m-scaled buffer, norms after clipping): its small and big squared
+    norms must equal those of separate backward passes of micro-batch 0 and of all four
+    micro-batches (fp32 sums in different order: 1e-4 relative)."""
+    _, probe, _ = emulated
+    small, small_b, big, big_b = probe["probe"]
+    assert (small_b, big_b) == (2, 8)
+    assert small == pytest.approx(probe["small"], rel=1e-4)
+    assert big == pytest.approx(probe["big"], rel=1e-4)
+    assert small > big  # one micro-batch's gradient is noisier than the mean of four
