@@ -172,14 +172,6 @@ def optimizer_state_by_name(trainer: Trainer) -> dict[str, ParamState]:
     return out
 
 
-def state_keys(states: dict[str, ParamState]) -> list[str]:
-    """Optimizer-state keys present (e.g. ``["exp_avg", "exp_avg_sq", "step"]``), sorted."""
-    keys: set[str] = set()
-    for s in states.values():
-        keys.update(s.state)
-    return sorted(keys)
-
-
 # ---------------------------------------------------------------------------
 # Single-process snapshots (oracle chain branches)
 # ---------------------------------------------------------------------------
