@@ -37,21 +37,36 @@ def parse_args(argv):
     return p.parse_args(argv)
 
 
+def _error(message: str) -> int:
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"error: {message}", file=sys.stderr)
+    return 2
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    from jobruntime.config import ConfigError, load_config
+
+    # Config errors first: they need no megatron import (~10 s).
+    try:
+        cfg = load_config(args.config, args.overrides)
+        cfg.model.validate()
+        cfg.train.validate()
+    except ConfigError as e:
+        return _error(str(e))
+    run_dir = Path(args.run_dir or f"runs/{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}")
+    if run_dir.exists() and not run_dir.is_dir():
+        return _error(f"--run-dir {run_dir} is a file; give a folder (it is created if missing)")
+
     from jobruntime.logging_utils import setup_logging
 
     setup_logging()
     from jobruntime.checkpoint import CheckpointError
-    from jobruntime.config import ConfigError, load_config
     from jobruntime.data import DataError
     from jobruntime.tokenizer import TokenizerError
 
     bad_input = (ConfigError, DataError, TokenizerError, CheckpointError)
     try:
-        cfg = load_config(args.config, args.overrides)
-        cfg.model.validate()
-        run_dir = Path(args.run_dir or f"runs/{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}")
         if cfg.geomesh.method != "none":
             from geomesh.run import run as run_job
         elif cfg.cona.enabled:
@@ -64,11 +79,10 @@ def main(argv=None) -> int:
 
                 run_job = functools.partial(run_job,
                                             end_of_run=end_of_run_hook(cfg.train.zero_shot_tasks))
+        # All ranks use rank 0's run_dir (see jobruntime.parallel.same_run_dir).
         summary = run_job(cfg, run_dir)
     except bad_input as e:
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(f"error: {e}", file=sys.stderr)
-        return 2
+        return _error(str(e))
     finally:
         from jobruntime.parallel import shutdown
 

@@ -45,7 +45,7 @@ import torch.distributed as dist
 
 from jobruntime.config import ConfigError, JobConfig, save_config
 from jobruntime.metrics import MetricsWriter, TTPTracker, perplexity
-from jobruntime.parallel import init_distributed
+from jobruntime.parallel import init_distributed, same_run_dir
 
 from .controller import Controller, best_throughput_strategy
 from .cost_model import CostModel
@@ -359,8 +359,8 @@ def run(cfg: JobConfig, run_dir: Path) -> dict:
     Raises:
         ConfigError, DataError, TokenizerError: bad input.
     """
-    run_dir = Path(run_dir)
     s = setup(cfg)
+    run_dir = same_run_dir(run_dir)
     job = s.job
     writer = MetricsWriter(
         run_dir,

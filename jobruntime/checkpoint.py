@@ -25,6 +25,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
+from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 
 from .config import ModelConfig
 
@@ -75,7 +76,10 @@ def find_checkpoint(path: str | Path) -> Path:
 
 
 def _arch(model: ModelConfig) -> dict:
-    return {k: getattr(model, k) for k in _ARCH_FIELDS}
+    arch = {k: getattr(model, k) for k in _ARCH_FIELDS}
+    if model.position_embedding == "learned_absolute":  # the table's shape
+        arch["max_positions"] = model.max_positions
+    return arch
 
 
 def arch_diff(saved: dict, model: ModelConfig) -> dict:
@@ -91,7 +95,8 @@ def arch_diff(saved: dict, model: ModelConfig) -> dict:
         return out
 
     a, b = resolved(saved), resolved(_arch(model))
-    return {k: (saved.get(k), getattr(model, k)) for k in _ARCH_FIELDS if a.get(k) != b[k]}
+    keys = [*_ARCH_FIELDS, *(["max_positions"] if "max_positions" in a and "max_positions" in b else [])]
+    return {k: (saved.get(k), getattr(model, k)) for k in keys if a.get(k) != b[k]}
 
 
 def _rng_state() -> dict:
@@ -161,6 +166,15 @@ def save_checkpoint(root: Path, trainer, *, consumed_samples: int, extra: dict |
     return final
 
 
+def _unreadable(ckpt: Path, e: BaseException) -> str:
+    if isinstance(e, CheckpointException) and e.failures:  # {rank: exception} of torch DCP
+        cause = next(iter(e.failures.values()))  # (exception, traceback) in torch 2.x
+        e = cause[0] if isinstance(cause, tuple) else cause
+    first = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
+    return (f"checkpoint '{ckpt}' is damaged or incomplete ({type(e).__name__}: {first}); "
+            "load an earlier iter_XXXXXXX folder or start without checkpoint.load")
+
+
 def load_checkpoint(path: str | Path, trainer, *, load_optimizer: bool = True) -> dict:
     """Load a checkpoint into ``trainer`` (any TP/PP/DP layout).
 
@@ -172,7 +186,10 @@ def load_checkpoint(path: str | Path, trainer, *, load_optimizer: bool = True) -
             architecture (the message names the differing fields).
     """
     ckpt = find_checkpoint(path)
-    common = dist_checkpointing.load_common_state_dict(str(ckpt))
+    try:
+        common = dist_checkpointing.load_common_state_dict(str(ckpt))
+    except Exception as e:  # noqa: BLE001 - missing/corrupt common.pt, metadata.json, ...
+        raise CheckpointError(_unreadable(ckpt, e)) from None
     if not isinstance(common, dict) or "arch" not in common:
         raise CheckpointError(f"'{ckpt}' is not a checkpoint of this project (no 'arch' record)")
     diff = arch_diff(common["arch"], trainer.cfg.model)
@@ -187,7 +204,10 @@ def load_checkpoint(path: str | Path, trainer, *, load_optimizer: bool = True) -
     request = {"model": model_sd}
     if load_optimizer:
         request["optimizer"] = trainer.optimizer.sharded_state_dict(model_sd, is_loading=True)
-    loaded = dist_checkpointing.load(request, str(ckpt))
+    try:
+        loaded = dist_checkpointing.load(request, str(ckpt))
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - truncated/missing shards
+        raise CheckpointError(_unreadable(ckpt, e)) from None
     trainer.module.load_state_dict(loaded["model"])
     if load_optimizer:
         trainer.optimizer.load_state_dict(loaded["optimizer"])

@@ -109,6 +109,11 @@ class ModelConfig:
                 raise ConfigError(f"model.{name} must be positive, got {getattr(self, name)}")
         if self.family == "bert" and self.position_embedding != "learned_absolute":
             raise ConfigError("model.position_embedding must be learned_absolute for bert")
+        if self.seq_length > self.max_positions:
+            raise ConfigError(
+                f"model.seq_length={self.seq_length} exceeds model.max_position_embeddings="
+                f"{self.max_position_embeddings}; shorten the sequence or raise the maximum"
+            )
 
 
 @dataclass(kw_only=True)
@@ -200,6 +205,33 @@ class TrainConfig:
     zero_shot_tasks: list | None = None
     """Local JSONL files in the HellaSwag or PIQA layout scored zero-shot at the
     end of the run (``tools/zero_shot.py``); results go to summary.json."""
+
+    def validate(self) -> None:
+        """Raise :class:`ConfigError` naming the first out-of-range setting."""
+        def need(ok: bool, key: str, rule: str) -> None:
+            if not ok:
+                raise ConfigError(f"train.{key}={getattr(self, key)!r} {rule}")
+
+        finite = lambda x: x == x and abs(x) != float("inf")  # noqa: E731
+        need(self.iters > 0, "iters", "must be positive")
+        need(finite(self.lr) and self.lr > 0, "lr", "must be a positive number")
+        need(finite(self.min_lr) and 0 <= self.min_lr <= self.lr, "min_lr",
+             f"must be between 0 and train.lr={self.lr}")
+        need(self.warmup_iters >= 0, "warmup_iters", "must be >= 0")
+        need(self.lr_decay_iters is None or self.lr_decay_iters > 0, "lr_decay_iters",
+             "must be positive (or null for train.iters)")
+        need(finite(self.weight_decay) and self.weight_decay >= 0, "weight_decay", "must be >= 0")
+        for key in ("adam_beta1", "adam_beta2"):
+            need(0 <= getattr(self, key) < 1, key, "must be in [0, 1)")
+        need(finite(self.adam_eps) and self.adam_eps > 0, "adam_eps", "must be positive")
+        need(finite(self.clip_grad) and self.clip_grad >= 0, "clip_grad", "must be >= 0 (0 disables)")
+        need(self.log_interval >= 1, "log_interval", "must be >= 1")
+        need(self.eval_interval >= 0, "eval_interval", "must be >= 0 (0 disables evaluation)")
+        need(self.eval_iters >= 1, "eval_iters",
+             "must be >= 1 (to skip evaluation set train.eval_interval=0)")
+        need(self.target_ppl is None or (finite(self.target_ppl) and self.target_ppl > 1),
+             "target_ppl", "must be a perplexity > 1 (or null)")
+        need(self.max_wall_s is None or self.max_wall_s > 0, "max_wall_s", "must be positive (or null)")
 
 
 @dataclass(kw_only=True)
@@ -349,6 +381,7 @@ class JobConfig:
     def validate(self, world_size: int = 1) -> int:
         """Validate every section; return the DP size for ``world_size`` processes."""
         self.model.validate()
+        self.train.validate()
         return self.parallel.validate(self.model, world_size)
 
     def to_dict(self) -> dict:

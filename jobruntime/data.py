@@ -31,7 +31,13 @@ import torch
 import torch.distributed as dist
 
 from .config import REPO_ROOT, DataConfig, ModelConfig
-from .tokenizer import Tokenizer, corpus_fingerprint, load_tokenizer, train_sentencepiece
+from .tokenizer import (
+    Tokenizer,
+    TokenizerError,
+    corpus_fingerprint,
+    load_tokenizer,
+    train_sentencepiece,
+)
 
 
 class DataError(ValueError):
@@ -61,6 +67,13 @@ def resolve_data_path(path: str) -> Path:
 
 def is_indexed_prefix(path: Path) -> bool:
     return Path(f"{path}.bin").is_file() and Path(f"{path}.idx").is_file()
+
+
+def _unreadable(path: Path, e: Exception) -> DataError:
+    what = ("is not UTF-8 text" if isinstance(e, UnicodeDecodeError)
+            else f"could not be read ({type(e).__name__}: {e})")
+    return DataError(f"{path} {what}; give UTF-8 text, optionally compressed as .xz/.gz/.bz2 "
+                     "(a truncated or corrupt archive gives this error too)")
 
 
 def _read_jsonl(path: Path, text_key: str, limit: int | None) -> list[str]:
@@ -109,12 +122,16 @@ def read_documents(path: Path, text_key: str = "text", limit: int | None = None)
             docs = docs[:limit] if limit else docs
     else:
         suffixes = [s for s in path.suffixes if s not in _OPENERS]
-        if suffixes and suffixes[-1] in (".jsonl", ".json"):
-            docs = _read_jsonl(path, text_key, limit)
-        elif suffixes and suffixes[-1] in (".txt", ".md", ".rst"):
-            opener = _OPENERS.get(path.suffix, open)
-            with opener(path, "rt", encoding="utf-8") as f:
-                docs = [f.read()]
+        kind = suffixes[-1] if suffixes else ""
+        if kind in (".jsonl", ".json", ".txt", ".md", ".rst"):
+            try:
+                if kind in (".jsonl", ".json"):
+                    docs = _read_jsonl(path, text_key, limit)
+                else:
+                    with _OPENERS.get(path.suffix, open)(path, "rt", encoding="utf-8") as f:
+                        docs = [f.read()]
+            except (UnicodeDecodeError, OSError, EOFError, lzma.LZMAError) as e:
+                raise _unreadable(path, e) from None
         else:
             raise DataError(
                 f"{path}: unknown data format; use .jsonl (optionally .xz/.gz), .txt, a folder, "
@@ -194,6 +211,24 @@ def _barrier() -> None:
         dist.barrier()
 
 
+def _on_rank0(fn) -> None:
+    """Run ``fn()`` on rank 0 while the other ranks wait; re-raise its input
+    error on every rank (so no rank is left in a barrier that rank 0 skipped,
+    and every rank exits with the same one-line error)."""
+    error = None
+    if _rank() == 0:
+        try:
+            fn()
+        except (DataError, TokenizerError) as e:
+            error = (type(e).__name__, str(e))
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        box = [error]
+        dist.broadcast_object_list(box, src=0)
+        error = box[0]
+    if error is not None:
+        raise (TokenizerError if error[0] == "TokenizerError" else DataError)(error[1])
+
+
 def prepare_corpus(data: DataConfig, model: ModelConfig) -> Corpus:
     """Tokenise ``data.path`` (cached) and split its documents.
 
@@ -222,22 +257,30 @@ def prepare_corpus(data: DataConfig, model: ModelConfig) -> Corpus:
         docs = None
         if data.tokenizer == "auto":
             tok_path = cache / f"spm2-{fp}-v{model.vocab_size}.model"
-            if _rank() == 0 and not tok_path.is_file():
-                docs = read_documents(src, data.text_key, data.max_documents)
-                held = val_document_mask(len(docs), data.val_every)
-                train_sentencepiece((d for d, h in zip(docs, held) if not h), model.vocab_size, tok_path)
-            _barrier()
+
+            def build_tokenizer():
+                nonlocal docs
+                if not tok_path.is_file():
+                    docs = read_documents(src, data.text_key, data.max_documents)
+                    held = val_document_mask(len(docs), data.val_every)
+                    train_sentencepiece((d for d, h in zip(docs, held) if not h),
+                                        model.vocab_size, tok_path)
+
+            _on_rank0(build_tokenizer)
         else:
             tok_path = Path(data.tokenizer)
         tokenizer = load_tokenizer(tok_path)
         kind = "bert" if bert else "gpt"
         prefix = cache / f"tokens-{fp}-{corpus_fingerprint(tok_path.resolve(), tok_path.stat().st_mtime)}-{kind}"
-        if _rank() == 0 and not is_indexed_prefix(prefix):
-            if docs is None:
-                docs = read_documents(src, data.text_key, data.max_documents)
-            prefix.parent.mkdir(parents=True, exist_ok=True)
-            write_indexed(tokenize_documents(docs, tokenizer, bert), prefix, tokenizer.vocab_size)
-        _barrier()
+        def build_tokens():
+            if not is_indexed_prefix(prefix):
+                corpus_docs = docs if docs is not None else read_documents(
+                    src, data.text_key, data.max_documents)
+                prefix.parent.mkdir(parents=True, exist_ok=True)
+                write_indexed(tokenize_documents(corpus_docs, tokenizer, bert), prefix,
+                              tokenizer.vocab_size)
+
+        _on_rank0(build_tokens)
     if tokenizer.vocab_size > model.vocab_size:
         raise DataError(
             f"tokenizer has {tokenizer.vocab_size} ids but model.vocab_size={model.vocab_size}; "

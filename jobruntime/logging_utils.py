@@ -11,14 +11,17 @@ def setup_logging(level: int = logging.INFO) -> None:
     """Configure the ``jobruntime``/``geomesh``/``cona`` loggers for this rank.
 
     Also silences megatron-core's import-time warnings about missing Apex and
-    Transformer Engine, which are expected on CPU.
+    Transformer Engine, which are expected on CPU, and torch's deprecation
+    notices for the ShardedTensor API that megatron 0.16's dist_checkpointing
+    still uses on every load.
     """
     rank = int(os.environ.get("RANK", "0"))
     fmt = f"[%(asctime)s r{rank}] %(name)s: %(message)s" if "RANK" in os.environ else \
         "[%(asctime)s] %(name)s: %(message)s"
     logging.basicConfig(level=level if rank == 0 else logging.WARNING, format=fmt,
                         datefmt="%H:%M:%S")
-    for pattern in ("Transformer Engine", "Apex is not installed", "full scope is deprecated"):
+    for pattern in ("Transformer Engine", "Apex is not installed", "full scope is deprecated",
+                    "`load_state_dict` is deprecated", "Please use DTensor instead"):
         warnings.filterwarnings("ignore", message=f".*{pattern}.*")
     for name in ("megatron", "megatron.core"):
         logging.getLogger(name).setLevel(logging.WARNING)

@@ -18,7 +18,7 @@ from .checkpoint import load_checkpoint, save_checkpoint
 from .config import JobConfig, save_config
 from .data import Corpus, GlobalBatchSampler, build_dataset, prepare_corpus
 from .metrics import MetricsWriter, TTPTracker, perplexity
-from .parallel import Topology, initialize_layout, set_seed
+from .parallel import Topology, initialize_layout, same_run_dir, set_seed
 from .trainer import Trainer
 
 log = logging.getLogger("jobruntime")
@@ -79,6 +79,7 @@ def run(cfg: JobConfig, run_dir: Path,
         ConfigError, DataError, TokenizerError, CheckpointError: bad input.
     """
     topo = initialize_layout(cfg)
+    run_dir = same_run_dir(run_dir)
     set_seed(cfg.train.seed)
     trainer = Trainer(cfg)
     consumed, start_time, extra = 0, 0.0, {}

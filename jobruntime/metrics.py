@@ -65,6 +65,10 @@ class MetricsWriter:
 
     Only the logging rank should create one with ``enabled=True``; other ranks
     get a disabled writer whose methods do nothing.
+
+    A ``metrics.jsonl`` already in ``run_dir`` (a reused folder, or the run
+    being resumed) keeps only its records before the first step this writer
+    logs: a resumed run continues its history, a fresh run replaces it.
     """
 
     run_dir: Path
@@ -85,7 +89,6 @@ class MetricsWriter:
         if not self.enabled:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self._file = open(self.run_dir / "metrics.jsonl", "a", buffering=1)
         if self.wandb_mode != "disabled":
             try:
                 import wandb
@@ -109,10 +112,32 @@ class MetricsWriter:
         if not self.enabled:
             return
         record = {"clock": self.clock, **record}
+        if self._file is None:
+            self._open(first_step=record["step"])
         self._file.write(json.dumps(record, default=float) + "\n")
         if self._wandb is not None:
             self._wandb.log({k: v for k, v in record.items() if isinstance(v, (int, float))},
                             step=int(record["step"]))
+
+    def _open(self, first_step: int) -> None:
+        """Open metrics.jsonl for appending, dropping old records at ``step >= first_step``."""
+        path = self.run_dir / "metrics.jsonl"
+        if path.exists():
+            lines = path.read_text().splitlines()
+            kept = []
+            for line in lines:
+                try:
+                    if json.loads(line)["step"] < first_step:
+                        kept.append(line)
+                except (ValueError, KeyError, TypeError):
+                    pass  # a torn last line of a killed run
+            if len(kept) < len(lines):
+                log.warning("%s: replacing %d earlier record(s) from step %s on",
+                            path, len(lines) - len(kept), first_step)
+                tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+                tmp.write_text("".join(line + "\n" for line in kept))
+                tmp.replace(path)
+        self._file = open(path, "a", buffering=1)
 
     def summary(self, summary: dict) -> Path | None:
         """Write ``summary.json`` (atomically) and set the wandb run summary."""

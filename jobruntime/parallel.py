@@ -13,6 +13,7 @@ import os
 import random
 import socket
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -114,6 +115,22 @@ def set_seed(seed: int) -> None:
     np.random.seed(seed)
     torch.manual_seed(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def same_run_dir(run_dir) -> Path:
+    """Rank 0's ``run_dir`` on every rank of the default process group.
+
+    Each process of a ``torchrun`` job derives the default folder
+    (``runs/<preset>-<time>``) from its own clock; ranks started either side
+    of a second boundary would write checkpoints into two folders.  The run
+    functions call this right after the process group exists, so all ranks
+    use the folder rank 0 chose (one ``broadcast_object_list``).
+    """
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return Path(run_dir)
+    obj = [str(run_dir)]
+    dist.broadcast_object_list(obj, src=0)
+    return Path(obj[0])
 
 
 def shutdown() -> None:

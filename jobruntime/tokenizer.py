@@ -126,22 +126,32 @@ def train_sentencepiece(texts: Iterable[str], vocab_size: int, out: Path) -> Pat
                     yield line
 
     buf = io.BytesIO()
-    spm.SentencePieceTrainer.train(
-        sentence_iterator=lines(),
-        model_writer=buf,
-        vocab_size=vocab_size,
-        model_type="unigram",
-        input_sentence_size=400_000,
-        shuffle_input_sentence=True,
-        character_coverage=0.9999,
-        user_defined_symbols=list(SPECIAL_PIECES),
-        pad_id=0,
-        unk_id=1,
-        bos_id=2,
-        eos_id=3,
-        num_threads=min(4, os.cpu_count() or 1),
-        minloglevel=2,
-    )
+    try:
+        spm.SentencePieceTrainer.train(
+            sentence_iterator=lines(),
+            model_writer=buf,
+            vocab_size=vocab_size,
+            model_type="unigram",
+            input_sentence_size=400_000,
+            shuffle_input_sentence=True,
+            character_coverage=0.9999,
+            user_defined_symbols=list(SPECIAL_PIECES),
+            pad_id=0,
+            unk_id=1,
+            bos_id=2,
+            eos_id=3,
+            num_threads=min(4, os.cpu_count() or 1),
+            minloglevel=2,
+        )
+    except RuntimeError as e:
+        # e.g. "... Vocabulary size too high (4096). Please set it to a value <= 1873."
+        why = str(e).strip().splitlines()[-1]
+        why = why[why.find("Vocabulary size"):] if "Vocabulary size" in why else why
+        raise TokenizerError(
+            f"could not train a {vocab_size}-piece sentencepiece tokenizer on this corpus "
+            f"({why}); lower the vocabulary size (model.vocab_size; --vocab-size of "
+            "tools/prepare_data.py) or give more text"
+        ) from None
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(f".tmp{os.getpid()}")
     tmp.write_bytes(buf.getvalue())

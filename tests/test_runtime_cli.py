@@ -84,11 +84,22 @@ def test_resume_reproduces_uninterrupted_run(base_run, cache_dir, tmp_path):
         (["train.foo=1"], "unknown config key 'train.foo'"),
         (["train.iters=abc"], "train.iters"),
         (["data.path=no/such/file.jsonl"], "no/such/file.jsonl"),
+        (["train.eval_iters=0"], "train.eval_iters"),
+        (["data.path={tmp}/latin1.txt"], "not UTF-8"),
+        (["data.path={tmp}/cut.jsonl.xz"], "cut.jsonl.xz could not be read"),
+        (["data.path={tmp}/tiny.txt"], "lower the vocabulary size"),
+        (["--run-dir", "{tmp}/tiny.txt"], "is a file"),
     ],
-    ids=["bad-key", "bad-type", "missing-data"],
+    ids=["bad-key", "bad-type", "missing-data", "no-eval", "not-utf8", "truncated-xz",
+         "vocab-too-large", "run-dir-is-file"],
 )
-def test_bad_input_is_one_line_exit_2(args, needle, cache_dir):
+def test_bad_input_is_one_line_exit_2(args, needle, cache_dir, tmp_path):
     """Catches tracebacks or wrong exit codes on user errors."""
+    (tmp_path / "latin1.txt").write_bytes("caf\xe9 cr\xe8me ".encode("latin-1") * 50)
+    (tmp_path / "tiny.txt").write_text("hello world\nthis corpus is tiny\n")
+    xz = (REPO / "data" / "python-docs-3.11.jsonl.xz").read_bytes()
+    (tmp_path / "cut.jsonl.xz").write_bytes(xz[:5000])
+    args = [a.format(tmp=tmp_path) for a in args]
     proc = train(*args, f"data.cache_dir={cache_dir}", "logging.wandb=disabled")
     assert proc.returncode == 2, proc.stderr[-2000:]
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
@@ -104,6 +115,31 @@ def test_checkpoint_of_another_model_is_one_line_exit_2(base_run, cache_dir):
     assert proc.returncode == 2, proc.stderr[-2000:]
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and "another model" in lines[0], proc.stderr
+
+
+@pytest.mark.parametrize("damage", ["truncated-shard", "no-common", "marker-only"])
+def test_damaged_checkpoint_is_one_line_exit_2(base_run, cache_dir, tmp_path, damage):
+    """Catches megatron tracebacks (or a partial load) from a checkpoint whose
+    files were cut short or lost after its COMPLETE marker was written."""
+    import shutil
+
+    src = base_run[0] / "checkpoints" / "iter_0000004"
+    ckpt = tmp_path / "iter_0000004"
+    if damage == "marker-only":
+        ckpt.mkdir()
+        (ckpt / "COMPLETE").write_text("step 4\n")
+    else:
+        shutil.copytree(src, ckpt)
+        if damage == "no-common":
+            (ckpt / "common.pt").unlink()
+        else:
+            shard = max(ckpt.glob("*.distcp"), key=lambda p: p.stat().st_size)
+            shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    proc = train(f"checkpoint.load={ckpt}", f"data.cache_dir={cache_dir}",
+                 "logging.wandb=disabled", "train.iters=5", "--run-dir", tmp_path / "run")
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "damaged or incomplete" in lines[0], proc.stderr
 
 
 def test_full_size_presets_build_on_meta_with_published_sizes():

@@ -162,3 +162,51 @@ def test_crash_during_save_never_yields_a_valid_checkpoint(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip().splitlines()[-1] == "iter_0000000"
     assert (tmp_path / "iter_0000002.tmp").is_dir() and not (tmp_path / "iter_0000002").exists()
+
+
+def test_train_settings_out_of_range_are_config_errors():
+    """Catches settings that used to fail late or silently: eval_iters=0 gave
+    val ppl 1.0 (a false TTP), log_interval=0 a ZeroDivisionError, lr=nan a
+    diverged run."""
+    for override, needle in [("train.eval_iters=0", "train.eval_interval=0"),
+                             ("train.log_interval=0", "log_interval"),
+                             ("train.lr=.nan", "train.lr"), ("train.lr=-1", "train.lr"),
+                             ("train.min_lr=1", "min_lr"), ("train.target_ppl=0.5", "target_ppl")]:
+        cfg = load_config("tiny_gpt", [override])
+        with pytest.raises(ConfigError, match=needle):
+            cfg.validate()
+    load_config("tiny_gpt").validate()
+
+
+def test_metrics_of_a_reused_run_dir_are_replaced_and_of_a_resume_kept(tmp_path):
+    """Catches a reused --run-dir whose metrics.jsonl mixes two runs, and a
+    resume that loses (or duplicates) the history before its first step."""
+    from jobruntime.metrics import MetricsWriter
+
+    def write(steps):
+        w = MetricsWriter(tmp_path, wandb_mode="disabled")
+        for s in steps:
+            w.log({"step": s, "loss": float(s)})
+        w.close()
+        return [json.loads(x)["step"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+
+    assert write(range(1, 9)) == list(range(1, 9))
+    assert write(range(5, 9)) == list(range(1, 9))  # resumed at step 4
+    assert write(range(1, 4)) == [1, 2, 3]  # a fresh run in the same folder
+
+
+def _agreed_run_dir():
+    import torch.distributed as dist
+
+    from jobruntime.parallel import init_distributed, same_run_dir
+
+    init_distributed()
+    return str(same_run_dir(Path(f"runs/demo-{dist.get_rank()}")))
+
+
+def test_all_ranks_use_rank0s_run_dir():
+    """Catches ranks that derive the default run folder from their own clocks
+    and split one checkpoint across two folders."""
+    from tests.dist_utils import launch
+
+    assert launch(_agreed_run_dir, 2, timeout_s=300) == ["runs/demo-0", "runs/demo-0"]

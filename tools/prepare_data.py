@@ -41,6 +41,7 @@ from jobruntime.data import (
     val_document_mask,
     write_indexed,
 )
+from jobruntime.metrics import write_json_atomic
 from jobruntime.tokenizer import TokenizerError, load_tokenizer, train_sentencepiece
 
 
@@ -67,7 +68,6 @@ def prepare(input_path: str, output: str, *, tokenizer: str | None = None, vocab
 
     t0 = time.perf_counter()
     prefix = Path(output).absolute()
-    prefix.parent.mkdir(parents=True, exist_ok=True)
     docs = read_documents(resolve_data_path(input_path), text_key, max_documents)
     held = val_document_mask(len(docs), val_every)
     if tokenizer is None:
@@ -76,6 +76,7 @@ def prepare(input_path: str, output: str, *, tokenizer: str | None = None, vocab
     else:
         tok_path = Path(tokenizer).absolute()
     tok = load_tokenizer(tok_path)
+    prefix.parent.mkdir(parents=True, exist_ok=True)  # only once the input is known good
     counts = {"sequences": 0, "tokens": 0}
     show = sys.stderr.isatty() if progress is None else progress
     bar = tqdm(total=len(docs), unit="doc", desc="tokenising", disable=not show, file=sys.stderr)
@@ -96,7 +97,7 @@ def prepare(input_path: str, output: str, *, tokenizer: str | None = None, vocab
         "val_every": val_every, "tokenizer": str(tok_path), "vocab_size": tok.vocab_size,
         "input": str(input_path), "seconds": round(time.perf_counter() - t0, 2),
     }
-    Path(f"{prefix}.json").write_text(json.dumps(summary, indent=2) + "\n")
+    write_json_atomic(Path(f"{prefix}.json"), summary)
     return summary
 
 
