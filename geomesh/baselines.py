@@ -151,7 +151,8 @@ def run_async(ctx: RunContext) -> dict:
                for i in range(K)]
     theta = workers[0].trainer.get_params()
     codec = DenseCodec(TensorSchema.from_tensors(theta))
-    outer = OuterNesterov(theta, lr=g.outer_lr, momentum=g.outer_momentum)
+    outer = OuterNesterov(theta, lr=g.outer_lr, momentum=g.outer_momentum,
+                          momentum_warmup=g.outer_momentum_warmup)
     val = ctx.val_batches(dp=1, dp_rank=0)
     update_bytes = DenseCodec.encoded_bytes(ctx.target_schema)
     model_bytes = 4 * ctx.target_schema.numel

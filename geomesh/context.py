@@ -23,12 +23,12 @@ from jobruntime.config import ConfigError, JobConfig, load_config, save_config
 from jobruntime.data import GlobalBatchSampler, build_dataset, prepare_corpus
 from jobruntime.metrics import MetricsWriter
 from jobruntime.model import build_model
-from jobruntime.parallel import initialize_layout
+from jobruntime.parallel import initialize_layout, same_run_dir
 
 from .cluster import ClusterSpec, load_cluster
 from .compression import TensorSchema
 from .deploy import Placement, place_emulated, place_real
-from .planner import Planner
+from .planner import MemoryModel, Planner
 
 log = logging.getLogger(__name__)
 
@@ -172,10 +172,17 @@ def build_context(cfg: JobConfig, run_dir: Path) -> RunContext:
         if g.target_model:
             log.warning("real mode: geomesh.target_model is ignored (time and bytes are measured)")
         target = cfg
+    run_dir = same_run_dir(run_dir, group=placement.job_group, src=placement.job_src)
     G_t = target.parallel.global_batch_size
     s_t = target.model.seq_length
+    # θ_global and the outer momentum (fp32, 8 bytes/param), the error-feedback
+    # residual (4) and the packed message (~1/8) stay on the worker's GPUs
+    # next to its shard: the memory model counts them (geomesh.report.memory_overhead).
+    outer_bytes = 8.0 + (4.0 if g.error_feedback else 0.0) + 0.25
     planner = Planner(cluster, target.model, tokens_per_round=g.inner_steps * G_t * s_t,
-                      inner_steps=g.inner_steps)
+                      inner_steps=g.inner_steps, balance=g.balance,
+                      memory=MemoryModel(model=target.model, seq_length=s_t,
+                                         extra_bytes_per_param=outer_bytes))
     schema = target_schema(target) if cluster.mode == "emulated" else None
     t = cfg.train
     corpus = prepare_corpus(cfg.data, cfg.model)

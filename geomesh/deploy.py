@@ -71,6 +71,9 @@ class Placement:
         dp_group, tp_group: see the module docstring (``None`` in emulated mode).
         transport: the outer exchange of this shard (``None`` for replicas
             ``dp_in_rank > 0`` and in emulated mode).
+        job_group, job_src: the ranks of this process's own ``torchrun`` and
+            the global rank of its first process (``None`` / 0: one job spans
+            the world).
     """
 
     mode: str
@@ -87,6 +90,8 @@ class Placement:
     tp_group: dist.ProcessGroup | None = None
     transport: TorchDistributedTransport | None = None
     store: dist.Store | None = field(default=None, repr=False)
+    job_group: dist.ProcessGroup | None = None
+    job_src: int = 0
 
     @property
     def is_logging_rank(self) -> bool:
@@ -257,6 +262,16 @@ def place_real(cfg: JobConfig, cluster: ClusterSpec) -> tuple[Placement, JobConf
                 grp = dist.new_group([g(kk, t, dd, p) for t in range(tp)], timeout=tout)
                 if (kk, dd, p) == (k, d, topo.pp_rank):
                     pl.tp_group = grp
+    if cfg.geomesh.region is not None:  # one torchrun per region: its ranks form a job group
+        for reg in cluster.regions:
+            ks = [cluster.worker_index(w.name) for w in cluster.workers_in(reg.name)]
+            if not ks:
+                continue
+            ranks = sorted(g(kk, t, dd, p) for kk in ks for t in range(tp)
+                           for dd in range(dp_in) for p in range(pp))
+            grp = dist.new_group(ranks, timeout=tout)
+            if k in ks:
+                pl.job_group, pl.job_src = grp, g(ks[0], 0, 0, 0)
     # A nonce shared by all ranks keeps store keys of successive runs apart.
     box = [secrets.token_hex(4) if rank == 0 else None]
     dist.broadcast_object_list(box, src=0)

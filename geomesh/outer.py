@@ -134,6 +134,11 @@ class OuterNesterov:
         lr: outer learning rate (DiLoCo: 0.7).
         momentum: ``μ`` (DiLoCo: 0.9).
         nesterov: Nesterov (True) or heavy-ball (False) momentum.
+        momentum_warmup: ramp the momentum as ``μ_t = min(μ, 1 − 3/(t + 5))``
+            (Nesterov's schedule, Sutskever et al. 2013, §2) instead of using
+            ``μ`` from the first step: early pseudo-gradients are large and
+            quickly outdated (the model first fits unigram statistics), and a
+            full momentum keeps pushing along them for many rounds.
     """
 
     def __init__(
@@ -143,6 +148,7 @@ class OuterNesterov:
         lr: float = 0.7,
         momentum: float = 0.9,
         nesterov: bool = True,
+        momentum_warmup: bool = False,
     ) -> None:
         if lr <= 0 or not 0 <= momentum < 1:
             raise ValueError(
@@ -151,6 +157,7 @@ class OuterNesterov:
         self.params: dict[str, torch.Tensor] = dict(params)
         self.lr = lr
         self.momentum = momentum
+        self.momentum_warmup = momentum_warmup
         self.nesterov = nesterov
         self.momentum_buffer: dict[str, torch.Tensor] = {}
         self.step_count = 0
@@ -168,6 +175,7 @@ class OuterNesterov:
             raise ValueError(
                 f"outer step: pseudo-gradient names differ (missing {missing}, extra {extra})"
             )
+        mu = self.current_momentum
         for name, p in self.params.items():
             g = delta[name].to(device=p.device, dtype=p.dtype)
             if g.shape != p.shape:
@@ -178,16 +186,24 @@ class OuterNesterov:
             if buf is None:
                 buf = self.momentum_buffer[name] = g.clone()  # v_1 = Δ_1
             else:
-                buf.mul_(self.momentum).add_(g)
-            update = g.add(buf, alpha=self.momentum) if self.nesterov else buf
+                buf.mul_(mu).add_(g)
+            update = g.add(buf, alpha=mu) if self.nesterov else buf
             p.sub_(update, alpha=self.lr)
         self.step_count += 1
+
+    @property
+    def current_momentum(self) -> float:
+        """``μ`` of the next step (ramped with ``momentum_warmup``)."""
+        if not self.momentum_warmup:
+            return self.momentum
+        return min(self.momentum, 1.0 - 3.0 / (self.step_count + 1 + 5))
 
     def state_dict(self) -> dict:
         """Copies of the global weights, momentum buffers and hyper-parameters."""
         return {
             "lr": self.lr,
             "momentum": self.momentum,
+            "momentum_warmup": self.momentum_warmup,
             "nesterov": self.nesterov,
             "step": self.step_count,
             "params": {k: v.detach().clone() for k, v in self.params.items()},
@@ -215,6 +231,7 @@ class OuterNesterov:
             p.copy_(saved[k])
         self.lr = state["lr"]
         self.momentum = state["momentum"]
+        self.momentum_warmup = state.get("momentum_warmup", False)
         self.nesterov = state["nesterov"]
         self.step_count = state["step"]
         self.momentum_buffer = {

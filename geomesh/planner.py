@@ -12,11 +12,15 @@ Choose ``(mb_i, a_i, H_i)`` for all workers such that
   (default ``inner_steps · global_batch_size · seq_length``, what a uniform
   DiLoCo round would process);
 * among such plans, the shortest round per token (the fastest choices);
-* per worker: ``H_i`` within ~25 % of the configured ``inner_steps`` (every
-  worker's pseudo-gradient spans a similar number of optimizer steps, as in
-  DiLoCo; speed differences go into the batch size ``b_i``), then the
-  configuration with the highest tokens/s (large micro-batches are more
-  efficient; the 1F1B bubble favours more accumulation).
+* per worker (``balance="batch"``, default): ``H_i`` within ~25 % of the
+  configured ``inner_steps`` (every worker's pseudo-gradient spans a similar
+  number of optimizer steps, as in DiLoCo; speed differences go into the
+  batch size ``b_i``), then the configuration with the highest tokens/s
+  (large micro-batches are more efficient; the 1F1B bubble favours more
+  accumulation).  With ``balance="steps"`` the roles swap: ``b_i`` within
+  ~25 % of the uniform per-worker batch ``T/(H·s·K)`` and speed differences
+  go into the number of steps ``H_i`` (a worker too slow for one such step
+  per round gets a smaller batch).
 
 Algorithm.  (1) For each worker list the micro-batch sizes that fit (memory
 model below; in real mode only the measured ones).  (2) Start from the
@@ -272,6 +276,8 @@ class Planner:
         memory: MemoryModel | None = None,
         max_micro_batch_size: int = 16,
         max_grad_accum: int = 256,
+        balance: Literal["batch", "steps"] = "batch",
+        reference_batch: float | None = None,
     ) -> None:
         if tokens_per_round <= 0 or inner_steps <= 0 or not 0 < tolerance < 1:
             raise PlanError("need tokens_per_round > 0, inner_steps > 0 and 0 < tolerance < 1")
@@ -285,6 +291,12 @@ class Planner:
         self.memory = memory or MemoryModel(model=model, seq_length=self.seq_length)
         self.max_micro_batch_size = max_micro_batch_size
         self.max_grad_accum = max_grad_accum
+        self.balance = balance
+        self.reference_batch = reference_batch or (
+            self.target_tokens / (inner_steps * self.seq_length * len(cluster.workers))
+        )
+        """Balancing by steps: the per-step batch every worker keeps (default
+        ``T / (H · s · K)``, the uniform per-worker batch)."""
         self.speed: dict[str, float] = {w.name: 1.0 for w in cluster.workers}
         """Correction factor on modelled throughput, from :meth:`replan`."""
         self.current: Plan | None = None
@@ -333,10 +345,15 @@ class Planner:
                 H = max(1, round(R / step))
                 err = abs(H * step - R) / R
                 ok = err <= e_max
-                # H within ~25 % of the target counts as equal; then the fastest
-                # configuration (tokens/s incl. pipeline bubble), then accuracy.
-                h_bucket = int(abs(math.log(H / self.inner_steps)) / math.log(1.25))
-                key = (not ok, err if not ok else 0.0, h_bucket, -mb * a / step, err)
+                # H (or, balancing by steps, b) within ~25 % of the target counts
+                # as equal; then the fastest configuration (tokens/s incl.
+                # pipeline bubble), then accuracy.
+                if self.balance == "steps":
+                    ratio = mb * a * w.dp / self.reference_batch
+                else:
+                    ratio = H / self.inner_steps
+                bucket = int(abs(math.log(ratio)) / math.log(1.25))
+                key = (not ok, err if not ok else 0.0, bucket, -mb * a / step, err)
                 if best_key is None or key < best_key:
                     best_key, best = key, (mb, a, H, step)
         mb, a, H, step = best

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+import torch
+
 from jobruntime.metrics import TTPTracker
 
 from .cluster import ClusterSpec
@@ -117,3 +119,53 @@ class RunStats:
         for k, v in state["scalars"].items():
             setattr(self, k, v)
         self.ttp = TTPTracker(**state["ttp"])
+
+
+def _nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def memory_overhead(theta: dict[str, torch.Tensor], momentum: dict[str, torch.Tensor],
+                    residuals: list[dict[str, torch.Tensor]], packed_bytes: list[int],
+                    target_params: int | None = None) -> dict:
+    """Per-worker memory GeoMesh adds to the inner job, measured from the live tensors.
+
+    Counted per worker (one rank's TP/PP shard): the global weights
+    ``θ_global`` (fp32), the outer Nesterov momentum (fp32, after the first
+    outer step), the error-feedback residual (fp32, only when on) and the
+    packed pseudo-gradient message (sign bits, scales, header).  These live
+    on the device of the inner job's parameters (``Trainer.get_params``
+    clones them there); the planner's memory model counts them
+    (:func:`geomesh.context.build_context`).
+
+    Args:
+        theta, momentum: the outer optimizer's tensors on this rank.
+        residuals: each local worker's error-feedback residuals (empty dicts
+            without error feedback).
+        packed_bytes: each local worker's encoded message length, bytes.
+        target_params: parameters of the timing target model (emulated
+            mode): the overhead is also given for it, at the measured bytes
+            per parameter.
+
+    Returns:
+        ``{"params", "global_weights_bytes", "outer_momentum_bytes",
+        "error_feedback_bytes", "packed_message_bytes", "total_bytes",
+        "bytes_per_param"}`` and, with ``target_params``,
+        ``"target_total_bytes"`` (one copy of the target model's worth: a
+        worker's GPUs each hold their ``1/(tp·pp)`` shard of it, once per
+        DP replica inside the worker).
+    """
+    n = sum(t.numel() for t in theta.values())
+    k = max(len(packed_bytes), 1)
+    out = {
+        "params": n,
+        "global_weights_bytes": _nbytes(theta.values()),
+        "outer_momentum_bytes": _nbytes(momentum.values()),
+        "error_feedback_bytes": sum(_nbytes(r.values()) for r in residuals) // k,
+        "packed_message_bytes": sum(packed_bytes) // k,
+    }
+    out["total_bytes"] = sum(v for key, v in out.items() if key.endswith("_bytes"))
+    out["bytes_per_param"] = out["total_bytes"] / max(n, 1)
+    if target_params:
+        out["target_total_bytes"] = round(out["bytes_per_param"] * target_params)
+    return out

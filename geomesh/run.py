@@ -15,7 +15,8 @@
     torchrun --nproc-per-node 1 train.py ... geomesh.region="West Europe"  # region 1
 
 Methods (``geomesh.method``): ``geomesh`` (planner-balanced ``b_i, H_i``,
-sign compression with error feedback, outer Nesterov; :mod:`geomesh.sync`),
+sign compression with a scale per row, optional error feedback, outer
+Nesterov; :mod:`geomesh.sync`),
 ``diloco`` (uniform ``b, H``, fp32 pseudo-gradients; :mod:`geomesh.sync`),
 ``ddp`` and ``async`` (:mod:`geomesh.baselines`).  Outputs under ``run_dir``:
 ``metrics.jsonl`` (one record per outer step: ``step, tokens, time_s, loss,

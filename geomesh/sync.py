@@ -5,8 +5,9 @@ balancing and compression):
 
 1. every worker ``i`` sets ``θ_i ← θ_global`` and runs ``H_i`` inner AdamW
    steps of ``b_i`` sequences (:class:`geomesh.worker.InnerWorker`);
-2. ``Δ_i = θ_global − θ_i`` (fp32) is encoded — GeoMesh: sign + per-tensor
-   scale with error feedback (:class:`geomesh.codec.SignCodec`); DiLoCo: fp32
+2. ``Δ_i = θ_global − θ_i`` (fp32) is encoded — GeoMesh: sign bits + an fp32
+   scale per row (``sign_row``) or per tensor (``sign``), error feedback
+   optional (:class:`geomesh.codec.SignCodec`); DiLoCo: fp32
    (:class:`geomesh.codec.DenseCodec`) — with the worker's token count ``n_i``;
 3. the messages are all-gathered (:mod:`geomesh.transport`), decoded and
    aggregated, ``Δ = Σ (n_i/N) D(msg_i)``;
@@ -18,6 +19,32 @@ workers finish their compute together, and re-plans when measured step times
 drift (real: wall-clock per inner step; emulated: the injected
 ``slowdown`` of the cluster file).  DiLoCo uses the same ``b = G_t/K`` and
 ``H`` everywhere, so fast workers wait for the slowest (straggler idle).
+
+Measured choices (emulated four-region cluster, GPT-3 1.3B target, tiny_gpt
+proxy at sequence 64, ``G_p = 16``, ``H = 8``, outer lr 0.35, validation
+perplexity after 12 outer steps = 98k tokens; ``bench/geomesh_ttp.py --quick``):
+
+* one scale per *tensor* diverged (val ppl ~2200 at outer lr 0.7): embedding
+  rows of tokens unseen in a round received the magnitude of the seen rows.
+  One scale per *row* (``geomesh.compression=sign_row``; compression ratio
+  31.6 on the target instead of 32.0) fixed it;
+* error feedback on: 672, off: 671 (at 16 steps without the momentum ramp
+  and with ``balance=batch``: 809 vs 760), so ``geomesh.error_feedback``
+  defaults to off (it also saves 4 bytes per parameter);
+* balancing by steps (``geomesh.balance=steps``: every step at the uniform
+  batch, faster workers take more steps) beat balancing by batch (784 vs 819
+  without the momentum ramp); scaling a worker's inner LR with its batch
+  (``inner_lr_scaling=sqrt``) made the batch variant worse (1236 vs 1111);
+* ramping the outer momentum in (``outer_momentum_warmup``, for every method)
+  removed a loss spike around round 4 (GeoMesh 819 → 671, DiLoCo 895 → 765);
+* for reference: GeoMesh's plan with fp32 pseudo-gradients 606, fp32 DiLoCo
+  765, DDP 664.
+
+These were measured before the planner's memory model counted GeoMesh's own
+state (θ_global and momentum on the GPUs, 8 bytes per parameter); with it the
+A100's plan moves from 8 steps of 128 to 7 of 144 sequences and GeoMesh ends
+at 715 (DiLoCo 765) — differences of this size between nearby plans are the
+noise level of a 98k-token proxy run.
 
 Time.  Emulated: worker ``i``'s compute is the GPU-profile time of its plan on
 the target model (:func:`geomesh.clock.inner_step_time_s`) times any injected
@@ -45,7 +72,7 @@ from .context import RunContext
 from .deploy import world_gather
 from .outer import OuterNesterov
 from .planner import Plan
-from .report import RunStats
+from .report import RunStats, memory_overhead
 from .state import load_state, save_state
 from .transport import InProcessTransport
 from .worker import InnerWorker, ProxyStep, proxy_steps
@@ -91,7 +118,8 @@ def run_sync(ctx: RunContext) -> dict:
                           tp_partition=first.trainer.tp_partition_dims())
     else:
         codec = DenseCodec(schema)
-    outer = OuterNesterov(theta, lr=g.outer_lr, momentum=g.outer_momentum)
+    outer = OuterNesterov(theta, lr=g.outer_lr, momentum=g.outer_momentum,
+                          momentum_warmup=g.outer_momentum_warmup)
     feedback = {i: ErrorFeedback() for i in pl.workers} if sign and g.error_feedback else {}
     clock = transport = None
     if ctx.emulated:
@@ -124,6 +152,7 @@ def run_sync(ctx: RunContext) -> dict:
         log.info("resumed %s at outer step %d", ctx.method, start)
     t0 = time.perf_counter() - stats.time_s
     wall0 = time.perf_counter()
+    overhead = None
     for r in range(start, g.outer_steps):
         step = r + 1
         offsets = [sum(s.samples for s in steps[:i]) for i in range(K)]
@@ -150,6 +179,11 @@ def run_sync(ctx: RunContext) -> dict:
         agg, tokens = codec.aggregate(received)
         outer.step(agg)
         position += sum(s.samples for s in steps)
+        if overhead is None:  # every outer buffer exists after the first step
+            overhead = memory_overhead(
+                theta, outer.momentum_buffer, [fb.residuals for fb in feedback.values()],
+                [len(msgs[i]) for i in pl.workers],
+                target_params=ctx.target_schema.numel if ctx.emulated else None)
 
         # -- round statistics --------------------------------------------------
         per: dict[str, dict] = {}
@@ -247,6 +281,6 @@ def run_sync(ctx: RunContext) -> dict:
     extra = {"codec": codec.kind + ("-row" if row_scales else ""), "error_feedback": bool(feedback),
              "replans": replans,
              "plan": plan.to_dict(), "wall_s": time.perf_counter() - wall0,
-             "world_size": pl.world, "inner_steps": g.inner_steps}
+             "world_size": pl.world, "inner_steps": g.inner_steps, "memory_overhead": overhead}
     return stats.summary(method=ctx.method, clock=ctx.clock_name, cluster=cl, extra=extra,
                          worker_info=info)

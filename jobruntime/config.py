@@ -286,7 +286,9 @@ class LoggingConfig:
     name: str | None = None
     """Run name; ``None`` derives one from the config and time."""
     progress: Literal["auto", "on", "off"] = "auto"
-    """Terminal progress bar: ``auto`` shows it on a TTY for runs of > 50 steps."""
+    """Terminal progress bar: ``auto`` shows it on a TTY for runs of > 50 steps
+    and otherwise logs a line per evaluation and every 5 % of the steps;
+    ``off``: neither."""
 
 
 @dataclass(kw_only=True)
@@ -303,16 +305,28 @@ class GeoMeshConfig:
     """Outer Nesterov SGD learning rate (DiLoCo default)."""
     outer_momentum: float = 0.9
     """Outer Nesterov momentum (DiLoCo default)."""
+    outer_momentum_warmup: bool = True
+    """Ramp the outer momentum from 0.5 to ``outer_momentum`` as
+    ``min(μ, 1 − 3/(t+5))`` over outer steps ``t`` (Nesterov's schedule);
+    ``false``: ``outer_momentum`` from the first step (DiLoCo)."""
     inner_steps: int = 20
     """Inner steps ``H`` per round for uniform methods; GeoMesh's planner
     targets ``inner_steps * global_batch_size`` tokens-worth per round."""
-    error_feedback: bool = True
-    """Keep the sign-compression residual locally and add it next round."""
-    inner_lr_scaling: Literal["sqrt", "linear", "none"] = "sqrt"
+    error_feedback: bool = False
+    """Keep the sign-compression residual locally and add it next round
+    (EF-signSGD).  Off by default: with the outer Nesterov momentum it was
+    measured worse (see ``geomesh/sync.py``)."""
+    balance: Literal["steps", "batch"] = "steps"
+    """How GeoMesh's planner equalises compute time: faster workers run more
+    inner steps ``H_i`` at about the uniform per-worker batch ``G/K``
+    (``steps``, default: every step has the batch ``train.lr`` is meant for),
+    or larger batches ``b_i`` at about ``inner_steps`` steps (``batch``)."""
+    inner_lr_scaling: Literal["none", "sqrt", "linear"] = "none"
     """How a worker's inner learning rate follows its batch ``b_i``, relative to
     the uniform per-worker batch ``G/K`` for which ``train.lr`` is meant:
-    ``lr · (b_i K / G)^{1/2}`` (``sqrt``, the usual rule for Adam), linear, or
-    unchanged (``none``).  Uniform methods (DiLoCo, async) are unaffected."""
+    unchanged (``none``, default: measured better with the outer Nesterov
+    step), ``lr · (b_i K / G)^{1/2}`` (``sqrt``) or linear.  Uniform methods
+    (DiLoCo, async) are unaffected."""
     compression: Literal["sign_row", "sign", "fp32"] = "sign_row"
     """GeoMesh's pseudo-gradient codec: sign bits with one fp32 magnitude per
     row of every matrix (``sign_row``, ~1 % more bytes than ``sign``), per

@@ -107,9 +107,12 @@ def initialize_layout(cfg: JobConfig) -> Topology:
 def set_seed(seed: int) -> None:
     """Seed Python, NumPy, torch and megatron's model-parallel RNG tracker.
 
-    All ranks use the same base seed: weights are initialised from the full
-    tensor on every rank (see :func:`jobruntime.model.to_transformer_config`),
-    so every layout starts from the same model.
+    All ranks use the same base seed and TP-sharded weights are initialised
+    from the full tensor (``use_cpu_initialization``, see
+    :func:`jobruntime.model.to_transformer_config`), so TP=1 and TP=2 start
+    from the same model.  With PP>1 each stage draws only its own layers'
+    initial weights, so the start differs from PP=1 (statistically alike);
+    tests compare layouts from one shared step-0 checkpoint.
     """
     random.seed(seed)
     np.random.seed(seed)
@@ -117,7 +120,7 @@ def set_seed(seed: int) -> None:
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
-def same_run_dir(run_dir) -> Path:
+def same_run_dir(run_dir, group: dist.ProcessGroup | None = None, src: int = 0) -> Path:
     """Rank 0's ``run_dir`` on every rank of the default process group.
 
     Each process of a ``torchrun`` job derives the default folder
@@ -125,11 +128,15 @@ def same_run_dir(run_dir) -> Path:
     of a second boundary would write checkpoints into two folders.  The run
     functions call this right after the process group exists, so all ranks
     use the folder rank 0 chose (one ``broadcast_object_list``).
+
+    Args:
+        group, src: the ranks of one job and the global rank deciding for
+            them (default: the whole world, rank 0).
     """
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return Path(run_dir)
     obj = [str(run_dir)]
-    dist.broadcast_object_list(obj, src=0)
+    dist.broadcast_object_list(obj, src=src, group=group)
     return Path(obj[0])
 
 

@@ -104,3 +104,22 @@ def test_outer_state_dict_round_trip():
         assert torch.equal(opt2.momentum_buffer[k], opt.momentum_buffer[k])
     with pytest.raises(ValueError, match="other names"):
         OuterNesterov({"c": torch.zeros(1)}).load_state_dict(state)
+
+
+def test_momentum_warmup_follows_nesterov_schedule_by_hand():
+    """Catches a ramp that is off by one step or never reaches ``μ``: with
+    ``momentum_warmup`` the t-th step (t = 1, 2, ...) uses
+    ``μ_t = min(μ, 1 − 3/(t + 5))`` = 0.5, 4/7, ..., then 0.9 from t = 25 on,
+    and the update is Nesterov's with that μ_t."""
+    opt = OuterNesterov({"w": torch.zeros(1)}, lr=1.0, momentum=0.9, momentum_warmup=True)
+    seen, buf, w = [], None, 0.0
+    for t in range(1, 31):
+        mu = min(0.9, 1 - 3 / (t + 5))
+        seen.append(opt.current_momentum)
+        opt.step({"w": torch.ones(1)})
+        buf = 1.0 if buf is None else mu * buf + 1.0
+        w -= 1.0 + mu * buf
+        assert opt.params["w"].item() == pytest.approx(w, rel=1e-6)
+    assert seen[0] == pytest.approx(0.5) and seen[1] == pytest.approx(4 / 7)
+    assert seen[23] < 0.9 and seen[24] == pytest.approx(0.9) and seen[-1] == pytest.approx(0.9)
+    assert OuterNesterov({"w": torch.zeros(1)}, momentum=0.9).current_momentum == 0.9
