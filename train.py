@@ -34,7 +34,7 @@ def parse_args(argv):
     p.add_argument("--config", default="tiny_gpt", help="preset name or YAML file (default: tiny_gpt)")
     p.add_argument("--run-dir", default=None, help="output folder (default: runs/<preset>-<time>)")
     p.add_argument("overrides", nargs="*", help="section.key=value overrides")
-    return p.parse_args(argv)
+    return p.parse_intermixed_args(argv)  # overrides may come before and after --run-dir
 
 
 def _error(message: str) -> int:

@@ -60,7 +60,8 @@ def resolve_data_path(path: str) -> Path:
         if p.exists() or Path(f"{p}.bin").is_file():
             return p
     raise DataError(
-        f"data file '{path}' not found (looked in {Path.cwd()} and {REPO_ROOT}); "
+        f"data file '{path}' not found (looked in "
+        f"{' and '.join(dict.fromkeys(str(b) for b in (Path.cwd(), REPO_ROOT)))}); "
         "set data.path to a JSONL/.txt file, a folder, a saved HF dataset or a .bin/.idx prefix"
     )
 

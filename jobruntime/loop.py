@@ -104,6 +104,10 @@ def run(cfg: JobConfig, run_dir: Path,
         ttp.ttp_s, ttp.ttp_tokens, ttp.ttp_step = extra["ttp_s"], extra["ttp_tokens"], extra["ttp_step"]
     tokens_per_step = cfg.parallel.global_batch_size * cfg.model.seq_length
     bar = _progress(cfg, topo, t.iters, trainer.step)
+    # Without a progress bar (stderr not a terminal, e.g. piped to a file or
+    # under SLURM), a log line per evaluation and every 5 % of the steps.
+    log_lines = bar is None and cfg.logging.progress != "off" and topo.is_logging_rank
+    log_every = max(t.iters // 20, 1)
     t0 = time.perf_counter() - start_time
     last_val_ppl = extra.get("final_val_ppl")
     stop = False
@@ -133,6 +137,10 @@ def run(cfg: JobConfig, run_dir: Path,
             bar.update(1)
             bar.set_postfix(loss=f"{result.loss:.3f}",
                             val_ppl=f"{last_val_ppl:.1f}" if last_val_ppl else "-")
+        elif log_lines and ("val_loss" in record or trainer.step % log_every == 0):
+            log.info("step %d/%d  loss %.3f  val ppl %s  %.0f tokens/s  %.0f s", trainer.step,
+                     t.iters, result.loss, f"{last_val_ppl:.1f}" if last_val_ppl else "-",
+                     record["tokens_per_s"], now)
         if math.isnan(result.loss):
             log.error("loss is NaN at step %d; stopping", trainer.step)
             stop = True

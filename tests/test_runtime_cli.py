@@ -88,7 +88,7 @@ def test_resume_reproduces_uninterrupted_run(base_run, cache_dir, tmp_path):
         (["data.path={tmp}/latin1.txt"], "not UTF-8"),
         (["data.path={tmp}/cut.jsonl.xz"], "cut.jsonl.xz could not be read"),
         (["data.path={tmp}/tiny.txt"], "lower the vocabulary size"),
-        (["--run-dir", "{tmp}/tiny.txt"], "is a file"),
+        (["train.iters=2", "--run-dir", "{tmp}/tiny.txt"], "is a file"),  # intermixed
     ],
     ids=["bad-key", "bad-type", "missing-data", "no-eval", "not-utf8", "truncated-xz",
          "vocab-too-large", "run-dir-is-file"],
