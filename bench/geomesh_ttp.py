@@ -48,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 METHODS = ("ddp", "diloco", "async", "geomesh")
 KEYS = ("ttp_s", "final_val_ppl", "tokens", "straggler_idle_frac", "wan_idle_frac",
-        "bytes_per_outer_step", "compression_ratio")
+        "sync_share", "bytes_per_outer_step", "compression_ratio")
 
 # Proxy and run size per mode (fixed; overrides of the tiny_gpt preset).  The
 # outer learning rate of every method is 0.35: of DiLoCo's default 0.7 and

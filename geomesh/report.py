@@ -6,7 +6,8 @@ worker's compute) or WAN idle (waiting for communication), see
 
     straggler_idle_frac = Σ_i straggler_i / Σ_i (compute_i + straggler_i + wan_i)
 
-and likewise ``wan_idle_frac``.  ``bytes_per_outer_step`` counts the bytes
+and likewise ``wan_idle_frac``; ``sync_share`` is their sum, the share of
+worker time spent synchronising rather than computing.  ``bytes_per_outer_step`` counts the bytes
 the workers (and, for the async baseline, the parameter server) put on the
 links per outer step — for DDP per ``H`` synchronous steps, the same tokens
 as one outer step.  ``compression_ratio`` = fp32 bytes of the same tensors /
@@ -99,6 +100,8 @@ class RunStats:
             "time_s": self.time_s,
             "straggler_idle_frac": self._frac("straggler_idle_s"),
             "wan_idle_frac": self._frac("wan_idle_s"),
+            "sync_share": (None if self._frac("wan_idle_s") is None
+                           else self._frac("wan_idle_s") + self._frac("straggler_idle_s")),
             "bytes_per_outer_step": self.bytes_total / self.outer_steps if self.outer_steps else None,
             "compression_ratio": ratio,
             "workers": table,

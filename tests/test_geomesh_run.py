@@ -124,6 +124,7 @@ def test_summaries_have_the_comparison_fields(results):
             "wan_idle_frac", "bytes_per_outer_step", "compression_ratio", "workers"}
     for name, s in out["summary"].items():
         assert keys <= s.keys(), name
+        assert s["sync_share"] == pytest.approx(s["straggler_idle_frac"] + s["wan_idle_frac"])
         assert s["clock"] == "emulated" and s["mode"] == "emulated"
         assert json.loads((root / name / "summary.json").read_text())["method"] == s["method"]
     geo, dil = out["summary"]["full"], out["summary"]["diloco"]
