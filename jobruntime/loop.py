@@ -19,6 +19,7 @@ from .config import JobConfig, save_config
 from .data import Corpus, GlobalBatchSampler, build_dataset, prepare_corpus
 from .metrics import MetricsWriter, TTPTracker, perplexity
 from .parallel import Topology, initialize_layout, same_run_dir, set_seed
+from .tokenizer import save_tokenizer_file
 from .trainer import Trainer
 
 log = logging.getLogger("jobruntime")
@@ -99,6 +100,7 @@ def run(cfg: JobConfig, run_dir: Path,
     )
     if topo.is_logging_rank:
         save_config(cfg, run_dir / "config.yaml")
+        save_tokenizer_file(data.corpus.tokenizer, run_dir)
     ttp = TTPTracker(t.target_ppl)
     if extra.get("ttp_s") is not None:
         ttp.ttp_s, ttp.ttp_tokens, ttp.ttp_step = extra["ttp_s"], extra["ttp_tokens"], extra["ttp_step"]

@@ -40,6 +40,8 @@ class Tokenizer:
         self.vocab_size = vocab_size
         self.eod, self.pad, self.cls, self.sep, self.mask = eod, pad, cls, sep, mask
         self.kind = kind
+        self.path: Path | None = None
+        """The file it was loaded from (:func:`load_tokenizer`)."""
         self.inv_vocab = {i: id_to_piece(i) for i in range(vocab_size)}
 
     def encode(self, texts: Sequence[str]) -> list[list[int]]:
@@ -175,12 +177,29 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
         )
     try:
         if path.suffix == ".json":
-            return _from_hf_json(path)
-        return _from_sentencepiece(path.read_bytes(), corpus_fingerprint(path.resolve(), path.stat().st_mtime))
+            tok = _from_hf_json(path)
+        else:
+            tok = _from_sentencepiece(path.read_bytes(),
+                                      corpus_fingerprint(path.resolve(), path.stat().st_mtime))
+        tok.path = path
+        return tok
     except TokenizerError:
         raise
     except Exception as e:  # parse errors from the libraries
         raise TokenizerError(f"tokenizer '{path}' could not be loaded: {e}") from None
+
+
+def save_tokenizer_file(tok: Tokenizer, folder: Path) -> Path | None:
+    """Copy the file ``tok`` was loaded from into ``folder`` as ``tokenizer.json``
+    or ``tokenizer.model`` (atomically), so a run folder is self-contained and
+    ``tools/convert_checkpoint.py mcore-to-hf`` can export it.  Returns the copy."""
+    if tok.path is None:
+        return None
+    dst = folder / ("tokenizer.json" if tok.path.suffix == ".json" else "tokenizer.model")
+    tmp = dst.with_name(f".{dst.name}.tmp{os.getpid()}")
+    tmp.write_bytes(tok.path.read_bytes())
+    tmp.replace(dst)
+    return dst
 
 
 def corpus_fingerprint(*parts: object) -> str:

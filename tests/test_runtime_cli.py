@@ -154,3 +154,23 @@ def test_full_size_presets_build_on_meta_with_published_sizes():
     assert 330e6 <= models["bert_large"]["params"] <= 345e6
     for m in models.values():
         assert m["params"] == m["analytic_params"]
+
+
+def test_run_folder_keeps_its_tokenizer_and_exports_to_hf(base_run, tmp_path):
+    """Catches a run whose auto-trained tokenizer stays hidden in the data
+    cache: the HF export then had no tokenizer and GPT-2's ids 50256 for
+    bos/eos, outside this model's 4096-token vocabulary."""
+    import sentencepiece as spm
+
+    run_dir, _ = base_run
+    sp = spm.SentencePieceProcessor(model_file=str(run_dir / "tokenizer.model"))
+    assert sp.get_piece_size() == 4096
+    out = tmp_path / "hf"
+    proc = subprocess.run([sys.executable, str(REPO / "tools" / "convert_checkpoint.py"),
+                           "mcore-to-hf", "--model", "gpt", "--input", str(run_dir / "checkpoints"),
+                           "--output", str(out)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert (out / "tokenizer.model").read_bytes() == (run_dir / "tokenizer.model").read_bytes()
+    hf = json.loads((out / "config.json").read_text())
+    assert hf["eos_token_id"] == sp.eos_id() == hf["bos_token_id"]
+    assert hf["pad_token_id"] == sp.pad_id() and hf["vocab_size"] >= 4096

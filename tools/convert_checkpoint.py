@@ -74,6 +74,7 @@ from jobruntime.config import (
     save_config,
 )
 from jobruntime.model import padded_vocab_size
+from jobruntime.tokenizer import load_tokenizer
 from tools.hf_mapping import (
     HF_CLASSES,
     ConversionError,
@@ -348,11 +349,18 @@ def mcore_to_hf(src: str | Path, out: str | Path, family: str, *, config: str | 
             old = json.loads(hf_cfg.read_text())
             token_ids = {k: old[k] for k in _TOKEN_ID_KEYS if old.get(k) is not None}
         out = Path(out)
-        write_hf_checkpoint(out, job.model, hf_state, arch, token_ids=token_ids)
-        copied = _copy_tokenizer(cfg_path.parent, out)
+        out.mkdir(parents=True, exist_ok=True)
+        copied = _copy_tokenizer(cfg_path.parent, out)  # a run folder holds its tokenizer
         tok = Path(job.data.tokenizer)
         if not copied and job.data.tokenizer != "auto" and tok.is_file():
             shutil.copy2(tok, out / ("tokenizer.json" if tok.suffix == ".json" else "tokenizer.model"))
+        tok_file = next((out / n for n in ("tokenizer.json", "tokenizer.model")
+                         if (out / n).is_file()), None)
+        if not token_ids and tok_file is not None:
+            # the project's tokenizers end documents with eod and never add bos
+            t = load_tokenizer(tok_file)
+            token_ids = {"bos_token_id": t.eod, "eos_token_id": t.eod, "pad_token_id": t.pad}
+        write_hf_checkpoint(out, job.model, hf_state, arch, token_ids=token_ids)
     _barrier()
     return dict(output=str(Path(out).absolute()), checkpoint=str(ckpt), family=family, hf_arch=arch,
                 vocab_size=job.model.vocab_size, parameters=sum(t.numel() for t in hf_state.values()))
