@@ -125,8 +125,14 @@ def _validate(cfg: JobConfig) -> None:
     for name in ("outer_steps", "inner_steps", "eval_interval"):
         if getattr(g, name) <= 0:
             raise ConfigError(f"geomesh.{name} must be positive, got {getattr(g, name)}")
-    if g.timeout_s <= 0:
+    if not g.timeout_s > 0:
         raise ConfigError(f"geomesh.timeout_s must be positive, got {g.timeout_s}")
+    if not 0 < g.outer_lr < float("inf"):
+        raise ConfigError(f"geomesh.outer_lr must be a positive number, got {g.outer_lr} "
+                          "(DiLoCo's default is 0.7)")
+    if not 0 <= g.outer_momentum < 1:
+        raise ConfigError(f"geomesh.outer_momentum must be in [0, 1), got {g.outer_momentum} "
+                          "(DiLoCo's default is 0.9)")
 
 
 def target_schema(target: JobConfig) -> TensorSchema:

@@ -70,13 +70,14 @@ from jobruntime.config import JobConfig, ModelConfig, load_config
 from jobruntime.flops import num_params
 
 from .clock import pipeline_bubble_factor, worker_tokens_per_s
-from .cluster import ClusterSpec, WorkerSpec
+from .cluster import ClusterError, ClusterSpec, WorkerSpec
 
 log = logging.getLogger(__name__)
 
 
-class PlanError(ValueError):
-    """No feasible plan; the message names the worker and the fix."""
+class PlanError(ClusterError):
+    """No feasible plan; the message names the worker and the fix (a
+    :class:`~geomesh.cluster.ClusterError`, so ``train.py`` prints it on one line)."""
 
 
 # ---------------------------------------------------------------------------

@@ -100,4 +100,10 @@ def load_state(path: str | Path, *, rank: int) -> dict:
             f"'{folder}' has no state for rank {rank}; a GeoMesh checkpoint resumes only with the "
             "cluster and process layout it was saved with"
         )
-    return torch.load(f, map_location="cpu", weights_only=False)
+    try:
+        return torch.load(f, map_location="cpu", weights_only=False)
+    except Exception as e:  # noqa: BLE001 - truncated zip, unpickling errors
+        raise CheckpointError(
+            f"'{f}' is damaged ({type(e).__name__}: {str(e).splitlines()[0][:160]}); resume from "
+            "an earlier outer_XXXXXXX folder or start without checkpoint.load"
+        ) from None

@@ -134,7 +134,20 @@ def run_sync(ctx: RunContext) -> dict:
     if cfg.checkpoint.load:
         st = load_state(cfg.checkpoint.load, rank=pl.rank)
         if st["method"] != ctx.method:
-            raise CheckpointError(f"checkpoint is from method {st['method']}, not {ctx.method}")
+            raise CheckpointError(f"checkpoint is from method {st['method']}, not {ctx.method}; "
+                                  f"resume it with geomesh.method={st['method']}")
+        if set(st["workers"]) != set(workers) or set(st["feedback"]) != set(feedback):
+            raise CheckpointError(
+                f"checkpoint holds workers {sorted(st['workers'])} with error feedback "
+                f"{'on' if st['feedback'] else 'off'}; this run has workers {sorted(workers)} "
+                f"with it {'on' if feedback else 'off'}: resume with the cluster file and "
+                "geomesh.error_feedback it was saved with"
+            )
+        if st["round"] >= g.outer_steps:
+            raise CheckpointError(
+                f"checkpoint is at outer step {st['round']}, geomesh.outer_steps={g.outer_steps}: "
+                "nothing left to run; raise geomesh.outer_steps"
+            )
         outer.load_state_dict(st["outer"])  # copies into theta
         for i, fb in feedback.items():
             fb.load_state_dict(st["feedback"][i])

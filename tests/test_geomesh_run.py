@@ -144,3 +144,50 @@ def test_summaries_have_the_comparison_fields(results):
     for name in ("ddp", "diloco", "async"):
         assert [r["step"] for r in _metrics(root / name)] == [1, 2]
         assert out["summary"][name]["tokens"] == 2 * 2 * 8 * 32
+
+
+@pytest.mark.parametrize("case", ["ef-toggled", "nothing-left", "damaged", "outer-lr-0",
+                                  "momentum-1.5", "does-not-fit"])
+def test_bad_geomesh_input_is_one_line_exit_2(results, cache_dir, tmp_path, case):
+    """Catches tracebacks (KeyError, ValueError, PlanError, a torch zip error)
+    or a silent no-op run on bad GeoMesh settings and checkpoints."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    root, _ = results
+    ckpt = root / "full" / "checkpoints" / "outer_0000002"
+    cluster = root / "slow.yaml"
+    extra = {
+        "ef-toggled": [f"checkpoint.load={ckpt}", "geomesh.outer_steps=3"],
+        "nothing-left": [f"checkpoint.load={ckpt}", "geomesh.outer_steps=2",
+                         "geomesh.error_feedback=true"],
+        "outer-lr-0": ["geomesh.outer_lr=0"],
+        "momentum-1.5": ["geomesh.outer_momentum=1.5"],
+    }.get(case, [])
+    needle = {"ef-toggled": "error feedback", "nothing-left": "nothing left",
+              "damaged": "is damaged", "outer-lr-0": "geomesh.outer_lr",
+              "momentum-1.5": "geomesh.outer_momentum", "does-not-fit": "cannot fit"}[case]
+    if case == "damaged":
+        bad = tmp_path / "outer_0000002"
+        shutil.copytree(ckpt, bad)
+        f = bad / "rank00000.pt"
+        f.write_bytes(f.read_bytes()[:1000])
+        extra = [f"checkpoint.load={bad}", "geomesh.outer_steps=3", "geomesh.error_feedback=true"]
+    if case == "does-not-fit":
+        raw = yaml.safe_load(cluster.read_text())
+        raw["workers"][1]["memory_gib"] = 0.5
+        cluster = tmp_path / "tiny_memory.yaml"
+        cluster.write_text(yaml.safe_dump(raw))
+    cmd = [sys.executable, "train.py", "--config", "tiny_gpt", f"data.cache_dir={cache_dir}",
+           f"geomesh.cluster={cluster}", "geomesh.method=geomesh", *OVERRIDES, *extra,
+           "--run-dir", str(tmp_path / "run")]
+    proc = subprocess.run(cmd, cwd=Path(__file__).resolve().parent.parent, capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    import re
+
+    logs = re.compile(r"^\[\d\d:\d\d:\d\d\] ")  # INFO lines; a "[rank0]:" traceback counts
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip() and not logs.match(ln)]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], proc.stderr
