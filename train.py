@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import functools
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -57,6 +58,7 @@ def main(argv=None) -> int:
     run_dir = Path(args.run_dir or f"runs/{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}")
     if run_dir.exists() and not run_dir.is_dir():
         return _error(f"--run-dir {run_dir} is a file; give a folder (it is created if missing)")
+    new_run_dir = not run_dir.exists()
 
     from jobruntime.logging_utils import setup_logging
 
@@ -82,11 +84,17 @@ def main(argv=None) -> int:
         # All ranks use rank 0's run_dir (see jobruntime.parallel.same_run_dir).
         summary = run_job(cfg, run_dir)
     except bad_input as e:
-        return _error(str(e))
+        error = str(e)
+    else:
+        error = None
     finally:
         from jobruntime.parallel import shutdown
 
         shutdown()
+    if error is not None:
+        if new_run_dir and int(os.environ.get("RANK", "0")) == 0:
+            shutil.rmtree(run_dir, ignore_errors=True)  # no half-written run folder (config, wandb)
+        return _error(error)
     if int(os.environ.get("RANK", "0")) == 0:
         ttp = summary.get("ttp_s")
         print(f"results: {run_dir.resolve()}  (metrics.jsonl, summary.json, config.yaml"

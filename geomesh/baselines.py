@@ -116,7 +116,7 @@ def run_ddp(ctx: RunContext) -> dict:
                       loss=sum(losses) / H, bytes=round_bytes)
         if ctx.is_eval_step(step):
             _eval(ctx, stats, trainer, val, record, step)
-        ctx.writer.log(record)
+        ctx.log_outer_step(record)
         stop = cfg.train.stop_at_target and stats.ttp.reached
         every = cfg.checkpoint.save_interval
         if every and (step % every == 0 or step == g.outer_steps or stop):
@@ -205,7 +205,7 @@ def run_async(ctx: RunContext) -> dict:
                 workers[0].trainer.set_batch_size(cfg.parallel.global_batch_size,
                                                   cfg.parallel.micro_batch_size)
                 _eval(ctx, stats, workers[0].trainer, val, record, step)
-            ctx.writer.log(record)
+            ctx.log_outer_step(record)
             if cfg.train.stop_at_target and stats.ttp.reached:
                 break
     for w in cl.workers:

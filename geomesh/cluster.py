@@ -485,7 +485,7 @@ def load_cluster(
     try:
         raw = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as e:
-        raise ClusterError(f"{path}: not valid YAML ({e})") from None
+        raise ClusterError(f"{path}: not valid YAML ({' '.join(str(e).split())})") from None
     if not isinstance(raw, dict):
         raise ClusterError(f"{path}: top level must be a mapping (name, mode, workers, ...)")
     raw.setdefault("name", path.stem)

@@ -109,6 +109,16 @@ class RunContext:
         g = self.cfg.geomesh
         return step % g.eval_interval == 0 or step == g.outer_steps
 
+    def log_outer_step(self, record: dict) -> None:
+        """Write one outer step's record (metrics.jsonl, wandb) and log a line
+        (unless ``logging.progress=off``): emulated runs can take minutes."""
+        self.writer.log(record)
+        if self.cfg.logging.progress != "off" and self.placement.is_logging_rank:
+            ppl = record.get("val_ppl")
+            log.info("%s outer step %d/%d  loss %.3f  val ppl %s  %.1f s (%s clock)", self.method,
+                     record["step"], self.cfg.geomesh.outer_steps, record["loss"],
+                     f"{ppl:.1f}" if ppl is not None else "-", record["time_s"], self.clock_name)
+
     def close(self) -> None:
         self.writer.close()
 

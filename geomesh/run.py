@@ -41,7 +41,7 @@ from pathlib import Path
 
 from .cluster import ClusterError
 from .context import build_context
-from .transport import RegionTimeoutError
+from .transport import RegionTimeoutError, TransportError
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +65,11 @@ def run(cfg, run_dir: Path) -> dict:
             summary = fn(ctx)
         except RegionTimeoutError as e:
             raise ClusterError(str(e)) from e
+        except TransportError as e:  # a peer's process died mid-exchange
+            raise ClusterError(
+                f"{e}; another region's job stopped (see its log), restart all regions from the "
+                "last checkpoint (checkpoint.load)"
+            ) from e
         summary["mode"] = ctx.cluster.mode
         ctx.writer.summary(summary)
         summary["wandb_dir"] = ctx.writer.wandb_dir

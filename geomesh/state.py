@@ -81,6 +81,11 @@ def find_state(path: str | Path) -> Path:
     done = sorted(p for p in path.glob("outer_*") if (p / COMPLETE).is_file())
     if done:
         return done[-1]
+    if path.name.startswith("iter_") or list(path.glob("iter_*")):
+        raise CheckpointError(
+            f"'{path}' is a checkpoint of an ordinary train.py run, not of a GeoMesh run; start "
+            "GeoMesh from scratch (GeoMesh resumes only its own outer_XXXXXXX checkpoints)"
+        )
     raise CheckpointError(
         f"no complete GeoMesh checkpoint in '{path}'; point checkpoint.load at a GeoMesh run's "
         "checkpoints/ folder or an outer_XXXXXXX folder with a COMPLETE marker"

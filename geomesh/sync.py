@@ -271,7 +271,7 @@ def run_sync(ctx: RunContext) -> dict:
                 record["replanned"] = True
                 log.info("outer step %d: re-planned b_i=%s H_i=%s", step,
                          [s.target.batch_size for s in steps], [s.target.inner_steps for s in steps])
-        ctx.writer.log(record)
+        ctx.log_outer_step(record)
         reached_stop = cfg.train.stop_at_target and stats.ttp.reached
         save_every = cfg.checkpoint.save_interval
         if save_every and (step % save_every == 0 or step == g.outer_steps or reached_stop):

@@ -59,6 +59,12 @@ def find_checkpoint(path: str | Path) -> Path:
         CheckpointError: no complete checkpoint there.
     """
     path = Path(path)
+    if path.name.startswith("outer_") or (list(path.glob("outer_*"))
+                                          and not list(path.glob("iter_*"))):
+        raise CheckpointError(
+            f"'{path}' is a GeoMesh checkpoint; resume it with the geomesh.* settings it was "
+            "saved with (geomesh.method, geomesh.cluster)"
+        )
     if (path / COMPLETE).is_file():
         return path
     latest = path / "latest"

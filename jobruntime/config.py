@@ -503,7 +503,8 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     try:
         value = yaml.safe_load(raw) if raw != "" else ""
     except yaml.YAMLError as e:
-        raise ConfigError(f"override '{text}': value is not valid YAML ({e})") from None
+        raise ConfigError(f"override '{text}': value is not valid YAML "
+                          f"({' '.join(str(e).split())})") from None
     return key.split("."), value
 
 
@@ -523,7 +524,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple = (
         try:
             values = yaml.safe_load(file.read_text()) or {}
         except yaml.YAMLError as e:
-            raise ConfigError(f"{file}: not valid YAML ({e})") from None
+            raise ConfigError(f"{file}: not valid YAML ({' '.join(str(e).split())})") from None
         if not isinstance(values, dict):
             raise ConfigError(f"{file}: top level must be a mapping of sections")
         values.setdefault("name", file.stem)

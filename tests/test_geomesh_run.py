@@ -147,10 +147,11 @@ def test_summaries_have_the_comparison_fields(results):
 
 
 @pytest.mark.parametrize("case", ["ef-toggled", "nothing-left", "damaged", "outer-lr-0",
-                                  "momentum-1.5", "does-not-fit"])
+                                  "momentum-1.5", "does-not-fit", "ordinary-checkpoint"])
 def test_bad_geomesh_input_is_one_line_exit_2(results, cache_dir, tmp_path, case):
-    """Catches tracebacks (KeyError, ValueError, PlanError, a torch zip error)
-    or a silent no-op run on bad GeoMesh settings and checkpoints."""
+    """Catches tracebacks (KeyError, ValueError, PlanError, a torch zip error),
+    a silent no-op run, or a left-behind run folder (config.yaml, wandb/) on bad
+    GeoMesh settings and checkpoints."""
     import os
     import shutil
     import subprocess
@@ -168,7 +169,12 @@ def test_bad_geomesh_input_is_one_line_exit_2(results, cache_dir, tmp_path, case
     }.get(case, [])
     needle = {"ef-toggled": "error feedback", "nothing-left": "nothing left",
               "damaged": "is damaged", "outer-lr-0": "geomesh.outer_lr",
-              "momentum-1.5": "geomesh.outer_momentum", "does-not-fit": "cannot fit"}[case]
+              "momentum-1.5": "geomesh.outer_momentum", "does-not-fit": "cannot fit",
+              "ordinary-checkpoint": "ordinary train.py run"}[case]
+    if case == "ordinary-checkpoint":
+        (tmp_path / "ckpts" / "iter_0000002").mkdir(parents=True)
+        (tmp_path / "ckpts" / "iter_0000002" / "COMPLETE").write_text("step 2\n")
+        extra = [f"checkpoint.load={tmp_path / 'ckpts'}"]
     if case == "damaged":
         bad = tmp_path / "outer_0000002"
         shutil.copytree(ckpt, bad)
@@ -191,3 +197,4 @@ def test_bad_geomesh_input_is_one_line_exit_2(results, cache_dir, tmp_path, case
     logs = re.compile(r"^\[\d\d:\d\d:\d\d\] ")  # INFO lines; a "[rank0]:" traceback counts
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip() and not logs.match(ln)]
     assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], proc.stderr
+    assert not (tmp_path / "run").exists(), "a failed run left a half-written folder"

@@ -117,7 +117,7 @@ def test_checkpoint_of_another_model_is_one_line_exit_2(base_run, cache_dir):
     assert len(lines) == 1 and "another model" in lines[0], proc.stderr
 
 
-@pytest.mark.parametrize("damage", ["truncated-shard", "no-common", "marker-only"])
+@pytest.mark.parametrize("damage", ["truncated-shard", "no-common", "marker-only", "geomesh"])
 def test_damaged_checkpoint_is_one_line_exit_2(base_run, cache_dir, tmp_path, damage):
     """Catches megatron tracebacks (or a partial load) from a checkpoint whose
     files were cut short or lost after its COMPLETE marker was written."""
@@ -125,7 +125,11 @@ def test_damaged_checkpoint_is_one_line_exit_2(base_run, cache_dir, tmp_path, da
 
     src = base_run[0] / "checkpoints" / "iter_0000004"
     ckpt = tmp_path / "iter_0000004"
-    if damage == "marker-only":
+    if damage == "geomesh":  # a GeoMesh outer-step checkpoint given to an ordinary run
+        ckpt = tmp_path / "outer_0000002"
+        ckpt.mkdir()
+        (ckpt / "COMPLETE").write_text("step 2\n")
+    elif damage == "marker-only":
         ckpt.mkdir()
         (ckpt / "COMPLETE").write_text("step 4\n")
     else:
@@ -139,7 +143,8 @@ def test_damaged_checkpoint_is_one_line_exit_2(base_run, cache_dir, tmp_path, da
                  "logging.wandb=disabled", "train.iters=5", "--run-dir", tmp_path / "run")
     assert proc.returncode == 2, proc.stderr[-2000:]
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
-    assert len(lines) == 1 and "damaged or incomplete" in lines[0], proc.stderr
+    needle = "is a GeoMesh checkpoint" if damage == "geomesh" else "damaged or incomplete"
+    assert len(lines) == 1 and needle in lines[0], proc.stderr
 
 
 def test_full_size_presets_build_on_meta_with_published_sizes():
