@@ -228,8 +228,10 @@ def _parse_workers(raw_workers: Any) -> list[WorkerSpec]:
         where = f"workers[{i}]"
         _check_keys(w, wkeys, where)
         for key in ("name", "gpu", "region"):
-            if not isinstance(w.get(key), str) or not w[key]:
+            if key not in w or w[key] in (None, ""):
                 raise ClusterError(f"{where}.{key} is missing; give a non-empty string")
+            if not isinstance(w[key], str):
+                raise ClusterError(f"{where}.{key}={w[key]!r} must be a string (quote it)")
         try:
             get_gpu_profile(w["gpu"])
         except KeyError:
@@ -406,6 +408,9 @@ def _parse_slowdowns(raw: Any, workers: list[WorkerSpec]) -> tuple[Slowdown, ...
             until_round=None if until is None else int(
                 _num(until, f"{where}.until_round", integer=True)),
         ))
+        if out[-1].until_round is not None and out[-1].until_round <= out[-1].from_round:
+            raise ClusterError(f"{where}.until_round={out[-1].until_round} must be greater than "
+                               f"from_round={out[-1].from_round} (or null: to the end)")
     return tuple(out)
 
 

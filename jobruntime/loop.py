@@ -90,6 +90,10 @@ def run(cfg: JobConfig, run_dir: Path,
         if cfg.checkpoint.load_optimizer:  # resume; else fine-tune from the weights only
             consumed, extra = state["consumed_samples"], state["extra"]
             start_time = float(extra.get("time_s", 0.0))
+            log.info("resumed from %s at step %d", cfg.checkpoint.load, trainer.step)
+        else:
+            log.info("loaded weights from %s (optimizer and schedule start fresh)",
+                     cfg.checkpoint.load)
     data = build_data(cfg, topo, consumed)
     t = cfg.train
     writer = MetricsWriter(

@@ -149,10 +149,13 @@ def train_sentencepiece(texts: Iterable[str], vocab_size: int, out: Path) -> Pat
         # e.g. "... Vocabulary size too high (4096). Please set it to a value <= 1873."
         why = str(e).strip().splitlines()[-1]
         why = why[why.find("Vocabulary size"):] if "Vocabulary size" in why else why
+        fix = ("lower the vocabulary size (model.vocab_size; --vocab-size of "
+               "tools/prepare_data.py) or give more text" if "too high" in why else
+               "change the vocabulary size (model.vocab_size; --vocab-size of "
+               "tools/prepare_data.py) as the message says")
         raise TokenizerError(
             f"could not train a {vocab_size}-piece sentencepiece tokenizer on this corpus "
-            f"({why}); lower the vocabulary size (model.vocab_size; --vocab-size of "
-            "tools/prepare_data.py) or give more text"
+            f"({why}); {fix}"
         ) from None
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(f".tmp{os.getpid()}")

@@ -55,6 +55,9 @@ def _with(**changes):
         ({"mode": "real"}, r"mode=real needs rendezvous"),
         ({"mode": "real", "rendezvous": "host"}, r"rendezvous='host' must look like host:port"),
         ({"wan_bandwidth_scale": 0}, r"wan_bandwidth_scale=0 must be a positive number"),
+        ({"w1_name": 7}, r"workers\[1\]\.name=7 must be a string"),
+        ({"slowdown": {"worker": "a", "factor": 2, "from_round": 3, "until_round": 2}},
+         r"until_round=2 must be greater than from_round=3"),
         (
             {"regions": [{"name": "East US", "id": 0}, {"name": "West Europe", "id": 2}]},
             r"must be 0\.\.1",
