@@ -25,3 +25,8 @@ def setup_logging(level: int = logging.INFO) -> None:
         warnings.filterwarnings("ignore", message=f".*{pattern}.*")
     for name in ("megatron", "megatron.core"):
         logging.getLogger(name).setLevel(logging.WARNING)
+    # torch.distributed.checkpoint logs a traceback (on the root logger) for a
+    # checkpoint without global metadata, then raises; jobruntime.checkpoint
+    # turns that error into one line, so the logged copy is only noise.
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(lambda r: not r.getMessage().startswith("Global metadata is not found"))

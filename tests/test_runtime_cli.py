@@ -117,7 +117,8 @@ def test_checkpoint_of_another_model_is_one_line_exit_2(base_run, cache_dir):
     assert len(lines) == 1 and "another model" in lines[0], proc.stderr
 
 
-@pytest.mark.parametrize("damage", ["truncated-shard", "no-common", "marker-only", "geomesh"])
+@pytest.mark.parametrize("damage", ["truncated-shard", "no-common", "no-metadata", "marker-only",
+                                    "geomesh"])
 def test_damaged_checkpoint_is_one_line_exit_2(base_run, cache_dir, tmp_path, damage):
     """Catches megatron tracebacks (or a partial load) from a checkpoint whose
     files were cut short or lost after its COMPLETE marker was written."""
@@ -136,6 +137,8 @@ def test_damaged_checkpoint_is_one_line_exit_2(base_run, cache_dir, tmp_path, da
         shutil.copytree(src, ckpt)
         if damage == "no-common":
             (ckpt / "common.pt").unlink()
+        elif damage == "no-metadata":
+            (ckpt / ".metadata").unlink()
         else:
             shard = max(ckpt.glob("*.distcp"), key=lambda p: p.stat().st_size)
             shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
