@@ -53,6 +53,7 @@ def main(argv=None) -> int:
         cfg = load_config(args.config, args.overrides)
         cfg.model.validate()
         cfg.train.validate()
+        cfg.cona.validate()
     except ConfigError as e:
         return _error(str(e))
     run_dir = Path(args.run_dir or f"runs/{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}")

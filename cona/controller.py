@@ -305,7 +305,7 @@ class Controller:
                 (f"gain {gain:.3f}; saves {time_saved:.1f} s > switch cost {cost:.1f} s"),
             )
         if phi is None:
-            reason += " (no noise scale yet: same global batch only)"
+            reason += " (no positive noise-scale estimate now: same global batch only)"
         d = Decision(
             step=step,
             current=self.current,

@@ -168,7 +168,12 @@ class Loop:
             log.error("loss is NaN at step %d; stopping", job.trainer.step)
             p.nan = True
         self.emit(record)
-        if self.controller is not None and self.controller.should_decide(job.trainer.step):
+        # No decision when less than one decision interval of training remains:
+        # a switch could not run (let alone repay its cost) before the end.
+        left = self.budget_samples - job.consumed_samples
+        interval = self.controller.cfg.decision_interval if self.controller is not None else 0
+        if (self.controller is not None and self.controller.should_decide(job.trainer.step)
+                and left >= interval * job.strategy.global_batch_size):
             self.decide()
 
     def decide(self) -> None:

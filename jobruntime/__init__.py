@@ -16,3 +16,7 @@ Modules, in the order a job uses them:
 GeoMesh (``geomesh/``) and CONA (``cona/``) build on these; nothing here
 knows about them beyond their config sections.
 """
+
+from .logging_utils import quiet_expected_warnings
+
+quiet_expected_warnings()

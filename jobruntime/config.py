@@ -376,6 +376,31 @@ class ConaConfig:
     lr_scaling: Literal["sqrt", "linear", "none"] = "sqrt"
     """How the learning rate follows the global batch size when it changes."""
 
+    def validate(self) -> None:
+        """Raise :class:`ConfigError` naming the first bad CONA setting."""
+        if not self.enabled:
+            return
+        for key in ("decision_interval", "horizon_steps"):
+            if getattr(self, key) <= 0:
+                raise ConfigError(f"cona.{key}={getattr(self, key)} must be positive")
+        if not 0 <= self.min_gain < float("inf"):
+            raise ConfigError(f"cona.min_gain={self.min_gain} must be >= 0 (0.05 = switch for a "
+                              "5 % better score)")
+        if self.num_gpus is not None and self.num_gpus <= 0:
+            raise ConfigError(f"cona.num_gpus={self.num_gpus} must be positive (or null: the "
+                              "world size)")
+        if self.candidates is not None and not self.candidates:
+            raise ConfigError("cona.candidates=[] lists no candidate; give some, or null to "
+                              "enumerate them")
+        if self.clock == "wall" and (self.num_gpus is not None or self.target_model is not None):
+            raise ConfigError("cona.num_gpus and cona.target_model apply to the emulated clock; "
+                              "set cona.clock=emulated (or unset them)")
+        from .hardware import gpu_profiles
+
+        if self.gpu.lower() not in {k.lower() for k in gpu_profiles()}:
+            raise ConfigError(f"cona.gpu={self.gpu!r} is unknown; use one of "
+                              f"{sorted(gpu_profiles())} or add it to jobruntime/gpu_profiles.yaml")
+
 
 @dataclass(kw_only=True)
 class JobConfig:
@@ -396,6 +421,7 @@ class JobConfig:
         """Validate every section; return the DP size for ``world_size`` processes."""
         self.model.validate()
         self.train.validate()
+        self.cona.validate()
         return self.parallel.validate(self.model, world_size)
 
     def to_dict(self) -> dict:

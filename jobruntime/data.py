@@ -93,7 +93,12 @@ def _read_jsonl(path: Path, text_key: str, limit: int | None) -> list[str]:
                     f"{path}:{lineno}: no '{text_key}' field; set data.text_key to the field "
                     "holding the document text"
                 )
-            docs.append(str(obj[text_key]))
+            if not isinstance(obj[text_key], str):
+                raise DataError(
+                    f"{path}:{lineno}: '{text_key}' is {type(obj[text_key]).__name__}, not a "
+                    "string; fix the line or set data.text_key (--text-key) to the text field"
+                )
+            docs.append(obj[text_key])
             if limit and len(docs) >= limit:
                 break
     return docs

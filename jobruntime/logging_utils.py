@@ -7,6 +7,17 @@ import os
 import warnings
 
 
+def quiet_expected_warnings() -> None:
+    """Ignore warnings that are expected here and say nothing actionable:
+    megatron-core's import-time notes on missing Apex / Transformer Engine
+    (normal on CPU) and torch's ShardedTensor deprecation notices, which
+    megatron 0.16's dist_checkpointing triggers on every load.  Called when
+    :mod:`jobruntime` is imported, so the tools' output stays clean too."""
+    for pattern in ("Transformer Engine", "Apex is not installed", "full scope is deprecated",
+                    "`load_state_dict` is deprecated", "Please use DTensor instead"):
+        warnings.filterwarnings("ignore", message=f".*{pattern}.*")
+
+
 def setup_logging(level: int = logging.INFO) -> None:
     """Configure the ``jobruntime``/``geomesh``/``cona`` loggers for this rank.
 
@@ -20,9 +31,7 @@ def setup_logging(level: int = logging.INFO) -> None:
         "[%(asctime)s] %(name)s: %(message)s"
     logging.basicConfig(level=level if rank == 0 else logging.WARNING, format=fmt,
                         datefmt="%H:%M:%S")
-    for pattern in ("Transformer Engine", "Apex is not installed", "full scope is deprecated",
-                    "`load_state_dict` is deprecated", "Please use DTensor instead"):
-        warnings.filterwarnings("ignore", message=f".*{pattern}.*")
+    quiet_expected_warnings()
     for name in ("megatron", "megatron.core"):
         logging.getLogger(name).setLevel(logging.WARNING)
     # torch.distributed.checkpoint logs a traceback (on the root logger) for a

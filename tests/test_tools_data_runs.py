@@ -178,7 +178,7 @@ def test_compare_runs_table_and_plots(runs, tmp_path, capsys):
         assert row["final ppl"] == f"{s['final_val_ppl']:.2f}"
         assert row["tokens"] == str(s["tokens"]) == str(6 * 8 * 64)
         assert row["TTP (s)"] == (f"{s['ttp_s']:.1f}" if s["ttp_s"] is not None else "-")
-        assert row["clock"] == "wall" and row["method"] == "-" and row["switches"] == "-"
+        assert row["clock"] == "wall" and row["method"] == "single" and row["switches"] == "-"
     assert rows["run-a"]["TTP (s)"] != "-" and rows["run-b"]["TTP (s)"] == "-"
     for png in ("val_ppl_vs_time.png", "val_ppl_vs_tokens.png"):
         data = (tmp_path / png).read_bytes()

@@ -140,14 +140,23 @@ def load_run(path: str | Path) -> Run:
 
     Raises:
         FileNotFoundError: neither files nor a wandb offline log.
+        ValueError: the files are not valid JSON objects (names the folder).
     """
     path = Path(path)
     summary_f, metrics_f = path / "summary.json", path / "metrics.jsonl"
     run = Run(name=path.name)
-    if summary_f.is_file():
-        run.summary = json.loads(summary_f.read_text())
-    if metrics_f.is_file():
-        run.records = [json.loads(line) for line in metrics_f.read_text().splitlines() if line.strip()]
+    try:
+        if summary_f.is_file():
+            run.summary = json.loads(summary_f.read_text())
+        if metrics_f.is_file():
+            run.records = [json.loads(line) for line in metrics_f.read_text().splitlines()
+                           if line.strip()]
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: summary.json or metrics.jsonl is not valid JSON ({e}); "
+                         "give a run folder written by train.py") from None
+    if not isinstance(run.summary, dict) or not all(isinstance(r, dict) for r in run.records):
+        raise ValueError(f"{path}: summary.json must hold an object and metrics.jsonl one object "
+                         "per line; give a run folder written by train.py")
     if not run.summary or not run.records:
         wb = read_wandb_offline(path)
         if wb is None and not (run.summary or run.records):
@@ -186,7 +195,7 @@ def format_row(run: Run) -> dict[str, str]:
     switches = s.get("switches")
     return {
         "run": run.name,
-        "method": get("method", str),
+        "method": get("method", str) if "method" in s else get("mode", str),
         "clock": get("clock", str) if "clock" in s else (run.records[0].get("clock", "-") if run.records else "-"),
         "TTP (s)": get("ttp_s", lambda v: f"{v:.1f}"),
         "final ppl": "-" if final is None else f"{final:.2f}",

@@ -392,6 +392,14 @@ def main(argv=None) -> int:
     from jobruntime.parallel import shutdown
 
     setup_logging()
+    if not Path(args.input).exists():
+        print(f"error: --input {args.input} does not exist; give an HF model folder "
+              "(hf-to-mcore) or a run's checkpoints/ folder (mcore-to-hf)", file=sys.stderr)
+        return 2
+    if Path(args.output).exists() and not Path(args.output).is_dir():
+        print(f"error: --output {args.output} is a file; give a folder (created if missing)",
+              file=sys.stderr)
+        return 2
     try:
         if args.direction == "hf-to-mcore":
             summary = hf_to_mcore(args.input, args.output, args.model, tp=args.tp, pp=args.pp,

@@ -77,25 +77,42 @@ def load_task(path: str | Path, limit: int | None = None) -> list[Example]:
         ValueError: a line is in neither layout (names the file and line).
     """
     path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"task file '{path}' not found; give a HellaSwag- or PIQA-layout JSONL")
     out = []
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue
-            ex = json.loads(line)
+            where = f"{path}:{lineno}"
+            try:
+                ex = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{where}: not valid JSON ({e.msg})") from None
+            if not isinstance(ex, dict):
+                raise ValueError(f"{where}: each line must be a JSON object")
             if "endings" in ex and "ctx" in ex:
                 ctx = _hellaswag_clean(ex["ctx"])
                 if ex.get("activity_label"):
                     ctx = f"{ex['activity_label']}: {ctx}"
-                out.append(Example(ctx, [_hellaswag_clean(e) for e in ex["endings"]], int(ex["label"])))
-            elif "goal" in ex and "sol1" in ex:
-                out.append(Example(f"Question: {ex['goal']}\nAnswer:", [ex["sol1"], ex["sol2"]],
-                                   int(ex["label"])))
+                choices = [_hellaswag_clean(e) if isinstance(e, str) else e for e in ex["endings"]]
+            elif "goal" in ex and "sol1" in ex and "sol2" in ex:
+                ctx, choices = f"Question: {ex['goal']}\nAnswer:", [ex["sol1"], ex["sol2"]]
             else:
-                raise ValueError(f"{path}:{lineno}: neither HellaSwag (ctx, endings, label) "
+                raise ValueError(f"{where}: neither HellaSwag (ctx, endings, label) "
                                  "nor PIQA (goal, sol1, sol2, label) layout")
+            if len(choices) < 2:
+                raise ValueError(f"{where}: needs at least 2 endings, got {len(choices)}")
+            if not all(isinstance(c, str) and c.strip() for c in choices):
+                # an empty ending has log-likelihood 0 and would always win
+                raise ValueError(f"{where}: every ending must be a non-empty string")
+            if not isinstance(ex.get("label"), int) or isinstance(ex["label"], bool):
+                raise ValueError(f"{where}: 'label' (the index of the right ending) is missing "
+                                 "or not an integer")
+            out.append(Example(ctx, choices, ex["label"]))
             if not 0 <= out[-1].label < len(out[-1].choices):
-                raise ValueError(f"{path}:{lineno}: label {out[-1].label} out of range")
+                raise ValueError(f"{where}: label {out[-1].label} out of range for "
+                                 f"{len(choices)} endings")
             if limit and len(out) >= limit:
                 break
     if not out:

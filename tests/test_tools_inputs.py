@@ -1,0 +1,94 @@
+"""Bad input to the tools and to CONA settings: one clear error, never a silent
+wrong result (found by a fresh-user pass)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from jobruntime.config import ConfigError, load_config
+from jobruntime.data import DataError, read_documents
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.parametrize("line, needle", [
+    ({"ctx": "a", "endings": ["x", ""], "label": 1}, "non-empty string"),
+    ({"ctx": "a", "endings": ["x", "y"]}, "'label'"),
+    ({"ctx": "a", "endings": [], "label": 0}, "at least 2 endings"),
+    ({"goal": "g", "sol1": "a", "sol2": "b", "label": 2}, "out of range"),
+    ("garbage", "not valid JSON"),
+], ids=["empty-ending", "no-label", "no-endings", "label-range", "not-json"])
+def test_zero_shot_task_lines_are_checked(tmp_path, line, needle):
+    """Catches an empty ending (log-likelihood 0: it always won, accuracy 1.0)
+    and KeyError/JSON tracebacks; the message names file and line."""
+    from tools.zero_shot import load_task
+
+    f = tmp_path / "task.jsonl"
+    good = {"ctx": "c", "endings": ["p", "q"], "label": 0}
+    f.write_text(json.dumps(good) + "\n" + (line if isinstance(line, str) else json.dumps(line)))
+    with pytest.raises(ValueError, match=needle) as err:
+        load_task(f)
+    assert f"{f}:2" in str(err.value)
+    with pytest.raises(ValueError, match="not found"):
+        load_task(tmp_path / "missing.jsonl")
+
+
+def test_compare_runs_rejects_non_object_files_and_labels_cona(tmp_path):
+    """Catches AttributeError on a summary.json that is a list and a JSON error
+    that does not name the run; CONA runs (no 'method') show their mode."""
+    from tools.compare_runs import format_row, load_run
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "summary.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match="must hold an object"):
+        load_run(tmp_path / "a")
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "summary.json").write_text("{bad")
+    with pytest.raises(ValueError, match=f"{tmp_path / 'b'}: .*not valid JSON"):
+        load_run(tmp_path / "b")
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "summary.json").write_text(json.dumps({"mode": "cona", "clock": "wall"}))
+    (tmp_path / "c" / "metrics.jsonl").write_text(json.dumps({"step": 1, "val_ppl": 9.0}) + "\n")
+    assert format_row(load_run(tmp_path / "c"))["method"] == "cona"
+
+
+def test_non_string_text_fields_are_data_errors(tmp_path):
+    """Catches 5, null or a list in the text field counted as documents."""
+    f = tmp_path / "d.jsonl"
+    f.write_text(json.dumps({"text": "fine"}) + "\n" + json.dumps({"text": 5}) + "\n")
+    with pytest.raises(DataError, match=r"d\.jsonl:2: 'text' is int, not a string"):
+        read_documents(f)
+
+
+@pytest.mark.parametrize("override, needle", [
+    ("cona.decision_interval=0", "decision_interval"), ("cona.horizon_steps=0", "horizon_steps"),
+    ("cona.min_gain=-1", "min_gain"), ("cona.num_gpus=0", "num_gpus"),
+    ("cona.candidates=[]", "no candidate"), ("cona.gpu=FOO", "cona.gpu='FOO' is unknown"),
+    ("cona.num_gpus=8", "cona.clock=emulated"),
+])
+def test_cona_settings_are_validated(override, needle):
+    """Catches ValueError/KeyError tracebacks from the controller and GPU table,
+    and options that were silently ignored (num_gpus=0, candidates=[], emulated
+    settings on the wall clock)."""
+    cfg = load_config("tiny_gpt", ["cona.enabled=true", override])
+    with pytest.raises(ConfigError, match=needle):
+        cfg.validate()
+    load_config("tiny_gpt", ["cona.enabled=true"]).validate()
+
+
+def test_convert_rejects_missing_input_and_file_output(tmp_path):
+    """Catches FileExistsError when --output is a file and a 'pass --config'
+    hint for an input that does not exist; no warnings around the error line."""
+    (tmp_path / "out.txt").write_text("x")
+    for args, needle in [(["--input", tmp_path / "nope", "--output", tmp_path / "o"], "does not exist"),
+                         (["--input", tmp_path, "--output", tmp_path / "out.txt"], "is a file")]:
+        proc = subprocess.run([sys.executable, str(REPO / "tools" / "convert_checkpoint.py"),
+                               "mcore-to-hf", "--model", "gpt", *map(str, args)],
+                              capture_output=True, text=True, timeout=300)
+        lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+        assert proc.returncode == 2 and len(lines) == 1 and needle in lines[0], proc.stderr
