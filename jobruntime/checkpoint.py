@@ -76,8 +76,9 @@ def find_checkpoint(path: str | Path) -> Path:
     if complete:
         return complete[-1]
     raise CheckpointError(
-        f"no complete checkpoint in '{path}'; point checkpoint.load at a run's checkpoints/ "
-        "folder or an iter_XXXXXXX folder that has a COMPLETE marker"
+        f"no complete checkpoint in '{path}'; point checkpoint.load (a tool's --input / "
+        "--checkpoint) at a run's checkpoints/ folder or an iter_XXXXXXX folder that has a "
+        "COMPLETE marker"
     )
 
 

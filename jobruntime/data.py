@@ -62,7 +62,8 @@ def resolve_data_path(path: str) -> Path:
     raise DataError(
         f"data file '{path}' not found (looked in "
         f"{' and '.join(dict.fromkeys(str(b) for b in (Path.cwd(), REPO_ROOT)))}); "
-        "set data.path to a JSONL/.txt file, a folder, a saved HF dataset or a .bin/.idx prefix"
+        "set data.path (--input of tools/prepare_data.py) to a JSONL/.txt file, a folder, a saved "
+        "HF dataset or a .bin/.idx prefix"
     )
 
 
@@ -90,7 +91,7 @@ def _read_jsonl(path: Path, text_key: str, limit: int | None) -> list[str]:
                 raise DataError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
             if not isinstance(obj, dict) or text_key not in obj:
                 raise DataError(
-                    f"{path}:{lineno}: no '{text_key}' field; set data.text_key to the field "
+                    f"{path}:{lineno}: no '{text_key}' field; set data.text_key (--text-key) to the field "
                     "holding the document text"
                 )
             if not isinstance(obj[text_key], str):

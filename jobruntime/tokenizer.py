@@ -175,7 +175,7 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
         path = path / "tokenizer.json"
     if not path.is_file():
         raise TokenizerError(
-            f"tokenizer file '{path}' not found; set data.tokenizer to a sentencepiece "
+            f"tokenizer file '{path}' not found; set data.tokenizer (a tool's --tokenizer) to a sentencepiece "
             "'.model', a Hugging Face 'tokenizer.json', or 'auto' to train one"
         )
     try:
