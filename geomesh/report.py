@@ -85,6 +85,7 @@ class RunStats:
             row.update((worker_info or {}).get(w.name, {}))
             table.append(row)
         ratio = self.fp32_bytes_total / self.bytes_total if self.bytes_total else None
+        straggler, wan = self._frac("straggler_idle_s"), self._frac("wan_idle_s")
         return {
             "method": method,
             "clock": clock,
@@ -98,10 +99,9 @@ class RunStats:
             "tokens": self.tokens,
             "outer_steps": self.outer_steps,
             "time_s": self.time_s,
-            "straggler_idle_frac": self._frac("straggler_idle_s"),
-            "wan_idle_frac": self._frac("wan_idle_s"),
-            "sync_share": (None if self._frac("wan_idle_s") is None
-                           else self._frac("wan_idle_s") + self._frac("straggler_idle_s")),
+            "straggler_idle_frac": straggler,
+            "wan_idle_frac": wan,
+            "sync_share": None if wan is None else straggler + wan,
             "bytes_per_outer_step": self.bytes_total / self.outer_steps if self.outer_steps else None,
             "compression_ratio": ratio,
             "workers": table,

@@ -21,49 +21,23 @@ per-rank shards of ``θ_global`` and per-worker optimizer states.  When several
 from __future__ import annotations
 
 import os
-import shutil
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
-from jobruntime.checkpoint import CheckpointError
-
-COMPLETE = "COMPLETE"
-
-
-def _barrier() -> None:
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
+from jobruntime.checkpoint import COMPLETE, CheckpointError, committed_folder
 
 
 def save_state(root: Path, step: int, state: dict, *, rank: int, job_leader: bool,
                keep_last: int = 2) -> Path:
     """Write this rank's ``state`` into ``root/outer_<step>`` (collective over the world)."""
     name = f"outer_{step:07d}"
-    final, tmp = root / name, root / f"{name}.tmp"
-    if job_leader:
-        root.mkdir(parents=True, exist_ok=True)
-        for stale in (tmp, final):
-            if stale.exists():
-                shutil.rmtree(stale)
-        tmp.mkdir()
-    _barrier()
-    part = tmp / f".rank{rank:05d}.pt.tmp"
-    torch.save(state, part)
-    os.replace(part, tmp / f"rank{rank:05d}.pt")
-    _barrier()
-    if job_leader:
-        (tmp / COMPLETE).write_text(f"outer step {step}\n")
-        tmp.rename(final)
-        latest = root / ".latest.tmp"
-        latest.write_text(name + "\n")
-        latest.replace(root / "latest")
-        done = sorted(p for p in root.glob("outer_*") if (p / COMPLETE).is_file())
-        for old in done[:-keep_last] if keep_last > 0 else []:
-            shutil.rmtree(old, ignore_errors=True)
-    _barrier()
-    return final
+    with committed_folder(root, name, leader=job_leader, keep_last=keep_last,
+                          marker=f"outer step {step}") as tmp:
+        part = tmp / f".rank{rank:05d}.pt.tmp"
+        torch.save(state, part)
+        os.replace(part, tmp / f"rank{rank:05d}.pt")
+    return root / name
 
 
 def find_state(path: str | Path) -> Path:

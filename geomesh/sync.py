@@ -44,7 +44,9 @@ These were measured before the planner's memory model counted GeoMesh's own
 state (θ_global and momentum on the GPUs, 8 bytes per parameter); with it the
 A100's plan moves from 8 steps of 128 to 7 of 144 sequences and GeoMesh ends
 at 715 (DiLoCo 765) — differences of this size between nearby plans are the
-noise level of a 98k-token proxy run.
+noise level of a 98k-token proxy run.  With that plan: error feedback on 713
+(TTP 158 s vs 130 s off), fp32 pseudo-gradients 608 (TTP 166 s), outer lr 0.5
+738 and 0.7 788.
 
 Time.  Emulated: worker ``i``'s compute is the GPU-profile time of its plan on
 the target model (:func:`geomesh.clock.inner_step_time_s`) times any injected

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import random
 import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -50,6 +52,47 @@ def _rank() -> int:
 def _barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
+
+
+@contextmanager
+def committed_folder(root: Path, name: str, *, leader: bool | None = None, keep_last: int = 0,
+                     marker: str = "") -> Iterator[Path]:
+    """Write a checkpoint folder that is either complete or invisible.
+
+    Yields ``root/<name>.tmp`` for every rank to write into.  When all ranks
+    have left the block, the leader writes the ``COMPLETE`` marker, renames the
+    folder to ``root/<name>``, points ``root/latest`` at it (atomically) and
+    deletes older complete folders with the same prefix (``iter_``,
+    ``outer_``) beyond ``keep_last`` (0 keeps all).  An exception inside the
+    block leaves only the ``.tmp`` folder, which no reader returns.
+    Collective: every rank of the default process group must enter.
+
+    Args:
+        leader: the rank that creates and commits (default: global rank 0).
+        marker: text of the ``COMPLETE`` file.
+    """
+    leader = _rank() == 0 if leader is None else leader
+    final, tmp = root / name, root / f"{name}.tmp"
+    if leader:
+        root.mkdir(parents=True, exist_ok=True)
+        for stale in (tmp, final):
+            if stale.exists():
+                shutil.rmtree(stale)
+        tmp.mkdir()
+    _barrier()
+    yield tmp
+    _barrier()
+    if leader:
+        (tmp / COMPLETE).write_text(marker + "\n")
+        tmp.rename(final)
+        latest_tmp = root / ".latest.tmp"
+        latest_tmp.write_text(name + "\n")
+        latest_tmp.replace(root / "latest")
+        prefix = name.split("_")[0]
+        complete = sorted(p for p in root.glob(f"{prefix}_*") if (p / COMPLETE).is_file())
+        for old in complete[:-keep_last] if keep_last > 0 else []:
+            shutil.rmtree(old, ignore_errors=True)
+    _barrier()
 
 
 def find_checkpoint(path: str | Path) -> Path:
@@ -138,14 +181,6 @@ def save_checkpoint(root: Path, trainer, *, consumed_samples: int, extra: dict |
         The final checkpoint folder.
     """
     name = f"iter_{trainer.step:07d}"
-    final, tmp = root / name, root / f"{name}.tmp"
-    if _rank() == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        for stale in (tmp, final):
-            if stale.exists():
-                shutil.rmtree(stale)
-        tmp.mkdir()
-    _barrier()
     model_sd = trainer.module.sharded_state_dict(prefix="")
     state = {
         "model": model_sd,
@@ -158,19 +193,9 @@ def save_checkpoint(root: Path, trainer, *, consumed_samples: int, extra: dict |
         "format_version": FORMAT_VERSION,
         "extra": extra or {},
     }
-    dist_checkpointing.save(state, str(tmp))
-    _barrier()
-    if _rank() == 0:
-        (tmp / COMPLETE).write_text(f"step {trainer.step}\n")
-        tmp.rename(final)
-        latest_tmp = root / ".latest.tmp"
-        latest_tmp.write_text(name + "\n")
-        latest_tmp.replace(root / "latest")
-        complete = sorted(p for p in root.glob("iter_*") if (p / COMPLETE).is_file())
-        for old in complete[:-keep_last] if keep_last > 0 else []:
-            shutil.rmtree(old, ignore_errors=True)
-    _barrier()
-    return final
+    with committed_folder(root, name, keep_last=keep_last, marker=f"step {trainer.step}") as tmp:
+        dist_checkpointing.save(state, str(tmp))
+    return root / name
 
 
 def _unreadable(ckpt: Path, e: BaseException) -> str:

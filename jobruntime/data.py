@@ -91,8 +91,8 @@ def _read_jsonl(path: Path, text_key: str, limit: int | None) -> list[str]:
                 raise DataError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
             if not isinstance(obj, dict) or text_key not in obj:
                 raise DataError(
-                    f"{path}:{lineno}: no '{text_key}' field; set data.text_key (--text-key) to the field "
-                    "holding the document text"
+                    f"{path}:{lineno}: no '{text_key}' field; set data.text_key (--text-key) "
+                    "to the field holding the document text"
                 )
             if not isinstance(obj[text_key], str):
                 raise DataError(
@@ -279,6 +279,7 @@ def prepare_corpus(data: DataConfig, model: ModelConfig) -> Corpus:
         tokenizer = load_tokenizer(tok_path)
         kind = "bert" if bert else "gpt"
         prefix = cache / f"tokens-{fp}-{corpus_fingerprint(tok_path.resolve(), tok_path.stat().st_mtime)}-{kind}"
+
         def build_tokens():
             if not is_indexed_prefix(prefix):
                 corpus_docs = docs if docs is not None else read_documents(

@@ -21,17 +21,14 @@ def quiet_expected_warnings() -> None:
 def setup_logging(level: int = logging.INFO) -> None:
     """Configure the ``jobruntime``/``geomesh``/``cona`` loggers for this rank.
 
-    Also silences megatron-core's import-time warnings about missing Apex and
-    Transformer Engine, which are expected on CPU, and torch's deprecation
-    notices for the ShardedTensor API that megatron 0.16's dist_checkpointing
-    still uses on every load.
+    (Expected library warnings are already filtered when :mod:`jobruntime` is
+    imported, see :func:`quiet_expected_warnings`.)
     """
     rank = int(os.environ.get("RANK", "0"))
     fmt = f"[%(asctime)s r{rank}] %(name)s: %(message)s" if "RANK" in os.environ else \
         "[%(asctime)s] %(name)s: %(message)s"
     logging.basicConfig(level=level if rank == 0 else logging.WARNING, format=fmt,
                         datefmt="%H:%M:%S")
-    quiet_expected_warnings()
     for name in ("megatron", "megatron.core"):
         logging.getLogger(name).setLevel(logging.WARNING)
     # torch.distributed.checkpoint logs a traceback (on the root logger) for a

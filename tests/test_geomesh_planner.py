@@ -97,7 +97,7 @@ def test_replan_after_slowdown_rebalances():
     # No drift -> same plan object; nor for noise that leaves the round within
     # 2x the tolerance (re-planning on wall-clock noise made real runs oscillate).
     assert planner.replan({wp.worker: wp.step_time_s for wp in new.workers}) is new
-    noisy = {wp.worker: wp.step_time_s * f for wp, f in zip(new.workers, (1.04, 0.97))}
+    noisy = {wp.worker: wp.step_time_s * f for wp, f in zip(new.workers, (1.06, 0.96))}
     assert planner.replan(noisy) is new
 
 

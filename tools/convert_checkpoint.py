@@ -58,11 +58,11 @@ import torch
 import torch.distributed as dist
 
 from jobruntime.checkpoint import (
-    COMPLETE,
     FORMAT_VERSION,
     CheckpointError,
     _arch,
     arch_diff,
+    committed_folder,
     find_checkpoint,
 )
 from jobruntime.config import (
@@ -219,30 +219,17 @@ def write_mcore_checkpoint(root: str | Path, model: ModelConfig, state: dict[str
     if missing or unexpected:
         raise ConversionError(f"state does not fit the model: missing {missing[:6]}, "
                               f"unexpected {unexpected[:6]}")
-    name = "iter_0000000"
-    final, tmp = root / name, root / f"{name}.tmp"
-    if _rank() == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        for stale in (tmp, final):
-            if stale.exists():
-                shutil.rmtree(stale)
-        tmp.mkdir()
-    _barrier()
     from megatron.core import dist_checkpointing
 
-    # the common-state keys load_checkpoint reads; no optimizer / scheduler / rng
-    dist_checkpointing.save({
-        "model": module.sharded_state_dict(prefix=""),
-        "step": 0, "consumed_samples": 0, "arch": _arch(model), "format_version": FORMAT_VERSION,
-        "extra": extra or {}, "weights_only": True,
-    }, str(tmp))
-    _barrier()
-    if _rank() == 0:
-        (tmp / COMPLETE).write_text("converted, weights only\n")
-        tmp.rename(final)
-        (root / "latest").write_text(name + "\n")
-    _barrier()
-    return final
+    name = "iter_0000000"
+    with committed_folder(root, name, marker="converted, weights only") as tmp:
+        # the common-state keys load_checkpoint reads; no optimizer / scheduler / rng
+        dist_checkpointing.save({
+            "model": module.sharded_state_dict(prefix=""),
+            "step": 0, "consumed_samples": 0, "arch": _arch(model),
+            "format_version": FORMAT_VERSION, "extra": extra or {}, "weights_only": True,
+        }, str(tmp))
+    return root / name
 
 
 def find_config(path: str | Path) -> Path:
