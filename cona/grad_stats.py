@@ -161,13 +161,12 @@ class GradientNoiseScale:
 
 def grad_sq_norm(params: Iterable[torch.Tensor]) -> float:
     """Sum of squared L2 norms of ``p.grad`` over ``params`` (fp32; missing grads skipped)."""
-    import torch
 
-    total = torch.zeros((), dtype=torch.float64)
+    total = 0.0
     for p in params:
         if p.grad is not None:
-            total += p.grad.detach().double().pow(2).sum()
-    return float(total)
+            total += float(p.grad.detach().double().pow(2).sum())
+    return total
 
 
 def microbatch_grad_sq_norms(

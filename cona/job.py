@@ -166,7 +166,8 @@ class RealJob(Job):
     def train_step(self) -> tuple[StepResult, float]:
         t0 = time.perf_counter()
         result = self.trainer.train_step(self.sampler.next())
-        dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+        dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64,
+                          device=self.trainer.device)
         dist.all_reduce(dt, op=dist.ReduceOp.MAX)  # identical controller inputs on all ranks
         self.fresh = False
         return result, float(dt[0])

@@ -111,7 +111,7 @@ class GNSProbe:
     def _sq_norm(self, fix_tied: bool) -> float:
         """Squared norm of this replica's gradient, summed over the model-parallel group."""
         module = self.trainer.module
-        total = torch.zeros(1, dtype=torch.float64)
+        total = torch.zeros(1, dtype=torch.float64, device=self.trainer.device)
         tied = None
         if (
             fix_tied
@@ -143,7 +143,8 @@ class GNSProbe:
         small = None
         p = self.trainer.cfg.parallel
         if self.mode == "replica":
-            local = torch.tensor([self._sq_norm(fix_tied=True)], dtype=torch.float64)
+            local = torch.tensor([self._sq_norm(fix_tied=True)], dtype=torch.float64,
+                                 device=self.trainer.device)
             _all_reduce(local, parallel_state.get_data_parallel_group())
             small, small_batch = float(local[0]) / self._dp, p.global_batch_size // self._dp
         elif self.mode == "microbatch":

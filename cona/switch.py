@@ -113,7 +113,7 @@ class PeakRSS:
 
 
 def _max_over_ranks(values: list[float]) -> list[float]:
-    t = torch.tensor(values, dtype=torch.float64)
+    t = torch.tensor(values, dtype=torch.float64, device=cpu_compat.device())
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t.tolist()

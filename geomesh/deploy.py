@@ -293,9 +293,7 @@ def world_gather(values: list[float]) -> list[list[float]]:
     """All-gather a short float64 vector from every rank (rank order)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return [list(values)]
-    t = torch.tensor(values, dtype=torch.float64)
-    if cpu_compat.backend() == "nccl":
-        t = t.cuda()
+    t = torch.tensor(values, dtype=torch.float64, device=cpu_compat.device())
     out = [torch.zeros_like(t) for _ in range(dist.get_world_size())]
     dist.all_gather(out, t)
     return [o.cpu().tolist() for o in out]

@@ -363,7 +363,7 @@ class TorchDistributedTransport(Transport):
             lengths = [int(s.item()) for s in sizes]
             buf = torch.zeros(max(max(lengths), 1), dtype=torch.uint8, device=self.device)
             if data:
-                buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(
+                buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(  # host
                     self.device
                 )
             outs = [torch.empty_like(buf) for _ in range(n)]
@@ -384,7 +384,8 @@ class TorchDistributedTransport(Transport):
             n = int(size.item())
             buf = torch.empty(max(n, 1), dtype=torch.uint8, device=self.device)
             if data is not None and n:
-                buf[:n] = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.device)
+                buf[:n] = torch.frombuffer(  # host
+                    bytearray(data), dtype=torch.uint8).to(self.device)
             dist.broadcast(buf, src=src, group=group)
         except RuntimeError as e:
             raise TransportError(f"GeoMesh exchange {self.round}: {phase} failed: {e}") from e

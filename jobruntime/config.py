@@ -80,6 +80,13 @@ class ModelConfig:
     """Hidden and attention dropout probability (0 keeps runs deterministic)."""
     mask_prob: float = 0.15
     """BERT only: fraction of tokens masked for masked LM."""
+    attention_backend: Literal["auto", "sdpa", "local", "te"] = "auto"
+    """Core-attention kernel (not part of the architecture: checkpoints load
+    under any): ``te`` Transformer Engine's layer specs; ``sdpa`` megatron's
+    local specs with torch ``scaled_dot_product_attention`` (flash / cuDNN /
+    memory-efficient kernels); ``local`` megatron's ``DotProductAttention``
+    (materialises the score matrix); ``auto`` = ``te`` where it imports,
+    else ``sdpa``."""
 
     @property
     def ffn(self) -> int:

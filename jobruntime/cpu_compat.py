@@ -4,19 +4,21 @@ megatron-core 0.16.1 assumes CUDA in a few places (see ``DESIGN.md``,
 "Findings"): tensors created with ``device="cuda"`` or
 ``torch.cuda.current_device()`` (global memory buffer, DDP buffers, pipeline
 p2p and schedules, gradient clipping), the CUDA RNG tracker, CUDA streams in
-the resharding copy service, and ``clip_grad_by_total_norm_fp32``'s assertion
-that gradients are ``torch.cuda.FloatTensor``.
+the resharding copy service, and type checks on ``Tensor.type()`` strings
+(``torch.cuda.FloatTensor`` / ``torch.cuda.BFloat16Tensor``) in the
+mixed-precision optimizer and in gradient clipping.
 
 :func:`enable` installs, process-wide and idempotently:
 
 * a ``TorchFunctionMode`` that maps a ``device`` of ``"cuda"``, ``"cuda:N"``,
   ``torch.device("cuda")`` or an int to ``"cpu"`` in factory functions,
-  ``Tensor.to`` and ``Tensor.cuda``;
+  ``Tensor.to`` and ``Tensor.cuda``, and makes ``Tensor.type()`` (no
+  argument) name a CPU tensor as its CUDA twin (``torch.cuda.BFloat16Tensor``),
+  so megatron's bf16 optimizer and gradient clipping run the same code as on
+  GPU;
 * CPU stand-ins for ``torch.cuda.current_device / synchronize / manual_seed /
   get_rng_state / set_rng_state / Stream / stream / current_stream / Event``
-  and the default generators used by megatron's RNG tracker;
-* a CPU ``clip_grad_by_total_norm_fp32`` (same math: scale every gradient by
-  ``max_norm / (total_norm + 1e-6)`` when that is below 1).
+  and the default generators used by megatron's RNG tracker.
 
 It does nothing when CUDA is available: on GPU megatron-core runs unchanged.
 """
@@ -51,6 +53,9 @@ class _CudaToCpuMode(TorchFunctionMode):
         kwargs = kwargs or {}
         if func is torch.Tensor.cuda:
             return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            name = func(*args)  # e.g. "torch.BFloat16Tensor" -> "torch.cuda.BFloat16Tensor"
+            return name.replace("torch.", "torch.cuda.", 1) if args[0].device.type == "cpu" else name
         if "device" in kwargs:
             kwargs["device"] = _to_cpu_device(kwargs["device"])
         if func is torch.Tensor.to and len(args) > 1:
@@ -91,21 +96,6 @@ class _CpuStream:
 @contextlib.contextmanager
 def _cpu_stream_ctx(stream=None):
     yield stream
-
-
-def _clip_grad_by_total_norm_fp32_cpu(parameters, max_norm, total_norm, use_decoupled_grad=False):
-    """CPU twin of ``megatron.core.optimizer.clip_grads.clip_grad_by_total_norm_fp32``."""
-    if isinstance(parameters, torch.Tensor):
-        parameters = [parameters]
-    clip_coeff = max_norm / (total_norm + 1.0e-6)
-    if clip_coeff >= 1.0:
-        return
-    attr = "decoupled_grad" if use_decoupled_grad else "grad"
-    with torch.no_grad():
-        for p in parameters:
-            g = getattr(p, attr, None)
-            if g is not None:
-                g.mul_(clip_coeff)
 
 
 def cuda_available() -> bool:
@@ -160,12 +150,6 @@ def enable() -> bool:
     mp_random._set_cuda_rng_state = lambda new_state, device=-1, graph_safe=False: (
         torch.set_rng_state(new_state)
     )
-
-    from megatron.core.optimizer import clip_grads, optimizer
-
-    clip_grads.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_fp32_cpu
-    if hasattr(optimizer, "clip_grad_by_total_norm_fp32"):
-        optimizer.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_fp32_cpu
 
     mode = _CudaToCpuMode()
     mode.__enter__()  # process-wide: stays on the mode stack for the life of the process

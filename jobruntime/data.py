@@ -380,7 +380,8 @@ def build_dataset(corpus: Corpus, model: ModelConfig, split: str, num_samples: i
 def collate(samples: list[dict]) -> dict[str, torch.Tensor]:
     """Stack a list of dataset items into ``[micro_batch, seq]`` tensors."""
     keys = [k for k, v in samples[0].items() if isinstance(v, (np.ndarray, torch.Tensor))]
-    return {k: torch.stack([torch.as_tensor(s[k]) for s in samples]) for k in keys}
+    # host batches: the trainer moves them to the compute device
+    return {k: torch.stack([torch.as_tensor(s[k]) for s in samples]) for k in keys}  # host
 
 
 class GlobalBatchSampler:

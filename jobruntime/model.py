@@ -1,34 +1,25 @@
 """Build megatron-core ``GPTModel`` / ``BertModel`` from a :class:`ModelConfig`.
 
 The one place where this project's config becomes megatron-core's
-``TransformerConfig`` (:func:`to_transformer_config`).  Layer specs: Transformer
-Engine (``get_gpt_layer_with_transformer_engine_spec``) when CUDA and
-``transformer_engine`` are importable, megatron-core's local specs otherwise.
+``TransformerConfig`` (:func:`to_transformer_config`).  Layer specs
+(:func:`jobruntime.attention.layer_spec`): Transformer Engine's where it
+imports, otherwise megatron-core's local specs with torch SDPA as the core
+attention.  Fused kernels are switched on only where they import
+(:mod:`jobruntime.kernels`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 
 import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from .attention import layer_spec, resolve_attention_backend, swap_in_sdpa
 from .config import ModelConfig, ParallelConfig
-
-
-@functools.cache
-def transformer_engine_available() -> bool:
-    """True when CUDA is present and Transformer Engine imports."""
-    if not torch.cuda.is_available():
-        return False
-    try:
-        import transformer_engine  # noqa: F401
-    except Exception:
-        return False
-    return True
+from .kernels import available_kernels
 
 
 def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = 128) -> int:
@@ -48,10 +39,11 @@ def to_transformer_config(
 
     Weights are initialised on the CPU from the full (unsharded) tensor and then
     split (``use_cpu_initialization``), so with the same seed a TP=2 model holds
-    the same weights as a TP=1 model.  Kernel fusions that need CUDA/JIT are off
-    on CPU.
+    the same weights as a TP=1 model; :func:`build_model` moves them to the
+    compute device.  Each kernel fusion is on only where its kernel imports
+    (:func:`jobruntime.kernels.available_kernels`).
     """
-    on_gpu = torch.cuda.is_available()
+    k = available_kernels()
     swiglu = model.activation == "swiglu"
     return TransformerConfig(
         num_layers=model.num_layers,
@@ -75,31 +67,13 @@ def to_transformer_config(
         bf16=params_dtype == torch.bfloat16,
         use_cpu_initialization=True,
         perform_initialization=perform_initialization,
-        bias_activation_fusion=on_gpu and not swiglu,
-        bias_dropout_fusion=on_gpu,
-        masked_softmax_fusion=on_gpu,
-        apply_rope_fusion=False,
-        gradient_accumulation_fusion=False,
-        persist_layer_norm=on_gpu,
+        bias_activation_fusion=k.jit and (swiglu or model.add_bias_linear),
+        bias_dropout_fusion=k.jit,
+        masked_softmax_fusion=k.masked_softmax,
+        apply_rope_fusion=k.rope and model.position_embedding == "rope",
+        gradient_accumulation_fusion=k.grad_accumulation,
+        persist_layer_norm=k.persist_layer_norm,
     )
-
-
-def _layer_spec(model: ModelConfig, local: bool = False):
-    te = transformer_engine_available() and not local
-    if model.family == "bert":
-        from megatron.core.models.bert import bert_layer_specs
-
-        if te:
-            return bert_layer_specs.get_bert_layer_with_transformer_engine_spec()
-        return bert_layer_specs.bert_layer_local_spec
-    from megatron.core.models.gpt.gpt_layer_specs import (
-        get_gpt_layer_local_spec,
-        get_gpt_layer_with_transformer_engine_spec,
-    )
-
-    if te:
-        return get_gpt_layer_with_transformer_engine_spec()
-    return get_gpt_layer_local_spec(normalization=model.normalization)
 
 
 def build_model(
@@ -118,9 +92,10 @@ def build_model(
         pre_process / post_process: embedding / output-layer stage flags;
             ``None`` derives them from the pipeline rank.
         meta: build on the meta device (no memory; for sizes and parameter counts).
-        local_spec: megatron-core's local layer specs even where Transformer
-            Engine is available (same checkpoint keys, plain state-dict names
-            such as ``input_layernorm``; used by checkpoint conversion).
+        local_spec: megatron-core's local layer specs (with SDPA attention
+            unless ``model.attention_backend=local``) even where Transformer
+            Engine is available: plain state-dict names such as
+            ``input_layernorm``, used by checkpoint conversion.
 
     Returns:
         A ``GPTModel`` (families ``gpt``, ``llama``) or ``BertModel`` (``bert``)
@@ -137,13 +112,17 @@ def build_model(
         model, parallel, params_dtype=params_dtype, perform_initialization=not meta
     )
     vocab = padded_vocab_size(model.vocab_size, parallel.tp)
+    backend = resolve_attention_backend(model)
+    if local_spec and backend == "te":
+        backend = "sdpa"
+    spec = layer_spec(model, backend)
     ctx = torch.device("meta") if meta else contextlib.nullcontext()
     with ctx:
         if model.family == "bert":
-            return BertModel(
+            bert = BertModel(
                 config=tcfg,
                 num_tokentypes=2,
-                transformer_layer_spec=_layer_spec(model, local_spec),
+                transformer_layer_spec=spec,
                 vocab_size=vocab,
                 max_sequence_length=model.max_positions,
                 pre_process=pre_process,
@@ -151,9 +130,10 @@ def build_model(
                 share_embeddings_and_output_weights=model.tie_embeddings,
                 add_binary_head=False,
             )
+            return swap_in_sdpa(bert) if backend == "sdpa" else bert
         return GPTModel(
             config=tcfg,
-            transformer_layer_spec=_layer_spec(model, local_spec),
+            transformer_layer_spec=spec,
             vocab_size=vocab,
             max_sequence_length=model.max_positions,
             pre_process=pre_process,

@@ -22,6 +22,7 @@ from megatron.core import parallel_state, tensor_parallel
 
 from . import cpu_compat
 from .config import JobConfig
+from .devices import install_collective_check
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -61,9 +62,12 @@ def init_distributed(timeout_s: float = 600.0) -> None:
     """Initialise ``torch.distributed`` from torchrun's environment, or as a world of 1.
 
     Backend: NCCL with CUDA, gloo on CPU (where the CPU layer of
-    :mod:`jobruntime.cpu_compat` is switched on first).
+    :mod:`jobruntime.cpu_compat` is switched on first).  Collectives check
+    their tensors' devices against the group's backend
+    (:func:`jobruntime.devices.install_collective_check`).
     """
     cpu_compat.enable()
+    install_collective_check()
     if dist.is_initialized():
         return
     if "RANK" not in os.environ:

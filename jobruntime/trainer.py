@@ -5,8 +5,13 @@ megatron optimizer (AdamW), the LR schedule, and the forward/backward schedule.
 the current ``parallel_state`` layout, call :meth:`Trainer.train_step` with
 this rank's micro-batches, :meth:`Trainer.evaluate` for validation loss.
 
-Wraps: ``megatron.core.distributed.DistributedDataParallel``,
-``megatron.core.optimizer.get_megatron_optimizer``,
+Wraps, in megatron's own order (``megatron.training.get_model``): the model
+chunk moved to the compute device, ``megatron.core.transformer.module.Float16Module``
+for bf16/fp16 (casts first-stage inputs to the model dtype and last-stage
+outputs to fp32, exactly as on GPU — also on CPU),
+``megatron.core.distributed.DistributedDataParallel``,
+``megatron.core.optimizer.get_megatron_optimizer`` (torch's fused AdamW
+kernel where neither apex nor Transformer Engine provides one),
 ``megatron.core.optimizer_param_scheduler.OptimizerParamScheduler`` and
 ``megatron.core.pipeline_parallel.get_forward_backward_func`` (no pipelining
 or 1F1B, chosen by the PP size).
@@ -30,9 +35,11 @@ from megatron.core.distributed import (
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.transformer.module import Float16Module
 
 from . import cpu_compat
 from .config import JobConfig
+from .devices import check_module_devices
 from .model import build_model
 
 
@@ -58,6 +65,22 @@ def resolve_dtype(precision: str) -> torch.dtype:
     if precision == "bf16" or (precision == "auto" and torch.cuda.is_available()):
         return torch.bfloat16
     return torch.float32
+
+
+def _use_fused_adamw(optimizer) -> None:
+    """Switch megatron's torch ``AdamW`` fallback to torch's fused kernel.
+
+    Without apex or Transformer Engine, ``get_megatron_optimizer`` builds
+    ``torch.optim.AdamW`` with its defaults (the multi-tensor ``foreach``
+    path); ``fused=True`` runs one kernel per parameter group on CUDA and on
+    CPU (torch >= 2.4).  Same update rule; apex/TE optimizers are left alone.
+    """
+    inner = getattr(optimizer, "optimizer", None)
+    if type(inner) is not torch.optim.AdamW:
+        return
+    for group in inner.param_groups:
+        group["fused"], group["foreach"] = True, False
+    inner.defaults.update(fused=True, foreach=False)
 
 
 def _gpt_forward(batch, model):
@@ -100,7 +123,12 @@ class Trainer:
         self.dtype = resolve_dtype(cfg.train.precision)
         self.device = cpu_compat.device()
         module = model if model is not None else build_model(cfg.model, cfg.parallel, params_dtype=self.dtype)
+        # built on the CPU (use_cpu_initialization: every layout draws the full tensors)
+        self.module = module.to(self.device)
+        """The unwrapped megatron model chunk (``GPTModel`` / ``BertModel``)."""
+        check_module_devices(self.module, self.device, "model")
         self.tcfg = module.config
+        chunk = Float16Module(self.tcfg, module) if self.tcfg.bf16 or self.tcfg.fp16 else module
         ddp_cfg = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False
         )
@@ -115,7 +143,7 @@ class Trainer:
                 ep=parallel_state.get_expert_model_parallel_group(),
                 dp=dp_group, dp_cp=dp_group, expt_dp=dp_group,
             )
-        self.model = [DistributedDataParallel(config=self.tcfg, ddp_config=ddp_cfg, module=module,
+        self.model = [DistributedDataParallel(config=self.tcfg, ddp_config=ddp_cfg, module=chunk,
                                               pg_collection=pgs)]
         t = cfg.train
         # clip_grad=0 disables clipping; an infinite threshold keeps megatron
@@ -135,6 +163,7 @@ class Trainer:
             use_distributed_optimizer=False,
         )
         self.optimizer = get_megatron_optimizer(opt_cfg, self.model)
+        _use_fused_adamw(self.optimizer)
         self.scheduler = OptimizerParamScheduler(
             self.optimizer,
             init_lr=0.0,
@@ -183,7 +212,7 @@ class Trainer:
 
     def _mean_loss(self, losses: list[dict]) -> float:
         """Average the micro-batch losses over micro-batches and DP; broadcast from the last stage."""
-        value = torch.zeros(1, dtype=torch.float64)
+        value = torch.zeros(1, dtype=torch.float64, device=self.device)
         if parallel_state.is_pipeline_last_stage() and losses:
             value[0] = torch.stack([d["lm loss"].double() for d in losses]).mean()
             group = self.dp_group or parallel_state.get_data_parallel_group()
@@ -243,13 +272,14 @@ class Trainer:
         self.cfg.parallel.micro_batch_size = micro_batch_size
 
     def _main_params(self) -> dict[int, torch.Tensor]:
-        """id(model param) -> fp32 main copy kept by a mixed-precision optimizer."""
-        out = {}
-        for model_group, main_group in zip(getattr(self.optimizer, "float16_groups", []),
-                                           getattr(self.optimizer, "fp32_from_float16_groups", [])):
-            for p, main in zip(model_group, main_group):
-                out[id(p)] = main
-        return out
+        """id(model param) -> fp32 main copy kept by a mixed-precision optimizer.
+
+        megatron's ``Float16OptimizerWithFloat16Params`` sets ``param.main_param``
+        (it sits inside a ``ChainedOptimizer``, so its own groups are not at
+        hand here); fp32 training has no main copies.
+        """
+        return {id(p): p.main_param for p in self.module.parameters()
+                if getattr(p, "main_param", None) is not None}
 
     @torch.no_grad()
     def get_params(self) -> dict[str, torch.Tensor]:
@@ -281,7 +311,3 @@ class Trainer:
         return {name: int(getattr(p, "partition_dim", 0)) for name, p in self.module.named_parameters()
                 if getattr(p, "tensor_model_parallel", False)}
 
-    @property
-    def module(self) -> torch.nn.Module:
-        """The unwrapped megatron model chunk (``GPTModel`` / ``BertModel``)."""
-        return self.model[0].module

@@ -135,16 +135,17 @@ def build_requests(examples: list[Example], tokenizer) -> list[tuple[list[int], 
 def _to_batch(requests: list[tuple[list[int], list[int]]], seq_length: int, pad: int) -> dict:
     """``[b, seq_length]`` tokens, position ids, targets and continuation mask."""
     b = len(requests)
-    tokens = torch.full((b, seq_length), pad, dtype=torch.long)
-    targets = torch.full((b, seq_length), pad, dtype=torch.long)
-    mask = torch.zeros((b, seq_length))
+    # host tensors: the forward step moves the batch to the compute device
+    tokens = torch.full((b, seq_length), pad, dtype=torch.long)  # host
+    targets = torch.full((b, seq_length), pad, dtype=torch.long)  # host
+    mask = torch.zeros((b, seq_length))  # host
     for i, (ctx, cont) in enumerate(requests):
         full = (ctx + cont)[-(seq_length + 1):]
         n, c = len(full) - 1, min(len(cont), len(full) - 1)
-        tokens[i, :n] = torch.tensor(full[:-1])
-        targets[i, :n] = torch.tensor(full[1:])
+        tokens[i, :n] = torch.tensor(full[:-1])  # host
+        targets[i, :n] = torch.tensor(full[1:])  # host
         mask[i, n - c:n] = 1.0
-    positions = torch.arange(seq_length).expand(b, seq_length)
+    positions = torch.arange(seq_length).expand(b, seq_length)  # host
     return {"tokens": tokens, "position_ids": positions, "targets": targets, "mask": mask}
 
 
@@ -186,7 +187,7 @@ def score_requests(trainer, requests: list[tuple[list[int], list[int]]],
     mb, seq = cfg.parallel.micro_batch_size, cfg.model.seq_length
     dp, dp_rank = (parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank())
     mine = list(range(dp_rank, len(requests), dp))
-    scores = torch.zeros(len(requests), dtype=torch.float64)
+    scores = torch.zeros(len(requests), dtype=torch.float64, device=trainer.device)
     pad = requests[0][0][0]  # eod; padded positions are masked anyway
     for m in trainer.model:
         m.eval()
