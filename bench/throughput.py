@@ -1,20 +1,36 @@
-"""Training throughput (tokens/s) and MFU of a preset for a few steps.
+"""Training throughput (tokens/s), MFU and peak memory of a preset, side by side
+with its plain-PyTorch peer.
 
-Runs ``--steps`` optimizer steps on synthetic-free real data (the bundled
-corpus, or ``data.path``) after ``--warmup`` untimed steps, and prints one JSON
-object: ``{"model", "device", "world_size", "tp", "pp", "dp", "tokens_per_s",
-"step_s", "flops_per_token", "achieved_tflops", "mfu", "peak_tflops"}``.
-MFU needs the device's peak: pass ``--gpu NAME`` (a profile in
-``jobruntime/gpu_profiles.yaml``, e.g. H200); on CPU it is null.
+Runs ``--warmup`` untimed and ``--steps`` timed optimizer steps of this
+project's trainer (megatron-core model, Float16Module, megatron DDP and
+optimizer) and prints one JSON object.  ``--peer`` then trains the same model
+shape as a Hugging Face ``transformers`` model in the same process (SDPA,
+bf16 autocast, fused AdamW: ``bench/hf_peer.py``) and adds its tokens/s and
+``ratio`` = ours / peer; ``--peer-compile`` adds the ``torch.compile`` peer.
+The JSON object is printed after each stage (ours, the eager peer, the
+compiled peer), each line a superset of the one before: the last line is the
+result.  ``--sweep-mbs 1,2,4,8`` re-times ours at several micro-batch sizes (same global
+batch) and fits the efficiency curve of ``jobruntime/gpu_profiles.yaml``
+(``mfu = mfu_max * t / (t + half_sat_tokens)``, t = tokens per micro-batch).
+
+Inputs are uniformly random tokens (``--data random``, the same for both
+sides) or the preset's corpus (``--data real``).  MFU needs the device's peak:
+``--gpu NAME`` (a profile in ``jobruntime/gpu_profiles.yaml``, e.g. H200;
+default: found from the CUDA device's name); it is null on CPU.  FLOPs per token: :func:`jobruntime.flops.flops_per_token`
+(Narayanan et al. 2021), identical for both sides, so the ratio of MFUs is the
+ratio of tokens/s.
 
     python bench/throughput.py --config tiny_gpt --steps 10
-    torchrun --nproc-per-node 8 bench/throughput.py --config gpt3_1.3b --gpu H100 \
+    python bench/throughput.py --config gpt3_1.3b --gpu H200 --peer --peer-compile \\
+        parallel.micro_batch_size=4 parallel.global_batch_size=16
+    torchrun --nproc-per-node 8 bench/throughput.py --config gpt3_1.3b --gpu H100 \\
         parallel.tp=2 parallel.micro_batch_size=4 parallel.global_batch_size=64
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import sys
 import time
@@ -23,12 +39,60 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
+def _sync():
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _time_ours(trainer, batches_fn, steps: int, warmup: int) -> dict:
+    import torch
+
+    for _ in range(warmup):
+        trainer.train_step(batches_fn())
+    _sync()
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        result = trainer.train_step(batches_fn())
+    _sync()
+    step_s = (time.perf_counter() - t0) / steps
+    return {"tokens_per_s": result.tokens / step_s, "step_s": step_s, "last_loss": result.loss,
+            "peak_memory_gib": (torch.cuda.max_memory_allocated() / 2**30
+                                if torch.cuda.is_available() else None)}
+
+
+def fit_efficiency(points: list[tuple[float, float]]) -> dict | None:
+    """Least-squares fit of ``mfu = m * t / (t + h)`` through ``(t, mfu)`` points.
+
+    Linear in ``1/mfu = 1/m + (h/m) * (1/t)``.  Returns ``{"mfu_max", "half_sat_tokens"}``,
+    or None with fewer than two distinct points.
+    """
+    import numpy as np
+
+    pts = [(t, m) for t, m in points if t > 0 and m and m > 0]
+    if len({t for t, _ in pts}) < 2:
+        return None
+    x = np.array([1.0 / t for t, _ in pts])
+    y = np.array([1.0 / m for _, m in pts])
+    slope, intercept = np.polyfit(x, y, 1)
+    mfu_max = 1.0 / intercept
+    return {"mfu_max": round(float(mfu_max), 4), "half_sat_tokens": round(float(slope * mfu_max), 1)}
+
+
 def main() -> None:
-    p = argparse.ArgumentParser()
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default="tiny_gpt")
     p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--gpu", default=None, help="GPU profile for MFU (peak TFLOP/s)")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--gpu", default="auto",
+                   help="GPU profile for MFU (peak TFLOP/s); auto: from the CUDA device's name")
+    p.add_argument("--data", choices=("random", "real"), default="random")
+    p.add_argument("--peer", action="store_true", help="also time the Hugging Face peer")
+    p.add_argument("--peer-compile", action="store_true", help="also time the compiled peer")
+    p.add_argument("--sweep-mbs", default="", help="comma-separated micro-batch sizes to re-time")
     p.add_argument("overrides", nargs="*")
     args = p.parse_args()
     from jobruntime.logging_utils import setup_logging
@@ -37,8 +101,9 @@ def main() -> None:
     import torch
 
     from jobruntime.config import load_config
+    from jobruntime.data import synthetic_microbatch
     from jobruntime.flops import flops_per_token
-    from jobruntime.hardware import get_gpu_profile
+    from jobruntime.hardware import get_gpu_profile, profile_for_device
     from jobruntime.loop import build_data
     from jobruntime.parallel import initialize_layout, set_seed, shutdown
     from jobruntime.trainer import Trainer
@@ -48,32 +113,73 @@ def main() -> None:
     topo = initialize_layout(cfg)
     set_seed(cfg.train.seed)
     trainer = Trainer(cfg)
-    data = build_data(cfg, topo)
-    for _ in range(args.warmup):
-        trainer.train_step(data.train.next())
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(args.steps):
-        result = trainer.train_step(data.train.next())
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    step_s = (time.perf_counter() - t0) / args.steps
-    tokens_per_s = result.tokens / step_s
+    par = cfg.parallel
+    if args.data == "real":
+        data = build_data(cfg, topo)
+        batches = data.train.next
+    else:
+        gen = torch.Generator().manual_seed(cfg.train.seed + topo.dp_rank)
+
+        def batches():
+            k = par.global_batch_size // (par.micro_batch_size * topo.dp)
+            return [synthetic_microbatch(cfg.model, par.micro_batch_size, gen) for _ in range(k)]
+
     fpt = flops_per_token(cfg.model)
-    achieved = fpt * tokens_per_s / topo.world_size / 1e12  # per device
-    peak = get_gpu_profile(args.gpu).peak_tflops if args.gpu else None
+    prof = profile_for_device() if args.gpu == "auto" else get_gpu_profile(args.gpu)
+    peak = prof.peak_tflops if prof else None
+
+    def with_mfu(r: dict) -> dict:
+        tflops = fpt * r["tokens_per_s"] / topo.world_size / 1e12  # per device
+        return {**{k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()},
+                "tokens_per_s": round(r["tokens_per_s"], 1),
+                "achieved_tflops_per_device": round(tflops, 2),
+                "mfu": round(tflops / peak, 4) if peak else None}
+
+    ours = with_mfu(_time_ours(trainer, batches, args.steps, args.warmup))
     out = {
         "model": cfg.name, "device": "cuda" if torch.cuda.is_available() else "cpu",
+        "gpu_name": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
         "world_size": topo.world_size, "tp": topo.tp, "pp": topo.pp, "dp": topo.dp,
+        "micro_batch_size": par.micro_batch_size, "global_batch_size": par.global_batch_size,
+        "seq_length": cfg.model.seq_length, "data": args.data,
         "precision": str(trainer.dtype).replace("torch.", ""),
-        "tokens_per_s": round(tokens_per_s, 1), "step_s": round(step_s, 4),
-        "flops_per_token": fpt, "achieved_tflops_per_device": round(achieved, 4),
-        "peak_tflops": peak, "mfu": round(achieved / peak, 4) if peak else None,
-        "last_loss": result.loss,
+        "attention_backend": cfg.model.attention_backend,
+        "flops_per_token": fpt, "peak_tflops": peak, **ours,
     }
-    if topo.rank == 0:
-        print(json.dumps(out))
+    if args.sweep_mbs:
+        sweep = []
+        for mbs in [int(x) for x in args.sweep_mbs.split(",")]:
+            if par.global_batch_size % (mbs * topo.dp):
+                continue
+            trainer.set_batch_size(par.global_batch_size, mbs)
+            r = with_mfu(_time_ours(trainer, batches, max(args.steps // 2, 2), 1))
+            sweep.append({"micro_batch_size": mbs, "tokens_per_micro_batch": mbs * cfg.model.seq_length,
+                          "tokens_per_s": r["tokens_per_s"], "mfu": r["mfu"]})
+        trainer.set_batch_size(par.global_batch_size, par.micro_batch_size)
+        out["mbs_sweep"] = sweep
+        out["efficiency_fit"] = fit_efficiency([(s["tokens_per_micro_batch"], s["mfu"]) for s in sweep])
+    emit = (lambda: print(json.dumps(out), flush=True)) if topo.rank == 0 else (lambda: None)
+    emit()  # one line per stage: a run stopped at a time limit keeps what it measured
+    if (args.peer or args.peer_compile) and topo.world_size == 1:
+        from bench.hf_peer import time_peer
+
+        del trainer
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        kw = dict(micro_batch_size=par.micro_batch_size, global_batch_size=par.global_batch_size,
+                  steps=args.steps, warmup=args.warmup, device=torch.device(out["device"]))
+        for key, compile_ in (("peer", False), ("peer_compiled", True)):
+            if key == "peer" and not args.peer or key == "peer_compiled" and not args.peer_compile:
+                continue
+            r = with_mfu(time_peer(cfg.model, cfg.train, compile=compile_, **kw))
+            gc.collect()  # the peer's model and optimizer go before the next one is built
+            if torch.cuda.is_available():
+                torch._dynamo.reset()
+                torch.cuda.empty_cache()
+            out[key] = r
+            out[f"ratio_vs_{key}"] = round(ours["tokens_per_s"] / r["tokens_per_s"], 3)
+            emit()
     shutdown()
 
 

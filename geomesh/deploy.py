@@ -44,7 +44,7 @@ import torch.distributed as dist
 
 from jobruntime import cpu_compat
 from jobruntime.config import JobConfig
-from jobruntime.parallel import Topology, init_distributed, initialize_layout
+from jobruntime.parallel import Topology, init_distributed, initialize_layout, prepare_process
 
 from .cluster import ClusterError, ClusterSpec
 from .transport import (
@@ -220,7 +220,7 @@ def place_real(cfg: JobConfig, cluster: ClusterSpec) -> tuple[Placement, JobConf
     K = len(cluster.workers)
     store = None
     if cfg.geomesh.region is not None:
-        cpu_compat.enable()
+        prepare_process()
         store, rank, world, job_rank = _join_rendezvous(cfg, cluster, tp, pp, dp_in)
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))

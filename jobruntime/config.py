@@ -87,6 +87,10 @@ class ModelConfig:
     memory-efficient kernels); ``local`` megatron's ``DotProductAttention``
     (materialises the score matrix); ``auto`` = ``te`` where it imports,
     else ``sdpa``."""
+    kernel_fusions: Literal["auto", "off"] = "auto"
+    """Fused kernels (bias+GeLU/SwiGLU, bias+dropout+add, cross entropy, apex
+    LayerNorm, masked softmax, RoPE): ``auto`` = each where its kernel imports
+    (:mod:`jobruntime.kernels`); ``off`` = none (same math, unfused)."""
 
     @property
     def ffn(self) -> int:

@@ -384,6 +384,28 @@ def collate(samples: list[dict]) -> dict[str, torch.Tensor]:
     return {k: torch.stack([torch.as_tensor(s[k]) for s in samples]) for k in keys}  # host
 
 
+def synthetic_microbatch(model: ModelConfig, micro_batch_size: int,
+                         generator: torch.Generator) -> dict[str, torch.Tensor]:
+    """One micro-batch of uniformly random tokens, keyed as the datasets' items.
+
+    For throughput benchmarks and tests that need no corpus.  Host tensors of
+    shape ``[micro_batch_size, model.seq_length]``; GPT/Llama: ``tokens``,
+    ``labels`` (next token), ``loss_mask`` (ones), ``position_ids``; BERT:
+    ``text``, ``types`` (zeros), ``padding_mask`` (ones), ``labels``,
+    ``loss_mask`` (``model.mask_prob`` of the positions).
+    """
+    b, s, v = micro_batch_size, model.seq_length, model.vocab_size
+    tokens = torch.randint(0, v, (b, s), generator=generator)  # host
+    if model.family == "bert":
+        mask = (torch.rand(b, s, generator=generator) < model.mask_prob).float()  # host
+        return {"text": tokens, "types": torch.zeros_like(tokens),
+                "padding_mask": torch.ones_like(tokens), "labels": tokens, "loss_mask": mask}
+    ones = torch.ones(b, s)  # host
+    positions = torch.arange(s).expand(b, s)  # host
+    return {"tokens": tokens, "labels": torch.roll(tokens, -1, dims=1), "loss_mask": ones,
+            "position_ids": positions}
+
+
 class GlobalBatchSampler:
     """Deterministic micro-batches of the global batch for one DP rank.
 

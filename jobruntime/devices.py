@@ -106,3 +106,17 @@ def check_module_devices(module: torch.nn.Module, device: torch.device, what: st
         if t.device.type != device.type:
             raise DeviceError(f"{what}: {name} is on {t.device}, the compute device is "
                               f"{device}; move the model with .to(device) before wrapping it")
+
+
+def device_summary(device: torch.device, dtype: torch.dtype) -> dict:
+    """What a run's ``summary.json`` records about where it ran.
+
+    Returns:
+        ``{"device": "cuda"|"cpu", "gpu": name or None, "precision": "bfloat16"|...,
+        "peak_memory_gib": max allocated GiB on this rank's GPU, or None on CPU}``.
+    """
+    cuda = device.type == "cuda"
+    return {"device": device.type, "gpu": torch.cuda.get_device_name(device) if cuda else None,
+            "precision": str(dtype).replace("torch.", ""),
+            "peak_memory_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 3)
+            if cuda else None}

@@ -70,3 +70,22 @@ def get_gpu_profile(name: str) -> GPUProfile:
         if key.lower() == name.lower():
             return prof
     raise KeyError(f"unknown GPU type '{name}'; known: {sorted(profiles)}")
+
+
+def profile_for_device(name: str | None = None) -> GPUProfile | None:
+    """The profile of a CUDA device by its name (``torch.cuda.get_device_name``).
+
+    ``"NVIDIA H200"`` → ``H200``, ``"NVIDIA A100-SXM4-80GB"`` → ``A100-80GB``:
+    the longest profile key whose parts all occur in the device name.  None on
+    CPU or for an unknown GPU.
+    """
+    import torch
+
+    if name is None:
+        if not torch.cuda.is_available():
+            return None
+        name = torch.cuda.get_device_name()
+    upper = name.upper()
+    hits = [p for key, p in gpu_profiles().items()
+            if all(part in upper for part in key.upper().split("-"))]
+    return max(hits, key=lambda p: len(p.name)) if hits else None

@@ -67,6 +67,11 @@ class Kernels:
     rope: bool
     jit: bool
 
+    @classmethod
+    def none(cls) -> Kernels:
+        """No fused kernel at all (``model.kernel_fusions=off``)."""
+        return cls(**{f: False for f in cls.__dataclass_fields__})
+
 
 @functools.cache
 def available_kernels() -> Kernels:

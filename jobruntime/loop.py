@@ -17,6 +17,7 @@ from pathlib import Path
 from .checkpoint import load_checkpoint, save_checkpoint
 from .config import JobConfig, save_config
 from .data import Corpus, GlobalBatchSampler, build_dataset, prepare_corpus
+from .devices import device_summary
 from .metrics import MetricsWriter, TTPTracker, perplexity
 from .parallel import Topology, initialize_layout, same_run_dir, set_seed
 from .tokenizer import save_tokenizer_file
@@ -165,7 +166,7 @@ def run(cfg: JobConfig, run_dir: Path,
         target_ppl=t.target_ppl, ttp_s=ttp.ttp_s, ttp_tokens=ttp.ttp_tokens, ttp_step=ttp.ttp_step,
         final_val_ppl=last_val_ppl, tokens=trainer.step * tokens_per_step, steps=trainer.step,
         wall_s=wall, world_size=topo.world_size, dp=topo.dp, tp=topo.tp, pp=topo.pp,
-        model=cfg.name,
+        model=cfg.name, **device_summary(trainer.device, trainer.dtype),
     )
     if end_of_run is not None:
         summary.update(end_of_run(trainer, data.corpus))

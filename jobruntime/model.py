@@ -19,7 +19,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from .attention import layer_spec, resolve_attention_backend, swap_in_sdpa
 from .config import ModelConfig, ParallelConfig
-from .kernels import available_kernels
+from .kernels import Kernels, available_kernels
 
 
 def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = 128) -> int:
@@ -43,7 +43,7 @@ def to_transformer_config(
     compute device.  Each kernel fusion is on only where its kernel imports
     (:func:`jobruntime.kernels.available_kernels`).
     """
-    k = available_kernels()
+    k = available_kernels() if model.kernel_fusions == "auto" else Kernels.none()
     swiglu = model.activation == "swiglu"
     return TransformerConfig(
         num_layers=model.num_layers,
@@ -69,6 +69,8 @@ def to_transformer_config(
         perform_initialization=perform_initialization,
         bias_activation_fusion=k.jit and (swiglu or model.add_bias_linear),
         bias_dropout_fusion=k.jit,
+        cross_entropy_loss_fusion=k.jit,
+        cross_entropy_fusion_impl="native",
         masked_softmax_fusion=k.masked_softmax,
         apply_rope_fusion=k.rope and model.position_embedding == "rope",
         gradient_accumulation_fusion=k.grad_accumulation,

@@ -58,6 +58,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def prepare_process() -> None:
+    """Per-process setup before any process group: the CPU layer where CUDA is
+    absent (:func:`jobruntime.cpu_compat.enable`) and the device check of every
+    collective (:func:`jobruntime.devices.install_collective_check`).  Idempotent."""
+    cpu_compat.enable()
+    install_collective_check()
+
+
 def init_distributed(timeout_s: float = 600.0) -> None:
     """Initialise ``torch.distributed`` from torchrun's environment, or as a world of 1.
 
@@ -66,8 +74,7 @@ def init_distributed(timeout_s: float = 600.0) -> None:
     their tensors' devices against the group's backend
     (:func:`jobruntime.devices.install_collective_check`).
     """
-    cpu_compat.enable()
-    install_collective_check()
+    prepare_process()
     if dist.is_initialized():
         return
     if "RANK" not in os.environ:

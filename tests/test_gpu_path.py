@@ -30,18 +30,17 @@ def _small(preset: str, *overrides: str):
 
 
 def _batch(cfg, seed: int = 0) -> dict:
-    """One synthetic micro-batch of ``cfg``'s family (host tensors, as the data pipeline gives)."""
-    g = torch.Generator().manual_seed(seed)
-    b, s, v = cfg.parallel.micro_batch_size, cfg.model.seq_length, cfg.model.vocab_size
-    tokens = torch.randint(0, v, (b, s), generator=g)
-    if cfg.model.family == "bert":
-        pad = torch.ones(b, s, dtype=torch.long)
-        pad[0, s // 2:] = 0  # one padded sequence: exercises the padding mask
-        return {"text": tokens, "padding_mask": pad, "types": torch.zeros_like(tokens),
-                "labels": torch.randint(0, v, (b, s), generator=g),
-                "loss_mask": (torch.rand(b, s, generator=g) < 0.3).float() * pad}
-    return {"tokens": tokens, "labels": torch.roll(tokens, -1, dims=1),
-            "loss_mask": torch.ones(b, s), "position_ids": torch.arange(s).expand(b, s)}
+    """One synthetic micro-batch; for BERT the first sequence is half padding."""
+    from jobruntime.data import synthetic_microbatch
+
+    batch = synthetic_microbatch(cfg.model, cfg.parallel.micro_batch_size,
+                                 torch.Generator().manual_seed(seed))
+    if cfg.model.family == "bert":  # exercises the padding mask
+        s = cfg.model.seq_length
+        batch["padding_mask"][0, s // 2:] = 0
+        batch["loss_mask"][0, s // 2:] = 0
+        batch["loss_mask"][:, ::3] = 1.0 * batch["padding_mask"][:, ::3]
+    return batch
 
 
 def _forward_loss(cfg, backend: str) -> float:
@@ -62,7 +61,7 @@ def _forward_loss(cfg, backend: str) -> float:
     return float((out * batch["loss_mask"]).sum() / batch["loss_mask"].sum())
 
 
-def _attention_kernel_errors(cfg) -> dict:
+def _attention_kernel_errors(cfg, device: str = "cpu") -> dict:
     """Max |SDPA - megatron local| on random q, k, v of this rank's heads, fp32 and bf16."""
     from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.enums import AttnMaskType
@@ -77,12 +76,12 @@ def _attention_kernel_errors(cfg) -> dict:
     hn = cfg.model.hidden_size // cfg.model.num_attention_heads
     s, b = cfg.model.seq_length, 2
     g = torch.Generator().manual_seed(7)
-    q = torch.randn(s, b, heads, hn, generator=g)
-    k = torch.randn(s, b, groups, hn, generator=g)
-    v = torch.randn(s, b, groups, hn, generator=g)
+    q = torch.randn(s, b, heads, hn, generator=g).to(device)  # host draw, then moved
+    k = torch.randn(s, b, groups, hn, generator=g).to(device)  # host draw, then moved
+    v = torch.randn(s, b, groups, hn, generator=g).to(device)  # host draw, then moved
     mask = None
     if bert:  # megatron's convention: True = masked out; second sequence padded after s/4
-        mask = torch.zeros(b, 1, 1, s, dtype=torch.bool)
+        mask = torch.zeros(b, 1, 1, s, dtype=torch.bool, device=device)
         mask[1, ..., s // 4:] = True
     errors = {}
     for dtype in (torch.float32, torch.bfloat16):
@@ -204,6 +203,11 @@ def test_fused_kernels_follow_imports(monkeypatch):
             assert t.apply_rope_fusion == (k.rope and cfg.model.position_embedding == "rope")
             assert t.bias_activation_fusion == (k.jit and (cfg.model.activation == "swiglu"
                                                            or cfg.model.add_bias_linear))
+            assert t.cross_entropy_loss_fusion == k.jit
+            cfg.model.kernel_fusions = "off"
+            off = to_transformer_config(cfg.model, cfg.parallel)
+            assert not (off.bias_activation_fusion or off.persist_layer_norm
+                        or off.masked_softmax_fusion or off.cross_entropy_loss_fusion)
             if not kernels._imports("apex"):
                 from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
