@@ -64,6 +64,42 @@ def _time_ours(trainer, batches_fn, steps: int, warmup: int) -> dict:
                                 if torch.cuda.is_available() else None)}
 
 
+def profile_step(trainer, batches_fn, top: int = 12) -> dict:
+    """One more step under ``torch.profiler``: the kernels that took the most time.
+
+    Returns:
+        ``{"step_s", "device_busy_s", "top": [{"name", "ms", "share", "calls"}]}``;
+        ``share`` is of the summed self time of all kernels (device time on
+        CUDA, CPU time otherwise); ``device_busy_s`` below ``step_s`` is idle GPU.
+    """
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    batches = batches_fn()
+    _sync()
+    t0 = time.perf_counter()
+    with profile(activities=activities) as prof:
+        trainer.train_step(batches)
+        _sync()
+    step_s = time.perf_counter() - t0
+    events = prof.key_averages()
+    if cuda:  # kernels only: an aten op's device time is also its kernels' (no double count)
+        events = [e for e in events if str(e.device_type).endswith("CUDA")]
+
+    def self_us(e) -> float:
+        if cuda:
+            return getattr(e, "self_device_time_total", 0.0) or getattr(e, "self_cuda_time_total", 0.0)
+        return e.self_cpu_time_total
+
+    total = sum(self_us(e) for e in events) or 1.0
+    ranked = sorted(events, key=self_us, reverse=True)[:top]
+    return {"step_s": round(step_s, 4), "device_busy_s": round(total / 1e6, 4),
+            "top": [{"name": e.key[:90], "ms": round(self_us(e) / 1e3, 2),
+                     "share": round(self_us(e) / total, 4), "calls": e.count} for e in ranked]}
+
+
 def fit_efficiency(points: list[tuple[float, float]]) -> dict | None:
     """Least-squares fit of ``mfu = m * t / (t + h)`` through ``(t, mfu)`` points.
 
@@ -93,6 +129,8 @@ def main() -> None:
     p.add_argument("--peer", action="store_true", help="also time the Hugging Face peer")
     p.add_argument("--peer-compile", action="store_true", help="also time the compiled peer")
     p.add_argument("--sweep-mbs", default="", help="comma-separated micro-batch sizes to re-time")
+    p.add_argument("--profile", action="store_true",
+                   help="profile one more step of ours: top kernels by time (under the profiler)")
     p.add_argument("overrides", nargs="*")
     args = p.parse_args()
     from jobruntime.logging_utils import setup_logging
@@ -146,6 +184,8 @@ def main() -> None:
         "attention_backend": cfg.model.attention_backend,
         "flops_per_token": fpt, "peak_tflops": peak, **ours,
     }
+    if args.profile:
+        out["profile"] = profile_step(trainer, batches)
     if args.sweep_mbs:
         sweep = []
         for mbs in [int(x) for x in args.sweep_mbs.split(",")]:

@@ -175,6 +175,16 @@ def layer_spec(model: ModelConfig, backend: str):
     return replace(spec, submodules=replace(spec.submodules, self_attention=attn))
 
 
+def allow_unmasked(bert: torch.nn.Module) -> torch.nn.Module:
+    """Let a megatron ``BertModel`` take ``attention_mask=None``: a batch without
+    padding needs no mask, and without a mask SDPA can use flash attention
+    (Hugging Face's SDPA path drops an all-ones mask the same way).  Masked
+    batches are unchanged."""
+    extend = bert.bert_extended_attention_mask
+    bert.bert_extended_attention_mask = lambda mask: None if mask is None else extend(mask)
+    return bert
+
+
 def swap_in_sdpa(model: torch.nn.Module) -> torch.nn.Module:
     """Replace every megatron ``DotProductAttention`` in ``model`` by :class:`SDPAttention`.
 

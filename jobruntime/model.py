@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from .attention import layer_spec, resolve_attention_backend, swap_in_sdpa
+from .attention import allow_unmasked, layer_spec, resolve_attention_backend, swap_in_sdpa
 from .config import ModelConfig, ParallelConfig
 from .kernels import Kernels, available_kernels
 
@@ -132,6 +132,7 @@ def build_model(
                 share_embeddings_and_output_weights=model.tie_embeddings,
                 add_binary_head=False,
             )
+            allow_unmasked(bert)
             return swap_in_sdpa(bert) if backend == "sdpa" else bert
         return GPTModel(
             config=tcfg,

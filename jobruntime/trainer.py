@@ -88,9 +88,9 @@ def _gpt_forward(batch, model):
 
 
 def _bert_forward(batch, model):
-    loss, _ = model(
-        batch["text"], batch["padding_mask"], tokentype_ids=batch["types"], lm_labels=batch["labels"]
-    )
+    # no padding in the micro-batch (checked on the host): no mask, flash attention
+    mask = None if batch.get("unpadded") else batch["padding_mask"]
+    loss, _ = model(batch["text"], mask, tokentype_ids=batch["types"], lm_labels=batch["labels"])
     return loss
 
 
@@ -192,7 +192,10 @@ class Trainer:
     # -- schedule ---------------------------------------------------------
     def _forward_step(self, data_iterator, model):
         index, batch = next(data_iterator)
+        pad = batch.get("padding_mask")
+        unpadded = pad is not None and pad.device.type == "cpu" and bool(pad.all())  # no GPU sync
         batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+        batch["unpadded"] = unpadded
         if self.microbatch_hook is not None:
             self.microbatch_hook(index)
         output = self._forward(batch, model)

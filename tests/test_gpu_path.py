@@ -61,6 +61,23 @@ def _forward_loss(cfg, backend: str) -> float:
     return float((out * batch["loss_mask"]).sum() / batch["loss_mask"].sum())
 
 
+def _bert_unmasked_equals_masked(cfg) -> float:
+    """|loss(all-ones padding mask) - loss(no mask)| of one tiny BERT (the unpadded fast path)."""
+    from jobruntime.model import build_model
+    from jobruntime.parallel import set_seed
+
+    set_seed(1234)
+    model = build_model(cfg.model, cfg.parallel)
+    batch = _batch(cfg)
+    batch["padding_mask"].fill_(1)
+    with torch.no_grad():
+        masked, _ = model(batch["text"], batch["padding_mask"], tokentype_ids=batch["types"],
+                          lm_labels=batch["labels"])
+        unmasked, _ = model(batch["text"], None, tokentype_ids=batch["types"],
+                            lm_labels=batch["labels"])
+    return float((masked - unmasked).abs().max())
+
+
 def _attention_kernel_errors(cfg, device: str = "cpu") -> dict:
     """Max |SDPA - megatron local| on random q, k, v of this rank's heads, fp32 and bf16."""
     from megatron.core.transformer.dot_product_attention import DotProductAttention
@@ -139,6 +156,8 @@ def _run_all():
         set_seed(1234)  # megatron's RNG tracker (attention dropout) needs its states
         out[preset] = {"kernel": _attention_kernel_errors(cfg),
                        "local": _forward_loss(cfg, "local"), "sdpa": _forward_loss(cfg, "sdpa")}
+        if preset == "tiny_bert":
+            out[preset]["unmasked_error"] = _bert_unmasked_equals_masked(cfg)
     cfg = _small("tiny_gpt", "parallel.tp=2", "parallel.micro_batch_size=2",
                  "parallel.global_batch_size=2", "train.lr=3e-3", "train.warmup_iters=0")
     out["bf16"] = _bf16_training(cfg)
@@ -161,6 +180,8 @@ def test_sdpa_equals_local_attention(results, preset):
         assert r["kernel"]["torch.float32"] < 1e-5, r
         assert r["kernel"]["torch.bfloat16"] < 6e-2, r
         assert r["sdpa"] == pytest.approx(r["local"], abs=1e-5), r
+        if preset == "tiny_bert":  # an unpadded batch may skip the mask: same losses
+            assert r["unmasked_error"] < 1e-5, r
 
 
 def test_bf16_trains_through_megatron_wrappers_on_cpu(results):
