@@ -23,7 +23,10 @@ start=$SECONDS
 for part in "${parts[@]}"; do
   case "$part" in
     tests)
-      timeout "${GPU_CHECK_TESTS_S:-330}" python -m pytest -q -m gpu tests/test_gpu.py \
+      # the tests are subprocesses of small models (and three 1B presets): run them side by
+      # side where pytest-xdist is installed; the benches below run alone
+      par=(); python -c "import xdist" 2>/dev/null && par=(-n 6 --dist loadgroup)
+      timeout "${GPU_CHECK_TESTS_S:-200}" python -m pytest -q -m gpu tests/test_gpu.py "${par[@]}" \
         -p no:cacheprovider --junitxml="$out/gpu_tests.xml" > "$out/gpu_tests.log" 2>&1
       echo "tests: exit $? after $((SECONDS - start)) s" ;;
     bench:*)

@@ -42,10 +42,13 @@ def _metrics(run_dir: Path) -> list[dict]:
 def demo(tmp_path_factory) -> Path:
     """``python train.py`` (the README's demo) with a final checkpoint."""
     run_dir = tmp_path_factory.mktemp("demo")
-    _run(["train.py", "--run-dir", str(run_dir), "checkpoint.save_interval=500", *QUIET])
+    # own data cache: the GPU check runs these tests side by side (pytest-xdist)
+    _run(["train.py", "--run-dir", str(run_dir), "checkpoint.save_interval=500",
+          f"data.cache_dir={run_dir / 'cache'}", *QUIET])
     return run_dir
 
 
+@pytest.mark.xdist_group("demo")
 def test_demo_reaches_target_on_gpu(demo):
     """Catches any CPU-only assumption in the ordinary job (device, dtype,
     collectives): the demo must run in bf16 on CUDA and reach its target."""
@@ -55,6 +58,7 @@ def test_demo_reaches_target_on_gpu(demo):
     assert summary["final_val_ppl"] < summary["target_ppl"], summary
 
 
+@pytest.mark.xdist_group("demo")
 def test_zero_shot_tool_on_gpu(demo):
     """tools/zero_shot.py on the demo's checkpoint: scores gathered over NCCL."""
     out = _run(["tools/zero_shot.py", "--config", str(demo / "config.yaml"), "--checkpoint",
@@ -64,9 +68,15 @@ def test_zero_shot_tool_on_gpu(demo):
     assert len(results) == 2 and all(0.0 <= r["accuracy"] <= 1.0 and r["n"] > 0 for r in results), out
 
 
-def _train_tokenizer(kind: str, vocab_size: int, path: Path) -> Path:
+def _train_tokenizer(kind: str, vocab_size: int, cache: Path) -> Path:
     """A tokenizer.json of the preset's kind trained on the bundled corpus:
-    byte-level BPE (GPT-2, Llama-3) or WordPiece with BERT's specials at 0..4."""
+    byte-level BPE (GPT-2, Llama-3) or WordPiece with BERT's specials at 0..4.
+    Kept in the test cache (``GEOCONA_TEST_CACHE``): training one takes minutes
+    on 2 cores."""
+    path = cache / "tokenizers" / f"{kind}-{vocab_size}.json"
+    if path.is_file():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
     from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
     from jobruntime.data import read_documents, resolve_data_path
@@ -86,22 +96,24 @@ def _train_tokenizer(kind: str, vocab_size: int, path: Path) -> Path:
         trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=special,
                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(docs, trainer=trainer)
-    tok.save(str(path))
+    tmp = path.with_suffix(".tmp")
+    tok.save(str(tmp))
+    tmp.rename(path)
     return path
 
 
 @pytest.mark.parametrize("preset", ["gpt3_1.3b", "llama3.2_1b", "bert_large"])
-def test_full_size_preset_trains_on_gpu(preset, tmp_path):
+def test_full_size_preset_trains_on_gpu(preset, tmp_path, cache_dir):
     """Each full-size preset builds, trains 3 steps in bf16 and evaluates, with
     a tokenizer.json of its kind: the first loss is near ln(vocab) (a fresh
     model guesses uniformly; 1.5 nats of slack for init noise) and falls."""
     cfg = yaml.safe_load((REPO / "model_configs" / f"{preset}.yaml").read_text())
     family, vocab = cfg["model"]["family"], cfg["model"]["vocab_size"]
-    tok = _train_tokenizer(family if family != "llama" else "llama", vocab, tmp_path / "tok.json")
+    tok = _train_tokenizer(family, vocab, Path(cache_dir))
     run_dir = tmp_path / "run"
     mbs = 16 if family == "bert" else 4
     _run(["train.py", "--config", preset, "--run-dir", str(run_dir), f"data.tokenizer={tok}",
-          f"data.cache_dir={tmp_path / 'cache'}", "train.iters=3", "train.eval_interval=3",
+          f"data.cache_dir={cache_dir}", "train.iters=3", "train.eval_interval=3",
           "train.eval_iters=1", "train.warmup_iters=1", f"parallel.micro_batch_size={mbs}",
           f"parallel.global_batch_size={2 * mbs}", *QUIET], timeout=900)
     losses = [r["loss"] for r in _metrics(run_dir)]
@@ -129,7 +141,8 @@ def test_geomesh_real_mode_on_gpu(tmp_path):
     run_dir = tmp_path / "run"
     cmd = ["-m", "torch.distributed.run", "--nproc-per-node", str(n), "train.py", "--config",
            "tiny_gpt", "--run-dir", str(run_dir), f"geomesh.cluster={path}",
-           "geomesh.method=geomesh", "geomesh.outer_steps=3", "geomesh.inner_steps=4", *QUIET]
+           "geomesh.method=geomesh", "geomesh.outer_steps=3", "geomesh.inner_steps=4",
+           f"data.cache_dir={tmp_path / 'cache'}", *QUIET]
     _run(cmd)
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["final_val_ppl"] is not None and math.isfinite(summary["final_val_ppl"]), summary
@@ -142,7 +155,7 @@ def test_cona_real_mode_on_gpu(tmp_path):
     run_dir = tmp_path / "run"
     _run(["-m", "torch.distributed.run", "--nproc-per-node", str(n), "train.py", "--config",
           "tiny_gpt", "--run-dir", str(run_dir), "cona.enabled=true", "train.iters=60",
-          "cona.decision_interval=15", *QUIET])
+          "cona.decision_interval=15", f"data.cache_dir={tmp_path / 'cache'}", *QUIET])
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary.get("chain"), summary
 
