@@ -61,6 +61,8 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
+from jobruntime.faults import fault_point
+
 from .cluster import ClusterError, ClusterSpec
 from .envelope import DATA, HEAL, JOIN, EnvelopeError, Opener
 
@@ -450,6 +452,7 @@ class Membership:
             kind = DATA if body is not None else JOIN
             sealed = self.opener.seal(body or b"", kind=kind, round=r_now, worker=self.worker,
                                       shard=self.shard)
+            fault_point("exchange", r_now)
             try:
                 got = self._all_gather(sealed)
             except Exception as e:  # noqa: BLE001 - gloo/NCCL errors: a peer died after the quorum
@@ -472,6 +475,7 @@ class Membership:
                                     self.name(k), e)
                     continue
                 out[k] = env.body if env.kind == DATA else None
+            fault_point("commit", r_now)
             if not self.manager.should_commit():
                 self.opener.forget_round(r_now)
                 continue

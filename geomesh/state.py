@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from jobruntime.checkpoint import COMPLETE, CheckpointError, committed_folder
+from jobruntime.faults import fault_point
 
 
 def save_state(root: Path, step: int, state: dict, *, rank: int, job_leader: bool,
@@ -37,6 +38,7 @@ def save_state(root: Path, step: int, state: dict, *, rank: int, job_leader: boo
         part = tmp / f".rank{rank:05d}.pt.tmp"
         torch.save(state, part)
         os.replace(part, tmp / f"rank{rank:05d}.pt")
+        fault_point("save", step)
     return root / name
 
 

@@ -65,6 +65,7 @@ import time
 import torch
 
 from jobruntime.checkpoint import CheckpointError
+from jobruntime.faults import fault_point
 from jobruntime.metrics import perplexity
 
 from .clock import EmulatedClock, inner_step_time_s
@@ -196,7 +197,8 @@ def run_sync(ctx: RunContext) -> dict:
 
         ft.set_state_fns(save_heal, load_heal)
         joining = ft.join(start)
-        members = list(ft.members)
+        if not joining:  # else the healed state says who trained this round
+            members = list(ft.members)
     while r < g.outer_steps:
         step = r + 1
         offsets = [sum(steps[j].samples for j in members if j < i) for i in range(K)]
@@ -205,6 +207,7 @@ def run_sync(ctx: RunContext) -> dict:
             name = cl.workers[i].name
             w0 = time.perf_counter()
             res = workers[i].train_round(theta, steps[i], position + offsets[i])
+            fault_point("train", r)
             if ctx.emulated:
                 compute = _true_step_s(ctx, steps[i], r) * steps[i].target.inner_steps
                 clock.compute(name, compute)
