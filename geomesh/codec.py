@@ -174,8 +174,7 @@ class SignCodec(Codec):
         return encode_message(msg, self.schema)
 
     def aggregate(self, messages, *, guard=None):
-        pos = [i for i, m in enumerate(messages) if m is not None]
-        decoded = [decode_message(messages[i], self.schema) for i in pos]
+        pos, decoded = _decoded(messages, lambda m: decode_message(m, self.schema), guard)
         keep = guard.screen([m.worker for m in decoded], [m.num_tokens for m in decoded],
                             [message_norm(m) for m in decoded]) if guard is not None \
             else range(len(decoded))
@@ -236,8 +235,7 @@ class DenseCodec(Codec):
         return out, tokens, worker
 
     def aggregate(self, messages, *, guard=None):
-        pos = [i for i, m in enumerate(messages) if m is not None]
-        decoded = [self._decode(messages[i]) for i in pos]
+        pos, decoded = _decoded(messages, self._decode, guard)
         workers = [k for _, _, k in decoded]
         deltas, counts = [d for d, _, _ in decoded], [t for _, t, _ in decoded]
         keep = guard.screen_dense(workers, deltas, counts) if guard is not None else \
@@ -255,6 +253,24 @@ class DenseCodec(Codec):
     @classmethod
     def encoded_bytes(cls, schema: TensorSchema) -> int:
         return _DENSE_HEADER.size + 4 * schema.numel + _CRC.size
+
+
+def _decoded(messages, decode, guard) -> tuple[list[int], list]:
+    """Decode the messages present; with a ``guard``, a malformed one drops its worker
+    (its position: worker order) instead of stopping the round."""
+    pos, out = [], []
+    for i, m in enumerate(messages):
+        if m is None:
+            continue
+        try:
+            out.append(decode(m))
+        except MessageError as e:
+            if guard is None:
+                raise
+            guard.drop(i, "malformed", str(e))
+            continue
+        pos.append(i)
+    return pos, out
 
 
 def build_codec(kind: str, schema: TensorSchema, **kwargs) -> Codec:

@@ -107,8 +107,9 @@ class Guard:
                    robust=g.robust_aggregation)
 
     def expect(self, tokens: Mapping[int, int]) -> None:
-        """The plan's tokens per worker for the round about to be screened."""
+        """The plan's tokens per worker for the round about to be screened (starts a round)."""
         self.expected = dict(tokens)
+        self.last_rejected = {}
 
     def _name(self, k: int) -> str:
         if 0 <= k < len(self.names):
@@ -118,17 +119,16 @@ class Guard:
     def screen(self, workers: Sequence[int], tokens: Sequence[int],
                norms: Sequence[float]) -> list[int]:
         """Positions (into the given lists) of the messages that pass; see the module docstring."""
-        self.last_rejected = {}
         ok: list[int] = []
         for j, (k, n, nrm) in enumerate(zip(workers, tokens, norms)):
             exp = self.expected.get(k)
             if not math.isfinite(nrm):
-                self._drop(k, "non_finite", "its pseudo-gradient has NaN/Inf values")
+                self.drop(k, "non_finite", "its pseudo-gradient has NaN/Inf values")
             elif exp is not None and abs(n - exp) > self.token_tolerance * max(exp, 1):
-                self._drop(k, "tokens", f"it claims {n} tokens, the plan gave it {exp} "
+                self.drop(k, "tokens", f"it claims {n} tokens, the plan gave it {exp} "
                                         f"(tolerance {self.token_tolerance:g})")
             elif n <= 0:
-                self._drop(k, "tokens", f"it claims {n} tokens")
+                self.drop(k, "tokens", f"it claims {n} tokens")
             else:
                 ok.append(j)
         passed = []
@@ -143,7 +143,7 @@ class Guard:
                 refs.append(self.history[k])
             bound = self.max_norm_ratio * max(refs) if refs else math.inf
             if nrm > bound:
-                self._drop(k, "norm", f"its pseudo-gradient norm {nrm:.4g} exceeds "
+                self.drop(k, "norm", f"its pseudo-gradient norm {nrm:.4g} exceeds "
                                       f"{self.max_norm_ratio:g} x {max(refs):.4g} (the other "
                                       "workers' median or its own history)")
             else:
@@ -154,7 +154,8 @@ class Guard:
             self.history[k] = norms[j] if h is None else 0.5 * h + 0.5 * norms[j]
         return passed
 
-    def _drop(self, k: int, reason: str, why: str) -> None:
+    def drop(self, k: int, reason: str, why: str) -> None:
+        """Reject worker ``k``'s message this round (counted, named in a warning)."""
         self.rejected[reason] += 1
         self.last_rejected[k] = reason
         log.warning("GeoMesh: rejected the message of %s: %s; dropped from this round",

@@ -61,7 +61,7 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from jobruntime.faults import fault_point
+from jobruntime.faults import EXIT_INTERRUPTED, RunInterrupted, fault_point
 
 from .cluster import ClusterError, ClusterSpec
 from .envelope import DATA, HEAL, JOIN, EnvelopeError, Opener
@@ -79,7 +79,7 @@ REPORT_EVERY_S = 5.0
 MAX_ATTEMPTS = 3
 
 
-class PeerLostError(ClusterError):
+class PeerLostError(RunInterrupted):
     """A worker of the run was lost (``on_worker_loss=fail``) or the lighthouse is gone."""
 
 
@@ -411,9 +411,8 @@ class Membership:
                            "job: restart all regions from the last checkpoint (checkpoint.load)")
 
     def _exit(self, message: str) -> None:
-        if self.report:
-            print(f"error: {message}", file=sys.stderr, flush=True)
-        os._exit(2)  # the main thread may sit in a collective that only a timeout ends
+        print(f"error: {message}", file=sys.stderr, flush=True)
+        os._exit(EXIT_INTERRUPTED)  # the main thread may sit in a collective only a timeout ends
 
     # -- exchange ------------------------------------------------------------------
     def _all_gather(self, data: bytes) -> list[bytes]:

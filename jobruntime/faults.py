@@ -15,6 +15,10 @@ rank ``<rank>`` (default 0) kill itself with SIGKILL — no cleanup, no
 
 Unset (the normal case) it costs one dictionary lookup.  The variable is read
 once per process: it configures a test harness, not the product.
+
+:class:`RunInterrupted` is the error of a run stopped by a lost peer (not by
+bad input): ``train.py`` prints it on one line on every rank and exits with
+code 3, keeping the run folder for ``checkpoint.load``.
 """
 
 from __future__ import annotations
@@ -38,3 +42,10 @@ def fault_point(point: str, n: int) -> None:
     if int(rank or 0) != int(os.environ.get("RANK", "0")):
         return
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+class RunInterrupted(RuntimeError):
+    """A run stopped by a lost process, region or lighthouse; resume from its last checkpoint."""
+
+
+EXIT_INTERRUPTED = 3
