@@ -69,7 +69,7 @@ def main(argv=None) -> int:
     setup_logging()
     from jobruntime.checkpoint import CheckpointError
     from jobruntime.data import DataError
-    from jobruntime.faults import EXIT_INTERRUPTED, RunInterrupted
+    from jobruntime.faults import RunInterrupted, exit_interrupted
     from jobruntime.tokenizer import TokenizerError
 
     bad_input = (ConfigError, DataError, TokenizerError, CheckpointError)
@@ -97,8 +97,7 @@ def main(argv=None) -> int:
     except bad_input as e:
         error = str(e)
     except RunInterrupted as e:  # every rank says it: any of them may be the one left
-        print(f"error: [rank {os.environ.get('RANK', '0')}] {e}", file=sys.stderr, flush=True)
-        os._exit(EXIT_INTERRUPTED)  # no teardown: collectives with the lost peer would hang
+        exit_interrupted(f"[rank {os.environ.get('RANK', '0')}] {e}")
     else:
         error = None
     finally:

@@ -46,8 +46,6 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
-import os
-import sys
 import threading
 import time
 from dataclasses import asdict, dataclass
@@ -59,7 +57,7 @@ from megatron.core import parallel_state, tensor_parallel
 
 from jobruntime import cpu_compat
 from jobruntime.config import JobConfig
-from jobruntime.faults import EXIT_INTERRUPTED, RunInterrupted, fault_point
+from jobruntime.faults import RunInterrupted, exit_interrupted, fault_point
 from jobruntime.model import build_model
 from jobruntime.parallel import Topology, initialize_layout
 from jobruntime.trainer import Trainer
@@ -265,10 +263,9 @@ def _watchdog(seconds: float, what: str):
 
     def watch():
         if not done.wait(seconds):
-            print(f"error: [rank {dist.get_rank() if dist.is_initialized() else 0}] {what} did "
-                  f"not finish within {seconds:g} s (a rank stalled or was lost); resume from the "
-                  "last checkpoint (checkpoint.load) at either layout", file=sys.stderr, flush=True)
-            os._exit(EXIT_INTERRUPTED)
+            exit_interrupted(f"[rank {dist.get_rank() if dist.is_initialized() else 0}] {what} "
+                             f"did not finish within {seconds:g} s (a rank stalled or was lost); "
+                             "resume from the last checkpoint (checkpoint.load) at either layout")
 
     t = threading.Thread(target=watch, daemon=True)
     t.start()

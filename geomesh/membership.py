@@ -50,7 +50,6 @@ import json
 import logging
 import os
 import re
-import sys
 import threading
 import time
 import urllib.request
@@ -61,7 +60,7 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from jobruntime.faults import EXIT_INTERRUPTED, RunInterrupted, fault_point
+from jobruntime.faults import RunInterrupted, exit_interrupted, fault_point
 
 from .cluster import ClusterError, ClusterSpec
 from .envelope import DATA, HEAL, JOIN, EnvelopeError, Opener
@@ -411,8 +410,7 @@ class Membership:
                            "job: restart all regions from the last checkpoint (checkpoint.load)")
 
     def _exit(self, message: str) -> None:
-        print(f"error: {message}", file=sys.stderr, flush=True)
-        os._exit(EXIT_INTERRUPTED)  # the main thread may sit in a collective only a timeout ends
+        exit_interrupted(message)  # the main thread may sit in a collective only a timeout ends
 
     # -- exchange ------------------------------------------------------------------
     def _all_gather(self, data: bytes) -> list[bytes]:

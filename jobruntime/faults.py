@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
+import threading
 
 ENV = "GEOCONA_FAULT"
 POINTS = ("train", "exchange", "commit", "save", "switch")
@@ -49,3 +51,16 @@ class RunInterrupted(RuntimeError):
 
 
 EXIT_INTERRUPTED = 3
+_EXIT = threading.Lock()
+
+
+def exit_interrupted(message: str) -> None:
+    """Print ``error: <message>`` once per process and exit with :data:`EXIT_INTERRUPTED`.
+
+    Safe from any thread (a watchdog and the main thread may see the same loss
+    at once: the second caller blocks until the process is gone).  No teardown:
+    collectives with a lost peer would hang.
+    """
+    _EXIT.acquire()
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    os._exit(EXIT_INTERRUPTED)
