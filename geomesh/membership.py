@@ -338,13 +338,14 @@ class Membership:
         joined = [k for k in new if k not in old and old]
         self.members = new
         if lost:
-            self._lost(r, lost)
+            self.lost(r, lost)
         if joined and self.report:
             log.info("GeoMesh round %d: %s joined (%d workers)", r,
                      ", ".join(self.name(k) for k in joined), len(new))
         return new, healed
 
-    def _lost(self, r: int, lost: list[int], why: str = "no heartbeat") -> None:
+    def lost(self, r: int, lost: list[int], why: str = "no heartbeat") -> None:
+        """Workers dropped from round ``r``: ``fail`` raises :class:`PeerLostError`, else a warning."""
         names = ", ".join(self.name(k) for k in lost)
         regions = list(dict.fromkeys(self.cluster.workers[k].region for k in lost))
         if self.policy == "fail":
@@ -477,7 +478,7 @@ class Membership:
                 self.opener.forget_round(r_now)
                 continue
             if bad:
-                self._lost(r_now, bad, "message rejected")
+                self.lost(r_now, bad, "message rejected")
             return out, healed_any
         raise PeerLostError(f"GeoMesh round {r}: the exchange failed {MAX_ATTEMPTS} times "
                             "(workers keep dropping out); restart the regions from the last "

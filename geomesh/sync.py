@@ -232,6 +232,8 @@ def run_sync(ctx: RunContext) -> dict:
             step, joining, done = r + 1, False, {}
         guard.expect({i: steps[i].samples * cfg.model.seq_length for i in range(K)})
         agg, tokens = codec.aggregate(received, guard=guard)
+        if ft is not None and guard.last_rejected:  # like lost workers (fail: stop, named)
+            ft.lost(r, sorted(guard.last_rejected), "message rejected by the checks")
         if agg is not None:
             outer.step(agg)
         position += sum(steps[j].samples for j in members)
