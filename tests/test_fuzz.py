@@ -85,9 +85,6 @@ def test_bad_overrides_exit_2_with_one_line():
         if bad.startswith("cona"):
             cmd = cmd[:-2]
         p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
-        if "heartbeat" in bad or "robust" in bad:
-            # geomesh settings are checked when the run starts: exit 2 all the same
-            pass
         assert p.returncode == 2, (bad, p.stderr[-2000:])
         lines = [x for x in p.stderr.splitlines() if x.strip()]
         assert len([x for x in lines if x.startswith("error:")]) == 1, (bad, p.stderr[-2000:])
