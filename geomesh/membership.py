@@ -366,13 +366,19 @@ class Membership:
         Raises:
             ClusterError: workers missing after ``geomesh.timeout_s`` (named).
         """
-        deadline = time.monotonic() + self.timeout_s
+        t0 = time.monotonic()
+        deadline, said = t0 + self.timeout_s, t0
         K = len(self.cluster.workers)
         while True:
             members, healed = self.quorum(r)
             if healed or len(members) == K:
                 self._monitor.start()
                 return healed
+            if self.report and time.monotonic() - said >= REPORT_EVERY_S:
+                said = time.monotonic()
+                log.info("GeoMesh: waiting %.0f s for %s to join at the lighthouse %s",
+                         said - t0, ", ".join(self.name(k) for k in range(K) if k not in members),
+                         self.lighthouse)
             if time.monotonic() > deadline:
                 missing = [k for k in range(K) if k not in members]
                 regions = list(dict.fromkeys(self.cluster.workers[k].region for k in missing))
