@@ -102,9 +102,14 @@ class Run:
     """One process of a scenario, its output in ``log``."""
 
     def __init__(self, cmd: list[str], log: Path, env: dict) -> None:
-        self.log, self.t0 = log, time.monotonic()
+        self.log, self.t0, self.t_exit = log, time.monotonic(), None
         self.f = open(log, "w")  # noqa: SIM115 - closed in wait()
         self.p = subprocess.Popen(cmd, cwd=REPO, stdout=self.f, stderr=subprocess.STDOUT, env=env)
+        threading.Thread(target=self._exited, daemon=True).start()
+
+    def _exited(self) -> None:
+        self.p.wait()
+        self.t_exit = time.monotonic()
 
     def wait(self, timeout: float) -> int | None:
         try:
@@ -180,7 +185,6 @@ def geomesh(root: Path, cache: str, name: str, rounds: int, *, fault: tuple[int,
         time.sleep(2)
         extra.append(job(victim, "re", None))
     rcs = [j.wait(1200) for j in jobs] + [j.wait(1200) for j in extra]
-    t_end = time.monotonic()
     lh.p.terminate()
     lh.wait(30)
     lost = watch.lost()
@@ -189,7 +193,9 @@ def geomesh(root: Path, cache: str, name: str, rounds: int, *, fault: tuple[int,
     if policy == "fail":
         lost_region = REGIONS[victim]
         ok = all(rcs[i] == 3 and _clean_exit(texts[i], lost_region) for i in survivors)
-        detect = max(t_end - jobs[i].t0 for i in survivors)
+        # detection: from the lost worker's death to the last survivor's exit
+        detect = max((jobs[i].t_exit or time.monotonic()) for i in survivors) - (
+            jobs[victim].t_exit or time.monotonic())
     else:
         alive = survivors + ([2] if extra else [])
         ok = all(rcs[i] == 0 and f"outer step {rounds}/{rounds}" in texts[i] for i in alive)
@@ -198,7 +204,7 @@ def geomesh(root: Path, cache: str, name: str, rounds: int, *, fault: tuple[int,
             ok = ok and len(set(finals)) == 1
         detect = None
     return {"scenario": name, "survived": bool(ok), "exit_codes": rcs, "bytes_lost": lost,
-            **({"seconds": round(detect, 1)} if detect else {})}
+            **({"detect_s": round(detect, 1)} if detect is not None else {})}
 
 
 def cona_switch(root: Path, cache: str) -> list[dict]:
