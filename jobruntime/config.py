@@ -397,7 +397,7 @@ class ConaConfig:
     """Steps over which a switch must repay its measured cost."""
     lr_scaling: Literal["sqrt", "linear", "none"] = "sqrt"
     """How the learning rate follows the global batch size when it changes."""
-    switch_timeout_s: float = 120.0
+    switch_timeout_s: float = 600.0
     """Real mode: a layout switch still running after this many seconds means
     a rank stalled or was lost; every rank then exits with one line (resume
     from the last checkpoint at either layout)."""
@@ -414,7 +414,7 @@ class ConaConfig:
                               "5 % better score)")
         if not 0 < self.switch_timeout_s < float("inf"):
             raise ConfigError(f"cona.switch_timeout_s={self.switch_timeout_s} must be a positive "
-                              "number of seconds (default 120)")
+                              "number of seconds (default 600)")
         if self.num_gpus is not None and self.num_gpus <= 0:
             raise ConfigError(f"cona.num_gpus={self.num_gpus} must be positive (or null: the "
                               "world size)")
