@@ -192,7 +192,10 @@ def geomesh(root: Path, cache: str, name: str, rounds: int, *, fault: tuple[int,
     survivors = [i for i in range(2) if not (fault and fault[0] == i and not stall)]
     if policy == "fail":
         lost_region = REGIONS[victim]
-        ok = all(rcs[i] == 3 and _clean_exit(texts[i], lost_region) for i in survivors)
+        # the victim must have died of its fault (-9): a survivor that stopped first saw a
+        # loss that was not there (a false detection), which is not surviving
+        ok = rcs[victim] == -signal.SIGKILL and all(
+            rcs[i] == 3 and _clean_exit(texts[i], lost_region) for i in survivors)
         # detection: from the lost worker's death to the last survivor's exit
         detect = max((jobs[i].t_exit or time.monotonic()) for i in survivors) - (
             jobs[victim].t_exit or time.monotonic())
