@@ -237,7 +237,7 @@ def cona_switch(root: Path, cache: str) -> list[dict]:
     out = [{"scenario": "cona_switch_killed", "survived": bool(ok), "bytes_lost": lost,
             "seconds": round(seconds, 1)}]
     for layout, par in (("old", ["parallel.pp=2"]), ("new", ["parallel.tp=2"])):
-        r = Run([*torchrun[:-2], "train.py", "--config", "tiny_gpt", "--run-dir",
+        r = Run([*torchrun[:-3], "train.py", "--config", "tiny_gpt", "--run-dir",
                  str(d / f"resume_{layout}"), *base, *par, "train.iters=8",
                  f"checkpoint.load={run / 'checkpoints'}"], d / f"resume_{layout}.log",
                 _env("x" * 16))
