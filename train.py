@@ -16,7 +16,9 @@ Usage::
         --rdzv-endpoint $HEAD_NODE:29500 train.py --config gpt3_1.3b parallel.tp=8
 
 Exit codes: 0 done, 2 bad input (config, data, tokenizer, checkpoint), with a
-one-line message on stderr naming the problem and the fix.
+one-line message on stderr naming the problem and the fix; 3 the run was
+interrupted by a lost process or region (one line on every rank; the run
+folder is kept: resume with ``checkpoint.load``).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import argparse
 import functools
 import os
 import shutil
+import signal
 import sys
 import time
 from pathlib import Path
@@ -66,9 +69,16 @@ def main(argv=None) -> int:
     setup_logging()
     from jobruntime.checkpoint import CheckpointError
     from jobruntime.data import DataError
+    from jobruntime.faults import RunInterrupted, exit_interrupted
     from jobruntime.tokenizer import TokenizerError
 
     bad_input = (ConfigError, DataError, TokenizerError, CheckpointError)
+
+    def _terminated(signum, frame):  # torchrun stops the other ranks when one dies
+        raise RunInterrupted(f"stopped by signal {signum} (the launcher stops every rank when one "
+                             "fails; see that rank's error); resume with checkpoint.load")
+
+    signal.signal(signal.SIGTERM, _terminated)
     try:
         if cfg.geomesh.method != "none":
             from geomesh.run import run as run_job
@@ -86,6 +96,8 @@ def main(argv=None) -> int:
         summary = run_job(cfg, run_dir)
     except bad_input as e:
         error = str(e)
+    except RunInterrupted as e:  # every rank says it: any of them may be the one left
+        exit_interrupted(f"[rank {os.environ.get('RANK', '0')}] {e}")
     else:
         error = None
     finally:

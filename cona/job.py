@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from jobruntime.checkpoint import load_checkpoint
 from jobruntime.config import JobConfig
 from jobruntime.data import Corpus, GlobalBatchSampler, build_dataset, prepare_corpus
 from jobruntime.parallel import Topology, initialize_layout, set_seed
@@ -34,7 +35,7 @@ from .emulated import EmulatedCluster, lcm_of, proxy_micro_batch_size
 from .grad_stats import GradientNoiseScale
 from .probe import GNSProbe
 from .strategy import Strategy
-from .switch import PeakRSS, switch_batch, switch_layout
+from .switch import PeakRSS, SwitchInterrupted, switch_batch, switch_layout
 
 log = logging.getLogger("cona")
 
@@ -149,8 +150,13 @@ class RealJob(Job):
         self.topo = initialize_layout(run_cfg)
         set_seed(cfg.train.seed)
         self.trainer = cstate.build_trainer(run_cfg, reference_batch)
+        consumed = 0
+        if cfg.checkpoint.load:  # an iter_ checkpoint of any layout (e.g. saved before a switch)
+            consumed = load_checkpoint(cfg.checkpoint.load, self.trainer,
+                                       load_optimizer=cfg.checkpoint.load_optimizer
+                                       )["consumed_samples"]
         self.probe.attach(self.trainer)
-        self.sampler = self._sampler(self.topo, 0)
+        self.sampler = self._sampler(self.topo, consumed)
         self.val_batches = self._val_batches(self.topo, start.micro_batch_size)
         self._t0 = time.perf_counter()
         self.fresh = True  # the first step after a (re)build is not a representative timing
@@ -181,9 +187,16 @@ class RealJob(Job):
         consumed = self.consumed_samples
         self.probe.detach()
         if kind == "layout":
-            self.topo, report = switch_layout(
-                self, new_cfg, reference_batch=self.reference_batch, seed=self.cfg.train.seed
-            )
+            try:
+                self.topo, report = switch_layout(
+                    self, new_cfg, reference_batch=self.reference_batch, seed=self.cfg.train.seed
+                )
+            except RuntimeError as e:  # gloo/NCCL: a rank died or stalled inside the switch
+                raise SwitchInterrupted(
+                    f"CONA switch {old.label} -> {strategy.label} interrupted: "
+                    f"{str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__}"
+                    "; a rank was lost; resume from the last checkpoint (checkpoint.load) at "
+                    "either layout") from None
         else:
             report = switch_batch(self.trainer, new_cfg)
         self.probe.attach(self.trainer)
@@ -227,8 +240,13 @@ class EmulatedJob(Job):
         self.topo = initialize_layout(run_cfg)
         set_seed(cfg.train.seed)
         self.trainer = cstate.build_trainer(run_cfg, reference_batch)
+        consumed = 0
+        if cfg.checkpoint.load:  # an iter_ checkpoint of any layout (e.g. saved before a switch)
+            consumed = load_checkpoint(cfg.checkpoint.load, self.trainer,
+                                       load_optimizer=cfg.checkpoint.load_optimizer
+                                       )["consumed_samples"]
         self.probe.attach(self.trainer)
-        self.sampler = self._sampler(self.topo, 0)
+        self.sampler = self._sampler(self.topo, consumed)
         self.val_batches = self._val_batches(self.topo, val_micro_batch)
 
     def _proxy_cfg(self, strategy: Strategy) -> JobConfig:

@@ -43,6 +43,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from jobruntime.checkpoint import save_checkpoint
 from jobruntime.config import ConfigError, JobConfig, save_config
 from jobruntime.metrics import MetricsWriter, TTPTracker, perplexity
 from jobruntime.parallel import init_distributed, same_run_dir
@@ -95,8 +96,10 @@ class Loop:
         writer: MetricsWriter | None = None,
         budget_samples: int,
         eval_samples: int,
+        checkpoint_dir: Path | None = None,
     ):
         self.job, self.cfg, self.controller, self.writer = job, cfg, controller, writer
+        self.checkpoint_dir = checkpoint_dir
         self.budget_samples, self.eval_samples = budget_samples, max(eval_samples, 1)
         self.progress = Progress(ttp=TTPTracker(cfg.train.target_ppl), next_eval=eval_samples)
         self.progress.chain.append({"strategy": job.strategy.label, "start_step": 0})
@@ -168,6 +171,13 @@ class Loop:
             log.error("loss is NaN at step %d; stopping", job.trainer.step)
             p.nan = True
         self.emit(record)
+        every = self.cfg.checkpoint.save_interval
+        if self.checkpoint_dir is not None and every and job.trainer.step % every == 0:
+            # dist_checkpointing: loadable at the old layout or any other (the last one
+            # before an interrupted switch resumes at either)
+            save_checkpoint(self.checkpoint_dir, job.trainer, consumed_samples=samples,
+                            extra={"strategy": job.strategy.label},
+                            keep_last=self.cfg.checkpoint.keep_last)
         # No decision when less than one decision interval of training remains:
         # a switch could not run (let alone repay its cost) before the end.
         left = self.budget_samples - job.consumed_samples
@@ -393,6 +403,7 @@ def run(cfg: JobConfig, run_dir: Path) -> dict:
         writer=writer,
         budget_samples=s.budget_samples,
         eval_samples=s.eval_samples,
+        checkpoint_dir=run_dir / "checkpoints" if isinstance(job, RealJob) else None,
     )
     loop.run()
     loop.finish()

@@ -57,6 +57,7 @@ from megatron.core import parallel_state, tensor_parallel
 
 from jobruntime import cpu_compat
 from jobruntime.config import JobConfig
+from jobruntime.faults import RunInterrupted, exit_interrupted, fault_point
 from jobruntime.model import build_model
 from jobruntime.parallel import Topology, initialize_layout
 from jobruntime.trainer import Trainer
@@ -64,6 +65,10 @@ from jobruntime.trainer import Trainer
 from .state import build_trainer, optimizer_state_by_name, rng_state, set_peak_lr, set_rng_state
 
 log = logging.getLogger("cona")
+
+
+class _SWITCHES:  # layout switches so far in this process (for fault_point)
+    count = 0
 
 
 @dataclass
@@ -241,6 +246,35 @@ def _reshard(src: Trainer, dst: Trainer) -> None:
                 s.param.data = saved_dst[n]
 
 
+class SwitchInterrupted(RunInterrupted):
+    """A rank was lost during a layout switch (every rank exits; resume from a checkpoint)."""
+
+
+@contextlib.contextmanager
+def _watchdog(seconds: float, what: str):
+    """Exit this process with one line if the block runs longer than ``seconds``.
+
+    A rank killed in a switch closes its sockets and the others' collectives
+    fail at once (then :class:`SwitchInterrupted`); a rank that hangs (stalled
+    host, lost network) leaves them waiting in a collective that only the
+    process group's timeout would end, so a timer stops them instead.
+    """
+    done = threading.Event()
+
+    def watch():
+        if not done.wait(seconds):
+            exit_interrupted(f"[rank {dist.get_rank() if dist.is_initialized() else 0}] {what} "
+                             f"did not finish within {seconds:g} s (a rank stalled or was lost); "
+                             "resume from the last checkpoint (checkpoint.load) at either layout")
+
+    t = threading.Thread(target=watch, daemon=True)
+    t.start()
+    try:
+        yield
+    finally:
+        done.set()
+
+
 def switch_layout(
     owner, new_cfg: JobConfig, *, reference_batch: int, seed: int
 ) -> tuple[Topology, SwitchReport]:
@@ -260,8 +294,12 @@ def switch_layout(
 
     Returns:
         ``(topology, report)`` of the new layout.
+
+    Raises:
+        RuntimeError: a collective failed (a rank died); a rank that hangs
+            makes every rank exit after ``cona.switch_timeout_s`` instead.
     """
-    with PeakRSS() as rss:
+    with PeakRSS() as rss, _watchdog(new_cfg.cona.switch_timeout_s, "CONA layout switch"):
         if dist.is_initialized():
             dist.barrier()
         t0 = time.perf_counter()
@@ -272,6 +310,8 @@ def switch_layout(
         # Initialised although overwritten: megatron sets the TP attributes
         # (partition dim, stride) that resharding reads only while initialising.
         module = build_model(new_cfg.model, new_cfg.parallel, params_dtype=owner.trainer.dtype)
+        fault_point("switch", _SWITCHES.count)
+        _SWITCHES.count += 1
         new = build_trainer(
             new_cfg, reference_batch, model=module, num_samples=owner.trainer.scheduler.num_steps
         )

@@ -50,6 +50,7 @@ from .compression import (
     scale_signs,
     unpack_signs,
 )
+from .guard import message_norm
 from .outer import aggregate, aggregate_messages
 
 _DENSE_HEADER = struct.Struct("<4sHHIIQ8sI")
@@ -81,8 +82,14 @@ class Codec:
     ) -> bytes:
         raise NotImplementedError
 
-    def aggregate(self, messages: Sequence[bytes]) -> tuple[dict[str, torch.Tensor], list[int]]:
-        """Decode all workers' messages (worker order); return ``(Δ, n_i list)``."""
+    def aggregate(self, messages: Sequence[bytes | None], *, guard=None
+                  ) -> tuple[dict[str, torch.Tensor] | None, list[int]]:
+        """Decode all workers' messages (worker order); return ``(Δ, n_i list)``.
+
+        ``None`` entries (lost workers) and messages the ``guard``
+        (:class:`geomesh.guard.Guard`) rejects count 0 tokens; ``Δ`` is
+        ``None`` when no message is left.
+        """
         raise NotImplementedError
 
     @classmethod
@@ -166,9 +173,20 @@ class SignCodec(Codec):
         msg = WorkerMessage(worker=worker, round=round, num_tokens=int(num_tokens), tensors=tensors)
         return encode_message(msg, self.schema)
 
-    def aggregate(self, messages):
-        decoded = [decode_message(m, self.schema) for m in messages]
-        return aggregate_messages(decoded), [m.num_tokens for m in decoded]
+    def aggregate(self, messages, *, guard=None):
+        pos, decoded = _decoded(messages, lambda m: decode_message(m, self.schema), guard)
+        keep = guard.screen([m.worker for m in decoded], [m.num_tokens for m in decoded],
+                            [message_norm(m) for m in decoded]) if guard is not None \
+            else range(len(decoded))
+        kept = [decoded[j] for j in keep]
+        tokens = [0] * len(messages)  # positional, like messages
+        for j in keep:
+            tokens[pos[j]] = decoded[j].num_tokens
+        if not kept:
+            return None, tokens
+        if guard is not None and guard.robust != "none":
+            return guard.robust_sign(kept, [m.num_tokens / sum(tokens) for m in kept]), tokens
+        return aggregate_messages(kept), tokens
 
     @classmethod
     def encoded_bytes(cls, schema: TensorSchema) -> int:
@@ -197,7 +215,7 @@ class DenseCodec(Codec):
         body = b"".join(parts)
         return body + _CRC.pack(zlib.crc32(body))
 
-    def _decode(self, data: bytes) -> tuple[dict[str, torch.Tensor], int]:
+    def _decode(self, data: bytes) -> tuple[dict[str, torch.Tensor], int, int]:
         buf = bytearray(data)
         if len(buf) != self.encoded_bytes(self.schema):
             raise MessageError(
@@ -214,16 +232,45 @@ class DenseCodec(Codec):
             n = int(np.prod(shape)) if shape else 1
             out[name] = torch.frombuffer(buf, dtype=torch.float32, count=n, offset=off).reshape(shape)
             off += 4 * n
-        return out, tokens
+        return out, tokens, worker
 
-    def aggregate(self, messages):
-        decoded = [self._decode(m) for m in messages]
-        tokens = [t for _, t in decoded]
-        return aggregate([d for d, _ in decoded], tokens), tokens
+    def aggregate(self, messages, *, guard=None):
+        pos, decoded = _decoded(messages, self._decode, guard)
+        workers = [k for _, _, k in decoded]
+        deltas, counts = [d for d, _, _ in decoded], [t for _, t, _ in decoded]
+        keep = guard.screen_dense(workers, deltas, counts) if guard is not None else \
+            range(len(decoded))
+        tokens = [0] * len(messages)  # positional, like messages
+        for j in keep:
+            tokens[pos[j]] = counts[j]
+        if not keep:
+            return None, tokens
+        deltas, counts = [deltas[j] for j in keep], [counts[j] for j in keep]
+        if guard is not None and guard.robust != "none":
+            return guard.robust_dense(deltas, counts), tokens
+        return aggregate(deltas, counts), tokens
 
     @classmethod
     def encoded_bytes(cls, schema: TensorSchema) -> int:
         return _DENSE_HEADER.size + 4 * schema.numel + _CRC.size
+
+
+def _decoded(messages, decode, guard) -> tuple[list[int], list]:
+    """Decode the messages present; with a ``guard``, a malformed one drops its worker
+    (its position: worker order) instead of stopping the round."""
+    pos, out = [], []
+    for i, m in enumerate(messages):
+        if m is None:
+            continue
+        try:
+            out.append(decode(m))
+        except MessageError as e:
+            if guard is None:
+                raise
+            guard.drop(i, "malformed", str(e))
+            continue
+        pos.append(i)
+    return pos, out
 
 
 def build_codec(kind: str, schema: TensorSchema, **kwargs) -> Codec:

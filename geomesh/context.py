@@ -143,6 +143,15 @@ def _validate(cfg: JobConfig) -> None:
     if not 0 <= g.outer_momentum < 1:
         raise ConfigError(f"geomesh.outer_momentum must be in [0, 1), got {g.outer_momentum} "
                           "(DiLoCo's default is 0.9)")
+    if not 0 < g.heartbeat_s < float("inf") or (g.region and g.heartbeat_s > g.timeout_s):
+        raise ConfigError(f"geomesh.heartbeat_s={g.heartbeat_s} must be positive and at most "
+                          f"geomesh.timeout_s={g.timeout_s} (default 10 s)")
+    if not 1 < g.max_norm_ratio < float("inf"):
+        raise ConfigError(f"geomesh.max_norm_ratio={g.max_norm_ratio} must be a number above 1 "
+                          "(default 10)")
+    if not 0 <= g.token_tolerance < 1:
+        raise ConfigError(f"geomesh.token_tolerance={g.token_tolerance} must be in [0, 1) "
+                          "(default 0.05)")
 
 
 def target_schema(target: JobConfig) -> TensorSchema:

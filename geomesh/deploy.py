@@ -3,11 +3,13 @@
 Emulated mode: one process (world size 1) plays every worker, one after the
 other; all workers are TP=PP=1 proxies.
 
-Real mode: every worker is ``num_gpus`` processes (``tp · pp · dp_in``), and
-all workers' processes form one ``torch.distributed`` world — either one
-``torchrun`` for the whole cluster, or one ``torchrun`` per region whose
-processes join a common world at the cluster's ``rendezvous`` (a TCPStore
-served by global rank 0; ``geomesh.region`` names the region a job plays).
+Real mode: every worker is ``num_gpus`` processes (``tp · pp · dp_in``).  Either
+one ``torchrun`` runs the whole cluster as one ``torch.distributed`` world
+(one failure domain: a lost process stops the run), or each region runs its
+own job (``geomesh.region`` names it) as a torchft replica group whose only
+link to the others is :mod:`geomesh.membership` (quorum, healing, the
+exchange), with the torchft lighthouse at the cluster's ``rendezvous``
+(:func:`place_region`).  The rest of this docstring is about the first.
 
 Ranks follow megatron's default order (TP fastest, then DP, then PP), with the
 DP axis split into ``workers × dp_in``::
@@ -33,20 +35,25 @@ Only equal ``(tp, pp, num_gpus)`` across workers are supported in real mode.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import os
 import secrets
+import struct
+import time
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from jobruntime import cpu_compat
 from jobruntime.config import JobConfig
-from jobruntime.parallel import Topology, init_distributed, initialize_layout, prepare_process
+from jobruntime.parallel import Topology, init_distributed, initialize_layout
 
 from .cluster import ClusterError, ClusterSpec
+from .envelope import Opener, load_secret, run_id
 from .transport import (
     TorchDistributedTransport,
     TransportGroups,
@@ -56,6 +63,10 @@ from .transport import (
 )
 
 log = logging.getLogger(__name__)
+_STATS = struct.Struct("<dd")  # a worker's mean loss and compute seconds, before its message
+
+if TYPE_CHECKING:
+    from .membership import Membership
 
 
 @dataclass
@@ -92,14 +103,34 @@ class Placement:
     store: dist.Store | None = field(default=None, repr=False)
     job_group: dist.ProcessGroup | None = None
     job_src: int = 0
+    membership: Membership | None = field(default=None, repr=False)
+    """One job per region: this rank's torchft membership (:mod:`geomesh.membership`)."""
+    rows: list[list[float]] = field(default_factory=list, repr=False)
+    healed: bool = False
+    """The last exchange healed this worker from a live peer (its message was not sent)."""
 
     @property
     def is_logging_rank(self) -> bool:
         """Writes metrics: the first process of every job (all hold the same numbers)."""
         return self.job_rank == 0
 
-    def exchange(self, messages: dict[int, bytes]) -> list[bytes]:
-        """Real mode: this shard's all-gather over workers, shared with replicas."""
+    def exchange(self, messages: dict[int, bytes], *, stats: tuple[float, float] = (0.0, 0.0),
+                 quorum_done: bool = False) -> list[bytes | None]:
+        """Real mode: this shard's all-gather over workers, shared with replicas.
+
+        One job per region: ``None`` for workers absent from the round (lost,
+        joining, or whose message was rejected); ``stats`` (the worker's mean
+        loss and compute seconds) ride along for :meth:`gather_rows`, and
+        :attr:`healed` tells whether this worker healed instead of sending.
+        """
+        if self.membership is not None:
+            me = self.workers[0]
+            body = None if quorum_done else _STATS.pack(*stats) + messages[me]
+            x0 = time.perf_counter()
+            out, self.healed = self.membership.exchange(self.membership.step, body,
+                                                        quorum_done=quorum_done)
+            self._ft_rows(out, time.perf_counter() - x0)
+            return [None if m is None else m[_STATS.size:] for m in out]
         if self.transport is not None:
             out = self.transport.exchange(messages)
             data = encode_bundle(out)
@@ -111,6 +142,36 @@ class Placement:
             dist.broadcast_object_list(box, src=src, group=self.dp_group)
             data = box[0]
         return decode_bundle(data)
+
+
+    def _ft_rows(self, out: list[bytes | None], exchange_s: float) -> None:
+        """Rows of :meth:`gather_rows` from the stats in the messages (padded to K per rank)."""
+        rows = []
+        for k, m in enumerate(out):
+            if m is not None and len(m) >= _STATS.size:
+                loss, compute = _STATS.unpack_from(m)
+                n = len(m) - _STATS.size
+                rows.append([k, loss, compute, exchange_s, n, 0.0])
+            else:
+                rows.append([-1.0] * 6)
+        self.rows = rows
+
+    def gather_rows(self, row: list[float], fp32_bytes: int) -> list[list[float]]:
+        """Per-rank round statistics ``[worker, loss, compute_s, exchange_s, sent, fp32]``.
+
+        One world: an all-gather of every rank's ``row``.  One job per region:
+        the rows of the workers present this round, from their messages'
+        stats, gathered over this job's shards (another worker's exchange time
+        is not sent: this worker's own stands in for it).
+        """
+        if self.membership is None:
+            return world_gather(row)
+        mine = [list(r) for r in self.rows]
+        for r in mine:
+            if r[0] >= 0:
+                r[5] = fp32_bytes if r[4] else 0
+        flat = world_gather([x for r in mine for x in r])
+        return [v[i:i + 6] for v in flat for i in range(0, len(v), 6) if v[i] >= 0]
 
 
 def global_rank(k: int, t: int, d: int, p: int, *, tp: int, dp_in: int, num_workers: int) -> int:
@@ -129,69 +190,64 @@ def _worker_shape(cluster: ClusterSpec) -> tuple[int, int, int]:
     return tp, pp, n // (tp * pp)
 
 
-def _join_rendezvous(cfg: JobConfig, cluster: ClusterSpec, tp: int, pp: int, dp_in: int):
-    """One ``torchrun`` per region: join the world at ``cluster.rendezvous``.
+def place_region(cfg: JobConfig, cluster: ClusterSpec) -> tuple[Placement, JobConfig]:
+    """One job per region: this job's own world, megatron's layout, and its torchft membership.
 
     Returns:
-        ``(store, global_rank, world_size, job_rank)``.
+        ``(placement, layout_cfg)`` as :func:`place_real`.
 
     Raises:
-        ClusterError: wrong region or process count, or regions that did not
-            join within ``geomesh.timeout_s`` (named).
+        ClusterError / ConfigError: wrong region or process count, a region of
+            several workers or replicas (not supported here), no secret, or no
+            lighthouse at the cluster's ``rendezvous``.
     """
-    region = cfg.geomesh.region
+    g = cfg.geomesh
     try:
-        cluster.region(region)
+        cluster.region(g.region)
     except KeyError:
         raise ClusterError(
-            f"geomesh.region={region!r} is not a region of cluster '{cluster.name}'; use one of "
-            f"{[r.name for r in cluster.regions]}"
-        ) from None
+            f"geomesh.region={g.region!r} is not a region of cluster '{cluster.name}'; use one of "
+            f"{[r.name for r in cluster.regions]}") from None
+    members = cluster.workers_in(g.region)
+    tp, pp, dp_in = _worker_shape(cluster)
+    if len(members) != 1 or dp_in != 1:
+        raise ClusterError(
+            f"one job per region runs one worker without replicas (num_gpus = tp * pp); region "
+            f"{g.region!r} of cluster '{cluster.name}' has {len(members)} worker(s) of "
+            f"{dp_in} replica(s): split it into regions of one worker, or run the whole cluster "
+            "with one torchrun (no geomesh.region)")
+    secret = load_secret(g.secret_file)
     host, port = cluster.rendezvous_host_port
-    per_worker = tp * pp * dp_in
-    members = [cluster.worker_index(w.name) for w in cluster.workers_in(region)]
+    k = cluster.worker_index(members[0].name)
+    per_worker = tp * pp
     job_world = int(os.environ.get("WORLD_SIZE", "1"))
-    job_rank = int(os.environ.get("RANK", "0"))
-    if job_world != len(members) * per_worker:
+    if job_world != per_worker:
         raise ClusterError(
-            f"region {region!r} has {len(members)} worker(s) of {per_worker} process(es); launch "
-            f"torchrun with {len(members) * per_worker} processes there, not {job_world}"
-        )
-    k = members[job_rank // per_worker]
-    local = job_rank % per_worker
-    t, d, p = local % tp, (local // tp) % dp_in, local // (tp * dp_in)
-    K = len(cluster.workers)
-    rank = global_rank(k, t, d, p, tp=tp, dp_in=dp_in, num_workers=K)
-    world = K * per_worker
-    timeout = timedelta(seconds=cfg.geomesh.timeout_s)
-    first_region = cluster.workers[0].region
-    try:
-        store = dist.TCPStore(host, port, None, rank == 0, timeout=timeout, wait_for_workers=False)
-    except Exception as e:  # noqa: BLE001 - connect/bind errors differ by torch version
-        raise ClusterError(
-            f"GeoMesh rendezvous {host}:{port} did not answer within {cfg.geomesh.timeout_s:g} s "
-            f"({type(e).__name__}); it is served by region {first_region!r} (worker "
-            f"{cluster.workers[0].name}): start that region's torchrun, check host/port, or raise "
-            "geomesh.timeout_s"
-        ) from None
-    store.set(f"join/{rank}", region)
-    keys = [f"join/{r}" for r in range(world)]
-    try:
-        store.wait(keys, timeout)
-    except Exception:  # noqa: BLE001
-        missing = [r for r in range(world) if not store.check([f"join/{r}"])]
-        if missing:
-            per = tp * dp_in  # ranks of one worker per stage
-            lost = sorted({(r % (tp * K * dp_in)) // per for r in missing})
-            names = [cluster.workers[i].name for i in lost]
-            regions = list(dict.fromkeys(cluster.workers[i].region for i in lost))
-            raise ClusterError(
-                f"GeoMesh: region(s) {regions} (workers {names}) did not join at {host}:{port} "
-                f"within {cfg.geomesh.timeout_s:g} s; start their torchrun with "
-                "geomesh.region=<name>, check that they can reach the rendezvous, or raise "
-                "geomesh.timeout_s"
-            ) from None
-    return store, rank, world, job_rank
+            f"region {g.region!r} has 1 worker of {per_worker} process(es); launch its torchrun "
+            f"with {per_worker} processes, not {job_world}")
+    init_distributed(g.timeout_s)
+    layout = copy.deepcopy(cfg)
+    layout.parallel.tp, layout.parallel.pp = tp, pp
+    check = copy.deepcopy(layout)
+    check.parallel.micro_batch_size, check.parallel.global_batch_size = 1, 1
+    topo = initialize_layout(check)
+    from megatron.core import parallel_state as ps
+
+    pl = Placement(mode="real", workers=[k], rank=dist.get_rank(), world=dist.get_world_size(),
+                   job_rank=dist.get_rank(), tp_rank=topo.tp_rank, pp_rank=topo.pp_rank,
+                   dp_in=1, topology=topo, dp_group=ps.get_data_parallel_group(),
+                   tp_group=ps.get_tensor_model_parallel_group())
+    run = run_id(cluster.name, [w.name for w in cluster.workers], g.method, cfg.train.seed,
+                 sorted(dataclasses.asdict(cfg.model).items()))
+    from .membership import Membership
+
+    pl.membership = Membership(
+        cluster, k, shard=topo.tp_rank + tp * topo.pp_rank, num_shards=per_worker,
+        lighthouse=f"http://{host}:{port}", store_addr=os.environ["MASTER_ADDR"],
+        store_port=int(os.environ["MASTER_PORT"]), opener=Opener(secret, run),
+        timeout_s=g.timeout_s, heartbeat_s=g.heartbeat_s, on_worker_loss=g.on_worker_loss,
+        report=pl.is_logging_rank)
+    return pl, layout
 
 
 def place_emulated() -> Placement:
@@ -220,18 +276,9 @@ def place_real(cfg: JobConfig, cluster: ClusterSpec) -> tuple[Placement, JobConf
     K = len(cluster.workers)
     store = None
     if cfg.geomesh.region is not None:
-        prepare_process()
-        store, rank, world, job_rank = _join_rendezvous(cfg, cluster, tp, pp, dp_in)
-        if torch.cuda.is_available():
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        if not dist.is_initialized():
-            dist.init_process_group(
-                backend=cpu_compat.backend(), store=dist.PrefixStore("world", store), rank=rank,
-                world_size=world, timeout=timedelta(seconds=cfg.geomesh.timeout_s),
-            )
-    else:
-        init_distributed(cfg.geomesh.timeout_s)
-        rank, world, job_rank = dist.get_rank(), dist.get_world_size(), dist.get_rank()
+        return place_region(cfg, cluster)
+    init_distributed(cfg.geomesh.timeout_s)
+    rank, world, job_rank = dist.get_rank(), dist.get_world_size(), dist.get_rank()
     if world != K * tp * pp * dp_in:
         raise ClusterError(
             f"cluster '{cluster.name}' has {K} workers of {tp * pp * dp_in} process(es) = "
@@ -262,16 +309,6 @@ def place_real(cfg: JobConfig, cluster: ClusterSpec) -> tuple[Placement, JobConf
                 grp = dist.new_group([g(kk, t, dd, p) for t in range(tp)], timeout=tout)
                 if (kk, dd, p) == (k, d, topo.pp_rank):
                     pl.tp_group = grp
-    if cfg.geomesh.region is not None:  # one torchrun per region: its ranks form a job group
-        for reg in cluster.regions:
-            ks = [cluster.worker_index(w.name) for w in cluster.workers_in(reg.name)]
-            if not ks:
-                continue
-            ranks = sorted(g(kk, t, dd, p) for kk in ks for t in range(tp)
-                           for dd in range(dp_in) for p in range(pp))
-            grp = dist.new_group(ranks, timeout=tout)
-            if k in ks:
-                pl.job_group, pl.job_src = grp, g(ks[0], 0, 0, 0)
     # A nonce shared by all ranks keeps store keys of successive runs apart.
     box = [secrets.token_hex(4) if rank == 0 else None]
     dist.broadcast_object_list(box, src=0)

@@ -27,10 +27,14 @@ bitwise identical without another broadcast.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
 from .compression import WorkerMessage, scale_signs, unpack_signs
+
+if TYPE_CHECKING:
+    from .guard import Guard
 
 
 def _check_weights(num_tokens: Sequence[int]) -> list[float]:
@@ -45,13 +49,17 @@ def _check_weights(num_tokens: Sequence[int]) -> list[float]:
 
 
 def aggregate(
-    deltas: Sequence[Mapping[str, torch.Tensor]], num_tokens: Sequence[int]
+    deltas: Sequence[Mapping[str, torch.Tensor]], num_tokens: Sequence[int], *,
+    guard: Guard | None = None, workers: Sequence[int] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Token-weighted mean ``Σ (n_i/N) Δ_i`` of (decompressed) pseudo-gradients.
 
     Args:
         deltas: one name -> tensor mapping per worker, same names and shapes.
         num_tokens: ``n_i`` per worker, same order.
+        guard: checks the pseudo-gradients first and drops those that fail
+            (:mod:`geomesh.guard`); its robust mode replaces the mean.
+        workers: worker index of each entry (for the guard; default 0, 1, ...).
 
     Returns:
         name -> fp32 tensor (on the first worker's device).
@@ -63,6 +71,11 @@ def aggregate(
         raise ValueError(
             f"aggregate: {len(deltas)} pseudo-gradients but {len(num_tokens)} token counts"
         )
+    if guard is not None:
+        keep = guard.screen_dense(workers or range(len(deltas)), deltas, num_tokens)
+        deltas, num_tokens = [deltas[j] for j in keep], [num_tokens[j] for j in keep]
+        if guard.robust != "none" and deltas:
+            return guard.robust_dense(deltas, _check_weights(num_tokens))
     weights = _check_weights(num_tokens)
     names = list(deltas[0])
     out: dict[str, torch.Tensor] = {}
@@ -83,7 +96,8 @@ def aggregate(
 
 
 def aggregate_messages(
-    messages: Sequence[WorkerMessage], *, device: torch.device | str | None = None
+    messages: Sequence[WorkerMessage], *, device: torch.device | str | None = None,
+    guard: Guard | None = None,
 ) -> dict[str, torch.Tensor]:
     """Equation (1) straight from compressed messages (no per-worker fp32 copies).
 
@@ -94,10 +108,16 @@ def aggregate_messages(
         messages: decoded messages of all workers (any order, but the same on
             every worker — use the transport's worker order).
         device: where to build the result (default: where the signs are).
+        guard: checks the messages first and drops those that fail
+            (:mod:`geomesh.guard`); its robust mode replaces equation (1).
 
     Raises:
         ValueError: messages with different tensor sets; no tokens at all.
     """
+    if guard is not None:
+        messages = guard.screen_messages(messages)
+        if guard.robust != "none" and messages:
+            return guard.robust_sign(messages, _check_weights([m.num_tokens for m in messages]))
     weights = _check_weights([m.num_tokens for m in messages])
     names = list(messages[0].tensors)
     out: dict[str, torch.Tensor] = {}

@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from jobruntime.checkpoint import COMPLETE, CheckpointError, committed_folder
+from jobruntime.faults import fault_point
 
 
 def save_state(root: Path, step: int, state: dict, *, rank: int, job_leader: bool,
@@ -37,6 +38,7 @@ def save_state(root: Path, step: int, state: dict, *, rank: int, job_leader: boo
         part = tmp / f".rank{rank:05d}.pt.tmp"
         torch.save(state, part)
         os.replace(part, tmp / f"rank{rank:05d}.pt")
+        fault_point("save", step)
     return root / name
 
 
@@ -80,9 +82,14 @@ def load_state(path: str | Path, *, rank: int) -> dict:
             "cluster and process layout it was saved with"
         )
     try:
-        return torch.load(f, map_location="cpu", weights_only=False)
+        state = torch.load(f, map_location="cpu", weights_only=False)
     except Exception as e:  # noqa: BLE001 - truncated zip, unpickling errors
         raise CheckpointError(
-            f"'{f}' is damaged ({type(e).__name__}: {str(e).splitlines()[0][:160]}); resume from "
+            f"'{f}' is damaged ({type(e).__name__}: {(str(e).splitlines() or [''])[0][:160]}); "
+            "resume from "
             "an earlier outer_XXXXXXX folder or start without checkpoint.load"
         ) from None
+    if not isinstance(state, dict) or not {"method", "round", "outer"} <= set(state):
+        raise CheckpointError(f"'{f}' is not a GeoMesh state (no method, round and outer state); "
+                              "resume from an earlier outer_XXXXXXX folder")
+    return state

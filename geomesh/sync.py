@@ -65,13 +65,15 @@ import time
 import torch
 
 from jobruntime.checkpoint import CheckpointError
+from jobruntime.faults import fault_point
 from jobruntime.metrics import perplexity
 
 from .clock import EmulatedClock, inner_step_time_s
 from .codec import DenseCodec, SignCodec
 from .compression import ErrorFeedback, TensorSchema
 from .context import RunContext
-from .deploy import world_gather
+from .guard import Guard
+from .membership_plan import plan_for_members, plan_from_dict
 from .outer import OuterNesterov
 from .planner import Plan
 from .report import RunStats, memory_overhead
@@ -123,6 +125,7 @@ def run_sync(ctx: RunContext) -> dict:
     outer = OuterNesterov(theta, lr=g.outer_lr, momentum=g.outer_momentum,
                           momentum_warmup=g.outer_momentum_warmup)
     feedback = {i: ErrorFeedback() for i in pl.workers} if sign and g.error_feedback else {}
+    guard = Guard.from_config(g, cl)  # checks every message before aggregation
     clock = transport = None
     if ctx.emulated:
         clock = EmulatedClock(cl)
@@ -163,19 +166,48 @@ def run_sync(ctx: RunContext) -> dict:
         stats.load_state_dict(st["stats"])
         position, start, replans = st["position"], st["round"], st["replans"]
         history = st["history"]
+        guard.load_state_dict(st.get("guard", {}))
         torch.set_rng_state(st["rng"])
         log.info("resumed %s at outer step %d", ctx.method, start)
     t0 = time.perf_counter() - stats.time_s
     wall0 = time.perf_counter()
     overhead = None
-    for r in range(start, g.outer_steps):
+    r, joining, members = start, False, list(range(K))
+    ft = pl.membership
+    if ft is not None:  # one job per region: torchft quorum, healing (geomesh.membership)
+        def save_heal() -> dict:
+            return {"round": r, "position": position, "replans": replans, "members": members,
+                    "plan": plan.to_dict(), "speed": dict(ctx.planner.speed),
+                    "outer": outer.state_dict(), "guard": guard.state_dict()}
+
+        def load_heal(st: dict) -> None:
+            nonlocal r, position, replans, plan, steps, history, members
+            r, position, replans = int(st["round"]), int(st["position"]), int(st["replans"])
+            members = [int(k) for k in st["members"]]
+            outer.load_state_dict(st["outer"])
+            guard.load_state_dict(st["guard"])
+            ctx.planner.speed = {k: float(v) for k, v in st["speed"].items()}
+            plan = plan_from_dict(st["plan"], ctx.planner.tolerance)
+            steps, history = _proxy(ctx, plan), {}
+            for w in workers.values():  # the inner LR schedule where the others' is
+                w.trainer.scheduler.step(increment=max(r * steps[w.index].inner_steps
+                                                       - w.trainer.step, 0))
+                w.trainer.step = max(w.trainer.step, r * steps[w.index].inner_steps)
+            log.info("healed from a live peer: round %d", r)
+
+        ft.set_state_fns(save_heal, load_heal)
+        joining = ft.join(start)
+        if not joining:  # else the healed state says who trained this round
+            members = list(ft.members)
+    while r < g.outer_steps:
         step = r + 1
-        offsets = [sum(s.samples for s in steps[:i]) for i in range(K)]
+        offsets = [sum(steps[j].samples for j in members if j < i) for i in range(K)]
         msgs, done = {}, {}
-        for i in pl.workers:
+        for i in ([] if joining else pl.workers):
             name = cl.workers[i].name
             w0 = time.perf_counter()
             res = workers[i].train_round(theta, steps[i], position + offsets[i])
+            fault_point("train", r)
             if ctx.emulated:
                 compute = _true_step_s(ctx, steps[i], r) * steps[i].target.inner_steps
                 clock.compute(name, compute)
@@ -189,12 +221,23 @@ def run_sync(ctx: RunContext) -> dict:
                                    feedback=feedback.get(i))
             done[i] = (res, compute)
         x0 = time.perf_counter()
-        received = transport.exchange(msgs) if ctx.emulated else pl.exchange(msgs)
+        if ctx.emulated:
+            received = transport.exchange(msgs)
+        else:
+            me = pl.workers[0]
+            received = pl.exchange(msgs, quorum_done=joining,
+                                   stats=(done[me][0].loss, done[me][1]) if me in done else (0, 0))
         exchange_s = time.perf_counter() - x0
-        agg, tokens = codec.aggregate(received)
-        outer.step(agg)
-        position += sum(s.samples for s in steps)
-        if overhead is None:  # every outer buffer exists after the first step
+        if pl.healed or joining:  # this worker sent nothing: the others' round r, from their state
+            step, joining, done = r + 1, False, {}
+        guard.expect({i: steps[i].samples * cfg.model.seq_length for i in range(K)})
+        agg, tokens = codec.aggregate(received, guard=guard)
+        if ft is not None and guard.last_rejected:  # like lost workers (fail: stop, named)
+            ft.lost(r, sorted(guard.last_rejected), "message rejected by the checks")
+        if agg is not None:
+            outer.step(agg)
+        position += sum(steps[j].samples for j in members)
+        if overhead is None and msgs:  # every outer buffer exists after the first step
             overhead = memory_overhead(
                 theta, outer.momentum_buffer, [fb.residuals for fb in feedback.values()],
                 [len(msgs[i]) for i in pl.workers],
@@ -209,17 +252,21 @@ def run_sync(ctx: RunContext) -> dict:
                                    wan_idle_s=t.wan_idle_s, sent_bytes=t.sent_bytes)
             losses = {i: done[i][0].loss for i in done}
             round_bytes = charged * K
+            present = list(range(K))
             round_fp32 = 4 * ctx.target_schema.numel * K
             stats.time_s = clock.now_s
         else:
             me = pl.workers[0]
-            sent = len(msgs[me]) if pl.transport is not None else 0
-            rows = world_gather([me, done[me][0].loss, done[me][1], exchange_s, sent,
-                                 4 * schema.numel if sent else 0])
-            compute = {k: max(x[2] for x in rows if int(x[0]) == k) for k in range(K)}
+            sent = len(msgs[me]) if pl.transport is not None and me in msgs else 0
+            rows = pl.gather_rows([me, done[me][0].loss if me in done else 0.0,
+                                   done[me][1] if me in done else 0.0, exchange_s, sent,
+                                   4 * schema.numel if sent else 0], 4 * schema.numel)
+            present = sorted({int(x[0]) for x in rows})
+            compute = {k: max(x[2] for x in rows if int(x[0]) == k) for k in present}
             slowest = max(compute.values())
             losses = {}
-            for k, w in enumerate(cl.workers):
+            for k in present:
+                w = cl.workers[k]
                 mine = [x for x in rows if int(x[0]) == k]
                 straggler = slowest - compute[k]
                 losses[k] = mine[0][1]
@@ -229,17 +276,17 @@ def run_sync(ctx: RunContext) -> dict:
             round_bytes = int(sum(x[4] for x in rows))
             round_fp32 = int(sum(x[5] for x in rows))
             stats.time_s = time.perf_counter() - t0
-        for k, w in enumerate(cl.workers):
-            stats.add_worker(w.name, tokens=tokens[k], **per[w.name])
+        for k in present:
+            stats.add_worker(cl.workers[k].name, tokens=tokens[k], **per[cl.workers[k].name])
         ntok = sum(tokens)
         stats.tokens += ntok
         stats.outer_steps = step
         stats.bytes_total += round_bytes
         stats.fp32_bytes_total += round_fp32
-        times = [per[w.name]["compute_s"] for w in cl.workers]
+        times = [per[cl.workers[k].name]["compute_s"] for k in present]
         record = dict(
             step=step, tokens=stats.tokens, time_s=stats.time_s,
-            loss=sum(tokens[k] * losses[k] for k in range(K)) / max(ntok, 1),
+            loss=sum(tokens[k] * losses[k] for k in present) / max(ntok, 1),
             compute_s=max(times), imbalance=(max(times) - min(times)) / max(times),
             straggler_idle_s=sum(p["straggler_idle_s"] for p in per.values()),
             wan_idle_s=sum(p["wan_idle_s"] for p in per.values()), bytes=round_bytes,
@@ -248,6 +295,9 @@ def run_sync(ctx: RunContext) -> dict:
             inner_steps=[s.target.inner_steps for s in steps],
             proxy_samples=[s.samples for s in steps],
         )
+        if len(present) < K or guard.last_rejected:
+            record["workers_present"] = [cl.workers[k].name for k in present
+                                         if k not in guard.last_rejected]
         if ctx.is_eval_step(step):
             first.trainer.set_params(theta)
             first.trainer.set_batch_size(cfg.parallel.global_batch_size,
@@ -261,11 +311,13 @@ def run_sync(ctx: RunContext) -> dict:
         # Emulated measurements are exact: the last one is used.  Wall-clock
         # ones are noisy: real mode averages the last two rounds since the plan
         # last changed (and waits for two).
-        for k, w in enumerate(cl.workers):
-            history.setdefault(w.name, []).append(
-                per[w.name]["compute_s"] / steps[k].target.inner_steps)
+        for k in present:
+            history.setdefault(cl.workers[k].name, []).append(
+                per[cl.workers[k].name]["compute_s"] / steps[k].target.inner_steps)
         need = 1 if ctx.emulated else 2
-        if geomesh and g.replan and step < g.outer_steps and len(history[cl.workers[0].name]) >= need:
+        full = len(members) == K and len(present) == K  # drift re-plans need everyone measured
+        if geomesh and g.replan and full and step < g.outer_steps and \
+                min(len(v) for v in history.values()) >= need:
             measured = {n: sum(v[-need:]) / need for n, v in history.items()}
             new = ctx.planner.replan(measured)
             if new is not plan:
@@ -285,11 +337,22 @@ def run_sync(ctx: RunContext) -> dict:
                 "planner_speed": dict(ctx.planner.speed), "plan": plan,
                 "clock": clock.state_dict() if clock is not None else None,
                 "stats": stats.state_dict(), "rng": torch.get_rng_state(), "history": history,
+                "guard": guard.state_dict(),
             }
             save_state(ctx.run_dir / "checkpoints", step, state, rank=pl.rank,
                        job_leader=pl.is_logging_rank, keep_last=cfg.checkpoint.keep_last)
         if reached_stop:
             break
+        if ft is not None and members != ft.members:  # re-plan for the next round's workers
+            members = list(ft.members)
+            plan = plan_for_members(ctx.planner, plan, [cl.workers[k].name for k in members])
+            steps, history = _proxy(ctx, plan), {}
+            log.info("outer step %d: %d worker(s), re-planned b_i=%s H_i=%s", step, len(members),
+                     [steps[k].target.batch_size for k in members],
+                     [steps[k].target.inner_steps for k in members])
+        r += 1
+    if ft is not None:
+        ft.close()
     info = {w.name: {"batch_size": s.target.batch_size, "inner_steps": s.target.inner_steps,
                      "proxy_batches": list(s.batches)}
             for w, s in zip(cl.workers, steps)}

@@ -358,6 +358,28 @@ class GeoMeshConfig:
     """Re-plan ``b_i``, ``H_i`` when measured speeds drift (method ``geomesh``)."""
     eval_interval: int = 1
     """Outer steps between validation evaluations (and at the last one)."""
+    on_worker_loss: Literal["continue", "fail"] = "continue"
+    """Real mode, one job per region: when a worker is lost (crashed, stalled
+    past ``heartbeat_s``, or its message rejected), the others finish the
+    round without it and go on (``continue``; it may rejoin at a round
+    boundary), or every job stops with one line naming it (``fail``)."""
+    heartbeat_s: float = 10.0
+    """Real mode, one job per region: seconds without a heartbeat after which
+    a worker counts as lost (the lighthouse's heartbeat timeout; give the
+    lighthouse the same ``--heartbeat-s``)."""
+    secret_file: str | None = None
+    """Real mode: file holding the run's secret that authenticates messages
+    (HMAC-SHA256); ``None`` = the ``GEOMESH_SECRET`` environment variable.
+    Never give the secret itself on the command line."""
+    max_norm_ratio: float = 10.0
+    """A message whose pseudo-gradient norm exceeds this multiple of the other
+    workers' median (or of its own history) is rejected (``geomesh/guard.py``)."""
+    token_tolerance: float = 0.05
+    """A message whose token count is off the plan's by more than this
+    fraction is rejected."""
+    robust_aggregation: Literal["none", "sign_majority", "trimmed_mean"] = "none"
+    """Aggregate by a token-weighted majority of signs, or with trimmed-mean
+    scales, instead of equation (1) (``geomesh/guard.py``)."""
 
 
 @dataclass(kw_only=True)
@@ -386,6 +408,10 @@ class ConaConfig:
     """Steps over which a switch must repay its measured cost."""
     lr_scaling: Literal["sqrt", "linear", "none"] = "sqrt"
     """How the learning rate follows the global batch size when it changes."""
+    switch_timeout_s: float = 600.0
+    """Real mode: a layout switch still running after this many seconds means
+    a rank stalled or was lost; every rank then exits with one line (resume
+    from the last checkpoint at either layout)."""
 
     def validate(self) -> None:
         """Raise :class:`ConfigError` naming the first bad CONA setting."""
@@ -397,6 +423,9 @@ class ConaConfig:
         if not 0 <= self.min_gain < float("inf"):
             raise ConfigError(f"cona.min_gain={self.min_gain} must be >= 0 (0.05 = switch for a "
                               "5 % better score)")
+        if not 0 < self.switch_timeout_s < float("inf"):
+            raise ConfigError(f"cona.switch_timeout_s={self.switch_timeout_s} must be a positive "
+                              "number of seconds (default 600)")
         if self.num_gpus is not None and self.num_gpus <= 0:
             raise ConfigError(f"cona.num_gpus={self.num_gpus} must be positive (or null: the "
                               "world size)")

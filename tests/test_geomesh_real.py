@@ -5,7 +5,8 @@ Same seeds, same plan (re-planning off), same data stream: only the transport
 first outer steps must agree.  Layouts: 4 processes as 2 workers of TP=2, as
 4 workers of one rank (two regions of two workers: intra-region and WAN
 phases of the hierarchical exchange), and two separate ``torchrun`` jobs (one
-per region) joined through the cluster's rendezvous address.
+per region) joined by torchft through a lighthouse at the cluster's
+rendezvous address; then lost workers (``bench/faults.py`` scenarios).
 """
 
 from __future__ import annotations
@@ -115,26 +116,41 @@ def test_real_matches_emulated(runs, layout):
     assert 20 < summary["compression_ratio"] < 26
 
 
+SECRET_ENV = {"GEOMESH_SECRET": "0123456789abcdef0123456789abcdef", "WANDB_SILENT": "true",
+              "OMP_NUM_THREADS": "1"}
+
+
+def _lighthouse(cluster: Path) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "geomesh.lighthouse", "--cluster", str(cluster),
+                             "--heartbeat-s", "10", "--join-timeout-s", "60"], cwd=REPO,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env={**os.environ, **SECRET_ENV})
+
+
 def _torchrun(cluster: Path, region: str, run_dir: Path, cache_dir: str, *extra: str):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
            str(REPO / "train.py"), "--config", "tiny_gpt", "--run-dir", str(run_dir),
            f"data.cache_dir={cache_dir}", f"geomesh.cluster={cluster}", "geomesh.method=geomesh",
            f"geomesh.region={region}", *OVERRIDES, *extra]
     return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env={**os.environ, "WANDB_SILENT": "true",
-                                            "OMP_NUM_THREADS": "1"})
+                            text=True, env={**os.environ, **SECRET_ENV})
 
 
 @pytest.mark.slow
-def test_two_torchrun_jobs_join_at_rendezvous(runs, cache_dir):
-    """Catches a region job that cannot find the other region's processes (wrong
-    global ranks, store not shared) or trains other math than the emulated run:
-    two torchrun jobs (one per region) joined at the cluster's rendezvous run 3
+def test_two_torchrun_jobs_on_torchft(runs, cache_dir):
+    """Catches region jobs that cannot find each other through the torchft
+    lighthouse, or that train other math than the emulated run: two torchrun
+    jobs (one per region, each its own world and torchft replica group) run 3
     outer steps, and both report the emulated losses within 1e-4."""
     root, clusters, emulated, _ = runs
-    procs = [_torchrun(clusters["jobs"], region, root / f"job-{k}", cache_dir)
-             for k, region in enumerate(("East US", "West Europe"))]
-    outs = [p.communicate(timeout=600) for p in procs]
+    lh = _lighthouse(clusters["jobs"])
+    try:
+        procs = [_torchrun(clusters["jobs"], region, root / f"job-{k}", cache_dir)
+                 for k, region in enumerate(("East US", "West Europe"))]
+        outs = [p.communicate(timeout=900) for p in procs]
+    finally:
+        lh.terminate()
+        lh.wait(30)
     for p, (_, err) in zip(procs, outs):
         assert p.returncode == 0, err[-3000:]
     for k in range(2):
@@ -144,13 +160,40 @@ def test_two_torchrun_jobs_join_at_rendezvous(runs, cache_dir):
 def test_missing_region_fails_with_its_name(runs, cache_dir):
     """Catches a hang or an anonymous error when a region never starts: the East
     US job alone (timeout 3 s) exits with code 2 and a one-line error naming
-    West Europe and the fix."""
+    West Europe and the fix; without a lighthouse, the line names it."""
     root, clusters, _, _ = runs
     cmd = [sys.executable, str(REPO / "train.py"), "--config", "tiny_gpt", "--run-dir",
            str(root / "alone"), f"data.cache_dir={cache_dir}", f"geomesh.cluster={clusters['jobs']}",
-           "geomesh.method=geomesh", "geomesh.region=East US", "geomesh.timeout_s=3", *OVERRIDES]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+           "geomesh.method=geomesh", "geomesh.region=East US", "geomesh.timeout_s=3",
+           "geomesh.heartbeat_s=2", *OVERRIDES]
+    env = {**os.environ, **SECRET_ENV}
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
+    line = [x for x in proc.stderr.splitlines() if x.startswith("error:")]
+    assert proc.returncode in (2, 3) and len(line) == 1, proc.stderr[-3000:]
+    assert "lighthouse" in line[0] and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    lh = _lighthouse(clusters["jobs"])
+    try:
+        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
+    finally:
+        lh.terminate()
+        lh.wait(30)
     assert proc.returncode == 2, proc.stderr[-3000:]
     line = [x for x in proc.stderr.splitlines() if x.startswith("error:")]
     assert line and "West Europe" in line[0] and "geomesh.timeout_s" in line[0], proc.stderr[-2000:]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scenario", ["late_join", "store_host_lost_fail_policy"])
+def test_lost_worker_scenarios(scenario, cache_dir, tmp_path):
+    """Catches a run that dies with a lost worker, a restarted worker that does
+    not heal to the survivors' model, or a fail policy that hangs or prints a
+    traceback: bench/faults.py's scenarios, asserted (late join: both jobs
+    finish with the same final perplexity; fail: the survivor exits 3 with one
+    line naming the lost region, within the heartbeat plus a round)."""
+    from bench.faults import geomesh
+
+    kw = {"late_join": dict(fault=(1, "train@1"), rejoin=True),
+          "store_host_lost_fail_policy": dict(fault=(0, "train@2"), policy="fail")}[scenario]
+    res = geomesh(tmp_path, cache_dir, scenario, 10, **kw)
+    assert res["survived"], res
+    assert res["bytes_lost"] == 0

@@ -1,0 +1,498 @@
+"""Who is in a round: quorum, loss, healing and the exchange, on torchft.
+
+Real mode with one job per region (``geomesh.region``) runs each worker as
+one torchft *replica group*: its processes hold a :class:`torchft.Manager`
+(one per shard rank, ``replica_id = geomesh_<worker index>``) that
+heartbeats to a torchft Lighthouse (``python -m geomesh.lighthouse``, at the
+cluster file's ``rendezvous`` address) and gets a *quorum* — the workers
+alive now — at every round's exchange.  torchft then reconfigures a
+fault-tolerant process group (``ProcessGroupGloo`` on CPU,
+``ProcessGroupNCCL`` on GPU) among exactly those workers, rendezvousing on
+the store of one of them (another one's when that one is gone), and heals
+a worker whose round is behind the others' by sending it the state of a live
+peer.  Every round (``r`` = the Manager's step, rounds committed so far):
+
+1. **quorum** at the exchange point: a worker waits until every worker of
+   the last quorum that is alive (heartbeating) has arrived; one silent for
+   ``geomesh.heartbeat_s`` is lost, and an alive straggler is waited for at
+   most ``geomesh.timeout_s`` (the lighthouse's ``--join-timeout-s``).  While
+   waiting a line every 5 s names the workers of the last quorum and how long
+   ago the lighthouse heard from each.  ``on_worker_loss=fail`` stops here
+   (and a monitor thread stops the job within ``heartbeat_s`` of a loss even
+   mid-training), ``continue`` goes on with the workers that are there;
+2. **heal**: a worker behind (restarted, or a straggler dropped from the
+   last round) receives ``θ_global``, the outer momentum, the round, the data
+   position and the plan from a live peer (torchft's checkpoint transport,
+   with an authenticated, pickle-free payload: :class:`SignedHTTPTransport`),
+   sends an empty JOIN message this round, applies the same outer step from
+   the others' messages, and trains from the next round on;
+3. **all-gather** of the sealed messages (:mod:`geomesh.envelope`) over the
+   quorum's process group: lengths (int64), then uint8 buffers padded to the
+   longest; each message is opened against the slot it came in;
+4. **commit** (``Manager.should_commit``): the round counts, the step moves
+   on.  A failure in 3 (a worker died after the quorum) is reported to the
+   Manager and 1-3 are retried with the same messages, at most 3 times.
+
+What torchft does not do here, and why.  torchft's exchange primitive is an
+all-reduce of dense tensors (``Manager.allreduce``); GeoMesh must see every
+worker's message apart — to check it (:mod:`geomesh.guard`) and because a sum
+of sign-compressed messages is not a sign-compressed message (an all-reduce
+would need the fp32 pseudo-gradient, 32x the bytes).  So the exchange is an
+all-gather on torchft's process group, not the Manager's all-reduce; and
+torchft has one flat group per quorum, so the hierarchical exchange of
+:mod:`geomesh.transport` (inside regions, then between leaders) is not used
+here (one worker per region job: the two are the same).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import threading
+import time
+import urllib.request
+from collections.abc import Callable
+from datetime import timedelta
+
+import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+from jobruntime.faults import RunInterrupted, exit_interrupted, fault_point
+
+from .cluster import ClusterError, ClusterSpec
+from .envelope import DATA, HEAL, JOIN, EnvelopeError, Opener
+
+os.environ.setdefault("RUST_LOG", "error")  # torchft's Rust side logs every quorum at info
+from torch.distributed.distributed_c10d import AllgatherOptions  # noqa: E402
+from torchft import Manager, ProcessGroupGloo, ProcessGroupNCCL  # noqa: E402
+from torchft.checkpointing._serialization import _streaming_load  # noqa: E402
+from torchft.checkpointing.http_transport import HTTPTransport  # noqa: E402
+
+log = logging.getLogger(__name__)
+for _name in ("torchft", "torchft_quorums", "torchft_commits", "torchft_errors"):
+    logging.getLogger(_name).setLevel(logging.CRITICAL)  # its exceptions are ours to report
+REPORT_EVERY_S = 5.0
+MAX_ATTEMPTS = 3
+
+
+class PeerLostError(RunInterrupted):
+    """A worker of the run was lost (``on_worker_loss=fail``) or the lighthouse is gone."""
+
+
+# ---------------------------------------------------------------------------
+# Healing payload: tensors in safetensors, the rest in JSON (nothing unpickled)
+# ---------------------------------------------------------------------------
+
+
+def pack_state(state: dict) -> bytes:
+    """Nested dicts of str keys with tensor / JSON leaves -> bytes (safetensors)."""
+    tensors: dict[str, torch.Tensor] = {}
+
+    def walk(x, path):
+        if isinstance(x, torch.Tensor):
+            key = f"t{len(tensors)}"
+            tensors[key] = x.detach().cpu().contiguous()
+            return {"__tensor__": key}
+        if isinstance(x, dict):
+            return {str(k): walk(v, f"{path}/{k}") for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return [walk(v, f"{path}/{i}") for i, v in enumerate(x)]
+        return x
+
+    tree = walk(state, "")
+    return st_save(tensors, metadata={"tree": json.dumps(tree)})
+
+
+def unpack_state(data: bytes) -> dict:
+    """Inverse of :func:`pack_state` (safetensors and JSON only: no code runs)."""
+    from safetensors import safe_open  # noqa: F401 - the format's reader is the trust boundary
+
+    header_len = int.from_bytes(data[:8], "little")
+    meta = json.loads(data[8:8 + header_len]).get("__metadata__", {})
+    tensors = st_load(data)
+
+    def walk(x):
+        if isinstance(x, dict):
+            if set(x) == {"__tensor__"}:
+                return tensors[x["__tensor__"]]
+            return {k: walk(v) for k, v in x.items()}
+        if isinstance(x, list):
+            return [walk(v) for v in x]
+        return x
+
+    return walk(json.loads(meta["tree"]))
+
+
+class SignedHTTPTransport(HTTPTransport):
+    """torchft's HTTP checkpoint transport carrying one sealed, pickle-free blob.
+
+    torchft's own transports unpickle what a peer sends (``weights_only=False``);
+    here the served object is a single uint8 tensor (loaded with
+    ``weights_only=True``) holding a HEAL envelope whose body is
+    :func:`pack_state` output, opened with the run's secret before anything
+    in it is used.
+
+    Raises (in ``recv_checkpoint``, reported by the Manager as a failed heal):
+        EnvelopeError: the blob is not authentic or not for this step.
+    """
+
+    def __init__(self, opener: Opener, *, worker: int, shard: int, timeout: timedelta) -> None:
+        super().__init__(timeout=timeout, num_chunks=0)
+        self._opener, self._worker, self._shard = opener, worker, shard
+        self._server.RequestHandlerClass.log_message = lambda *a, **k: None  # no stderr lines
+
+    def send_checkpoint(self, dst_ranks, step, state_dict, timeout) -> None:
+        blob = self._opener.seal(pack_state(state_dict), kind=HEAL, round=step,
+                                 worker=self._worker, shard=self._shard)
+        tensor = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+        super().send_checkpoint(dst_ranks, step, {"blob": tensor}, timeout)
+
+    @classmethod
+    def _load_from_address(cls, address: str, timeout: timedelta) -> object:
+        with urllib.request.urlopen(address, timeout=timeout.total_seconds()) as f:
+            return _streaming_load(f, weights_only=True)
+
+    def recv_checkpoint(self, src_rank, metadata, step, timeout):
+        got = super().recv_checkpoint(src_rank, metadata, step, timeout)
+        blob = got["blob"] if isinstance(got, dict) and "blob" in got else None
+        if not isinstance(blob, torch.Tensor) or blob.dtype != torch.uint8:
+            raise EnvelopeError("healing state from a peer is not a sealed blob", "kind")
+        self._opener.forget_round(step)
+        sealed = self._opener.open(blob.numpy().tobytes(), round=step, shard=self._shard,
+                                   kinds=(HEAL,))
+        return unpack_state(sealed.body)
+
+
+def _recording(base):
+    """A torchft process group class that remembers the members of its quorum."""
+
+    class Recording(base):
+        members: list[int] = []
+
+        def configure(self, store_addr, replica_id, rank, world_size, quorum_id=None,
+                      group_rank=None, group_world_size=None, global_ranks=None):
+            super().configure(store_addr, replica_id, rank, world_size, quorum_id, group_rank,
+                              group_world_size, global_ranks)
+            # torchft numbers replica k's group rank g as k * group_world_size + g.
+            self.members = sorted(r // max(group_world_size or 1, 1) for r in global_ranks or [])
+
+    return Recording
+
+
+_HEARTBEAT = re.compile(r"([A-Za-z0-9_.\-]+):[0-9a-f\-]+: seen ([0-9.eE+\-]+)s ago")
+
+
+def lighthouse_heartbeats(addr: str, timeout_s: float = 2.0) -> dict[int, float]:
+    """Seconds since the lighthouse last heard from each worker (its ``/status`` page).
+
+    Several entries of one worker (restarts) keep the freshest.
+
+    Raises:
+        OSError: the lighthouse does not answer.
+    """
+    with urllib.request.urlopen(f"{addr}/status", timeout=timeout_s) as f:
+        text = f.read().decode("utf-8", "replace")
+    out: dict[int, float] = {}
+    for rid, age in _HEARTBEAT.findall(text):
+        m = re.fullmatch(r"geomesh_(\d+)", rid)
+        if m:
+            k = int(m.group(1))
+            out[k] = min(out.get(k, float("inf")), float(age))
+    return out
+
+
+class Membership:
+    """One shard rank's membership in the run (module docstring).
+
+    Args:
+        cluster: the cluster (worker order = ``replica_id`` order).
+        worker: this job's worker index.
+        shard / num_shards: this rank's group rank inside the worker, and how many.
+        lighthouse: ``http://host:port`` of the lighthouse.
+        store_addr / store_port: this job's own TCPStore (torchrun's or its own).
+        opener: the run's :class:`~geomesh.envelope.Opener`.
+        timeout_s, heartbeat_s, on_worker_loss: ``geomesh.*``.
+        start_round: rounds already done (a resumed checkpoint).
+        report: print lines (the job's first rank).
+    """
+
+    def __init__(self, cluster: ClusterSpec, worker: int, *, shard: int, num_shards: int,
+                 lighthouse: str, store_addr: str, store_port: int, opener: Opener,
+                 timeout_s: float, heartbeat_s: float, on_worker_loss: str,
+                 start_round: int = 0, report: bool = True) -> None:
+        self.cluster, self.worker, self.shard = cluster, worker, shard
+        self.lighthouse, self.opener = lighthouse, opener
+        self.timeout_s, self.heartbeat_s, self.policy = timeout_s, heartbeat_s, on_worker_loss
+        self.report = report
+        nccl = torch.cuda.is_available()
+        self.device = torch.device("cuda", torch.cuda.current_device()) if nccl else \
+            torch.device("cpu")
+        tout = timedelta(seconds=timeout_s)
+        self.pg = _recording(ProcessGroupNCCL if nccl else ProcessGroupGloo)(timeout=tout)
+        self.members: list[int] = []
+        self._healed: dict | None = None
+        self._save: Callable[[], dict] | None = None
+        self._load: Callable[[dict], None] | None = None
+        try:
+            self.manager = Manager(
+                pg=self.pg, load_state_dict=None, state_dict=None, min_replica_size=1,
+                use_async_quorum=False, timeout=tout, quorum_timeout=tout + tout,
+                connect_timeout=timedelta(seconds=min(timeout_s, 60.0)), rank=shard,
+                world_size=num_shards, store_addr=store_addr, store_port=store_port,
+                lighthouse_addr=lighthouse, replica_id=f"geomesh_{worker:04d}",
+                heartbeat_interval=timedelta(seconds=min(heartbeat_s / 10, 1.0)),
+                checkpoint_transport=SignedHTTPTransport(opener, worker=worker, shard=shard,
+                                                         timeout=tout),
+                init_sync=False)
+        except Exception as e:  # noqa: BLE001 - the Rust client raises RuntimeError variants
+            raise PeerLostError(self._no_lighthouse(e)) from None
+        self.manager.register_state_dict_fn("geomesh", self._load_state, self._save_state)
+        self.manager.load_state_dict({"step": start_round, "batches_committed": 0})
+        self._stop = threading.Event()
+        self._monitor = threading.Thread(target=self._watch, daemon=True)
+
+    def _no_lighthouse(self, e: BaseException) -> str:
+        return (f"GeoMesh: the lighthouse at {self.lighthouse} does not answer "
+                f"({str(e).splitlines()[0][:120] if str(e) else type(e).__name__}); start it "
+                "with python -m geomesh.lighthouse --cluster FILE (the cluster file's rendezvous "
+                "address), or check that this host can reach it")
+
+    def name(self, k: int) -> str:
+        w = self.cluster.workers[k]
+        return f"{w.name} ({w.region})"
+
+    # -- state handed to a worker that heals ----------------------------------------
+    def set_state_fns(self, save: Callable[[], dict], load: Callable[[dict], None]) -> None:
+        """What a live peer sends (``save``) and how a healing worker applies it (``load``)."""
+        self._save, self._load = save, load
+
+    def _save_state(self) -> dict:
+        return self._save() if self._save is not None else {}
+
+    def _load_state(self, state: dict) -> None:
+        self._healed = state
+
+    @property
+    def step(self) -> int:
+        """Rounds committed (torchft's step)."""
+        return self.manager.current_step()
+
+    # -- quorum ------------------------------------------------------------------
+    def _waiting(self, r: int, done: threading.Event) -> None:
+        t0 = time.monotonic()
+        while not done.wait(REPORT_EVERY_S):
+            others = [k for k in (self.members or range(len(self.cluster.workers)))
+                      if k != self.worker]
+            try:
+                beats = lighthouse_heartbeats(self.lighthouse)
+                seen = ", ".join(f"{self.name(k)} " + (f"heard {beats[k]:.1f} s ago"
+                                                        if k in beats else "never heard")
+                                 for k in others)
+            except OSError:
+                seen = f"the lighthouse at {self.lighthouse} does not answer"
+            if self.report:
+                log.info("GeoMesh round %d: waiting %.0f s for %s at the exchange (%s)", r,
+                         time.monotonic() - t0, ", ".join(self.name(k) for k in others), seen)
+
+    def quorum(self, r: int) -> tuple[list[int], bool]:
+        """Wait for this round's quorum; return ``(members, healed)``.
+
+        Raises:
+            PeerLostError: the lighthouse is gone, or (``fail``) a worker was lost.
+        """
+        done = threading.Event()
+        waiter = threading.Thread(target=self._waiting, args=(r, done), daemon=True)
+        waiter.start()
+        try:
+            for attempt in range(MAX_ATTEMPTS):
+                self._healed = None
+                try:
+                    self.manager.start_quorum(allow_heal=True)
+                except Exception as e:  # noqa: BLE001 - quorum RPC errors (lighthouse gone)
+                    raise PeerLostError(self._no_lighthouse(e)) from None
+                err = self.manager.errored()
+                if err is None:
+                    break
+                # A process group that could not form (its store's host just died) or a
+                # heal that failed: tell torchft this step failed, and ask again.
+                why = str(err.original_exception).splitlines()[0][:160]
+                self.manager.should_commit()
+                if self.report:
+                    log.warning("GeoMesh round %d: quorum attempt %d failed (%s)", r,
+                                attempt + 1, why)
+            else:
+                raise PeerLostError(f"GeoMesh round {r}: no working quorum after "
+                                    f"{MAX_ATTEMPTS} attempts (last: {why}); restart the "
+                                    "regions from the last checkpoint (checkpoint.load)")
+        finally:
+            done.set()
+        new = list(self.pg.members)
+        healed = self._healed is not None
+        if healed and self._load is not None:
+            self._load(self._healed)
+        old = self.members
+        lost = [k for k in old if k not in new]
+        joined = [k for k in new if k not in old and old]
+        self.members = new
+        if lost:
+            self.lost(r, lost)
+        if joined and self.report:
+            log.info("GeoMesh round %d: %s joined (%d workers)", r,
+                     ", ".join(self.name(k) for k in joined), len(new))
+        return new, healed
+
+    def lost(self, r: int, lost: list[int], why: str = "no heartbeat") -> None:
+        """Workers dropped from round ``r``: ``fail`` raises :class:`PeerLostError`, else a warning."""
+        names = ", ".join(self.name(k) for k in lost)
+        regions = list(dict.fromkeys(self.cluster.workers[k].region for k in lost))
+        if self.policy == "fail":
+            raise PeerLostError(
+                f"GeoMesh round {r}: lost region(s) {regions} (worker {names}: {why}); "
+                "geomesh.on_worker_loss=fail stops every job: restart all regions from the last "
+                "checkpoint (checkpoint.load), or use on_worker_loss=continue")
+        if self.report:
+            log.warning("GeoMesh round %d: lost %s (%s); continuing with %d worker(s), it may "
+                        "rejoin at a round boundary", r, names, why, len(self.members))
+
+    def join(self, r: int) -> bool:
+        """Startup: wait until every worker is in the quorum, or heal from a running run.
+
+        Returns:
+            whether this worker healed (the run was already going).
+
+        Raises:
+            ClusterError: workers missing after ``geomesh.timeout_s`` (named).
+        """
+        t0 = time.monotonic()
+        deadline, said = t0 + self.timeout_s, t0
+        K = len(self.cluster.workers)
+        while True:
+            members, healed = self.quorum(r)
+            if healed or len(members) == K:
+                self._monitor.start()
+                return healed
+            if self.report and time.monotonic() - said >= REPORT_EVERY_S:
+                said = time.monotonic()
+                log.info("GeoMesh: waiting %.0f s for %s to join at the lighthouse %s",
+                         said - t0, ", ".join(self.name(k) for k in range(K) if k not in members),
+                         self.lighthouse)
+            if time.monotonic() > deadline:
+                missing = [k for k in range(K) if k not in members]
+                regions = list(dict.fromkeys(self.cluster.workers[k].region for k in missing))
+                raise ClusterError(
+                    f"GeoMesh: region(s) {regions} (workers "
+                    f"{[self.cluster.workers[k].name for k in missing]}) did not join at the "
+                    f"lighthouse {self.lighthouse} within {self.timeout_s:g} s; start their jobs "
+                    "with geomesh.region=<name>, check that they reach the lighthouse, or raise "
+                    "geomesh.timeout_s")
+            self.members = []
+            time.sleep(1.0)
+
+    def _watch(self) -> None:
+        """``fail``: stop the job within ``heartbeat_s`` of a loss, even mid-training."""
+        silent_since = None
+        while not self._stop.wait(min(1.0, self.heartbeat_s / 4)):
+            if self.policy != "fail":
+                continue
+            try:
+                beats = lighthouse_heartbeats(self.lighthouse)
+                silent_since = None
+            except OSError:
+                silent_since = silent_since or time.monotonic()
+                if time.monotonic() - silent_since > self.heartbeat_s:
+                    self._exit(f"GeoMesh: the lighthouse at {self.lighthouse} has not answered "
+                               f"for {self.heartbeat_s:g} s; geomesh.on_worker_loss=fail stops "
+                               "every job: restart it and all regions from the last checkpoint")
+                continue
+            lost = [k for k in self.members if k != self.worker
+                    and beats.get(k, float("inf")) > self.heartbeat_s]
+            if lost:
+                regions = list(dict.fromkeys(self.cluster.workers[k].region for k in lost))
+                self._exit(f"GeoMesh: lost region(s) {regions} (worker "
+                           f"{', '.join(self.name(k) for k in lost)}: no heartbeat for "
+                           f"{self.heartbeat_s:g} s); geomesh.on_worker_loss=fail stops every "
+                           "job: restart all regions from the last checkpoint (checkpoint.load)")
+
+    def _exit(self, message: str) -> None:
+        exit_interrupted(message)  # the main thread may sit in a collective only a timeout ends
+
+    # -- exchange ------------------------------------------------------------------
+    def _all_gather(self, data: bytes) -> list[bytes]:
+        n = self.pg.size()
+        size = torch.tensor([len(data)], dtype=torch.int64, device=self.device)
+        sizes = [[torch.zeros_like(size) for _ in range(n)]]
+        self.pg.allgather(sizes, [size], AllgatherOptions()).wait()
+        lengths = [int(s.item()) for s in sizes[0]]
+        buf = torch.zeros(max(max(lengths), 1), dtype=torch.uint8, device=self.device)
+        if data:
+            buf[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.device)
+        outs = [[torch.empty_like(buf) for _ in range(n)]]
+        self.pg.allgather(outs, [buf], AllgatherOptions()).wait()
+        return [o[:k].cpu().numpy().tobytes() for o, k in zip(outs[0], lengths)]
+
+    def exchange(self, r: int, body: bytes | None, *, quorum_done: bool = False
+                 ) -> tuple[list[bytes | None], bool]:
+        """Round ``r``'s messages of every worker (``None``: absent, joining or rejected).
+
+        Args:
+            body: this worker's codec message (``None``: it has none, it just healed).
+            quorum_done: the quorum of this round was already taken (by :meth:`join`).
+
+        Returns:
+            ``(messages, healed)``: when ``healed``, this worker was behind; the
+            state fns loaded the peers' state and ``body`` was not sent.
+        """
+        K = len(self.cluster.workers)
+        healed_any = False
+        for attempt in range(MAX_ATTEMPTS):
+            if not (quorum_done and attempt == 0):
+                members, healed = self.quorum(r if not healed_any else self.step)
+                if healed:
+                    healed_any, body = True, None
+            r_now = self.step
+            kind = DATA if body is not None else JOIN
+            sealed = self.opener.seal(body or b"", kind=kind, round=r_now, worker=self.worker,
+                                      shard=self.shard)
+            fault_point("exchange", r_now)
+            try:
+                got = self._all_gather(sealed)
+            except Exception as e:  # noqa: BLE001 - gloo/NCCL errors: a peer died after the quorum
+                self.manager.report_error(e)
+                self.manager.should_commit()
+                self.opener.forget_round(r_now)
+                if self.report:
+                    log.warning("GeoMesh round %d: exchange failed (%s); new quorum, attempt %d",
+                                r_now, str(e).splitlines()[0][:120], attempt + 2)
+                continue
+            out: list[bytes | None] = [None] * K
+            bad = []
+            for k, data in zip(self.pg.members, got):
+                try:
+                    env = self.opener.open(data, round=r_now, sender=k, shard=self.shard)
+                except EnvelopeError as e:
+                    bad.append(k)
+                    if self.report:
+                        log.warning("GeoMesh round %d: rejected the message of %s: %s", r_now,
+                                    self.name(k), e)
+                    continue
+                out[k] = env.body if env.kind == DATA else None
+            fault_point("commit", r_now)
+            if not self.manager.should_commit():
+                self.opener.forget_round(r_now)
+                continue
+            if bad:
+                self.lost(r_now, bad, "message rejected")
+            return out, healed_any
+        raise PeerLostError(f"GeoMesh round {r}: the exchange failed {MAX_ATTEMPTS} times "
+                            "(workers keep dropping out); restart the regions from the last "
+                            "checkpoint (checkpoint.load)")
+
+    def close(self) -> None:
+        self._stop.set()
+        try:
+            self.manager.shutdown(wait=False)
+        except Exception:  # noqa: BLE001 - shutting down after a peer died
+            pass

@@ -1,0 +1,66 @@
+"""Fault injection for the fault-tolerance tests and ``bench/faults.py`` (test-only).
+
+``GEOCONA_FAULT=<point>@<n>[/<rank>]`` makes the process of global or job
+rank ``<rank>`` (default 0) kill itself with SIGKILL — no cleanup, no
+``finally``, as a crash or an out-of-memory kill would — the ``n``-th time
+(0-based round or step) it passes the named point.  Points:
+
+* ``train``    GeoMesh: after the worker's inner steps of a round;
+* ``exchange`` GeoMesh: after the round's quorum, before the all-gather;
+* ``commit``   GeoMesh: after the all-gather, before the outer step commits;
+* ``save``     a checkpoint save, after this rank wrote its file, before the
+  folder is committed;
+* ``switch``   CONA: inside a layout switch, after the new model is built,
+  before resharding.
+
+Unset (the normal case) it costs one dictionary lookup.  The variable is read
+once per process: it configures a test harness, not the product.
+
+:class:`RunInterrupted` is the error of a run stopped by a lost peer (not by
+bad input): ``train.py`` prints it on one line on every rank and exits with
+code 3, keeping the run folder for ``checkpoint.load``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+
+ENV = "GEOCONA_FAULT"
+POINTS = ("train", "exchange", "commit", "save", "switch")
+_spec = os.environ.get(ENV)
+
+
+def fault_point(point: str, n: int) -> None:
+    """Kill this process here if ``GEOCONA_FAULT`` names this point, count and rank."""
+    if not _spec:
+        return
+    where, _, rest = _spec.partition("@")
+    count, _, rank = rest.partition("/")
+    if where != point or int(count or 0) != n:
+        return
+    if int(rank or 0) != int(os.environ.get("RANK", "0")):
+        return
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+class RunInterrupted(RuntimeError):
+    """A run stopped by a lost process, region or lighthouse; resume from its last checkpoint."""
+
+
+EXIT_INTERRUPTED = 3
+_EXIT = threading.Lock()
+
+
+def exit_interrupted(message: str) -> None:
+    """Print ``error: <message>`` once per process and exit with :data:`EXIT_INTERRUPTED`.
+
+    Safe from any thread (a watchdog and the main thread may see the same loss
+    at once: the second caller blocks until the process is gone).  No teardown:
+    collectives with a lost peer would hang.
+    """
+    _EXIT.acquire()
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    os._exit(EXIT_INTERRUPTED)

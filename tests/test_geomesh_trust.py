@@ -1,0 +1,183 @@
+"""No message trusted: envelopes (HMAC, binding) and checks before aggregation.
+
+Pure logic, no processes: every hostile message of ``bench/faults.py`` goes
+through the same :class:`~geomesh.envelope.Opener` and
+:class:`~geomesh.guard.Guard` as in a run (:func:`hostile_cases` is shared).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import struct
+
+import pytest
+import torch
+
+from geomesh.codec import DenseCodec, SignCodec
+from geomesh.compression import MessageError, TensorSchema
+from geomesh.envelope import DATA, HEAL, JOIN, EnvelopeError, Opener, Sealer, load_secret
+from geomesh.guard import Guard
+from geomesh.membership import pack_state, unpack_state
+from jobruntime.config import ConfigError
+
+SECRET = b"k" * 32
+RUN = 1234
+
+
+def _named(seed: int, scale: float = 1.0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {"emb": torch.randn(6, 8, generator=g) * scale, "b": torch.randn(7, generator=g) * scale}
+
+
+def _schema(row: bool = True) -> TensorSchema:
+    return dataclasses.replace(TensorSchema.from_tensors(_named(0)), row_scales=row)
+
+
+def test_envelope_round_trip_and_binding():
+    """Catches an envelope that accepts a replay from another round, another
+    run, another shard, a message in the wrong worker's slot, a duplicate, a
+    flipped bit or a wrong key, or that reads fields before checking the tag:
+    each is rejected with its own reason and counted; a genuine one opens."""
+    s, o = Sealer(SECRET, RUN), Opener(SECRET, RUN)
+    env = s.seal(b"body", kind=DATA, round=3, worker=1, shard=0)
+    assert o.open(env, round=3, sender=1).body == b"body"
+    bad = {
+        "duplicate": env,
+        "replay": s.seal(b"x", kind=DATA, round=2, worker=1),
+        "other_run": Sealer(SECRET, RUN + 1).seal(b"x", kind=DATA, round=3, worker=2),
+        "wrong_sender": s.seal(b"x", kind=DATA, round=3, worker=0),
+        "shard": s.seal(b"x", kind=DATA, round=3, worker=2, shard=1),
+        "unauthenticated": Sealer(b"z" * 32, RUN).seal(b"x", kind=DATA, round=3, worker=2),
+        "kind": s.seal(b"x", kind=HEAL, round=3, worker=2),
+        "truncated": env[:10],
+    }
+    flipped = bytearray(s.seal(b"abc", kind=DATA, round=3, worker=2))
+    flipped[45] ^= 1
+    bad["unauthenticated_bit"] = bytes(flipped)
+    for reason, data in bad.items():
+        sender = 1 if reason == "duplicate" else 2  # "wrong_sender" claims worker 0
+        with pytest.raises(EnvelopeError) as e:
+            o.open(data, round=3, sender=sender)
+        assert e.value.reason == reason.removesuffix("_bit"), reason
+    assert sum(o.rejected.values()) == len(bad) and o.opened == 1
+    # A retried exchange (after a lost worker) may deliver the same message again.
+    o.forget_round(3)
+    assert o.open(env, round=3, sender=1).kind == DATA
+    assert o.open(s.seal(b"", kind=JOIN, round=3, worker=2), round=3, sender=2).body == b""
+
+
+def test_secret_from_file_or_env_never_short(tmp_path, monkeypatch):
+    """Catches a secret taken from nowhere, a short one, or a missing file turned
+    into a traceback: each is a one-line ConfigError naming the fix."""
+    monkeypatch.delenv("GEOMESH_SECRET", raising=False)
+    with pytest.raises(ConfigError, match="GEOMESH_SECRET"):
+        load_secret(None)
+    assert load_secret(None, required=False) is None
+    monkeypatch.setenv("GEOMESH_SECRET", "short")
+    with pytest.raises(ConfigError, match="at least 16"):
+        load_secret(None)
+    f = tmp_path / "secret"
+    f.write_text("a" * 40 + "\n")
+    assert load_secret(str(f)) == b"a" * 40
+    with pytest.raises(ConfigError, match="cannot be read"):
+        load_secret(str(tmp_path / "missing"))
+
+
+def hostile_cases(codec: SignCodec | DenseCodec, round: int = 0) -> dict[str, list]:
+    """Round messages of 3 workers where worker 2 is hostile, one case per attack.
+
+    Returns ``{name: [msg0, msg1, msg2]}``; honest workers 0, 1 send 100 tokens each.
+    """
+    honest = [codec.encode(_named(k), 100, worker=k, round=round) for k in range(2)]
+    cases = {
+        "huge_values": codec.encode(_named(2, 1e6), 100, worker=2, round=round),
+        "token_grab": codec.encode(_named(2), 10**9, worker=2, round=round),
+        "zero_tokens": codec.encode(_named(2), 0, worker=2, round=round),
+    }
+    if isinstance(codec, DenseCodec):  # an fp32 body with NaN, CRC made valid
+        raw = bytearray(codec.encode(_named(2), 100, worker=2, round=round))
+        struct.pack_into("<f", raw, 36, float("nan"))
+        import zlib
+
+        struct.pack_into("<I", raw, len(raw) - 4, zlib.crc32(raw[:-4]))
+        cases["nan_body"] = bytes(raw)
+    return {k: [*honest, v] for k, v in cases.items()}
+
+
+@pytest.mark.parametrize("kind", ["sign", "fp32"])
+def test_guard_drops_hostile_worker_and_keeps_honest_result(kind):
+    """Catches absurd-but-finite values, NaN bodies, token grabs and zero-token
+    tricks reaching θ_global: with the guard, the aggregate of each hostile
+    round equals the honest two workers' aggregate exactly, the hostile worker
+    gets 0 tokens, and the rejection is counted by reason."""
+    schema = _schema(kind == "sign")
+    codec = SignCodec(schema) if kind == "sign" else DenseCodec(schema)
+    for name, msgs in hostile_cases(codec).items():
+        guard = Guard(["w0", "w1", "w2"], ["A", "B", "C"])
+        guard.expect({0: 100, 1: 100, 2: 100})
+        agg, tokens = codec.aggregate(msgs, guard=guard)
+        ref, _ = codec.aggregate(msgs[:2])
+        assert tokens == [100, 100, 0], name
+        for k in ref:
+            assert torch.equal(agg[k], ref[k]), (name, k)
+        assert sum(guard.rejected.values()) == 1 and 2 in guard.last_rejected, name
+
+
+def test_guard_never_rejects_honest_workers_of_different_sizes():
+    """Catches a norm bound so tight that an honest worker with 4x the inner steps
+    (a 4x larger pseudo-gradient) is dropped: the default ratio 10 keeps all."""
+    schema = _schema()
+    codec = SignCodec(schema)
+    guard = Guard(["a", "b", "c"], ["A", "B", "C"])
+    for r in range(3):
+        msgs = [codec.encode(_named(10 * r + k, 1 + 3 * (k == 2)), 100, worker=k, round=r)
+                for k in range(3)]
+        guard.expect({0: 100, 1: 100, 2: 100})
+        _, tokens = codec.aggregate(msgs, guard=guard)
+        assert tokens == [100, 100, 100]
+    assert not guard.rejected
+
+
+def test_robust_aggregation_resists_a_flipped_minority():
+    """Catches robust modes that follow a sign-flipping insider: with 3 honest
+    workers sending the same direction and one sending its negation (equal
+    tokens, plausible scales), sign_majority keeps the honest sign everywhere
+    and trimmed_mean keeps the honest scale; the plain mean halves the update."""
+    schema = _schema()
+    codec = SignCodec(schema)
+    base = _named(0)
+    msgs = [codec.encode(base, 100, worker=k, round=0) for k in range(3)]
+    msgs.append(codec.encode({k: -v * 50 for k, v in base.items()}, 100, worker=3, round=0))
+    plain, _ = codec.aggregate(msgs)
+    honest, _ = codec.aggregate(msgs[:3])
+    for mode in ("sign_majority", "trimmed_mean"):
+        guard = Guard(list("abcd"), list("ABCD"), robust=mode, max_norm_ratio=1e9)
+        agg, _ = codec.aggregate(msgs, guard=guard)
+        for k in honest:
+            assert torch.equal(torch.sign(agg[k]), torch.sign(honest[k])), (mode, k)
+            if mode == "trimmed_mean":
+                assert torch.allclose(agg[k].abs(), honest[k].abs() * 0.5, rtol=1e-5), k
+    assert (torch.sign(plain["b"]) != torch.sign(honest["b"])).any()  # the attack works unguarded
+
+
+def test_healing_payload_round_trip_without_pickle():
+    """Catches a healing state that loses tensors, dtypes or nesting, or that is
+    decoded by unpickling: pack/unpack is safetensors + JSON and round-trips."""
+    state = {"round": 7, "plan": {"workers": [{"a": 1.5}], "x": None},
+             "outer": {"params": {"w": torch.arange(6.0).reshape(2, 3)},
+                       "momentum_buffer": {"w": torch.ones(2, 3, dtype=torch.float64)}}}
+    out = unpack_state(pack_state(state))
+    assert out["round"] == 7 and out["plan"] == state["plan"]
+    assert torch.equal(out["outer"]["params"]["w"], state["outer"]["params"]["w"])
+    assert out["outer"]["momentum_buffer"]["w"].dtype == torch.float64
+    assert b"pickle" not in pack_state(state)[:200]
+
+
+def test_bad_wire_bytes_are_message_errors():
+    """Catches a decoder that crashes (struct.error, IndexError) on short or
+    garbage input instead of a MessageError naming the problem."""
+    codec = SignCodec(_schema())
+    good = codec.encode(_named(0), 100, worker=0, round=0)
+    for data in (b"", good[:20], b"GMSH" + bytes(60), good[:-1], good + b"x"):
+        with pytest.raises(MessageError):
+            codec.aggregate([data])
