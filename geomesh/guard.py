@@ -181,7 +181,7 @@ class Guard:
             cts = [m.tensors[name] for m in messages]
             signs = [unpack_signs(ct.packed, ct.shape) for ct in cts]  # fp32 ±1 each
             scales = [ct.scale if isinstance(ct.scale, torch.Tensor)
-                      else torch.tensor([float(ct.scale)]) for ct in cts]
+                      else torch.tensor([float(ct.scale)]) for ct in cts]  # host: decoded messages
             if self.robust == "sign_majority":
                 vote = sum(w * s for w, s in zip(weights, signs))
                 scale = sum(w * m.float() for w, m in zip(weights, scales))

@@ -147,7 +147,7 @@ class SignedHTTPTransport(HTTPTransport):
     def send_checkpoint(self, dst_ranks, step, state_dict, timeout) -> None:
         blob = self._opener.seal(pack_state(state_dict), kind=HEAL, round=step,
                                  worker=self._worker, shard=self._shard)
-        tensor = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+        tensor = torch.frombuffer(bytearray(blob), dtype=torch.uint8)  # host: sent over HTTP
         super().send_checkpoint(dst_ranks, step, {"blob": tensor}, timeout)
 
     @classmethod
@@ -428,7 +428,8 @@ class Membership:
         lengths = [int(s.item()) for s in sizes[0]]
         buf = torch.zeros(max(max(lengths), 1), dtype=torch.uint8, device=self.device)
         if data:
-            buf[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.device)
+            buf[:len(data)] = torch.frombuffer(  # host bytes, copied to the device
+                bytearray(data), dtype=torch.uint8).to(self.device)
         outs = [[torch.empty_like(buf) for _ in range(n)]]
         self.pg.allgather(outs, [buf], AllgatherOptions()).wait()
         return [o[:k].cpu().numpy().tobytes() for o, k in zip(outs[0], lengths)]
