@@ -141,17 +141,38 @@ def _train(*args):
                           capture_output=True, text=True, timeout=900)
 
 
+@pytest.fixture(scope="module")
+def bert_runs(tokenizers_dir, cache_dir, tmp_path_factory):
+    """The issue's command, `train.py --config tiny_bert data.tokenizer=bert.json
+    model.vocab_size=2000`, 3 steps with each layout; the "moved" run without
+    evaluation (train.eval_interval=0)."""
+    out = {}
+    for layout, evals in (("first", ["train.eval_interval=3", "train.eval_iters=1"]),
+                          ("moved", ["train.eval_interval=0"])):
+        run = tmp_path_factory.mktemp("bert") / layout
+        proc = _train("--config", "tiny_bert", "--run-dir", run,
+                      f"data.tokenizer={tokenizers_dir[layout]}", "model.vocab_size=2000",
+                      f"data.max_documents={DOCS}", f"data.cache_dir={cache_dir}", "train.iters=3",
+                      "logging.wandb=disabled", *evals)
+        out[layout] = (proc, run)
+    return out
+
+
 @pytest.mark.parametrize("layout", ["first", "moved"])
-def test_bert_trains_with_wordpiece_tokenizer_json(tokenizers_dir, cache_dir, tmp_path, layout):
-    """The issue's command: `train.py --config tiny_bert data.tokenizer=bert.json
-    model.vocab_size=2000` exited 1 with IndexError in the token-type embedding."""
-    run = tmp_path / "run"
-    proc = _train("--config", "tiny_bert", "--run-dir", run, f"data.tokenizer={tokenizers_dir[layout]}",
-                  "model.vocab_size=2000", f"data.max_documents={DOCS}", f"data.cache_dir={cache_dir}",
-                  "train.iters=3", "train.eval_interval=3", "train.eval_iters=1", "logging.wandb=disabled")
+def test_bert_trains_with_wordpiece_tokenizer_json(bert_runs, layout):
+    """Catches exit 1 with IndexError in the token-type embedding (specials at 0..4)
+    and any failure with the specials elsewhere: 3 finite losses each."""
+    proc, run = bert_runs[layout]
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert len(records) == 3 and all(np.isfinite(r["loss"]) for r in records)
+
+
+def test_console_and_summary_agree_without_evaluation(bert_runs):
+    """Catches `final val ppl nan` on the console while summary.json says null."""
+    proc, run = bert_runs["moved"]
+    assert json.loads((run / "summary.json").read_text())["final_val_ppl"] is None
+    assert "final val ppl none (no evaluation)" in proc.stdout and "nan" not in proc.stdout
 
 
 def test_bert_without_mask_token_is_one_line_exit_2(tokenizers_dir, cache_dir, tmp_path):
