@@ -29,7 +29,7 @@ def _cfg(name, cache_dir, *overrides):
     from jobruntime.config import load_config
 
     return load_config(name, [f"data.cache_dir={cache_dir}", "logging.wandb=disabled",
-                              "train.eval_interval=0", *overrides])
+                              "train.eval_interval=0", "train.warmup_iters=2", *overrides])
 
 
 def _vocab_cfg(cache_dir, tokenizer, vocab, *overrides):
