@@ -41,6 +41,10 @@ def parse_args(argv):
     return p.parse_intermixed_args(argv)  # overrides may come before and after --run-dir
 
 
+# What a run writes from its first logged step on; a folder holding any of them is kept.
+TRAINING_OUTPUTS = ("metrics.jsonl", "summary.json", "checkpoints")
+
+
 def _error(message: str) -> int:
     if int(os.environ.get("RANK", "0")) == 0:
         print(f"error: {message}", file=sys.stderr)
@@ -90,8 +94,8 @@ def main(argv=None) -> int:
             if cfg.train.zero_shot_tasks:
                 from tools.zero_shot import end_of_run_hook
 
-                run_job = functools.partial(run_job,
-                                            end_of_run=end_of_run_hook(cfg.train.zero_shot_tasks))
+                run_job = functools.partial(run_job, end_of_run=end_of_run_hook(
+                    cfg.train.zero_shot_tasks, cfg.model.family))
         # All ranks use rank 0's run_dir (see jobruntime.parallel.same_run_dir).
         summary = run_job(cfg, run_dir)
     except bad_input as e:
@@ -105,14 +109,19 @@ def main(argv=None) -> int:
 
         shutdown()
     if error is not None:
-        if new_run_dir and int(os.environ.get("RANK", "0")) == 0:
-            shutil.rmtree(run_dir, ignore_errors=True)  # no half-written run folder (config, wandb)
+        # A folder this invocation created, still without any training output, holds only
+        # what the setup wrote (config.yaml, tokenizer, wandb/): remove it.  Once a step
+        # was logged or saved (e.g. a GeoMesh region lost mid-run) nothing is deleted.
+        started = any((run_dir / name).exists() for name in TRAINING_OUTPUTS)
+        if new_run_dir and not started and int(os.environ.get("RANK", "0")) == 0:
+            shutil.rmtree(run_dir, ignore_errors=True)
         return _error(error)
     if int(os.environ.get("RANK", "0")) == 0:
         ttp = summary.get("ttp_s")
         print(f"results: {run_dir.resolve()}  (metrics.jsonl, summary.json, config.yaml"
               f"{', wandb/' if summary.get('wandb_dir') else ''})")
-        print(f"final val ppl {summary.get('final_val_ppl') or float('nan'):.1f}, target "
+        ppl = summary.get("final_val_ppl")  # null in summary.json: no evaluation ran
+        print(f"final val ppl {f'{ppl:.1f}' if ppl is not None else 'none (no evaluation)'}, target "
               f"{summary.get('target_ppl')}, TTP {f'{ttp:.1f} s' if ttp is not None else 'not reached'}"
               f" ({summary.get('clock', 'wall')} clock), {summary.get('tokens')} tokens")
         for zs in summary.get("zero_shot", []):

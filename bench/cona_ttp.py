@@ -61,6 +61,7 @@ COMMON = [
     "train.eval_interval=8",
     "train.eval_iters=4",
     "train.stop_at_target=true",
+    "train.warmup_iters=20",  # what the targets were measured with (the preset's, before 100)
     "logging.wandb=disabled",
 ]
 

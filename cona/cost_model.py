@@ -51,7 +51,7 @@ from jobruntime.config import ModelConfig
 from jobruntime.flops import flops_per_token
 from jobruntime.hardware import GPUProfile, get_gpu_profile
 
-from .memory_model import STATE_BYTES, MemoryModel, Precision, padded_vocab_size
+from .memory_model import STATE_BYTES, MemoryModel, Precision
 from .strategy import Strategy
 
 
@@ -281,7 +281,7 @@ class CostModel:
         backward_window = t_compute_mb * 2.0 / 3.0
         dp_exposed = t_dp - min(self.dp_overlap * t_dp, backward_window)
         if pp > 1 and m_cfg.tie_embeddings:
-            v = padded_vocab_size(m_cfg.vocab_size, tp)
+            v = m_cfg.padded_vocab
             dp_exposed += ring_allreduce_s(v * h / tp * grad_b, 2, gbs_pp, lat_pp)
 
         local_params = params / dp if self.distributed_optimizer else params

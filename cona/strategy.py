@@ -143,6 +143,9 @@ def check_strategy(strategy: Strategy, model_cfg: ModelConfig, world_size: int) 
         reasons.append(f"tp={strategy.tp} does not divide the kv heads ({model_cfg.kv_heads})")
     if model_cfg.num_layers % strategy.pp:
         reasons.append(f"pp={strategy.pp} does not divide num_layers={model_cfg.num_layers}")
+    if model_cfg.padded_vocab % strategy.tp:
+        reasons.append(f"tp={strategy.tp} does not divide the padded vocabulary "
+                       f"({model_cfg.padded_vocab}; model.padded_vocab_size)")
     return reasons
 
 

@@ -38,21 +38,12 @@ token tolerance).  Return the best plan seen (balanced, tokens within tolerance,
 Cost: ~0.5 s for 4 workers on one CPU core; call it once per run and on
 :meth:`Planner.replan`.
 
-Memory model (bytes per GPU, worker with ``t = tp``, ``p = pp``):
-
-* static: ``16 · P / (t·p)`` — bf16 weights (2) and grads (2), fp32 master
-  weights (4) and Adam moments (4 + 4) (ZeRO paper, Rajbhandari et al. 2020,
-  §3.1), plus ``extra_bytes_per_param`` (e.g. 12 if θ_global, the outer
-  momentum and the error-feedback residual are kept on the GPU, fp32 each);
-* activations per micro-batch of ``b`` sequences: ``L · s·b·h ·
-  (10 + 24/t + 5·a·s/(h·t))`` (Korthikanti et al. 2022, "Reducing Activation
-  Recomputation in Large Transformer Models", eq. 2 with TP; with 1F1B the
-  first stage keeps ``p`` micro-batches of ``L/p`` layers = ``L`` layers);
-  selective recomputation drops the ``5as/h`` term, full recomputation keeps
-  ``2sbh`` per layer.  For ``t = 1`` this is the familiar ``sbh(34 + 5as/h)``;
-* ``usable_fraction`` (0.9) of device memory leaves room for the CUDA
-  context, workspace and fragmentation.  Logits and embeddings are not split
-  over stages (approximation).
+Memory model: the project's one model, :class:`jobruntime.memory.MemoryModel`
+(bf16 weights with fp32 gradient buffers, master weights and Adam moments, 18
+bytes per parameter, plus ``extra_bytes_per_param`` — θ_global and the outer
+momentum; activations after Korthikanti et al. 2022 as megatron's layers keep
+them, 1F1B with ``pp`` micro-batches in flight, logits, a 2 GiB allowance
+for the CUDA context) against the whole device memory.
 
 Errors: :class:`PlanError` (a ``ValueError``) when a worker cannot fit even
 micro-batch 1, naming the worker, the bytes needed and the fixes.
@@ -67,7 +58,8 @@ from dataclasses import asdict, dataclass
 from typing import Literal, Protocol
 
 from jobruntime.config import JobConfig, ModelConfig, load_config
-from jobruntime.flops import num_params
+from jobruntime.memory import MemoryModel as RuntimeMemoryModel
+from jobruntime.memory import PipelineLayout
 
 from .clock import pipeline_bubble_factor, worker_tokens_per_s
 from .cluster import ClusterError, ClusterSpec, WorkerSpec
@@ -133,43 +125,24 @@ class MeasuredThroughput:
 
 @dataclass(frozen=True, kw_only=True)
 class MemoryModel:
-    """Per-GPU training memory of the target model (see module docstring)."""
+    """Per-GPU training memory of the target model on a worker: the project's model
+    (:class:`jobruntime.memory.MemoryModel`, mixed precision) at the worker's TP/PP,
+    with ``pp`` micro-batches in flight (1F1B's most, whatever the accumulation)."""
 
     model: ModelConfig
     seq_length: int | None = None
-    bytes_per_param: float = 16.0
     extra_bytes_per_param: float = 0.0
-    activation_recompute: Literal["none", "selective", "full"] = "none"
-    usable_fraction: float = 0.9
-
-    def static_bytes(self, worker: WorkerSpec) -> float:
-        """Weights, grads and optimizer states per GPU, bytes."""
-        per_param = self.bytes_per_param + self.extra_bytes_per_param
-        return per_param * num_params(self.model) / (worker.tp * worker.pp)
-
-    def activation_bytes(self, worker: WorkerSpec, micro_batch_size: int) -> float:
-        """Activations of one micro-batch (all in-flight 1F1B micro-batches), bytes per GPU."""
-        m = self.model
-        s, h, a, t = (
-            self.seq_length or m.seq_length,
-            m.hidden_size,
-            m.num_attention_heads,
-            worker.tp,
-        )
-        sbh = s * micro_batch_size * h
-        if self.activation_recompute == "full":
-            per_layer = 2 * sbh
-        elif self.activation_recompute == "selective":
-            per_layer = sbh * (10 + 24 / t)
-        else:
-            per_layer = sbh * (10 + 24 / t + 5 * a * s / (h * t))
-        return m.num_layers * per_layer
 
     def bytes_per_gpu(self, worker: WorkerSpec, micro_batch_size: int) -> float:
-        return self.static_bytes(worker) + self.activation_bytes(worker, micro_batch_size)
+        """Peak bytes on the worker's fullest GPU at ``micro_batch_size``."""
+        memory = RuntimeMemoryModel(self.model, seq_length=self.seq_length,
+                                    extra_bytes_per_param=self.extra_bytes_per_param)
+        return memory.peak_bytes(PipelineLayout(tp=worker.tp, pp=worker.pp, dp=worker.dp,
+                                                micro_batch_size=micro_batch_size,
+                                                num_microbatches=worker.pp))
 
     def limit_bytes(self, worker: WorkerSpec) -> float:
-        return self.usable_fraction * worker.memory_bytes_per_gpu
+        return float(worker.memory_bytes_per_gpu)
 
     def fits(self, worker: WorkerSpec, micro_batch_size: int) -> bool:
         return self.bytes_per_gpu(worker, micro_batch_size) <= self.limit_bytes(worker)

@@ -129,6 +129,20 @@ def _arch(model: ModelConfig) -> dict:
     arch = {k: getattr(model, k) for k in _ARCH_FIELDS}
     if model.position_embedding == "learned_absolute":  # the table's shape
         arch["max_positions"] = model.max_positions
+    arch["padded_vocab_size"] = model.padded_vocab  # the embedding's rows (jobruntime/vocab.py)
+    return arch
+
+
+def saved_arch(ckpt: Path, common: dict) -> dict:
+    """The ``arch`` record of a checkpoint, with ``padded_vocab_size`` read from the
+    embedding's shape where the record predates it (it then depended on the TP size)."""
+    arch = dict(common.get("arch") or {})
+    if "padded_vocab_size" not in arch:
+        meta = dist_checkpointing.load_tensors_metadata(str(ckpt))
+        for key in ("embedding.word_embeddings.weight", "output_layer.weight"):
+            if key in meta:
+                arch["padded_vocab_size"] = int(meta[key].global_shape[0])
+                break
     return arch
 
 
@@ -145,8 +159,19 @@ def arch_diff(saved: dict, model: ModelConfig) -> dict:
         return out
 
     a, b = resolved(saved), resolved(_arch(model))
-    keys = [*_ARCH_FIELDS, *(["max_positions"] if "max_positions" in a and "max_positions" in b else [])]
-    return {k: (saved.get(k), getattr(model, k)) for k in keys if a.get(k) != b[k]}
+    keys = [*_ARCH_FIELDS, *(["max_positions"] if "max_positions" in a and "max_positions" in b else []),
+            *(["padded_vocab_size"] if "padded_vocab_size" in a else [])]
+    return {k: (saved.get(k), b[k] if k == "padded_vocab_size" else getattr(model, k))
+            for k in keys if a.get(k) != b[k]}
+
+
+def arch_mismatch(ckpt: Path, diff: dict) -> str:
+    """One-line message for :func:`arch_diff`'s result (names the fields and the fix)."""
+    desc = ", ".join(f"{k}: checkpoint {a!r} vs config {b!r}" for k, (a, b) in diff.items())
+    fix = "use the matching --config or start without checkpoint.load"
+    if set(diff) == {"padded_vocab_size"}:
+        fix = f"set model.padded_vocab_size={diff['padded_vocab_size'][0]} (the checkpoint's)"
+    return f"checkpoint '{ckpt}' is from another model ({desc}); {fix}"
 
 
 def _rng_state() -> dict:
@@ -224,11 +249,9 @@ def load_checkpoint(path: str | Path, trainer, *, load_optimizer: bool = True) -
         raise CheckpointError(_unreadable(ckpt, e)) from None
     if not isinstance(common, dict) or "arch" not in common:
         raise CheckpointError(f"'{ckpt}' is not a checkpoint of this project (no 'arch' record)")
-    diff = arch_diff(common["arch"], trainer.cfg.model)
+    diff = arch_diff(saved_arch(ckpt, common), trainer.cfg.model)
     if diff:
-        desc = ", ".join(f"{k}: checkpoint {a!r} vs config {b!r}" for k, (a, b) in diff.items())
-        raise CheckpointError(f"checkpoint '{ckpt}' is from another model ({desc}); use the "
-                              "matching --config or start without checkpoint.load")
+        raise CheckpointError(arch_mismatch(ckpt, diff))
     if load_optimizer and common.get("weights_only"):
         raise CheckpointError(f"'{ckpt}' holds model weights only (a converted checkpoint); "
                               "set checkpoint.load_optimizer=false to fine-tune from it")

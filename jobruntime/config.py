@@ -28,6 +28,11 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 MODEL_CONFIGS_DIR = REPO_ROOT / "model_configs"
 
 
+# The default padding of the vocabulary: a multiple of 128, whatever the layout
+# (see jobruntime/vocab.py).
+PAD_MULTIPLE = 128
+
+
 class ConfigError(ValueError):
     """A configuration key or value is invalid; the message names it and the fix."""
 
@@ -50,8 +55,14 @@ class ModelConfig:
     ffn_hidden_size: int | None = None
     """MLP inner width; ``None`` means ``4 * hidden_size``."""
     vocab_size: int = 8192
-    """Tokenizer vocabulary size (megatron pads it for TP, see
-    :func:`jobruntime.model.padded_vocab_size`)."""
+    """Tokenizer vocabulary size: the ids the model predicts (at least the
+    tokenizer's size)."""
+    padded_vocab_size: int | None = None
+    """Rows of the word embedding and output layer, one size for every layout
+    of a run (TP must divide it); the logits of the padding ids are masked out
+    of the softmax (:mod:`jobruntime.vocab`).  ``None`` = ``vocab_size``
+    rounded up to a multiple of 128; runs write the resolved size to their
+    ``config.yaml`` and checkpoints."""
     seq_length: int = 256
     """Training sequence length in tokens."""
     max_position_embeddings: int | None = None
@@ -104,7 +115,24 @@ class ModelConfig:
     def max_positions(self) -> int:
         return self.max_position_embeddings or self.seq_length
 
+    @property
+    def padded_vocab(self) -> int:
+        """Rows of the embedding and output layer: ``padded_vocab_size``, or
+        ``vocab_size`` rounded up to a multiple of :data:`PAD_MULTIPLE`."""
+        if self.padded_vocab_size is not None:
+            return self.padded_vocab_size
+        return -(-self.vocab_size // PAD_MULTIPLE) * PAD_MULTIPLE
+
     def validate(self) -> None:
+        """Raise :class:`ConfigError` naming the first bad model setting."""
+        for name in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "seq_length"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"model.{name} must be positive, got {getattr(self, name)}")
+        # 0 is not "unset" for these: null is (so a 0 is an error, not the default)
+        for name in ("num_query_groups", "ffn_hidden_size", "max_position_embeddings"):
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
+                raise ConfigError(f"model.{name}={getattr(self, name)} must be positive (or null "
+                                  "for the default)")
         if self.hidden_size % self.num_attention_heads:
             raise ConfigError(
                 f"model.hidden_size={self.hidden_size} is not divisible by "
@@ -115,9 +143,12 @@ class ModelConfig:
                 f"model.num_attention_heads={self.num_attention_heads} is not divisible by "
                 f"model.num_query_groups={self.kv_heads}"
             )
-        for name in ("num_layers", "hidden_size", "vocab_size", "seq_length"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"model.{name} must be positive, got {getattr(self, name)}")
+        if self.padded_vocab_size is not None and self.padded_vocab_size < self.vocab_size:
+            raise ConfigError(
+                f"model.padded_vocab_size={self.padded_vocab_size} is smaller than "
+                f"model.vocab_size={self.vocab_size}; raise it or set it to null (a multiple of "
+                f"{PAD_MULTIPLE} is chosen)"
+            )
         if self.family == "bert" and self.position_embedding != "learned_absolute":
             raise ConfigError("model.position_embedding must be learned_absolute for bert")
         if self.seq_length > self.max_positions:
@@ -166,6 +197,13 @@ class ParallelConfig:
         if model.num_layers % self.pp:
             raise ConfigError(
                 f"parallel.pp={self.pp} must divide model.num_layers={model.num_layers}"
+            )
+        if model.padded_vocab % self.tp:
+            fit = -(-model.vocab_size // (PAD_MULTIPLE * self.tp)) * PAD_MULTIPLE * self.tp
+            raise ConfigError(
+                f"parallel.tp={self.tp} does not divide the padded vocabulary "
+                f"({model.padded_vocab}); set model.padded_vocab_size to a multiple of the TP "
+                f"sizes this run uses, e.g. {fit}"
             )
         if self.global_batch_size % (self.micro_batch_size * dp):
             raise ConfigError(
@@ -605,8 +643,14 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple = (
 
 
 def save_config(cfg: JobConfig, path: str | Path) -> None:
-    """Write the resolved config as YAML (atomically: temp file, then rename)."""
+    """Write the resolved config as YAML (atomically: temp file, then rename).
+
+    ``model.padded_vocab_size`` is written resolved (the size this run's
+    embedding has), so a resume or fine-tune builds the same shapes.
+    """
     path = Path(path)
     tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    values = cfg.to_dict()
+    values["model"]["padded_vocab_size"] = cfg.model.padded_vocab
+    tmp.write_text(yaml.safe_dump(values, sort_keys=False))
     tmp.replace(path)

@@ -19,6 +19,7 @@ megatron-core's ``GPTDataset`` / ``BERTMaskedWordPieceDataset``.
 from __future__ import annotations
 
 import bz2
+import copy
 import gzip
 import json
 import lzma
@@ -34,6 +35,7 @@ from .config import REPO_ROOT, DataConfig, ModelConfig
 from .tokenizer import (
     Tokenizer,
     TokenizerError,
+    check_specials,
     corpus_fingerprint,
     load_tokenizer,
     train_sentencepiece,
@@ -256,6 +258,7 @@ def prepare_corpus(data: DataConfig, model: ModelConfig) -> Corpus:
                 "file it was made with"
             )
         tokenizer = load_tokenizer(data.tokenizer)
+        check_specials(tokenizer, model.family)
         prefix = src
     else:
         stat = src.stat()
@@ -277,6 +280,7 @@ def prepare_corpus(data: DataConfig, model: ModelConfig) -> Corpus:
         else:
             tok_path = Path(data.tokenizer)
         tokenizer = load_tokenizer(tok_path)
+        check_specials(tokenizer, model.family)
         kind = "bert" if bert else "gpt"
         prefix = cache / f"tokens-{fp}-{corpus_fingerprint(tok_path.resolve(), tok_path.stat().st_mtime)}-{kind}"
 
@@ -330,10 +334,16 @@ def build_dataset(corpus: Corpus, model: ModelConfig, split: str, num_samples: i
     sp = Split.train if split == "train" else Split.valid
     indexed = IndexedDataset(str(corpus.prefix))
     cache = str(Path(cache_dir).absolute() / "index_cache")
+    # The corpora hold no padding: pad -1 (megatron's "no pad" value) keeps megatron
+    # from treating a real id as padding (GPT: masking its loss; BERT: padding token
+    # types and the mask with it, which only works for pad 0).  BERT's padding is
+    # marked by that -1 and turned into 0/1 by _BertPadding.
+    tokenizer = copy.copy(corpus.tokenizer)
+    tokenizer.pad = -1
     common = dict(
         random_seed=seed,
         sequence_length=model.seq_length,
-        tokenizer=corpus.tokenizer,
+        tokenizer=tokenizer,
         path_to_cache=cache,
         blend=([str(corpus.prefix)], None),
         split="1,0,0",  # unused: we pass document indices ourselves
@@ -374,7 +384,31 @@ def build_dataset(corpus: Corpus, model: ModelConfig, split: str, num_samples: i
     _barrier()
     if ds is None:
         ds = cls(indexed, str(corpus.prefix), indices, num_samples, sp, cfg)
-    return ds
+    return _BertPadding(ds) if model.family == "bert" else ds
+
+
+class _BertPadding:
+    """megatron's BERT samples with the padding (written as the pad id -1, see
+    :func:`build_dataset`) turned into what ``BertModel`` expects:
+    ``padding_mask`` 1 on tokens and 0 on padding, ``types`` 0 on padding.
+
+    megatron pads ``text``, ``types`` and ``padding_mask`` with the tokenizer's
+    pad id, which is right only for pad 0; a ``[PAD]`` elsewhere (or missing)
+    indexed the 2-row token-type embedding out of range.
+    """
+
+    def __init__(self, dataset):
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, idx: int) -> dict:
+        sample = dict(self.dataset[idx])
+        pad = sample["padding_mask"] == -1  # [seq] bool; megatron wrote the pad id there
+        sample["padding_mask"] = (~pad).astype(np.int64)
+        sample["types"] = np.where(pad, 0, sample["types"])
+        return sample
 
 
 def collate(samples: list[dict]) -> dict[str, torch.Tensor]:

@@ -11,6 +11,7 @@ attention.  Fused kernels are switched on only where they import
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import torch
 import torch.nn.functional as F
@@ -20,12 +21,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from .attention import allow_unmasked, layer_spec, resolve_attention_backend, swap_in_sdpa
 from .config import ModelConfig, ParallelConfig
 from .kernels import Kernels, available_kernels
-
-
-def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = 128) -> int:
-    """Megatron's padding of the vocabulary to a multiple of ``divisible_by * tp``."""
-    multiple = divisible_by * tp
-    return ((vocab_size + multiple - 1) // multiple) * multiple
+from .vocab import mask_padded_logits
 
 
 def to_transformer_config(
@@ -101,7 +97,11 @@ def build_model(
 
     Returns:
         A ``GPTModel`` (families ``gpt``, ``llama``) or ``BertModel`` (``bert``)
-        holding this rank's shard: ``num_layers / pp`` layers, TP-split weights.
+        holding this rank's shard: ``num_layers / pp`` layers, TP-split weights,
+        ``model.padded_vocab`` embedding rows (the same at every layout) whose
+        padding ids' logits are ``-inf`` (:mod:`jobruntime.vocab`).  With the
+        same torch seed every layout holds the same weights (see
+        :func:`_draw_earlier_stages` for PP).
     """
     from megatron.core.models.bert.bert_model import BertModel
     from megatron.core.models.gpt.gpt_model import GPTModel
@@ -113,15 +113,17 @@ def build_model(
     tcfg = to_transformer_config(
         model, parallel, params_dtype=params_dtype, perform_initialization=not meta
     )
-    vocab = padded_vocab_size(model.vocab_size, parallel.tp)
+    vocab = model.padded_vocab
     backend = resolve_attention_backend(model)
     if local_spec and backend == "te":
         backend = "sdpa"
     spec = layer_spec(model, backend)
+    if not meta and parallel.pp > 1:
+        _draw_earlier_stages(model, parallel, params_dtype, local_spec)
     ctx = torch.device("meta") if meta else contextlib.nullcontext()
     with ctx:
         if model.family == "bert":
-            bert = BertModel(
+            module = BertModel(
                 config=tcfg,
                 num_tokentypes=2,
                 transformer_layer_spec=spec,
@@ -132,21 +134,47 @@ def build_model(
                 share_embeddings_and_output_weights=model.tie_embeddings,
                 add_binary_head=False,
             )
-            allow_unmasked(bert)
-            return swap_in_sdpa(bert) if backend == "sdpa" else bert
-        return GPTModel(
-            config=tcfg,
-            transformer_layer_spec=spec,
-            vocab_size=vocab,
-            max_sequence_length=model.max_positions,
-            pre_process=pre_process,
-            post_process=post_process,
-            share_embeddings_and_output_weights=model.tie_embeddings,
-            position_embedding_type=model.position_embedding,
-            rotary_base=model.rotary_base,
-            rope_scaling=model.rope_scaling,
-            rope_scaling_factor=model.rope_scaling_factor,
-        )
+            allow_unmasked(module)
+            if backend == "sdpa":
+                module = swap_in_sdpa(module)
+        else:
+            module = GPTModel(
+                config=tcfg,
+                transformer_layer_spec=spec,
+                vocab_size=vocab,
+                max_sequence_length=model.max_positions,
+                pre_process=pre_process,
+                post_process=post_process,
+                share_embeddings_and_output_weights=model.tie_embeddings,
+                position_embedding_type=model.position_embedding,
+                rotary_base=model.rotary_base,
+                rope_scaling=model.rope_scaling,
+                rope_scaling_factor=model.rope_scaling_factor,
+            )
+    mask_padded_logits(module, model.vocab_size)
+    return module
+
+
+def _draw_earlier_stages(model: ModelConfig, parallel: ParallelConfig, params_dtype: torch.dtype,
+                         local_spec: bool) -> None:
+    """Advance torch's default generator past the initial draws of the pipeline
+    stages before this rank's, so that every PP layout holds the PP=1 model.
+
+    Weights are drawn from the default CPU generator in construction order
+    (``use_cpu_initialization``: embedding, then layer 0, 1, …).  A stage-``k``
+    chunk alone would draw its layers with the numbers the PP=1 model used for
+    layers 0, 1, …; building and dropping the chunks of stages ``0..k-1`` first
+    (one at a time, as PP=1 models of ``L/pp`` layers: the draws depend only on
+    the tensor sizes) leaves the generator where the PP=1 model draws layer
+    ``k·L/pp``.  Costs the initialisation time of those stages, and the memory
+    of one of them while it exists.
+    """
+    stage_model = dataclasses.replace(model, num_layers=model.num_layers // parallel.pp)
+    single = dataclasses.replace(parallel, pp=1)
+    for stage in range(parallel_state.get_pipeline_model_parallel_rank()):
+        chunk = build_model(stage_model, single, params_dtype=params_dtype,
+                            pre_process=stage == 0, post_process=False, local_spec=local_spec)
+        del chunk
 
 
 def count_parameters(module: torch.nn.Module, *, vocab_size: int | None = None,
@@ -183,7 +211,7 @@ def meta_parameter_count(cfg) -> dict:
         ``{"params": N, "params_padded": N_with_vocab_padding}``.
     """
     module = build_model(cfg.model, cfg.parallel, meta=True)
-    padded = padded_vocab_size(cfg.model.vocab_size, cfg.parallel.tp)
+    padded = cfg.model.padded_vocab
     assert all(p.device.type == "meta" for p in module.parameters())
     return {
         "params": count_parameters(module, vocab_size=cfg.model.vocab_size, padded_vocab=padded),

@@ -121,9 +121,9 @@ def set_seed(seed: int) -> None:
     All ranks use the same base seed and TP-sharded weights are initialised
     from the full tensor (``use_cpu_initialization``, see
     :func:`jobruntime.model.to_transformer_config`), so TP=1 and TP=2 start
-    from the same model.  With PP>1 each stage draws only its own layers'
-    initial weights, so the start differs from PP=1 (statistically alike);
-    tests compare layouts from one shared step-0 checkpoint.
+    from the same model; a PP stage first advances the generator past the
+    earlier stages' draws (:func:`jobruntime.model.build_model`), so every
+    PP size starts from the same model too.
     """
     random.seed(seed)
     np.random.seed(seed)

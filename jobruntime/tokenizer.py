@@ -3,7 +3,10 @@ Hugging Face ``tokenizer.json``.
 
 Both expose what megatron-core's GPT and BERT datasets read from a tokenizer
 (``vocab_size``, ``eod``, ``pad``, ``cls``, ``sep``, ``mask``, ``inv_vocab``;
-see ``megatron.core.datasets.gpt_dataset`` and ``bert_dataset``).
+see ``megatron.core.datasets.gpt_dataset`` and ``bert_dataset``).  A special
+token the file does not define is ``None`` — never another token standing in
+for it (id 0 is an ordinary id: standard BERT vocabularies put ``[PAD]``
+there); :func:`check_specials` names what a model family needs and lacks.
 """
 
 from __future__ import annotations
@@ -15,6 +18,10 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 SPECIAL_PIECES = ("[CLS]", "[SEP]", "[MASK]")
+# Special tokens each family needs: BERT's masked LM builds [CLS] A [SEP] B [SEP]
+# and replaces tokens by [MASK]; GPT and Llama end every document with eod.
+FAMILY_SPECIALS = {"bert": ("cls", "sep", "mask"), "gpt": ("eod",), "llama": ("eod",)}
+_SPECIAL_NAMES = {"cls": "[CLS]", "sep": "[SEP]", "mask": "[MASK]", "eod": "end-of-text"}
 
 
 class TokenizerError(ValueError):
@@ -29,6 +36,8 @@ class Tokenizer:
         eod: end-of-document id appended after each document (GPT).
         pad, cls, sep, mask: special ids (BERT masked LM).
         inv_vocab: ``{id: piece}`` for every id.
+
+    Special ids are ``None`` where the tokenizer has no such token.
     """
 
     def __init__(self, encode_batch, id_to_piece, vocab_size, *, eod, pad, cls, sep, mask, kind,
@@ -54,18 +63,30 @@ class Tokenizer:
         return self.eod
 
 
+def check_specials(tok: Tokenizer, family: str) -> None:
+    """Raise :class:`TokenizerError` (one line) if ``tok`` lacks a special token
+    that ``family`` needs (:data:`FAMILY_SPECIALS`)."""
+    missing = [_SPECIAL_NAMES[k] for k in FAMILY_SPECIALS[family] if getattr(tok, k) is None]
+    if missing:
+        where = f"'{tok.path}'" if tok.path else "the tokenizer"
+        raise TokenizerError(
+            f"tokenizer {where} has no {' / '.join(missing)} token, which the {family} family "
+            "needs; use a tokenizer that defines it (data.tokenizer=auto trains one with [CLS], "
+            "[SEP], [MASK] and </s>)"
+        )
+
+
 def _from_sentencepiece(model_proto: bytes, source: str = "") -> Tokenizer:
     import sentencepiece as spm
 
     sp = spm.SentencePieceProcessor(model_proto=model_proto)
-    ids = {p: sp.piece_to_id(p) for p in SPECIAL_PIECES}
     unk = sp.unk_id()
-    missing = [p for p, i in ids.items() if i == unk]
-    if missing:
-        # A user-supplied model without BERT specials: fall back to unk/eos ids.
-        ids.update({p: unk for p in missing})
-    eod = sp.eos_id() if sp.eos_id() >= 0 else unk
-    pad = sp.pad_id() if sp.pad_id() >= 0 else eod
+    ids = {}
+    for piece in SPECIAL_PIECES:
+        i = sp.piece_to_id(piece)  # unk for a piece the model lacks: that special is None
+        ids[piece] = None if i == unk else i
+    eod = sp.eos_id() if sp.eos_id() >= 0 else None
+    pad = sp.pad_id() if sp.pad_id() >= 0 else None
     return Tokenizer(
         lambda texts: sp.encode(texts),
         sp.id_to_piece,
@@ -86,26 +107,22 @@ def _from_hf_json(path: Path) -> Tokenizer:
     tok = HFTokenizer.from_file(str(path))
     vocab = tok.get_vocab(with_added_tokens=True)
 
-    def find(*names):
+    def find(*names):  # the id of the first name present (0 included), else None
         for n in names:
             if n in vocab:
                 return vocab[n]
         return None
 
-    eod = find("<|end_of_text|>", "<|endoftext|>", "</s>", "[SEP]", "<eos>")
-    if eod is None:
-        raise TokenizerError(f"{path}: no end-of-text token found (looked for <|endoftext|>, </s>, [SEP])")
-    pad = find("[PAD]", "<pad>", "<|finetune_right_pad_id|>") or eod
     size = max(vocab.values()) + 1
     return Tokenizer(
         lambda texts: [e.ids for e in tok.encode_batch(texts, add_special_tokens=False)],
         lambda i: tok.id_to_token(i) or "",
         size,
-        eod=eod,
-        pad=pad,
-        cls=find("[CLS]", "<s>", "<|begin_of_text|>") or eod,
-        sep=find("[SEP]", "</s>") or eod,
-        mask=find("[MASK]", "<mask>") or eod,
+        eod=find("<|end_of_text|>", "<|endoftext|>", "</s>", "[SEP]", "<eos>"),
+        pad=find("[PAD]", "<pad>", "<|finetune_right_pad_id|>"),
+        cls=find("[CLS]", "<s>", "<|begin_of_text|>"),
+        sep=find("[SEP]", "</s>"),
+        mask=find("[MASK]", "<mask>"),
         kind="hf",
         source=str(path),
     )

@@ -5,12 +5,13 @@ LayerNorm/RMSNorm weights and biases randomised too, so a swapped norm or bias
 cannot hide): ``LlamaForCausalLM`` (GQA 4/2, tied embeddings, Llama-3 RoPE
 scaling), ``GPT2LMHeadModel`` (untied, exact GELU), ``MegatronBertForMaskedLM``
 (tied) and ``BertForMaskedLM`` (post-LN; mapped by layout only).  The vocabulary
-(300) is not a multiple of 128, so TP=1 (384 rows) and TP=2 (512 rows) pad
-differently and padding is exercised.
+(300) is not a multiple of 128: 384 rows at every layout (Megatron's rule
+padded TP=2 to 512), so padding is exercised.
 
-One launch of two gloo ranks converts (padding for TP=1 and TP=2), checks
+One launch of two gloo ranks converts (config.yaml for TP=1 and TP=2), checks
 TP=1 (DP=2), loads the TP=2 conversions at TP=2 and the TP=1 conversions at
-PP=2, saves them from those layouts and converts them back.  Logit tolerance 1e-4 (fp32): the same math in a
+TP=2 and PP=2, saves them from those layouts and converts them back, each time
+to the HF architecture the weights came from (no ``--hf-arch``).  Logit tolerance 1e-4 (fp32): the same math in a
 different kernel order (fused QKV, vocab-parallel output) differs by ~1e-6;
 any mapping error (a transposed Conv1D, a wrong QKV grouping, a swapped
 gate/up) shifts logits by ~1e-1.
@@ -140,9 +141,10 @@ def _zero_shot_scores(trainer, tokenizer_path):
 
 
 def _ranks(root, tokens):
-    """On 2 gloo ranks: convert every kind (padded for TP=1 and TP=2); logits at TP=1
-    (DP=2) and the megatron → HF → megatron round trip; logits and zero-shot at TP=2;
-    zero-shot at PP=2; save from TP=2 and PP=2 and convert those back to HF."""
+    """On 2 gloo ranks: convert every kind (for TP=1 and TP=2); logits at TP=1 (DP=2)
+    and the megatron → HF → megatron round trip; logits and zero-shot at TP=2;
+    the TP=1 conversion's logits at TP=2; zero-shot at PP=2; save from TP=2 and PP=2
+    and convert those back to HF."""
     torch.set_num_threads(1)  # tiny models; spinning OpenMP threads only slow a shared CPU
     from megatron.core import dist_checkpointing
 
@@ -155,7 +157,8 @@ def _ranks(root, tokens):
         hf_to_mcore(f"{root}/hf-{kind}", f"{root}/mc1-{kind}", fam, seq_length=SEQ_LEN)
         hf_to_mcore(f"{root}/hf-{kind}", f"{root}/mc2-{kind}", fam, tp=2, seq_length=SEQ_LEN)
         _, res["logits_tp1"] = _megatron_logits(f"{root}/mc1-{kind}", tokens)
-        mcore_to_hf(f"{root}/mc1-{kind}", f"{root}/back-{kind}", fam, arch=HF_ARCH[kind])
+        _, res["logits_tp2from1"] = _megatron_logits(f"{root}/mc1-{kind}", tokens, ("parallel.tp=2",))
+        mcore_to_hf(f"{root}/mc1-{kind}", f"{root}/back-{kind}", fam)  # the source's arch
         hf_to_mcore(f"{root}/back-{kind}", f"{root}/mc1b-{kind}", fam, seq_length=SEQ_LEN)
         a = dist_checkpointing.load_plain_tensors(f"{root}/mc1-{kind}/iter_0000000")
         b = dist_checkpointing.load_plain_tensors(f"{root}/mc1b-{kind}/iter_0000000")
@@ -168,7 +171,7 @@ def _ranks(root, tokens):
                 res[f"zero_shot_{layout}"] = _zero_shot_scores(trainer, f"{root}/mc1-{kind}/tokenizer.json")
             save_checkpoint(root / f"{layout}-{kind}", trainer, consumed_samples=0)
             mcore_to_hf(root / f"{layout}-{kind}", root / f"hf-{layout}-{kind}", fam,
-                        config=f"{root}/{src}-{kind}/config.yaml", arch=HF_ARCH[kind])
+                        config=f"{root}/{src}-{kind}/config.yaml")
         out[kind] = res
     # resuming (optimizer included) from a weights-only checkpoint must name the fix
     from jobruntime.config import load_config
@@ -269,9 +272,11 @@ def test_unexpressible_config_is_refused():
 
 
 @pytest.mark.parametrize("kind", ["llama", "gpt", "bert"])
-@pytest.mark.parametrize("layout", ["tp1", "tp2"])
+@pytest.mark.parametrize("layout", ["tp1", "tp2", "tp2from1"])
 def test_hf_to_mcore_logits_match(hf, converted, kind, layout):
-    """HF → megatron gives the HF model's logits (TP=1, and TP=2 with 512-row padding)."""
+    """HF → megatron gives the HF model's logits at TP=1 and TP=2, and a conversion made
+    for TP=1 gives them at TP=2 too (catches a padded size that depends on TP: the
+    padding rows took part in the softmax, a 300-id Llama started at ln 512)."""
     ours = converted[kind][f"logits_{layout}"]
     diff = (ours - hf["logits"][kind]).abs().max().item()
     print(f"{kind} {layout}: max |logit diff| = {diff:.2e}")
@@ -312,6 +317,51 @@ def test_exported_model_loads_in_transformers(hf, converted, kind):
     assert type(back) is type(hf["models"][kind])
     diff = (_hf_logits(back, kind, hf["tokens"]) - hf["logits"][kind]).abs().max().item()
     assert diff == 0.0
+
+
+def test_export_defaults_to_the_source_architecture(hf, converted):
+    """Catches an HF BertForMaskedLM written back as MegatronBertForMaskedLM when
+    --hf-arch is not given (10 LayerNorm tensors differed): every kind comes back as
+    its own class, from the converted folder and from checkpoints saved at TP=2/PP=2
+    (the tensors bit-exact: test_checkpoint_converts_back_to_hf_bit_exact)."""
+    for kind in KINDS:
+        for folder in (f"back-{kind}", f"hf-tp2-{kind}", f"hf-pp2-{kind}"):
+            written = json.loads((hf["root"] / folder / "config.json").read_text())
+            assert written["architectures"] == [type(hf["models"][kind]).__name__], folder
+            assert written["model_type"] == HF_ARCH[kind]
+
+
+def test_architecture_fields_of_config_json_are_checked():
+    """Catches an input read by a mapping it does not fit: a class without an LM head
+    (BertModel) or architectures that contradict model_type are refused, naming both."""
+    from tools.hf_mapping import ConversionError, hf_arch_of
+
+    assert hf_arch_of({"model_type": "bert", "architectures": ["BertForMaskedLM"]}, family="bert",
+                      hf_arch="bert") == "bert"
+    assert hf_arch_of({"model_type": "gpt2"}, family="gpt") == "gpt2"  # no architectures field
+    with pytest.raises(ConversionError, match=r"\['BertModel'\]"):
+        hf_arch_of({"model_type": "bert", "architectures": ["BertModel"]})
+    with pytest.raises(ConversionError, match="GPT2LMHeadModel.*model_type 'llama'"):
+        hf_arch_of({"model_type": "llama", "architectures": ["GPT2LMHeadModel"]})
+
+
+@pytest.mark.parametrize("kind, args, needle", [
+    ("gpt", ["--model", "llama"], "use --model gpt"),
+    ("llama", ["--model", "bert"], "use --model llama"),
+    ("bert-postln", ["--model", "bert", "--hf-arch", "megatron-bert"], "use --hf-arch bert"),
+    ("bert", ["--model", "bert", "--hf-arch", "bert"], "use --hf-arch megatron-bert"),
+], ids=["gpt2-as-llama", "llama-as-bert", "bert-as-megatron-bert", "megatron-bert-as-bert"])
+def test_mismatched_architecture_is_one_line_exit_2(hf, tmp_path, capsys, kind, args, needle):
+    """Catches converting an input with another family's or architecture's mapping:
+    exit 2, one line naming what the input is and the flag that fits, nothing written."""
+    from tools.convert_checkpoint import main
+
+    out = tmp_path / "out"
+    rc = main(["hf-to-mcore", *args, "--input", str(hf["root"] / f"hf-{kind}"), "--output", str(out)])
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert rc == 2 and len(lines) == 1 and needle in lines[0], lines
+    assert type(hf["models"][kind]).__name__ in lines[0]
+    assert not out.exists()
 
 
 def test_bert_post_ln_mapping_is_not_function_equivalent(hf, converted):

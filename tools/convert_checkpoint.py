@@ -2,7 +2,7 @@
 
 Usage::
 
-    # HF → megatron, ready for a TP=2 job (vocabulary padded for TP=2)
+    # HF → megatron, config.yaml for a TP=2 job (loads at any layout)
     python tools/convert_checkpoint.py hf-to-mcore --model llama \\
         --input hf/Llama-3.2-1B --output ckpt/llama1b --tp 2
     # fine-tune it: the written config.yaml sets checkpoint.load (weights only)
@@ -23,9 +23,12 @@ tensors (:mod:`tools.hf_mapping`), loaded into a TP=1 model built by
 :func:`jobruntime.model.build_model` and written with
 ``dist_checkpointing.save`` of its sharded state dict.  dist_checkpointing
 stores global tensors and reshards on load, so the checkpoint loads at any
-TP/PP/DP whose padded vocabulary matches ``--tp``
-(:func:`jobruntime.model.padded_vocab_size`): zero rows are appended on
-import and stripped on export.  Export goes the same way back.  The
+TP/PP/DP layout: the vocabulary is padded once, independent of the layout
+(``model.padded_vocab_size``, default a multiple of 128, see
+:mod:`jobruntime.vocab`; ``--padded-vocab-size`` for a TP that does not
+divide it), recorded in ``config.yaml`` and the checkpoint; zero rows are
+appended on import and stripped on export (export reads the size the
+checkpoint holds).  Export goes the same way back.  The
 conversion runs in one process (or on every rank of a ``torchrun`` world).
 
 Output of ``hf-to-mcore`` (a ``checkpoints/``-style folder)::
@@ -62,6 +65,7 @@ from jobruntime.checkpoint import (
     CheckpointError,
     _arch,
     arch_diff,
+    arch_mismatch,
     committed_folder,
     find_checkpoint,
 )
@@ -73,7 +77,6 @@ from jobruntime.config import (
     load_config,
     save_config,
 )
-from jobruntime.model import padded_vocab_size
 from jobruntime.tokenizer import load_tokenizer
 from tools.hf_mapping import (
     HF_CLASSES,
@@ -201,17 +204,17 @@ def _io_model(model: ModelConfig, padded_vocab: int, dtype: torch.dtype) -> torc
 
 
 def write_mcore_checkpoint(root: str | Path, model: ModelConfig, state: dict[str, torch.Tensor], *,
-                           tp: int = 1, dtype: torch.dtype | None = None,
-                           extra: dict | None = None) -> Path:
+                           dtype: torch.dtype | None = None, extra: dict | None = None) -> Path:
     """Write megatron TP=1 tensors (unpadded) as a weights-only checkpoint ``root/iter_0000000``.
 
-    The vocabulary is padded for ``tp``; the result loads with
-    :func:`jobruntime.checkpoint.load_checkpoint` (``load_optimizer=False``)
-    at any layout with that padding.  Collective: call on every rank.
+    The vocabulary is padded to ``model.padded_vocab`` rows (zeros); the
+    result loads with :func:`jobruntime.checkpoint.load_checkpoint`
+    (``load_optimizer=False``) at any layout whose TP divides that size.
+    Collective: call on every rank.
     """
     root = Path(root)
     dtype = dtype or state["embedding.word_embeddings.weight"].dtype
-    padded = padded_vocab_size(model.vocab_size, tp)
+    padded = model.padded_vocab
     module = _io_model(model, padded, dtype)
     with torch.no_grad():
         missing, unexpected = module.load_state_dict(_pad_vocab(state, padded), strict=False)
@@ -264,9 +267,9 @@ def read_mcore_checkpoint(path: str | Path, model: ModelConfig) -> tuple[Path, d
     ckpt = find_checkpoint(path)
     common = dist_checkpointing.load_common_state_dict(str(ckpt))
     diff = arch_diff(common.get("arch", {}) if isinstance(common, dict) else {}, model)
+    diff.pop("padded_vocab_size", None)  # export reads the rows the checkpoint holds
     if diff:
-        raise CheckpointError(f"'{ckpt}' does not match the config: "
-                              + ", ".join(f"{k}: checkpoint {a!r} vs config {b!r}" for k, (a, b) in diff.items()))
+        raise CheckpointError(arch_mismatch(ckpt, diff))
     emb = dist_checkpointing.load_tensors_metadata(str(ckpt))["embedding.word_embeddings.weight"]
     module = _io_model(model, emb.global_shape[0], emb.dtype)
     loaded = dist_checkpointing.load({"model": module.sharded_state_dict(prefix="")}, str(ckpt))
@@ -281,20 +284,33 @@ def read_mcore_checkpoint(path: str | Path, model: ModelConfig) -> tuple[Path, d
 
 
 def hf_to_mcore(src: str | Path, out: str | Path, family: str, *, tp: int = 1, pp: int = 1,
-                dtype: str = "auto", seq_length: int | None = None) -> dict:
+                dtype: str = "auto", seq_length: int | None = None, hf_arch: str | None = None,
+                padded_vocab_size: int | None = None) -> dict:
     """Convert an HF model folder to a weights-only megatron checkpoint folder ``out``.
+
+    Args:
+        tp, pp: the layout written to ``config.yaml`` (the checkpoint loads at any).
+        hf_arch: the architecture the input must have (``--hf-arch``); the
+            mapping always follows the input's ``config.json``.
+        padded_vocab_size: embedding rows (``None``: a multiple of 128, see
+            :mod:`jobruntime.vocab`); recorded in config.yaml and the checkpoint.
 
     Returns:
         A summary dict (output, family, vocab sizes, parameters, layout).
+
+    Raises:
+        ConversionError: the input is not ``family`` / ``hf_arch``, or unmappable.
+        ConfigError: the layout or padded size does not fit the model.
     """
     src, out = Path(src), Path(out).absolute()
     hcfg, hf_state = read_hf_checkpoint(src)
-    model, state = hf_to_mcore_state(family, hcfg, hf_state, seq_length=seq_length)
+    model, state = hf_to_mcore_state(family, hcfg, hf_state, seq_length=seq_length, hf_arch=hf_arch)
+    model.padded_vocab_size = padded_vocab_size
     job = JobConfig(model=model, parallel=ParallelConfig(tp=tp, pp=pp))
-    job.validate(tp * pp)  # heads and layers divide the layout
+    job.validate(tp * pp)  # heads, layers and the padded vocabulary divide the layout
     if dtype != "auto":
         state = {k: v.to(_DTYPES[dtype]) for k, v in state.items()}
-    write_mcore_checkpoint(out, model, state, tp=tp, extra={"converted_from": str(src.resolve())})
+    write_mcore_checkpoint(out, model, state, extra={"converted_from": str(src.resolve())})
     if _rank() == 0:
         copied = _copy_tokenizer(src, out)
         shutil.copy2(src / "config.json", out / "hf_config.json")
@@ -308,8 +324,21 @@ def hf_to_mcore(src: str | Path, out: str | Path, family: str, *, tp: int = 1, p
         save_config(job, out / "config.yaml")
     _barrier()
     return dict(output=str(out), family=family, hf_arch=hcfg.get("model_type"),
-                vocab_size=model.vocab_size, padded_vocab=padded_vocab_size(model.vocab_size, tp),
+                vocab_size=model.vocab_size, padded_vocab=model.padded_vocab,
                 tp=tp, pp=pp, parameters=sum(t.numel() for t in state.values()))
+
+
+def _source_hf_config(cfg_path: Path, job: JobConfig) -> dict | None:
+    """The HF ``config.json`` the weights came from (``hf_config.json`` of a
+    converted folder: next to ``cfg_path``, or at the run's ``checkpoint.load``)."""
+    places = [cfg_path.parent]
+    if job.checkpoint.load:
+        load = Path(job.checkpoint.load)
+        places += [load, load.parent]
+    for p in places:
+        if (p / "hf_config.json").is_file():
+            return json.loads((p / "hf_config.json").read_text())
+    return None
 
 
 def mcore_to_hf(src: str | Path, out: str | Path, family: str, *, config: str | Path | None = None,
@@ -320,21 +349,25 @@ def mcore_to_hf(src: str | Path, out: str | Path, family: str, *, config: str | 
         config: the project config of the checkpoint; default: ``config.yaml``
             next to it (converted folder or run directory).
         arch: HF architecture (``llama``, ``gpt2``, ``megatron-bert``, ``bert``);
-            default per family (BERT → ``megatron-bert``, the equivalent one).
+            default: the one the weights were converted from (``hf_config.json``
+            of the converted folder, also found through a fine-tuned run's
+            ``checkpoint.load``), else per family (BERT → ``megatron-bert``,
+            the function-equivalent one).
     """
     cfg_path = Path(config) if config else find_config(src)
     job = load_config(cfg_path)
     if job.model.family != family:
         raise ConversionError(f"--model {family} but {cfg_path} has model.family={job.model.family}")
-    arch = arch or default_hf_arch(family)
+    source = _source_hf_config(cfg_path, job)
+    source_arch = source.get("model_type") if source else None
+    if arch is not None and source_arch not in (None, arch):
+        log.warning("writing HF %s weights converted from HF %s: the LayerNorm layout differs, the "
+                    "model must be fine-tuned (see tools/hf_mapping.py)", arch, source_arch)
+    arch = arch or source_arch or default_hf_arch(family)
     ckpt, state = read_mcore_checkpoint(src, job.model)
     hf_state = mcore_to_hf_state(job.model, state, arch)
     if _rank() == 0:
-        token_ids = {}
-        hf_cfg = cfg_path.parent / "hf_config.json"
-        if hf_cfg.is_file():
-            old = json.loads(hf_cfg.read_text())
-            token_ids = {k: old[k] for k in _TOKEN_ID_KEYS if old.get(k) is not None}
+        token_ids = {k: source[k] for k in _TOKEN_ID_KEYS if source and source.get(k) is not None}
         out = Path(out)
         out.mkdir(parents=True, exist_ok=True)
         copied = _copy_tokenizer(cfg_path.parent, out)  # a run folder holds its tokenizer
@@ -359,8 +392,11 @@ def parse_args(argv):
     p.add_argument("--model", required=True, choices=["llama", "gpt", "bert"], help="model family")
     p.add_argument("--input", required=True, help="HF model folder, or megatron checkpoint folder")
     p.add_argument("--output", required=True, help="output folder")
-    p.add_argument("--tp", type=int, default=1, help="hf-to-mcore: TP size the vocabulary is padded "
-                   "for (and written to config.yaml); mcore-to-hf reads any layout")
+    p.add_argument("--tp", type=int, default=1, help="hf-to-mcore: TP size written to config.yaml "
+                   "(the checkpoint loads at any layout); mcore-to-hf reads any layout")
+    p.add_argument("--padded-vocab-size", type=int, default=None,
+                   help="hf-to-mcore: embedding rows (default: the vocabulary rounded up to a "
+                   "multiple of 128; give a multiple of the TP sizes if one does not divide that)")
     p.add_argument("--pp", type=int, default=1, help="hf-to-mcore: PP size written to config.yaml")
     p.add_argument("--dtype", default="auto", choices=["auto", *_DTYPES],
                    help="hf-to-mcore: weight dtype (auto: as stored)")
@@ -368,8 +404,10 @@ def parse_args(argv):
                    help="hf-to-mcore: model.seq_length (default min(max positions, 2048; 512 BERT))")
     p.add_argument("--config", default=None, help="mcore-to-hf: project config of the checkpoint")
     p.add_argument("--hf-arch", default=None, choices=sorted(HF_CLASSES),
-                   help="mcore-to-hf: HF architecture (bert family: megatron-bert (default, "
-                   "equivalent) or bert (post-LN layout, not equivalent))")
+                   help="hf-to-mcore: the architecture the input must have (its config.json "
+                   "decides the mapping); mcore-to-hf: HF architecture to write (default: the one "
+                   "converted from, else megatron-bert for bert: equivalent; bert is the post-LN "
+                   "layout, not equivalent)")
     return p.parse_args(argv)
 
 
@@ -390,7 +428,8 @@ def main(argv=None) -> int:
     try:
         if args.direction == "hf-to-mcore":
             summary = hf_to_mcore(args.input, args.output, args.model, tp=args.tp, pp=args.pp,
-                                  dtype=args.dtype, seq_length=args.seq_length)
+                                  dtype=args.dtype, seq_length=args.seq_length,
+                                  hf_arch=args.hf_arch, padded_vocab_size=args.padded_vocab_size)
         else:
             summary = mcore_to_hf(args.input, args.output, args.model, config=args.config,
                                   arch=args.hf_arch)

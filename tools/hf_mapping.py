@@ -60,6 +60,13 @@ HF_CLASSES = {
     "bert": ("BertConfig", "BertForMaskedLM"),
 }
 FAMILY_ARCHS = {"llama": ("llama",), "gpt": ("gpt2",), "bert": ("megatron-bert", "bert")}
+# model classes (config.json "architectures") whose weights each HF arch maps from
+READABLE_CLASSES = {
+    "llama": ("LlamaForCausalLM",),
+    "gpt2": ("GPT2LMHeadModel",),
+    "megatron-bert": ("MegatronBertForMaskedLM", "MegatronBertForPreTraining"),
+    "bert": ("BertForMaskedLM", "BertForPreTraining"),
+}
 # GELU approximations HF GPT-2 configs use; megatron here uses the exact (erf) GELU
 _TANH_GELUS = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")
 # Llama-3 RoPE scaling constants megatron-core hard-codes (rotary_pos_embedding._apply_scaling)
@@ -102,12 +109,41 @@ def split_qkv(qkv: torch.Tensor, heads: int, groups: int) -> tuple[torch.Tensor,
 # ---------------------------------------------------------------------------
 
 
-def hf_arch_of(hcfg: dict) -> str:
-    """``model_type`` of an HF ``config.json`` (``llama``, ``gpt2``, ``bert``, ``megatron-bert``)."""
+def hf_arch_of(hcfg: dict, *, family: str | None = None, hf_arch: str | None = None) -> str:
+    """The HF architecture of a ``config.json`` (``llama``, ``gpt2``, ``bert``,
+    ``megatron-bert``), checked against what the caller asked for.
+
+    Both fields of ``config.json`` count: ``model_type`` selects the weight
+    mapping, and ``architectures`` (when present) must name a class of that
+    type with the weights the mapping reads (an LM head; e.g. ``BertModel``
+    or ``BertForSequenceClassification`` have none).
+
+    Args:
+        family: ``--model``; the input must be one of its architectures.
+        hf_arch: ``--hf-arch``; the input must be exactly this architecture.
+
+    Raises:
+        ConversionError: unknown or inconsistent fields, or a mismatch with
+            ``family`` / ``hf_arch`` (the message names what the input is and
+            the flag that fits it).
+    """
     arch = hcfg.get("model_type")
     if arch not in HF_CLASSES:
         raise ConversionError(f"config.json model_type {arch!r} is not supported; "
                               f"use one of {sorted(HF_CLASSES)}")
+    names = hcfg.get("architectures") or []
+    what = f"{names[0] if names else 'a model'} (model_type {arch!r})"
+    if names and not set(names) & set(READABLE_CLASSES[arch]):
+        raise ConversionError(
+            f"config.json says architectures {names} with model_type {arch!r}; convertible are "
+            f"{', '.join(c for cs in READABLE_CLASSES.values() for c in cs)} (a model with its "
+            "LM head)")
+    if family is not None and arch not in FAMILY_ARCHS[family]:
+        fits = next(f for f, archs in FAMILY_ARCHS.items() if arch in archs)
+        raise ConversionError(f"--model {family} but the input is {what}; use --model {fits}")
+    if hf_arch is not None and arch != hf_arch:
+        raise ConversionError(f"--hf-arch {hf_arch} but the input is {what}; use --hf-arch {arch} "
+                              "(or leave it out)")
     return arch
 
 
@@ -158,9 +194,7 @@ def model_config_from_hf(family: str, hcfg: dict, *, seq_length: int | None = No
     Raises:
         ConversionError: wrong family, or a feature megatron cannot express here.
     """
-    arch = hf_arch_of(hcfg)
-    if arch not in FAMILY_ARCHS[family]:
-        raise ConversionError(f"--model {family} but config.json has model_type {arch!r}")
+    arch = hf_arch_of(hcfg, family=family)
     g = hcfg.get
     if arch == "llama":
         heads, hidden = g("num_attention_heads"), g("hidden_size")
@@ -318,15 +352,18 @@ def _tied_output(src: _Source, model: ModelConfig, key: str, emb: torch.Tensor, 
         out["output_layer.weight"] = src.take(key)
 
 
-def hf_to_mcore_state(family: str, hcfg: dict, hf_state: dict, *,
-                      seq_length: int | None = None) -> tuple[ModelConfig, dict]:
+def hf_to_mcore_state(family: str, hcfg: dict, hf_state: dict, *, seq_length: int | None = None,
+                      hf_arch: str | None = None) -> tuple[ModelConfig, dict]:
     """HF checkpoint (config dict + tensors) → (ModelConfig, megatron TP=1 state, unpadded).
 
+    The weight mapping is the input's own architecture (:func:`hf_arch_of`);
+    ``hf_arch``, when given, must be that one.
+
     Raises:
-        ConversionError: unsupported config, or missing / unmapped tensors.
+        ConversionError: unsupported or mismatched config, or missing / unmapped tensors.
     """
+    arch = hf_arch_of(hcfg, family=family, hf_arch=hf_arch)
     model = model_config_from_hf(family, hcfg, seq_length=seq_length)
-    arch = hf_arch_of(hcfg)
     a, g, bias = model.num_attention_heads, model.kv_heads, model.add_bias_linear
     out: dict[str, torch.Tensor] = {}
     if arch == "llama":

@@ -42,7 +42,7 @@ from jobruntime.data import (
     write_indexed,
 )
 from jobruntime.metrics import write_json_atomic
-from jobruntime.tokenizer import TokenizerError, load_tokenizer, train_sentencepiece
+from jobruntime.tokenizer import TokenizerError, check_specials, load_tokenizer, train_sentencepiece
 
 
 def prepare(input_path: str, output: str, *, tokenizer: str | None = None, vocab_size: int = 8192,
@@ -76,6 +76,7 @@ def prepare(input_path: str, output: str, *, tokenizer: str | None = None, vocab
     else:
         tok_path = Path(tokenizer).absolute()
     tok = load_tokenizer(tok_path)
+    check_specials(tok, family)  # the ids tokenize_documents adds (eod; BERT: [SEP] ...)
     prefix.parent.mkdir(parents=True, exist_ok=True)  # only once the input is known good
     counts = {"sequences": 0, "tokens": 0}
     show = sys.stderr.isatty() if progress is None else progress

@@ -243,22 +243,24 @@ def evaluate_zero_shot(trainer, tokenizer, task_file: str | Path, *, limit: int 
     return {**result, "scores": scores} if return_scores else result
 
 
-def end_of_run_hook(task_files: list[str]):
+def end_of_run_hook(task_files: list[str], family: str = "gpt"):
     """A ``jobruntime.loop.run`` ``end_of_run`` callback scoring ``task_files``.
 
     Returns ``{"zero_shot": [result per task]}`` for the run's summary.
 
     Raises:
-        ConfigError: a task file does not exist (checked now, before training).
+        ConfigError: a task file does not exist, or ``family`` is ``bert``
+            (checked now, before training, not after it).
     """
+    if family == "bert":
+        raise ConfigError("train.zero_shot_tasks needs a left-to-right LM (gpt or llama); "
+                          "unset it for bert")
     missing = [f for f in task_files if not Path(f).is_file()]
     if missing:
         raise ConfigError(f"train.zero_shot_tasks: no such file(s) {missing}; give local JSONL "
                           "files in the HellaSwag or PIQA layout")
 
     def hook(trainer, corpus) -> dict:
-        if trainer.cfg.model.family == "bert":
-            raise ConfigError("train.zero_shot_tasks needs a left-to-right LM (gpt or llama)")
         return {"zero_shot": [evaluate_zero_shot(trainer, corpus.tokenizer, f)
                               for f in task_files]}
 
@@ -266,12 +268,12 @@ def end_of_run_hook(task_files: list[str]):
 
 
 def _tokenizer_for(cfg, path: str | None):
-    from jobruntime.tokenizer import load_tokenizer
+    from jobruntime.tokenizer import check_specials, load_tokenizer
 
-    if path:
-        return load_tokenizer(path)
-    if cfg.data.tokenizer != "auto":
-        return load_tokenizer(cfg.data.tokenizer)
+    if path or cfg.data.tokenizer != "auto":
+        tok = load_tokenizer(path or cfg.data.tokenizer)
+        check_specials(tok, cfg.model.family)  # contexts start with eod
+        return tok
     from jobruntime.data import prepare_corpus  # the cached tokenizer trained for this corpus
 
     return prepare_corpus(cfg.data, cfg.model).tokenizer
