@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU check: everything issue 9 asks of one GPU, in one command, < 8 minutes on one H200.
+# The GPU check: everything issue 9 asks of one GPU, in one command, < 10 minutes on one H200.
 #
 #   bash bench/gpu_check.sh [OUT_DIR] [PART ...]
 #
@@ -26,20 +26,22 @@ for part in "${parts[@]}"; do
       # the tests are subprocesses of small models (and three 1B presets): run them side by
       # side where pytest-xdist is installed; the benches below run alone
       par=(); python -c "import xdist" 2>/dev/null && par=(-n 6 --dist loadgroup)
-      timeout "${GPU_CHECK_TESTS_S:-200}" python -m pytest -q -m gpu tests/test_gpu.py "${par[@]}" \
+      timeout "${GPU_CHECK_TESTS_S:-190}" python -m pytest -q -m gpu tests/test_gpu.py "${par[@]}" \
         -p no:cacheprovider --junitxml="$out/gpu_tests.xml" > "$out/gpu_tests.log" 2>&1
       echo "tests: exit $? after $((SECONDS - start)) s" ;;
     bench:*)
       preset=${part#bench:}
       case "$preset" in
-        bert*) batch=(parallel.micro_batch_size=16 parallel.global_batch_size=64); extra=() ;;
+        bert*) batch=(parallel.micro_batch_size=16 parallel.global_batch_size=64)
+               extra=(--profile); limit=${GPU_CHECK_BERT_S:-100} ;;
         gpt3*) batch=(parallel.micro_batch_size=4 parallel.global_batch_size=16)
-               extra=(--sweep-mbs 1,2,4,8) ;;
-        *) batch=(parallel.micro_batch_size=4 parallel.global_batch_size=16); extra=() ;;
+               extra=(--sweep-mbs 2,4,8 --profile); limit=${GPU_CHECK_GPT_S:-150} ;;
+        *) batch=(parallel.micro_batch_size=4 parallel.global_batch_size=16); extra=()
+           limit=${GPU_CHECK_LLAMA_S:-110} ;;
       esac
       # One JSON line after our run and the eager peer, a fuller one after the compiled peer:
       # a part stopped at its limit keeps what it measured.
-      timeout "${GPU_CHECK_BENCH_S:-130}" python bench/throughput.py --config "$preset" \
+      timeout "$limit" python bench/throughput.py --config "$preset" \
         --steps 6 --warmup 3 --peer --peer-compile "${extra[@]}" "${batch[@]}" \
         logging.wandb=disabled > "$out/throughput_$preset.json" 2>> "$out/throughput.log"
       echo "bench $preset: exit $? after $((SECONDS - start)) s" ;;

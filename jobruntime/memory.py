@@ -45,7 +45,11 @@ per layer and micro-batch on one device, ``s`` sequence, ``b`` micro-batch,
 which for ``e = 2``, MHA, GELU and ``f = 4h`` is the paper's
 ``s*b*h * (10 + 24/t + 5*a*s/(h*t))``.  At dropout 0 (the presets) megatron
 keeps no masks and no dropout outputs: ``4e`` and ``e * a*s*s*b``.  With
-``flash_attention`` the ``s x s`` term is dropped.  Sequence parallelism
+fused attention (``flash_attention``: torch SDPA's flash / memory-efficient
+kernels or Transformer Engine, what ``model.attention_backend`` other than
+``local`` runs) the ``s x s`` term is dropped, K and V are not repeated for
+GQA and the kernel keeps its fp32 log-sum-exp (``4*a*s*b`` bytes; its output
+is the projection's input, counted once).  Sequence parallelism
 divides the first line by ``t`` too.  What megatron-core's local layers keep
 beyond the paper's GPT (found by counting the tensors autograd saves): RMSNorm
 (torch's) keeps ``x * rsqrt`` too (``+e*s*b*h`` per norm); RoPE keeps rotated
@@ -175,7 +179,9 @@ class MemoryModel:
         distributed_optimizer: shard the optimizer state over dp (ZeRO-1).
         sequence_parallel: megatron sequence parallelism (splits the non-TP
             activations by ``tp`` too).
-        flash_attention: drop the ``s x s`` attention-score activations.
+        flash_attention: a fused attention kernel (no ``s x s`` scores, no
+            repeated K/V, a log-sum-exp per head and token); ``None`` (default):
+            what ``model.attention_backend`` runs (``local``: False, else True).
         overhead_bytes: fixed per-device allowance: :data:`GPU_OVERHEAD_BYTES`
             (default) or :data:`CPU_OVERHEAD_BYTES`.
         seq_length: sequence length override; ``None`` = ``model.seq_length``.
@@ -191,12 +197,14 @@ class MemoryModel:
     precision: Precision = "mixed"
     distributed_optimizer: bool = False
     sequence_parallel: bool = False
-    flash_attention: bool = False
+    flash_attention: bool | None = None
     overhead_bytes: float = GPU_OVERHEAD_BYTES
     seq_length: int | None = None
     extra_bytes_per_param: float = 0.0
 
     def __post_init__(self) -> None:
+        if self.flash_attention is None:
+            object.__setattr__(self, "flash_attention", self.model.attention_backend != "local")
         if self.precision not in STATE_BYTES:
             raise ValueError(f"precision={self.precision!r} is not one of {sorted(STATE_BYTES)}")
 
@@ -263,7 +271,9 @@ class MemoryModel:
         replicated = sb * h * ((4.0 + norm_extra) * e + (2.0 if masks else 0.0))
         split = sb * e * (self._qkv_saved() + h)  # Q, K, V as attention keeps them; proj input
         split += sb * f * e * (5.0 if m.activation == "swiglu" else 2.0)
-        if not self.flash_attention:
+        if self.flash_attention:
+            split += a * sb * 4.0  # the kernel's fp32 log-sum-exp
+        else:
             split += a * s * s * b * ((2.0 * e + 1.0) if masks else e)
         if self.sequence_parallel:
             replicated /= tp
@@ -275,7 +285,8 @@ class MemoryModel:
         Without RoPE or GQA they are views of the fused QKV output (``h + 2kv``).
         RoPE makes rotated copies of Q (``h``) and K (``kv``); GQA repeats K and V
         to all heads (``h`` each); the fused output stays alive while any view of
-        it is kept.  SwiGLU (``5f``, in :meth:`activation_bytes_per_layer`):
+        it is kept.  A fused kernel (``flash_attention``) takes Q, K and V as they
+        are: the fused output (V is always a view of it) plus RoPE's copies.  SwiGLU (``5f``, in :meth:`activation_bytes_per_layer`):
         fc1's output ``2f``, SiLU's output ``f``, megatron's ``x_linear +
         offset`` copy ``f`` and their product ``f``.
         """
@@ -283,6 +294,8 @@ class MemoryModel:
         h = m.hidden_size
         kv = m.kv_heads * (h // m.num_attention_heads)
         rope, gqa = m.position_embedding == "rope", kv < h
+        if self.flash_attention:  # views of the fused output or their rotated copies
+            return (h + kv if rope else 0.0) + h + 2.0 * kv
         q = h if rope else 0.0
         k = h if gqa else (kv if rope else 0.0)
         v = h if gqa else 0.0

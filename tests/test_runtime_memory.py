@@ -30,14 +30,15 @@ def test_activation_formula_matches_paper(tp):
     model = dataclasses.replace(GPT3, dropout=0.1)  # the paper counts dropout masks
     s, b, h, a = model.seq_length, 2, model.hidden_size, model.num_attention_heads
     expected = s * b * h * (10 + 24 / tp + 5 * a * s / (h * tp))
-    got = MemoryModel(model).activation_bytes_per_layer(b, tp)
+    got = MemoryModel(model, flash_attention=False).activation_bytes_per_layer(b, tp)
     assert got == pytest.approx(expected, rel=1e-12)
     if tp == 1:
         assert got == pytest.approx(s * b * h * (34 + 5 * a * s / h), rel=1e-12)
-    sp = MemoryModel(model, sequence_parallel=True).activation_bytes_per_layer(b, tp)
+    sp = MemoryModel(model, sequence_parallel=True,
+                     flash_attention=False).activation_bytes_per_layer(b, tp)
     assert sp == pytest.approx(s * b * h * (34 + 5 * a * s / h) / tp, rel=1e-12)
     # dropout 0 (the presets): no masks, no dropout outputs: 8 + 24/t + 2as/(ht)
-    zero = MemoryModel(GPT3).activation_bytes_per_layer(b, tp)
+    zero = MemoryModel(GPT3, flash_attention=False).activation_bytes_per_layer(b, tp)
     assert zero == pytest.approx(s * b * h * (8 + 24 / tp + 2 * a * s / (h * tp)), rel=1e-12)
 
 
@@ -104,11 +105,17 @@ def test_flash_attention_and_fp32_options():
     """Catches the options being no-ops: FlashAttention removes the 5as/h score term
     (80 of 114 per sbh for GPT-3 at s=2048), fp32 doubles activation bytes."""
     model = dataclasses.replace(GPT3, dropout=0.1)
-    base = MemoryModel(model).activation_bytes_per_layer(1, 1)
+    base = MemoryModel(model, flash_attention=False).activation_bytes_per_layer(1, 1)
     flash = MemoryModel(model, flash_attention=True).activation_bytes_per_layer(1, 1)
-    assert flash / base == pytest.approx(34 / 114)
-    zero = MemoryModel(GPT3).activation_bytes_per_layer(1, 1)  # dropout 0: no 1-byte masks
-    fp32 = MemoryModel(GPT3, precision="fp32").activation_bytes_per_layer(1, 1)
+    lse = 4 * model.num_attention_heads / model.hidden_size  # fp32 log-sum-exp per sbh
+    assert flash / base == pytest.approx((34 + lse) / 114)
+    # the default follows the attention the trainer runs: local -> scores, sdpa/te -> fused
+    local = dataclasses.replace(model, attention_backend="local")
+    assert MemoryModel(local).activation_bytes_per_layer(1, 1) == base
+    assert MemoryModel(model).activation_bytes_per_layer(1, 1) == flash
+    # dropout 0: no 1-byte masks; local attention (the fused kernel's log-sum-exp is fp32 anyway)
+    zero = MemoryModel(GPT3, flash_attention=False).activation_bytes_per_layer(1, 1)
+    fp32 = MemoryModel(GPT3, precision="fp32", flash_attention=False).activation_bytes_per_layer(1, 1)
     assert fp32 == pytest.approx(2 * zero)
 
 
