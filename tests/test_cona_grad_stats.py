@@ -43,6 +43,30 @@ def test_noise_scale_none_when_signal_estimate_not_positive():
     assert est.g_sq < 0 and est.noise_scale is None
 
 
+def test_outlier_step_is_skipped():
+    """Catches one freak batch wrecking the estimate: on the bundled corpus a loss spike
+    with a 17x gradient norm drove the EMA of |G|^2 negative (noise scale None) for over
+    a hundred steps.  A step whose |G_big|^2 is 300x the running mean must be skipped and
+    counted, leaving the estimate unchanged; ordinary steps are still added."""
+    g_sq, trace = 2.0, 10.0
+    small, big = g_sq + trace / 4, g_sq + trace / 32
+    est = GradientNoiseScale(ema_decay=0.9)
+    for _ in range(5):
+        est.update(small, 4, big, 32)
+    before = est.noise_scale
+    est.update(small * 300, 4, big * 300 - 60, 32)  # raw |G|^2 estimate hugely off
+    assert est.num_skipped == 1 and est.noise_scale == before
+    est.update(small, 4, big, 32)
+    assert est.num_updates == 6 and est.to_dict()["gns_skipped"] == 1
+    keep_all = GradientNoiseScale(ema_decay=0.9, outlier_factor=None)
+    for _ in range(5):
+        keep_all.update(small, 4, big, 32)
+    keep_all.update(small * 300, 4, big * 300 - 60, 32)
+    assert keep_all.num_skipped == 0 and keep_all.noise_scale != before
+    with pytest.raises(ValueError, match="outlier_factor"):
+        GradientNoiseScale(outlier_factor=1.0)
+
+
 def _problem():
     torch.manual_seed(0)
     n, d, c = 2048, 16, 4
