@@ -171,7 +171,7 @@ def test_wrong_extrapolation_discounts_unmeasured_layouts():
     another never-measured layout that the (now globally calibrated) model still predicts
     ~1.3x faster must not trigger a switch; a same-layout batch change, whose prediction
     rests on FAST's own measurement, is not discounted."""
-    tp2 = Strategy(4, 2, 1, 2, 64)
+    tp2 = Strategy(4, 2, 1, 4, 64)
     ctrl = _controller([SLOW, FAST, tp2, BIG_GB], SLOW, noise_scale=None)
     cm = ctrl.cost_model
     slow_s = cm.analytic(SLOW).analytic_s
