@@ -1,12 +1,15 @@
 """A CONA job: trainer, data position, gradient statistics and clock on one strategy.
 
+Built by :meth:`cona.context.ConaContext.make_job`, which decides the clock.
 :class:`RealJob` (``cona.clock=wall``) runs the strategy's layout on the
 launched processes (torchrun / gloo or NCCL), times steps with the wall
-clock (max over ranks) and switches with :mod:`cona.switch`.
-:class:`EmulatedJob` (``cona.clock=emulated``) trains the proxy in one process
-at the strategy's global batch and takes step and switch times from
-:class:`cona.emulated.EmulatedCluster`.  Both expose the same interface to
-the loop in :mod:`cona.run`: :meth:`Job.train_step`, :meth:`Job.evaluate`,
+clock (max over ranks) and switches with :mod:`cona.switch`; the cost of a
+switch is the wall time :meth:`RealJob.apply` took, which is what the clock
+advanced by and what the controller is told.  :class:`EmulatedJob`
+(``cona.clock=emulated``) trains the proxy at the proxy batch the strategy's
+global batch stands for (:mod:`cona.mapping`) and takes step and switch times
+from :class:`cona.emulated.EmulatedCluster`.  Both expose the same interface
+to the loop in :mod:`cona.run`: :meth:`Job.train_step`, :meth:`Job.evaluate`,
 :meth:`Job.apply` (switch), ``clock_s``, ``consumed_samples``.
 
 Validation uses one fixed set of sequences whatever the strategy (its size
@@ -17,8 +20,11 @@ different strategies are comparable.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass
+from functools import reduce
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -30,13 +36,41 @@ from jobruntime.trainer import StepResult
 
 from . import state as cstate
 from .controller import scale_lr, switch_kind
-from .emulated import EmulatedCluster, lcm_of, proxy_micro_batch_size
 from .grad_stats import GradientNoiseScale
 from .probe import GNSProbe
 from .strategy import Strategy
 from .switch import PeakRSS, switch_batch, switch_layout
 
+if TYPE_CHECKING:
+    from .context import ConaContext
+
 log = logging.getLogger("cona")
+
+
+def lcm_of(values) -> int:
+    return reduce(lambda a, b: a * b // math.gcd(a, b), values, 1)
+
+
+def proxy_micro_batch_size(global_batch_size: int, configured: int) -> int:
+    """The proxy's micro-batch: near ``global/4`` but >= ``configured``, and <= ``global/2``.
+
+    At least two micro-batches per step keep the gradient noise scale
+    measurable in one process (:mod:`cona.probe`, ``"microbatch"`` mode); a
+    divisor of the global batch is returned.
+    """
+    if global_batch_size < 2:
+        return 1
+    mb = min(max(configured, global_batch_size // 4), global_batch_size // 2)
+    while global_batch_size % mb:
+        mb -= 1
+    return max(mb, 1)
+
+
+def _max_over_ranks(seconds: float) -> float:
+    t = torch.tensor([seconds], dtype=torch.float64)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t[0])
 
 
 @dataclass
@@ -73,23 +107,29 @@ class Job:
     Attributes:
         strategy: the strategy in use (for emulated jobs: the modelled one).
         trainer: the :class:`~jobruntime.trainer.Trainer` of the current layout.
-        gns: gradient-noise-scale estimator fed by :attr:`probe` every step.
-        reference_batch: global batch the base LR was tuned for (``B_ref``).
+        gns: gradient-noise-scale estimator fed by :attr:`probe` every step
+            (proxy sequences).
+        reference_batch: proxy global batch the base LR was tuned for (``B_ref``).
     """
 
     strategy: Strategy
     is_logging_rank: bool = True
 
-    def __init__(self, cfg: JobConfig, data: Datasets, reference_batch: int):
-        self.cfg, self.data, self.reference_batch = cfg, data, reference_batch
+    def __init__(self, ctx: ConaContext):
+        self.ctx, self.cfg, self.data = ctx, ctx.cfg, ctx.data
+        self.reference_batch = ctx.cfg.parallel.global_batch_size
         self.gns = GradientNoiseScale()
         self.probe = GNSProbe(self.gns)
 
     # -- helpers ------------------------------------------------------------
+    def proxy_batch(self, strategy: Strategy) -> int:
+        """Proxy sequences per step of ``strategy`` (its global batch in real mode)."""
+        return self.ctx.mapping.proxy_batch(strategy.global_batch_size)
+
     def lr_for(self, strategy: Strategy) -> tuple[float, float]:
         """(peak, final) LR for ``strategy``'s global batch by ``cona.lr_scaling``."""
         t, rule = self.cfg.train, self.cfg.cona.lr_scaling
-        gb = strategy.global_batch_size
+        gb = self.proxy_batch(strategy)
         return (
             scale_lr(t.lr, gb, self.reference_batch, rule),
             scale_lr(t.min_lr, gb, self.reference_batch, rule),
@@ -139,16 +179,29 @@ class Job:
 
 
 class RealJob(Job):
-    """The strategy's layout on the launched processes; wall clock (see module docstring)."""
+    """The strategy's layout on the launched processes; wall clock (see module docstring).
 
-    def __init__(self, cfg: JobConfig, data: Datasets, reference_batch: int, start: Strategy):
-        super().__init__(cfg, data, reference_batch)
+    Attributes:
+        measured_costs: the controller's switch-cost estimates before any switch,
+            measured at start-up (max over ranks): ``"layout"``, the seconds to
+            build this layout (process groups, model, DDP, optimizer), which is
+            what a layout switch repeats before resharding; ``"batch"``, the
+            seconds of a no-op batch switch.  Measured switches replace them.
+    """
+
+    def __init__(self, ctx: ConaContext, start: Strategy):
+        super().__init__(ctx)
+        cfg = ctx.cfg
         self.strategy = start
         lr, min_lr = self.lr_for(start)
         run_cfg = cstate.strategy_config(cfg, start, lr=lr, min_lr=min_lr)
+        t0 = time.perf_counter()
         self.topo = initialize_layout(run_cfg)
         set_seed(cfg.train.seed)
-        self.trainer = cstate.build_trainer(run_cfg, reference_batch)
+        self.trainer = cstate.build_trainer(run_cfg, self.reference_batch)
+        build_s = _max_over_ranks(time.perf_counter() - t0)
+        batch_s = switch_batch(self.trainer, run_cfg).seconds
+        self.measured_costs = {"layout": build_s, "batch": batch_s}
         self.probe.attach(self.trainer)
         self.sampler = self._sampler(self.topo, 0)
         self.val_batches = self._val_batches(self.topo, start.micro_batch_size)
@@ -166,14 +219,17 @@ class RealJob(Job):
     def train_step(self) -> tuple[StepResult, float]:
         t0 = time.perf_counter()
         result = self.trainer.train_step(self.sampler.next())
-        dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-        dist.all_reduce(dt, op=dist.ReduceOp.MAX)  # identical controller inputs on all ranks
+        dt = _max_over_ranks(time.perf_counter() - t0)  # identical controller inputs on all ranks
         self.fresh = False
-        return result, float(dt[0])
+        return result, dt
 
     def apply(self, strategy: Strategy) -> dict | None:
+        """Switch in memory; ``cost_s`` is the wall time of this whole call (max over ranks)."""
         if strategy == self.strategy:
             return None
+        if dist.is_initialized():
+            dist.barrier()
+        t0 = time.perf_counter()
         old, kind = self.strategy, switch_kind(self.strategy, strategy)
         lr, min_lr = self.lr_for(strategy)
         new_cfg = cstate.strategy_config(self.cfg, strategy, lr=lr, min_lr=min_lr)
@@ -189,54 +245,49 @@ class RealJob(Job):
         self.sampler = self._sampler(self.topo, consumed)
         self.val_batches = self._val_batches(self.topo, strategy.micro_batch_size)
         self.strategy, self.fresh = strategy, True
+        cost = _max_over_ranks(time.perf_counter() - t0)
         return {
+            **report.to_dict(),
             "from": old.label,
             "to": strategy.label,
-            "switch_s": report.seconds,
-            "cost_s": report.seconds,
+            "cost_s": cost,
+            "switch_s": cost,
+            "reshard_s": report.seconds,
             "lr": lr,
-            **report.to_dict(),
         }
 
 
 class EmulatedJob(Job):
-    """The proxy at the strategy's global batch; modelled clock.
+    """The proxy at the proxy batch the strategy's global batch stands for; modelled clock.
 
     Normally one process.  Launched on ``W`` processes (torchrun), the proxy
-    runs data-parallel over them (DP = ``W``, each global batch must be a
+    runs data-parallel over them (DP = ``W``, each proxy batch must be a
     multiple of ``W``): only the wall time changes, not the trajectory's
     mathematics or the clock.
     """
 
-    def __init__(
-        self,
-        cfg: JobConfig,
-        data: Datasets,
-        reference_batch: int,
-        start: Strategy,
-        cluster: EmulatedCluster,
-        val_micro_batch: int,
-    ):
-        super().__init__(cfg, data, reference_batch)
-        self.cluster = cluster
+    def __init__(self, ctx: ConaContext, start: Strategy):
+        super().__init__(ctx)
+        self.cluster = ctx.cluster
         self.strategy = start
         self._clock = 0.0
         self.world = dist.get_world_size()
         run_cfg = self._proxy_cfg(start)
         self.topo = initialize_layout(run_cfg)
-        set_seed(cfg.train.seed)
-        self.trainer = cstate.build_trainer(run_cfg, reference_batch)
+        set_seed(ctx.cfg.train.seed)
+        self.trainer = cstate.build_trainer(run_cfg, self.reference_batch)
         self.probe.attach(self.trainer)
         self.sampler = self._sampler(self.topo, 0)
-        self.val_batches = self._val_batches(self.topo, val_micro_batch)
+        self.val_batches = self._val_batches(self.topo, ctx.val_micro_batch)
 
     def _proxy_cfg(self, strategy: Strategy) -> JobConfig:
         lr, min_lr = self.lr_for(strategy)
-        gb, w = strategy.global_batch_size, self.world
+        gb, w = self.proxy_batch(strategy), self.world
         if gb % w:
             raise ValueError(
-                f"emulated CONA on {w} processes needs global batches divisible by {w}; "
-                f"{strategy.label} is not (launch fewer processes or set cona.global_batch_sizes)"
+                f"emulated CONA on {w} processes needs proxy global batches divisible by {w}; "
+                f"{strategy.label} (proxy batch {gb}) is not (launch fewer processes or set "
+                "cona.global_batch_sizes)"
             )
         mb = proxy_micro_batch_size(gb // w, self.cfg.parallel.micro_batch_size)
         proxy = Strategy(w, 1, 1, mb, gb)
@@ -256,21 +307,30 @@ class EmulatedJob(Job):
         self._clock += dt
         return result, dt
 
+    def set_strategy(self, strategy: Strategy) -> None:
+        """Train the proxy at ``strategy``'s batch from now on, without charging the clock
+        (the oracle chain charges its own modelled costs)."""
+        if strategy == self.strategy:
+            return
+        consumed = self.consumed_samples
+        self.probe.detach()
+        switch_batch(self.trainer, self._proxy_cfg(strategy))
+        self.probe.attach(self.trainer)
+        self.sampler = self._sampler(self.topo, consumed)
+        self.strategy = strategy
+
     def apply(self, strategy: Strategy) -> dict | None:
+        """Switch; the clock is charged the cluster's modelled cost (what the controller
+        was told it would cost)."""
         if strategy == self.strategy:
             return None
         old = self.strategy
         cost = self.cluster.switch_s(old, strategy)
-        consumed = self.consumed_samples
         with PeakRSS() as rss:
             t0 = time.perf_counter()
-            self.probe.detach()
-            switch_batch(self.trainer, self._proxy_cfg(strategy))
-            self.probe.attach(self.trainer)
-            self.sampler = self._sampler(self.topo, consumed)
+            self.set_strategy(strategy)
             measured = time.perf_counter() - t0
         self._clock += cost
-        self.strategy = strategy
         return {
             "from": old.label,
             "to": strategy.label,
@@ -294,12 +354,13 @@ class EmulatedJob(Job):
         }
 
     def restore(self, snap: dict) -> None:
+        """Go back to a :meth:`snapshot` (bit-for-bit continuation)."""
         self.probe.detach()
         if snap["strategy"] != self.strategy:
             switch_batch(self.trainer, self._proxy_cfg(snap["strategy"]))
             self.strategy = snap["strategy"]
         cstate.restore(self.trainer, snap["trainer"])
-        self.trainer.scheduler.global_batch_size = self.strategy.global_batch_size
+        self.trainer.scheduler.global_batch_size = self.proxy_batch(self.strategy)
         self.probe.attach(self.trainer)
         self.sampler = self._sampler(self.topo, snap["consumed"])
         self._clock = snap["clock"]
