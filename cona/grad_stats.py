@@ -183,6 +183,14 @@ class GradientNoiseScale:
         self.num_skipped = int(state.get("num_skipped", 0))
 
 
+def noise_scale_growth(values: Iterable[float | None]) -> float | None:
+    """Growth of the noise scale over a run: the last over the first positive value of
+    ``values`` (e.g. the estimate at each controller decision); ``None`` with fewer
+    than two."""
+    vals = [v for v in values if v is not None and v > 0]
+    return vals[-1] / vals[0] if len(vals) >= 2 else None
+
+
 # ---------------------------------------------------------------------------
 # Pure-torch helpers (plain nn.Module, single process; for tests and demos)
 # ---------------------------------------------------------------------------
