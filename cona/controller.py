@@ -9,9 +9,10 @@ Decision rule at a decision step (every ``cfg.decision_interval`` steps):
    considered (their efficiencies are equal, so throughput alone is safe).
 2. ``gain = score_best / score_current - 1``; no switch if ``gain < min_gain``.
 3. Repay test: over a horizon of ``T = horizon_steps * iter_s(current)``
-   seconds, the best strategy makes the current one's progress ``r_c T`` in
-   ``T r_c / r_b`` seconds, saving ``T (1 - r_c/r_b)``.  Switch only if that
-   exceeds the expected switch cost ``C``.
+   seconds (at most the time the rest of the budget takes at the current
+   rate, when the caller knows it), the best strategy makes the current one's
+   progress ``r_c T`` in ``T r_c / r_b`` seconds, saving ``T (1 - r_c/r_b)``.
+   Switch only if that exceeds the expected switch cost ``C``.
 
 Switch cost ``C`` (seconds), what the switch is charged on the clock:
 
@@ -294,14 +295,21 @@ class Controller:
             out.append(replace(sc, score=sc.score * math.exp(-err)) if err else sc)
         return sorted(out, key=lambda x: (-x.score, x.strategy.label))
 
-    def decide(self, step: int) -> Decision:
-        """Rank and decide; the decision is appended to :attr:`decisions`."""
+    def decide(self, step: int, remaining_samples: float | None = None) -> Decision:
+        """Rank and decide; the decision is appended to :attr:`decisions`.
+
+        Args:
+            remaining_samples: samples (the strategies' units) left in the budget;
+                the repay horizon is at most their time at the current rate.
+        """
         phi = self.gns.noise_scale
         ranked = self.rank()
         by_strategy = {sc.strategy: sc for sc in ranked}
         cur, best = by_strategy[self.current], ranked[0]
         gain = best.score / cur.score - 1.0 if cur.score > 0 else float("inf")
         horizon_s = self.cfg.horizon_steps * cur.iter_s
+        if remaining_samples is not None and cur.samples_per_s > 0:
+            horizon_s = min(horizon_s, remaining_samples / cur.samples_per_s)
         time_saved = horizon_s * (1.0 - cur.score / best.score) if best.score > 0 else 0.0
         cost = self.switch_cost_s(best.strategy)
         if best.strategy == self.current:
@@ -311,10 +319,7 @@ class Controller:
         elif time_saved <= cost:
             switch, reason = (
                 False,
-                (
-                    f"saves {time_saved:.1f} s over {self.cfg.horizon_steps} steps "
-                    f"<= switch cost {cost:.1f} s"
-                ),
+                f"saves {time_saved:.1f} s over {horizon_s:.1f} s <= switch cost {cost:.1f} s",
             )
         else:
             switch, reason = (

@@ -184,7 +184,8 @@ class Loop:
 
     def decide(self) -> None:
         job, ctl = self.job, self.controller
-        d = ctl.decide(job.trainer.step)
+        left = job.ctx.mapping.target_samples(self.budget_samples - job.consumed_samples)
+        d = ctl.decide(job.trainer.step, remaining_samples=left)
         target = d.best if d.switch else None
         if dist.is_initialized() and dist.get_world_size() > 1:  # one decision for all ranks
             obj = [target]
