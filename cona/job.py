@@ -342,6 +342,24 @@ class EmulatedJob(Job):
             "lr": self.trainer.scheduler.max_lr,
         }
 
+    def measure_noise_scale(self, microbatches: int = 64) -> float | None:
+        """A direct ``B_simple`` measurement (proxy sequences) at the current weights from
+        ``microbatches`` fresh micro-batches (:func:`cona.probe.measure_noise_scale`);
+        the data position, RNG and training state are left as they were."""
+        from .probe import measure_noise_scale
+
+        consumed, rng = self.consumed_samples, cstate.rng_state()
+        self.probe.detach()
+        mbs = []
+        while len(mbs) < microbatches:
+            mbs += self.sampler.next()
+        try:
+            return measure_noise_scale(self.trainer, mbs[:microbatches])
+        finally:
+            self.probe.attach(self.trainer)
+            self.sampler = self._sampler(self.topo, consumed)
+            cstate.set_rng_state(rng)
+
     # -- in-memory branching (oracle chain) ---------------------------------
     def snapshot(self) -> dict:
         """Everything needed to resume from here: model, optimizer, schedule, data, clock, GNS."""
