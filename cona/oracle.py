@@ -25,8 +25,9 @@ window.  Branch and bound keeps it affordable and exact: a node (or a window
 still running) whose cheapest elapsed time already reaches the best time to
 target found so far cannot lead to a better chain and is cut.  Constant
 chains are searched first (they are the static baselines, and give the first
-bound); the constant chain of ``unpruned`` (the throughput baseline) always
-runs to the end.  Since every static chain is in the searched set,
+bound); the constant chain of ``unpruned`` (the throughput baseline) runs on
+until ``unpruned_factor`` times the bound (its time to target, or a lower
+bound on it).  Since every static chain is in the searched set,
 ``oracle <= best static`` holds by construction.
 
 The search talks to training only through a :class:`Branch` (snapshot,
@@ -142,18 +143,20 @@ class OracleSearch:
         time_model: layouts and their clock.
         batches: the global batch options, ascending.
         boundaries: window ends in samples ``S_1 < ... < S_{D-1}``.
-        unpruned: the batch whose constant chain always runs to the end.
+        unpruned: the batch whose constant chain runs on past the bound.
+        unpruned_factor: ... until this multiple of the bound (``inf``: to the end).
     """
 
     def __init__(self, branch: Branch, time_model: TimeModel, batches: Sequence[int],
-                 boundaries: Sequence[int], *, unpruned: int | None = None):
+                 boundaries: Sequence[int], *, unpruned: int | None = None,
+                 unpruned_factor: float = math.inf):
         if list(batches) != sorted(set(batches)) or not batches:
             raise ValueError(f"batches must be ascending and distinct, got {list(batches)}")
         if list(boundaries) != sorted(set(boundaries)) or any(b <= 0 for b in boundaries):
             raise ValueError(f"boundaries must be ascending positive samples, got {boundaries}")
         self.branch, self.tm = branch, time_model
         self.batches, self.boundaries = list(batches), list(boundaries)
-        self.unpruned = unpruned
+        self.unpruned, self.unpruned_factor = unpruned, unpruned_factor
         self.best: ChainResult | None = None
         self.static: dict[int, dict] = {}
         self.windows_trained = 0
@@ -167,13 +170,15 @@ class OracleSearch:
         return self.boundaries[depth] if depth < len(self.boundaries) else None
 
     def _expand(self, parent: Node | None, batch: int, depth: int, *, cut: bool) -> Node:
-        """Train one window at ``batch`` from the branch's current state."""
+        """Train one window at ``batch`` from the branch's current state; ``cut=False``
+        (the unpruned chain) cuts at ``unpruned_factor`` times the bound instead."""
         entries = {lay: _entry(parent, lay, self.tm) for lay in self.tm.layouts(batch)}
+        factor = 1.0 if cut else self.unpruned_factor
 
-        def cheapest(steps: int) -> float:
-            return min(t + steps * self.tm.iter_s(lay) for lay, (t, _) in entries.items())
+        def stop(steps: int) -> bool:
+            cheapest = min(t + steps * self.tm.iter_s(lay) for lay, (t, _) in entries.items())
+            return cheapest >= factor * self.bound
 
-        stop = (lambda steps: cheapest(steps) >= self.bound) if cut else (lambda steps: False)
         run = self.branch.run_window(batch, self._end(depth), stop)
         self.windows_trained += 1
         steps = run.reached_step if run.reached_step is not None else run.steps
