@@ -5,7 +5,7 @@ For each timing target (GPT-3 1.3B, BERT-Large, Llama-3.2-1B) its tiny twin
 process, at sequence 64 (128 for tiny_bert); the clock comes from the cost
 model of the target at its own shape (sequence 2048, BERT 512) on 64 A100s
 (8 nodes of 8; ``cona.clock=emulated``, ``cona/emulated.py``), at target global
-batches of 64 to 2048 sequences.  Methods (``cona/baselines.py``), all from the
+batches of 64 to 1024 sequences.  Methods (``cona/baselines.py``), all from the
 same initial weights, data order, LR rule (sqrt of the global batch) and
 sample-based schedule:
 
@@ -57,16 +57,16 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 TARGET_FRACTION = 0.5
-BATCHES = [64, 128, 256, 512, 1024, 2048]  # target sequences
+BATCHES = [64, 128, 256, 512, 1024]  # target sequences
 # target preset -> proxy preset and run length (budget = iters * the preset's batch)
 MODELS = {
-    "gpt3_1.3b": {"proxy": "tiny_gpt", "iters": 500, "seq": 64},
-    "bert_large": {"proxy": "tiny_bert", "iters": 250, "seq": 128},
-    "llama3.2_1b": {"proxy": "tiny_llama", "iters": 500, "seq": 64},
+    "gpt3_1.3b": {"proxy": "tiny_gpt", "iters": 375, "seq": 64},
+    "bert_large": {"proxy": "tiny_bert", "iters": 188, "seq": 128},
+    "llama3.2_1b": {"proxy": "tiny_llama", "iters": 375, "seq": 64},
 }
-FULL = {"windows": 4, "batches": BATCHES}
-QUICK = {"windows": 3, "batches": BATCHES[:4], "models": {
-    "gpt3_1.3b": {"proxy": "tiny_gpt", "iters": 200, "seq": 64}}}
+FULL = {"windows": 3, "batches": BATCHES}
+QUICK = {"windows": 2, "batches": BATCHES[:3], "models": {
+    "gpt3_1.3b": {"proxy": "tiny_gpt", "iters": 150, "seq": 64}}}
 COMMON = [
     "cona.enabled=true",
     "cona.clock=emulated",

@@ -9,7 +9,7 @@ batch (DP/TP/PP and the micro-batch only change the modelled time), so:
   (one proxy run per distinct global batch, timed at its fastest layout);
 - **static_throughput**: the candidate with the highest modelled tokens/s (what
   an offline planner that ignores statistical efficiency picks), run to the
-  target, the budget, or 3x the best static time (then its clock there is a
+  target, the budget, or 2x the best static time (then its clock there is a
   lower bound on its time to target);
 - **static_oracle**: the best time to target over all static candidates;
 - **oracle_chain**: the best chain of the search (every static chain is one of
@@ -140,7 +140,7 @@ def run_search(ctx: ConaContext, boundaries: list[int]) -> dict:
     time_model = ClusterTime(ctx)
     batches = sorted(time_model._by_batch)
     search = OracleSearch(ProxyBranch(ctx, job, loop), time_model, batches, boundaries,
-                          unpruned=fastest.global_batch_size, unpruned_factor=3.0)
+                          unpruned=fastest.global_batch_size, unpruned_factor=2.0)
     best = search.run()
 
     def record(chain) -> dict:
