@@ -193,6 +193,8 @@ def bench_model(target: str, spec: dict, settings: dict, cache_dir: str | None,
         with open(d / "cona_metrics.jsonl", "w") as f:
             for rec in loop.progress.records:
                 f.write(json.dumps(rec, default=float) + "\n")
+        # this family's result as soon as it is done (the whole report comes at the end)
+        (d / "result.json").write_text(json.dumps(result, indent=2, default=float) + "\n")
         from bench.cona_plot import plot_family
 
         plot_family(target, result, d / "ppl_vs_time.png")
