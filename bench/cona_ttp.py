@@ -1,62 +1,77 @@
-"""CONA benchmark: time to target perplexity on an emulated 8x A100 node.
+"""CONA benchmark: time to target perplexity on an emulated 64x A100 cluster.
 
 For each timing target (GPT-3 1.3B, BERT-Large, Llama-3.2-1B) its tiny twin
 (tiny_gpt, tiny_bert, tiny_llama) really trains on the bundled corpus in one
-process, while the clock comes from the cost model of the target on 8 A100s
-(``cona.clock=emulated``, see ``cona/emulated.py``).  Four methods, all from
-the same initial weights, data order, LR rule (sqrt of the global batch) and
-sample-based schedule (``cona/baselines.py``):
+process, at sequence 64 (128 for tiny_bert); the clock comes from the cost
+model of the target at its own shape (sequence 2048, BERT 512) on 64 A100s
+(8 nodes of 8; ``cona.clock=emulated``, ``cona/emulated.py``), at target global
+batches of 64 to 1024 sequences.  Methods (``cona/baselines.py``), all from the
+same initial weights, data order, LR rule (sqrt of the global batch) and
+sample-based schedule:
 
 - ``static_throughput``: the candidate with the highest modelled tokens/s;
 - ``static_oracle``: the best TTP over all static candidates;
 - ``cona``: the online controller (starts at the fastest layout of the
-  preset's global batch, decides every K steps);
-- ``oracle_chain``: per decision window, the best of all global batches
-  tried from the same in-memory state.
+  smallest batch, decides every K steps);
+- ``oracle_chain``: exact branch-and-bound search over chains on a window grid
+  (``cona/oracle.py``); asserted ``<= static_oracle``.
 
-Candidates: every valid (DP, TP, PP, micro-batch) layout on 8 GPUs that fits
-80 GB, with global batches of the preset's times 1, 2, 4, 8 (in sequences of
-the proxy's length, 64 tokens).  Each run stops at the target perplexity.
+Rules fixed before any method runs (per family):
+
+1. **Reference and target.** The reference is the proxy at its preset global
+   batch ``B_ref`` (where its LR is tuned) with the run's schedule; the target
+   perplexity is its validation perplexity after ``TARGET_FRACTION`` of the
+   budget (``train.iters * B_ref`` samples).  Runs stop at the target or at
+   the budget.
+2. **Proxy -> target batches.** ``cona.batch_ratio`` by
+   :func:`cona.mapping.calibrate_ratio` from the reference's noise scale at
+   that point (the one rule, in ``cona/mapping.py``, with its sources).
+3. **Oracle grid.** Window ends at 1/D, ..., (D-1)/D of the reference's samples
+   to target.
 
 Usage::
 
-    python bench/cona_ttp.py --quick          # tiny_gpt / GPT-3 1.3B only
-    python bench/cona_ttp.py --out runs/cona_ttp   # all three models (long)
-    python bench/cona_ttp.py --models gpt3_1.3b    # one of them
+    python bench/cona_ttp.py --quick              # tiny_gpt / GPT-3 1.3B, CI-sized
+    python bench/cona_ttp.py --out runs/cona_ttp  # all three families (long)
+    python bench/cona_ttp.py --models bert_large --jobs 1
 
 Prints one JSON object: ``{"clock": "emulated", "models": {NAME: {"target_ppl",
-"methods": {METHOD: {"ttp_s", "final_val_ppl", "switches", "chain"}}}}}``.
+"ratios", "gns_growth", "methods": {METHOD: {"ttp_s", "chain", "switch_times_s",
+"evals", ...}}}}}``; with ``--out`` also a plot per family (perplexity against
+emulated time, switches marked, noise scale beneath; ``bench/cona_plot.py``).
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures as cf
+import copy
 import json
 import logging
+import multiprocessing as mp
+import os
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-# target preset -> proxy preset and run settings.  The target perplexity is what the
-# fastest layout of the preset's global batch (the reference) reaches after
-# ``target_samples`` training samples (a measured calibration run, independent of
-# CONA); ``iters * B_ref`` samples is every run's budget and LR-decay horizon.
+TARGET_FRACTION = 0.5
+BATCHES = [64, 128, 256, 512, 1024]  # target sequences
+# target preset -> proxy preset and run length (budget = iters * the preset's batch)
 MODELS = {
-    "gpt3_1.3b": {"proxy": "tiny_gpt", "target_samples": 2400, "iters": 1200},
-    "bert_large": {"proxy": "tiny_bert", "target_samples": 4800, "iters": 1200},
-    "llama3.2_1b": {"proxy": "tiny_llama", "target_samples": 2400, "iters": 1200},
+    "gpt3_1.3b": {"proxy": "tiny_gpt", "iters": 375, "seq": 64},
+    "bert_large": {"proxy": "tiny_bert", "iters": 188, "seq": 128},
+    "llama3.2_1b": {"proxy": "tiny_llama", "iters": 375, "seq": 64},
 }
-# --quick: GPT-3 1.3B / tiny_gpt only, to an early, fixed target (measured: the
-# reference reaches it after ~830 samples), so it fits 10 minutes on 2 shared cores.
-QUICK = {"gpt3_1.3b": {"proxy": "tiny_gpt", "target_ppl": 850.0, "iters": 800}}
+FULL = {"windows": 3, "batches": BATCHES}
+QUICK = {"windows": 2, "batches": BATCHES[:3], "models": {
+    "gpt3_1.3b": {"proxy": "tiny_gpt", "iters": 150, "seq": 64}}}
 COMMON = [
-    "model.seq_length=64",
     "cona.enabled=true",
     "cona.clock=emulated",
     "cona.gpu=A100-80GB",
-    "cona.num_gpus=8",
+    "cona.num_gpus=64",
     "cona.decision_interval=10",
     "train.eval_interval=8",
     "train.eval_iters=4",
@@ -66,105 +81,218 @@ COMMON = [
 ]
 
 
-def reference_ppl(cfg, samples: int) -> float:
-    """Validation perplexity of the reference strategy after ``samples`` training samples."""
-    from cona.run import Loop, setup
+def reference(cfg):
+    """Rules 1 and 2: the reference run's target perplexity and its noise scale, measured
+    directly (``Job.measure_noise_scale``, 64 micro-batches, no effect on the run) at
+    the first decision point and at the target point."""
+    from cona.context import build_context
+    from cona.run import Loop
 
-    s = setup(cfg)
-    loop = Loop(s.job, cfg, budget_samples=samples, eval_samples=samples)
-    loop.run()  # evaluates at the last step
-    return round(loop.progress.last_val_ppl, 1)
+    ref_cfg = copy.deepcopy(cfg)
+    ref_cfg.cona.global_batch_sizes = [cfg.parallel.global_batch_size]
+    ref_cfg.cona.batch_ratio = 1.0
+    ref_cfg.train.target_ppl = None
+    big = max(BATCHES)  # the later context's largest proxy batch is at most this
+    ctx = build_context(ref_cfg, min_train_samples=ctx_budget(cfg) + big)
+    job = ctx.make_job()
+    samples = int(TARGET_FRACTION * ctx.budget_samples)
+    loop = Loop(job, ref_cfg, budget_samples=samples, eval_samples=ctx.eval_samples,
+                keep_records=False)
+    loop.run(until=lambda: job.trainer.step >= cfg.cona.decision_interval)
+    first = job.measure_noise_scale()
+    loop.run()
+    phi = job.measure_noise_scale()
+    return {
+        "target_ppl": round(loop.progress.last_val_ppl, 2),
+        "noise_scale_proxy": phi,
+        "noise_scale_first_decision_proxy": first,
+        "samples": job.consumed_samples,
+    }, ctx.data
 
 
-def bench_model(target: str, spec: dict, cache_dir: str | None, out: Path | None) -> dict:
-    from cona.baselines import run_cona, run_oracle_chain, run_static
+def ctx_budget(cfg) -> int:
+    return max(cfg.train.iters, 1) * cfg.parallel.global_batch_size
+
+
+def bench_model(target: str, spec: dict, settings: dict, cache_dir: str | None,
+                out: str | None, threads: int) -> dict:
+    import torch
+
+    torch.set_num_threads(threads)
+    from jobruntime.logging_utils import setup_logging
+
+    setup_logging(logging.INFO)
+    logging.basicConfig(level=logging.INFO, force=True,
+                        format=f"[%(asctime)s {spec['proxy']}] %(name)s: %(message)s",
+                        datefmt="%H:%M:%S")
+    logging.getLogger("jobruntime").setLevel(logging.WARNING)
+    log = logging.getLogger("cona")
+    from cona.baselines import run_cona, run_search
+    from cona.context import build_context
+    from cona.grad_stats import noise_scale_growth as growth
+    from cona.mapping import PUBLISHED_BATCH, calibrate_ratio
     from jobruntime.config import load_config
 
-    overrides = [*COMMON, f"cona.target_model={target}", f"train.iters={spec['iters']}"]
+    overrides = [*COMMON, f"cona.target_model={target}", f"train.iters={spec['iters']}",
+                 f"model.seq_length={spec['seq']}"]
     if cache_dir:
         overrides.append(f"data.cache_dir={cache_dir}")
     cfg = load_config(spec["proxy"], overrides)
-    t0 = time.perf_counter()
-    if spec.get("target_ppl") is None:
-        cfg.train.target_ppl = reference_ppl(cfg, spec["target_samples"])
-    else:
-        cfg.train.target_ppl = spec["target_ppl"]
-    static = run_static(cfg)
+    t0, c0 = time.perf_counter(), time.process_time()
+    ref, data = reference(cfg)
+    ratio = calibrate_ratio(ref["noise_scale_proxy"], target)
+    log.info("reference: target ppl %.1f after %d samples, noise scale %.1f proxy seq. -> "
+             "batch ratio %d", ref["target_ppl"], ref["samples"], ref["noise_scale_proxy"], ratio)
+    cfg.cona.batch_ratio = float(ratio)
+    cfg.cona.global_batch_sizes = [b for b in settings["batches"] if b % ratio == 0]
+    cfg.train.target_ppl = ref["target_ppl"]
+    ctx = build_context(cfg, data=data)
+    D = settings["windows"]
+    boundaries = [round(ref["samples"] * k / D) for k in range(1, D)]
     t1 = time.perf_counter()
-    cona, loop = run_cona(cfg)
+    search = run_search(ctx, boundaries)
     t2 = time.perf_counter()
-    chain = run_oracle_chain(cfg)
+    log.info("static + oracle search done in %.0f s: %s", t2 - t1, search["search"])
+    cona, loop = run_cona(ctx)
     t3 = time.perf_counter()
-    methods = {
-        "static_throughput": static["static_throughput"],
-        "static_oracle": static["static_oracle"],
-        "cona": cona,
-        "oracle_chain": chain,
-    }
+    methods = {k: search[k] for k in ("static_throughput", "static_oracle", "oracle_chain")}
+    methods["cona"] = cona
+    so, oc = methods["static_oracle"], methods["oracle_chain"]
+    if so is not None and oc["ttp_s"] is not None:
+        assert oc["ttp_s"] <= so["ttp_s"] * (1 + 1e-12), "oracle_chain slower than static_oracle"
+    decided = [d["noise_scale"] for d in cona["decisions"]]
     result = {
         "proxy": spec["proxy"],
         "target_ppl": cfg.train.target_ppl,
+        "rule": {"target_fraction": TARGET_FRACTION, "budget_samples": ctx.budget_samples,
+                 "reference_batch_proxy": cfg.parallel.global_batch_size,
+                 "reference_samples_to_target": ref["samples"]},
+        "mapping": {"ratio": ratio, "noise_scale_ref_proxy": ref["noise_scale_proxy"],
+                    "published_batch": PUBLISHED_BATCH[target][0],
+                    "source": PUBLISHED_BATCH[target][1],
+                    "proxy_seq": ctx.mapping.proxy_seq, "target_seq": ctx.mapping.target_seq},
+        "candidates": len(ctx.candidates),
+        "batches": sorted({c.global_batch_size for c in ctx.candidates}),
+        "gns_growth": {"cona_first_to_last_decision": growth(decided),
+                       "cona_first_decision": next((v for v in decided if v), None),
+                       "cona_last_decision": next((v for v in reversed(decided) if v), None),
+                       "reference_direct": ref["noise_scale_proxy"]
+                       / ref["noise_scale_first_decision_proxy"]
+                       if ref["noise_scale_first_decision_proxy"] else None},
+        "ratios": ratios(methods),
+        "pollux_model": pollux_model(ctx, ref),
         "methods": methods,
-        "wall_s": {"static": t1 - t0, "cona": t2 - t1, "oracle_chain": t3 - t2},
+        "per_batch": search["per_batch"],
+        "search": search["search"],
+        "wall_s": {"reference": t1 - t0, "static_and_oracle": t2 - t1, "cona": t3 - t2},
+        # CPU seconds of this process: the wall time on an idle core (the machine is shared)
+        "cpu_s": time.process_time() - c0,
     }
     if out is not None:
-        d = out / target
+        d = Path(out) / target
         d.mkdir(parents=True, exist_ok=True)
-        (d / "static_per_batch.json").write_text(json.dumps(static["per_batch"], indent=2))
         with open(d / "cona_metrics.jsonl", "w") as f:
             for rec in loop.progress.records:
                 f.write(json.dumps(rec, default=float) + "\n")
+        # this family's result as soon as it is done (the whole report comes at the end)
+        (d / "result.json").write_text(json.dumps(result, indent=2, default=float) + "\n")
+        from bench.cona_plot import plot_family
+
+        plot_family(target, result, d / "ppl_vs_time.png")
     return result
+
+
+def pollux_model(ctx, ref: dict, steps: int = 2000) -> dict:
+    """What chaining could gain at most *in the model* the controller uses: Pollux's
+    efficiency (Qiao et al. OSDI'21, eq. 5) with the noise scale growing log-linearly in
+    progress between the reference's two direct measurements, the emulated cluster's
+    fastest layout per batch, no switch costs.  Returns the best static batch and the
+    ideal chain's speed-up over it (a model estimate, not a measurement)."""
+    from cona.baselines import fastest_per_batch
+    from cona.surrogate import statistical_efficiency
+
+    phi0, phi1 = ref["noise_scale_first_decision_proxy"], ref["noise_scale_proxy"]
+    if not phi0 or not phi1:
+        return {}
+    r, m0 = ctx.mapping.ratio, ctx.reference_batch
+    speed = {b: b / ctx.cluster.iter_s(s)
+             for b, s in fastest_per_batch(ctx.candidates, ctx.cluster.iter_s).items()}
+    static = dict.fromkeys(speed, 0.0)
+    ideal = 0.0
+    for i in range(steps):  # progress in reference-batch target samples, midpoint rule
+        phi = r * phi0 * (phi1 / phi0) ** ((i + 0.5) / steps)
+        rate = {b: x * statistical_efficiency(b, phi, m0) for b, x in speed.items()}
+        for b in static:
+            static[b] += 1.0 / rate[b]
+        ideal += 1.0 / max(rate.values())
+    best = min(static, key=static.get)
+    return {"best_static_batch": best, "ideal_chain_over_best_static": static[best] / ideal,
+            "noise_scale_range_target": [r * phi0, r * phi1]}
+
+
+def ratios(methods: dict) -> dict:
+    """TTP ratios against CONA (> 1: CONA faster); a baseline that never reached the
+    target gives a lower bound from its clock at the budget's end."""
+    c = methods["cona"]["ttp_s"]
+    out = {}
+    for name in ("static_oracle", "oracle_chain", "static_throughput"):
+        m = methods.get(name) or {}
+        t = m.get("ttp_s")
+        if c is None:
+            out[f"{name}_over_cona"] = None
+        elif t is not None:
+            out[f"{name}_over_cona"] = t / c
+        elif m.get("ttp_lower_bound_s") is not None:
+            out[f"{name}_over_cona_at_least"] = m["ttp_lower_bound_s"] / c
+    return out
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--quick", action="store_true", help="GPT-3 1.3B / tiny_gpt only")
-    p.add_argument(
-        "--models",
-        nargs="*",
-        default=None,
-        choices=sorted(MODELS),
-        help="subset of the full benchmark's models",
-    )
-    p.add_argument("--out", type=Path, default=None, help="folder for the JSON and run details")
+    p.add_argument("--quick", action="store_true", help="GPT-3 1.3B / tiny_gpt, short, CI-sized")
+    p.add_argument("--models", nargs="*", default=None, choices=sorted(MODELS),
+                   help="subset of the full benchmark's families")
+    p.add_argument("--out", type=Path, default=None, help="folder for JSON, metrics, plots")
     p.add_argument("--cache-dir", default=None, help="tokenizer/dataset cache (data.cache_dir)")
-    p.add_argument(
-        "--threads",
-        type=int,
-        default=1,
-        help="torch threads (default 1: on a shared machine, OpenMP threads that "
-        "oversubscribe the cores slow every step down many times)",
-    )
+    p.add_argument("--jobs", type=int, default=2,
+                   help="families run in parallel processes (default 2: one per core)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads per process (default 1: OpenMP threads that "
+                   "oversubscribe shared cores slow every step down many times)")
     args = p.parse_args(argv)
-    import torch
-
-    torch.set_num_threads(args.threads)
-    from jobruntime.logging_utils import setup_logging
-
-    setup_logging(logging.INFO)
-    logging.getLogger("jobruntime").setLevel(logging.WARNING)
-    models = (
-        QUICK
-        if args.quick
-        else {k: v for k, v in MODELS.items() if args.models is None or k in args.models}
-    )
-    report = {"clock": "emulated", "gpu": "A100-80GB", "num_gpus": 8, "models": {}}
+    if args.jobs < 1 or args.threads < 1:
+        p.error("--jobs and --threads must be >= 1")
+    settings = QUICK if args.quick else FULL
+    models = settings.get("models") or {
+        k: v for k, v in MODELS.items() if args.models is None or k in args.models}
+    report = {"clock": "emulated", "gpu": "A100-80GB", "num_gpus": 64, "models": {}}
     t0 = time.perf_counter()
-    for name, spec in models.items():
-        report["models"][name] = bench_model(name, spec, args.cache_dir, args.out)
+    out = str(args.out) if args.out is not None else None
+    if args.jobs == 1:  # in this process (easier to debug)
+        for name, spec in models.items():
+            report["models"][name] = bench_model(name, spec, settings, args.cache_dir, out,
+                                                 args.threads)
+    else:
+        _parallel(report, models, settings, args, out)
     report["wall_s"] = time.perf_counter() - t0
+    report["load_average_1min_at_end"] = os.getloadavg()[0]
     text = json.dumps(report, indent=2, default=float)
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "cona_ttp.json").write_text(text + "\n")
     print(text)
-    from jobruntime.parallel import shutdown
-
-    shutdown()
     return 0
+
+
+def _parallel(report, models, settings, args, out) -> None:
+    with cf.ProcessPoolExecutor(max_workers=min(args.jobs, len(models)),
+                                mp_context=mp.get_context("spawn")) as pool:
+        futures = {name: pool.submit(bench_model, name, spec, settings, args.cache_dir, out,
+                                     args.threads) for name, spec in models.items()}
+        for name, fut in futures.items():
+            report["models"][name] = fut.result()
 
 
 if __name__ == "__main__":

@@ -4,14 +4,17 @@ Pure logic (no process groups): :mod:`cona.strategy` (layouts),
 :mod:`cona.memory_model` (per-device bytes), :mod:`cona.cost_model`
 (iteration time, calibration), :mod:`cona.grad_stats` (gradient noise scale),
 :mod:`cona.surrogate` (Pollux goodput), :mod:`cona.controller` (when to switch),
-:mod:`cona.emulated` (candidates, emulated clock).
+:mod:`cona.candidates` (the candidate set), :mod:`cona.mapping` (the one
+proxy-to-target rule), :mod:`cona.emulated` (the emulated cluster's clock),
+:mod:`cona.oracle` (exact search over chains).
 
-Runtime (megatron-core, imported on use): :mod:`cona.state` (sample-based LR
-schedule, named optimizer state, snapshots), :mod:`cona.probe` (GNS from the
-training step), :mod:`cona.switch` (rebuild groups, reshard weights and
-optimizer state in memory), :mod:`cona.job` (real / emulated job),
-:mod:`cona.run` (``run(cfg, run_dir)``, the loop ``train.py`` calls) and
-:mod:`cona.baselines` (static and oracle-chain baselines of ``bench/cona_ttp.py``).
+Runtime (megatron-core, imported on use): :mod:`cona.context` (decides the
+clock once and builds a run), :mod:`cona.state` (sample-based LR schedule,
+named optimizer state, snapshots), :mod:`cona.probe` (GNS from the training
+step), :mod:`cona.switch` (rebuild groups, reshard weights and optimizer state
+in memory), :mod:`cona.job` (real / emulated job), :mod:`cona.run`
+(``run(cfg, run_dir)``, the loop ``train.py`` calls) and :mod:`cona.baselines`
+(CONA, static and oracle-chain runs of ``bench/cona_ttp.py``).
 """
 
 from .controller import (

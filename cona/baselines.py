@@ -1,27 +1,20 @@
-"""Baselines for CONA in emulated mode (one process): static strategies and the oracle chain.
+"""CONA and its baselines in emulated mode: static strategies and the oracle chain.
 
 All methods start from the same initial model, see the same data order and
-use the same LR rule and sample-based schedule; only the clock differs by
-strategy (:class:`cona.emulated.EmulatedCluster`).  In emulated mode the
-proxy's trajectory depends only on the global batch size (DP/TP/PP and the
-micro-batch only change the modelled time), which the baselines use:
+use the same LR rule and sample-based schedule; only the chain of strategies
+differs.  In emulated mode the proxy's trajectory depends only on the global
+batch (DP/TP/PP and the micro-batch only change the modelled time), so:
 
-- **static runs**: one proxy run per distinct global batch ``B`` (at the
-  fastest candidate with that ``B``).  A candidate ``c`` with batch ``B``
-  then reaches the target at step ``n_B``, i.e. at ``n_B * iter_s(c)``
-  seconds: every static candidate's TTP is known exactly.
-- **static_throughput**: the candidate with the highest tokens/s (what an
-  offline planner that ignores statistical efficiency picks).
-- **static_oracle**: the candidate with the best TTP (trying each static
-  candidate).
-- **oracle_chain**: at each decision window, branch from the same in-memory
-  state (model, optimizer, schedule, data position, GNS, clock) into every
-  global batch (each at the candidate that trains most steps in the window,
-  switch cost included), run every branch for the same clock time
-  ``T_w = K * iter_s(start)``, and keep the branch with the best perplexity
-  progress per second (``(ppl_before - ppl_after) / seconds``); a branch that
-  reaches the target wins by its TTP.  Equal-time windows keep short branches
-  from looking better merely because perplexity falls fastest early.
+- **static** strategies are the constant chains of :class:`cona.oracle.OracleSearch`
+  (one proxy run per distinct global batch, timed at its fastest layout);
+- **static_throughput**: the candidate with the highest modelled tokens/s (what
+  an offline planner that ignores statistical efficiency picks), run to the
+  target, the budget, or 2x the best static time (then its clock there is a
+  lower bound on its time to target);
+- **static_oracle**: the best time to target over all static candidates;
+- **oracle_chain**: the best chain of the search (every static chain is one of
+  its chains, so ``oracle_chain <= static_oracle``);
+- **cona**: the online controller (:func:`run_cona`).
 """
 
 from __future__ import annotations
@@ -29,44 +22,46 @@ from __future__ import annotations
 import copy
 import logging
 
-from jobruntime.config import JobConfig
-from jobruntime.metrics import perplexity
-
+from .context import ConaContext
 from .controller import best_throughput_strategy
-from .run import Loop, emulated_plan, setup
+from .job import EmulatedJob
+from .oracle import OracleSearch, WindowRun
+from .run import Loop
 from .strategy import Strategy
 
 log = logging.getLogger("cona")
 
 
 def method_result(loop: Loop) -> dict:
-    """The benchmark's record of one method: ``ttp_s``, ``final_val_ppl``, ``switches``, ``chain``."""
+    """A method's record: ``ttp_s``, ``final_val_ppl``, ``switches``, ``chain`` with switch
+    times, the ``evals`` trace (perplexity and noise scale over time)."""
     p = loop.progress
     return {
         "ttp_s": p.ttp.ttp_s,
         "final_val_ppl": p.last_val_ppl,
         "switches": len(p.switches),
         "chain": p.chain,
+        "switch_times_s": [s["time_s"] for s in p.switches],
         "ttp_step": p.ttp.ttp_step,
         "samples": loop.job.consumed_samples,
         "clock_s": loop.job.clock_s,
+        "evals": p.evals,
     }
 
 
-def run_cona(cfg: JobConfig) -> tuple[dict, Loop]:
-    """CONA itself (emulated), records buffered in the loop."""
-    s = setup(cfg)
-    loop = Loop(
-        s.job,
-        cfg,
-        controller=s.controller,
-        budget_samples=s.budget_samples,
-        eval_samples=s.eval_samples,
-    )
+def run_cona(ctx: ConaContext) -> tuple[dict, Loop]:
+    """CONA itself, records buffered in the loop (``loop.progress.records``)."""
+    job = ctx.make_job()
+    controller = ctx.make_controller(job)
+    loop = Loop(job, ctx.cfg, controller=controller, budget_samples=ctx.budget_samples,
+                eval_samples=ctx.eval_samples)
     loop.run()
     loop.finish()
     out = method_result(loop)
-    out["decisions"] = len(s.controller.decisions)
+    out["decisions"] = [
+        {k: d[k] for k in ("step", "current", "best", "switch", "reason", "noise_scale")}
+        for d in controller.decisions
+    ]
     return out, loop
 
 
@@ -80,120 +75,97 @@ def fastest_per_batch(candidates: list[Strategy], iter_s) -> dict[int, Strategy]
     return dict(sorted(best.items()))
 
 
-def run_static(cfg: JobConfig) -> dict:
-    """Static runs per global batch; returns ``static_throughput``, ``static_oracle``, ``per_batch``.
+class ProxyBranch:
+    """:class:`cona.oracle.Branch` over an emulated job: windows trained for real,
+    states snapshot and restored in memory (the oracle computes the clock itself)."""
 
-    Runs go in increasing global batch.  A run other than the throughput
-    candidate's stops early ("pruned") once its clock passes the best TTP
-    found so far without reaching the target: no candidate with that batch
-    can then be the oracle (they all share its step count and none is faster
-    than the fastest one it ran with), so this changes no result.
+    def __init__(self, ctx: ConaContext, job: EmulatedJob, loop: Loop):
+        self.ctx, self.job, self.loop = ctx, job, loop
+        self.per_batch = fastest_per_batch(ctx.candidates, ctx.cluster.iter_s)
+
+    def snapshot(self):
+        return self.job.snapshot(), copy.deepcopy(self.loop.progress)
+
+    def restore(self, snap) -> None:
+        self.job.restore(snap[0])
+        self.loop.progress = copy.deepcopy(snap[1])
+
+    def run_window(self, batch, end_samples, stop) -> WindowRun:
+        job, loop = self.job, self.loop
+        job.set_strategy(self.per_batch[batch])
+        first_eval, steps = len(loop.progress.evals), 0
+        while not loop.done and not (end_samples is not None and job.consumed_samples >= end_samples):
+            if stop(steps):
+                return WindowRun(steps, stopped=True)
+            loop.step()
+            steps += 1
+            if loop.progress.ttp.reached:
+                return WindowRun(steps, steps, evals=copy.deepcopy(loop.progress.evals[first_eval:]))
+        return WindowRun(steps, evals=copy.deepcopy(loop.progress.evals[first_eval:]))
+
+
+class ClusterTime:
+    """:class:`cona.oracle.TimeModel` of the emulated cluster over the candidates."""
+
+    def __init__(self, ctx: ConaContext):
+        self.cluster = ctx.cluster
+        self._by_batch: dict[int, list[Strategy]] = {}
+        for c in ctx.candidates:
+            self._by_batch.setdefault(c.global_batch_size, []).append(c)
+
+    def layouts(self, batch: int) -> list[Strategy]:
+        return self._by_batch[batch]
+
+    def iter_s(self, layout: Strategy) -> float:
+        return self.cluster.iter_s(layout)
+
+    def switch_s(self, old: Strategy, new: Strategy) -> float:
+        return self.cluster.switch_s(old, new)
+
+
+def run_search(ctx: ConaContext, boundaries: list[int]) -> dict:
+    """Static baselines and the oracle chain from one search (module docstring).
+
+    Args:
+        boundaries: the oracle's window ends, in proxy samples.
+
+    Returns:
+        ``{"static_throughput", "static_oracle", "oracle_chain": method records,
+        "per_batch": {batch: {ttp_s, cut}}, "search": counters}``.
     """
-    cluster, cands = emulated_plan(cfg)
-    per_gb = fastest_per_batch(cands, cluster.iter_s)
-    fastest = best_throughput_strategy(cands, cluster.cost_model)
-    runs, best_ttp, data = {}, None, None
-    for gb, strategy in per_gb.items():
-        s = setup(cfg, start=strategy, data=data)
-        data = s.job.data
-        loop = Loop(s.job, cfg, budget_samples=s.budget_samples, eval_samples=s.eval_samples)
-        limit = best_ttp if gb != fastest.global_batch_size else None
-        loop.run(until=lambda job=s.job, limit=limit: limit is not None and job.clock_s > limit)
-        pruned = not loop.progress.ttp.reached and not loop.done
-        if not pruned:
-            loop.finish()
-        p = loop.progress
-        if p.ttp.reached:
-            best_ttp = min(best_ttp or p.ttp.ttp_s, p.ttp.ttp_s)
-        runs[gb] = {
-            "strategy": strategy.label,
-            "ttp_step": p.ttp.ttp_step,
-            "pruned": pruned,
-            "final_val_ppl": p.last_val_ppl,
-            "samples": s.job.consumed_samples,
-            "steps": s.job.trainer.step,
-            "clock_s": s.job.clock_s,
-        }
-        log.info(
-            "static gb=%d (%s): ttp_step %s%s, last ppl %.1f",
-            gb,
-            strategy.label,
-            p.ttp.ttp_step,
-            " (pruned)" if pruned else "",
-            p.last_val_ppl or float("nan"),
-        )
+    job = ctx.make_job(min(ctx.candidates, key=lambda s: s.global_batch_size))
+    loop = Loop(job, ctx.cfg, budget_samples=ctx.budget_samples, eval_samples=ctx.eval_samples,
+                keep_records=False)
+    fastest = best_throughput_strategy(ctx.candidates, ctx.cost_model)
+    time_model = ClusterTime(ctx)
+    batches = sorted(time_model._by_batch)
+    search = OracleSearch(ProxyBranch(ctx, job, loop), time_model, batches, boundaries,
+                          unpruned=fastest.global_batch_size, unpruned_factor=2.0)
+    best = search.run()
 
-    def result(c: Strategy) -> dict:
-        r = runs[c.global_batch_size]
-        ttp = r["ttp_step"] * cluster.iter_s(c) if r["ttp_step"] is not None else None
-        return {
-            "ttp_s": ttp,
-            "final_val_ppl": r["final_val_ppl"],
-            "switches": 0,
-            "chain": [{"strategy": c.label, "start_step": 0}],
-            "ttp_step": r["ttp_step"],
-        }
+    def record(chain) -> dict:
+        if chain is None:
+            return {"ttp_s": None, "chain": [], "switches": 0, "evals": []}
+        d = chain.to_dict(label=lambda s: s.label)
+        d.update(switches=len(d["chain"]) - 1, evals=chain.evals,
+                 switch_times_s=chain.switch_times_s[1:])
+        return d
 
-    reached = [c for c in cands if runs[c.global_batch_size]["ttp_step"] is not None]
-    oracle = min(reached, key=lambda c: (result(c)["ttp_s"], c.label)) if reached else fastest
+    per_batch = {b: {"ttp_s": v["ttp_s"], "cut": v.get("cut", False)}
+                 for b, v in search.static.items()}
+    reached = {b: v for b, v in search.static.items() if v["ttp_s"] is not None}
+    thr = search.static[fastest.global_batch_size]
+    if thr["ttp_s"] is None:  # not reached within the budget: its clock there bounds its TTP
+        throughput = {"ttp_s": None, "chain": [{"strategy": fastest.label, "start_step": 0}],
+                      "switches": 0, "ttp_lower_bound_s": thr.get("clock_s"), "evals": thr["evals"]}
+    else:
+        throughput = record(thr["chain"])
+    oracle = record(min(reached.values(), key=lambda v: v["ttp_s"])["chain"]) if reached else None
     return {
-        "static_throughput": result(fastest),
-        "static_oracle": result(oracle),
-        "per_batch": runs,
+        "static_throughput": throughput,
+        "static_oracle": oracle,
+        "oracle_chain": record(best),
+        "per_batch": per_batch,
+        "search": {"boundaries": boundaries, "windows_trained": search.windows_trained,
+                   "nodes_cut": search.nodes_cut},
     }
-
-
-def run_oracle_chain(cfg: JobConfig) -> dict:
-    """The greedy per-window best sequence (module docstring)."""
-    s = setup(cfg)
-    job, cluster = s.job, s.cluster
-    loop = Loop(job, cfg, budget_samples=s.budget_samples, eval_samples=s.eval_samples)
-    window_s = cfg.cona.decision_interval * cluster.iter_s(job.strategy)
-    gbs = sorted({c.global_batch_size for c in s.candidates})
-    windows, ppl0 = [], None
-    while not loop.done:
-        base, base_progress = job.snapshot(), copy.deepcopy(loop.progress)
-        if ppl0 is None:
-            ppl0 = perplexity(job.evaluate())
-        best, rates = None, {}
-        for gb in gbs:
-            job.restore(base)
-            loop.progress = copy.deepcopy(base_progress)
-            cur, t0 = job.strategy, job.clock_s
-            same_b = [c for c in s.candidates if c.global_batch_size == gb]
-            cand = max(
-                same_b,
-                key=lambda c: ((window_s - cluster.switch_s(cur, c)) / cluster.iter_s(c), c.label),
-            )
-            rec = job.apply(cand)
-            if rec is not None:
-                rec.update(event="switch", step=job.trainer.step, time_s=job.clock_s)
-                loop.progress.switches.append(rec)
-                loop.progress.chain.append({"strategy": cand.label, "start_step": job.trainer.step})
-            end = t0 + window_s
-            loop.step()  # at least one step, even if the switch ate the window
-            loop.run(until=lambda end=end: job.clock_s >= end - 1e-9)
-            ttp = loop.progress.ttp.ttp_s
-            ppl1 = perplexity(job.evaluate())
-            if ttp is not None:
-                key = (1, -ttp)  # reached the target: earliest wins
-            else:
-                key = (0, (ppl0 - ppl1) / (job.clock_s - t0))
-            rates[gb] = key[1] if key[0] == 0 else f"ttp {ttp:.2f}"
-            if best is None or key > best[0]:
-                best = (key, job.snapshot(), copy.deepcopy(loop.progress), ppl1)
-        job.restore(best[1])
-        loop.progress, ppl0 = best[2], best[3]
-        windows.append(
-            {
-                "step": base["trainer"]["step"],
-                "ppl_after": ppl0,
-                "rates": rates,
-                "kept": job.strategy.global_batch_size,
-            }
-        )
-    loop.finish()
-    out = method_result(loop)
-    out["windows"] = len(windows)
-    out["window_log"] = windows
-    return out

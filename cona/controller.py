@@ -9,17 +9,24 @@ Decision rule at a decision step (every ``cfg.decision_interval`` steps):
    considered (their efficiencies are equal, so throughput alone is safe).
 2. ``gain = score_best / score_current - 1``; no switch if ``gain < min_gain``.
 3. Repay test: over a horizon of ``T = horizon_steps * iter_s(current)``
-   seconds, the best strategy makes the current one's progress ``r_c T`` in
-   ``T r_c / r_b`` seconds, saving ``T (1 - r_c/r_b)``.  Switch only if that
-   exceeds the expected switch cost ``C``.
+   seconds (at most the time the rest of the budget takes at the current
+   rate, when the caller knows it), the best strategy makes the current one's
+   progress ``r_c T`` in ``T r_c / r_b`` seconds, saving ``T (1 - r_c/r_b)``.
+   Switch only if that exceeds the expected switch cost ``C``.
 
-Switch cost ``C`` (seconds) is a running mean of measured switches, kept
-separately for *layout* switches (dp, tp or pp change: rebuild process groups,
-reshard weights and optimizer state) and *batch* switches (same layout, new
-micro/global batch: no resharding).  Before any measurement the priors are
-used: 30 s for a layout switch (an assumption, about a group rebuild plus an
-in-memory reshard of a ~1B model; replaced by the first measurement) and 1 s
-for a batch switch.
+Switch cost ``C`` (seconds), what the switch is charged on the clock:
+
+- emulated clock: ``switch_cost_model(current, best)``, the emulated cluster's
+  modelled cost, which is exactly what the clock is then charged;
+- real clock: a running mean of measured switches (the wall time of the
+  whole switch), kept separately for *layout* switches (dp, tp or pp change:
+  rebuild process groups, reshard weights and optimizer state) and *batch*
+  switches (same layout, new micro/global batch: no resharding).  Before the
+  first switch of a kind the job's start-up measurements are used
+  (``switch_cost_priors_s``, :attr:`cona.job.RealJob.measured_costs`: the
+  time to build the start layout, and a no-op batch switch).
+  :data:`SWITCH_COST_PRIORS_S` (30 s / 1 s, assumptions) apply only where a
+  caller gives neither.
 
 Uncertainty of extrapolated step times: a candidate's time is predicted from
 its own measurements, from measured strategies of the same TP/PP layout, or
@@ -45,7 +52,7 @@ Every decision is logged as a dict in :attr:`Controller.decisions`.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -158,6 +165,8 @@ class Controller:
         reference_batch: ``M0`` of the efficiency and ``B_ref`` of the LR rule;
             ``None`` = ``current.global_batch_size``.
         switch_cost_priors_s: override :data:`SWITCH_COST_PRIORS_S`.
+        switch_cost_model: ``(old, new) -> seconds``; when given, the cost of
+            every switch (emulated clock), instead of measured means.
 
     Raises:
         ValueError: no candidates, or invalid ``cfg`` values.
@@ -174,6 +183,7 @@ class Controller:
         base_lr: float,
         reference_batch: int | None = None,
         switch_cost_priors_s: dict[str, float] | None = None,
+        switch_cost_model: Callable[[Strategy, Strategy], float] | None = None,
     ) -> None:
         if not candidates:
             raise ValueError("Controller needs at least one candidate strategy")
@@ -192,6 +202,7 @@ class Controller:
         self.base_lr = base_lr
         self.reference_batch = reference_batch or current.global_batch_size
         self._priors = dict(SWITCH_COST_PRIORS_S, **(switch_cost_priors_s or {}))
+        self._cost_model_fn = switch_cost_model
         self._switch_costs: dict[str, list[float]] = {"layout": [], "batch": []}
         self._pred_errors: dict[str, list[float]] = {}
         self._pending: tuple[Strategy, float, str] | None = None
@@ -227,10 +238,17 @@ class Controller:
             raise ValueError(f"bad switch cost record: kind={kind!r}, seconds={seconds}")
         self._switch_costs[kind].append(float(seconds))
 
+    @property
+    def switch_costs(self) -> dict[str, list[float]]:
+        """Measured switch costs recorded so far (seconds), by kind."""
+        return {k: list(v) for k, v in self._switch_costs.items()}
+
     def switch_cost_s(self, new: Strategy) -> float:
         """Expected seconds to switch from the current strategy to ``new`` (0 if equal)."""
         if new == self.current:
             return 0.0
+        if self._cost_model_fn is not None:
+            return float(self._cost_model_fn(self.current, new))
         kind = switch_kind(self.current, new)
         seen = self._switch_costs[kind]
         return sum(seen) / len(seen) if seen else self._priors[kind]
@@ -277,14 +295,21 @@ class Controller:
             out.append(replace(sc, score=sc.score * math.exp(-err)) if err else sc)
         return sorted(out, key=lambda x: (-x.score, x.strategy.label))
 
-    def decide(self, step: int) -> Decision:
-        """Rank and decide; the decision is appended to :attr:`decisions`."""
+    def decide(self, step: int, remaining_samples: float | None = None) -> Decision:
+        """Rank and decide; the decision is appended to :attr:`decisions`.
+
+        Args:
+            remaining_samples: samples (the strategies' units) left in the budget;
+                the repay horizon is at most their time at the current rate.
+        """
         phi = self.gns.noise_scale
         ranked = self.rank()
         by_strategy = {sc.strategy: sc for sc in ranked}
         cur, best = by_strategy[self.current], ranked[0]
         gain = best.score / cur.score - 1.0 if cur.score > 0 else float("inf")
         horizon_s = self.cfg.horizon_steps * cur.iter_s
+        if remaining_samples is not None and cur.samples_per_s > 0:
+            horizon_s = min(horizon_s, remaining_samples / cur.samples_per_s)
         time_saved = horizon_s * (1.0 - cur.score / best.score) if best.score > 0 else 0.0
         cost = self.switch_cost_s(best.strategy)
         if best.strategy == self.current:
@@ -294,10 +319,7 @@ class Controller:
         elif time_saved <= cost:
             switch, reason = (
                 False,
-                (
-                    f"saves {time_saved:.1f} s over {self.cfg.horizon_steps} steps "
-                    f"<= switch cost {cost:.1f} s"
-                ),
+                f"saves {time_saved:.1f} s over {horizon_s:.1f} s <= switch cost {cost:.1f} s",
             )
         else:
             switch, reason = (

@@ -4,8 +4,10 @@ One optimizer step of strategy ``(dp, tp, pp, b, B)`` with ``m = B/(dp*b)``
 micro-batches per DP rank, sequence ``s`` and hidden ``h``:
 
 - **Compute** (per micro-batch, per stage): ``F_stage * s*b / tp`` FLOPs at
-  ``peak * efficiency(s*b)`` FLOP/s (``jobruntime.hardware``; the efficiency
-  curve is in micro-batch tokens).  ``F_stage`` is the training FLOPs per token
+  ``peak * efficiency(s*b / tp)`` FLOP/s (``jobruntime.hardware``; the
+  efficiency curve is in tokens of per-device work per micro-batch: a TP rank's
+  GEMMs are ``1/tp`` as wide, and smaller matrix multiplications run at lower
+  utilisation, Narayanan et al. 2021 Sec. 3.2 / Fig. 13).  ``F_stage`` is the training FLOPs per token
   of ``L/pp`` layers (``jobruntime.flops.flops_per_token``, Narayanan et al.
   2021 eq. 3); the last stage also computes the logits (``6hV`` per token), so
   it is the slowest and sets the pace.  Summed over the job this is the usual
@@ -252,7 +254,7 @@ class CostModel:
         logits_fpt = 6.0 * h * m_cfg.vocab_size
         layers_fpt = flops_per_token(m_cfg) - logits_fpt
         stage_fpt = layers_fpt / pp + logits_fpt
-        flops_rate = self.gpu.achieved_flops(tokens_mb)
+        flops_rate = self.gpu.achieved_flops(tokens_mb / tp)  # per-device GEMM size
         t_compute_mb = stage_fpt * tokens_mb / tp / flops_rate
 
         # TP: 4 all-reduces of s*b*h activations per layer (2 fwd + 2 bwd).

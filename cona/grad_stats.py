@@ -19,6 +19,12 @@ In training, ``G_small`` is a micro-batch gradient or one DP replica's local
 gradient (before the DP all-reduce) and ``G_big`` the averaged gradient of the
 whole global batch, so no extra backward pass is needed.  Gradients must be of
 the *mean* loss over their batch (not the sum), before clipping, in fp32.
+
+Outlier steps: the estimates are linear in the squared norms, so one step on a
+freak batch (measured on the bundled corpus: a loss spike from 6.7 to 12 with a
+17x gradient norm) swings the EMA of ``|G|^2`` negative for over a hundred
+steps.  A step whose ``|G_big|^2`` exceeds ``outlier_factor`` times the running
+mean of ``|G_big|^2`` is therefore not added (counted in ``num_skipped``).
 """
 
 from __future__ import annotations
@@ -63,19 +69,27 @@ class GradientNoiseScale:
         ema_decay: weight of the past in each EMA (0 <= decay < 1); the EMAs
             are bias-corrected like Adam's moments so early values are usable.
             0.95 averages over ~20 steps.
+        outlier_factor: skip a step whose ``|G_big|^2`` is above this multiple
+            of the running mean of ``|G_big|^2`` (module docstring); ``None``
+            keeps every step.
 
     Raises:
-        ValueError: ``ema_decay`` outside [0, 1).
+        ValueError: ``ema_decay`` outside [0, 1) or ``outlier_factor`` <= 1.
     """
 
-    def __init__(self, ema_decay: float = 0.95) -> None:
+    def __init__(self, ema_decay: float = 0.95, outlier_factor: float | None = 10.0) -> None:
         if not 0.0 <= ema_decay < 1.0:
             raise ValueError(f"ema_decay={ema_decay} must be in [0, 1)")
+        if outlier_factor is not None and outlier_factor <= 1.0:
+            raise ValueError(f"outlier_factor={outlier_factor} must be > 1 (or None)")
         self.ema_decay = ema_decay
+        self.outlier_factor = outlier_factor
         self._g_sq = 0.0
         self._trace = 0.0
+        self._big = 0.0  # EMA of |G_big|^2 (outlier test)
         self._weight = 0.0  # 1 - decay^n, the bias correction
         self.num_updates = 0
+        self.num_skipped = 0
 
     def update(
         self,
@@ -85,6 +99,9 @@ class GradientNoiseScale:
         big_batch: int,
     ) -> tuple[float, float]:
         """Add one step's norms; return this step's raw ``(|G|^2, tr(Sigma))`` estimates.
+
+        An outlier step (class docstring) is not added; its raw estimates are
+        still returned.
 
         Args:
             small_sq_norms: squared L2 norms of the small-batch gradients
@@ -104,9 +121,14 @@ class GradientNoiseScale:
                 raise ValueError("small_sq_norms is empty")
             small = sum(vals) / len(vals)
         g_sq, trace = estimate_from_norms(small, small_batch, big_sq_norm, big_batch)
+        if (self.outlier_factor is not None and self.num_updates
+                and big_sq_norm > self.outlier_factor * self._big / self._weight):
+            self.num_skipped += 1
+            return g_sq, trace
         d = self.ema_decay
         self._g_sq = d * self._g_sq + (1 - d) * g_sq
         self._trace = d * self._trace + (1 - d) * trace
+        self._big = d * self._big + (1 - d) * big_sq_norm
         self._weight = d * self._weight + (1 - d)
         self.num_updates += 1
         return g_sq, trace
@@ -135,23 +157,38 @@ class GradientNoiseScale:
             "gns_g_sq": self.g_sq,
             "gns_trace": self.trace_sigma,
             "gns_updates": self.num_updates,
+            "gns_skipped": self.num_skipped,
         }
 
     def state_dict(self) -> dict[str, float]:
         return {
             "ema_decay": self.ema_decay,
+            "outlier_factor": self.outlier_factor,
             "g_sq": self._g_sq,
             "trace": self._trace,
+            "big": self._big,
             "weight": self._weight,
             "num_updates": self.num_updates,
+            "num_skipped": self.num_skipped,
         }
 
     def load_state_dict(self, state: dict) -> None:
         self.ema_decay = float(state["ema_decay"])
+        self.outlier_factor = state.get("outlier_factor", self.outlier_factor)
         self._g_sq = float(state["g_sq"])
         self._trace = float(state["trace"])
+        self._big = float(state.get("big", 0.0))
         self._weight = float(state["weight"])
         self.num_updates = int(state["num_updates"])
+        self.num_skipped = int(state.get("num_skipped", 0))
+
+
+def noise_scale_growth(values: Iterable[float | None]) -> float | None:
+    """Growth of the noise scale over a run: the last over the first positive value of
+    ``values`` (e.g. the estimate at each controller decision); ``None`` with fewer
+    than two."""
+    vals = [v for v in values if v is not None and v > 0]
+    return vals[-1] / vals[0] if len(vals) >= 2 else None
 
 
 # ---------------------------------------------------------------------------

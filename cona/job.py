@@ -1,12 +1,15 @@
 """A CONA job: trainer, data position, gradient statistics and clock on one strategy.
 
+Built by :meth:`cona.context.ConaContext.make_job`, which decides the clock.
 :class:`RealJob` (``cona.clock=wall``) runs the strategy's layout on the
 launched processes (torchrun / gloo or NCCL), times steps with the wall
-clock (max over ranks) and switches with :mod:`cona.switch`.
-:class:`EmulatedJob` (``cona.clock=emulated``) trains the proxy in one process
-at the strategy's global batch and takes step and switch times from
-:class:`cona.emulated.EmulatedCluster`.  Both expose the same interface to
-the loop in :mod:`cona.run`: :meth:`Job.train_step`, :meth:`Job.evaluate`,
+clock (max over ranks) and switches with :mod:`cona.switch`; the cost of a
+switch is the wall time :meth:`RealJob.apply` took, which is what the clock
+advanced by and what the controller is told.  :class:`EmulatedJob`
+(``cona.clock=emulated``) trains the proxy at the proxy batch the strategy's
+global batch stands for (:mod:`cona.mapping`) and takes step and switch times
+from :class:`cona.emulated.EmulatedCluster`.  Both expose the same interface
+to the loop in :mod:`cona.run`: :meth:`Job.train_step`, :meth:`Job.evaluate`,
 :meth:`Job.apply` (switch), ``clock_s``, ``consumed_samples``.
 
 Validation uses one fixed set of sequences whatever the strategy (its size
@@ -17,10 +20,12 @@ different strategies are comparable.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass
+from functools import reduce
+from typing import TYPE_CHECKING
 
-import torch
 import torch.distributed as dist
 
 from jobruntime.checkpoint import load_checkpoint
@@ -31,13 +36,34 @@ from jobruntime.trainer import StepResult
 
 from . import state as cstate
 from .controller import scale_lr, switch_kind
-from .emulated import EmulatedCluster, lcm_of, proxy_micro_batch_size
 from .grad_stats import GradientNoiseScale
 from .probe import GNSProbe
 from .strategy import Strategy
-from .switch import PeakRSS, SwitchInterrupted, switch_batch, switch_layout
+from .switch import PeakRSS, SwitchInterrupted, max_over_ranks, switch_batch, switch_layout
+
+if TYPE_CHECKING:
+    from .context import ConaContext
 
 log = logging.getLogger("cona")
+
+
+def lcm_of(values) -> int:
+    return reduce(lambda a, b: a * b // math.gcd(a, b), values, 1)
+
+
+def proxy_micro_batch_size(global_batch_size: int, configured: int) -> int:
+    """The proxy's micro-batch: near ``global/4`` but >= ``configured``, and <= ``global/2``.
+
+    At least two micro-batches per step keep the gradient noise scale
+    measurable in one process (:mod:`cona.probe`, ``"microbatch"`` mode); a
+    divisor of the global batch is returned.
+    """
+    if global_batch_size < 2:
+        return 1
+    mb = min(max(configured, global_batch_size // 4), global_batch_size // 2)
+    while global_batch_size % mb:
+        mb -= 1
+    return max(mb, 1)
 
 
 @dataclass
@@ -74,23 +100,29 @@ class Job:
     Attributes:
         strategy: the strategy in use (for emulated jobs: the modelled one).
         trainer: the :class:`~jobruntime.trainer.Trainer` of the current layout.
-        gns: gradient-noise-scale estimator fed by :attr:`probe` every step.
-        reference_batch: global batch the base LR was tuned for (``B_ref``).
+        gns: gradient-noise-scale estimator fed by :attr:`probe` every step
+            (proxy sequences).
+        reference_batch: proxy global batch the base LR was tuned for (``B_ref``).
     """
 
     strategy: Strategy
     is_logging_rank: bool = True
 
-    def __init__(self, cfg: JobConfig, data: Datasets, reference_batch: int):
-        self.cfg, self.data, self.reference_batch = cfg, data, reference_batch
+    def __init__(self, ctx: ConaContext):
+        self.ctx, self.cfg, self.data = ctx, ctx.cfg, ctx.data
+        self.reference_batch = ctx.cfg.parallel.global_batch_size
         self.gns = GradientNoiseScale()
         self.probe = GNSProbe(self.gns)
 
     # -- helpers ------------------------------------------------------------
+    def proxy_batch(self, strategy: Strategy) -> int:
+        """Proxy sequences per step of ``strategy`` (its global batch in real mode)."""
+        return self.ctx.mapping.proxy_batch(strategy.global_batch_size)
+
     def lr_for(self, strategy: Strategy) -> tuple[float, float]:
         """(peak, final) LR for ``strategy``'s global batch by ``cona.lr_scaling``."""
         t, rule = self.cfg.train, self.cfg.cona.lr_scaling
-        gb = strategy.global_batch_size
+        gb = self.proxy_batch(strategy)
         return (
             scale_lr(t.lr, gb, self.reference_batch, rule),
             scale_lr(t.min_lr, gb, self.reference_batch, rule),
@@ -140,16 +172,29 @@ class Job:
 
 
 class RealJob(Job):
-    """The strategy's layout on the launched processes; wall clock (see module docstring)."""
+    """The strategy's layout on the launched processes; wall clock (see module docstring).
 
-    def __init__(self, cfg: JobConfig, data: Datasets, reference_batch: int, start: Strategy):
-        super().__init__(cfg, data, reference_batch)
+    Attributes:
+        measured_costs: the controller's switch-cost estimates before any switch,
+            measured at start-up (max over ranks): ``"layout"``, the seconds to
+            build this layout (process groups, model, DDP, optimizer), which is
+            what a layout switch repeats before resharding; ``"batch"``, the
+            seconds of a no-op batch switch.  Measured switches replace them.
+    """
+
+    def __init__(self, ctx: ConaContext, start: Strategy):
+        super().__init__(ctx)
+        cfg = ctx.cfg
         self.strategy = start
         lr, min_lr = self.lr_for(start)
         run_cfg = cstate.strategy_config(cfg, start, lr=lr, min_lr=min_lr)
+        t0 = time.perf_counter()
         self.topo = initialize_layout(run_cfg)
         set_seed(cfg.train.seed)
-        self.trainer = cstate.build_trainer(run_cfg, reference_batch)
+        self.trainer = cstate.build_trainer(run_cfg, self.reference_batch)
+        build_s = max_over_ranks([time.perf_counter() - t0])[0]
+        batch_s = switch_batch(self.trainer, run_cfg).seconds
+        self.measured_costs = {"layout": build_s, "batch": batch_s}
         consumed = 0
         if cfg.checkpoint.load:  # an iter_ checkpoint of any layout (e.g. saved before a switch)
             consumed = load_checkpoint(cfg.checkpoint.load, self.trainer,
@@ -172,15 +217,17 @@ class RealJob(Job):
     def train_step(self) -> tuple[StepResult, float]:
         t0 = time.perf_counter()
         result = self.trainer.train_step(self.sampler.next())
-        dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64,
-                          device=self.trainer.device)
-        dist.all_reduce(dt, op=dist.ReduceOp.MAX)  # identical controller inputs on all ranks
+        dt = max_over_ranks([time.perf_counter() - t0])[0]  # identical controller inputs on all ranks
         self.fresh = False
-        return result, float(dt[0])
+        return result, dt
 
     def apply(self, strategy: Strategy) -> dict | None:
+        """Switch in memory; ``cost_s`` is the wall time of this whole call (max over ranks)."""
         if strategy == self.strategy:
             return None
+        if dist.is_initialized():
+            dist.barrier()
+        t0 = time.perf_counter()
         old, kind = self.strategy, switch_kind(self.strategy, strategy)
         lr, min_lr = self.lr_for(strategy)
         new_cfg = cstate.strategy_config(self.cfg, strategy, lr=lr, min_lr=min_lr)
@@ -203,59 +250,54 @@ class RealJob(Job):
         self.sampler = self._sampler(self.topo, consumed)
         self.val_batches = self._val_batches(self.topo, strategy.micro_batch_size)
         self.strategy, self.fresh = strategy, True
+        cost = max_over_ranks([time.perf_counter() - t0])[0]
         return {
+            **report.to_dict(),
             "from": old.label,
             "to": strategy.label,
-            "switch_s": report.seconds,
-            "cost_s": report.seconds,
+            "cost_s": cost,
+            "switch_s": cost,
+            "reshard_s": report.seconds,
             "lr": lr,
-            **report.to_dict(),
         }
 
 
 class EmulatedJob(Job):
-    """The proxy at the strategy's global batch; modelled clock.
+    """The proxy at the proxy batch the strategy's global batch stands for; modelled clock.
 
     Normally one process.  Launched on ``W`` processes (torchrun), the proxy
-    runs data-parallel over them (DP = ``W``, each global batch must be a
+    runs data-parallel over them (DP = ``W``, each proxy batch must be a
     multiple of ``W``): only the wall time changes, not the trajectory's
     mathematics or the clock.
     """
 
-    def __init__(
-        self,
-        cfg: JobConfig,
-        data: Datasets,
-        reference_batch: int,
-        start: Strategy,
-        cluster: EmulatedCluster,
-        val_micro_batch: int,
-    ):
-        super().__init__(cfg, data, reference_batch)
-        self.cluster = cluster
+    def __init__(self, ctx: ConaContext, start: Strategy):
+        super().__init__(ctx)
+        self.cluster = ctx.cluster
         self.strategy = start
         self._clock = 0.0
         self.world = dist.get_world_size()
         run_cfg = self._proxy_cfg(start)
         self.topo = initialize_layout(run_cfg)
-        set_seed(cfg.train.seed)
-        self.trainer = cstate.build_trainer(run_cfg, reference_batch)
+        set_seed(ctx.cfg.train.seed)
+        self.trainer = cstate.build_trainer(run_cfg, self.reference_batch)
         consumed = 0
-        if cfg.checkpoint.load:  # an iter_ checkpoint of any layout (e.g. saved before a switch)
-            consumed = load_checkpoint(cfg.checkpoint.load, self.trainer,
-                                       load_optimizer=cfg.checkpoint.load_optimizer
+        if ctx.cfg.checkpoint.load:  # an iter_ checkpoint of any layout (e.g. saved before a switch)
+            consumed = load_checkpoint(ctx.cfg.checkpoint.load, self.trainer,
+                                       load_optimizer=ctx.cfg.checkpoint.load_optimizer
                                        )["consumed_samples"]
         self.probe.attach(self.trainer)
         self.sampler = self._sampler(self.topo, consumed)
-        self.val_batches = self._val_batches(self.topo, val_micro_batch)
+        self.val_batches = self._val_batches(self.topo, ctx.val_micro_batch)
 
     def _proxy_cfg(self, strategy: Strategy) -> JobConfig:
         lr, min_lr = self.lr_for(strategy)
-        gb, w = strategy.global_batch_size, self.world
+        gb, w = self.proxy_batch(strategy), self.world
         if gb % w:
             raise ValueError(
-                f"emulated CONA on {w} processes needs global batches divisible by {w}; "
-                f"{strategy.label} is not (launch fewer processes or set cona.global_batch_sizes)"
+                f"emulated CONA on {w} processes needs proxy global batches divisible by {w}; "
+                f"{strategy.label} (proxy batch {gb}) is not (launch fewer processes or set "
+                "cona.global_batch_sizes)"
             )
         mb = proxy_micro_batch_size(gb // w, self.cfg.parallel.micro_batch_size)
         proxy = Strategy(w, 1, 1, mb, gb)
@@ -275,21 +317,30 @@ class EmulatedJob(Job):
         self._clock += dt
         return result, dt
 
+    def set_strategy(self, strategy: Strategy) -> None:
+        """Train the proxy at ``strategy``'s batch from now on, without charging the clock
+        (the oracle chain charges its own modelled costs)."""
+        if strategy == self.strategy:
+            return
+        consumed = self.consumed_samples
+        self.probe.detach()
+        switch_batch(self.trainer, self._proxy_cfg(strategy))
+        self.probe.attach(self.trainer)
+        self.sampler = self._sampler(self.topo, consumed)
+        self.strategy = strategy
+
     def apply(self, strategy: Strategy) -> dict | None:
+        """Switch; the clock is charged the cluster's modelled cost (what the controller
+        was told it would cost)."""
         if strategy == self.strategy:
             return None
         old = self.strategy
         cost = self.cluster.switch_s(old, strategy)
-        consumed = self.consumed_samples
         with PeakRSS() as rss:
             t0 = time.perf_counter()
-            self.probe.detach()
-            switch_batch(self.trainer, self._proxy_cfg(strategy))
-            self.probe.attach(self.trainer)
-            self.sampler = self._sampler(self.topo, consumed)
+            self.set_strategy(strategy)
             measured = time.perf_counter() - t0
         self._clock += cost
-        self.strategy = strategy
         return {
             "from": old.label,
             "to": strategy.label,
@@ -300,6 +351,24 @@ class EmulatedJob(Job):
             "peak_rss_mib": rss.peak / 2**20,
             "lr": self.trainer.scheduler.max_lr,
         }
+
+    def measure_noise_scale(self, microbatches: int = 64) -> float | None:
+        """A direct ``B_simple`` measurement (proxy sequences) at the current weights from
+        ``microbatches`` fresh micro-batches (:func:`cona.probe.measure_noise_scale`);
+        the data position, RNG and training state are left as they were."""
+        from .probe import measure_noise_scale
+
+        consumed, rng = self.consumed_samples, cstate.rng_state()
+        self.probe.detach()
+        mbs = []
+        while len(mbs) < microbatches:
+            mbs += self.sampler.next()
+        try:
+            return measure_noise_scale(self.trainer, mbs[:microbatches])
+        finally:
+            self.probe.attach(self.trainer)
+            self.sampler = self._sampler(self.topo, consumed)
+            cstate.set_rng_state(rng)
 
     # -- in-memory branching (oracle chain) ---------------------------------
     def snapshot(self) -> dict:
@@ -313,12 +382,13 @@ class EmulatedJob(Job):
         }
 
     def restore(self, snap: dict) -> None:
+        """Go back to a :meth:`snapshot` (bit-for-bit continuation)."""
         self.probe.detach()
         if snap["strategy"] != self.strategy:
             switch_batch(self.trainer, self._proxy_cfg(snap["strategy"]))
             self.strategy = snap["strategy"]
         cstate.restore(self.trainer, snap["trainer"])
-        self.trainer.scheduler.global_batch_size = self.strategy.global_batch_size
+        self.trainer.scheduler.global_batch_size = self.proxy_batch(self.strategy)
         self.probe.attach(self.trainer)
         self.sampler = self._sampler(self.topo, snap["consumed"])
         self._clock = snap["clock"]

@@ -9,16 +9,18 @@
     python train.py --config tiny_gpt cona.enabled=true cona.clock=emulated \\
         cona.target_model=gpt3_1.3b cona.gpu=A100-80GB cona.num_gpus=8
 
+The clock, the target, the candidates and the data are decided once, by
+:func:`cona.context.build_context`; this module only steps the job it makes.
 Per step the loop records the loss, the step's clock time (wall: max over
 ranks; emulated: the target's modelled step time) and the gradient noise scale
-(:mod:`cona.probe`).  Every ``cona.decision_interval`` steps the
+(:mod:`cona.probe`; ``gns`` in proxy, ``gns_target`` in target sequences).  Every ``cona.decision_interval`` steps the
 :class:`cona.controller.Controller` ranks the candidates (goodput = calibrated
 throughput x Pollux efficiency) and, if the best one repays its switch cost,
 the job switches (:meth:`cona.job.Job.apply`); the LR follows the global batch
 (``cona.lr_scaling``) and the decision with its reasons is logged.
 
-Budget and schedule are in samples (the strategies' global batches differ):
-``train.iters * B_ref`` samples with ``B_ref = parallel.global_batch_size``;
+Budget and schedule are in (proxy) samples (the strategies' global batches
+differ): ``train.iters * B_ref`` samples with ``B_ref = parallel.global_batch_size``;
 warmup and decay likewise (:mod:`cona.state`).  Validation runs every
 ``train.eval_interval * B_ref`` samples on a fixed validation set;
 time-to-target-perplexity (TTP) is the clock time of the first evaluation at
@@ -28,7 +30,9 @@ it is step and switch time only.
 
 Outputs (logging rank): ``metrics.jsonl`` (``event``: ``step``, ``decision``,
 ``switch``), ``summary.json`` with ``switches``, ``chain`` (``[{strategy,
-start_step}]``), ``ttp_s``, ``final_val_ppl``, ``clock``, and wandb.
+start_step}]``), ``switch_log`` (with the time and cost of each switch),
+``evals`` (perplexity and noise-scale trace), ``ttp_s``, ``final_val_ppl``,
+``clock``, and wandb.
 """
 
 from __future__ import annotations
@@ -40,24 +44,16 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 
 from jobruntime.checkpoint import save_checkpoint
-from jobruntime.config import ConfigError, JobConfig, save_config
+from jobruntime.config import JobConfig, save_config
 from jobruntime.metrics import MetricsWriter, TTPTracker, perplexity
-from jobruntime.parallel import init_distributed, same_run_dir
+from jobruntime.parallel import same_run_dir
 
-from .controller import Controller, best_throughput_strategy
-from .cost_model import CostModel
-from .emulated import (
-    EmulatedCluster,
-    build_candidates,
-    proxy_micro_batch_size,
-    target_model_config,
-)
-from .job import Datasets, EmulatedJob, Job, RealJob, build_datasets, val_set_size
-from .strategy import Strategy
+from .context import build_context
+from .controller import Controller
+from .job import Job, RealJob
 
 log = logging.getLogger("cona")
 
@@ -82,7 +78,8 @@ class Loop:
     Args:
         job: the job (real or emulated).
         controller: ``None`` trains the current strategy only (static runs).
-        writer: metrics sink; ``None`` buffers records in ``progress.records``.
+        writer: metrics sink; ``None`` buffers records in ``progress.records``
+            (unless ``keep_records`` is false: the oracle's branches drop them).
         budget_samples: stop after this many training samples.
         eval_samples: samples between evaluations.
     """
@@ -97,9 +94,11 @@ class Loop:
         budget_samples: int,
         eval_samples: int,
         checkpoint_dir: Path | None = None,
+        keep_records: bool = True,
     ):
         self.job, self.cfg, self.controller, self.writer = job, cfg, controller, writer
         self.checkpoint_dir = checkpoint_dir
+        self.keep_records = keep_records
         self.budget_samples, self.eval_samples = budget_samples, max(eval_samples, 1)
         self.progress = Progress(ttp=TTPTracker(cfg.train.target_ppl), next_eval=eval_samples)
         self.progress.chain.append({"strategy": job.strategy.label, "start_step": 0})
@@ -108,7 +107,7 @@ class Loop:
     def emit(self, record: dict) -> None:
         if self.writer is not None:
             self.writer.log(record)
-        else:
+        elif self.keep_records:
             self.progress.records.append(record)
 
     # -- stopping -----------------------------------------------------------
@@ -121,6 +120,11 @@ class Loop:
             return True
         return t.max_wall_s is not None and time.perf_counter() - self._wall0 >= t.max_wall_s
 
+    @property
+    def target_gns(self) -> float | None:
+        """The noise scale now, in target sequences (:mod:`cona.mapping`)."""
+        return self.job.ctx.mapping.target_noise_scale(self.job.gns.noise_scale)
+
     # -- one step -----------------------------------------------------------
     def evaluate(self) -> float:
         """Evaluate now, record it (and TTP); return the validation perplexity."""
@@ -130,14 +134,15 @@ class Loop:
         p.last_val_ppl = ppl
         samples, step = job.consumed_samples, job.trainer.step
         tokens = samples * self.cfg.model.seq_length
-        p.evals.append({"step": step, "samples": samples, "time_s": job.clock_s, "val_ppl": ppl})
+        p.evals.append({"step": step, "samples": samples, "time_s": job.clock_s, "val_ppl": ppl,
+                        "gns": self.target_gns, "global_batch_size": job.strategy.global_batch_size})
         if p.ttp.update(ppl, job.clock_s, tokens, step):
             log.info(
                 "target perplexity %.1f reached at step %d (%.2f s %s clock)",
                 self.cfg.train.target_ppl,
                 step,
                 job.clock_s,
-                self.cfg.cona.clock,
+                job.ctx.clock,
             )
         return val_loss
 
@@ -161,6 +166,7 @@ class Loop:
             "strategy": job.strategy.label,
             "global_batch_size": job.strategy.global_batch_size,
             **job.gns.to_dict(),
+            "gns_target": self.target_gns,
         }
         if samples >= p.next_eval or samples >= self.budget_samples:
             while p.next_eval <= samples:
@@ -188,7 +194,8 @@ class Loop:
 
     def decide(self) -> None:
         job, ctl = self.job, self.controller
-        d = ctl.decide(job.trainer.step)
+        left = job.ctx.mapping.target_samples(self.budget_samples - job.consumed_samples)
+        d = ctl.decide(job.trainer.step, remaining_samples=left)
         target = d.best if d.switch else None
         if dist.is_initialized() and dist.get_world_size() > 1:  # one decision for all ranks
             obj = [target]
@@ -197,8 +204,10 @@ class Loop:
         self.emit({"event": "decision", "time_s": job.clock_s, **d.to_dict()})
         if target is None or self.done:
             return
+        before = job.clock_s
         rec = job.apply(target)
-        lr = ctl.commit_switch(target, rec["cost_s"])
+        rec["clock_before_s"] = before
+        lr = ctl.commit_switch(target, rec["cost_s"])  # what the switch took is what it costs
         rec.update(event="switch", step=job.trainer.step, time_s=job.clock_s, controller_lr=lr)
         self.progress.switches.append(rec)
         self.progress.chain.append({"strategy": target.label, "start_step": job.trainer.step})
@@ -236,7 +245,7 @@ class Loop:
     def summary(self) -> dict:
         p, job = self.progress, self.job
         return {
-            "clock": self.cfg.cona.clock,
+            "clock": job.ctx.clock,
             "target_ppl": self.cfg.train.target_ppl,
             "ttp_s": p.ttp.ttp_s,
             "ttp_tokens": p.ttp.ttp_tokens,
@@ -251,118 +260,8 @@ class Loop:
             "clock_s": job.clock_s,
             "wall_s": time.perf_counter() - self._wall0,
             "final_strategy": job.strategy.label,
+            "evals": p.evals,
         }
-
-
-# ---------------------------------------------------------------------------
-# Building a run
-# ---------------------------------------------------------------------------
-
-
-def start_strategy(
-    candidates: list[Strategy], cost_model: CostModel, global_batch_size: int
-) -> Strategy:
-    """Emulated start: the fastest candidate at the configured global batch (else any)."""
-    same = [s for s in candidates if s.global_batch_size == global_batch_size]
-    return best_throughput_strategy(same or candidates, cost_model)
-
-
-@dataclass
-class Setup:
-    """Everything :func:`run` and the baselines build before training."""
-
-    job: Job
-    controller: Controller
-    candidates: list
-    cluster: EmulatedCluster | None
-    budget_samples: int
-    eval_samples: int
-
-
-def emulated_plan(cfg: JobConfig) -> tuple[EmulatedCluster, list[Strategy]]:
-    """The emulated cluster and its candidates (no data, no model).
-
-    Raises:
-        ValueError: no valid candidate, or an invalid explicit one.
-    """
-    init_distributed()
-    num_gpus = cfg.cona.num_gpus or dist.get_world_size()
-    cluster = EmulatedCluster(target_model_config(cfg), cfg.cona.gpu, num_gpus)
-    cands = build_candidates(
-        cfg, cluster.target, num_gpus, memory_limit_bytes=cluster.memory_limit_bytes
-    )
-    return cluster, cands
-
-
-def setup(cfg: JobConfig, *, start: Strategy | None = None, data: Datasets | None = None) -> Setup:
-    """Build candidates, data, the job and its controller for ``cfg`` (real or emulated).
-
-    Args:
-        start: the first strategy (default: ``cfg.parallel`` in real mode, the
-            fastest candidate at the configured global batch in emulated mode).
-        data: datasets of an earlier setup of the same config, to reuse.
-
-    Raises:
-        ConfigError: invalid layout or candidates.
-    """
-    ref = cfg.parallel.global_batch_size
-    budget = max(cfg.train.iters, 1) * ref
-    eval_samples = max(cfg.train.eval_interval, 1) * ref
-    try:
-        if cfg.cona.clock == "emulated":
-            cluster, cands = emulated_plan(cfg)
-            world = dist.get_world_size()
-            cands = [c for c in cands if c.global_batch_size % world == 0]
-            if not cands:
-                raise ValueError(f"no candidate global batch is divisible by {world} processes")
-            cost_model = cluster.cost_model
-            start = start or start_strategy(cands, cost_model, ref)
-            gbs = {s.global_batch_size for s in [*cands, start]}
-            val_mb = proxy_micro_batch_size(max(ref // world, 1), cfg.parallel.micro_batch_size)
-            val_n = val_set_size(cfg, [world * val_mb], ref)
-            if data is None:
-                data = build_datasets(cfg, train_samples=budget + max(gbs), val_samples=val_n)
-            job = EmulatedJob(cfg, data, ref, start, cluster, val_mb)
-            priors = cluster.switch_cost_priors(start)
-        else:
-            init_distributed()
-            world = dist.get_world_size()
-            dp = cfg.validate(world)
-            p = cfg.parallel
-            start = start or Strategy(dp, p.tp, p.pp, p.micro_batch_size, p.global_batch_size)
-            limit = (
-                torch.cuda.get_device_properties(0).total_memory
-                if torch.cuda.is_available()
-                else None
-            )
-            precision = "mixed" if torch.cuda.is_available() else "fp32"
-            cands = build_candidates(
-                cfg, cfg.model, world, memory_limit_bytes=limit, precision=precision
-            )
-            cost_model = CostModel(cfg.model, cfg.cona.gpu, precision=precision)
-            cluster = None
-            units = [s.dp * s.micro_batch_size for s in [*cands, start]]
-            val_n = val_set_size(cfg, units, ref)
-            gbs = {s.global_batch_size for s in [*cands, start]}
-            if data is None:
-                data = build_datasets(cfg, train_samples=budget + max(gbs), val_samples=val_n)
-            job = RealJob(cfg, data, ref, start)
-            priors = None
-    except ValueError as e:
-        if isinstance(e, ConfigError):
-            raise
-        raise ConfigError(str(e)) from None
-    controller = Controller(
-        cands,
-        cost_model,
-        job.gns,
-        cfg.cona,
-        current=start,
-        base_lr=cfg.train.lr,
-        reference_batch=ref,
-        switch_cost_priors_s=priors,
-    )
-    return Setup(job, controller, cands, cluster, budget, eval_samples)
 
 
 def run(cfg: JobConfig, run_dir: Path) -> dict:
@@ -374,12 +273,13 @@ def run(cfg: JobConfig, run_dir: Path) -> dict:
     Raises:
         ConfigError, DataError, TokenizerError: bad input.
     """
-    s = setup(cfg)
+    ctx = build_context(cfg)
+    job = ctx.make_job()
+    controller = ctx.make_controller(job)
     run_dir = same_run_dir(run_dir)
-    job = s.job
     writer = MetricsWriter(
         run_dir,
-        clock=cfg.cona.clock,
+        clock=ctx.clock,
         mode="cona",
         enabled=job.is_logging_rank,
         wandb_mode=cfg.logging.wandb,
@@ -390,35 +290,28 @@ def run(cfg: JobConfig, run_dir: Path) -> dict:
     )
     if job.is_logging_rank:
         save_config(cfg, run_dir / "config.yaml")
-    log.info(
-        "CONA (%s clock): %d candidates, start %s",
-        cfg.cona.clock,
-        len(s.candidates),
-        job.strategy.label,
-    )
-    loop = Loop(
-        job,
-        cfg,
-        controller=s.controller,
-        writer=writer,
-        budget_samples=s.budget_samples,
-        eval_samples=s.eval_samples,
-        checkpoint_dir=run_dir / "checkpoints" if isinstance(job, RealJob) else None,
-    )
+    log.info("CONA (%s clock): %d candidates, start %s", ctx.clock, len(ctx.candidates),
+             job.strategy.label)
+    loop = Loop(job, cfg, controller=controller, writer=writer,
+                budget_samples=ctx.budget_samples, eval_samples=ctx.eval_samples,
+                checkpoint_dir=run_dir / "checkpoints" if isinstance(job, RealJob) else None)
     loop.run()
     loop.finish()
     summary = loop.summary()
     summary.update(
         model=cfg.name,
-        candidates=len(s.candidates),
-        decisions=s.controller.decisions,
+        candidates=len(ctx.candidates),
+        decisions=controller.decisions,
+        switch_costs_charged=controller.switch_costs,
+        switch_costs_at_start=getattr(job, "measured_costs", None),
         world_size=dist.get_world_size(),
     )
-    if s.cluster is not None:
+    if ctx.emulated:
         summary.update(
             target_model=cfg.cona.target_model or cfg.name,
             gpu=cfg.cona.gpu,
-            num_gpus=s.cluster.num_gpus,
+            num_gpus=ctx.cluster.num_gpus,
+            mapping=ctx.mapping.to_dict(),
         )
     writer.summary(copy.deepcopy(summary))
     summary["wandb_dir"] = writer.wandb_dir

@@ -179,9 +179,9 @@ def enumerate_strategies(
         micro_batch_sizes: candidate micro-batch sizes (sequences per DP rank).
         memory_limit_bytes: per-device memory; ``None`` skips the memory check.
         memory_model: gives a strategy's peak bytes per device, either an
-            object with ``peak_bytes(strategy)`` or a callable; ``None`` with a
-            limit builds ``cona.memory_model.MemoryModel(model_cfg)`` (mixed
-            precision defaults).
+            object with ``peak_bytes(strategy)`` (e.g.
+            ``cona.memory_model.MemoryModel``) or a callable; required with a
+            limit.
         tp_sizes, pp_sizes: restrict TP / PP (e.g. TP to one node's GPUs);
             ``None`` tries every divisor of ``world_size``.
 
@@ -190,14 +190,13 @@ def enumerate_strategies(
         duplicates.
 
     Raises:
-        ValueError: ``world_size`` is not positive.
+        ValueError: ``world_size`` is not positive, or a memory limit without
+            a memory model.
     """
     if world_size <= 0:
         raise ValueError(f"world_size must be positive, got {world_size}")
     if memory_limit_bytes is not None and memory_model is None:
-        from .memory_model import MemoryModel  # local import: memory_model imports this module
-
-        memory_model = MemoryModel(model_cfg)
+        raise ValueError("memory_limit_bytes needs a memory_model (e.g. cona.memory_model.MemoryModel)")
     peak: Callable[[Strategy], float] | None = None
     if memory_model is not None:
         peak = memory_model.peak_bytes if hasattr(memory_model, "peak_bytes") else memory_model

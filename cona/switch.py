@@ -117,7 +117,9 @@ class PeakRSS:
         self.peak = max(self.peak, self.end)
 
 
-def _max_over_ranks(values: list[float]) -> list[float]:
+def max_over_ranks(values: list[float]) -> list[float]:
+    """Element-wise maximum of ``values`` over all ranks (one all-reduce on the compute
+    device, as the NCCL group needs); ``values`` unchanged without a process group."""
     t = torch.tensor(values, dtype=torch.float64, device=cpu_compat.device())
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
@@ -126,7 +128,7 @@ def _max_over_ranks(values: list[float]) -> list[float]:
 
 def _report(kind: str, seconds: float, rss: PeakRSS) -> SwitchReport:
     mib = 2.0**20
-    s, peak, before, after = _max_over_ranks(
+    s, peak, before, after = max_over_ranks(
         [seconds, rss.peak / mib, rss.start / mib, rss.end / mib]
     )
     return SwitchReport(kind, s, peak, before, after)

@@ -439,6 +439,9 @@ class ConaConfig:
     """Emulated mode: device count; ``None`` = world size."""
     target_model: str | None = None
     """Emulated mode: preset that gives FLOPs and memory; ``None`` = this model."""
+    batch_ratio: float = 1.0
+    """Emulated mode: target sequences one proxy sequence stands for (``cona/mapping.py``;
+    ``bench/cona_ttp.py`` calibrates it).  ``cona.global_batch_sizes`` are target sequences."""
     clock: Literal["wall", "emulated"] = "wall"
     min_gain: float = 0.05
     """Switch only if the best candidate scores this fraction above current."""
@@ -470,9 +473,12 @@ class ConaConfig:
         if self.candidates is not None and not self.candidates:
             raise ConfigError("cona.candidates=[] lists no candidate; give some, or null to "
                               "enumerate them")
-        if self.clock == "wall" and (self.num_gpus is not None or self.target_model is not None):
-            raise ConfigError("cona.num_gpus and cona.target_model apply to the emulated clock; "
-                              "set cona.clock=emulated (or unset them)")
+        if not 0 < self.batch_ratio < float("inf"):
+            raise ConfigError(f"cona.batch_ratio={self.batch_ratio} must be a positive number")
+        if self.clock == "wall" and (self.num_gpus is not None or self.target_model is not None
+                                     or self.batch_ratio != 1):
+            raise ConfigError("cona.num_gpus, cona.target_model and cona.batch_ratio apply to the "
+                              "emulated clock; set cona.clock=emulated (or unset them)")
         from .hardware import gpu_profiles
 
         if self.gpu.lower() not in {k.lower() for k in gpu_profiles()}:

@@ -108,7 +108,7 @@ def test_switches_when_clearly_better_candidate_appears():
 def test_no_switch_when_switch_cost_cannot_be_repaid():
     """Catches ignoring the switch cost: with a 10-step horizon FAST saves ~11 s < 30 s
     prior; with the default horizon but a measured 500 s switch cost it saves ~110 s
-    < 500 s.  Neither may switch."""
+    < 500 s; with 640 samples left in the budget the horizon is ~20 s.  None may switch."""
     ctrl = _controller([SLOW, FAST], SLOW, horizon_steps=10)
     d = ctrl.decide(10)
     assert not d.switch and d.best == FAST and "switch cost" in d.reason
@@ -116,6 +116,13 @@ def test_no_switch_when_switch_cost_cannot_be_repaid():
     ctrl.record_switch_cost("layout", 500.0)
     d = ctrl.decide(10)
     assert not d.switch and d.switch_cost_s == 500.0
+    # the horizon never reaches past the end of the budget: with 640 samples left
+    # (~20 s at SLOW's ~30 samples/s) no 30 s switch can pay back, whatever the horizon
+    ctrl = _controller([SLOW, FAST], SLOW)
+    assert ctrl.decide(10).switch
+    ctrl = _controller([SLOW, FAST], SLOW)
+    d = ctrl.decide(10, remaining_samples=640)
+    assert not d.switch and "switch cost" in d.reason
 
 
 def test_no_switch_below_min_gain():
@@ -171,7 +178,7 @@ def test_wrong_extrapolation_discounts_unmeasured_layouts():
     another never-measured layout that the (now globally calibrated) model still predicts
     ~1.3x faster must not trigger a switch; a same-layout batch change, whose prediction
     rests on FAST's own measurement, is not discounted."""
-    tp2 = Strategy(4, 2, 1, 2, 64)
+    tp2 = Strategy(4, 2, 1, 4, 64)
     ctrl = _controller([SLOW, FAST, tp2, BIG_GB], SLOW, noise_scale=None)
     cm = ctrl.cost_model
     slow_s = cm.analytic(SLOW).analytic_s

@@ -16,7 +16,8 @@ GPT3 = load_config("gpt3_1.3b").model
 def test_compute_term_is_flops_over_achieved_rate():
     """Catches a wrong compute term (e.g. efficiency taken at global-batch tokens or devices
     not counted): at tp=pp=1 it must equal flops_per_token*tokens/(peak*eff(mb tokens)*N)
-    exactly (rel 1e-12)."""
+    exactly (rel 1e-12), and at tp=4 the efficiency is that of a quarter of the tokens
+    (TP shrinks each device's matrix multiplications)."""
     cm = CostModel(GPT3, "A100-80GB")
     s = Strategy(8, 1, 1, 2, 64)
     gpu = get_gpu_profile("A100-80GB")
@@ -29,6 +30,10 @@ def test_compute_term_is_flops_over_achieved_rate():
     assert est.compute_s == pytest.approx(expected, rel=1e-12)
     assert est.bubble_s == 0 and est.tp_comm_s == 0 and est.pp_comm_s == 0
     assert est.tokens_per_s == pytest.approx(tokens / est.iter_s)
+    # TP: each rank's GEMMs are 1/tp as wide, so the efficiency is taken at mb tokens / tp
+    tp4 = cm.analytic(Strategy(2, 4, 1, 2, 64))
+    want = expected * gpu.efficiency(mb_tokens) / gpu.efficiency(mb_tokens / 4)
+    assert tp4.compute_s == pytest.approx(want, rel=1e-12) and tp4.compute_s > est.compute_s
 
 
 @pytest.mark.parametrize("pp,gb", [(2, 16), (4, 16), (4, 64), (8, 64)])

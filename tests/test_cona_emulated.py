@@ -7,16 +7,10 @@ import types
 import pytest
 import torch
 
-from cona.emulated import (
-    BATCH_SWITCH_STEPS,
-    LAYOUT_SWITCH_FIXED_S,
-    EmulatedCluster,
-    build_candidates,
-    global_batch_sizes,
-    proxy_micro_batch_size,
-    target_model_config,
-)
-from cona.job import val_set_size
+from cona.candidates import build_candidates, global_batch_sizes
+from cona.emulated import BATCH_SWITCH_STEPS, LAYOUT_SWITCH_FIXED_S, EmulatedCluster
+from cona.job import proxy_micro_batch_size, val_set_size
+from cona.mapping import ProxyMapping
 from cona.state import SampleScheduler, set_peak_lr, strategy_config
 from cona.strategy import Strategy
 from jobruntime.config import ConfigError, load_config
@@ -24,6 +18,10 @@ from jobruntime.config import ConfigError, load_config
 
 def _cfg(*overrides):
     return load_config("tiny_gpt", ["cona.target_model=gpt3_1.3b", *overrides])
+
+
+def target_model_config(cfg):
+    return load_config(cfg.cona.target_model).model
 
 
 def test_candidates_auto_and_explicit():
@@ -66,8 +64,6 @@ def test_emulated_switch_costs():
     assert cluster.switch_s(a, b) == BATCH_SWITCH_STEPS * cluster.iter_s(b)
     assert LAYOUT_SWITCH_FIXED_S < cluster.switch_s(a, c) < LAYOUT_SWITCH_FIXED_S + 1.0
     assert cluster.iter_s(b) > cluster.iter_s(a) > 0
-    priors = cluster.switch_cost_priors(a)
-    assert priors["batch"] == cluster.iter_s(a) and priors["layout"] > LAYOUT_SWITCH_FIXED_S
 
 
 @pytest.mark.parametrize(
@@ -124,3 +120,37 @@ def test_sample_schedule_and_lr_scaling():
         cfg.parallel.global_batch_size,
         cfg.train.lr,
     ) == (2, 1, 2, 16, 5e-3)
+
+
+def test_proxy_mapping_is_one_rule():
+    """Catches a mapping applied in one direction only or rounded silently: the calibration
+    must land the reference noise scale on the published batch within a factor sqrt(2)
+    (power-of-two rounding), batches must map both ways exactly, a target batch that is not
+    a whole number of proxy sequences must be an error naming cona.batch_ratio, and the
+    controller's noise-scale view must be r times the proxy's."""
+    from cona.grad_stats import GradientNoiseScale
+    from cona.mapping import PUBLISHED_BATCH, TargetNoiseScale, calibrate_ratio
+
+    for phi in (3.0, 40.0, 100.0, 700.0):
+        r = calibrate_ratio(phi, "gpt3_1.3b")
+        assert r >= 1 and r & (r - 1) == 0
+        if r > 1:
+            assert 2**-0.5 <= r * phi / PUBLISHED_BATCH["gpt3_1.3b"][0] <= 2**0.5
+    assert calibrate_ratio(100.0, "gpt3_1.3b") == 4 and calibrate_ratio(100.0, "bert_large") == 2
+    with pytest.raises(ValueError, match="positive"):
+        calibrate_ratio(0.0, "gpt3_1.3b")
+    m = ProxyMapping(8, 64, 2048)
+    assert m.target_batch(16) == 128 and m.proxy_batch(128) == 16
+    with pytest.raises(ValueError, match="cona.batch_ratio"):
+        m.proxy_batch(100)
+    est = GradientNoiseScale()
+    est.update(2.0 + 10 / 4, 4, 2.0 + 10 / 32, 32)
+    assert TargetNoiseScale(est, m).noise_scale == pytest.approx(8 * est.noise_scale)
+    cfg = _cfg("cona.batch_ratio=8")
+    assert global_batch_sizes(cfg, m) == [64, 128, 256, 512]  # preset batch 8 -> 64 target seqs
+    with pytest.raises(ValueError, match="cona.batch_ratio"):
+        build_candidates(_cfg("cona.global_batch_sizes=[64,100]"), target_model_config(cfg), 8,
+                         mapping=m)
+    bad = _cfg("cona.enabled=true", "cona.clock=emulated", "cona.batch_ratio=0")
+    with pytest.raises(ConfigError, match="batch_ratio"):
+        bad.cona.validate()

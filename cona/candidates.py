@@ -1,0 +1,66 @@
+"""The candidate strategies of a CONA run (pure logic, no process groups).
+
+``cona.candidates`` if given, else every valid strategy for the device count
+with global batch sizes ``cona.global_batch_sizes`` (target sequences; default:
+the target batch of the configured global batch times 1, 2, 4, 8, see
+:mod:`cona.mapping`) and micro-batch sizes 1, 2, 4, 8, filtered by per-device
+memory (:class:`cona.memory_model.MemoryModel`) when a limit is known.  Every
+candidate's global batch must map to a whole number of proxy sequences.
+"""
+
+from __future__ import annotations
+
+from jobruntime.config import JobConfig, ModelConfig
+
+from .mapping import ProxyMapping
+from .memory_model import MemoryModel
+from .strategy import Strategy, enumerate_strategies, strategies_from_dicts
+
+AUTO_MICRO_BATCH_SIZES = (1, 2, 4, 8)
+
+
+def global_batch_sizes(cfg: JobConfig, mapping: ProxyMapping | None = None) -> list[int]:
+    """``cona.global_batch_sizes`` or the configured global batch (in target sequences)
+    times 1, 2, 4, 8."""
+    if cfg.cona.global_batch_sizes:
+        return sorted({int(b) for b in cfg.cona.global_batch_sizes})
+    gb = (mapping or ProxyMapping()).target_batch(cfg.parallel.global_batch_size)
+    return [gb * k for k in (1, 2, 4, 8)]
+
+
+def build_candidates(
+    cfg: JobConfig,
+    model: ModelConfig,
+    world_size: int,
+    *,
+    mapping: ProxyMapping | None = None,
+    memory_limit_bytes: float | None = None,
+    precision: str = "mixed",
+) -> list[Strategy]:
+    """Candidate strategies for ``model`` on ``world_size`` devices (module docstring).
+
+    Raises:
+        ValueError: an explicit candidate is invalid, a global batch does not map to
+            whole proxy sequences, or no candidate is left.
+    """
+    mapping = mapping or ProxyMapping()
+    if cfg.cona.candidates:
+        cands = strategies_from_dicts(cfg.cona.candidates, model, world_size)
+    else:
+        mem = MemoryModel(model, precision=precision) if memory_limit_bytes else None
+        cands = enumerate_strategies(
+            model,
+            world_size,
+            global_batch_sizes=global_batch_sizes(cfg, mapping),
+            micro_batch_sizes=AUTO_MICRO_BATCH_SIZES,
+            memory_limit_bytes=memory_limit_bytes,
+            memory_model=mem,
+        )
+    for c in cands:
+        mapping.proxy_batch(c.global_batch_size)  # raises if not whole proxy sequences
+    if not cands:
+        raise ValueError(
+            f"no valid CONA candidate strategy for {world_size} devices; list "
+            "cona.candidates or change cona.global_batch_sizes"
+        )
+    return cands

@@ -1,0 +1,204 @@
+"""Everything a CONA run needs, built once: the clock, the target, candidates, data.
+
+This is the one place that decides the clock (``cona.clock``):
+
+- **wall** (real mode): the strategies' layouts run on the launched
+  processes; the model that trains is the model that is timed; time is the
+  wall clock; switch costs are measured (:class:`cona.job.RealJob`).
+- **emulated**: the job's model is a *proxy* that really trains (in one
+  process, or data-parallel over torchrun's processes); the *target*
+  (``cona.target_model``) on ``cona.num_gpus`` x ``cona.gpu`` gives step and
+  switch times (:class:`cona.emulated.EmulatedCluster`).  A proxy step of
+  ``B_p`` sequences stands for a target step of ``B_t = r * B_p`` sequences,
+  ``r = cona.batch_ratio`` (:mod:`cona.mapping`, the one proxy-to-target rule).
+
+Units: strategies, the controller's noise scale and its reference batch are
+in *target* sequences (in real mode target = proxy, ``r = 1``); the training
+budget, the sample-based LR schedule, evaluations and the data position are
+in *proxy* samples: ``train.iters * parallel.global_batch_size`` samples,
+evaluations every ``train.eval_interval * parallel.global_batch_size``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from jobruntime.config import ConfigError, JobConfig, ModelConfig, load_config
+from jobruntime.parallel import init_distributed
+
+from .candidates import build_candidates
+from .controller import Controller, best_throughput_strategy
+from .cost_model import CostModel
+from .emulated import EmulatedCluster
+from .job import (
+    Datasets,
+    EmulatedJob,
+    Job,
+    RealJob,
+    build_datasets,
+    proxy_micro_batch_size,
+    val_set_size,
+)
+from .mapping import ProxyMapping, TargetNoiseScale
+from .strategy import Strategy
+
+
+@dataclass
+class ConaContext:
+    """A CONA run's setup (module docstring); build it with :func:`build_context`.
+
+    Attributes:
+        cfg: the job's config (the proxy's, in emulated mode).
+        target: the timed model (``cfg.model`` in real mode).
+        mapping: proxy -> target batches and noise scale.
+        candidates: strategies to choose from (target sequences).
+        cost_model: the controller's throughput model (calibrated by measured steps).
+        cluster: the emulated cluster, ``None`` in real mode.
+        data: tokenised corpus and datasets.
+        budget_samples: training budget (proxy samples).
+        eval_samples: proxy samples between evaluations.
+        val_micro_batch: the proxy's validation micro-batch (emulated mode).
+    """
+
+    cfg: JobConfig
+    target: ModelConfig
+    mapping: ProxyMapping
+    candidates: list[Strategy]
+    cost_model: CostModel
+    cluster: EmulatedCluster | None
+    data: Datasets
+    budget_samples: int
+    eval_samples: int
+    val_micro_batch: int
+
+    @property
+    def emulated(self) -> bool:
+        return self.cluster is not None
+
+    @property
+    def clock(self) -> str:
+        """``"emulated"`` or ``"wall"``: the label every record and report carries."""
+        return "emulated" if self.emulated else "wall"
+
+    @property
+    def reference_batch(self) -> int:
+        """``M0``: the target batch the base LR was tuned for (``r * parallel.global_batch_size``)."""
+        return self.mapping.target_batch(self.cfg.parallel.global_batch_size)
+
+    def start_strategy(self) -> Strategy:
+        """Real mode: ``cfg.parallel``.  Emulated: the fastest candidate at the reference
+        batch, else at the smallest candidate batch."""
+        if not self.emulated:
+            p, world = self.cfg.parallel, dist.get_world_size()
+            dp = world // (p.tp * p.pp)
+            return Strategy(dp, p.tp, p.pp, p.micro_batch_size, p.global_batch_size)
+        same = [s for s in self.candidates if s.global_batch_size == self.reference_batch]
+        smallest = min(s.global_batch_size for s in self.candidates)
+        pool = same or [s for s in self.candidates if s.global_batch_size == smallest]
+        return best_throughput_strategy(pool, self.cost_model)
+
+    def make_job(self, start: Strategy | None = None) -> Job:
+        """A fresh job (initial weights, data position 0, clock 0) at ``start``."""
+        start = start or self.start_strategy()
+        if self.emulated:
+            return EmulatedJob(self, start)
+        return RealJob(self, start)
+
+    def make_controller(self, job: Job) -> Controller:
+        """The controller for ``job``: emulated switch costs are the cluster's model (what
+        the clock charges); real ones are measured (:attr:`RealJob.measured_costs`)."""
+        kw = {}
+        if self.emulated:
+            kw["switch_cost_model"] = self.cluster.switch_s
+        else:
+            kw["switch_cost_priors_s"] = job.measured_costs
+        return Controller(
+            self.candidates,
+            self.cost_model,
+            TargetNoiseScale(job.gns, self.mapping),
+            self.cfg.cona,
+            current=job.strategy,
+            base_lr=self.cfg.train.lr,
+            reference_batch=self.reference_batch,
+            **kw,
+        )
+
+
+def _emulated(cfg: JobConfig, world: int):
+    c = cfg.cona
+    target = load_config(c.target_model).model if c.target_model else cfg.model
+    mapping = ProxyMapping(c.batch_ratio, cfg.model.seq_length, target.seq_length)
+    cluster = EmulatedCluster(target, c.gpu, c.num_gpus or world)
+    cands = build_candidates(
+        cfg, target, cluster.num_gpus, mapping=mapping, memory_limit_bytes=cluster.memory_limit_bytes
+    )
+    cands = [s for s in cands if mapping.proxy_batch(s.global_batch_size) % world == 0]
+    if not cands:
+        raise ValueError(f"no candidate's proxy global batch is divisible by {world} processes")
+    val_mb = proxy_micro_batch_size(
+        max(cfg.parallel.global_batch_size // world, 1), cfg.parallel.micro_batch_size
+    )
+    return target, mapping, cluster, cands, cluster.cost_model, [world * val_mb]
+
+
+def _real(cfg: JobConfig, world: int):
+    if cfg.cona.batch_ratio != 1:
+        raise ValueError("cona.batch_ratio applies to the emulated clock; set cona.clock=emulated")
+    cfg.validate(world)
+    gpu = torch.cuda.is_available()
+    limit = torch.cuda.get_device_properties(0).total_memory if gpu else None
+    precision = "mixed" if gpu else "fp32"
+    cands = build_candidates(cfg, cfg.model, world, memory_limit_bytes=limit, precision=precision)
+    cost_model = CostModel(cfg.model, cfg.cona.gpu, precision=precision)
+    p = cfg.parallel
+    units = [s.dp * s.micro_batch_size for s in cands]
+    units.append(world // (p.tp * p.pp) * p.micro_batch_size)
+    mapping = ProxyMapping(1.0, cfg.model.seq_length, cfg.model.seq_length)
+    return cfg.model, mapping, None, cands, cost_model, units
+
+
+def build_context(
+    cfg: JobConfig, *, data: Datasets | None = None, min_train_samples: int = 0
+) -> ConaContext:
+    """Decide the clock and build candidates, cost model and data for ``cfg`` (collective).
+
+    Args:
+        data: datasets of an earlier context of the same config, to reuse.
+        min_train_samples: build at least this many training samples (for a
+            later context that reuses the data with larger batches).
+
+    Raises:
+        ConfigError: invalid layout, candidates or batch ratio.
+    """
+    init_distributed()
+    world = dist.get_world_size()
+    ref = cfg.parallel.global_batch_size
+    budget = max(cfg.train.iters, 1) * ref
+    try:
+        build = _emulated if cfg.cona.clock == "emulated" else _real
+        target, mapping, cluster, cands, cost_model, val_units = build(cfg, world)
+    except ValueError as e:
+        if isinstance(e, ConfigError):
+            raise
+        raise ConfigError(str(e)) from None
+    if data is None:
+        largest = max(mapping.proxy_batch(s.global_batch_size) for s in cands)
+        train = max(budget + max(largest, ref), min_train_samples)
+        data = build_datasets(
+            cfg, train_samples=train, val_samples=val_set_size(cfg, val_units, ref)
+        )
+    return ConaContext(
+        cfg=cfg,
+        target=target,
+        mapping=mapping,
+        candidates=cands,
+        cost_model=cost_model,
+        cluster=cluster,
+        data=data,
+        budget_samples=budget,
+        eval_samples=max(cfg.train.eval_interval, 1) * ref,
+        val_micro_batch=val_units[0] // world if cluster is not None else 0,
+    )
