@@ -59,19 +59,19 @@ def test_gpt3_tp3_excluded_by_heads():
 
 
 def test_gpt3_8xa100_valid_and_memory_feasible():
-    """Catches the memory filter being ignored (GPT-3 1.3B at micro-batch 8 without TP needs
-    ~113 GiB by Korthikanti's formula, far over 80 GiB, with megatron's local attention)
-    or feasible layouts being dropped."""
-    kw = dict(global_batch_sizes=[64, 512], micro_batch_sizes=[1, 2, 4, 8])
+    """Catches the memory filter being ignored (GPT-3 1.3B at micro-batch 16 without TP
+    needs ~127 GiB with megatron's local attention, far over 80 GiB; 79 GiB with a fused
+    kernel) or feasible layouts being dropped."""
+    kw = dict(global_batch_sizes=[64, 128, 512], micro_batch_sizes=[1, 2, 4, 8, 16])
     unlimited = enumerate_strategies(GPT3, 8, **kw)
     mm = MemoryModel(GPT3, flash_attention=False)
     feasible = enumerate_strategies(GPT3, 8, memory_limit_bytes=A100_80, memory_model=mm, **kw)
     assert all(_valid(s, GPT3, 8) for s in unlimited)
     assert {s.tp for s in unlimited} == {1, 2, 4, 8}
-    assert Strategy(8, 1, 1, 8, 64) in unlimited
-    assert Strategy(8, 1, 1, 8, 64) not in feasible
-    assert Strategy(8, 1, 1, 4, 64) in feasible
-    assert Strategy(4, 2, 1, 8, 64) in feasible  # TP halves activations and weights
+    assert Strategy(8, 1, 1, 16, 128) in unlimited
+    assert Strategy(8, 1, 1, 16, 128) not in feasible
+    assert Strategy(8, 1, 1, 8, 64) in feasible
+    assert Strategy(4, 2, 1, 16, 128) in feasible  # TP halves activations and weights
     assert set(feasible) < set(unlimited)
     assert all(mm.peak_bytes(s) <= A100_80 for s in feasible)
     assert all(mm.peak_bytes(s) > A100_80 for s in set(unlimited) - set(feasible))
