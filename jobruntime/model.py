@@ -121,31 +121,19 @@ def build_model(
     if not meta and parallel.pp > 1:
         _draw_earlier_stages(model, parallel, params_dtype, local_spec)
     ctx = torch.device("meta") if meta else contextlib.nullcontext()
+    common = dict(config=tcfg, transformer_layer_spec=spec, vocab_size=vocab,
+                  max_sequence_length=model.max_positions, pre_process=pre_process,
+                  post_process=post_process,
+                  share_embeddings_and_output_weights=model.tie_embeddings)
     with ctx:
         if model.family == "bert":
-            module = BertModel(
-                config=tcfg,
-                num_tokentypes=2,
-                transformer_layer_spec=spec,
-                vocab_size=vocab,
-                max_sequence_length=model.max_positions,
-                pre_process=pre_process,
-                post_process=post_process,
-                share_embeddings_and_output_weights=model.tie_embeddings,
-                add_binary_head=False,
-            )
+            module = BertModel(**common, num_tokentypes=2, add_binary_head=False)
             allow_unmasked(module)
             if backend == "sdpa":
                 module = swap_in_sdpa(module)
         else:
             module = GPTModel(
-                config=tcfg,
-                transformer_layer_spec=spec,
-                vocab_size=vocab,
-                max_sequence_length=model.max_positions,
-                pre_process=pre_process,
-                post_process=post_process,
-                share_embeddings_and_output_weights=model.tie_embeddings,
+                **common,
                 position_embedding_type=model.position_embedding,
                 rotary_base=model.rotary_base,
                 rope_scaling=model.rope_scaling,
