@@ -1,9 +1,10 @@
 """No error path deletes what a run wrote once it started training.
 
-A GeoMesh real-mode job whose peer region dies after the first outer step
-exits with a one-line error (exit 2) — and keeps its run folder: metrics,
-config and the checkpoints it saved (train.py used to remove every folder it
-had created on any bad-input error, this one included).
+A GeoMesh real-mode job (one torchft job per region) whose peer region dies
+after the first outer step, under ``geomesh.on_worker_loss=fail``, exits with a
+one-line error (exit 3, interrupted by a lost peer) — and keeps its run
+folder: metrics, config and the checkpoints it saved (train.py used to remove
+every folder it had created on any bad-input error, this one included).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from pathlib import Path
 import yaml
 
 from tests.dist_utils import free_port
+from tests.test_geomesh_real import SECRET_ENV, _lighthouse
 
 REPO = Path(__file__).resolve().parent.parent
 OVERRIDES = [
@@ -25,7 +27,7 @@ OVERRIDES = [
     "model.seq_length=32", "parallel.global_batch_size=8", "parallel.micro_batch_size=2",
     "geomesh.inner_steps=2", "geomesh.outer_steps=50", "geomesh.replan=false",
     "train.eval_iters=1", "train.warmup_iters=2", "logging.wandb=disabled",
-    "checkpoint.save_interval=1", "geomesh.timeout_s=30",
+    "checkpoint.save_interval=1", "geomesh.timeout_s=30", "geomesh.on_worker_loss=fail",
 ]
 
 
@@ -37,14 +39,14 @@ def _region_job(cluster: Path, region: str, run_dir: Path, cache_dir: str) -> su
            f"geomesh.region={region}", *OVERRIDES]
     return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True,
-                            env={**os.environ, "WANDB_SILENT": "true", "OMP_NUM_THREADS": "1"})
+                            env={**os.environ, **SECRET_ENV})
 
 
 def test_geomesh_job_that_loses_a_region_keeps_its_run_folder(tmp_path, cache_dir):
     """Catches train.py deleting a started run (metrics.jsonl, config.yaml,
     checkpoints/outer_*) because the mid-run loss of a region is reported as a
     bad-input error: the West Europe job is killed once East US has saved outer
-    step 1; East US exits with 2 and one error line, and its folder is intact."""
+    step 1; East US exits with 3 and one error line, and its folder is intact."""
     regions = [{"name": "East US", "id": 0}, {"name": "West Europe", "id": 1}]
     workers = [{"name": "w0", "gpu": "A100-80GB", "region": "East US"},
                {"name": "w1", "gpu": "A100-80GB", "region": "West Europe"}]
@@ -53,6 +55,7 @@ def test_geomesh_job_that_loses_a_region_keeps_its_run_folder(tmp_path, cache_di
                                        "workers": workers,
                                        "rendezvous": f"127.0.0.1:{free_port()}"}))
     east, west = tmp_path / "east", tmp_path / "west"
+    lighthouse = _lighthouse(cluster)
     jobs = [_region_job(cluster, "East US", east, cache_dir),
             _region_job(cluster, "West Europe", west, cache_dir)]
     try:
@@ -67,7 +70,8 @@ def test_geomesh_job_that_loses_a_region_keeps_its_run_folder(tmp_path, cache_di
         for job in jobs:
             if job.poll() is None:
                 os.killpg(job.pid, signal.SIGKILL)
-    assert jobs[0].returncode == 2, err[-3000:]
+        lighthouse.kill()
+    assert jobs[0].returncode == 3, err[-3000:]
     errors = [ln for ln in err.splitlines() if ln.startswith("error:")]
     assert len(errors) == 1, err[-3000:]
     assert (east / "config.yaml").is_file() and (east / "metrics.jsonl").read_text().strip()
