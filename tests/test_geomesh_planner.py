@@ -28,12 +28,13 @@ def test_memory_model_is_the_projects_one():
     """Catches the planner counting memory its own way (it counted 16 B/param and no
     logits while CONA counted 18 B/param and fp32 logits): a worker's bytes are
     jobruntime.memory's for its layout, with the outer state on top.  By hand at tp=1,
-    dropout 0: 18 + 8 B/param (padded vocabulary), L * s*b*h*(8 + 24 + 2as/h),
-    final norm, fp32 logits and the output weight's bf16 gradient, 2 GiB allowance."""
+    dropout 0, fused attention (SDPA/TE: no s x s scores, an fp32 log-sum-exp per head
+    and token): 18 + 8 B/param (padded vocabulary), L * s*b*(h*(8 + 24) + 4a), final
+    norm, fp32 logits and the output weight's bf16 gradient, 2 GiB allowance."""
     w = load_cluster("two_worker").worker("h100-eastus")
     mm = MemoryModel(model=GPT, extra_bytes_per_param=8.0)
     s, h, a, L, b, v = 2048, 2048, 16, 24, 3, GPT.padded_vocab
-    expect = (26 * num_params(GPT, padded_vocab=v) + L * s * b * h * (32 + 2 * a * s / h)
+    expect = (26 * num_params(GPT, padded_vocab=v) + L * s * b * (32 * h + 4 * a)
               + 4 * s * b * h + 4 * s * b * v + 2 * v * h + 2 * 2**30)
     assert mm.bytes_per_gpu(w, b) == pytest.approx(expect, rel=1e-12)
     assert mm.limit_bytes(w) == w.memory_bytes_per_gpu  # the allowance is in the estimate

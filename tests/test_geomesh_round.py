@@ -28,7 +28,7 @@ from jobruntime.config import load_config
 
 def test_emulated_rounds_train_and_charge_time():
     """Catches wiring bugs between the modules (sign of Δ = θ_global − θ_i, token
-    counts, schema order, clock charging): three rounds of two workers must lower
+    counts, schema order, clock charging): six rounds of two workers must lower
     the loss of θ_global, every worker's copy of the aggregate must be bitwise
     equal, WAN idle must cover the target model's message over the link, and
     every emulated second must be compute, straggler idle or WAN idle."""
@@ -54,7 +54,8 @@ def test_emulated_rounds_train_and_charge_time():
         return torch.mean((data_x @ p["w"] + p["b"] - data_y) ** 2).item()
 
     start_loss = loss(theta)
-    for rnd in range(3):
+    rounds = 6
+    for rnd in range(rounds):
         messages = {}
         for i, wp in enumerate(plan.workers):
             local = {k: v.clone().requires_grad_(True) for k, v in theta.items()}
@@ -80,5 +81,5 @@ def test_emulated_rounds_train_and_charge_time():
     assert wan > target_bytes / cluster.link("East US", "West Europe").bandwidth_bytes_per_s
     for t in clock.totals.values():  # every emulated second is compute or idle
         assert t.compute_s + t.straggler_idle_s + t.wan_idle_s == pytest.approx(t.end_s)
-        assert t.compute_s == pytest.approx(3 * plan.round_time_s, rel=0.05)
+        assert t.compute_s == pytest.approx(rounds * plan.round_time_s, rel=0.05)
     assert clock.now_s == max(t.end_s for t in clock.totals.values())
