@@ -132,8 +132,8 @@ class SignCodec(Codec):
         xs, sums, counts, reduce = [], [], [], []
         for name, shape in self.schema.entries:
             x = deltas[name].detach().float()
-            if feedback is not None and name in feedback.residuals:
-                x = x + feedback.residuals[name]
+            if feedback is not None:
+                x = feedback.add(name, x)
             n = self.schema.num_scales(shape)
             rows = x.reshape(n, -1) if x.numel() else x.reshape(n, 0)
             xs.append(x)
@@ -162,7 +162,7 @@ class SignCodec(Codec):
             packed, _ = pack_signs(x)
             tensors[name] = CompressedTensor(packed=packed, scale=scale, shape=torch.Size(x.shape))
             if feedback is not None:  # e ← x − m·sign(x), kept locally (EF-signSGD)
-                feedback.residuals[name] = x - scale_signs(unpack_signs(packed, x.shape), scale)
+                feedback.keep(name, x - scale_signs(unpack_signs(packed, x.shape), scale))
         msg = WorkerMessage(worker=worker, round=round, num_tokens=int(num_tokens), tensors=tensors)
         return encode_message(msg, self.schema)
 
@@ -212,7 +212,8 @@ class DenseCodec(Codec):
         off, out = _DENSE_HEADER.size, {}
         for name, shape in self.schema.entries:
             n = int(np.prod(shape)) if shape else 1
-            out[name] = torch.frombuffer(buf, dtype=torch.float32, count=n, offset=off).reshape(shape)
+            out[name] = (torch.frombuffer(buf, dtype=torch.float32, count=n, offset=off)
+                         if n else torch.zeros(0)).reshape(shape)
             off += 4 * n
         return out, tokens
 

@@ -178,6 +178,8 @@ def num_row_scales(shape: Sequence[int]) -> int:
 def scale_signs(sign: torch.Tensor, scale: float | torch.Tensor) -> torch.Tensor:
     """``sign * scale`` in place; a tensor ``scale`` multiplies row by row."""
     if isinstance(scale, torch.Tensor):
+        if sign.numel() == 0:
+            return sign
         return sign.view(scale.numel(), -1).mul_(scale.to(sign.dtype).unsqueeze(1)).view(sign.shape)
     return sign.mul_(scale)
 
@@ -239,11 +241,22 @@ def compress_with_feedback(
 class ErrorFeedback:
     """Per-tensor error-feedback memory ``e`` (fp32, same shapes as the model).
 
-    Kept locally by each worker, never sent.  Costs 4 bytes per parameter.
+    Kept locally by each worker, never sent, in host memory: it is read and
+    written once per round (4 bytes per parameter over PCIe), so it takes no
+    accelerator memory and the planner's plan does not depend on it.
     """
 
     def __init__(self) -> None:
         self.residuals: dict[str, torch.Tensor] = {}
+
+    def add(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        """``x + e`` (on ``x``'s device); ``x`` itself when there is no residual yet."""
+        e = self.residuals.get(name)
+        return x if e is None else x + e.to(x.device)
+
+    def keep(self, name: str, residual: torch.Tensor) -> None:
+        """Store the new residual ``x − D(C(x))`` (moved to host memory)."""
+        self.residuals[name] = residual.detach().cpu()
 
     def compress(self, name: str, delta: torch.Tensor) -> CompressedTensor:
         ct, self.residuals[name] = compress_with_feedback(delta, self.residuals.get(name))
@@ -432,7 +445,8 @@ def decode_message(data: bytes | bytearray | memoryview, schema: TensorSchema) -
     for name, shape in schema.entries:
         if schema.row_scales and len(shape) >= 2:
             rows = int(shape[0])
-            scale = torch.frombuffer(buf, dtype=torch.float32, count=rows, offset=off).clone()
+            scale = (torch.frombuffer(buf, dtype=torch.float32, count=rows, offset=off).clone()
+                     if rows else torch.zeros(0))
             off += _SCALE.size * rows
             bad = not bool((torch.isfinite(scale) & (scale >= 0)).all()) if rows else False
             if bad:

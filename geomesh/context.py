@@ -140,6 +140,17 @@ def _validate(cfg: JobConfig) -> None:
     if not 0 < g.outer_lr < float("inf"):
         raise ConfigError(f"geomesh.outer_lr must be a positive number, got {g.outer_lr} "
                           "(DiLoCo's default is 0.7)")
+    if g.compression == "sign_pred" and g.compress_update:
+        raise ConfigError("geomesh.compression=sign_pred predicts from the global outer momentum; "
+                          "it needs geomesh.compress_update=false")
+    if not 1 <= g.topk_k <= 256:
+        raise ConfigError(f"geomesh.topk_k must be in [1, 256] (kept of every 256), got {g.topk_k}")
+    if g.overlap is not None and not 0 <= g.overlap <= 1:
+        raise ConfigError(f"geomesh.overlap must be in [0, 1] (the share of a round's inner steps "
+                          f"behind which the previous exchange runs) or null, got {g.overlap}")
+    if g.overlap is not None and g.method not in ("geomesh", "diloco"):
+        raise ConfigError(f"geomesh.overlap applies to methods geomesh and diloco, not {g.method}; "
+                          "unset it")
     if not 0 <= g.outer_momentum < 1:
         raise ConfigError(f"geomesh.outer_momentum must be in [0, 1), got {g.outer_momentum} "
                           "(DiLoCo's default is 0.9)")
@@ -178,6 +189,9 @@ def build_context(cfg: JobConfig, run_dir: Path) -> RunContext:
     else:
         if g.method == "async":
             raise ConfigError("geomesh.method=async runs in emulated mode only; set geomesh.mode=emulated")
+        if g.compression == "topk" and any(w.tp > 1 for w in cluster.workers):
+            raise ConfigError("geomesh.compression=topk needs tp=1 workers in real mode (its "
+                              "chunks would span TP shards); use sign_row")
         placement, layout_cfg = place_real(cfg, cluster)
         per = cfg.parallel.micro_batch_size * placement.dp_in
         if cfg.parallel.global_batch_size % per:
@@ -191,10 +205,11 @@ def build_context(cfg: JobConfig, run_dir: Path) -> RunContext:
     run_dir = same_run_dir(run_dir, group=placement.job_group, src=placement.job_src)
     G_t = target.parallel.global_batch_size
     s_t = target.model.seq_length
-    # θ_global and the outer momentum (fp32, 8 bytes/param), the error-feedback
-    # residual (4) and the packed message (~1/8) stay on the worker's GPUs
-    # next to its shard: the memory model counts them (geomesh.report.memory_overhead).
-    outer_bytes = 8.0 + (4.0 if g.error_feedback else 0.0) + 0.25
+    # θ_global and the outer momentum (fp32, 8 bytes/param) and the packed
+    # message (~1/8) stay on the worker's GPUs next to its shard: the memory
+    # model counts them (geomesh.report.memory_overhead).  The error-feedback
+    # residual and the overlap snapshot live in host memory.
+    outer_bytes = 8.0 + 0.25
     planner = Planner(cluster, target.model, tokens_per_round=g.inner_steps * G_t * s_t,
                       inner_steps=g.inner_steps, balance=g.balance,
                       memory=MemoryModel(model=target.model, seq_length=s_t,

@@ -327,10 +327,30 @@ class GeoMeshConfig:
     unchanged (``none``, default: measured better with the outer Nesterov
     step), ``lr · (b_i K / G)^{1/2}`` (``sqrt``) or linear.  Uniform methods
     (DiLoCo, async) are unaffected."""
-    compression: Literal["sign_row", "sign", "fp32"] = "sign_row"
+    compression: Literal["sign_row", "sign_pred", "sign", "topk", "fp32"] = "sign_row"
     """GeoMesh's pseudo-gradient codec: sign bits with one fp32 magnitude per
-    row of every matrix (``sign_row``, ~1 % more bytes than ``sign``), per
-    tensor (``sign``), or none (``fp32``, an ablation)."""
+    row of every matrix (``sign_row``, ~1 % more bytes than ``sign``), the same
+    for the part the outer momentum does not predict plus one coefficient per
+    row (``sign_pred``, ``geomesh/predict.py``), one magnitude per tensor
+    (``sign``), the 8 largest of every 256 elements of a row as
+    position + sign with a magnitude per row (``topk``, ~108x less than fp32;
+    use it with error feedback), or none (``fp32``, an ablation)."""
+    compress_update: bool = False
+    """GeoMesh: compress each worker's momentum-corrected outer update
+    ``Δ_i + μ v_i`` (its own momentum ``v_i``, 1-bit Adam's order; every worker
+    applies the aggregate directly) instead of the pseudo-gradient ``Δ_i``
+    (DiLoCo's order, one global momentum).  Same step without compression;
+    with error feedback the parameter error stays bounded by the current
+    residual (``geomesh/feedback.py``)."""
+    overlap: float | None = None
+    """Hide the exchange behind compute: the messages of round ``r`` travel
+    while each worker runs the first ``overlap · H_i`` inner steps of round
+    ``r+1`` from its own weights; then it moves onto the new ``θ_global`` keeping
+    that progress (1 = a one-round-delayed outer update).  ``null``: no
+    overlap.  Checkpoint rounds are not overlapped."""
+    topk_k: int = 8
+    """``compression=topk``: elements kept of every 256 of a row (8: ~108x less
+    than fp32; 26: ~34x)."""
     target_model: str | None = None
     """Emulated mode: preset whose FLOPs and bytes set time and traffic."""
     timeout_s: float = 600.0

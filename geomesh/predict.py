@@ -1,0 +1,147 @@
+"""Sign compression of the part of a pseudo-gradient the outer momentum does not predict.
+
+Every worker holds the same outer momentum ``v`` (:class:`geomesh.outer.OuterNesterov`:
+all apply the same aggregates), and a round's pseudo-gradient points largely
+along it: on the quick bench ``cos(Δ_t, v_{t−1})`` is 0.74-0.82 for the
+aggregate and 0.4-0.8 per worker (measured, ``geomesh/sync.py``).  So worker
+``i`` fits ``x = Δ_i + e_i`` by ``γ v`` per row (``γ_r = ⟨x_r, v_r⟩ / ‖v_r‖²``,
+least squares; one coefficient per scale of :class:`~geomesh.codec.SignCodec`:
+per row of a matrix with row scales, else per tensor) and sign-compresses only
+the innovation ``y = x − γ v``:
+
+    message  = (γ_r, fp32 per row) + SignCodec(y)      (m_r · sign(y), m_r = mean |y_r|)
+    decoded  = γ_r v_r + m_r sign(y_r)
+    residual = y − m sign(y)                           (error feedback, if on)
+
+The predicted part travels exactly (4 bytes per row: 31.2x instead of 31.6x
+on GPT-3 1.3B), so coordinates that move consistently — large in ``v`` — get
+their own magnitude instead of the row's mean, and the sign error shrinks
+with ``‖y‖ / ‖x‖`` (0.6-0.75 measured).  The first round has no momentum:
+``γ = 0``, plain signs.  This is predictive (differential) coding, as in
+DPCM; the outer momentum is the predictor every receiver already has, as
+1-bit Adam uses the shared momentum (Tang et al. 2021).
+
+Layout: the dot products of a row split over TP ranks are all-reduced over
+the worker's TP group, like the L1 sums of :class:`~geomesh.codec.SignCodec`,
+so a TP=2 worker sends what a TP=1 worker would.
+
+Wire format: ``"GMPR" | version u16 | reserved u16 | count u32`` (12 B), then
+``count`` fp32 coefficients in schema order (one per scale), then the
+:class:`~geomesh.codec.SignCodec` message of ``y``.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from .codec import SignCodec
+from .compression import ErrorFeedback, MessageError, TensorSchema, decode_message
+from .outer import _check_weights, aggregate_messages
+
+_HEAD = struct.Struct("<4sHHI")
+_MAGIC = b"GMPR"
+
+
+class PredictiveSignCodec(SignCodec):
+    """:class:`SignCodec` of ``x − γ v`` plus the per-scale coefficients ``γ`` (module docstring).
+
+    :meth:`encode` and :meth:`aggregate` take ``predictor`` = the outer momentum
+    ``v`` (same on every worker; empty before the first outer step).
+    """
+
+    kind = "sign-pred"
+
+    def _num_coefs(self, schema: TensorSchema | None = None) -> int:
+        schema = schema or self.schema
+        return sum(schema.num_scales(shape) for _, shape in schema.entries)
+
+    def encoded_bytes(self, schema: TensorSchema) -> int:  # type: ignore[override]
+        return _HEAD.size + 4 * self._num_coefs(schema) + schema.encoded_bytes()
+
+    def compression_ratio(self, schema: TensorSchema) -> float:  # type: ignore[override]
+        return 4 * schema.numel / self.encoded_bytes(schema)
+
+    def _coefs(self, xs: dict[str, torch.Tensor], v: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """``γ`` per scale (fp32, schema order), TP-reduced like the L1 sums."""
+        dots, vvs, reduce = [], [], []
+        for name, shape in self.schema.entries:
+            n = self.schema.num_scales(shape)
+            x, p = xs[name], v.get(name)
+            if p is None or x.numel() == 0:
+                dots.append(torch.zeros(n, dtype=torch.float64))
+                vvs.append(torch.zeros(n, dtype=torch.float64))
+            else:
+                xr, pr = x.reshape(n, -1).double(), p.reshape(n, -1).to(x.device).double()
+                dots.append((xr * pr).sum(dim=1).cpu())
+                vvs.append((pr * pr).sum(dim=1).cpu())
+            reduce.append(torch.full((n,), self._reduced(name, shape), dtype=torch.bool))
+        if not dots:
+            return torch.zeros(0)
+        both = torch.stack([torch.cat(dots), torch.cat(vvs)])  # [2, scales] fp64
+        mask = torch.cat(reduce)
+        if bool(mask.any()):
+            part = torch.where(mask, both, torch.zeros_like(both))
+            dist.all_reduce(part, group=self.tp_group)
+            both = torch.where(mask, part, both)
+        gamma = torch.where(both[1] > 0, both[0] / both[1].clamp(min=1e-300), torch.zeros_like(both[0]))
+        return gamma.float()
+
+    def _times(self, gamma: torch.Tensor, v: Mapping[str, torch.Tensor], like: Mapping[str, torch.Tensor]):
+        """``γ ⊙ v`` per tensor (rows scaled by their coefficient); zeros without ``v``."""
+        out, off = {}, 0
+        for name, shape in self.schema.entries:
+            n = self.schema.num_scales(shape)
+            g = gamma[off:off + n]
+            off += n
+            p = v.get(name)
+            ref = like[name]
+            if p is None:
+                out[name] = torch.zeros(shape, dtype=torch.float32, device=ref.device)
+            else:
+                p = p.to(device=ref.device, dtype=torch.float32)
+                out[name] = (p.reshape(n, -1) * g.to(p.device).unsqueeze(1)).reshape(shape) \
+                    if p.numel() else torch.zeros(shape, device=ref.device)
+        return out
+
+    def encode(self, deltas, num_tokens, *, worker, round, feedback: ErrorFeedback | None = None,
+               predictor: Mapping[str, torch.Tensor] | None = None) -> bytes:
+        v = predictor or {}
+        xs = {name: (feedback.add(name, deltas[name].detach().float()) if feedback is not None
+                     else deltas[name].detach().float()) for name, _ in self.schema.entries}
+        gamma = self._coefs(xs, v)
+        if not bool(torch.isfinite(gamma).all()):
+            raise ValueError(f"pseudo-gradient of worker {worker} has NaN/Inf; the worker "
+                             "diverged (lower the inner learning rate)")
+        pred = self._times(gamma, v, xs)
+        # SignCodec adds the residual e itself: hand it Δ − γv, it compresses Δ + e − γv.
+        ys = {name: deltas[name].detach().float() - pred[name] for name, _ in self.schema.entries}
+        body = super().encode(ys, num_tokens, worker=worker, round=round, feedback=feedback)
+        head = _HEAD.pack(_MAGIC, 1, 0, gamma.numel())
+        return head + gamma.numpy().astype("<f4").tobytes() + body
+
+    def aggregate(self, messages: Sequence[bytes], *,
+                  predictor: Mapping[str, torch.Tensor] | None = None):
+        n = self._num_coefs()
+        gammas, signs = [], []
+        for m in messages:
+            if len(m) < _HEAD.size:
+                raise MessageError(f"predictive message truncated: {len(m)} bytes")
+            magic, _ver, _res, count = _HEAD.unpack_from(m, 0)
+            if magic != _MAGIC or count != n:
+                raise MessageError(f"not a predictive sign message for this model "
+                                   f"(magic {bytes(magic)!r}, {count} coefficients, need {n})")
+            gammas.append(np.frombuffer(m, "<f4", n, _HEAD.size).astype(np.float32))
+            signs.append(decode_message(memoryview(m)[_HEAD.size + 4 * n:], self.schema))
+        tokens = [d.num_tokens for d in signs]
+        weights = _check_weights(tokens)
+        if not all(np.isfinite(g).all() for g in gammas):
+            raise MessageError("a predictive message carries a non-finite coefficient")
+        agg = aggregate_messages(signs)
+        gamma = torch.from_numpy(sum(w * g.astype(np.float64) for w, g in zip(weights, gammas)))
+        pred = self._times(gamma.float(), predictor or {}, agg)
+        return {k: agg[k] + pred[k] for k in agg}, tokens
