@@ -418,7 +418,8 @@ class Planner:
         if g.bucket is not None:
             bucket = g.bucket[idx]
         else:  # H within ~25 % of the configured inner steps
-            bucket = np.array([self._bucket_h(int(h)) for h in H], dtype=np.int64)
+            hs, inv = np.unique(H, return_inverse=True)
+            bucket = np.array([self._bucket_h(int(h)) for h in hs], dtype=np.int64)[inv]
         best = np.lexsort((idx, err, g.eff[idx], bucket, np.where(bad, err, 0.0), bad))[0]
         return int(idx[best]), int(H[best])
 
