@@ -246,8 +246,10 @@ class ErrorFeedback:
     accelerator memory and the planner's plan does not depend on it.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, decay: float = 1.0) -> None:
         self.residuals: dict[str, torch.Tensor] = {}
+        self.decay = decay
+        """Factor on the kept residual (1: EF-signSGD; < 1 forgets old errors)."""
 
     def add(self, name: str, x: torch.Tensor) -> torch.Tensor:
         """``x + e`` (on ``x``'s device); ``x`` itself when there is no residual yet."""
@@ -255,8 +257,9 @@ class ErrorFeedback:
         return x if e is None else x + e.to(x.device)
 
     def keep(self, name: str, residual: torch.Tensor) -> None:
-        """Store the new residual ``x − D(C(x))`` (moved to host memory)."""
-        self.residuals[name] = residual.detach().cpu()
+        """Store the new residual ``decay · (x − D(C(x)))`` (moved to host memory)."""
+        r = residual.detach().cpu()
+        self.residuals[name] = r if self.decay == 1.0 else r.mul_(self.decay)
 
     def compress(self, name: str, delta: torch.Tensor) -> CompressedTensor:
         ct, self.residuals[name] = compress_with_feedback(delta, self.residuals.get(name))

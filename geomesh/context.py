@@ -143,8 +143,14 @@ def _validate(cfg: JobConfig) -> None:
     if g.compression == "sign_pred" and g.compress_update:
         raise ConfigError("geomesh.compression=sign_pred predicts from the global outer momentum; "
                           "it needs geomesh.compress_update=false")
-    if not 1 <= g.topk_k <= 256:
-        raise ConfigError(f"geomesh.topk_k must be in [1, 256] (kept of every 256), got {g.topk_k}")
+    if not 1 <= g.topk_k <= 256 or g.topk_bits not in (1, 2):
+        raise ConfigError(f"geomesh.topk_k must be in [1, 256] (kept of every 256) and "
+                          f"geomesh.topk_bits 1 or 2, got {g.topk_k} and {g.topk_bits}")
+    if not 0 <= g.error_feedback_decay <= 1:
+        raise ConfigError(f"geomesh.error_feedback_decay must be in [0, 1], got "
+                          f"{g.error_feedback_decay}")
+    if not 0 < g.plan_tolerance < 1:
+        raise ConfigError(f"geomesh.plan_tolerance must be in (0, 1), got {g.plan_tolerance}")
     if g.overlap is not None and not 0 <= g.overlap <= 1:
         raise ConfigError(f"geomesh.overlap must be in [0, 1] (the share of a round's inner steps "
                           f"behind which the previous exchange runs) or null, got {g.overlap}")
@@ -211,7 +217,7 @@ def build_context(cfg: JobConfig, run_dir: Path) -> RunContext:
     # residual and the overlap snapshot live in host memory.
     outer_bytes = 8.0 + 0.25
     planner = Planner(cluster, target.model, tokens_per_round=g.inner_steps * G_t * s_t,
-                      inner_steps=g.inner_steps, balance=g.balance,
+                      inner_steps=g.inner_steps, balance=g.balance, tolerance=g.plan_tolerance,
                       memory=MemoryModel(model=target.model, seq_length=s_t,
                                          extra_bytes_per_param=outer_bytes))
     schema = target_schema(target) if cluster.mode == "emulated" else None

@@ -192,6 +192,18 @@ class OuterNesterov:
         self.step_count += 1
 
     @torch.no_grad()
+    def preview(self, delta: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The weights :meth:`step` would give for ``delta``, without changing any
+        state (overlapped rounds start from it, :mod:`geomesh.sync`)."""
+        mu, out = self.current_momentum, {}
+        for name, p in self.params.items():
+            g = delta[name].to(device=p.device, dtype=p.dtype)
+            buf = self.momentum_buffer.get(name)
+            v = g if buf is None else buf * mu + g
+            out[name] = p - self.lr * (g + mu * v if self.nesterov else v)
+        return out
+
+    @torch.no_grad()
     def apply_update(self, update: Mapping[str, torch.Tensor]) -> None:
         """``θ ← θ − lr · update`` for an already momentum-corrected update (the
         workers kept the momentum, :class:`geomesh.feedback.LocalMomentum`); counts

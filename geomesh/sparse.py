@@ -61,25 +61,28 @@ def _layout(shape: Sequence[int], chunk: int) -> tuple[int, int] | None:
 
 
 class TopKCodec(Codec):
-    """Top-``k`` of every ``chunk`` elements of each row, sign bits, a scale per row.
+    """Top-``k`` of every ``chunk`` elements of each row; sign (+ level) bits; scales per row.
 
     Args:
         schema: this rank's tensors.
         chunk: elements per chunk (2 .. 256: a position is one byte).
         k: kept elements per chunk (``1 .. chunk``).
+        bits: bits per kept value: 1 (sign; one scale per row) or 2 (sign and
+            a level bit: the larger half of a row's kept magnitudes gets the
+            row's ``m_hi``, the rest ``m_lo``, each the mean of its half).
     """
 
     kind = "topk"
 
-    def __init__(self, schema: TensorSchema, *, chunk: int = 256, k: int = 8) -> None:
+    def __init__(self, schema: TensorSchema, *, chunk: int = 256, k: int = 8, bits: int = 2) -> None:
         super().__init__(schema)
-        if not (2 <= chunk <= 256 and 1 <= k <= chunk):
-            raise ValueError(f"TopKCodec: need 2 <= chunk <= 256 and 1 <= k <= chunk, "
-                             f"got chunk={chunk}, k={k}")
-        self.chunk, self.k = chunk, k
+        if not (2 <= chunk <= 256 and 1 <= k <= chunk and bits in (1, 2)):
+            raise ValueError(f"TopKCodec: need 2 <= chunk <= 256, 1 <= k <= chunk, bits 1 or 2; "
+                             f"got chunk={chunk}, k={k}, bits={bits}")
+        self.chunk, self.k, self.bits = chunk, k, bits
 
     @classmethod
-    def bytes_for(cls, schema: TensorSchema, chunk: int = 256, k: int = 8) -> int:
+    def bytes_for(cls, schema: TensorSchema, chunk: int = 256, k: int = 8, bits: int = 2) -> int:
         """Exact bytes of one encoded message for ``schema``."""
         n = _HEADER.size + _CRC.size
         for _, shape in schema.entries:
@@ -88,21 +91,26 @@ class TopKCodec(Codec):
                 n += 4 * math.prod(shape)
             else:
                 rows, nch = lay
-                n += 4 * rows + rows * nch * (k + (k + 7) // 8)
+                n += 4 * bits * rows + rows * nch * (k + bits * ((k + 7) // 8))
         return n
 
     def encoded_bytes(self, schema: TensorSchema) -> int:  # type: ignore[override]
-        return self.bytes_for(schema, self.chunk, self.k)
+        return self.bytes_for(schema, self.chunk, self.k, self.bits)
 
     def compression_ratio(self, schema: TensorSchema) -> float:  # type: ignore[override]
         return 4 * schema.numel / self.encoded_bytes(schema)
 
+    @property
+    def _flags(self) -> int:
+        return ((self.chunk - 1) | (self.k - 1) << 8) & 0x7FFF | (self.bits - 1) << 15
+
     def _select(self, x: torch.Tensor, rows: int, nch: int):
-        """Positions ``[rows, nch, k]`` (uint8), signs and the row scales of ``x``."""
+        """Positions ``[rows, nch, k]``, signs, levels (``bits = 2``) and the row
+        scales ``[bits, rows]`` of ``x``."""
         c, k = self.chunk, self.k
         if rows * nch == 0:  # an empty tensor: nothing to send but its (zero) scales
-            return (torch.zeros(rows, nch, k, dtype=torch.long), torch.zeros(rows, nch, k, dtype=torch.bool),
-                    torch.zeros(rows))
+            z = torch.zeros(rows, nch, k, dtype=torch.bool)
+            return torch.zeros(rows, nch, k, dtype=torch.long), z, z, torch.zeros(self.bits, rows)
         flat = x.reshape(rows, -1)
         pad = nch * c - flat.shape[1]
         if pad:
@@ -111,14 +119,22 @@ class TopKCodec(Codec):
         _, pos = blocks.abs().topk(k, dim=-1, sorted=False)
         pos, _ = pos.sort(dim=-1)  # deterministic order on the wire
         vals = blocks.gather(-1, pos)  # [rows, nch, k]
-        # Padding is never worth sending: a padded slot holds 0 and counts as 0.
-        scale = vals.abs().reshape(rows, -1).mean(dim=1) if k else torch.zeros(rows)
-        return pos, vals >= 0, scale.float()
+        mag = vals.abs().reshape(rows, -1)  # a padded slot holds 0 and counts as 0
+        if self.bits == 1:
+            level = torch.zeros_like(vals, dtype=torch.bool)
+            scales = mag.mean(dim=1, keepdim=True).T
+        else:  # split each row's kept magnitudes at their median: least squares per half
+            hi = mag > mag.median(dim=1, keepdim=True).values
+            n_hi = hi.sum(dim=1).clamp(min=1)
+            n_lo = (~hi).sum(dim=1).clamp(min=1)
+            m_hi = torch.where(hi, mag, 0.0).sum(dim=1) / n_hi
+            m_lo = torch.where(hi, 0.0, mag).sum(dim=1) / n_lo
+            level, scales = hi.reshape(vals.shape), torch.stack([m_lo, m_hi])
+        return pos, vals >= 0, level, scales.float()
 
     def encode(self, deltas, num_tokens, *, worker, round, feedback: ErrorFeedback | None = None):
-        parts = [_HEADER.pack(_MAGIC, 1, (self.chunk - 1) | (self.k << 8) & 0xFFFF, worker,
-                              round % 2**32, int(num_tokens), self.schema.digest,
-                              len(self.schema.entries))]
+        parts = [_HEADER.pack(_MAGIC, 1, self._flags, worker, round % 2**32, int(num_tokens),
+                              self.schema.digest, len(self.schema.entries))]
         for name, shape in self.schema.entries:
             x = deltas[name].detach().float()
             if tuple(x.shape) != shape:
@@ -134,23 +150,26 @@ class TopKCodec(Codec):
                 sent = x
             else:
                 rows, nch = lay
-                pos, sign, scale = self._select(x, rows, nch)
-                bits = np.packbits(sign.cpu().numpy(), axis=-1)  # [rows, nch, ceil(k/8)]
-                parts.append(scale.cpu().numpy().astype("<f4").tobytes())
-                body = np.concatenate([pos.to(torch.uint8).cpu().numpy(), bits], axis=-1)
-                parts.append(body.tobytes())
-                sent = self._dense(pos, sign, scale, shape)
+                pos, sign, level, scales = self._select(x, rows, nch)
+                parts.append(scales.cpu().numpy().astype("<f4").tobytes())
+                body = [pos.to(torch.uint8).cpu().numpy(), np.packbits(sign.cpu().numpy(), axis=-1)]
+                if self.bits == 2:
+                    body.append(np.packbits(level.cpu().numpy(), axis=-1))
+                parts.append(np.concatenate(body, axis=-1).tobytes())
+                sent = self._dense(pos, sign, level, scales, shape).to(x.device)
             if feedback is not None:  # e ← x − D(C(x)), kept locally
                 feedback.keep(name, x - sent)
         data = b"".join(parts)
         return data + _CRC.pack(zlib.crc32(data))
 
-    def _dense(self, pos: torch.Tensor, sign: torch.Tensor, scale: torch.Tensor,
-               shape: Sequence[int]) -> torch.Tensor:
-        """Decoded tensor: ``scale_row · (±1)`` at the kept positions, 0 elsewhere."""
+    def _dense(self, pos: torch.Tensor, sign: torch.Tensor, level: torch.Tensor,
+               scales: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
+        """Decoded tensor: ``±scale`` of the value's level at the kept positions, 0 elsewhere."""
         rows, nch, k = pos.shape
         c = self.chunk
-        vals = torch.where(sign, 1.0, -1.0) * scale.view(rows, 1, 1)
+        scale = scales[level.long(), torch.arange(rows).view(rows, 1, 1)] if self.bits == 2 \
+            else scales[0].view(rows, 1, 1)
+        vals = torch.where(sign, 1.0, -1.0) * scale
         out = torch.zeros(rows, nch, c, dtype=torch.float32)
         out.scatter_(-1, pos.long(), vals)
         cols = math.prod(shape) // rows if rows else 0
@@ -162,15 +181,15 @@ class TopKCodec(Codec):
         if len(buf) != need:
             raise MessageError(f"top-k message has {len(buf)} bytes, the schema needs {need}")
         magic, _v, flags, worker, _r, tokens, digest, _n = _HEADER.unpack_from(buf, 0)
-        if magic != _MAGIC or digest != self.schema.digest or \
-                flags != (self.chunk - 1) | (self.k << 8) & 0xFFFF:
+        if magic != _MAGIC or digest != self.schema.digest or flags != self._flags:
             raise MessageError(f"top-k message from worker {worker} is for another model, "
-                               "format or chunk/k setting")
+                               "format or chunk/k/bits setting")
         (crc,) = _CRC.unpack_from(buf, len(buf) - _CRC.size)
         if crc != zlib.crc32(buf[: len(buf) - _CRC.size]):
             raise MessageError(f"top-k message from worker {worker}: CRC-32 mismatch")
         off, out = _HEADER.size, {}
-        kb = (self.k + 7) // 8
+        k, kb = self.k, (self.k + 7) // 8
+        width = k + self.bits * kb
         for name, shape in self.schema.entries:
             lay = _layout(shape, self.chunk)
             if lay is None:
@@ -180,20 +199,21 @@ class TopKCodec(Codec):
                 off += 4 * n
                 continue
             rows, nch = lay
-            scale = torch.from_numpy(np.frombuffer(buf, "<f4", rows, off).astype(np.float32))
-            off += 4 * rows
-            if not bool((torch.isfinite(scale) & (scale >= 0)).all()):
+            scales = torch.from_numpy(np.frombuffer(buf, "<f4", self.bits * rows, off)
+                                      .astype(np.float32)).reshape(self.bits, rows)
+            off += 4 * self.bits * rows
+            if not bool((torch.isfinite(scales) & (scales >= 0)).all()):
                 raise MessageError(f"top-k message from worker {worker}: tensor '{name}' has a "
                                    "negative or non-finite scale")
-            body = np.frombuffer(buf, np.uint8, rows * nch * (self.k + kb), off)
+            body = np.frombuffer(buf, np.uint8, rows * nch * width, off).reshape(rows, nch, width)
             off += body.size
-            body = body.reshape(rows, nch, self.k + kb)
-            pos = torch.from_numpy(body[..., : self.k].copy())
-            if int(body[..., : self.k].max(initial=0)) >= self.chunk:
+            if int(body[..., :k].max(initial=0)) >= self.chunk:
                 raise MessageError(f"top-k message from worker {worker}: position out of chunk")
-            sign = torch.from_numpy(np.unpackbits(body[..., self.k:], axis=-1, count=self.k)
-                                    .astype(bool))
-            out[name] = self._dense(pos, sign, scale, shape)
+            pos = torch.from_numpy(body[..., :k].copy())
+            sign = torch.from_numpy(np.unpackbits(body[..., k:k + kb], axis=-1, count=k).astype(bool))
+            level = torch.from_numpy(np.unpackbits(body[..., k + kb:], axis=-1, count=k)
+                                     .astype(bool)) if self.bits == 2 else sign & False
+            out[name] = self._dense(pos, sign, level, scales, shape)
         return out, tokens
 
     def aggregate(self, messages: Sequence[bytes]) -> tuple[dict[str, torch.Tensor], list[int]]:
