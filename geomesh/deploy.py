@@ -100,11 +100,15 @@ class Placement:
 
     def exchange(self, messages: dict[int, bytes]) -> list[bytes]:
         """Real mode: this shard's all-gather over workers, shared with replicas."""
-        if self.transport is not None:
-            out = self.transport.exchange(messages)
-            data = encode_bundle(out)
-        else:
-            data = None
+        return self.share(self.gather(messages))
+
+    def gather(self, messages: dict[int, bytes]) -> bytes | None:
+        """The all-gather over workers (replicas ``d > 0``: nothing); may run in a
+        background thread (overlapped rounds) — it uses only the transport's groups."""
+        return encode_bundle(self.transport.exchange(messages)) if self.transport is not None else None
+
+    def share(self, data: bytes | None) -> list[bytes]:
+        """Give :meth:`gather`'s result to this worker's replicas (over ``dp_group``); decode."""
         if self.dp_in > 1:
             box = [data]
             src = dist.get_global_rank(self.dp_group, 0)

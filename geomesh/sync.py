@@ -60,7 +60,11 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from itertools import accumulate
 
 import torch
 
@@ -72,9 +76,12 @@ from .codec import DenseCodec, SignCodec
 from .compression import ErrorFeedback, TensorSchema
 from .context import RunContext
 from .deploy import world_gather
+from .feedback import LocalMomentum
 from .outer import OuterNesterov
 from .planner import Plan
+from .predict import PredictiveSignCodec
 from .report import RunStats, memory_overhead
+from .sparse import TopKCodec
 from .state import load_state, save_state
 from .transport import InProcessTransport
 from .worker import InnerWorker, ProxyStep, proxy_steps
@@ -82,9 +89,9 @@ from .worker import InnerWorker, ProxyStep, proxy_steps
 log = logging.getLogger(__name__)
 
 
-def _true_step_s(ctx: RunContext, step: ProxyStep, round_: int) -> float:
+def _true_step_s(ctx: RunContext, k: int, step: ProxyStep, round_: int) -> float:
     """Emulated physics: profile time of one inner step on the target, times the slowdown."""
-    w = ctx.cluster.worker(step.target.worker)
+    w = ctx.cluster.workers[k]
     t = inner_step_time_s(w, ctx.target.model, step.target.micro_batch_size,
                           step.target.grad_accum, seq_length=step.target.seq_length)
     return t * ctx.cluster.slowdown_factor(w.name, round_)
@@ -93,6 +100,20 @@ def _true_step_s(ctx: RunContext, step: ProxyStep, round_: int) -> float:
 def _proxy(ctx: RunContext, plan: Plan) -> list[ProxyStep]:
     return proxy_steps(plan, ctx.scale, round_samples=ctx.round_samples,
                        dp_in=ctx.placement.dp_in, max_micro_batch=ctx.cfg.parallel.micro_batch_size)
+
+
+@dataclass
+class _Round:
+    """A round whose compute is done: its messages are exchanged or in flight."""
+
+    r: int
+    steps: list[ProxyStep]
+    msgs: dict[int, bytes] = field(default_factory=dict)
+    losses: dict[int, float] = field(default_factory=dict)
+    compute: dict[int, float] = field(default_factory=dict)
+    received: list[bytes] | None = None
+    future: Future | None = None  # real mode, overlapped: the background all-gather
+    wait_s: float = 0.0  # real mode: wall seconds spent waiting for the exchange
 
 
 def run_sync(ctx: RunContext) -> dict:
@@ -112,23 +133,33 @@ def run_sync(ctx: RunContext) -> dict:
                                  dp_in_rank=pl.dp_in_rank)
     first = workers[pl.workers[0]]
     theta = first.trainer.get_params()  # θ_global, fp32, this rank's shard
-    sign = geomesh and g.compression != "fp32"
-    row_scales = sign and g.compression == "sign_row"
+    sign = geomesh and g.compression in ("sign", "sign_row", "sign_pred")
+    row_scales = sign and g.compression != "sign"
     schema = dataclasses.replace(TensorSchema.from_tensors(theta), row_scales=row_scales)
+    predictive = geomesh and g.compression == "sign_pred"  # the outer momentum predicts Δ_i
     if sign:
-        codec = SignCodec(schema, tp_group=pl.tp_group,
-                          tp_partition=first.trainer.tp_partition_dims())
+        codec = (PredictiveSignCodec if predictive else SignCodec)(
+            schema, tp_group=pl.tp_group, tp_partition=first.trainer.tp_partition_dims())
+    elif geomesh and g.compression == "topk":
+        codec = TopKCodec(schema, k=g.topk_k, bits=g.topk_bits)
     else:
         codec = DenseCodec(schema)
+    lossy = codec.kind != "fp32"
     outer = OuterNesterov(theta, lr=g.outer_lr, momentum=g.outer_momentum,
                           momentum_warmup=g.outer_momentum_warmup)
-    feedback = {i: ErrorFeedback() for i in pl.workers} if sign and g.error_feedback else {}
+    pred = {"predictor": outer.momentum_buffer} if predictive else {}
+    feedback = ({i: ErrorFeedback(g.error_feedback_decay) for i in pl.workers}
+                if lossy and g.error_feedback else {})
+    # compress_update: each worker's own momentum, the workers send Δ_i + μ v_i (feedback.py)
+    local_mom = {i: LocalMomentum() for i in pl.workers} if geomesh and g.compress_update else {}
+    overlap = g.overlap
     clock = transport = None
     if ctx.emulated:
-        clock = EmulatedClock(cl)
+        clock = EmulatedClock(cl, overlap=overlap is not None)
         target = dataclasses.replace(ctx.target_schema, row_scales=row_scales)
         charged = codec.encoded_bytes(target)
         transport = InProcessTransport(cl, clock=clock, charged_bytes=charged)
+    pool = ThreadPoolExecutor(1) if overlap is not None and not ctx.emulated else None
     val = ctx.val_batches(dp=pl.dp_in, dp_rank=pl.dp_in_rank)
     stats = RunStats.for_cluster(cl, cfg.train.target_ppl)
     position, start, replans = 0, 0, 0
@@ -138,12 +169,15 @@ def run_sync(ctx: RunContext) -> dict:
         if st["method"] != ctx.method:
             raise CheckpointError(f"checkpoint is from method {st['method']}, not {ctx.method}; "
                                   f"resume it with geomesh.method={st['method']}")
-        if set(st["workers"]) != set(workers) or set(st["feedback"]) != set(feedback):
+        if set(st["workers"]) != set(workers) or set(st["feedback"]) != set(feedback) or \
+                set(st.get("local_momentum", {})) != set(local_mom):
             raise CheckpointError(
                 f"checkpoint holds workers {sorted(st['workers'])} with error feedback "
-                f"{'on' if st['feedback'] else 'off'}; this run has workers {sorted(workers)} "
-                f"with it {'on' if feedback else 'off'}: resume with the cluster file and "
-                "geomesh.error_feedback it was saved with"
+                f"{'on' if st['feedback'] else 'off'} and compress_update "
+                f"{'on' if st.get('local_momentum') else 'off'}; this run has workers "
+                f"{sorted(workers)} with them {'on' if feedback else 'off'} and "
+                f"{'on' if local_mom else 'off'}: resume with the cluster file, "
+                "geomesh.error_feedback and geomesh.compress_update it was saved with"
             )
         if st["round"] >= g.outer_steps:
             raise CheckpointError(
@@ -153,6 +187,8 @@ def run_sync(ctx: RunContext) -> dict:
         outer.load_state_dict(st["outer"])  # copies into theta
         for i, fb in feedback.items():
             fb.load_state_dict(st["feedback"][i])
+        for i, lm in local_mom.items():
+            lm.load_state_dict(st["local_momentum"][i])
         for i, w in workers.items():
             w.load_state_dict(st["workers"][i])
         ctx.planner.speed = dict(st["planner_speed"])
@@ -168,63 +204,66 @@ def run_sync(ctx: RunContext) -> dict:
     t0 = time.perf_counter() - stats.time_s
     wall0 = time.perf_counter()
     overhead = None
-    for r in range(start, g.outer_steps):
-        step = r + 1
-        offsets = [sum(s.samples for s in steps[:i]) for i in range(K)]
-        msgs, done = {}, {}
-        for i in pl.workers:
-            name = cl.workers[i].name
-            w0 = time.perf_counter()
-            res = workers[i].train_round(theta, steps[i], position + offsets[i])
-            if ctx.emulated:
-                compute = _true_step_s(ctx, steps[i], r) * steps[i].target.inner_steps
-                clock.compute(name, compute)
-            else:
-                wall = time.perf_counter() - w0
-                factor = cl.slowdown_factor(name, r)
-                if factor != 1.0:  # injected slowdown: sleep the extra time
-                    time.sleep((factor - 1.0) * wall)
-                compute = wall * factor
-            msgs[i] = codec.encode(res.delta, res.tokens, worker=i, round=r,
-                                   feedback=feedback.get(i))
-            done[i] = (res, compute)
-        x0 = time.perf_counter()
-        received = transport.exchange(msgs) if ctx.emulated else pl.exchange(msgs)
-        exchange_s = time.perf_counter() - x0
-        agg, tokens = codec.aggregate(received)
-        outer.step(agg)
-        position += sum(s.samples for s in steps)
-        if overhead is None:  # every outer buffer exists after the first step
-            overhead = memory_overhead(
-                theta, outer.momentum_buffer, [fb.residuals for fb in feedback.values()],
-                [len(msgs[i]) for i in pl.workers],
-                target_params=ctx.target_schema.numel if ctx.emulated else None)
+    snapshots: dict[int, dict[str, torch.Tensor]] = {}  # overlap: weights whose Δ_i was sent
+    next_steps: list[ProxyStep] | None = None  # overlap: a re-plan for the next round
 
-        # -- round statistics --------------------------------------------------
+    def finish(rnd: _Round) -> bool:
+        """Aggregate round ``rnd``, take the outer step, record, re-plan, checkpoint.
+        Returns whether the run should stop (target reached with ``stop_at_target``)."""
+        nonlocal plan, next_steps, replans, history, overhead
+        step, rsteps = rnd.r + 1, rnd.steps
         per: dict[str, dict] = {}
         if ctx.emulated:
-            for w in cl.workers:
-                t = transport.last_schedule.workers[w.name]
-                per[w.name] = dict(compute_s=t.compute_s, straggler_idle_s=t.straggler_idle_s,
-                                   wan_idle_s=t.wan_idle_s, sent_bytes=t.sent_bytes)
-            losses = {i: done[i][0].loss for i in done}
+            received = rnd.received
+            if overlap is not None:  # each worker waits for the messages now
+                for k, w in enumerate(cl.workers):
+                    strag, wan = clock.wait(w.name)
+                    per[w.name] = dict(compute_s=rnd.compute[k], straggler_idle_s=strag,
+                                       wan_idle_s=wan, sent_bytes=charged)
+        else:
+            x0 = time.perf_counter()
+            received = pl.share(rnd.future.result() if rnd.future is not None else rnd.received)
+            rnd.wait_s += time.perf_counter() - x0
+        agg, tokens = codec.aggregate(received, **pred)
+        if local_mom:
+            outer.apply_update(agg)
+        else:
+            outer.step(agg)
+        if overhead is None:  # every outer buffer exists after the first step
+            i0 = pl.workers[0]
+            overhead = memory_overhead(
+                theta, local_mom[i0].buffers if local_mom else outer.momentum_buffer,
+                [fb.residuals for fb in feedback.values()],
+                [len(rnd.msgs[i]) for i in pl.workers],
+                target_params=ctx.target_schema.numel if ctx.emulated else None,
+                snapshots=[s for s in snapshots.values()])
+        if ctx.emulated:
+            if overlap is None:
+                for w in cl.workers:
+                    t = transport.last_schedule.workers[w.name]
+                    per[w.name] = dict(compute_s=t.compute_s, straggler_idle_s=t.straggler_idle_s,
+                                       wan_idle_s=t.wan_idle_s, sent_bytes=t.sent_bytes)
+            losses = {i: rnd.losses[i] for i in rnd.losses}
             round_bytes = charged * K
             round_fp32 = 4 * ctx.target_schema.numel * K
-            stats.time_s = clock.now_s
+            stats.time_s = clock.last_exchange_end_s  # when θ_global of this round exists
         else:
             me = pl.workers[0]
-            sent = len(msgs[me]) if pl.transport is not None else 0
-            rows = world_gather([me, done[me][0].loss, done[me][1], exchange_s, sent,
+            sent = len(rnd.msgs[me]) if pl.transport is not None else 0
+            rows = world_gather([me, rnd.losses[me], rnd.compute[me], rnd.wait_s, sent,
                                  4 * schema.numel if sent else 0])
             compute = {k: max(x[2] for x in rows if int(x[0]) == k) for k in range(K)}
             slowest = max(compute.values())
             losses = {}
             for k, w in enumerate(cl.workers):
                 mine = [x for x in rows if int(x[0]) == k]
+                waited = max(x[3] for x in mine)
                 straggler = slowest - compute[k]
+                if overlap is not None:  # only the waiting after compute is idle
+                    straggler = min(straggler, waited)
                 losses[k] = mine[0][1]
                 per[w.name] = dict(compute_s=compute[k], straggler_idle_s=straggler,
-                                   wan_idle_s=max(max(x[3] for x in mine) - straggler, 0.0),
+                                   wan_idle_s=max(waited - straggler, 0.0),
                                    sent_bytes=int(sum(x[4] for x in mine)))
             round_bytes = int(sum(x[4] for x in rows))
             round_fp32 = int(sum(x[5] for x in rows))
@@ -243,16 +282,19 @@ def run_sync(ctx: RunContext) -> dict:
             compute_s=max(times), imbalance=(max(times) - min(times)) / max(times),
             straggler_idle_s=sum(p["straggler_idle_s"] for p in per.values()),
             wan_idle_s=sum(p["wan_idle_s"] for p in per.values()), bytes=round_bytes,
-            batch_sizes=[s.batch_size for s in steps],
-            target_batch_sizes=[s.target.batch_size for s in steps],
-            inner_steps=[s.target.inner_steps for s in steps],
-            proxy_samples=[s.samples for s in steps],
+            batch_sizes=[s.batch_size for s in rsteps],
+            target_batch_sizes=[s.target.batch_size for s in rsteps],
+            inner_steps=[s.target.inner_steps for s in rsteps],
+            proxy_samples=[s.samples for s in rsteps],
         )
         if ctx.is_eval_step(step):
+            keep = first.trainer.get_params() if overlap is not None else None
             first.trainer.set_params(theta)
             first.trainer.set_batch_size(cfg.parallel.global_batch_size,
                                          cfg.parallel.micro_batch_size)
             val_loss = first.trainer.evaluate(val)
+            if keep is not None:  # overlapped rounds continue from the local weights
+                first.trainer.set_params(keep)
             record.update(val_loss=val_loss, val_ppl=perplexity(val_loss))
             if stats.evaluated(val_loss, record["val_ppl"], step):
                 log.info("target perplexity %s reached at outer step %d (%.1f s, %s clock)",
@@ -260,27 +302,29 @@ def run_sync(ctx: RunContext) -> dict:
         # -- re-plan on drift (GeoMesh) ------------------------------------------
         # Emulated measurements are exact: the last one is used.  Wall-clock
         # ones are noisy: real mode averages the last two rounds since the plan
-        # last changed (and waits for two).
+        # last changed (and waits for two).  Overlapped rounds: a new plan
+        # starts with the round after the one already under way.
         for k, w in enumerate(cl.workers):
             history.setdefault(w.name, []).append(
-                per[w.name]["compute_s"] / steps[k].target.inner_steps)
+                per[w.name]["compute_s"] / rsteps[k].target.inner_steps)
         need = 1 if ctx.emulated else 2
         if geomesh and g.replan and step < g.outer_steps and len(history[cl.workers[0].name]) >= need:
             measured = {n: sum(v[-need:]) / need for n, v in history.items()}
             new = ctx.planner.replan(measured)
             if new is not plan:
-                plan, steps, replans, history = new, _proxy(ctx, new), replans + 1, {}
+                plan, next_steps, replans, history = new, _proxy(ctx, new), replans + 1, {}
                 record["replanned"] = True
                 log.info("outer step %d: re-planned b_i=%s H_i=%s", step,
-                         [s.target.batch_size for s in steps], [s.target.inner_steps for s in steps])
+                         [s.target.batch_size for s in next_steps],
+                         [s.target.inner_steps for s in next_steps])
         ctx.log_outer_step(record)
         reached_stop = cfg.train.stop_at_target and stats.ttp.reached
-        save_every = cfg.checkpoint.save_interval
-        if save_every and (step % save_every == 0 or step == g.outer_steps or reached_stop):
+        if save_round(step) or reached_stop:
             state = {
                 "method": ctx.method, "round": step, "position": position, "replans": replans,
                 "outer": outer.state_dict(),
                 "feedback": {i: fb.state_dict() for i, fb in feedback.items()},
+                "local_momentum": {i: m.state_dict() for i, m in local_mom.items()},
                 "workers": {i: w.state_dict() for i, w in workers.items()},
                 "planner_speed": dict(ctx.planner.speed), "plan": plan,
                 "clock": clock.state_dict() if clock is not None else None,
@@ -288,13 +332,105 @@ def run_sync(ctx: RunContext) -> dict:
             }
             save_state(ctx.run_dir / "checkpoints", step, state, rank=pl.rank,
                        job_leader=pl.is_logging_rank, keep_last=cfg.checkpoint.keep_last)
-        if reached_stop:
-            break
+        return reached_stop
+
+    def save_round(step: int) -> bool:
+        every = cfg.checkpoint.save_interval
+        return bool(every) and (step % every == 0 or step == g.outer_steps)
+
+    def charge(k: int, rnd: _Round, seconds: float, wall0: float) -> None:
+        """Compute time of worker ``k``: emulated profile seconds, or wall seconds
+        since ``wall0`` (with an injected slowdown slept off)."""
+        name = cl.workers[k].name
+        if ctx.emulated:
+            clock.compute(name, seconds)
+        else:
+            wall = time.perf_counter() - wall0
+            factor = cl.slowdown_factor(name, rnd.r)
+            if factor != 1.0:  # injected slowdown: sleep the extra time
+                time.sleep((factor - 1.0) * wall)
+            seconds = wall * factor
+        rnd.compute[k] = rnd.compute.get(k, 0.0) + seconds
+
+    inflight: _Round | None = None
+    stop = False
+    for r in range(start, g.outer_steps):
+        if next_steps is not None:  # a re-plan: from this round on
+            steps, next_steps = next_steps, None
+        rnd = _Round(r=r, steps=steps)
+        # Overlapped: the first τ_i = ⌈overlap · H_i⌉ steps run while round r−1's messages travel.
+        taus = {i: math.ceil(overlap * steps[i].inner_steps) if inflight is not None else 0
+                for i in pl.workers}
+        losses: dict[int, list[float]] = {i: [] for i in pl.workers}
+        offsets = [0, *accumulate(s.samples for s in steps)]
+        if any(taus.values()):
+            for i in pl.workers:
+                w0 = time.perf_counter()
+                losses[i] = workers[i].train_steps(steps[i], position + offsets[i], 0, taus[i])
+                frac = taus[i] / steps[i].inner_steps
+                charge(i, rnd, _true_step_s(ctx, i, steps[i], r) * steps[i].target.inner_steps
+                       * frac if ctx.emulated else 0.0, w0)
+        if inflight is not None:
+            stop = finish(inflight)
+            inflight = None
+            if next_steps is not None and not any(taus.values()):  # nothing of round r ran yet
+                steps, next_steps = next_steps, None
+                rnd.steps = steps
+                offsets = [0, *accumulate(s.samples for s in steps)]
+            if stop:
+                break
+            for i in pl.workers:  # onto the new θ_global, keeping the progress since the snapshot
+                workers[i].rebase(theta, snapshots[i])
+        elif overlap is not None:
+            for i in pl.workers:
+                workers[i].trainer.set_params(theta)
+        for i in pl.workers:
+            w0 = time.perf_counter()
+            s = steps[i]
+            if overlap is None:
+                res = workers[i].train_round(theta, s, position + offsets[i])
+            else:
+                losses[i] += workers[i].train_steps(s, position + offsets[i], taus[i], s.inner_steps)
+                res = workers[i].result(theta, s, losses[i])
+            total = _true_step_s(ctx, i, s, r) * s.target.inner_steps if ctx.emulated else 0.0
+            charge(i, rnd, total - rnd.compute.get(i, 0.0) if ctx.emulated else 0.0, w0)
+            delta = local_mom[i].update(res.delta, outer.current_momentum) if local_mom \
+                else res.delta
+            if overlap is not None:
+                # Eager start (Kale et al. 2025): until the aggregate arrives, the worker
+                # continues from θ_global moved by the outer step of its own Δ_i.
+                start = {k: theta[k] - outer.lr * delta[k] for k in theta} if local_mom \
+                    else outer.preview(res.delta)
+                workers[i].trainer.set_params(start)
+                snapshots[i] = {k: v.cpu() for k, v in start.items()}
+            rnd.msgs[i] = codec.encode(delta, res.tokens, worker=i, round=r,
+                                       feedback=feedback.get(i), **pred)
+            rnd.losses[i] = res.loss
+        position += offsets[-1]
+        drain = overlap is None or r + 1 == g.outer_steps or save_round(r + 1)
+        if ctx.emulated:
+            rnd.received = transport.exchange(rnd.msgs)
+        elif pool is not None and not drain:
+            rnd.future = pool.submit(pl.gather, rnd.msgs)
+        else:
+            x0 = time.perf_counter()
+            rnd.received = pl.gather(rnd.msgs)
+            rnd.wait_s = time.perf_counter() - x0
+        if drain:
+            stop = finish(rnd)
+            if stop:
+                break
+        else:
+            inflight = rnd
+    if inflight is not None and not stop:
+        finish(inflight)
+    if pool is not None:
+        pool.shutdown()
     info = {w.name: {"batch_size": s.target.batch_size, "inner_steps": s.target.inner_steps,
                      "proxy_batches": list(s.batches)}
             for w, s in zip(cl.workers, steps)}
     extra = {"codec": codec.kind + ("-row" if row_scales else ""), "error_feedback": bool(feedback),
-             "replans": replans,
+             "compress_update": bool(local_mom), "overlap": overlap, "replans": replans,
              "plan": plan.to_dict(), "wall_s": time.perf_counter() - wall0,
              "world_size": pl.world, "inner_steps": g.inner_steps, "memory_overhead": overhead}
     return stats.summary(method=ctx.method, clock=ctx.clock_name, cluster=cl, extra=extra,

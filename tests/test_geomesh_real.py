@@ -70,14 +70,23 @@ def _run(cache_dir: str, cluster: str, run_dir: str, *extra: str) -> list[dict] 
     return _metrics(Path(run_dir)) if rank == 0 else None
 
 
+OVERLAP = "geomesh.overlap=1"  # the "four-overlap" case: exchange behind the next round
+
+
 def _emulated_all(cache_dir: str, clusters: dict, root: str) -> dict:
-    return {name: _run(cache_dir, str(path), f"{root}/emu-{name}", "geomesh.mode=emulated")
-            for name, path in clusters.items()}
+    out = {name: _run(cache_dir, str(path), f"{root}/emu-{name}", "geomesh.mode=emulated")
+           for name, path in clusters.items()}
+    out["four-overlap"] = _run(cache_dir, str(clusters["four"]), f"{root}/emu-four-overlap",
+                               "geomesh.mode=emulated", OVERLAP)
+    return out
 
 
 def _real_4proc(cache_dir: str, clusters: dict, root: str) -> dict:
-    return {name: _run(cache_dir, str(clusters[name]), f"{root}/real-{name}")
-            for name in ("tp2", "four")}
+    out = {name: _run(cache_dir, str(clusters[name]), f"{root}/real-{name}")
+           for name in ("tp2", "four")}
+    out["four-overlap"] = _run(cache_dir, str(clusters["four"]), f"{root}/real-four-overlap",
+                               OVERLAP)
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -99,17 +108,20 @@ def _assert_same(real: list[dict], emu: list[dict]) -> None:
     assert real[-1]["val_loss"] < real[0]["val_loss"] + 0.5  # trains, does not diverge
 
 
-@pytest.mark.parametrize("layout", ["tp2", "four"])
+@pytest.mark.parametrize("layout", ["tp2", "four", "four-overlap"])
 def test_real_matches_emulated(runs, layout):
     """Catches a worker whose inner DDP all-reduces across workers (megatron's DP
     group spans them), per-shard sign scales (TP=2 would then differ from TP=1),
-    exchanges mixing shards or workers, and data slices that differ between
-    modes: after 3 outer steps, the training and validation losses of the real
-    gloo run equal the emulated run's within 1e-4 (TP reduction order ~1e-6)."""
+    exchanges mixing shards or workers, data slices that differ between modes,
+    and (four-overlap) a background exchange that races the inner steps or
+    delivers another round's messages: after 3 outer steps, the training and
+    validation losses of the real gloo run equal the emulated run's within 1e-4
+    (TP reduction order ~1e-6)."""
     _, _, emulated, real = runs
     _assert_same(real[layout], emulated[layout])
     summary = json.loads((runs[0] / f"real-{layout}" / "summary.json").read_text())
     assert summary["clock"] == "wall" and summary["mode"] == "real"
+    assert summary["overlap"] == (1.0 if layout == "four-overlap" else None)
     # Measured on the test model itself: a row of 64 columns carries 8 sign bytes
     # and a 4-byte scale (ratio 21), of 128 columns 16 + 4 (25.6); GPT-3 1.3B: 31.6.
     assert 20 < summary["compression_ratio"] < 26
