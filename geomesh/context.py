@@ -154,9 +154,6 @@ def _validate(cfg: JobConfig) -> None:
     if g.overlap is not None and not 0 <= g.overlap <= 1:
         raise ConfigError(f"geomesh.overlap must be in [0, 1] (the share of a round's inner steps "
                           f"behind which the previous exchange runs) or null, got {g.overlap}")
-    if g.overlap is not None and g.method not in ("geomesh", "diloco"):
-        raise ConfigError(f"geomesh.overlap applies to methods geomesh and diloco, not {g.method}; "
-                          "unset it")
     if not 0 <= g.outer_momentum < 1:
         raise ConfigError(f"geomesh.outer_momentum must be in [0, 1), got {g.outer_momentum} "
                           "(DiLoCo's default is 0.9)")
@@ -195,9 +192,6 @@ def build_context(cfg: JobConfig, run_dir: Path) -> RunContext:
     else:
         if g.method == "async":
             raise ConfigError("geomesh.method=async runs in emulated mode only; set geomesh.mode=emulated")
-        if g.compression == "topk" and any(w.tp > 1 for w in cluster.workers):
-            raise ConfigError("geomesh.compression=topk needs tp=1 workers in real mode (its "
-                              "chunks would span TP shards); use sign_row")
         placement, layout_cfg = place_real(cfg, cluster)
         per = cfg.parallel.micro_batch_size * placement.dp_in
         if cfg.parallel.global_batch_size % per:

@@ -17,29 +17,41 @@ Two places to compress (``geomesh.compress_update``):
   local and exact (no shared compressed momentum), which is what makes the
   error bound below hold.
 
-Why error feedback (Karimireddy et al. 2019, "Error Feedback Fixes SignSGD")
-gains nothing in the first order.  EF sends ``C(x_t)`` with ``x_t = g_t + e_t``
-and keeps ``e_{t+1} = x_t − C(x_t)``, so the messages sum to ``Σ g_t + e_1 −
-e_{T+1}``: the error *telescopes*.  In the first order the sent quantity
-``g_t`` is a pseudo-gradient that the outer Nesterov momentum then weights by
-``c_k = Σ_{j≤k+1} μ^j`` (``1 + μ`` when fresh, up to ``1/(1 − μ) = 10`` at
-``μ = 0.9``) as it ages ``k`` rounds.  The parameter error after ``T`` rounds
-is then ``lr Σ_t c_{T−t} (e_t − e_{t+1})`` — a residual is delivered one round
-late, with the small weight of a fresh gradient, while its earlier wrong
-message keeps the larger weight of an old one; summed by parts it is
-``lr (c_0 ‖e_{T+1}‖ + Σ_k μ^{k+2} e_{T−k})``: up to ``1/(1−μ)`` times the
-residual, which EF lets grow to several rounds' compression errors.  Without
-EF it is ``lr Σ c_{T−t} ε_t`` over independent errors ``ε_t`` (``√Σ c_k² ≈
-19 ‖ε‖`` after 12 rounds) — about the same.  EF's bound only wins over many
-more rounds than the momentum's memory (``1/(1−μ) = 10``); the quick bench
-runs 12.  Compressing the update removes the momentum's weighting: the
-parameter error after any round is exactly ``lr Σ_i w_i e_i`` (the current
-residuals), bounded however long the run.  Measured on the quick bench in
-``geomesh/sync.py``.
+Why error feedback gained nothing (measured, quick bench, ``geomesh/sync.py``).
 
-Memory: ``v_i`` and ``e_i`` are 4 bytes per parameter each; with
-``compress_update`` there is no global momentum, so θ_global + ``v_i`` +
-``e_i`` is 12 bytes per parameter, as before with error feedback on.
+1. *It was not measured at the same plan.*  The residual (4 bytes per
+   parameter) was counted as accelerator memory, so turning it on changed
+   the planner's plan (A100 7 steps of 144 → 9 of 120, round 15.9 → 17.1 s);
+   "EF on 713 vs off 715, TTP 158 vs 130 s" compared two plans — the TTP
+   difference is the longer round.  The residual now lives in host memory
+   (:class:`geomesh.compression.ErrorFeedback`): same plan either way, and
+   EF on the pseudo-gradient gives 679 vs 724 (fp32: 601).
+2. *What it repays, the next round re-derives.*  In DiLoCo-style training the
+   part of ``Δ_t`` that was not sent still shows in the loss gradient, and
+   the next round's inner AdamW steps (which move every coordinate by about
+   the learning rate) largely find it again, so EF pays it twice.  With sign
+   compression the residual is ~40 % of ``‖x‖`` per round; it grows to
+   exceed the fresh pseudo-gradient (per worker ‖e‖ ≈ 5.2 vs ‖Δ‖ ≈ 5.0 at
+   round 6, 2.9 vs 0.9 at round 12, as pseudo-gradients shrink ~10x with the
+   inner learning rate), and late messages mostly carry old debt: their
+   cosine with the fp32 aggregate falls from 0.94 to 0.5 while the
+   cumulative sum stays right (cosine 0.998; 0.955 without EF, whose sum is
+   22 % short).  With top-k (90 % unsent) the double payment shows as a
+   perplexity bump mid-run (``geomesh.error_feedback_decay`` < 1 forgets
+   part of the residual).
+3. *The momentum weights late repayments like fresh gradients* (by
+   ``c_k = Σ_{j≤k+1} μ^j``, 1.9 up to 10), so the parameter error of EF on
+   ``Δ`` is a multiple of the residual (tested:
+   ``tests/test_geomesh_feedback.py``).  Compressing the update instead
+   (above) makes it exactly ``lr Σ_i w_i e_i`` — but measured no better (709
+   without EF, 712 with): ``u_i`` is dominated by ``μ v_i``, which the
+   receivers as good as know, so the bits go to known information and the
+   sign error grows with ``‖u‖ ≫ ‖Δ‖``.  Predicting ``Δ_i`` by the shared
+   momentum and sending only the innovation (:mod:`geomesh.predict`) did
+   not help either (676 with EF, 755 without).
+
+Memory: ``v_i`` is 4 bytes per parameter on the device and replaces the
+global momentum; the residual ``e_i`` (4 bytes per parameter) is in host memory.
 """
 
 from __future__ import annotations

@@ -20,33 +20,42 @@ drift (real: wall-clock per inner step; emulated: the injected
 ``slowdown`` of the cluster file).  DiLoCo uses the same ``b = G_t/K`` and
 ``H`` everywhere, so fast workers wait for the slowest (straggler idle).
 
+Overlapped rounds (``geomesh.overlap = f``; the exchange hidden behind compute,
+as Streaming DiLoCo overlaps fragments, Douillard et al. 2025).  After its
+``H_i`` steps of round ``r`` a worker sends ``Δ_i`` and does not wait: it moves
+to the *eager start* ``θ_global − lr·(Δ_i + μ(μ v + Δ_i))`` — the outer step
+its own pseudo-gradient would give (Kale et al. 2025, "Eager updates for
+overlapped communication in DiLoCo") — and runs the first ``τ_i = ⌈f·H_i⌉``
+steps of round ``r+1`` from there while the messages travel.  Then it takes
+the real outer step (all messages of round ``r``) and moves its weights onto
+the new ``θ_global``, keeping the ``τ_i`` steps' progress:
+``θ_i ← θ_global + (θ_i − eager start)``; the rest of round ``r+1`` follows,
+and ``Δ_i`` is measured from ``θ_global``.  With ``f = 0`` this is exactly the
+blocking round (tested bit for bit); ``f = 1`` delays the outer update by
+one round.  The last round and checkpoint rounds are not overlapped (a
+checkpoint then holds no messages in flight); a re-plan decided while round
+``r+1`` is under way applies from round ``r+2``.  The snapshot of the eager
+start is kept in host memory.  Real mode runs the all-gather in a background
+thread (it uses only the transport's process groups); the emulated clock
+charges the wait at step ``τ_i`` (:class:`geomesh.clock.EmulatedClock`).
+
 Measured choices (emulated four-region cluster, GPT-3 1.3B target, tiny_gpt
-proxy at sequence 64, ``G_p = 16``, ``H = 8``, outer lr 0.35, validation
-perplexity after 12 outer steps = 98k tokens; ``bench/geomesh_ttp.py --quick``):
+proxy at sequence 64, ``G_p = 16``, ``H = 8``, validation perplexity after 12
+outer steps = 98k tokens, all at the same plan; ``bench/geomesh_ttp.py
+--quick``; the README's ablation table has the final numbers):
 
-* one scale per *tensor* diverged (val ppl ~2200 at outer lr 0.7): embedding
-  rows of tokens unseen in a round received the magnitude of the seen rows.
-  One scale per *row* (``geomesh.compression=sign_row``; compression ratio
-  31.6 on the target instead of 32.0) fixed it;
-* error feedback on: 672, off: 671 (at 16 steps without the momentum ramp
-  and with ``balance=batch``: 809 vs 760), so ``geomesh.error_feedback``
-  defaults to off (it also saves 4 bytes per parameter);
-* balancing by steps (``geomesh.balance=steps``: every step at the uniform
-  batch, faster workers take more steps) beat balancing by batch (784 vs 819
-  without the momentum ramp); scaling a worker's inner LR with its batch
-  (``inner_lr_scaling=sqrt``) made the batch variant worse (1236 vs 1111);
-* ramping the outer momentum in (``outer_momentum_warmup``, for every method)
-  removed a loss spike around round 4 (GeoMesh 819 → 671, DiLoCo 895 → 765);
-* for reference: GeoMesh's plan with fp32 pseudo-gradients 606, fp32 DiLoCo
-  765, DDP 664.
-
-These were measured before the planner's memory model counted GeoMesh's own
-state (θ_global and momentum on the GPUs, 8 bytes per parameter); with it the
-A100's plan moves from 8 steps of 128 to 7 of 144 sequences and GeoMesh ends
-at 715 (DiLoCo 765) — differences of this size between nearby plans are the
-noise level of a 98k-token proxy run.  With that plan: error feedback on 713
-(TTP 158 s vs 130 s off), fp32 pseudo-gradients 608 (TTP 166 s), outer lr 0.5
-738 and 0.7 788.
+* one scale per *tensor* diverged at outer lr 0.7 (embedding rows of tokens
+  unseen in a round received the magnitude of the seen rows); one scale per
+  *row* (``sign_row``, 31.6x instead of 32.0x on the target) fixed it;
+* error feedback: see :mod:`geomesh.feedback` for why it seemed to give
+  nothing (the plan changed with it) and where the residual goes;
+* balancing by steps beat balancing by batch (784 vs 819 without the
+  momentum ramp); ramping the outer momentum in removed a loss spike around
+  round 4 (GeoMesh 819 → 671, DiLoCo 895 → 765);
+* overlap: with a fraction ``f = 0.25`` the exchange (0.4-1.3 s) fits behind
+  the first steps of every worker's next round; perplexity with sign + EF
+  680 vs 679 blocking; a one-round delay without the eager start (workers
+  continuing from their own weights) peaked at 1154 at round 6 vs 885.
 
 Time.  Emulated: worker ``i``'s compute is the GPU-profile time of its plan on
 the target model (:func:`geomesh.clock.inner_step_time_s`) times any injected
@@ -67,6 +76,7 @@ from dataclasses import dataclass, field
 from itertools import accumulate
 
 import torch
+import torch.distributed as dist
 
 from jobruntime.checkpoint import CheckpointError
 from jobruntime.metrics import perplexity
@@ -133,14 +143,19 @@ def run_sync(ctx: RunContext) -> dict:
                                  dp_in_rank=pl.dp_in_rank)
     first = workers[pl.workers[0]]
     theta = first.trainer.get_params()  # θ_global, fp32, this rank's shard
-    sign = geomesh and g.compression in ("sign", "sign_row", "sign_pred")
-    row_scales = sign and g.compression != "sign"
+    compression = g.compression
+    if compression == "topk" and pl.tp_group is not None and dist.get_world_size(pl.tp_group) > 1:
+        log.warning("geomesh.compression=topk needs tp=1 workers (its chunks would span TP "
+                    "shards); this run uses sign_row")
+        compression = "sign_row"
+    sign = geomesh and compression in ("sign", "sign_row", "sign_pred")
+    row_scales = sign and compression != "sign"
     schema = dataclasses.replace(TensorSchema.from_tensors(theta), row_scales=row_scales)
-    predictive = geomesh and g.compression == "sign_pred"  # the outer momentum predicts Δ_i
+    predictive = geomesh and compression == "sign_pred"  # the outer momentum predicts Δ_i
     if sign:
         codec = (PredictiveSignCodec if predictive else SignCodec)(
             schema, tp_group=pl.tp_group, tp_partition=first.trainer.tp_partition_dims())
-    elif geomesh and g.compression == "topk":
+    elif geomesh and compression == "topk":
         codec = TopKCodec(schema, k=g.topk_k, bits=g.topk_bits)
     else:
         codec = DenseCodec(schema)
@@ -152,7 +167,7 @@ def run_sync(ctx: RunContext) -> dict:
                 if lossy and g.error_feedback else {})
     # compress_update: each worker's own momentum, the workers send Δ_i + μ v_i (feedback.py)
     local_mom = {i: LocalMomentum() for i in pl.workers} if geomesh and g.compress_update else {}
-    overlap = g.overlap
+    overlap = g.overlap if geomesh else None  # the baselines never overlap
     clock = transport = None
     if ctx.emulated:
         clock = EmulatedClock(cl, overlap=overlap is not None)
