@@ -130,6 +130,9 @@ class SignCodec(Codec):
 
     def encode(self, deltas, num_tokens, *, worker, round, feedback=None) -> bytes:
         xs, sums, counts, reduce = [], [], [], []
+        # The L1 sums, their counts and the TP mask live where the pseudo-gradients
+        # are (the accelerator): one device for the division and the all-reduce.
+        device = next((d.device for d in deltas.values()), torch.device("cpu"))
         for name, shape in self.schema.entries:
             x = deltas[name].detach().float()
             if feedback is not None:
@@ -137,14 +140,14 @@ class SignCodec(Codec):
             n = self.schema.num_scales(shape)
             rows = x.reshape(n, -1) if x.numel() else x.reshape(n, 0)
             xs.append(x)
-            sums.append(rows.abs().sum(dim=1, dtype=torch.float64))  # [n] fp64 L1 per scale
+            sums.append(rows.abs().sum(dim=1, dtype=torch.float64).to(device))  # [n] L1 per scale
             per = rows.shape[1]
             red = self._reduced(name, shape)
             counts.append(torch.full((n,), float(per * (self.tp_size if red else 1)),
-                                     dtype=torch.float64))
-            reduce.append(torch.full((n,), red, dtype=torch.bool))
-        l1 = torch.cat(sums) if sums else torch.zeros(0, dtype=torch.float64)
-        mask = torch.cat(reduce) if reduce else torch.zeros(0, dtype=torch.bool)
+                                     dtype=torch.float64, device=device))
+            reduce.append(torch.full((n,), red, dtype=torch.bool, device=device))
+        l1 = torch.cat(sums) if sums else torch.zeros(0, dtype=torch.float64, device=device)
+        mask = torch.cat(reduce) if reduce else torch.zeros(0, dtype=torch.bool, device=device)
         if bool(mask.any()):  # one all-reduce of the split tensors' partial sums
             part = torch.where(mask, l1, torch.zeros_like(l1))
             dist.all_reduce(part, group=self.tp_group)
@@ -212,8 +215,8 @@ class DenseCodec(Codec):
         off, out = _DENSE_HEADER.size, {}
         for name, shape in self.schema.entries:
             n = int(np.prod(shape)) if shape else 1
-            out[name] = (torch.frombuffer(buf, dtype=torch.float32, count=n, offset=off)
-                         if n else torch.zeros(0)).reshape(shape)
+            out[name] = (torch.frombuffer(buf, dtype=torch.float32, count=n, offset=off)  # host
+                         if n else torch.zeros(0)).reshape(shape)  # host: decoded wire bytes
             off += 4 * n
         return out, tokens
 

@@ -448,8 +448,8 @@ def decode_message(data: bytes | bytearray | memoryview, schema: TensorSchema) -
     for name, shape in schema.entries:
         if schema.row_scales and len(shape) >= 2:
             rows = int(shape[0])
-            scale = (torch.frombuffer(buf, dtype=torch.float32, count=rows, offset=off).clone()
-                     if rows else torch.zeros(0))
+            scale = (torch.frombuffer(buf, dtype=torch.float32, count=rows, offset=off).clone()  # host
+                     if rows else torch.zeros(0))  # host: decoded wire bytes
             off += _SCALE.size * rows
             bad = not bool((torch.isfinite(scale) & (scale >= 0)).all()) if rows else False
             if bad:
@@ -463,9 +463,9 @@ def decode_message(data: bytes | bytearray | memoryview, schema: TensorSchema) -
                 )
         nb = packed_size(math.prod(shape))
         packed = (
-            torch.frombuffer(buf, dtype=torch.uint8, count=nb, offset=off)
+            torch.frombuffer(buf, dtype=torch.uint8, count=nb, offset=off)  # host: wire bytes
             if nb
-            else torch.empty(0, dtype=torch.uint8)
+            else torch.empty(0, dtype=torch.uint8)  # host
         )
         off += nb
         tensors[name] = CompressedTensor(packed=packed, scale=scale, shape=torch.Size(shape))

@@ -69,19 +69,22 @@ class PredictiveSignCodec(SignCodec):
     def _coefs(self, xs: dict[str, torch.Tensor], v: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """``γ`` per scale (fp32, schema order), TP-reduced like the L1 sums."""
         dots, vvs, reduce = [], [], []
+        # on the pseudo-gradients' device: the TP all-reduce below needs it there
+        device = next((x.device for x in xs.values()), torch.device("cpu"))
         for name, shape in self.schema.entries:
             n = self.schema.num_scales(shape)
             x, p = xs[name], v.get(name)
             if p is None or x.numel() == 0:
-                dots.append(torch.zeros(n, dtype=torch.float64))
-                vvs.append(torch.zeros(n, dtype=torch.float64))
+                dots.append(torch.zeros(n, dtype=torch.float64, device=device))
+                vvs.append(torch.zeros(n, dtype=torch.float64, device=device))
             else:
                 xr, pr = x.reshape(n, -1).double(), p.reshape(n, -1).to(x.device).double()
-                dots.append((xr * pr).sum(dim=1).cpu())
-                vvs.append((pr * pr).sum(dim=1).cpu())
-            reduce.append(torch.full((n,), self._reduced(name, shape), dtype=torch.bool))
+                dots.append((xr * pr).sum(dim=1).to(device))
+                vvs.append((pr * pr).sum(dim=1).to(device))
+            reduce.append(torch.full((n,), self._reduced(name, shape), dtype=torch.bool,
+                                     device=device))
         if not dots:
-            return torch.zeros(0)
+            return torch.zeros(0, device=device)
         both = torch.stack([torch.cat(dots), torch.cat(vvs)])  # [2, scales] fp64
         mask = torch.cat(reduce)
         if bool(mask.any()):
@@ -122,7 +125,7 @@ class PredictiveSignCodec(SignCodec):
         ys = {name: deltas[name].detach().float() - pred[name] for name, _ in self.schema.entries}
         body = super().encode(ys, num_tokens, worker=worker, round=round, feedback=feedback)
         head = _HEAD.pack(_MAGIC, 1, 0, gamma.numel())
-        return head + gamma.numpy().astype("<f4").tobytes() + body
+        return head + gamma.cpu().numpy().astype("<f4").tobytes() + body
 
     def aggregate(self, messages: Sequence[bytes], *,
                   predictor: Mapping[str, torch.Tensor] | None = None):
@@ -142,6 +145,7 @@ class PredictiveSignCodec(SignCodec):
         if not all(np.isfinite(g).all() for g in gammas):
             raise MessageError("a predictive message carries a non-finite coefficient")
         agg = aggregate_messages(signs)
-        gamma = torch.from_numpy(sum(w * g.astype(np.float64) for w, g in zip(weights, gammas)))
+        gamma = torch.from_numpy(  # host: decoded wire bytes
+            sum(w * g.astype(np.float64) for w, g in zip(weights, gammas)))
         pred = self._times(gamma.float(), predictor or {}, agg)
         return {k: agg[k] + pred[k] for k in agg}, tokens

@@ -109,8 +109,9 @@ class TopKCodec(Codec):
         scales ``[bits, rows]`` of ``x``."""
         c, k = self.chunk, self.k
         if rows * nch == 0:  # an empty tensor: nothing to send but its (zero) scales
-            z = torch.zeros(rows, nch, k, dtype=torch.bool)
-            return torch.zeros(rows, nch, k, dtype=torch.long), z, z, torch.zeros(self.bits, rows)
+            z = torch.zeros(rows, nch, k, dtype=torch.bool, device=x.device)
+            return (torch.zeros(rows, nch, k, dtype=torch.long, device=x.device), z, z,
+                    torch.zeros(self.bits, rows, device=x.device))
         flat = x.reshape(rows, -1)
         pad = nch * c - flat.shape[1]
         if pad:
@@ -167,10 +168,11 @@ class TopKCodec(Codec):
         """Decoded tensor: ``±scale`` of the value's level at the kept positions, 0 elsewhere."""
         rows, nch, k = pos.shape
         c = self.chunk
-        scale = scales[level.long(), torch.arange(rows).view(rows, 1, 1)] if self.bits == 2 \
-            else scales[0].view(rows, 1, 1)
+        dev = pos.device  # the encoder's (accelerator) or the decoded message's (host)
+        scale = scales[level.long(), torch.arange(rows, device=dev).view(rows, 1, 1)] \
+            if self.bits == 2 else scales[0].view(rows, 1, 1)
         vals = torch.where(sign, 1.0, -1.0) * scale
-        out = torch.zeros(rows, nch, c, dtype=torch.float32)
+        out = torch.zeros(rows, nch, c, dtype=torch.float32, device=dev)
         out.scatter_(-1, pos.long(), vals)
         cols = math.prod(shape) // rows if rows else 0
         return out.reshape(rows, nch * c)[:, :cols].reshape(tuple(shape))
@@ -194,12 +196,12 @@ class TopKCodec(Codec):
             lay = _layout(shape, self.chunk)
             if lay is None:
                 n = math.prod(shape)
-                out[name] = torch.from_numpy(
+                out[name] = torch.from_numpy(  # host: decoded wire bytes
                     np.frombuffer(buf, "<f4", n, off).astype(np.float32)).reshape(shape)
                 off += 4 * n
                 continue
             rows, nch = lay
-            scales = torch.from_numpy(np.frombuffer(buf, "<f4", self.bits * rows, off)
+            scales = torch.from_numpy(np.frombuffer(buf, "<f4", self.bits * rows, off)  # host
                                       .astype(np.float32)).reshape(self.bits, rows)
             off += 4 * self.bits * rows
             if not bool((torch.isfinite(scales) & (scales >= 0)).all()):
@@ -209,9 +211,10 @@ class TopKCodec(Codec):
             off += body.size
             if int(body[..., :k].max(initial=0)) >= self.chunk:
                 raise MessageError(f"top-k message from worker {worker}: position out of chunk")
-            pos = torch.from_numpy(body[..., :k].copy())
-            sign = torch.from_numpy(np.unpackbits(body[..., k:k + kb], axis=-1, count=k).astype(bool))
-            level = torch.from_numpy(np.unpackbits(body[..., k + kb:], axis=-1, count=k)
+            pos = torch.from_numpy(body[..., :k].copy())  # host: decoded wire bytes
+            sign = torch.from_numpy(  # host
+                np.unpackbits(body[..., k:k + kb], axis=-1, count=k).astype(bool))
+            level = torch.from_numpy(np.unpackbits(body[..., k + kb:], axis=-1, count=k)  # host
                                      .astype(bool)) if self.bits == 2 else sign & False
             out[name] = self._dense(pos, sign, level, scales, shape)
         return out, tokens
