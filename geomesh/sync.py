@@ -54,8 +54,11 @@ outer steps = 98k tokens, all at the same plan; ``bench/geomesh_ttp.py
   round 4 (GeoMesh 819 → 671, DiLoCo 895 → 765);
 * overlap: with a fraction ``f = 0.25`` the exchange (0.4-1.3 s) fits behind
   the first steps of every worker's next round; perplexity with sign + EF
-  680 vs 679 blocking; a one-round delay without the eager start (workers
-  continuing from their own weights) peaked at 1154 at round 6 vs 885.
+  680 vs 679 blocking, but with the top-k codec + EF 0.5 585 vs 531 (and
+  the target reached later, 96 vs 81 s: the WAN wait it hides is ~2 % of a
+  round) and with fp32 622 vs 601 — so ``geomesh.overlap`` is off by default;
+  a one-round delay without the eager start (workers continuing from their
+  own weights) peaked at 1154 at round 6 vs 885.
 
 Time.  Emulated: worker ``i``'s compute is the GPU-profile time of its plan on
 the target model (:func:`geomesh.clock.inner_step_time_s`) times any injected

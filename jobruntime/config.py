@@ -337,7 +337,7 @@ class GeoMeshConfig:
     (DiLoCo, async) are unaffected."""
     compression: Literal["sign_row", "sign_pred", "sign", "topk", "fp32"] = "topk"
     """GeoMesh's pseudo-gradient codec: the ``topk_k`` largest of every 256
-    elements of a row, position + 2-bit value (``topk``, default: 33x less
+    elements of a row, position + 2-bit value (``topk``, default: 32.8x less
     than fp32 on GPT-3 1.3B; ``geomesh/sparse.py``; real-mode workers with
     TP > 1 fall back to ``sign_row``); sign bits with one fp32 magnitude per
     row of every matrix (``sign_row``, 31.6x), the same for the part the
@@ -351,17 +351,20 @@ class GeoMeshConfig:
     (DiLoCo's order, one global momentum).  Same step without compression;
     with error feedback the parameter error stays bounded by the current
     residual (``geomesh/feedback.py``)."""
-    overlap: float | None = 0.25
+    overlap: float | None = None
     """GeoMesh: hide the exchange behind compute: the messages of round ``r`` travel
     while each worker runs the first ``⌈overlap · H_i⌉`` inner steps of round
     ``r+1`` from θ_global moved by its own pseudo-gradient's outer step (eager
     start); then it moves onto the new ``θ_global`` keeping that progress
-    (1 = a one-round-delayed outer update).  ``null``: no overlap.  Checkpoint
+    (1 = a one-round-delayed outer update).  ``null`` (default): no overlap —
+    on the quick bench overlap 0.25 cost perplexity with the top-k codec (585
+    vs 531) and reached the target later (README, ablation).  Checkpoint
     rounds and the last round are not overlapped (``geomesh/sync.py``).  The
     baselines (DiLoCo, DDP, async) never overlap."""
     topk_k: int = 24
     """``compression=topk``: elements kept of every 256 of a row (with 2-bit
-    values: 24 → 33x less than fp32 on GPT-3 1.3B's rows, 7 → 102x)."""
+    values: 24 → 32.8x less than fp32 on GPT-3 1.3B, counted from the encoded
+    bytes; 7 → 99.7x, 6 → more than 100x)."""
     topk_bits: int = 2
     """``compression=topk``: bits per kept value, 1 (sign, one magnitude per
     row) or 2 (sign and a level bit, two magnitudes per row)."""
