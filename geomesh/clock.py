@@ -149,10 +149,21 @@ class EmulatedClock:
     ``clock.exchange({name: message_bytes})`` (called by
     :class:`geomesh.transport.InProcessTransport`), which advances every
     worker to the time it holds all messages.  :attr:`totals` accumulates.
+
+    Overlapped rounds (``overlap=True``, ``geomesh.overlap``): ``exchange``
+    only schedules the transfers (each worker keeps computing the next round)
+    and :meth:`wait` later advances a worker to the time it holds the
+    messages.  The wait splits into straggler and WAN idle against a
+    zero-network twin of the clock (same compute, instantaneous transfers):
+    straggler idle is what that twin waits (slower workers' compute, which no
+    network can hide), WAN idle the rest.  A link carries one transfer at a
+    time: a push starts when the link's previous push has ended (this binds
+    only when exchanges overlap each other, i.e. one outlasts a round).
     """
 
-    def __init__(self, cluster: ClusterSpec) -> None:
+    def __init__(self, cluster: ClusterSpec, *, overlap: bool = False) -> None:
         self.cluster = cluster
+        self.overlap = overlap
         self.time_s: dict[str, float] = {w.name: 0.0 for w in cluster.workers}
         self._round_start = dict(self.time_s)
         self._round_compute = {w.name: 0.0 for w in cluster.workers}
@@ -160,6 +171,12 @@ class EmulatedClock:
         self.wan_bytes = 0
         self.intra_bytes = 0
         self.rounds: list[RoundSchedule] = []
+        self._link_free: dict[tuple[str, str, str], float] = {}  # when a directed link is idle again
+        self._pending: dict[str, float] = {}  # overlap: when a worker holds the last messages
+        self._twin = dict(self.time_s)  # zero-network clock (overlap)
+        self._twin_pending = 0.0
+        self.last_exchange_end_s = 0.0
+        """When the last worker holds all messages of the latest exchange."""
 
     @property
     def now_s(self) -> float:
@@ -171,11 +188,45 @@ class EmulatedClock:
         if seconds < 0:
             raise ValueError(f"compute time must be >= 0, got {seconds} for {worker}")
         self.time_s[worker] += seconds
+        self._twin[worker] += seconds
         self._round_compute[worker] += seconds
         self.totals[worker].compute_s += seconds
 
+    def wait(self, worker: str) -> tuple[float, float]:
+        """Overlap: advance ``worker`` to when it holds the last exchange's messages.
+
+        Returns:
+            ``(straggler_idle_s, wan_idle_s)`` of this wait (class docstring).
+
+        Raises:
+            RuntimeError: no exchange of this worker is pending.
+        """
+        if worker not in self._pending:
+            raise RuntimeError(f"wait: no exchange pending for worker {worker}")
+        t = self.time_s[worker]
+        end = max(t, self._pending.pop(worker))
+        idle = end - t
+        twin = self._twin[worker]
+        straggler = min(idle, max(0.0, self._twin_pending - twin))
+        self._twin[worker] = max(twin, self._twin_pending)
+        self.time_s[worker] = end
+        tot = self.totals[worker]
+        tot.straggler_idle_s += straggler
+        tot.wan_idle_s += idle - straggler
+        tot.end_s = end
+        return straggler, idle - straggler
+
+    def _push(self, link: tuple[str, str, str], ready: float, seconds: float) -> float:
+        """End time of a push over a directed link (``("wan"|"intra", src, dst)``),
+        one push at a time."""
+        end = max(ready, self._link_free.get(link, ready)) + seconds
+        self._link_free[link] = end
+        return end
+
     def state_dict(self) -> dict:
         """Clocks and totals (not the per-round history) for checkpoints."""
+        if self._pending:
+            raise RuntimeError("EmulatedClock.state_dict: an overlapped exchange is pending")
         return {
             "time_s": dict(self.time_s),
             "round_start": dict(self._round_start),
@@ -183,6 +234,9 @@ class EmulatedClock:
             "totals": {k: vars(v).copy() for k, v in self.totals.items()},
             "wan_bytes": self.wan_bytes,
             "intra_bytes": self.intra_bytes,
+            "link_free": [[*k, t] for k, t in self._link_free.items()],
+            "twin": dict(self._twin),
+            "last_exchange_end_s": self.last_exchange_end_s,
         }
 
     def load_state_dict(self, state: Mapping) -> None:
@@ -192,6 +246,9 @@ class EmulatedClock:
         self.totals = {k: WorkerTiming(**v) for k, v in state["totals"].items()}
         self.wan_bytes = state["wan_bytes"]
         self.intra_bytes = state["intra_bytes"]
+        self._link_free = {(k, s, d): t for k, s, d, t in state.get("link_free", [])}
+        self._twin = dict(state.get("twin", self.time_s))
+        self.last_exchange_end_s = state.get("last_exchange_end_s", max(self.time_s.values()))
 
     def exchange(self, message_bytes: Mapping[str, int]) -> RoundSchedule:
         """Hierarchical all-gather of one message per worker (module docstring).
@@ -200,69 +257,81 @@ class EmulatedClock:
             message_bytes: bytes each worker sends (every worker present).
 
         Returns:
-            The round's schedule; per-worker clocks are moved to their end times.
+            The round's schedule; per-worker clocks are moved to their end times
+            (overlap: the end times are pending until :meth:`wait`, and the
+            schedule's idle times are 0).
 
         Raises:
             KeyError: a worker of the cluster is missing from ``message_bytes``.
+            RuntimeError: overlap, and the previous exchange was not waited for.
         """
         c = self.cluster
         missing = [w.name for w in c.workers if w.name not in message_bytes]
         if missing:
             raise KeyError(f"exchange: no message size for workers {missing}")
+        if self._pending:
+            raise RuntimeError("exchange: the previous overlapped exchange was not waited for")
         ready = dict(self.time_s)
         slowest = max(ready.values())
         total = sum(int(message_bytes[w.name]) for w in c.workers)
+        members = {r.name: c.workers_in(r.name) for r in c.regions}
         bundle_ready: dict[str, float] = {}
         bundle_bytes: dict[str, int] = {}
         intra = 0
         for r in c.regions:
-            members = c.workers_in(r.name)
-            leader = members[0].name
+            leader = members[r.name][0].name
             link = r.intra_link
             times = [ready[leader]]
-            for m in members[1:]:
-                times.append(ready[m.name] + link.transfer_s(message_bytes[m.name]))
+            for m in members[r.name][1:]:
+                times.append(self._push(("intra", m.name, leader), ready[m.name],
+                                        link.transfer_s(message_bytes[m.name])))
                 intra += int(message_bytes[m.name])
             bundle_ready[r.name] = max(times)
-            bundle_bytes[r.name] = sum(int(message_bytes[m.name]) for m in members)
+            bundle_bytes[r.name] = sum(int(message_bytes[m.name]) for m in members[r.name])
         wan = 0
         have_all: dict[str, float] = {}
         for r in c.regions:
             t = bundle_ready[r.name]
             for q in c.regions:
                 if q.name != r.name:
-                    t = max(
-                        t,
-                        bundle_ready[q.name]
-                        + c.link(q.name, r.name).transfer_s(bundle_bytes[q.name]),
-                    )
+                    t = max(t, self._push(("wan", q.name, r.name), bundle_ready[q.name],
+                                          c.link(q.name, r.name).transfer_s(bundle_bytes[q.name])))
                     wan += bundle_bytes[q.name]
             have_all[r.name] = t
         timings: dict[str, WorkerTiming] = {}
         for r in c.regions:
-            members = c.workers_in(r.name)
-            for k, m in enumerate(members):
+            leader = members[r.name][0].name
+            for k, m in enumerate(members[r.name]):
                 end = have_all[r.name]
                 if k > 0:
-                    end += r.intra_link.transfer_s(total - int(message_bytes[m.name]))
+                    end = self._push(("intra", leader, m.name), end, r.intra_link.transfer_s(
+                        total - int(message_bytes[m.name])))
                     intra += total - int(message_bytes[m.name])
-                straggler = slowest - ready[m.name]
+                straggler = 0.0 if self.overlap else slowest - ready[m.name]
                 timings[m.name] = WorkerTiming(
                     start_s=self._round_start[m.name],
                     compute_s=self._round_compute[m.name],
                     straggler_idle_s=straggler,
-                    wan_idle_s=end - ready[m.name] - straggler,
+                    wan_idle_s=0.0 if self.overlap else end - ready[m.name] - straggler,
                     end_s=end,
                     sent_bytes=int(message_bytes[m.name]),
                 )
         for name, t in timings.items():
-            self.time_s[name] = t.end_s
-            self._round_start[name] = t.end_s
+            self._round_start[name] = t.end_s if not self.overlap else self.time_s[name]
             self._round_compute[name] = 0.0
+            self.totals[name].sent_bytes += t.sent_bytes
+            if self.overlap:
+                self._pending[name] = t.end_s
+                continue
+            self.time_s[name] = t.end_s
             self.totals[name].straggler_idle_s += t.straggler_idle_s
             self.totals[name].wan_idle_s += t.wan_idle_s
-            self.totals[name].sent_bytes += t.sent_bytes
             self.totals[name].end_s = t.end_s
+        if self.overlap:
+            self._twin_pending = max(self._twin.values())
+        else:
+            self._twin = dict(self.time_s)
+        self.last_exchange_end_s = max(t.end_s for t in timings.values())
         self.wan_bytes += wan
         self.intra_bytes += intra
         sched = RoundSchedule(

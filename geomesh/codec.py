@@ -142,8 +142,8 @@ class SignCodec(Codec):
         device = next((d.device for d in deltas.values()), torch.device("cpu"))
         for name, shape in self.schema.entries:
             x = deltas[name].detach().float()
-            if feedback is not None and name in feedback.residuals:
-                x = x + feedback.residuals[name]
+            if feedback is not None:
+                x = feedback.add(name, x)
             n = self.schema.num_scales(shape)
             rows = x.reshape(n, -1) if x.numel() else x.reshape(n, 0)
             xs.append(x)
@@ -172,7 +172,7 @@ class SignCodec(Codec):
             packed, _ = pack_signs(x)
             tensors[name] = CompressedTensor(packed=packed, scale=scale, shape=torch.Size(x.shape))
             if feedback is not None:  # e ← x − m·sign(x), kept locally (EF-signSGD)
-                feedback.residuals[name] = x - scale_signs(unpack_signs(packed, x.shape), scale)
+                feedback.keep(name, x - scale_signs(unpack_signs(packed, x.shape), scale))
         msg = WorkerMessage(worker=worker, round=round, num_tokens=int(num_tokens), tensors=tensors)
         return encode_message(msg, self.schema)
 

@@ -178,6 +178,8 @@ def num_row_scales(shape: Sequence[int]) -> int:
 def scale_signs(sign: torch.Tensor, scale: float | torch.Tensor) -> torch.Tensor:
     """``sign * scale`` in place; a tensor ``scale`` multiplies row by row."""
     if isinstance(scale, torch.Tensor):
+        if sign.numel() == 0:
+            return sign
         return sign.view(scale.numel(), -1).mul_(scale.to(sign.dtype).unsqueeze(1)).view(sign.shape)
     return sign.mul_(scale)
 
@@ -239,11 +241,25 @@ def compress_with_feedback(
 class ErrorFeedback:
     """Per-tensor error-feedback memory ``e`` (fp32, same shapes as the model).
 
-    Kept locally by each worker, never sent.  Costs 4 bytes per parameter.
+    Kept locally by each worker, never sent, in host memory: it is read and
+    written once per round (4 bytes per parameter over PCIe), so it takes no
+    accelerator memory and the planner's plan does not depend on it.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, decay: float = 1.0) -> None:
         self.residuals: dict[str, torch.Tensor] = {}
+        self.decay = decay
+        """Factor on the kept residual (1: EF-signSGD; < 1 forgets old errors)."""
+
+    def add(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        """``x + e`` (on ``x``'s device); ``x`` itself when there is no residual yet."""
+        e = self.residuals.get(name)
+        return x if e is None else x + e.to(x.device)
+
+    def keep(self, name: str, residual: torch.Tensor) -> None:
+        """Store the new residual ``decay · (x − D(C(x)))`` (moved to host memory)."""
+        r = residual.detach().cpu()
+        self.residuals[name] = r if self.decay == 1.0 else r.mul_(self.decay)
 
     def compress(self, name: str, delta: torch.Tensor) -> CompressedTensor:
         ct, self.residuals[name] = compress_with_feedback(delta, self.residuals.get(name))

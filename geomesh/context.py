@@ -140,6 +140,23 @@ def _validate(cfg: JobConfig) -> None:
     if not 0 < g.outer_lr < float("inf"):
         raise ConfigError(f"geomesh.outer_lr must be a positive number, got {g.outer_lr} "
                           "(DiLoCo's default is 0.7)")
+    if g.compression == "sign_pred" and g.compress_update:
+        raise ConfigError("geomesh.compression=sign_pred predicts from the global outer momentum; "
+                          "it needs geomesh.compress_update=false")
+    if not 1 <= g.topk_k <= 256 or g.topk_bits not in (1, 2):
+        raise ConfigError(f"geomesh.topk_k must be in [1, 256] (kept of every 256) and "
+                          f"geomesh.topk_bits 1 or 2, got {g.topk_k} and {g.topk_bits}")
+    if not 0 <= g.error_feedback_decay <= 1:
+        raise ConfigError(f"geomesh.error_feedback_decay must be in [0, 1], got "
+                          f"{g.error_feedback_decay}")
+    if not 0 < g.plan_tolerance < 1:
+        raise ConfigError(f"geomesh.plan_tolerance must be in (0, 1), got {g.plan_tolerance}")
+    if g.overlap is not None and not 0 <= g.overlap <= 1:
+        raise ConfigError(f"geomesh.overlap must be in [0, 1] (the share of a round's inner steps "
+                          f"behind which the previous exchange runs) or null, got {g.overlap}")
+    if g.overlap is not None and g.region:
+        raise ConfigError("geomesh.overlap does not combine with geomesh.region (one torchft job "
+                          "per region: quorum, healing); unset geomesh.overlap")
     if not 0 <= g.outer_momentum < 1:
         raise ConfigError(f"geomesh.outer_momentum must be in [0, 1), got {g.outer_momentum} "
                           "(DiLoCo's default is 0.9)")
@@ -200,12 +217,13 @@ def build_context(cfg: JobConfig, run_dir: Path) -> RunContext:
     run_dir = same_run_dir(run_dir, group=placement.job_group, src=placement.job_src)
     G_t = target.parallel.global_batch_size
     s_t = target.model.seq_length
-    # θ_global and the outer momentum (fp32, 8 bytes/param), the error-feedback
-    # residual (4) and the packed message (~1/8) stay on the worker's GPUs
-    # next to its shard: the memory model counts them (geomesh.report.memory_overhead).
-    outer_bytes = 8.0 + (4.0 if g.error_feedback else 0.0) + 0.25
+    # θ_global and the outer momentum (fp32, 8 bytes/param) and the packed
+    # message (~1/8) stay on the worker's GPUs next to its shard: the memory
+    # model counts them (geomesh.report.memory_overhead).  The error-feedback
+    # residual and the overlap snapshot live in host memory.
+    outer_bytes = 8.0 + 0.25
     planner = Planner(cluster, target.model, tokens_per_round=g.inner_steps * G_t * s_t,
-                      inner_steps=g.inner_steps, balance=g.balance,
+                      inner_steps=g.inner_steps, balance=g.balance, tolerance=g.plan_tolerance,
                       memory=MemoryModel(model=target.model, seq_length=s_t,
                                          extra_bytes_per_param=outer_bytes))
     schema = target_schema(target) if cluster.mode == "emulated" else None

@@ -131,18 +131,22 @@ class Placement:
                                                         quorum_done=quorum_done)
             self._ft_rows(out, time.perf_counter() - x0)
             return [None if m is None else m[_STATS.size:] for m in out]
-        if self.transport is not None:
-            out = self.transport.exchange(messages)
-            data = encode_bundle(out)
-        else:
-            data = None
+        return self.share(self.gather(messages))
+
+    def gather(self, messages: dict[int, bytes]) -> bytes | None:
+        """The all-gather over workers (replicas ``d > 0``: nothing); may run in a
+        background thread (overlapped rounds) — it uses only the transport's groups.
+        Not for one job per region (its exchange is :meth:`exchange`)."""
+        return encode_bundle(self.transport.exchange(messages)) if self.transport is not None else None
+
+    def share(self, data: bytes | None) -> list[bytes]:
+        """Give :meth:`gather`'s result to this worker's replicas (over ``dp_group``); decode."""
         if self.dp_in > 1:
             box = [data]
             src = dist.get_global_rank(self.dp_group, 0)
             dist.broadcast_object_list(box, src=src, group=self.dp_group)
             data = box[0]
         return decode_bundle(data)
-
 
     def _ft_rows(self, out: list[bytes | None], exchange_s: float) -> None:
         """Rows of :meth:`gather_rows` from the stats in the messages (padded to K per rank)."""

@@ -211,6 +211,39 @@ class OuterNesterov:
             p.sub_(update, alpha=self.lr)
         self.step_count += 1
 
+    @torch.no_grad()
+    def preview(self, delta: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The weights :meth:`step` would give for ``delta``, without changing any
+        state (overlapped rounds start from it, :mod:`geomesh.sync`)."""
+        mu, out = self.current_momentum, {}
+        for name, p in self.params.items():
+            g = delta[name].to(device=p.device, dtype=p.dtype)
+            buf = self.momentum_buffer.get(name)
+            v = g if buf is None else buf * mu + g
+            out[name] = p - self.lr * (g + mu * v if self.nesterov else v)
+        return out
+
+    @torch.no_grad()
+    def apply_update(self, update: Mapping[str, torch.Tensor]) -> None:
+        """``θ ← θ − lr · update`` for an already momentum-corrected update (the
+        workers kept the momentum, :class:`geomesh.feedback.LocalMomentum`); counts
+        as a step of the momentum schedule.
+
+        Raises:
+            ValueError: ``update`` names or shapes differ from the parameters.
+        """
+        if set(update) != set(self.params):
+            raise ValueError("outer update: names differ from the parameters "
+                             f"(e.g. {sorted(set(update) ^ set(self.params))[:5]})")
+        for name, p in self.params.items():
+            u = update[name].to(device=p.device, dtype=p.dtype)
+            if u.shape != p.shape:
+                raise ValueError(
+                    f"outer update: '{name}' has shape {tuple(u.shape)}, parameter {tuple(p.shape)}"
+                )
+            p.sub_(u, alpha=self.lr)
+        self.step_count += 1
+
     @property
     def current_momentum(self) -> float:
         """``μ`` of the next step (ramped with ``momentum_warmup``)."""

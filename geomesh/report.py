@@ -130,13 +130,19 @@ def _nbytes(tensors) -> int:
 
 def memory_overhead(theta: dict[str, torch.Tensor], momentum: dict[str, torch.Tensor],
                     residuals: list[dict[str, torch.Tensor]], packed_bytes: list[int],
-                    target_params: int | None = None) -> dict:
+                    target_params: int | None = None,
+                    snapshots: list[dict[str, torch.Tensor]] = ()) -> dict:
     """Per-worker memory GeoMesh adds to the inner job, measured from the live tensors.
 
     Counted per worker (one rank's TP/PP shard): the global weights
     ``θ_global`` (fp32), the outer Nesterov momentum (fp32, after the first
     outer step), the error-feedback residual (fp32, only when on) and the
-    packed pseudo-gradient message (sign bits, scales, header).  These live
+    packed pseudo-gradient message (sign bits, scales, header); with
+    ``geomesh.compress_update`` the momentum is the worker's own
+    (:mod:`geomesh.feedback`).  Reported apart, in host memory: the
+    error-feedback residual (fp32, only when on) and, with overlapped rounds,
+    the snapshot of the weights whose pseudo-gradient is in flight (fp32,
+    :mod:`geomesh.sync`).  The others live
     on the device of the inner job's parameters (``Trainer.get_params``
     clones them there); the planner's memory model counts them
     (:func:`geomesh.context.build_context`).
@@ -149,11 +155,12 @@ def memory_overhead(theta: dict[str, torch.Tensor], momentum: dict[str, torch.Te
         target_params: parameters of the timing target model (emulated
             mode): the overhead is also given for it, at the measured bytes
             per parameter.
+        snapshots: each local worker's overlap snapshot (none without overlap).
 
     Returns:
         ``{"params", "global_weights_bytes", "outer_momentum_bytes",
-        "error_feedback_bytes", "packed_message_bytes", "total_bytes",
-        "bytes_per_param"}`` and, with ``target_params``,
+        "packed_message_bytes", "total_bytes", "bytes_per_param",
+        "host_error_feedback_bytes", "host_snapshot_bytes"}`` and, with ``target_params``,
         ``"target_total_bytes"`` (one copy of the target model's worth: a
         worker's GPUs each hold their ``1/(tp·pp)`` shard of it, once per
         DP replica inside the worker).
@@ -164,10 +171,11 @@ def memory_overhead(theta: dict[str, torch.Tensor], momentum: dict[str, torch.Te
         "params": n,
         "global_weights_bytes": _nbytes(theta.values()),
         "outer_momentum_bytes": _nbytes(momentum.values()),
-        "error_feedback_bytes": sum(_nbytes(r.values()) for r in residuals) // k,
         "packed_message_bytes": sum(packed_bytes) // k,
     }
     out["total_bytes"] = sum(v for key, v in out.items() if key.endswith("_bytes"))
+    out["host_error_feedback_bytes"] = sum(_nbytes(r.values()) for r in residuals) // k
+    out["host_snapshot_bytes"] = sum(_nbytes(s.values()) for s in snapshots) // k
     out["bytes_per_param"] = out["total_bytes"] / max(n, 1)
     if target_params:
         out["target_total_bytes"] = round(out["bytes_per_param"] * target_params)

@@ -20,33 +20,45 @@ drift (real: wall-clock per inner step; emulated: the injected
 ``slowdown`` of the cluster file).  DiLoCo uses the same ``b = G_t/K`` and
 ``H`` everywhere, so fast workers wait for the slowest (straggler idle).
 
+Overlapped rounds (``geomesh.overlap = f``; the exchange hidden behind compute,
+as Streaming DiLoCo overlaps fragments, Douillard et al. 2025).  After its
+``H_i`` steps of round ``r`` a worker sends ``Δ_i`` and does not wait: it moves
+to the *eager start* ``θ_global − lr·(Δ_i + μ(μ v + Δ_i))`` — the outer step
+its own pseudo-gradient would give (Kale et al. 2025, "Eager updates for
+overlapped communication in DiLoCo") — and runs the first ``τ_i = ⌈f·H_i⌉``
+steps of round ``r+1`` from there while the messages travel.  Then it takes
+the real outer step (all messages of round ``r``) and moves its weights onto
+the new ``θ_global``, keeping the ``τ_i`` steps' progress:
+``θ_i ← θ_global + (θ_i − eager start)``; the rest of round ``r+1`` follows,
+and ``Δ_i`` is measured from ``θ_global``.  With ``f = 0`` this is exactly the
+blocking round (tested bit for bit); ``f = 1`` delays the outer update by
+one round.  The last round and checkpoint rounds are not overlapped (a
+checkpoint then holds no messages in flight); a re-plan decided while round
+``r+1`` is under way applies from round ``r+2``.  The snapshot of the eager
+start is kept in host memory.  Real mode runs the all-gather in a background
+thread (it uses only the transport's process groups); the emulated clock
+charges the wait at step ``τ_i`` (:class:`geomesh.clock.EmulatedClock`).
+
 Measured choices (emulated four-region cluster, GPT-3 1.3B target, tiny_gpt
-proxy at sequence 64, ``G_p = 16``, ``H = 8``, outer lr 0.35, validation
-perplexity after 12 outer steps = 98k tokens; ``bench/geomesh_ttp.py --quick``):
+proxy at sequence 64, ``G_p = 16``, ``H = 8``, validation perplexity after 12
+outer steps = 98k tokens, all at the same plan; ``bench/geomesh_ttp.py
+--quick``; the README's ablation table has the final numbers):
 
-* one scale per *tensor* diverged (val ppl ~2200 at outer lr 0.7): embedding
-  rows of tokens unseen in a round received the magnitude of the seen rows.
-  One scale per *row* (``geomesh.compression=sign_row``; compression ratio
-  31.6 on the target instead of 32.0) fixed it;
-* error feedback on: 672, off: 671 (at 16 steps without the momentum ramp
-  and with ``balance=batch``: 809 vs 760), so ``geomesh.error_feedback``
-  defaults to off (it also saves 4 bytes per parameter);
-* balancing by steps (``geomesh.balance=steps``: every step at the uniform
-  batch, faster workers take more steps) beat balancing by batch (784 vs 819
-  without the momentum ramp); scaling a worker's inner LR with its batch
-  (``inner_lr_scaling=sqrt``) made the batch variant worse (1236 vs 1111);
-* ramping the outer momentum in (``outer_momentum_warmup``, for every method)
-  removed a loss spike around round 4 (GeoMesh 819 → 671, DiLoCo 895 → 765);
-* for reference: GeoMesh's plan with fp32 pseudo-gradients 606, fp32 DiLoCo
-  765, DDP 664.
-
-These were measured before the planner's memory model counted GeoMesh's own
-state (θ_global and momentum on the GPUs, 8 bytes per parameter); with it the
-A100's plan moves from 8 steps of 128 to 7 of 144 sequences and GeoMesh ends
-at 715 (DiLoCo 765) — differences of this size between nearby plans are the
-noise level of a 98k-token proxy run.  With that plan: error feedback on 713
-(TTP 158 s vs 130 s off), fp32 pseudo-gradients 608 (TTP 166 s), outer lr 0.5
-738 and 0.7 788.
+* one scale per *tensor* diverged at outer lr 0.7 (embedding rows of tokens
+  unseen in a round received the magnitude of the seen rows); one scale per
+  *row* (``sign_row``, 31.6x instead of 32.0x on the target) fixed it;
+* error feedback: see :mod:`geomesh.feedback` for why it seemed to give
+  nothing (the plan changed with it) and where the residual goes;
+* balancing by steps beat balancing by batch (784 vs 819 without the
+  momentum ramp); ramping the outer momentum in removed a loss spike around
+  round 4 (GeoMesh 819 → 671, DiLoCo 895 → 765);
+* overlap: with a fraction ``f = 0.25`` the exchange (0.4-1.3 s) fits behind
+  the first steps of every worker's next round; perplexity with sign + EF
+  680 vs 679 blocking, but with the top-k codec + EF 0.5 585 vs 531 (and
+  the target reached later, 96 vs 81 s: the WAN wait it hides is ~2 % of a
+  round) and with fp32 622 vs 601 — so ``geomesh.overlap`` is off by default;
+  a one-round delay without the eager start (workers continuing from their
+  own weights) peaked at 1154 at round 6 vs 885.
 
 Time.  Emulated: worker ``i``'s compute is the GPU-profile time of its plan on
 the target model (:func:`geomesh.clock.inner_step_time_s`) times any injected
@@ -54,15 +66,28 @@ slowdown, charged to an :class:`~geomesh.clock.EmulatedClock`; the exchange is
 charged with the target model's message size.  Real: wall-clock; a worker's
 straggler idle is ``max_j compute_j − compute_i`` and its WAN idle the rest
 of its time in the exchange.
+
+Every round's messages pass :class:`geomesh.guard.Guard` before aggregation
+(every codec: ``codec.aggregate(received, guard=guard)``); a rejected message
+drops its worker from the round.  One job per region (``geomesh.region``):
+each round's exchange is a torchft quorum (:mod:`geomesh.membership`), lost
+workers drop out (the plan is redone for the members left,
+:mod:`geomesh.membership_plan`), a joining worker heals from a live peer at a
+round boundary.  Those rounds are blocking: ``geomesh.overlap`` with
+``geomesh.region`` is refused (:func:`geomesh.context._validate`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 
 from jobruntime.checkpoint import CheckpointError
 from jobruntime.faults import fault_point
@@ -72,11 +97,14 @@ from .clock import EmulatedClock, inner_step_time_s
 from .codec import DenseCodec, SignCodec
 from .compression import ErrorFeedback, TensorSchema
 from .context import RunContext
+from .feedback import LocalMomentum
 from .guard import Guard
 from .membership_plan import plan_for_members, plan_from_dict
 from .outer import OuterNesterov
 from .planner import Plan
+from .predict import PredictiveSignCodec
 from .report import RunStats, memory_overhead
+from .sparse import TopKCodec
 from .state import load_state, save_state
 from .transport import InProcessTransport
 from .worker import InnerWorker, ProxyStep, proxy_steps
@@ -84,9 +112,9 @@ from .worker import InnerWorker, ProxyStep, proxy_steps
 log = logging.getLogger(__name__)
 
 
-def _true_step_s(ctx: RunContext, step: ProxyStep, round_: int) -> float:
+def _true_step_s(ctx: RunContext, k: int, step: ProxyStep, round_: int) -> float:
     """Emulated physics: profile time of one inner step on the target, times the slowdown."""
-    w = ctx.cluster.worker(step.target.worker)
+    w = ctx.cluster.workers[k]
     t = inner_step_time_s(w, ctx.target.model, step.target.micro_batch_size,
                           step.target.grad_accum, seq_length=step.target.seq_length)
     return t * ctx.cluster.slowdown_factor(w.name, round_)
@@ -95,6 +123,21 @@ def _true_step_s(ctx: RunContext, step: ProxyStep, round_: int) -> float:
 def _proxy(ctx: RunContext, plan: Plan) -> list[ProxyStep]:
     return proxy_steps(plan, ctx.scale, round_samples=ctx.round_samples,
                        dp_in=ctx.placement.dp_in, max_micro_batch=ctx.cfg.parallel.micro_batch_size)
+
+
+@dataclass
+class _Round:
+    """A round whose compute is done: its messages are exchanged or in flight."""
+
+    r: int
+    steps: list[ProxyStep]
+    msgs: dict[int, bytes] = field(default_factory=dict)
+    losses: dict[int, float] = field(default_factory=dict)
+    compute: dict[int, float] = field(default_factory=dict)
+    received: list[bytes | None] | None = None
+    shared: bool = False  # ``received`` is already decoded and shared (one job per region)
+    future: Future | None = None  # real mode, overlapped: the background all-gather
+    wait_s: float = 0.0  # real mode: wall seconds spent waiting for the exchange
 
 
 def run_sync(ctx: RunContext) -> dict:
@@ -114,24 +157,42 @@ def run_sync(ctx: RunContext) -> dict:
                                  dp_in_rank=pl.dp_in_rank)
     first = workers[pl.workers[0]]
     theta = first.trainer.get_params()  # θ_global, fp32, this rank's shard
-    sign = geomesh and g.compression != "fp32"
-    row_scales = sign and g.compression == "sign_row"
+    compression = g.compression
+    if compression == "topk" and pl.tp_group is not None and dist.get_world_size(pl.tp_group) > 1:
+        log.warning("geomesh.compression=topk needs tp=1 workers (its chunks would span TP "
+                    "shards); this run uses sign_row")
+        compression = "sign_row"
+    sign = geomesh and compression in ("sign", "sign_row", "sign_pred")
+    row_scales = sign and compression != "sign"
     schema = dataclasses.replace(TensorSchema.from_tensors(theta), row_scales=row_scales)
+    predictive = geomesh and compression == "sign_pred"  # the outer momentum predicts Δ_i
     if sign:
-        codec = SignCodec(schema, tp_group=pl.tp_group,
-                          tp_partition=first.trainer.tp_partition_dims())
+        codec = (PredictiveSignCodec if predictive else SignCodec)(
+            schema, tp_group=pl.tp_group, tp_partition=first.trainer.tp_partition_dims())
+    elif geomesh and compression == "topk":
+        codec = TopKCodec(schema, k=g.topk_k, bits=g.topk_bits)
     else:
         codec = DenseCodec(schema)
+    lossy = codec.kind != "fp32"
     outer = OuterNesterov(theta, lr=g.outer_lr, momentum=g.outer_momentum,
                           momentum_warmup=g.outer_momentum_warmup)
-    feedback = {i: ErrorFeedback() for i in pl.workers} if sign and g.error_feedback else {}
+    pred = {"predictor": outer.momentum_buffer} if predictive else {}
+    feedback = ({i: ErrorFeedback(g.error_feedback_decay) for i in pl.workers}
+                if lossy and g.error_feedback else {})
+    # compress_update: each worker's own momentum, the workers send Δ_i + μ v_i (feedback.py)
+    local_mom = {i: LocalMomentum() for i in pl.workers} if geomesh and g.compress_update else {}
+    overlap = g.overlap if geomesh else None  # the baselines never overlap
     guard = Guard.from_config(g, cl)  # checks every message before aggregation
+    ft = pl.membership  # one job per region: torchft quorum, healing (geomesh.membership)
+    if ft is not None and overlap is not None:  # _validate refuses it; a guard for direct callers
+        raise ValueError("geomesh.overlap does not combine with one job per region")
     clock = transport = None
     if ctx.emulated:
-        clock = EmulatedClock(cl)
+        clock = EmulatedClock(cl, overlap=overlap is not None)
         target = dataclasses.replace(ctx.target_schema, row_scales=row_scales)
         charged = codec.encoded_bytes(target)
         transport = InProcessTransport(cl, clock=clock, charged_bytes=charged)
+    pool = ThreadPoolExecutor(1) if overlap is not None and not ctx.emulated else None
     val = ctx.val_batches(dp=pl.dp_in, dp_rank=pl.dp_in_rank)
     stats = RunStats.for_cluster(cl, cfg.train.target_ppl)
     position, start, replans = 0, 0, 0
@@ -141,12 +202,15 @@ def run_sync(ctx: RunContext) -> dict:
         if st["method"] != ctx.method:
             raise CheckpointError(f"checkpoint is from method {st['method']}, not {ctx.method}; "
                                   f"resume it with geomesh.method={st['method']}")
-        if set(st["workers"]) != set(workers) or set(st["feedback"]) != set(feedback):
+        if set(st["workers"]) != set(workers) or set(st["feedback"]) != set(feedback) or \
+                set(st.get("local_momentum", {})) != set(local_mom):
             raise CheckpointError(
                 f"checkpoint holds workers {sorted(st['workers'])} with error feedback "
-                f"{'on' if st['feedback'] else 'off'}; this run has workers {sorted(workers)} "
-                f"with it {'on' if feedback else 'off'}: resume with the cluster file and "
-                "geomesh.error_feedback it was saved with"
+                f"{'on' if st['feedback'] else 'off'} and compress_update "
+                f"{'on' if st.get('local_momentum') else 'off'}; this run has workers "
+                f"{sorted(workers)} with them {'on' if feedback else 'off'} and "
+                f"{'on' if local_mom else 'off'}: resume with the cluster file, "
+                "geomesh.error_feedback and geomesh.compress_update it was saved with"
             )
         if st["round"] >= g.outer_steps:
             raise CheckpointError(
@@ -156,6 +220,8 @@ def run_sync(ctx: RunContext) -> dict:
         outer.load_state_dict(st["outer"])  # copies into theta
         for i, fb in feedback.items():
             fb.load_state_dict(st["feedback"][i])
+        for i, lm in local_mom.items():
+            lm.load_state_dict(st["local_momentum"][i])
         for i, w in workers.items():
             w.load_state_dict(st["workers"][i])
         ctx.planner.speed = dict(st["planner_speed"])
@@ -172,23 +238,25 @@ def run_sync(ctx: RunContext) -> dict:
     t0 = time.perf_counter() - stats.time_s
     wall0 = time.perf_counter()
     overhead = None
+    snapshots: dict[int, dict[str, torch.Tensor]] = {}  # overlap: weights whose Δ_i was sent
+    next_steps: list[ProxyStep] | None = None  # overlap: a re-plan for the next round
+
     r, joining, members = start, False, list(range(K))
-    ft = pl.membership
-    if ft is not None:  # one job per region: torchft quorum, healing (geomesh.membership)
+    if ft is not None:
         def save_heal() -> dict:
             return {"round": r, "position": position, "replans": replans, "members": members,
                     "plan": plan.to_dict(), "speed": dict(ctx.planner.speed),
                     "outer": outer.state_dict(), "guard": guard.state_dict()}
 
         def load_heal(st: dict) -> None:
-            nonlocal r, position, replans, plan, steps, history, members
+            nonlocal r, position, replans, plan, steps, next_steps, history, members
             r, position, replans = int(st["round"]), int(st["position"]), int(st["replans"])
             members = [int(k) for k in st["members"]]
             outer.load_state_dict(st["outer"])
             guard.load_state_dict(st["guard"])
             ctx.planner.speed = {k: float(v) for k, v in st["speed"].items()}
             plan = plan_from_dict(st["plan"], ctx.planner.tolerance)
-            steps, history = _proxy(ctx, plan), {}
+            steps, next_steps, history = _proxy(ctx, plan), None, {}
             for w in workers.values():  # the inner LR schedule where the others' is
                 w.trainer.scheduler.step(increment=max(r * steps[w.index].inner_steps
                                                        - w.trainer.step, 0))
@@ -199,68 +267,61 @@ def run_sync(ctx: RunContext) -> dict:
         joining = ft.join(start)
         if not joining:  # else the healed state says who trained this round
             members = list(ft.members)
-    while r < g.outer_steps:
-        step = r + 1
-        offsets = [sum(steps[j].samples for j in members if j < i) for i in range(K)]
-        msgs, done = {}, {}
-        for i in ([] if joining else pl.workers):
-            name = cl.workers[i].name
-            w0 = time.perf_counter()
-            res = workers[i].train_round(theta, steps[i], position + offsets[i])
-            fault_point("train", r)
-            if ctx.emulated:
-                compute = _true_step_s(ctx, steps[i], r) * steps[i].target.inner_steps
-                clock.compute(name, compute)
-            else:
-                wall = time.perf_counter() - w0
-                factor = cl.slowdown_factor(name, r)
-                if factor != 1.0:  # injected slowdown: sleep the extra time
-                    time.sleep((factor - 1.0) * wall)
-                compute = wall * factor
-            msgs[i] = codec.encode(res.delta, res.tokens, worker=i, round=r,
-                                   feedback=feedback.get(i))
-            done[i] = (res, compute)
-        x0 = time.perf_counter()
-        if ctx.emulated:
-            received = transport.exchange(msgs)
-        else:
-            me = pl.workers[0]
-            received = pl.exchange(msgs, quorum_done=joining,
-                                   stats=(done[me][0].loss, done[me][1]) if me in done else (0, 0))
-        exchange_s = time.perf_counter() - x0
-        if pl.healed or joining:  # this worker sent nothing: the others' round r, from their state
-            step, joining, done = r + 1, False, {}
-        guard.expect({i: steps[i].samples * cfg.model.seq_length for i in range(K)})
-        agg, tokens = codec.aggregate(received, guard=guard)
-        if ft is not None and guard.last_rejected:  # like lost workers (fail: stop, named)
-            ft.lost(r, sorted(guard.last_rejected), "message rejected by the checks")
-        if agg is not None:
-            outer.step(agg)
-        position += sum(steps[j].samples for j in members)
-        if overhead is None and msgs:  # every outer buffer exists after the first step
-            overhead = memory_overhead(
-                theta, outer.momentum_buffer, [fb.residuals for fb in feedback.values()],
-                [len(msgs[i]) for i in pl.workers],
-                target_params=ctx.target_schema.numel if ctx.emulated else None)
 
-        # -- round statistics --------------------------------------------------
+    def finish(rnd: _Round) -> bool:
+        """Check and aggregate round ``rnd``, take the outer step, record, re-plan,
+        checkpoint.  Returns whether the run should stop (target reached with
+        ``stop_at_target``)."""
+        nonlocal plan, next_steps, replans, history, overhead, members
+        step, rsteps = rnd.r + 1, rnd.steps
         per: dict[str, dict] = {}
         if ctx.emulated:
-            for w in cl.workers:
-                t = transport.last_schedule.workers[w.name]
-                per[w.name] = dict(compute_s=t.compute_s, straggler_idle_s=t.straggler_idle_s,
-                                   wan_idle_s=t.wan_idle_s, sent_bytes=t.sent_bytes)
-            losses = {i: done[i][0].loss for i in done}
-            round_bytes = charged * K
+            received = rnd.received
+            if overlap is not None:  # each worker waits for the messages now
+                for k, w in enumerate(cl.workers):
+                    strag, wan = clock.wait(w.name)
+                    per[w.name] = dict(compute_s=rnd.compute[k], straggler_idle_s=strag,
+                                       wan_idle_s=wan, sent_bytes=charged)
+        elif rnd.shared:
+            received = rnd.received
+        else:
+            x0 = time.perf_counter()
+            received = pl.share(rnd.future.result() if rnd.future is not None else rnd.received)
+            rnd.wait_s += time.perf_counter() - x0
+        guard.expect({i: rsteps[i].samples * cfg.model.seq_length for i in range(K)})
+        agg, tokens = codec.aggregate(received, guard=guard, **pred)
+        if ft is not None and guard.last_rejected:  # like lost workers (fail: stop, named)
+            ft.lost(rnd.r, sorted(guard.last_rejected), "message rejected by the checks")
+        if agg is not None:
+            if local_mom:
+                outer.apply_update(agg)
+            else:
+                outer.step(agg)
+        if overhead is None and rnd.msgs:  # every outer buffer exists after the first step
+            i0 = pl.workers[0]
+            overhead = memory_overhead(
+                theta, local_mom[i0].buffers if local_mom else outer.momentum_buffer,
+                [fb.residuals for fb in feedback.values()],
+                [len(rnd.msgs[i]) for i in pl.workers],
+                target_params=ctx.target_schema.numel if ctx.emulated else None,
+                snapshots=[s for s in snapshots.values()])
+        if ctx.emulated:
+            if overlap is None:
+                for w in cl.workers:
+                    t = transport.last_schedule.workers[w.name]
+                    per[w.name] = dict(compute_s=t.compute_s, straggler_idle_s=t.straggler_idle_s,
+                                       wan_idle_s=t.wan_idle_s, sent_bytes=t.sent_bytes)
+            losses = {i: rnd.losses[i] for i in rnd.losses}
             present = list(range(K))
+            round_bytes = charged * K
             round_fp32 = 4 * ctx.target_schema.numel * K
-            stats.time_s = clock.now_s
+            stats.time_s = clock.last_exchange_end_s  # when θ_global of this round exists
         else:
             me = pl.workers[0]
-            sent = len(msgs[me]) if pl.transport is not None and me in msgs else 0
-            rows = pl.gather_rows([me, done[me][0].loss if me in done else 0.0,
-                                   done[me][1] if me in done else 0.0, exchange_s, sent,
-                                   4 * schema.numel if sent else 0], 4 * schema.numel)
+            sent = len(rnd.msgs[me]) if pl.transport is not None and me in rnd.msgs else 0
+            rows = pl.gather_rows([me, rnd.losses.get(me, 0.0), rnd.compute.get(me, 0.0),
+                                   rnd.wait_s, sent, 4 * schema.numel if sent else 0],
+                                  4 * schema.numel)
             present = sorted({int(x[0]) for x in rows})
             compute = {k: max(x[2] for x in rows if int(x[0]) == k) for k in present}
             slowest = max(compute.values())
@@ -268,10 +329,13 @@ def run_sync(ctx: RunContext) -> dict:
             for k in present:
                 w = cl.workers[k]
                 mine = [x for x in rows if int(x[0]) == k]
+                waited = max(x[3] for x in mine)
                 straggler = slowest - compute[k]
+                if overlap is not None:  # only the waiting after compute is idle
+                    straggler = min(straggler, waited)
                 losses[k] = mine[0][1]
                 per[w.name] = dict(compute_s=compute[k], straggler_idle_s=straggler,
-                                   wan_idle_s=max(max(x[3] for x in mine) - straggler, 0.0),
+                                   wan_idle_s=max(waited - straggler, 0.0),
                                    sent_bytes=int(sum(x[4] for x in mine)))
             round_bytes = int(sum(x[4] for x in rows))
             round_fp32 = int(sum(x[5] for x in rows))
@@ -290,19 +354,22 @@ def run_sync(ctx: RunContext) -> dict:
             compute_s=max(times), imbalance=(max(times) - min(times)) / max(times),
             straggler_idle_s=sum(p["straggler_idle_s"] for p in per.values()),
             wan_idle_s=sum(p["wan_idle_s"] for p in per.values()), bytes=round_bytes,
-            batch_sizes=[s.batch_size for s in steps],
-            target_batch_sizes=[s.target.batch_size for s in steps],
-            inner_steps=[s.target.inner_steps for s in steps],
-            proxy_samples=[s.samples for s in steps],
+            batch_sizes=[s.batch_size for s in rsteps],
+            target_batch_sizes=[s.target.batch_size for s in rsteps],
+            inner_steps=[s.target.inner_steps for s in rsteps],
+            proxy_samples=[s.samples for s in rsteps],
         )
         if len(present) < K or guard.last_rejected:
             record["workers_present"] = [cl.workers[k].name for k in present
                                          if k not in guard.last_rejected]
         if ctx.is_eval_step(step):
+            keep = first.trainer.get_params() if overlap is not None else None
             first.trainer.set_params(theta)
             first.trainer.set_batch_size(cfg.parallel.global_batch_size,
                                          cfg.parallel.micro_batch_size)
             val_loss = first.trainer.evaluate(val)
+            if keep is not None:  # overlapped rounds continue from the local weights
+                first.trainer.set_params(keep)
             record.update(val_loss=val_loss, val_ppl=perplexity(val_loss))
             if stats.evaluated(val_loss, record["val_ppl"], step):
                 log.info("target perplexity %s reached at outer step %d (%.1f s, %s clock)",
@@ -310,29 +377,31 @@ def run_sync(ctx: RunContext) -> dict:
         # -- re-plan on drift (GeoMesh) ------------------------------------------
         # Emulated measurements are exact: the last one is used.  Wall-clock
         # ones are noisy: real mode averages the last two rounds since the plan
-        # last changed (and waits for two).
+        # last changed (and waits for two).  Overlapped rounds: a new plan
+        # starts with the round after the one already under way.
         for k in present:
             history.setdefault(cl.workers[k].name, []).append(
-                per[cl.workers[k].name]["compute_s"] / steps[k].target.inner_steps)
+                per[cl.workers[k].name]["compute_s"] / rsteps[k].target.inner_steps)
         need = 1 if ctx.emulated else 2
         full = len(members) == K and len(present) == K  # drift re-plans need everyone measured
-        if geomesh and g.replan and full and step < g.outer_steps and \
+        if geomesh and g.replan and full and step < g.outer_steps and history and \
                 min(len(v) for v in history.values()) >= need:
             measured = {n: sum(v[-need:]) / need for n, v in history.items()}
             new = ctx.planner.replan(measured)
             if new is not plan:
-                plan, steps, replans, history = new, _proxy(ctx, new), replans + 1, {}
+                plan, next_steps, replans, history = new, _proxy(ctx, new), replans + 1, {}
                 record["replanned"] = True
                 log.info("outer step %d: re-planned b_i=%s H_i=%s", step,
-                         [s.target.batch_size for s in steps], [s.target.inner_steps for s in steps])
+                         [s.target.batch_size for s in next_steps],
+                         [s.target.inner_steps for s in next_steps])
         ctx.log_outer_step(record)
         reached_stop = cfg.train.stop_at_target and stats.ttp.reached
-        save_every = cfg.checkpoint.save_interval
-        if save_every and (step % save_every == 0 or step == g.outer_steps or reached_stop):
+        if save_round(step) or reached_stop:
             state = {
                 "method": ctx.method, "round": step, "position": position, "replans": replans,
                 "outer": outer.state_dict(),
                 "feedback": {i: fb.state_dict() for i, fb in feedback.items()},
+                "local_momentum": {i: m.state_dict() for i, m in local_mom.items()},
                 "workers": {i: w.state_dict() for i, w in workers.items()},
                 "planner_speed": dict(ctx.planner.speed), "plan": plan,
                 "clock": clock.state_dict() if clock is not None else None,
@@ -341,23 +410,130 @@ def run_sync(ctx: RunContext) -> dict:
             }
             save_state(ctx.run_dir / "checkpoints", step, state, rank=pl.rank,
                        job_leader=pl.is_logging_rank, keep_last=cfg.checkpoint.keep_last)
-        if reached_stop:
-            break
-        if ft is not None and members != ft.members:  # re-plan for the next round's workers
+        if not reached_stop and ft is not None and members != ft.members:
+            # re-plan for the next round's workers (lost or joined)
             members = list(ft.members)
             plan = plan_for_members(ctx.planner, plan, [cl.workers[k].name for k in members])
-            steps, history = _proxy(ctx, plan), {}
+            next_steps, history = _proxy(ctx, plan), {}
             log.info("outer step %d: %d worker(s), re-planned b_i=%s H_i=%s", step, len(members),
-                     [steps[k].target.batch_size for k in members],
-                     [steps[k].target.inner_steps for k in members])
+                     [next_steps[k].target.batch_size for k in members],
+                     [next_steps[k].target.inner_steps for k in members])
+        return reached_stop
+
+    def save_round(step: int) -> bool:
+        every = cfg.checkpoint.save_interval
+        return bool(every) and (step % every == 0 or step == g.outer_steps)
+
+    def charge(k: int, rnd: _Round, seconds: float, wall0: float) -> None:
+        """Compute time of worker ``k``: emulated profile seconds, or wall seconds
+        since ``wall0`` (with an injected slowdown slept off)."""
+        name = cl.workers[k].name
+        if ctx.emulated:
+            clock.compute(name, seconds)
+        else:
+            wall = time.perf_counter() - wall0
+            factor = cl.slowdown_factor(name, rnd.r)
+            if factor != 1.0:  # injected slowdown: sleep the extra time
+                time.sleep((factor - 1.0) * wall)
+            seconds = wall * factor
+        rnd.compute[k] = rnd.compute.get(k, 0.0) + seconds
+
+    inflight: _Round | None = None
+    stop = False
+    while r < g.outer_steps:
+        if next_steps is not None:  # a re-plan: from this round on
+            steps, next_steps = next_steps, None
+        rnd = _Round(r=r, steps=steps)
+        # Overlapped: the first τ_i = ⌈overlap · H_i⌉ steps run while round r−1's messages travel.
+        taus = {i: math.ceil(overlap * steps[i].inner_steps) if inflight is not None else 0
+                for i in pl.workers}
+        losses: dict[int, list[float]] = {i: [] for i in pl.workers}
+        # each worker's place in the token stream: after the members before it
+        offsets = [sum(steps[j].samples for j in members if j < i) for i in range(K + 1)]
+        if any(taus.values()):
+            for i in pl.workers:
+                w0 = time.perf_counter()
+                losses[i] = workers[i].train_steps(steps[i], position + offsets[i], 0, taus[i])
+                frac = taus[i] / steps[i].inner_steps
+                charge(i, rnd, _true_step_s(ctx, i, steps[i], r) * steps[i].target.inner_steps
+                       * frac if ctx.emulated else 0.0, w0)
+        if inflight is not None:
+            stop = finish(inflight)
+            inflight = None
+            if next_steps is not None and not any(taus.values()):  # nothing of round r ran yet
+                steps, next_steps = next_steps, None
+                rnd.steps = steps
+                offsets = [sum(steps[j].samples for j in members if j < i) for i in range(K + 1)]
+            if stop:
+                break
+            for i in pl.workers:  # onto the new θ_global, keeping the progress since the snapshot
+                workers[i].rebase(theta, snapshots[i])
+        elif overlap is not None:
+            for i in pl.workers:
+                workers[i].trainer.set_params(theta)
+        for i in ([] if joining else pl.workers):  # a joining worker heals instead of training
+            w0 = time.perf_counter()
+            s = steps[i]
+            if overlap is None:
+                res = workers[i].train_round(theta, s, position + offsets[i])
+            else:
+                losses[i] += workers[i].train_steps(s, position + offsets[i], taus[i], s.inner_steps)
+                res = workers[i].result(theta, s, losses[i])
+            fault_point("train", r)
+            total = _true_step_s(ctx, i, s, r) * s.target.inner_steps if ctx.emulated else 0.0
+            charge(i, rnd, total - rnd.compute.get(i, 0.0) if ctx.emulated else 0.0, w0)
+            delta = local_mom[i].update(res.delta, outer.current_momentum) if local_mom \
+                else res.delta
+            if overlap is not None:
+                # Eager start (Kale et al. 2025): until the aggregate arrives, the worker
+                # continues from θ_global moved by the outer step of its own Δ_i.
+                start = {k: theta[k] - outer.lr * delta[k] for k in theta} if local_mom \
+                    else outer.preview(res.delta)
+                workers[i].trainer.set_params(start)
+                snapshots[i] = {k: v.cpu() for k, v in start.items()}
+            rnd.msgs[i] = codec.encode(delta, res.tokens, worker=i, round=r,
+                                       feedback=feedback.get(i), **pred)
+            rnd.losses[i] = res.loss
+        drain = overlap is None or r + 1 == g.outer_steps or save_round(r + 1)
+        if ctx.emulated:
+            rnd.received = transport.exchange(rnd.msgs)
+        elif ft is not None:  # one job per region: torchft quorum, then the all-gather
+            me = pl.workers[0]
+            x0 = time.perf_counter()
+            rnd.received = pl.exchange(rnd.msgs, quorum_done=joining,
+                                       stats=(rnd.losses[me], rnd.compute[me])
+                                       if me in rnd.msgs else (0.0, 0.0))
+            rnd.wait_s, rnd.shared = time.perf_counter() - x0, True
+            if pl.healed or joining:  # sent nothing: the others' round r, from their state
+                rnd = dataclasses.replace(rnd, r=r, steps=steps, msgs={}, losses={}, compute={})
+                joining = False
+        elif pool is not None and not drain:
+            rnd.future = pool.submit(pl.gather, rnd.msgs)
+        else:
+            x0 = time.perf_counter()
+            rnd.received = pl.gather(rnd.msgs)
+            rnd.wait_s = time.perf_counter() - x0
+        # the token stream moves on by what the round's members trained (after a heal:
+        # from the healed round's position, with its plan)
+        position += sum(rnd.steps[j].samples for j in members)
+        if drain:
+            stop = finish(rnd)
+            if stop:
+                break
+        else:
+            inflight = rnd
         r += 1
+    if inflight is not None and not stop:
+        finish(inflight)
+    if pool is not None:
+        pool.shutdown()
     if ft is not None:
         ft.close()
     info = {w.name: {"batch_size": s.target.batch_size, "inner_steps": s.target.inner_steps,
                      "proxy_batches": list(s.batches)}
             for w, s in zip(cl.workers, steps)}
     extra = {"codec": codec.kind + ("-row" if row_scales else ""), "error_feedback": bool(feedback),
-             "replans": replans,
+             "compress_update": bool(local_mom), "overlap": overlap, "replans": replans,
              "plan": plan.to_dict(), "wall_s": time.perf_counter() - wall0,
              "world_size": pl.world, "inner_steps": g.inner_steps, "memory_overhead": overhead}
     return stats.summary(method=ctx.method, clock=ctx.clock_name, cluster=cl, extra=extra,

@@ -175,20 +175,42 @@ class InnerWorker:
 
     def train_round(self, theta: dict[str, torch.Tensor], step: ProxyStep, start: int) -> RoundResult:
         """``H_i`` steps from ``θ_global`` on samples ``[start, start + S_i)``."""
+        self.trainer.set_params(theta)
+        losses = self.train_steps(step, start, 0, step.inner_steps)
+        return self.result(theta, step, losses)
+
+    def train_steps(self, step: ProxyStep, start: int, first: int, last: int) -> list[float]:
+        """Steps ``first .. last-1`` of a round from the current local weights (the
+        round's samples start at ``start``); returns their losses."""
         tr = self.trainer
-        tr.set_params(theta)
+        start += sum(step.batches[:first])
         losses = []
-        for b in step.batches:
+        for b in step.batches[first:last]:
             mb = step.micro_batch_for(b)
             tr.set_batch_size(b, mb)
             tr.lr_scale = self.lr_scale(b)
             losses.append(tr.train_step(self.microbatches(start, b, mb)).loss)
             start += b
-        local = tr.get_params()
-        delta = {k: theta[k] - local[k] for k in theta}  # Δ_i = θ_global − θ_i (fp32)
+        return losses
+
+    def result(self, anchor: dict[str, torch.Tensor], step: ProxyStep,
+               losses: list[float]) -> RoundResult:
+        """The round's ``Δ_i = anchor − θ_i`` (fp32; ``anchor`` = the θ_global the
+        round started from) with its tokens and mean loss."""
+        local = self.trainer.get_params()
+        delta = {k: anchor[k] - local[k] for k in anchor}  # Δ_i = θ_global − θ_i (fp32)
         tokens = step.samples * self.cfg.model.seq_length
         return RoundResult(delta=delta, tokens=tokens, loss=sum(losses) / max(len(losses), 1),
                            steps=step.inner_steps)
+
+    @torch.no_grad()
+    def rebase(self, theta: dict[str, torch.Tensor], snapshot: dict[str, torch.Tensor]) -> None:
+        """Overlapped rounds: ``θ_i ← θ_global + (θ_i − snapshot)`` — the new global
+        weights plus the local progress since ``snapshot`` (the weights whose
+        pseudo-gradient was sent); with no progress, exactly ``θ_global``."""
+        local = self.trainer.get_params()
+        self.trainer.set_params({k: theta[k] + (local[k] - snapshot[k].to(local[k].device))
+                                 for k in theta})
 
     def state_dict(self) -> dict:
         """Inner optimizer moments, LR schedule and step.  The weights are not

@@ -361,25 +361,62 @@ class GeoMeshConfig:
     inner_steps: int = 20
     """Inner steps ``H`` per round for uniform methods; GeoMesh's planner
     targets ``inner_steps * global_batch_size`` tokens-worth per round."""
-    error_feedback: bool = False
-    """Keep the sign-compression residual locally and add it next round
-    (EF-signSGD).  Off by default: with the outer Nesterov momentum it was
-    measured worse (see ``geomesh/sync.py``)."""
+    error_feedback: bool = True
+    """Keep the compression residual (in host memory) and add it to the next
+    round's pseudo-gradient (error feedback, Karimireddy et al. 2019)."""
+    error_feedback_decay: float = 0.5
+    """Factor on the error-feedback residual kept for the next round (1: all
+    of it, EF-signSGD; 0.5, measured best with top-k: the next round's inner
+    steps re-derive much of what was not sent, ``geomesh/feedback.py``)."""
     balance: Literal["steps", "batch"] = "steps"
     """How GeoMesh's planner equalises compute time: faster workers run more
     inner steps ``H_i`` at about the uniform per-worker batch ``G/K``
     (``steps``, default: every step has the batch ``train.lr`` is meant for),
     or larger batches ``b_i`` at about ``inner_steps`` steps (``batch``)."""
+    plan_tolerance: float = 0.05
+    """GeoMesh's planner: allowed relative spread of the workers' compute time
+    per round.  The planner picks the fastest plan per token within it; 0.02
+    halves the straggler idle of the four-region cluster (imbalance 0.7 %
+    instead of 1.9 %) at 1.9 % more seconds per token (``geomesh/planner.py``)."""
     inner_lr_scaling: Literal["none", "sqrt", "linear"] = "none"
     """How a worker's inner learning rate follows its batch ``b_i``, relative to
     the uniform per-worker batch ``G/K`` for which ``train.lr`` is meant:
     unchanged (``none``, default: measured better with the outer Nesterov
     step), ``lr · (b_i K / G)^{1/2}`` (``sqrt``) or linear.  Uniform methods
     (DiLoCo, async) are unaffected."""
-    compression: Literal["sign_row", "sign", "fp32"] = "sign_row"
-    """GeoMesh's pseudo-gradient codec: sign bits with one fp32 magnitude per
-    row of every matrix (``sign_row``, ~1 % more bytes than ``sign``), per
-    tensor (``sign``), or none (``fp32``, an ablation)."""
+    compression: Literal["sign_row", "sign_pred", "sign", "topk", "fp32"] = "topk"
+    """GeoMesh's pseudo-gradient codec: the ``topk_k`` largest of every 256
+    elements of a row, position + 2-bit value (``topk``, default: 32.8x less
+    than fp32 on GPT-3 1.3B; ``geomesh/sparse.py``; real-mode workers with
+    TP > 1 fall back to ``sign_row``); sign bits with one fp32 magnitude per
+    row of every matrix (``sign_row``, 31.6x), the same for the part the
+    outer momentum does not predict plus one coefficient per row
+    (``sign_pred``, ``geomesh/predict.py``), one magnitude per tensor
+    (``sign``), or none (``fp32``, an ablation).  Measured: README, ablation."""
+    compress_update: bool = False
+    """GeoMesh: compress each worker's momentum-corrected outer update
+    ``Δ_i + μ v_i`` (its own momentum ``v_i``, 1-bit Adam's order; every worker
+    applies the aggregate directly) instead of the pseudo-gradient ``Δ_i``
+    (DiLoCo's order, one global momentum).  Same step without compression;
+    with error feedback the parameter error stays bounded by the current
+    residual (``geomesh/feedback.py``)."""
+    overlap: float | None = None
+    """GeoMesh: hide the exchange behind compute: the messages of round ``r`` travel
+    while each worker runs the first ``⌈overlap · H_i⌉`` inner steps of round
+    ``r+1`` from θ_global moved by its own pseudo-gradient's outer step (eager
+    start); then it moves onto the new ``θ_global`` keeping that progress
+    (1 = a one-round-delayed outer update).  ``null`` (default): no overlap —
+    on the quick bench overlap 0.25 cost perplexity with the top-k codec (585
+    vs 531) and reached the target later (README, ablation).  Checkpoint
+    rounds and the last round are not overlapped (``geomesh/sync.py``).  The
+    baselines (DiLoCo, DDP, async) never overlap."""
+    topk_k: int = 24
+    """``compression=topk``: elements kept of every 256 of a row (with 2-bit
+    values: 24 → 32.8x less than fp32 on GPT-3 1.3B, counted from the encoded
+    bytes; 7 → 99.7x, 6 → more than 100x)."""
+    topk_bits: int = 2
+    """``compression=topk``: bits per kept value, 1 (sign, one magnitude per
+    row) or 2 (sign and a level bit, two magnitudes per row)."""
     target_model: str | None = None
     """Emulated mode: preset whose FLOPs and bytes set time and traffic."""
     timeout_s: float = 600.0

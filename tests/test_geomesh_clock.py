@@ -107,3 +107,77 @@ def test_ddp_and_async_baselines_by_hand():
     ev = [(e.worker, round(e.time_s, 6), e.staleness) for e in a.events]
     # x: 1 s + 1 ms push (intra-region, 2 ms RTT), pull 1 ms; y: 1 s + 100 ms, pull 50 ms.
     assert ev == [("x", 1.001, 0), ("y", 1.1, 1), ("x", 2.003, 1), ("y", 2.25, 1)]
+
+
+def _xy():
+    return _cluster(
+        [{"name": "x", "gpu": "H100", "region": "A"}, {"name": "y", "gpu": "T4", "region": "B"}]
+    )
+
+
+def test_overlap_clock_without_delay_equals_blocking_rounds():
+    """Catches an overlapped schedule that charges different time when nothing
+    overlaps (waits at the wrong moment, transfers counted twice, the last
+    exchange lost): compute, exchange, wait before the next compute gives every
+    worker the blocking clock's times and the same total idle over 4 rounds."""
+    c = _xy()
+    ref, ovl = EmulatedClock(c), EmulatedClock(c, overlap=True)
+    for r in range(4):
+        for clock in (ref, ovl):
+            if clock is ovl and r:
+                for w in ("x", "y"):
+                    clock.wait(w)
+            clock.compute("x", 10.0 + r)
+            clock.compute("y", 9.0 - r)
+            clock.exchange({"x": 10**9, "y": 10**9})
+    for w in ("x", "y"):
+        ovl.wait(w)
+    assert ovl.time_s == ref.time_s
+    for w in ("x", "y"):
+        a, b = ref.totals[w], ovl.totals[w]
+        assert a.compute_s == b.compute_s
+        assert a.straggler_idle_s + a.wan_idle_s == pytest.approx(b.straggler_idle_s + b.wan_idle_s)
+        assert b.straggler_idle_s + b.wan_idle_s + b.compute_s == pytest.approx(b.end_s)
+
+
+def test_one_round_delay_hides_the_wan_but_not_the_straggler():
+    """Catches overlap that hides straggler idle too (impossible: a round needs the
+    slowest worker's previous message) or still charges WAN time that runs behind
+    compute.  x computes 10 s, y 9 s per round, exchanges take ~2.1 s < 9 s; with a
+    one-round delay (wait after the next round's compute) y may run ahead by up to
+    a round, then (steady state) idles 1 s per round, all of it straggler idle,
+    and x never idles: 20 rounds take 200 s."""
+    c = _xy()
+    clock = EmulatedClock(c, overlap=True)
+    waits = []
+    for r in range(20):
+        clock.compute("x", 10.0)
+        clock.compute("y", 9.0)
+        if r:
+            waits.append({w: clock.wait(w) for w in ("x", "y")})
+        clock.exchange({"x": 10**9, "y": 10**9})
+    assert all(w["x"] == (0.0, 0.0) for w in waits)
+    for w in waits[12:]:  # steady state
+        assert w["y"][0] == pytest.approx(1.0) and w["y"][1] == pytest.approx(0.0, abs=1e-9)
+    assert clock.time_s["x"] == pytest.approx(200.0)
+    assert clock.totals["y"].wan_idle_s < 1.1  # the catching-up round, once
+
+
+def test_exchanges_longer_than_a_round_queue_on_the_link():
+    """Catches overlapped exchanges that share a link at full bandwidth each:
+    1e10-byte messages take 20 s on B -> A (5e8 B/s) but rounds compute 1 s, so
+    with a one-round delay the rounds are paced by the link (~20 s each), and
+    that waiting is WAN idle, not straggler idle."""
+    c = _xy()
+    clock = EmulatedClock(c, overlap=True)
+    for r in range(5):
+        for w in ("x", "y"):
+            clock.compute(w, 1.0)
+        if r:
+            for w in ("x", "y"):
+                clock.wait(w)
+        clock.exchange({"x": 10**10, "y": 10**10})
+    for w in ("x", "y"):
+        clock.wait(w)
+    assert clock.time_s["x"] > 5 * 20.0
+    assert clock.totals["x"].straggler_idle_s == 0.0 and clock.totals["x"].wan_idle_s > 90.0

@@ -113,3 +113,112 @@ def test_model_that_cannot_fit_names_worker_and_fix():
     c = cluster_from_dict({"workers": [{"name": "t4", "gpu": "T4", "region": "East US"}]})
     with pytest.raises(PlanError, match="worker 't4'.*raise tp or pp"):
         Planner(c, GPT, tokens_per_round=T).plan()
+
+
+def _scalar_plan(planner: Planner):
+    """The per-worker Python search the grouped planner replaced (reference):
+    ``(mb, a, H)`` per worker, enumerated and compared one candidate at a time."""
+    import math
+
+    e_max, T = planner.tolerance / 2.5, planner.target_tokens
+
+    def choose(w, mbs, R):
+        best_key, best = None, None
+        for mb in mbs:
+            for a in range(1, planner.max_grad_accum + 1):
+                step = planner._step_time(w, mb, a)
+                if a > 1 and step > R * (1 + e_max):
+                    break
+                H = max(1, round(R / step))
+                err = abs(H * step - R) / R
+                ratio = (mb * a * w.dp / planner.reference_batch if planner.balance == "steps"
+                         else H / planner.inner_steps)
+                bucket = int(abs(math.log(ratio)) / math.log(1.25))
+                key = (err > e_max, err if err > e_max else 0.0, bucket, -mb * a / step, err)
+                if best_key is None or key < best_key:
+                    best_key, best = key, (mb, a, H, H * step)
+        return best
+
+    workers = planner.cluster.workers
+    mbs = {w.name: planner._micro_batches(w) for w in workers}
+    state = {}
+
+    def consider(R):
+        ch = [choose(w, mbs[w.name], R) for w in workers]
+        times = [c[3] for c in ch]
+        total = sum(c[2] * c[0] * c[1] * w.dp * planner.seq_length for c, w in zip(ch, workers))
+        dev = abs(total - T) / T
+        bal = (max(times) - min(times)) / max(times) <= planner.tolerance
+        key = (not bal, dev > planner.tolerance,
+               max(times) / total if dev <= planner.tolerance else dev, dev)
+        if not state or key < state["key"]:
+            state.update(key=key, ch=ch, R=R, bal=bal, total=total)
+        return bal, total
+
+    R = T / sum(planner._rate(w, max(mbs[w.name])) for w in workers)
+    for _ in range(30):
+        bal, total = consider(R)
+        if bal and abs(total - T) / T < planner.tolerance / 5:
+            break
+        R *= T / total
+    if not state["bal"] or abs(state["total"] - T) > planner.tolerance * T:
+        R0 = state["R"]
+        for k in range(-48, 49):
+            consider(R0 * 1.1**k)
+    R0 = state["R"]
+    for k in range(-40, 41):
+        consider(R0 * (1 + k * 0.005))
+    return [c[:3] for c in state["ch"]]
+
+
+@pytest.mark.parametrize("balance", ["batch", "steps"])
+@pytest.mark.parametrize("extra", [0.0, 8.25])
+def test_grouped_numpy_search_equals_the_per_worker_search(balance, extra):
+    """Catches a vectorised search that scores or breaks ties differently from the
+    per-worker loop it replaced (lexsort order, the accumulation cut-off, rounding
+    of H, the bucket): on the four-region cluster, for both balancing modes and
+    with/without GeoMesh's memory, plan and re-plan (H100 2x slower) pick exactly
+    the per-worker search's (micro-batch, accumulation, inner steps)."""
+    c = load_cluster("four_region")
+    p = Planner(c, GPT, tokens_per_round=8 * 512 * 2048, inner_steps=8, balance=balance,
+                memory=MemoryModel(model=GPT, extra_bytes_per_param=extra))
+    plan = p.plan()
+    got = [(w.micro_batch_size, w.grad_accum, w.inner_steps) for w in plan.workers]
+    assert got == _scalar_plan(p)
+    new = p.replan({w.worker: w.step_time_s * (2.0 if k == 0 else 1.0)
+                    for k, w in enumerate(plan.workers)})
+    assert new is not plan
+    assert [(w.micro_batch_size, w.grad_accum, w.inner_steps) for w in new.workers] == \
+        _scalar_plan(p)
+
+
+def test_thousand_identical_workers_plan_like_four():
+    """Catches grouping that mixes workers that differ (speed, GPU) or plans
+    identical ones differently: 1,000 workers (250 copies of each four-region
+    worker) with 250x the tokens get exactly the 4-worker plan per GPU type;
+    after one H100 measures 2x slower, it alone changes and the round stays
+    balanced within the tolerance."""
+    import yaml
+
+    from geomesh.cluster import CLUSTERS_DIR
+
+    raw = yaml.safe_load((CLUSTERS_DIR / "four_region.yaml").read_text())
+    base = raw["workers"]
+    raw["workers"] = [dict(w, name=f"{w['name']}-{j}") for w in base for j in range(250)]
+    big = cluster_from_dict(raw, base_dir=CLUSTERS_DIR)
+    small = Planner(load_cluster("four_region"), GPT, tokens_per_round=T, inner_steps=20).plan()
+    p = Planner(big, GPT, tokens_per_round=250 * T, inner_steps=20)
+    plan = p.plan()
+    for k, wp in enumerate(plan.workers):
+        ref = small.workers[k // 250]
+        assert (wp.micro_batch_size, wp.grad_accum, wp.inner_steps) == \
+            (ref.micro_batch_size, ref.grad_accum, ref.inner_steps)
+    slow = big.workers[0].name
+    new = p.replan({slow: 2.0 * plan.workers[0].step_time_s})
+    assert new.imbalance <= 0.05
+    changed = {wp.worker for wp, old in zip(new.workers, plan.workers)
+               if (wp.micro_batch_size, wp.grad_accum, wp.inner_steps) !=
+               (old.micro_batch_size, old.grad_accum, old.inner_steps)}
+    assert slow in changed and new.for_worker(slow).tokens < plan.workers[0].tokens
+    twins = [wp for wp in new.workers[1:250]]
+    assert len({(wp.micro_batch_size, wp.grad_accum, wp.inner_steps) for wp in twins}) == 1

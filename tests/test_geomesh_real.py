@@ -71,14 +71,27 @@ def _run(cache_dir: str, cluster: str, run_dir: str, *extra: str) -> list[dict] 
     return _metrics(Path(run_dir)) if rank == 0 else None
 
 
+OVERLAP = "geomesh.overlap=1"  # the "four-overlap" case: exchange behind the next round
+# Real workers of TP=2 replace the default top-k codec by sign_row (its chunks would
+# span TP shards); the emulated twin names it (emulated workers hold whole tensors).
+EMULATED = {"tp2": ["geomesh.compression=sign_row"]}
+
+
 def _emulated_all(cache_dir: str, clusters: dict, root: str) -> dict:
-    return {name: _run(cache_dir, str(path), f"{root}/emu-{name}", "geomesh.mode=emulated")
-            for name, path in clusters.items()}
+    out = {name: _run(cache_dir, str(path), f"{root}/emu-{name}", "geomesh.mode=emulated",
+                      *EMULATED.get(name, []))
+           for name, path in clusters.items()}
+    out["four-overlap"] = _run(cache_dir, str(clusters["four"]), f"{root}/emu-four-overlap",
+                               "geomesh.mode=emulated", OVERLAP)
+    return out
 
 
 def _real_4proc(cache_dir: str, clusters: dict, root: str) -> dict:
-    return {name: _run(cache_dir, str(clusters[name]), f"{root}/real-{name}")
-            for name in ("tp2", "four")}
+    out = {name: _run(cache_dir, str(clusters[name]), f"{root}/real-{name}")
+           for name in ("tp2", "four")}
+    out["four-overlap"] = _run(cache_dir, str(clusters["four"]), f"{root}/real-four-overlap",
+                               OVERLAP)
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -100,20 +113,26 @@ def _assert_same(real: list[dict], emu: list[dict]) -> None:
     assert real[-1]["val_loss"] < real[0]["val_loss"] + 0.5  # trains, does not diverge
 
 
-@pytest.mark.parametrize("layout", ["tp2", "four"])
+@pytest.mark.parametrize("layout", ["tp2", "four", "four-overlap"])
 def test_real_matches_emulated(runs, layout):
     """Catches a worker whose inner DDP all-reduces across workers (megatron's DP
     group spans them), per-shard sign scales (TP=2 would then differ from TP=1),
-    exchanges mixing shards or workers, and data slices that differ between
-    modes: after 3 outer steps, the training and validation losses of the real
-    gloo run equal the emulated run's within 1e-4 (TP reduction order ~1e-6)."""
+    exchanges mixing shards or workers, data slices that differ between modes,
+    and (four-overlap) a background exchange that races the inner steps or
+    delivers another round's messages: after 3 outer steps, the training and
+    validation losses of the real gloo run equal the emulated run's within 1e-4
+    (TP reduction order ~1e-6)."""
     _, _, emulated, real = runs
     _assert_same(real[layout], emulated[layout])
     summary = json.loads((runs[0] / f"real-{layout}" / "summary.json").read_text())
     assert summary["clock"] == "wall" and summary["mode"] == "real"
-    # Measured on the test model itself: a row of 64 columns carries 8 sign bytes
-    # and a 4-byte scale (ratio 21), of 128 columns 16 + 4 (25.6); GPT-3 1.3B: 31.6.
-    assert 20 < summary["compression_ratio"] < 26
+    assert summary["overlap"] == (1.0 if layout == "four-overlap" else None)
+    if layout == "tp2":  # top-k chunks would span TP shards: signs with row scales instead
+        # Measured on the test model itself: a row of 64 columns carries 8 sign bytes
+        # and a 4-byte scale (ratio 21), of 128 columns 16 + 4 (25.6); GPT-3 1.3B: 31.6.
+        assert summary["codec"] == "sign-row" and 20 < summary["compression_ratio"] < 26
+    else:  # top-24 of a (padded) 256-chunk per row: 38 bytes per row of 64 or 128 columns
+        assert summary["codec"] == "topk" and 6 < summary["compression_ratio"] < 14
 
 
 SECRET_ENV = {"GEOMESH_SECRET": "0123456789abcdef0123456789abcdef", "WANDB_SILENT": "true",

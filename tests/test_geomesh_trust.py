@@ -18,6 +18,8 @@ from geomesh.compression import MessageError, TensorSchema
 from geomesh.envelope import DATA, HEAL, JOIN, EnvelopeError, Opener, Sealer, load_secret
 from geomesh.guard import Guard
 from geomesh.membership import pack_state, unpack_state
+from geomesh.predict import PredictiveSignCodec
+from geomesh.sparse import TopKCodec
 from jobruntime.config import ConfigError
 
 SECRET = b"k" * 32
@@ -83,7 +85,7 @@ def test_secret_from_file_or_env_never_short(tmp_path, monkeypatch):
         load_secret(str(tmp_path / "missing"))
 
 
-def hostile_cases(codec: SignCodec | DenseCodec, round: int = 0) -> dict[str, list]:
+def hostile_cases(codec, round: int = 0) -> dict[str, list]:
     """Round messages of 3 workers where worker 2 is hostile, one case per attack.
 
     Returns ``{name: [msg0, msg1, msg2]}``; honest workers 0, 1 send 100 tokens each.
@@ -104,14 +106,30 @@ def hostile_cases(codec: SignCodec | DenseCodec, round: int = 0) -> dict[str, li
     return {k: [*honest, v] for k, v in cases.items()}
 
 
-@pytest.mark.parametrize("kind", ["sign", "fp32"])
+def _codec(kind: str):
+    schema = _schema(kind in ("sign", "sign_pred"))
+    if kind == "topk":
+        return TopKCodec(schema, chunk=4, k=2)
+    if kind == "sign_pred":
+        return PredictiveSignCodec(schema)
+    return SignCodec(schema) if kind == "sign" else DenseCodec(schema)
+
+
+@pytest.mark.parametrize("kind", ["sign", "fp32", "topk", "sign_pred"])
 def test_guard_drops_hostile_worker_and_keeps_honest_result(kind):
     """Catches absurd-but-finite values, NaN bodies, token grabs and zero-token
-    tricks reaching θ_global: with the guard, the aggregate of each hostile
-    round equals the honest two workers' aggregate exactly, the hostile worker
-    gets 0 tokens, and the rejection is counted by reason."""
-    schema = _schema(kind == "sign")
-    codec = SignCodec(schema) if kind == "sign" else DenseCodec(schema)
+    tricks reaching θ_global, with every codec: with the guard, the aggregate
+    of each hostile round equals the honest two workers' aggregate exactly,
+    the hostile worker gets 0 tokens, and the rejection is counted by reason;
+    an absent worker (``None``) counts 0 tokens and no rejection."""
+    codec = _codec(kind)
+    honest = hostile_cases(codec)["huge_values"][:2]
+    guard = Guard(["w0", "w1", "w2"], ["A", "B", "C"])
+    guard.expect({0: 100, 1: 100, 2: 100})
+    agg, tokens = codec.aggregate([*honest, None], guard=guard)
+    ref, _ = codec.aggregate(honest)
+    assert tokens == [100, 100, 0] and not guard.last_rejected
+    assert all(torch.equal(agg[k], ref[k]) for k in ref)
     for name, msgs in hostile_cases(codec).items():
         guard = Guard(["w0", "w1", "w2"], ["A", "B", "C"])
         guard.expect({0: 100, 1: 100, 2: 100})
@@ -181,3 +199,18 @@ def test_bad_wire_bytes_are_message_errors():
     for data in (b"", good[:20], b"GMSH" + bytes(60), good[:-1], good + b"x"):
         with pytest.raises(MessageError):
             codec.aggregate([data])
+
+
+def test_overlap_with_one_job_per_region_is_refused():
+    """Catches overlapped rounds combined with per-region torchft membership (its
+    quorum, healing and lost-worker re-plans run only in blocking rounds): one
+    ConfigError line naming both keys, before anything starts."""
+    from geomesh.context import _validate
+    from jobruntime.config import load_config
+
+    cfg = load_config("tiny_gpt", ["geomesh.method=geomesh", "geomesh.cluster=two_worker_real",
+                                   "geomesh.overlap=0.25", "geomesh.region=East US"])
+    with pytest.raises(ConfigError, match="geomesh.overlap.*geomesh.region"):
+        _validate(cfg)
+    cfg.geomesh.overlap = None
+    _validate(cfg)
