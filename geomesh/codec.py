@@ -239,24 +239,37 @@ class DenseCodec(Codec):
         return out, tokens, worker
 
     def aggregate(self, messages, *, guard=None):
-        pos, decoded = _decoded(messages, self._decode, guard)
-        workers = [k for _, _, k in decoded]
-        deltas, counts = [d for d, _, _ in decoded], [t for _, t, _ in decoded]
-        keep = guard.screen_dense(workers, deltas, counts) if guard is not None else \
-            range(len(decoded))
-        tokens = [0] * len(messages)  # positional, like messages
-        for j in keep:
-            tokens[pos[j]] = counts[j]
-        if not keep:
-            return None, tokens
-        deltas, counts = [deltas[j] for j in keep], [counts[j] for j in keep]
-        if guard is not None and guard.robust != "none":
-            return guard.robust_dense(deltas, counts), tokens
-        return aggregate(deltas, counts), tokens
+        return aggregate_decoded(messages, self._decode, guard)
 
     @classmethod
     def encoded_bytes(cls, schema: TensorSchema) -> int:
         return _DENSE_HEADER.size + 4 * schema.numel + _CRC.size
+
+
+def aggregate_decoded(messages: Sequence[bytes | None], decode, guard=None
+                      ) -> tuple[dict[str, torch.Tensor] | None, list[int]]:
+    """Aggregate of codecs whose messages decode to dense tensors (fp32, top-k).
+
+    ``decode(message) -> (Δ_i, n_i, worker)``; the decoded values are screened
+    with ``guard`` (:meth:`geomesh.guard.Guard.screen_dense`), then averaged by
+    tokens (equation 1) or by the guard's robust mode.  Returns ``(Δ, n_i per
+    message position)``: ``None`` entries and rejected messages count 0 tokens;
+    ``Δ`` is ``None`` when no message is left.
+    """
+    pos, decoded = _decoded(messages, decode, guard)
+    workers = [k for _, _, k in decoded]
+    deltas, counts = [d for d, _, _ in decoded], [t for _, t, _ in decoded]
+    keep = guard.screen_dense(workers, deltas, counts) if guard is not None else \
+        range(len(decoded))
+    tokens = [0] * len(messages)  # positional, like messages
+    for j in keep:
+        tokens[pos[j]] = counts[j]
+    if not keep:
+        return None, tokens
+    deltas, counts = [deltas[j] for j in keep], [counts[j] for j in keep]
+    if guard is not None and guard.robust != "none":
+        return guard.robust_dense(deltas, counts), tokens
+    return aggregate(deltas, counts), tokens
 
 
 def _decoded(messages, decode, guard) -> tuple[list[int], list]:

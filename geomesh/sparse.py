@@ -42,9 +42,8 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import torch
 
-from .codec import Codec, _decoded
+from .codec import Codec, aggregate_decoded
 from .compression import ErrorFeedback, MessageError, TensorSchema
-from .outer import _check_weights
 
 _HEADER = struct.Struct("<4sHHIIQ8sI")
 _MAGIC = b"GMTK"
@@ -225,27 +224,7 @@ class TopKCodec(Codec):
         :class:`~geomesh.codec.DenseCodec` (decoded values), return ``(Δ, n_i list)``;
         ``None`` entries and rejected messages count 0 tokens, ``Δ`` is ``None``
         when none is left."""
-        pos, decoded = _decoded(messages, self._decode, guard)
-        workers = [k for _, _, k in decoded]
-        deltas, counts = [d for d, _, _ in decoded], [t for _, t, _ in decoded]
-        keep = guard.screen_dense(workers, deltas, counts) if guard is not None else \
-            range(len(decoded))
-        tokens = [0] * len(messages)  # positional, like messages
-        for j in keep:
-            tokens[pos[j]] = counts[j]
-        if not keep:
-            return None, tokens
-        deltas, counts = [deltas[j] for j in keep], [counts[j] for j in keep]
-        if guard is not None and guard.robust != "none":
-            return guard.robust_dense(deltas, counts), tokens
-        weights = _check_weights(counts)
-        out: dict[str, torch.Tensor] = {}
-        for name, _ in self.schema.entries:
-            acc = torch.zeros_like(deltas[0][name])
-            for d, w in zip(deltas, weights):
-                acc.add_(d[name], alpha=w)
-            out[name] = acc
-        return out, tokens
+        return aggregate_decoded(messages, self._decode, guard)
 
 
 def decoded_like(codec: TopKCodec, deltas: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
