@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from geomesh.planner import Plan, WorkerPlan
 from jobruntime.checkpoint import COMPLETE, CheckpointError, committed_folder
 from jobruntime.faults import fault_point
 
@@ -71,8 +72,13 @@ def find_state(path: str | Path) -> Path:
 def load_state(path: str | Path, *, rank: int) -> dict:
     """This rank's state from a checkpoint.
 
+    Loaded with ``torch.load(weights_only=True)`` (PyTorch's safe unpickler:
+    tensors, plain containers and the two plan dataclasses), so a checkpoint
+    file cannot run code when it is read.
+
     Raises:
-        CheckpointError: not found, or saved with another layout (no file for this rank).
+        CheckpointError: not found, saved with another layout (no file for this
+            rank), damaged, or holding objects other than those.
     """
     folder = find_state(path)
     f = folder / f"rank{rank:05d}.pt"
@@ -81,9 +87,10 @@ def load_state(path: str | Path, *, rank: int) -> dict:
             f"'{folder}' has no state for rank {rank}; a GeoMesh checkpoint resumes only with the "
             "cluster and process layout it was saved with"
         )
-    try:
-        state = torch.load(f, map_location="cpu", weights_only=False)
-    except Exception as e:  # noqa: BLE001 - truncated zip, unpickling errors
+    try:  # tensors, plain containers and the plan only: a pickle that runs code is refused
+        with torch.serialization.safe_globals([Plan, WorkerPlan]):
+            state = torch.load(f, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - truncated zip, unpickling errors, disallowed globals
         raise CheckpointError(
             f"'{f}' is damaged ({type(e).__name__}: {(str(e).splitlines() or [''])[0][:160]}); "
             "resume from "

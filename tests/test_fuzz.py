@@ -211,3 +211,41 @@ def test_fuzz_checkpoint_files(n, tmp_path_factory):
         _one_line(e.value)
 
     run()
+
+
+class _RunsCode:
+    """Pickles to a call of ``Path.touch`` on unpickling: what a hostile
+    checkpoint file does with ``torch.load(weights_only=False)``."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (Path.touch, (self.path,))
+
+
+def test_checkpoint_that_runs_code_is_refused(tmp_path):
+    """Catches a GeoMesh resume that unpickles arbitrary objects: its rank file
+    was read with ``weights_only=False``, so a crafted file ran code on load.
+    It must be a one-line CheckpointError, and the code must not run; a real
+    state (tensors and a plan) still loads."""
+    from geomesh.planner import Plan, WorkerPlan
+
+    folder = tmp_path / "checkpoints" / "outer_0000001"
+    folder.mkdir(parents=True)
+    (folder / "COMPLETE").write_text("x")
+    marker = tmp_path / "pwned"
+    torch.save({"method": "geomesh", "round": 1, "outer": {}, "x": _RunsCode(marker)},
+               folder / "rank00000.pt")
+    with pytest.raises(CheckpointError) as e:
+        load_state(tmp_path / "checkpoints", rank=0)
+    _one_line(e.value)
+    assert not marker.exists(), "loading the checkpoint ran code"
+    w = WorkerPlan(worker="a", micro_batch_size=1, grad_accum=2, dp=1, batch_size=2,
+                   inner_steps=3, seq_length=64, tokens=384, step_time_s=0.5, compute_s=1.5,
+                   memory_bytes=1.0, memory_limit_bytes=2.0)
+    plan = Plan(workers=(w,), target_tokens=384, tolerance=0.05)
+    torch.save({"method": "geomesh", "round": 1, "outer": {"theta": torch.ones(3)}, "plan": plan},
+               folder / "rank00000.pt")
+    state = load_state(tmp_path / "checkpoints", rank=0)
+    assert state["plan"] == plan and torch.equal(state["outer"]["theta"], torch.ones(3))
