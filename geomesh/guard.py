@@ -14,8 +14,9 @@ the same messages, so every copy of ``θ_global`` stays identical):
    (``sqrt(Σ m² · elements per scale)``) or ``‖Δ_i‖₂``, at most
    ``geomesh.max_norm_ratio`` times the larger of the median of the other
    workers' norms this round and worker ``i``'s own history (an exponential
-   mean of its accepted norms, weight 1/2); with neither (one worker, first
-   round) the check passes.  Honest workers differ by their ``H_i`` and
+   mean of its accepted norms, weight 1/2); references of 0 are ignored (a
+   worker whose only inner step ran at warmup's lr 0 sends ``Δ = 0``); with
+   neither (one worker, first round) the check passes.  Honest workers differ by their ``H_i`` and
    data (measured: under 3× on the four-region plan), so the default ratio 10
    never rejected an honest worker in the tests and benches.
 
@@ -141,6 +142,9 @@ class Guard:
                 refs.append(others[m // 2] if m % 2 else 0.5 * (others[m // 2 - 1] + others[m // 2]))
             if k in self.history:
                 refs.append(self.history[k])
+            # a zero reference says nothing about scale (a worker whose only inner
+            # step ran at warmup's lr 0 sends Δ = 0): it bounds nobody
+            refs = [r for r in refs if r > 0]
             bound = self.max_norm_ratio * max(refs) if refs else math.inf
             if nrm > bound:
                 self.drop(k, "norm", f"its pseudo-gradient norm {nrm:.4g} exceeds "

@@ -156,6 +156,21 @@ def test_guard_never_rejects_honest_workers_of_different_sizes():
     assert not guard.rejected
 
 
+def test_guard_keeps_honest_worker_when_the_other_sent_zero():
+    """Catches a norm bound of 10 x 0: in a real two-region run the T4's one
+    inner step of round 1 ran at warmup's lr 0, its pseudo-gradient was 0, and
+    the H100's honest message (norm 0.66) was rejected as 'exceeds 10 x 0'."""
+    schema = _schema(False)
+    codec = DenseCodec(schema)
+    zero = {k: torch.zeros_like(v) for k, v in _named(0).items()}
+    msgs = [codec.encode(_named(1), 100, worker=0, round=0),
+            codec.encode(zero, 100, worker=1, round=0)]
+    guard = Guard(["h100", "t4"], ["A", "B"])
+    guard.expect({0: 100, 1: 100})
+    _, tokens = codec.aggregate(msgs, guard=guard)
+    assert tokens == [100, 100] and not guard.rejected
+
+
 def test_robust_aggregation_resists_a_flipped_minority():
     """Catches robust modes that follow a sign-flipping insider: with 3 honest
     workers sending the same direction and one sending its negation (equal
