@@ -44,7 +44,7 @@ val ppl 423 after 65 of 150 outer steps when it was stopped (its end was
 not measured).  Neither is adjusted per method or per run.
 
     python bench/geomesh_ttp.py --quick                # the four methods
-    python bench/geomesh_ttp.py --quick --ablation     # GeoMesh variants (14 runs)
+    python bench/geomesh_ttp.py --quick --ablation     # GeoMesh variants (19 runs)
     python bench/geomesh_ttp.py --full                 # the four methods, 150 outer steps
 """
 
@@ -92,6 +92,9 @@ def _variant(compression: str, ef: bool = False, decay: float = 0.5, update: boo
 
 ABLATION = [
     ("fp32", _variant("fp32")),
+    # fp32 at its own outer lr: is the default codec within 2 % of a tuned fp32?
+    *[(f"fp32, outer lr {lr}", _variant("fp32") + [f"geomesh.outer_lr={lr}"])
+      for lr in (0.15, 0.2, 0.25, 0.3)],
     ("sign/tensor", _variant("sign")),
     ("sign/row", _variant("sign_row")),
     ("sign/row +EF", _variant("sign_row", ef=True, decay=1.0)),
