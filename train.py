@@ -58,9 +58,7 @@ def main(argv=None) -> int:
     # Config errors first: they need no megatron import (~10 s).
     try:
         cfg = load_config(args.config, args.overrides)
-        cfg.model.validate()
-        cfg.train.validate()
-        cfg.cona.validate()
+        cfg.validate_sections()
     except ConfigError as e:
         return _error(str(e))
     run_dir = Path(args.run_dir or f"runs/{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}")

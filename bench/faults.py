@@ -321,7 +321,7 @@ def bad_inputs(n: int, tmp: Path) -> tuple[int, int]:
     def config():
         cfg = load_config("tiny_gpt", [f"{rng.choice(keys)}={rng.choice(junk)}"
                                        for _ in range(rng.randint(1, 3))])
-        cfg.model.validate(), cfg.train.validate(), cfg.cona.validate()
+        cfg.validate_sections()
         if cfg.geomesh.method != "none":
             _validate(cfg)
 

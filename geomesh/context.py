@@ -166,6 +166,9 @@ def _validate(cfg: JobConfig) -> None:
     if not 1 < g.max_norm_ratio < float("inf"):
         raise ConfigError(f"geomesh.max_norm_ratio={g.max_norm_ratio} must be a number above 1 "
                           "(default 10)")
+    if g.wan_bandwidth_scale is not None and not 0 < g.wan_bandwidth_scale < float("inf"):
+        raise ConfigError(f"geomesh.wan_bandwidth_scale={g.wan_bandwidth_scale} must be a "
+                          "positive number (or null: the cluster file's)")
     if not 0 <= g.token_tolerance < 1:
         raise ConfigError(f"geomesh.token_tolerance={g.token_tolerance} must be in [0, 1) "
                           "(default 0.05)")

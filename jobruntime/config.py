@@ -34,7 +34,24 @@ PAD_MULTIPLE = 128
 
 
 class ConfigError(ValueError):
-    """A configuration key or value is invalid; the message names it and the fix."""
+    """A configuration key or value is invalid; the message names it and the fix.
+
+    Always one line: line breaks that user text brings into the message (a key
+    or value with a newline) are shown escaped, as ``\\n``.
+    """
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message.replace("\r", "\\r").replace("\n", "\\n"))
+
+
+def _finite(x: float) -> bool:
+    return x == x and abs(x) != float("inf")
+
+
+def _need(section: object, name: str, ok: bool, key: str, rule: str) -> None:
+    """Raise ConfigError ``<name>.<key>=<value> <rule>`` unless ``ok``."""
+    if not ok:
+        raise ConfigError(f"{name}.{key}={getattr(section, key)!r} {rule}")
 
 
 @dataclass(kw_only=True)
@@ -156,6 +173,18 @@ class ModelConfig:
                 f"model.seq_length={self.seq_length} exceeds model.max_position_embeddings="
                 f"{self.max_position_embeddings}; shorten the sequence or raise the maximum"
             )
+        def need(ok: bool, key: str, rule: str) -> None:
+            _need(self, "model", ok, key, rule)
+
+        need(self.rotary_base > 0, "rotary_base", "must be positive")
+        need(_finite(self.rope_scaling_factor) and self.rope_scaling_factor > 0,
+             "rope_scaling_factor", "must be a positive number")
+        need(_finite(self.init_method_std) and self.init_method_std > 0, "init_method_std",
+             "must be a positive number")
+        need(_finite(self.layernorm_epsilon) and self.layernorm_epsilon > 0, "layernorm_epsilon",
+             "must be a positive number")
+        need(0 <= self.dropout < 1, "dropout", "must be in [0, 1)")
+        need(0 < self.mask_prob < 1, "mask_prob", "must be in (0, 1)")
 
 
 @dataclass(kw_only=True)
@@ -258,10 +287,9 @@ class TrainConfig:
     def validate(self) -> None:
         """Raise :class:`ConfigError` naming the first out-of-range setting."""
         def need(ok: bool, key: str, rule: str) -> None:
-            if not ok:
-                raise ConfigError(f"train.{key}={getattr(self, key)!r} {rule}")
+            _need(self, "train", ok, key, rule)
 
-        finite = lambda x: x == x and abs(x) != float("inf")  # noqa: E731
+        finite = _finite
         need(self.iters > 0, "iters", "must be positive")
         need(finite(self.lr) and self.lr > 0, "lr", "must be a positive number")
         need(finite(self.min_lr) and 0 <= self.min_lr <= self.lr, "min_lr",
@@ -281,6 +309,7 @@ class TrainConfig:
         need(self.target_ppl is None or (finite(self.target_ppl) and self.target_ppl > 1),
              "target_ppl", "must be a perplexity > 1 (or null)")
         need(self.max_wall_s is None or self.max_wall_s > 0, "max_wall_s", "must be positive (or null)")
+        need(0 <= self.seed < 2**32, "seed", "must be in [0, 2**32) (numpy's range)")
 
 
 @dataclass(kw_only=True)
@@ -305,6 +334,13 @@ class DataConfig:
     max_documents: int | None = None
     """Read only the first N documents (quick tests)."""
 
+    def validate(self) -> None:
+        """Raise :class:`ConfigError` naming the first out-of-range setting."""
+        _need(self, "data", self.val_every >= 2, "val_every",
+              "must be >= 2 (every val_every-th document is held out)")
+        _need(self, "data", self.max_documents is None or self.max_documents > 0, "max_documents",
+              "must be positive (or null for all)")
+
 
 @dataclass(kw_only=True)
 class CheckpointConfig:
@@ -321,6 +357,12 @@ class CheckpointConfig:
     (fine-tuning, e.g. from ``tools/convert_checkpoint.py`` output)."""
     keep_last: int = 2
     """Number of checkpoints kept; older ones are deleted."""
+
+    def validate(self) -> None:
+        """Raise :class:`ConfigError` naming the first out-of-range setting."""
+        _need(self, "checkpoint", self.save_interval >= 0, "save_interval",
+              "must be >= 0 (0 disables saving)")
+        _need(self, "checkpoint", self.keep_last >= 1, "keep_last", "must be >= 1")
 
 
 @dataclass(kw_only=True)
@@ -538,11 +580,22 @@ class JobConfig:
     name: str = "job"
     """Preset name (file stem), used in run names."""
 
-    def validate(self, world_size: int = 1) -> int:
-        """Validate every section; return the DP size for ``world_size`` processes."""
+    def validate_sections(self) -> None:
+        """Check each section's own settings (everything but the layout, which needs the
+        world size; GeoMesh's section is checked by ``geomesh.context``).
+
+        Raises:
+            ConfigError: the first out-of-range setting, named.
+        """
         self.model.validate()
         self.train.validate()
+        self.data.validate()
+        self.checkpoint.validate()
         self.cona.validate()
+
+    def validate(self, world_size: int = 1) -> int:
+        """Validate every section; return the DP size for ``world_size`` processes."""
+        self.validate_sections()
         return self.parallel.validate(self.model, world_size)
 
     def to_dict(self) -> dict:
@@ -614,12 +667,12 @@ def _apply(obj: Any, values: dict, where: str) -> None:
         path = f"{where}.{key}" if where else key
         if key not in names:
             raise ConfigError(
-                f"unknown config key '{path}'; valid keys here: {', '.join(sorted(names))}"
+                f"unknown config key {path!r}; valid keys here: {', '.join(sorted(names))}"
             )
         current = getattr(obj, key)
         if dataclasses.is_dataclass(current):
             if not isinstance(value, dict):
-                raise ConfigError(f"'{path}' is a section; give it a mapping of keys")
+                raise ConfigError(f"{path!r} is a section; give it a mapping of keys")
             _apply(current, value, path)
         else:
             setattr(obj, key, _check_type(value, hints[key], path))
@@ -637,20 +690,20 @@ def resolve_preset(name_or_path: str | Path) -> Path:
         if c.is_file():
             return c
     known = sorted(x.stem for x in MODEL_CONFIGS_DIR.glob("*.yaml"))
-    raise ConfigError(f"config '{name_or_path}' not found; use a YAML file or one of {known}")
+    raise ConfigError(f"config {str(name_or_path)!r} not found; use a YAML file or one of {known}")
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:
     """Split ``section.key=value`` into (``[section, key]``, YAML-parsed value)."""
     if "=" not in text:
-        raise ConfigError(f"override '{text}' must look like section.key=value")
+        raise ConfigError(f"override {text!r} must look like section.key=value")
     key, raw = text.split("=", 1)
     if not key:
-        raise ConfigError(f"override '{text}' has no key")
+        raise ConfigError(f"override {text!r} has no key")
     try:
         value = yaml.safe_load(raw) if raw != "" else ""
     except yaml.YAMLError as e:
-        raise ConfigError(f"override '{text}': value is not valid YAML "
+        raise ConfigError(f"override {text!r}: value is not valid YAML "
                           f"({' '.join(str(e).split())})") from None
     return key.split("."), value
 
@@ -670,8 +723,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple = (
         file = resolve_preset(path)
         try:
             values = yaml.safe_load(file.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"{file}: not valid YAML ({' '.join(str(e).split())})") from None
+        except (yaml.YAMLError, UnicodeDecodeError, OSError) as e:
+            raise ConfigError(f"{file}: not a readable YAML text file ({type(e).__name__}: "
+                              f"{' '.join(str(e).split())[:200]})") from None
         if not isinstance(values, dict):
             raise ConfigError(f"{file}: top level must be a mapping of sections")
         values.setdefault("name", file.stem)

@@ -63,15 +63,51 @@ def test_fuzz_config_overrides(n):
         overrides = [f"{k}={v}" for k, v in pairs]
         try:
             cfg = load_config("tiny_gpt", overrides)
-            cfg.model.validate()
-            cfg.train.validate()
-            cfg.cona.validate()
+            cfg.validate_sections()
             if cfg.geomesh.method != "none":
                 _validate(cfg)
         except ConfigError as e:
             _one_line(e)
 
     run()
+
+
+# Numeric settings where -1 is a valid value (none today).
+NEGATIVE_OK: set[str] = set()
+
+
+def test_every_numeric_setting_has_a_range():
+    """Catches numeric settings that no validator checks: a new user's
+    ``checkpoint.save_interval=-1`` saved a checkpoint every step (``step % -1
+    == 0``) and ``model.mask_prob=1.5`` crashed inside megatron's dataset.
+    Every int/float field of the sections ``validate_sections`` checks must
+    refuse -1 (and NaN for floats) with a one-line ConfigError naming it."""
+    import typing
+
+    def check(cfg):
+        cfg.validate_sections()
+        _validate(cfg)
+
+    # the CONA and GeoMesh sections are read (and checked) only when switched on
+    on = ["cona.enabled=true", "geomesh.method=geomesh", "geomesh.cluster=four_region"]
+    accepted = []
+    for section in ("model", "train", "data", "checkpoint", "cona", "geomesh"):
+        obj = getattr(JobConfig(), section)
+        hints = typing.get_type_hints(type(obj))
+        for f in dataclasses.fields(obj):
+            kind = str(hints[f.name])
+            if f"{section}.{f.name}" in NEGATIVE_OK or not ("int" in kind or "float" in kind):
+                continue
+            for bad in (-1, *((float("nan"),) if "float" in kind else ())):
+                cfg = load_config("tiny_gpt", on)
+                setattr(getattr(cfg, section), f.name, bad)
+                try:
+                    check(cfg)
+                    accepted.append(f"{section}.{f.name}={bad}")
+                except ConfigError as e:
+                    _one_line(e)
+                    assert f.name in str(e), (f.name, str(e))
+    assert not accepted, f"accepted without a range check: {accepted}"
 
 
 def test_bad_overrides_exit_2_with_one_line():
@@ -249,3 +285,14 @@ def test_checkpoint_that_runs_code_is_refused(tmp_path):
                folder / "rank00000.pt")
     state = load_state(tmp_path / "checkpoints", rank=0)
     assert state["plan"] == plan and torch.equal(state["outer"]["theta"], torch.ones(3))
+
+
+def test_binary_or_unreadable_preset_is_a_config_error(tmp_path):
+    """Catches a UnicodeDecodeError traceback from ``--config`` given a binary
+    file (a fresh-user pass tried one): a one-line ConfigError naming the file."""
+    blob = tmp_path / "model.bin"
+    blob.write_bytes(bytes(range(256)))
+    with pytest.raises(ConfigError) as e:
+        load_config(blob)
+    _one_line(e.value)
+    assert "model.bin" in str(e.value)

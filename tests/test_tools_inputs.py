@@ -92,3 +92,40 @@ def test_convert_rejects_missing_input_and_file_output(tmp_path):
                               capture_output=True, text=True, timeout=300)
         lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
         assert proc.returncode == 2 and len(lines) == 1 and needle in lines[0], proc.stderr
+
+
+def _convert(*args, env=None):
+    import os
+
+    return subprocess.run([sys.executable, str(REPO / "tools" / "convert_checkpoint.py"),
+                           *map(str, args)], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, **(env or {})})
+
+
+@pytest.mark.parametrize("text", ["{not json", "[1, 2]", "\xff"], ids=["broken", "list", "binary"])
+def test_convert_rejects_unreadable_config_json(tmp_path, text):
+    """Catches a JSONDecodeError traceback (exit 1) from an HF folder whose
+    config.json is not a JSON object: a one-line error naming the file, exit 2."""
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_bytes(text.encode("latin-1"))
+    proc = _convert("hf-to-mcore", "--model", "gpt", "--input", hf, "--output", tmp_path / "o")
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert proc.returncode == 2 and len(lines) == 1 and "config.json" in lines[0], proc.stderr
+    assert not (tmp_path / "o").exists()
+
+
+def test_export_without_transformers_is_one_line_and_writes_nothing(tmp_path):
+    """Catches a ModuleNotFoundError traceback after a half-written output (only
+    tokenizer.model) when transformers is missing: one line naming the fix,
+    exit 2, no output folder and no staging folder left."""
+    fake = tmp_path / "site"
+    (fake / "transformers").mkdir(parents=True)
+    (fake / "transformers" / "__init__.py").write_text("raise ImportError('not installed')\n")
+    out = tmp_path / "hf_out"
+    proc = _convert("mcore-to-hf", "--model", "gpt", "--input", tmp_path, "--output", out,
+                    env={"PYTHONPATH": f"{fake}:{REPO}"})
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert "pip install transformers" in lines[0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["site"]

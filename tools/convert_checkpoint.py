@@ -46,6 +46,7 @@ Exit codes: 0 done, 2 bad input (message on stderr).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import logging
@@ -110,6 +111,22 @@ def _barrier() -> None:
 # ---------------------------------------------------------------------------
 
 
+def _read_json(path: Path) -> dict:
+    """A JSON object from ``path``.
+
+    Raises:
+        ConversionError: unreadable, not JSON, or not an object.
+    """
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConversionError(f"'{path}' is not readable JSON ({type(e).__name__}: "
+                              f"{' '.join(str(e).split())[:160]}); fix or replace the file") from None
+    if not isinstance(value, dict):
+        raise ConversionError(f"'{path}' holds a JSON {type(value).__name__}, not an object")
+    return value
+
+
 def read_hf_checkpoint(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
     """``config.json`` and all tensors of an HF model folder (safetensors, sharded
     safetensors, or ``pytorch_model.bin``).
@@ -120,7 +137,7 @@ def read_hf_checkpoint(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]
     path = Path(path)
     if not (path / "config.json").is_file():
         raise ConversionError(f"'{path}' has no config.json; point --input at an HF model folder")
-    hcfg = json.loads((path / "config.json").read_text())
+    hcfg = _read_json(path / "config.json")
     from safetensors.torch import load_file
 
     index = path / "model.safetensors.index.json"
@@ -128,13 +145,37 @@ def read_hf_checkpoint(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]
         state = load_file(str(path / "model.safetensors"))
     elif index.is_file():
         state = {}
-        for shard in sorted(set(json.loads(index.read_text())["weight_map"].values())):
+        weight_map = _read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ConversionError(f"'{index}' has no weight_map object")
+        for shard in sorted(set(map(str, weight_map.values()))):
             state.update(load_file(str(path / shard)))
     elif (path / "pytorch_model.bin").is_file():
         state = torch.load(path / "pytorch_model.bin", map_location="cpu", weights_only=True)
     else:
         raise ConversionError(f"'{path}' has no model.safetensors(.index.json) or pytorch_model.bin")
     return hcfg, state
+
+
+@contextlib.contextmanager
+def _staged_folder(out: Path):
+    """Yield a hidden staging folder next to ``out``; on success its files move into
+    ``out`` (a new ``out`` is one rename), on error it is removed: a failed
+    export leaves no half-written folder."""
+    stage = out.with_name(f".{out.name}.partial-{os.getpid()}")
+    shutil.rmtree(stage, ignore_errors=True)
+    stage.mkdir(parents=True)
+    try:
+        yield stage
+    except BaseException:
+        shutil.rmtree(stage, ignore_errors=True)
+        raise
+    if not out.exists():
+        os.replace(stage, out)
+        return
+    for f in stage.iterdir():  # into an existing folder: file by file, each atomic
+        os.replace(f, out / f.name)
+    stage.rmdir()
 
 
 def _copy_tokenizer(src_dir: Path, dst_dir: Path) -> list[str]:
@@ -337,7 +378,7 @@ def _source_hf_config(cfg_path: Path, job: JobConfig) -> dict | None:
         places += [load, load.parent]
     for p in places:
         if (p / "hf_config.json").is_file():
-            return json.loads((p / "hf_config.json").read_text())
+            return _read_json(p / "hf_config.json")
     return None
 
 
@@ -354,6 +395,11 @@ def mcore_to_hf(src: str | Path, out: str | Path, family: str, *, config: str | 
             ``checkpoint.load``), else per family (BERT → ``megatron-bert``,
             the function-equivalent one).
     """
+    try:
+        import transformers  # noqa: F401 - the HF config classes write config.json
+    except ImportError:
+        raise ConversionError("mcore-to-hf needs Hugging Face transformers (its config classes "
+                              "write config.json): pip install transformers") from None
     cfg_path = Path(config) if config else find_config(src)
     job = load_config(cfg_path)
     if job.model.family != family:
@@ -368,19 +414,19 @@ def mcore_to_hf(src: str | Path, out: str | Path, family: str, *, config: str | 
     hf_state = mcore_to_hf_state(job.model, state, arch)
     if _rank() == 0:
         token_ids = {k: source[k] for k in _TOKEN_ID_KEYS if source and source.get(k) is not None}
-        out = Path(out)
-        out.mkdir(parents=True, exist_ok=True)
-        copied = _copy_tokenizer(cfg_path.parent, out)  # a run folder holds its tokenizer
-        tok = Path(job.data.tokenizer)
-        if not copied and job.data.tokenizer != "auto" and tok.is_file():
-            shutil.copy2(tok, out / ("tokenizer.json" if tok.suffix == ".json" else "tokenizer.model"))
-        tok_file = next((out / n for n in ("tokenizer.json", "tokenizer.model")
-                         if (out / n).is_file()), None)
-        if not token_ids and tok_file is not None:
-            # the project's tokenizers end documents with eod and never add bos
-            t = load_tokenizer(tok_file)
-            token_ids = {"bos_token_id": t.eod, "eos_token_id": t.eod, "pad_token_id": t.pad}
-        write_hf_checkpoint(out, job.model, hf_state, arch, token_ids=token_ids)
+        with _staged_folder(Path(out)) as stage:
+            copied = _copy_tokenizer(cfg_path.parent, stage)  # a run folder holds its tokenizer
+            tok = Path(job.data.tokenizer)
+            if not copied and job.data.tokenizer != "auto" and tok.is_file():
+                shutil.copy2(tok, stage / ("tokenizer.json" if tok.suffix == ".json"
+                                           else "tokenizer.model"))
+            tok_file = next((stage / n for n in ("tokenizer.json", "tokenizer.model")
+                             if (stage / n).is_file()), None)
+            if not token_ids and tok_file is not None:
+                # the project's tokenizers end documents with eod and never add bos
+                t = load_tokenizer(tok_file)
+                token_ids = {"bos_token_id": t.eod, "eos_token_id": t.eod, "pad_token_id": t.pad}
+            write_hf_checkpoint(stage, job.model, hf_state, arch, token_ids=token_ids)
     _barrier()
     return dict(output=str(Path(out).absolute()), checkpoint=str(ckpt), family=family, hf_arch=arch,
                 vocab_size=job.model.vocab_size, parameters=sum(t.numel() for t in hf_state.values()))
