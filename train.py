@@ -76,9 +76,12 @@ def main(argv=None) -> int:
 
     bad_input = (ConfigError, DataError, TokenizerError, CheckpointError)
 
+    launched = "TORCHELASTIC_RUN_ID" in os.environ  # set by torchrun for its workers
+
     def _terminated(signum, frame):  # torchrun stops the other ranks when one dies
-        raise RunInterrupted(f"stopped by signal {signum} (the launcher stops every rank when one "
-                             "fails; see that rank's error); resume with checkpoint.load")
+        why = ("the launcher stops every rank when one fails; see that rank's error"
+               if launched else "sent by another process, e.g. a scheduler or timeout")
+        raise RunInterrupted(f"stopped by signal {signum} ({why}); resume with checkpoint.load")
 
     signal.signal(signal.SIGTERM, _terminated)
     try:
