@@ -356,13 +356,13 @@ class CheckpointConfig:
     ``load``; ``false`` loads only the model weights and starts training afresh
     (fine-tuning, e.g. from ``tools/convert_checkpoint.py`` output)."""
     keep_last: int = 2
-    """Number of checkpoints kept; older ones are deleted."""
+    """Number of checkpoints kept; older ones are deleted (0 keeps all)."""
 
     def validate(self) -> None:
         """Raise :class:`ConfigError` naming the first out-of-range setting."""
         _need(self, "checkpoint", self.save_interval >= 0, "save_interval",
               "must be >= 0 (0 disables saving)")
-        _need(self, "checkpoint", self.keep_last >= 1, "keep_last", "must be >= 1")
+        _need(self, "checkpoint", self.keep_last >= 0, "keep_last", "must be >= 0 (0 keeps all)")
 
 
 @dataclass(kw_only=True)
