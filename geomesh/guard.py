@@ -16,9 +16,10 @@ the same messages, so every copy of ``θ_global`` stays identical):
    workers' norms this round and worker ``i``'s own history (an exponential
    mean of its accepted norms, weight 1/2); references of 0 are ignored (a
    worker whose only inner step ran at warmup's lr 0 sends ``Δ = 0``); with
-   neither (one worker, first round) the check passes.  Honest workers differ by their ``H_i`` and
-   data (measured: under 3× on the four-region plan), so the default ratio 10
-   never rejected an honest worker in the tests and benches.
+   neither (one worker, first round) the check passes.  Honest workers differ
+   by their ``H_i`` and data (measured: under 3× on the four-region plan), so
+   the default ratio 10 never rejected an honest worker in the tests and
+   benches.
 
 A worker that fails any check is dropped from the round like a lost worker
 (its weight renormalised away) and named in a warning; :attr:`Guard.rejected`

@@ -173,6 +173,7 @@ class ModelConfig:
                 f"model.seq_length={self.seq_length} exceeds model.max_position_embeddings="
                 f"{self.max_position_embeddings}; shorten the sequence or raise the maximum"
             )
+
         def need(ok: bool, key: str, rule: str) -> None:
             _need(self, "model", ok, key, rule)
 
