@@ -37,7 +37,7 @@ from __future__ import annotations
 import math
 import struct
 import zlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -225,9 +225,3 @@ class TopKCodec(Codec):
         ``None`` entries and rejected messages count 0 tokens, ``Δ`` is ``None``
         when none is left."""
         return aggregate_decoded(messages, self._decode, guard)
-
-
-def decoded_like(codec: TopKCodec, deltas: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """``D(C(x))`` of one worker's tensors (tests and diagnostics)."""
-    agg, _ = codec.aggregate([codec.encode(deltas, 1, worker=0, round=0)])
-    return agg

@@ -290,24 +290,23 @@ class TrainConfig:
         def need(ok: bool, key: str, rule: str) -> None:
             _need(self, "train", ok, key, rule)
 
-        finite = _finite
         need(self.iters > 0, "iters", "must be positive")
-        need(finite(self.lr) and self.lr > 0, "lr", "must be a positive number")
-        need(finite(self.min_lr) and 0 <= self.min_lr <= self.lr, "min_lr",
+        need(_finite(self.lr) and self.lr > 0, "lr", "must be a positive number")
+        need(_finite(self.min_lr) and 0 <= self.min_lr <= self.lr, "min_lr",
              f"must be between 0 and train.lr={self.lr}")
         need(self.warmup_iters >= 0, "warmup_iters", "must be >= 0")
         need(self.lr_decay_iters is None or self.lr_decay_iters > 0, "lr_decay_iters",
              "must be positive (or null for train.iters)")
-        need(finite(self.weight_decay) and self.weight_decay >= 0, "weight_decay", "must be >= 0")
+        need(_finite(self.weight_decay) and self.weight_decay >= 0, "weight_decay", "must be >= 0")
         for key in ("adam_beta1", "adam_beta2"):
             need(0 <= getattr(self, key) < 1, key, "must be in [0, 1)")
-        need(finite(self.adam_eps) and self.adam_eps > 0, "adam_eps", "must be positive")
-        need(finite(self.clip_grad) and self.clip_grad >= 0, "clip_grad", "must be >= 0 (0 disables)")
+        need(_finite(self.adam_eps) and self.adam_eps > 0, "adam_eps", "must be positive")
+        need(_finite(self.clip_grad) and self.clip_grad >= 0, "clip_grad", "must be >= 0 (0 disables)")
         need(self.log_interval >= 1, "log_interval", "must be >= 1")
         need(self.eval_interval >= 0, "eval_interval", "must be >= 0 (0 disables evaluation)")
         need(self.eval_iters >= 1, "eval_iters",
              "must be >= 1 (to skip evaluation set train.eval_interval=0)")
-        need(self.target_ppl is None or (finite(self.target_ppl) and self.target_ppl > 1),
+        need(self.target_ppl is None or (_finite(self.target_ppl) and self.target_ppl > 1),
              "target_ppl", "must be a perplexity > 1 (or null)")
         need(self.max_wall_s is None or self.max_wall_s > 0, "max_wall_s", "must be positive (or null)")
         need(0 <= self.seed < 2**32, "seed", "must be in [0, 2**32) (numpy's range)")
