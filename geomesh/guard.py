@@ -11,15 +11,21 @@ the same messages, so every copy of ``θ_global`` stays identical):
    tokens the plan gave worker ``i`` this round (a worker claiming more
    tokens would take more weight; the plan is known to every worker);
 3. **norm** — the norm of the decoded pseudo-gradient, ``‖m_i · sign(Δ_i)‖₂``
-   (``sqrt(Σ m² · elements per scale)``) or ``‖Δ_i‖₂``, at most
-   ``geomesh.max_norm_ratio`` times the larger of the median of the other
-   workers' norms this round and worker ``i``'s own history (an exponential
-   mean of its accepted norms, weight 1/2); references of 0 are ignored (a
-   worker whose only inner step ran at warmup's lr 0 sends ``Δ = 0``); with
-   neither (one worker, first round) the check passes.  Honest workers differ
-   by their ``H_i`` and data (measured: under 3× on the four-region plan), so
-   the default ratio 10 never rejected an honest worker in the tests and
-   benches.
+   (``sqrt(Σ m² · elements per scale)``) or ``‖Δ_i‖₂``, divided by worker
+   ``i``'s inner learning-rate mass of the round (:class:`geomesh.worker.LrMass`,
+   computed by the receiver from the plan; a worker with mass 0 — its only
+   step ran at warmup's lr 0 — is divided by the round's smallest positive
+   mass), at most ``geomesh.max_norm_ratio`` times the larger of the median
+   of the other workers' normalised norms this round and worker ``i``'s own
+   history (an exponential mean of its accepted normalised norms, weight
+   1/2); references of 0 are ignored (that worker sent ``Δ = 0``); with
+   neither (one worker, first round) the check passes.  Without the division
+   honest workers of a heterogeneous plan differed ~20x in warmup (the
+   four-region plan's H100, 25 inner steps at lrs up to 24/62, was rejected
+   in round 1 against the V100's 2 steps at lrs 0 and 1/5); with it they
+   differ by how their ``H_i`` updates add up (between ``H_i`` and
+   ``sqrt(H_i)``) and their data, under 3x on that plan, so the default
+   ratio 10 rejects no honest worker in the tests and benches.
 
 A worker that fails any check is dropped from the round like a lost worker
 (its weight renormalised away) and named in a warning; :attr:`Guard.rejected`
@@ -96,6 +102,7 @@ class Guard:
         self.token_tolerance = token_tolerance
         self.robust = robust
         self.expected: dict[int, int] = {}
+        self.lr_mass: dict[int, float] = {}
         self.history: dict[int, float] = {}
         self.rejected: Counter[str] = Counter()
         self.last_rejected: dict[int, str] = {}
@@ -108,10 +115,20 @@ class Guard:
                    max_norm_ratio=g.max_norm_ratio, token_tolerance=g.token_tolerance,
                    robust=g.robust_aggregation)
 
-    def expect(self, tokens: Mapping[int, int]) -> None:
-        """The plan's tokens per worker for the round about to be screened (starts a round)."""
+    def expect(self, tokens: Mapping[int, int], lr_mass: Mapping[int, float] | None = None) -> None:
+        """The plan's tokens per worker for the round about to be screened, and each
+        worker's inner learning-rate mass (:class:`geomesh.worker.LrMass`; ``None``:
+        norms are compared as they are).  Starts a round."""
         self.expected = dict(tokens)
+        self.lr_mass = dict(lr_mass or {})
         self.last_rejected = {}
+
+    def _per_lr(self, workers: Sequence[int]) -> list[float]:
+        """Each worker's norm divisor: its lr mass, the round's smallest positive
+        mass where its own is 0 (or unknown), 1 without masses."""
+        masses = [self.lr_mass[k] for k in workers if self.lr_mass.get(k, 0.0) > 0]
+        floor = min(masses) if masses else 1.0
+        return [self.lr_mass[k] if self.lr_mass.get(k, 0.0) > 0 else floor for k in workers]
 
     def _name(self, k: int) -> str:
         if 0 <= k < len(self.names):
@@ -134,9 +151,10 @@ class Guard:
             else:
                 ok.append(j)
         passed = []
+        raw, norms = norms, [n / d for n, d in zip(norms, self._per_lr(workers))]
         for j in ok:
             k, nrm = workers[j], norms[j]
-            others = sorted(norms[i] for i in ok if i != j)
+            others = sorted(norms[i] for i in ok if i != j and norms[i] > 0)
             refs = []
             if others:
                 m = len(others)
@@ -148,7 +166,8 @@ class Guard:
             refs = [r for r in refs if r > 0]
             bound = self.max_norm_ratio * max(refs) if refs else math.inf
             if nrm > bound:
-                self.drop(k, "norm", f"its pseudo-gradient norm {nrm:.4g} exceeds "
+                self.drop(k, "norm", f"its pseudo-gradient norm {raw[j]:.4g} ({nrm:.4g} per "
+                                      f"unit of its inner learning-rate mass) exceeds "
                                       f"{self.max_norm_ratio:g} x {max(refs):.4g} (the other "
                                       "workers' median or its own history)")
             else:
@@ -206,10 +225,14 @@ class Guard:
                 for k in deltas[0]}
 
     def state_dict(self) -> dict:
-        return {"history": dict(self.history), "rejected": dict(self.rejected)}
+        return {"history": dict(self.history), "rejected": dict(self.rejected),
+                "per_lr_mass": True}
 
     def load_state_dict(self, state: Mapping) -> None:
-        self.history = {int(k): float(v) for k, v in state.get("history", {}).items()}
+        # a history of raw norms (saved before norms were divided by the lr mass) is
+        # on another scale: start it again
+        history = state.get("history", {}) if state.get("per_lr_mass") else {}
+        self.history = {int(k): float(v) for k, v in history.items()}
         self.rejected = Counter({str(k): int(v) for k, v in state.get("rejected", {}).items()})
 
 

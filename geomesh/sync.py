@@ -107,7 +107,7 @@ from .report import RunStats, memory_overhead
 from .sparse import TopKCodec
 from .state import load_state, save_state
 from .transport import InProcessTransport
-from .worker import InnerWorker, ProxyStep, proxy_steps
+from .worker import InnerWorker, LrMass, ProxyStep, proxy_steps
 
 log = logging.getLogger(__name__)
 
@@ -147,14 +147,16 @@ def run_sync(ctx: RunContext) -> dict:
     K = len(cl.workers)
     plan = ctx.planner.plan() if geomesh else ctx.planner.uniform(ctx.uniform_batch)
     steps = _proxy(ctx, plan)
+    # each worker's LR schedule: its own length, warmup scaled by H_i / H
+    schedules = [(g.outer_steps * s.inner_steps,
+                  round(cfg.train.warmup_iters * s.inner_steps / g.inner_steps)) for s in steps]
     workers: dict[int, InnerWorker] = {}
     for i in pl.workers:
-        h = steps[i].inner_steps
-        warm = round(cfg.train.warmup_iters * h / g.inner_steps)
-        workers[i] = InnerWorker(ctx.layout_cfg, i, ctx.train_ds, inner_iters=g.outer_steps * h,
-                                 warmup_iters=warm, reference_batch=ctx.reference_batch,
+        workers[i] = InnerWorker(ctx.layout_cfg, i, ctx.train_ds, inner_iters=schedules[i][0],
+                                 warmup_iters=schedules[i][1], reference_batch=ctx.reference_batch,
                                  dp_group=pl.dp_group, dp_in=pl.dp_in,
                                  dp_in_rank=pl.dp_in_rank)
+    lr_mass = LrMass(ctx.layout_cfg, schedules, ctx.reference_batch, g.inner_lr_scaling)
     first = workers[pl.workers[0]]
     theta = first.trainer.get_params()  # θ_global, fp32, this rank's shard
     compression = g.compression
@@ -233,6 +235,10 @@ def run_sync(ctx: RunContext) -> dict:
         position, start, replans = st["position"], st["round"], st["replans"]
         history = st["history"]
         guard.load_state_dict(st.get("guard", {}))
+        if "lr_mass" in st:
+            lr_mass.load_state_dict(st["lr_mass"])
+        else:  # saved before: the schedule positions of the saved workers
+            lr_mass.done = [int(st["workers"].get(i, {}).get("step", 0)) for i in range(K)]
         torch.set_rng_state(st["rng"])
         log.info("resumed %s at outer step %d", ctx.method, start)
     t0 = time.perf_counter() - stats.time_s
@@ -246,7 +252,8 @@ def run_sync(ctx: RunContext) -> dict:
         def save_heal() -> dict:
             return {"round": r, "position": position, "replans": replans, "members": members,
                     "plan": plan.to_dict(), "speed": dict(ctx.planner.speed),
-                    "outer": outer.state_dict(), "guard": guard.state_dict()}
+                    "outer": outer.state_dict(), "guard": guard.state_dict(),
+                    "lr_mass": lr_mass.state_dict()}
 
         def load_heal(st: dict) -> None:
             nonlocal r, position, replans, plan, steps, next_steps, history, members
@@ -254,6 +261,7 @@ def run_sync(ctx: RunContext) -> dict:
             members = [int(k) for k in st["members"]]
             outer.load_state_dict(st["outer"])
             guard.load_state_dict(st["guard"])
+            lr_mass.load_state_dict(st.get("lr_mass", {"done": [r * s.inner_steps for s in steps]}))
             ctx.planner.speed = {k: float(v) for k, v in st["speed"].items()}
             plan = plan_from_dict(st["plan"], ctx.planner.tolerance)
             steps, next_steps, history = _proxy(ctx, plan), None, {}
@@ -288,8 +296,11 @@ def run_sync(ctx: RunContext) -> dict:
             x0 = time.perf_counter()
             received = pl.share(rnd.future.result() if rnd.future is not None else rnd.received)
             rnd.wait_s += time.perf_counter() - x0
-        guard.expect({i: rsteps[i].samples * cfg.model.seq_length for i in range(K)})
+        guard.expect({i: rsteps[i].samples * cfg.model.seq_length for i in range(K)},
+                     {i: lr_mass.round(i, rsteps[i]) for i in range(K)})
         agg, tokens = codec.aggregate(received, guard=guard, **pred)
+        for i in members:  # the round's workers trained its inner steps
+            lr_mass.advance(i, rsteps[i])
         if ft is not None and guard.last_rejected:  # like lost workers (fail: stop, named)
             ft.lost(rnd.r, sorted(guard.last_rejected), "message rejected by the checks")
         if agg is not None:
@@ -406,7 +417,7 @@ def run_sync(ctx: RunContext) -> dict:
                 "planner_speed": dict(ctx.planner.speed), "plan": plan,
                 "clock": clock.state_dict() if clock is not None else None,
                 "stats": stats.state_dict(), "rng": torch.get_rng_state(), "history": history,
-                "guard": guard.state_dict(),
+                "guard": guard.state_dict(), "lr_mass": lr_mass.state_dict(),
             }
             save_state(ctx.run_dir / "checkpoints", step, state, rank=pl.rank,
                        job_leader=pl.is_logging_rank, keep_last=cfg.checkpoint.keep_last)

@@ -34,6 +34,7 @@ the target (``G_t = G_p``) and the plan is followed as is: ``S_i = H_i b_i``.
 from __future__ import annotations
 
 import copy
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -42,7 +43,7 @@ import torch.distributed as dist
 from jobruntime.config import JobConfig
 from jobruntime.data import GlobalBatchSampler
 from jobruntime.parallel import set_seed
-from jobruntime.trainer import Trainer
+from jobruntime.trainer import Trainer, lr_scheduler
 
 from .planner import Plan, WorkerPlan
 
@@ -131,6 +132,69 @@ class RoundResult:
     steps: int
 
 
+def worker_schedule(cfg: JobConfig, inner_iters: int, warmup_iters: int):
+    """A worker's ``TrainConfig``: ``cfg.train`` with the worker's own schedule
+    length (``inner_iters`` optimizer steps) and warmup."""
+    return dataclasses.replace(copy.deepcopy(cfg.train), iters=max(inner_iters, 1),
+                               warmup_iters=warmup_iters, lr_decay_iters=None)
+
+
+def lr_scale(batch: int, reference_batch: float, scaling: str) -> float:
+    """Inner LR multiplier of a step of ``batch`` sequences against the batch
+    ``train.lr`` is meant for: ``sqrt`` (ratio ** 0.5), ``linear`` or ``none``."""
+    ratio = batch / reference_batch
+    return {"sqrt": ratio**0.5, "linear": ratio, "none": 1.0}[scaling]
+
+
+class LrMass:
+    """Every worker's inner learning-rate mass of a round, ``Σ_h lr_i(s_i + h) ·
+    scale(b_h)`` (dimensionless multiples of ``train.lr``·1), from the plan alone.
+
+    An honest ``Δ_i`` is the sum of ``H_i`` AdamW updates, each moving a
+    coordinate by about its step's lr, so ``‖Δ_i‖`` grows with this mass, not
+    with ``H_i`` alone: in the first rounds of warmup a worker with 25 steps
+    runs at lrs 0..24/62 of ``train.lr`` while one with 2 runs at 0 and 1/5,
+    and their norms differ ~20x.  :class:`geomesh.guard.Guard` divides norms by
+    it.  Every receiver computes it for every worker (each worker's schedule
+    is its :func:`worker_schedule`, its step count the plan's inner steps of
+    the rounds it trained), so no worker's claim enters it.
+
+    Args:
+        cfg: the job config.
+        schedules: per worker ``(inner_iters, warmup_iters)``, cluster order.
+        reference_batch, scaling: as :func:`lr_scale`.
+    """
+
+    def __init__(self, cfg: JobConfig, schedules: list[tuple[int, int]], reference_batch: float,
+                 scaling: str) -> None:
+        self.schedulers = [lr_scheduler(_NoGroups(), worker_schedule(cfg, n, w)) for n, w in schedules]
+        self.reference_batch, self.scaling = reference_batch, scaling
+        self.done = [0] * len(schedules)
+        """Inner steps each worker has trained (its schedule position)."""
+
+    def round(self, i: int, step: ProxyStep) -> float:
+        """Worker ``i``'s mass over ``step``'s batches, from its current position."""
+        sched, total = self.schedulers[i], 0.0
+        for h, b in enumerate(step.batches):
+            sched.num_steps = self.done[i] + h
+            total += sched.get_lr({}) * lr_scale(b, self.reference_batch, self.scaling)
+        return total
+
+    def advance(self, i: int, step: ProxyStep) -> None:
+        """Worker ``i`` trained ``step`` (one round)."""
+        self.done[i] += step.inner_steps
+
+    def state_dict(self) -> dict:
+        return {"done": list(self.done)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.done = [int(x) for x in state["done"]]
+
+
+class _NoGroups:
+    param_groups: list = []
+
+
 class InnerWorker:
     """A worker's trainer and data access.
 
@@ -150,9 +214,7 @@ class InnerWorker:
                  warmup_iters: int, reference_batch: float, dp_group: dist.ProcessGroup | None = None,
                  dp_in: int = 1, dp_in_rank: int = 0) -> None:
         self.cfg = copy.deepcopy(cfg)
-        self.cfg.train.iters = max(inner_iters, 1)
-        self.cfg.train.warmup_iters = warmup_iters
-        self.cfg.train.lr_decay_iters = None
+        self.cfg.train = worker_schedule(cfg, inner_iters, warmup_iters)
         self.index = index
         self.dataset = dataset
         self.reference_batch = reference_batch
@@ -163,8 +225,7 @@ class InnerWorker:
 
     def lr_scale(self, batch: int) -> float:
         """Inner LR multiplier for a step of ``batch`` sequences (``geomesh.inner_lr_scaling``)."""
-        ratio = batch / self.reference_batch
-        return {"sqrt": ratio**0.5, "linear": ratio, "none": 1.0}[self.lr_scaling]
+        return lr_scale(batch, self.reference_batch, self.lr_scaling)
 
     def microbatches(self, start: int, batch_size: int, micro_batch_size: int) -> list[dict]:
         """This rank's micro-batches of the ``batch_size`` samples at stream position ``start``."""

@@ -38,7 +38,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.module import Float16Module
 
 from . import cpu_compat
-from .config import JobConfig
+from .config import JobConfig, TrainConfig
 from .devices import check_module_devices
 from .model import build_model
 
@@ -100,6 +100,29 @@ def _masked_mean_loss(loss_mask: torch.Tensor, output: torch.Tensor):
     loss = (output.float() * mask).sum() / mask.sum().clamp(min=1.0)
     # clone: megatron divides the returned loss in place by the micro-batch count
     return loss, {"lm loss": loss.detach().clone()}
+
+
+def lr_scheduler(optimizer, t: TrainConfig) -> OptimizerParamScheduler:
+    """megatron's ``OptimizerParamScheduler`` for ``t``: linear warmup from 0 over
+    ``t.warmup_iters`` steps, cosine decay to ``t.min_lr`` at ``t.lr_decay_iters``
+    (default ``t.iters``), constant weight decay.  Step ``s`` (0-based) trains at
+    ``get_lr`` with ``num_steps = s``, so the first step's lr is 0 when warming up
+    (megatron's convention).  ``optimizer`` may be any object with a
+    ``param_groups`` list (``[]`` to evaluate the schedule alone)."""
+    return OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0,
+        max_lr=t.lr,
+        min_lr=t.min_lr,
+        lr_warmup_steps=t.warmup_iters,
+        # megatron needs warmup < decay; short runs simply stay in warmup
+        lr_decay_steps=max(t.lr_decay_iters or t.iters, t.warmup_iters + 1),
+        lr_decay_style="cosine",
+        start_wd=t.weight_decay,
+        end_wd=t.weight_decay,
+        wd_incr_steps=t.iters,
+        wd_incr_style="constant",
+    )
 
 
 class Trainer:
@@ -164,20 +187,7 @@ class Trainer:
         )
         self.optimizer = get_megatron_optimizer(opt_cfg, self.model)
         _use_fused_adamw(self.optimizer)
-        self.scheduler = OptimizerParamScheduler(
-            self.optimizer,
-            init_lr=0.0,
-            max_lr=t.lr,
-            min_lr=t.min_lr,
-            lr_warmup_steps=t.warmup_iters,
-            # megatron needs warmup < decay; short runs simply stay in warmup
-            lr_decay_steps=max(t.lr_decay_iters or t.iters, t.warmup_iters + 1),
-            lr_decay_style="cosine",
-            start_wd=t.weight_decay,
-            end_wd=t.weight_decay,
-            wd_incr_steps=t.iters,
-            wd_incr_style="constant",
-        )
+        self.scheduler = lr_scheduler(self.optimizer, t)
         self.tcfg.finalize_model_grads_func = finalize_model_grads
         self.tcfg.no_sync_func = self.model[0].no_sync
         self.tcfg.grad_scale_func = self.optimizer.scale_loss

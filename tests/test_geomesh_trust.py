@@ -171,6 +171,55 @@ def test_guard_keeps_honest_worker_when_the_other_sent_zero():
     assert tokens == [100, 100] and not guard.rejected
 
 
+def _four_region_masses() -> list[float]:
+    """Round-1 lr masses of the four-region quick plan: H_i = 25, 9, 2, 1 proxy
+    steps of 4 sequences, 12 rounds of H = 8, warmup 20 scaled by H_i / H."""
+    from geomesh.worker import LrMass, ProxyStep
+    from jobruntime.config import load_config
+
+    cfg = load_config("tiny_gpt", ["train.warmup_iters=20"])
+    hs = [25, 9, 2, 1]
+    mass = LrMass(cfg, [(12 * h, round(20 * h / 8)) for h in hs], reference_batch=4.0,
+                  scaling="sqrt")
+    steps = [ProxyStep(target=None, batches=(4,) * h) for h in hs]
+    return [mass.round(i, s) for i, s in enumerate(steps)], mass, steps, cfg.train.lr
+
+
+def test_lr_mass_follows_each_workers_warmup():
+    """Catches a mass that ignores the schedule (H_i alone) or its position: the
+    round-1 masses are Σ_h lr·h/warmup_i with megatron's lr 0 at step 0, and a
+    worker's next round continues its schedule."""
+    masses, mass, steps, lr = _four_region_masses()
+    for m, h, w in zip(masses, [25, 9, 2, 1], [62, 22, 5, 2]):
+        assert m == pytest.approx(lr * sum(range(h)) / w, rel=1e-9)
+    assert masses[3] == 0.0 and masses[0] / masses[2] > 20
+    mass.advance(2, steps[2])
+    assert mass.round(2, steps[2]) == pytest.approx(lr * (2 + 3) / 5, rel=1e-9)
+
+
+def test_guard_keeps_honest_workers_in_warmup_of_a_heterogeneous_plan():
+    """Catches the round-1 rejection of the four-region plan's H100 (norm 3.3 >
+    10 x the V100's 0.25 in every quick bench run): honest pseudo-gradients whose
+    norms follow the workers' lr masses all pass, one worker sending 30x its
+    share is still dropped."""
+    masses = _four_region_masses()[0]
+    schema = _schema(False)
+    codec = DenseCodec(schema)
+
+    def msgs(boost: float = 1.0):
+        return [codec.encode({k: v * m * (boost if i == 1 else 1.0) for k, v in _named(i).items()},
+                             100, worker=i, round=0) for i, m in enumerate(masses)]
+
+    guard = Guard(list("abcd"), list("ABCD"))
+    guard.expect(dict.fromkeys(range(4), 100), dict(enumerate(masses)))
+    _, tokens = codec.aggregate(msgs(), guard=guard)
+    assert tokens == [100] * 4 and not guard.rejected
+    guard = Guard(list("abcd"), list("ABCD"))
+    guard.expect(dict.fromkeys(range(4), 100), dict(enumerate(masses)))
+    _, tokens = codec.aggregate(msgs(boost=30.0), guard=guard)
+    assert tokens == [100, 0, 100, 100] and guard.rejected == {"norm": 1}
+
+
 def test_robust_aggregation_resists_a_flipped_minority():
     """Catches robust modes that follow a sign-flipping insider: with 3 honest
     workers sending the same direction and one sending its negation (equal
