@@ -12,20 +12,20 @@ the same messages, so every copy of ``θ_global`` stays identical):
    tokens would take more weight; the plan is known to every worker);
 3. **norm** — the norm of the decoded pseudo-gradient, ``‖m_i · sign(Δ_i)‖₂``
    (``sqrt(Σ m² · elements per scale)``) or ``‖Δ_i‖₂``, divided by worker
-   ``i``'s inner learning-rate mass of the round (:class:`geomesh.worker.LrMass`,
-   computed by the receiver from the plan; a worker with mass 0 — its only
-   step ran at warmup's lr 0 — is divided by the round's smallest positive
-   mass), at most ``geomesh.max_norm_ratio`` times the larger of the median
+   ``i``'s expected scale of the round, from its inner learning rates
+   (:class:`geomesh.worker.LrMass`, computed by the receiver from the plan; a
+   worker with scale 0 — its only step ran at warmup's lr 0 — is divided by
+   the round's smallest positive scale), at most ``geomesh.max_norm_ratio`` times the larger of the median
    of the other workers' normalised norms this round and worker ``i``'s own
    history (an exponential mean of its accepted normalised norms, weight
    1/2); references of 0 are ignored (that worker sent ``Δ = 0``); with
    neither (one worker, first round) the check passes.  Without the division
-   honest workers of a heterogeneous plan differed ~20x in warmup (the
-   four-region plan's H100, 25 inner steps at lrs up to 24/62, was rejected
-   in round 1 against the V100's 2 steps at lrs 0 and 1/5); with it they
-   differ by how their ``H_i`` updates add up (between ``H_i`` and
-   ``sqrt(H_i)``) and their data, under 3x on that plan, so the default
-   ratio 10 rejects no honest worker in the tests and benches.
+   honest workers of a heterogeneous plan differed 13x in warmup (the
+   four-region plan's H100, 25 inner steps at lrs up to 24/62 of ``train.lr``,
+   was rejected in round 1 against the V100's 2 steps at lrs 0 and 1/5);
+   with it they differ by their data and by at most ``(H_max/H_min) ** 0.25``
+   (2.2x on that plan), so the default ratio 10 rejects no honest worker in
+   the tests and benches.
 
 A worker that fails any check is dropped from the round like a lost worker
 (its weight renormalised away) and named in a warning; :attr:`Guard.rejected`
@@ -117,15 +117,15 @@ class Guard:
 
     def expect(self, tokens: Mapping[int, int], lr_mass: Mapping[int, float] | None = None) -> None:
         """The plan's tokens per worker for the round about to be screened, and each
-        worker's inner learning-rate mass (:class:`geomesh.worker.LrMass`; ``None``:
-        norms are compared as they are).  Starts a round."""
+        worker's expected pseudo-gradient scale (:meth:`geomesh.worker.LrMass.round`;
+        ``None``: norms are compared as they are).  Starts a round."""
         self.expected = dict(tokens)
         self.lr_mass = dict(lr_mass or {})
         self.last_rejected = {}
 
     def _per_lr(self, workers: Sequence[int]) -> list[float]:
-        """Each worker's norm divisor: its lr mass, the round's smallest positive
-        mass where its own is 0 (or unknown), 1 without masses."""
+        """Each worker's norm divisor: its expected scale, the round's smallest
+        positive scale where its own is 0 (or unknown), 1 without scales."""
         masses = [self.lr_mass[k] for k in workers if self.lr_mass.get(k, 0.0) > 0]
         floor = min(masses) if masses else 1.0
         return [self.lr_mass[k] if self.lr_mass.get(k, 0.0) > 0 else floor for k in workers]

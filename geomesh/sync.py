@@ -52,13 +52,15 @@ outer steps = 98k tokens, all at the same plan; ``bench/geomesh_ttp.py
 * balancing by steps beat balancing by batch (784 vs 819 without the
   momentum ramp); ramping the outer momentum in removed a loss spike around
   round 4 (GeoMesh 819 → 671, DiLoCo 895 → 765);
-* overlap: with a fraction ``f = 0.25`` the exchange (0.4-1.3 s) fits behind
-  the first steps of every worker's next round; perplexity with sign + EF
-  680 vs 679 blocking, but with the top-k codec + EF 0.5 585 vs 531 (and
-  the target reached later, 96 vs 81 s: the WAN wait it hides is ~2 % of a
-  round) and with fp32 622 vs 601 — so ``geomesh.overlap`` is off by default;
-  a one-round delay without the eager start (workers continuing from their
-  own weights) peaked at 1154 at round 6 vs 885.
+* overlap: the exchange (0.4-1.3 s) needs only the fewest steps that cover
+  it: ``f = 0.1`` gives ``τ_i`` = 3, 1, 1, 1 on the four-region plan (the
+  H100's step takes 0.5 s, the others' ≥ 1.3 s) and, with the default codec
+  at outer lr 0.35, 568 vs 582 blocking, the target at 79 vs 95 s, sync share 0.97 %; ``f =
+  0.25`` (``τ_i`` = 7, 3, 1, 1) runs more steps from the eager start than
+  the exchange needs and costs perplexity (649); ``geomesh.overlap`` stays
+  off by default (the README has the longer run); a one-round delay without
+  the eager start (workers continuing from their own weights) peaked at
+  1154 at round 6 vs 885.
 
 Time.  Emulated: worker ``i``'s compute is the GPU-profile time of its plan on
 the target model (:func:`geomesh.clock.inner_step_time_s`) times any injected
@@ -237,8 +239,8 @@ def run_sync(ctx: RunContext) -> dict:
         guard.load_state_dict(st.get("guard", {}))
         if "lr_mass" in st:
             lr_mass.load_state_dict(st["lr_mass"])
-        else:  # saved before: the schedule positions of the saved workers
-            lr_mass.done = [int(st["workers"].get(i, {}).get("step", 0)) for i in range(K)]
+        else:  # saved before it existed: the same position on every rank
+            lr_mass.done = [start * s.inner_steps for s in steps]
         torch.set_rng_state(st["rng"])
         log.info("resumed %s at outer step %d", ctx.method, start)
     t0 = time.perf_counter() - stats.time_s
@@ -296,6 +298,9 @@ def run_sync(ctx: RunContext) -> dict:
             x0 = time.perf_counter()
             received = pl.share(rnd.future.result() if rnd.future is not None else rnd.received)
             rnd.wait_s += time.perf_counter() - x0
+        if ft is not None:  # a worker that joined healed its schedule to at least r·H_i
+            for i in members:
+                lr_mass.done[i] = max(lr_mass.done[i], rnd.r * rsteps[i].inner_steps)
         guard.expect({i: rsteps[i].samples * cfg.model.seq_length for i in range(K)},
                      {i: lr_mass.round(i, rsteps[i]) for i in range(K)})
         agg, tokens = codec.aggregate(received, guard=guard, **pred)

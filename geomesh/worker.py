@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 from dataclasses import dataclass
 
 import torch
@@ -147,17 +148,22 @@ def lr_scale(batch: int, reference_batch: float, scaling: str) -> float:
 
 
 class LrMass:
-    """Every worker's inner learning-rate mass of a round, ``Σ_h lr_i(s_i + h) ·
-    scale(b_h)`` (dimensionless multiples of ``train.lr``·1), from the plan alone.
+    """Every worker's expected pseudo-gradient scale of a round, from the plan alone.
 
-    An honest ``Δ_i`` is the sum of ``H_i`` AdamW updates, each moving a
-    coordinate by about its step's lr, so ``‖Δ_i‖`` grows with this mass, not
-    with ``H_i`` alone: in the first rounds of warmup a worker with 25 steps
-    runs at lrs 0..24/62 of ``train.lr`` while one with 2 runs at 0 and 1/5,
-    and their norms differ ~20x.  :class:`geomesh.guard.Guard` divides norms by
-    it.  Every receiver computes it for every worker (each worker's schedule
-    is its :func:`worker_schedule`, its step count the plan's inner steps of
-    the rounds it trained), so no worker's claim enters it.
+    ``Δ_i`` is the sum of ``H_i`` AdamW updates, each moving a coordinate by
+    about its step's learning rate ``η_h = lr_i(s_i + h) · scale(b_h)``
+    (absolute lrs, ``train.lr`` units included).  While the updates point the
+    same way (early training) ``‖Δ_i‖`` grows like ``Σ η_h``; once they are
+    mostly noise, like ``sqrt(Σ η_h²)``.  :meth:`round` returns the geometric
+    mean of the two, ``sqrt(Σ η_h · sqrt(Σ η_h²))``, so that honest workers of
+    very different ``H_i`` stay within ``(H_max / H_min) ** 0.25`` of each
+    other in either regime, and :class:`geomesh.guard.Guard` divides norms by
+    it.  Measured on the four-region plan's round 1 (warmup 62 / 22 / 5 / 2
+    steps for ``H_i`` = 25 / 9 / 2 / 1; megatron's first step runs at lr 0):
+    raw norms differ 13x between the H100 and the V100, this scale 11.6x.
+    Every receiver computes it for every worker (each worker's schedule is
+    its :func:`worker_schedule`, its position the plan's inner steps of the
+    rounds it trained), so no worker's claim enters it.
 
     Args:
         cfg: the job config.
@@ -172,13 +178,18 @@ class LrMass:
         self.done = [0] * len(schedules)
         """Inner steps each worker has trained (its schedule position)."""
 
-    def round(self, i: int, step: ProxyStep) -> float:
-        """Worker ``i``'s mass over ``step``'s batches, from its current position."""
-        sched, total = self.schedulers[i], 0.0
+    def lrs(self, i: int, step: ProxyStep) -> list[float]:
+        """Worker ``i``'s ``η_h`` over ``step``'s batches, from its current position."""
+        sched, out = self.schedulers[i], []
         for h, b in enumerate(step.batches):
             sched.num_steps = self.done[i] + h
-            total += sched.get_lr({}) * lr_scale(b, self.reference_batch, self.scaling)
-        return total
+            out.append(sched.get_lr({}) * lr_scale(b, self.reference_batch, self.scaling))
+        return out
+
+    def round(self, i: int, step: ProxyStep) -> float:
+        """``sqrt(Σ η_h · sqrt(Σ η_h²))`` of worker ``i``'s next round."""
+        eta = self.lrs(i, step)
+        return math.sqrt(sum(eta) * math.sqrt(sum(e * e for e in eta)))
 
     def advance(self, i: int, step: ProxyStep) -> None:
         """Worker ``i`` trained ``step`` (one round)."""

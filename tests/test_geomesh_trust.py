@@ -8,6 +8,7 @@ through the same :class:`~geomesh.envelope.Opener` and
 from __future__ import annotations
 
 import dataclasses
+import math
 import struct
 
 import pytest
@@ -185,39 +186,52 @@ def _four_region_masses() -> list[float]:
     return [mass.round(i, s) for i, s in enumerate(steps)], mass, steps, cfg.train.lr
 
 
+def _scale(eta):
+    return math.sqrt(sum(eta) * math.sqrt(sum(e * e for e in eta)))
+
+
 def test_lr_mass_follows_each_workers_warmup():
-    """Catches a mass that ignores the schedule (H_i alone) or its position: the
-    round-1 masses are Σ_h lr·h/warmup_i with megatron's lr 0 at step 0, and a
-    worker's next round continues its schedule."""
-    masses, mass, steps, lr = _four_region_masses()
-    for m, h, w in zip(masses, [25, 9, 2, 1], [62, 22, 5, 2]):
-        assert m == pytest.approx(lr * sum(range(h)) / w, rel=1e-9)
-    assert masses[3] == 0.0 and masses[0] / masses[2] > 20
+    """Catches a scale that ignores the schedule (H_i alone) or its position: the
+    round-1 learning rates are lr·h/warmup_i with megatron's lr 0 at step 0, the
+    scale is sqrt(Σ η · sqrt(Σ η²)), and a worker's next round continues its
+    schedule."""
+    scales, mass, steps, lr = _four_region_masses()
+    for i, (h, w) in enumerate(zip([25, 9, 2, 1], [62, 22, 5, 2])):
+        eta = [lr * k / w for k in range(h)]
+        assert mass.lrs(i, steps[i]) == pytest.approx(eta, rel=1e-9)
+        assert scales[i] == pytest.approx(_scale(eta), rel=1e-9)
+    assert scales[3] == 0.0 and 10 < scales[0] / scales[2] < 13
     mass.advance(2, steps[2])
-    assert mass.round(2, steps[2]) == pytest.approx(lr * (2 + 3) / 5, rel=1e-9)
+    assert mass.round(2, steps[2]) == pytest.approx(_scale([lr * 2 / 5, lr * 3 / 5]), rel=1e-9)
 
 
-def test_guard_keeps_honest_workers_in_warmup_of_a_heterogeneous_plan():
+@pytest.mark.parametrize("regime", ["coherent", "random_walk"])
+def test_guard_keeps_honest_workers_in_warmup_of_a_heterogeneous_plan(regime):
     """Catches the round-1 rejection of the four-region plan's H100 (norm 3.3 >
     10 x the V100's 0.25 in every quick bench run): honest pseudo-gradients whose
-    norms follow the workers' lr masses all pass, one worker sending 30x its
-    share is still dropped."""
-    masses = _four_region_masses()[0]
-    schema = _schema(False)
-    codec = DenseCodec(schema)
+    norms grow like Σ η (updates aligned, early training) or like sqrt(Σ η²)
+    (updates mostly noise) all pass; one worker sending 30x its honest norm is
+    still dropped."""
+    scales, mass, steps, _ = _four_region_masses()
+    etas = [mass.lrs(i, s) for i, s in enumerate(steps)]
+    norms = [sum(e) if regime == "coherent" else math.sqrt(sum(x * x for x in e)) for e in etas]
+    codec = DenseCodec(_schema(False))
 
     def msgs(boost: float = 1.0):
-        return [codec.encode({k: v * m * (boost if i == 1 else 1.0) for k, v in _named(i).items()},
-                             100, worker=i, round=0) for i, m in enumerate(masses)]
+        out = []
+        for i, n in enumerate(norms):
+            d = _named(i)
+            unit = math.sqrt(sum(float(v.pow(2).sum()) for v in d.values()))
+            out.append(codec.encode({k: v * n / unit * (boost if i == 1 else 1.0)
+                                     for k, v in d.items()}, 100, worker=i, round=0))
+        return out
 
-    guard = Guard(list("abcd"), list("ABCD"))
-    guard.expect(dict.fromkeys(range(4), 100), dict(enumerate(masses)))
-    _, tokens = codec.aggregate(msgs(), guard=guard)
-    assert tokens == [100] * 4 and not guard.rejected
-    guard = Guard(list("abcd"), list("ABCD"))
-    guard.expect(dict.fromkeys(range(4), 100), dict(enumerate(masses)))
-    _, tokens = codec.aggregate(msgs(boost=30.0), guard=guard)
-    assert tokens == [100, 0, 100, 100] and guard.rejected == {"norm": 1}
+    for boost, want in ((1.0, [100] * 4), (30.0, [100, 0, 100, 100])):
+        guard = Guard(list("abcd"), list("ABCD"))
+        guard.expect(dict.fromkeys(range(4), 100), dict(enumerate(scales)))
+        _, tokens = codec.aggregate(msgs(boost), guard=guard)
+        assert tokens == want, (boost, guard.rejected)
+        assert sum(guard.rejected.values()) == (boost > 1)
 
 
 def test_robust_aggregation_resists_a_flipped_minority():
