@@ -252,7 +252,8 @@ def main(argv=None) -> int:
     group = f"geomesh_ttp-{mode}-{stamp}"
     t0, c0 = time.perf_counter(), time.process_time()
     results = {}
-    if args.jobs > 1:  # one child process per run (this script, one run each)
+    parallel = args.jobs > 1 and len(runs) > 1
+    if parallel:  # one child process per run (this script, one run each)
         results = _parallel(args, runs, out, mode)
         runs = []
     try:
@@ -274,7 +275,7 @@ def main(argv=None) -> int:
         ref = results["fp32"]["final_val_ppl"]
         for row in results.values():
             row["ppl_vs_fp32"] = row["final_val_ppl"] / ref
-    if args.jobs > 1:
+    if parallel:
         results = {name: results[name] for name, _, _ in _selected(args)}
     report = {"clock": "emulated", "target_ppl": TARGET_PPL[mode],
               "ablation" if args.ablation else "methods": results,

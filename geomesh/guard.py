@@ -13,12 +13,12 @@ the same messages, so every copy of ``θ_global`` stays identical):
 3. **norm** — the norm of the decoded pseudo-gradient, ``‖m_i · sign(Δ_i)‖₂``
    (``sqrt(Σ m² · elements per scale)``) or ``‖Δ_i‖₂``, divided by worker
    ``i``'s expected scale of the round, from its inner learning rates
-   (:class:`geomesh.worker.LrMass`, computed by the receiver from the plan; a
+   (:class:`geomesh.worker.LrScale`, computed by the receiver from the plan; a
    worker with scale 0 — its only step ran at warmup's lr 0 — is divided by
-   the round's smallest positive scale), at most ``geomesh.max_norm_ratio`` times the larger of the median
-   of the other workers' normalised norms this round and worker ``i``'s own
-   history (an exponential mean of its accepted normalised norms, weight
-   1/2); references of 0 are ignored (that worker sent ``Δ = 0``); with
+   the round's smallest positive scale), at most ``geomesh.max_norm_ratio``
+   times the larger of the median of the other workers' normalised norms this
+   round and worker ``i``'s own history (an exponential mean of its accepted
+   normalised norms, weight 1/2); references of 0 are ignored (that worker sent ``Δ = 0``); with
    neither (one worker, first round) the check passes.  Without the division
    honest workers of a heterogeneous plan differed 13x in warmup (the
    four-region plan's H100, 25 inner steps at lrs up to 24/62 of ``train.lr``,
@@ -102,7 +102,7 @@ class Guard:
         self.token_tolerance = token_tolerance
         self.robust = robust
         self.expected: dict[int, int] = {}
-        self.lr_mass: dict[int, float] = {}
+        self.scales: dict[int, float] = {}
         self.history: dict[int, float] = {}
         self.rejected: Counter[str] = Counter()
         self.last_rejected: dict[int, str] = {}
@@ -115,20 +115,20 @@ class Guard:
                    max_norm_ratio=g.max_norm_ratio, token_tolerance=g.token_tolerance,
                    robust=g.robust_aggregation)
 
-    def expect(self, tokens: Mapping[int, int], lr_mass: Mapping[int, float] | None = None) -> None:
+    def expect(self, tokens: Mapping[int, int], scales: Mapping[int, float] | None = None) -> None:
         """The plan's tokens per worker for the round about to be screened, and each
-        worker's expected pseudo-gradient scale (:meth:`geomesh.worker.LrMass.round`;
+        worker's expected pseudo-gradient scale (:meth:`geomesh.worker.LrScale.round`;
         ``None``: norms are compared as they are).  Starts a round."""
         self.expected = dict(tokens)
-        self.lr_mass = dict(lr_mass or {})
+        self.scales = dict(scales or {})
         self.last_rejected = {}
 
-    def _per_lr(self, workers: Sequence[int]) -> list[float]:
+    def _divisors(self, workers: Sequence[int]) -> list[float]:
         """Each worker's norm divisor: its expected scale, the round's smallest
         positive scale where its own is 0 (or unknown), 1 without scales."""
-        masses = [self.lr_mass[k] for k in workers if self.lr_mass.get(k, 0.0) > 0]
-        floor = min(masses) if masses else 1.0
-        return [self.lr_mass[k] if self.lr_mass.get(k, 0.0) > 0 else floor for k in workers]
+        known = [self.scales[k] for k in workers if self.scales.get(k, 0.0) > 0]
+        floor = min(known) if known else 1.0
+        return [self.scales[k] if self.scales.get(k, 0.0) > 0 else floor for k in workers]
 
     def _name(self, k: int) -> str:
         if 0 <= k < len(self.names):
@@ -151,7 +151,7 @@ class Guard:
             else:
                 ok.append(j)
         passed = []
-        raw, norms = norms, [n / d for n, d in zip(norms, self._per_lr(workers))]
+        raw, norms = norms, [n / d for n, d in zip(norms, self._divisors(workers))]
         for j in ok:
             k, nrm = workers[j], norms[j]
             others = sorted(norms[i] for i in ok if i != j and norms[i] > 0)
@@ -167,7 +167,7 @@ class Guard:
             bound = self.max_norm_ratio * max(refs) if refs else math.inf
             if nrm > bound:
                 self.drop(k, "norm", f"its pseudo-gradient norm {raw[j]:.4g} ({nrm:.4g} per "
-                                      f"unit of its inner learning-rate mass) exceeds "
+                                      f"unit of its inner learning-rate scale) exceeds "
                                       f"{self.max_norm_ratio:g} x {max(refs):.4g} (the other "
                                       "workers' median or its own history)")
             else:
@@ -226,12 +226,12 @@ class Guard:
 
     def state_dict(self) -> dict:
         return {"history": dict(self.history), "rejected": dict(self.rejected),
-                "per_lr_mass": True}
+                "per_lr_scale": True}
 
     def load_state_dict(self, state: Mapping) -> None:
-        # a history of raw norms (saved before norms were divided by the lr mass) is
-        # on another scale: start it again
-        history = state.get("history", {}) if state.get("per_lr_mass") else {}
+        # a history of raw norms (saved before norms were divided by the lr scale)
+        # is on another scale: start it again
+        history = state.get("history", {}) if state.get("per_lr_scale") else {}
         self.history = {int(k): float(v) for k, v in history.items()}
         self.rejected = Counter({str(k): int(v) for k, v in state.get("rejected", {}).items()})
 

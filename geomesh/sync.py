@@ -109,7 +109,7 @@ from .report import RunStats, memory_overhead
 from .sparse import TopKCodec
 from .state import load_state, save_state
 from .transport import InProcessTransport
-from .worker import InnerWorker, LrMass, ProxyStep, proxy_steps
+from .worker import InnerWorker, LrScale, ProxyStep, proxy_steps
 
 log = logging.getLogger(__name__)
 
@@ -158,7 +158,7 @@ def run_sync(ctx: RunContext) -> dict:
                                  warmup_iters=schedules[i][1], reference_batch=ctx.reference_batch,
                                  dp_group=pl.dp_group, dp_in=pl.dp_in,
                                  dp_in_rank=pl.dp_in_rank)
-    lr_mass = LrMass(ctx.layout_cfg, schedules, ctx.reference_batch, g.inner_lr_scaling)
+    lr_scales = LrScale(ctx.layout_cfg, schedules, ctx.reference_batch, g.inner_lr_scaling)
     first = workers[pl.workers[0]]
     theta = first.trainer.get_params()  # θ_global, fp32, this rank's shard
     compression = g.compression
@@ -237,10 +237,10 @@ def run_sync(ctx: RunContext) -> dict:
         position, start, replans = st["position"], st["round"], st["replans"]
         history = st["history"]
         guard.load_state_dict(st.get("guard", {}))
-        if "lr_mass" in st:
-            lr_mass.load_state_dict(st["lr_mass"])
+        if "lr_scale" in st:
+            lr_scales.load_state_dict(st["lr_scale"])
         else:  # saved before it existed: the same position on every rank
-            lr_mass.done = [start * s.inner_steps for s in steps]
+            lr_scales.done = [start * s.inner_steps for s in steps]
         torch.set_rng_state(st["rng"])
         log.info("resumed %s at outer step %d", ctx.method, start)
     t0 = time.perf_counter() - stats.time_s
@@ -255,7 +255,7 @@ def run_sync(ctx: RunContext) -> dict:
             return {"round": r, "position": position, "replans": replans, "members": members,
                     "plan": plan.to_dict(), "speed": dict(ctx.planner.speed),
                     "outer": outer.state_dict(), "guard": guard.state_dict(),
-                    "lr_mass": lr_mass.state_dict()}
+                    "lr_scale": lr_scales.state_dict()}
 
         def load_heal(st: dict) -> None:
             nonlocal r, position, replans, plan, steps, next_steps, history, members
@@ -263,7 +263,7 @@ def run_sync(ctx: RunContext) -> dict:
             members = [int(k) for k in st["members"]]
             outer.load_state_dict(st["outer"])
             guard.load_state_dict(st["guard"])
-            lr_mass.load_state_dict(st.get("lr_mass", {"done": [r * s.inner_steps for s in steps]}))
+            lr_scales.load_state_dict(st.get("lr_scale", {"done": [r * s.inner_steps for s in steps]}))
             ctx.planner.speed = {k: float(v) for k, v in st["speed"].items()}
             plan = plan_from_dict(st["plan"], ctx.planner.tolerance)
             steps, next_steps, history = _proxy(ctx, plan), None, {}
@@ -300,12 +300,12 @@ def run_sync(ctx: RunContext) -> dict:
             rnd.wait_s += time.perf_counter() - x0
         if ft is not None:  # a worker that joined healed its schedule to at least r·H_i
             for i in members:
-                lr_mass.done[i] = max(lr_mass.done[i], rnd.r * rsteps[i].inner_steps)
+                lr_scales.done[i] = max(lr_scales.done[i], rnd.r * rsteps[i].inner_steps)
         guard.expect({i: rsteps[i].samples * cfg.model.seq_length for i in range(K)},
-                     {i: lr_mass.round(i, rsteps[i]) for i in range(K)})
+                     {i: lr_scales.round(i, rsteps[i]) for i in range(K)})
         agg, tokens = codec.aggregate(received, guard=guard, **pred)
         for i in members:  # the round's workers trained its inner steps
-            lr_mass.advance(i, rsteps[i])
+            lr_scales.advance(i, rsteps[i])
         if ft is not None and guard.last_rejected:  # like lost workers (fail: stop, named)
             ft.lost(rnd.r, sorted(guard.last_rejected), "message rejected by the checks")
         if agg is not None:
@@ -422,7 +422,7 @@ def run_sync(ctx: RunContext) -> dict:
                 "planner_speed": dict(ctx.planner.speed), "plan": plan,
                 "clock": clock.state_dict() if clock is not None else None,
                 "stats": stats.state_dict(), "rng": torch.get_rng_state(), "history": history,
-                "guard": guard.state_dict(), "lr_mass": lr_mass.state_dict(),
+                "guard": guard.state_dict(), "lr_scale": lr_scales.state_dict(),
             }
             save_state(ctx.run_dir / "checkpoints", step, state, rank=pl.rank,
                        job_leader=pl.is_logging_rank, keep_last=cfg.checkpoint.keep_last)

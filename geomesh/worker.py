@@ -147,7 +147,7 @@ def lr_scale(batch: int, reference_batch: float, scaling: str) -> float:
     return {"sqrt": ratio**0.5, "linear": ratio, "none": 1.0}[scaling]
 
 
-class LrMass:
+class LrScale:
     """Every worker's expected pseudo-gradient scale of a round, from the plan alone.
 
     ``Δ_i`` is the sum of ``H_i`` AdamW updates, each moving a coordinate by
@@ -160,7 +160,7 @@ class LrMass:
     other in either regime, and :class:`geomesh.guard.Guard` divides norms by
     it.  Measured on the four-region plan's round 1 (warmup 62 / 22 / 5 / 2
     steps for ``H_i`` = 25 / 9 / 2 / 1; megatron's first step runs at lr 0):
-    raw norms differ 13x between the H100 and the V100, this scale 11.6x.
+    raw norms differ 13x between the H100 and the V100, this scale 11.7x.
     Every receiver computes it for every worker (each worker's schedule is
     its :func:`worker_schedule`, its position the plan's inner steps of the
     rounds it trained), so no worker's claim enters it.

@@ -172,37 +172,38 @@ def test_guard_keeps_honest_worker_when_the_other_sent_zero():
     assert tokens == [100, 100] and not guard.rejected
 
 
-def _four_region_masses() -> list[float]:
-    """Round-1 lr masses of the four-region quick plan: H_i = 25, 9, 2, 1 proxy
-    steps of 4 sequences, 12 rounds of H = 8, warmup 20 scaled by H_i / H."""
-    from geomesh.worker import LrMass, ProxyStep
+def _four_region_scales() -> tuple[list[float], object, list, float]:
+    """Round-1 expected scales of the four-region quick plan (H_i = 25, 9, 2, 1
+    proxy steps of 4 sequences, 12 rounds of H = 8, warmup 20 scaled by H_i / H),
+    with the LrScale, the proxy steps and train.lr."""
+    from geomesh.worker import LrScale, ProxyStep
     from jobruntime.config import load_config
 
     cfg = load_config("tiny_gpt", ["train.warmup_iters=20"])
     hs = [25, 9, 2, 1]
-    mass = LrMass(cfg, [(12 * h, round(20 * h / 8)) for h in hs], reference_batch=4.0,
+    lrs = LrScale(cfg, [(12 * h, round(20 * h / 8)) for h in hs], reference_batch=4.0,
                   scaling="sqrt")
     steps = [ProxyStep(target=None, batches=(4,) * h) for h in hs]
-    return [mass.round(i, s) for i, s in enumerate(steps)], mass, steps, cfg.train.lr
+    return [lrs.round(i, s) for i, s in enumerate(steps)], lrs, steps, cfg.train.lr
 
 
 def _scale(eta):
     return math.sqrt(sum(eta) * math.sqrt(sum(e * e for e in eta)))
 
 
-def test_lr_mass_follows_each_workers_warmup():
+def test_lr_scale_follows_each_workers_warmup():
     """Catches a scale that ignores the schedule (H_i alone) or its position: the
     round-1 learning rates are lr·h/warmup_i with megatron's lr 0 at step 0, the
     scale is sqrt(Σ η · sqrt(Σ η²)), and a worker's next round continues its
     schedule."""
-    scales, mass, steps, lr = _four_region_masses()
+    scales, lrs, steps, lr = _four_region_scales()
     for i, (h, w) in enumerate(zip([25, 9, 2, 1], [62, 22, 5, 2])):
         eta = [lr * k / w for k in range(h)]
-        assert mass.lrs(i, steps[i]) == pytest.approx(eta, rel=1e-9)
+        assert lrs.lrs(i, steps[i]) == pytest.approx(eta, rel=1e-9)
         assert scales[i] == pytest.approx(_scale(eta), rel=1e-9)
     assert scales[3] == 0.0 and 10 < scales[0] / scales[2] < 13
-    mass.advance(2, steps[2])
-    assert mass.round(2, steps[2]) == pytest.approx(_scale([lr * 2 / 5, lr * 3 / 5]), rel=1e-9)
+    lrs.advance(2, steps[2])
+    assert lrs.round(2, steps[2]) == pytest.approx(_scale([lr * 2 / 5, lr * 3 / 5]), rel=1e-9)
 
 
 @pytest.mark.parametrize("regime", ["coherent", "random_walk"])
@@ -212,8 +213,8 @@ def test_guard_keeps_honest_workers_in_warmup_of_a_heterogeneous_plan(regime):
     norms grow like Σ η (updates aligned, early training) or like sqrt(Σ η²)
     (updates mostly noise) all pass; one worker sending 30x its honest norm is
     still dropped."""
-    scales, mass, steps, _ = _four_region_masses()
-    etas = [mass.lrs(i, s) for i, s in enumerate(steps)]
+    scales, lrs, steps, _ = _four_region_scales()
+    etas = [lrs.lrs(i, s) for i, s in enumerate(steps)]
     norms = [sum(e) if regime == "coherent" else math.sqrt(sum(x * x for x in e)) for e in etas]
     codec = DenseCodec(_schema(False))
 
