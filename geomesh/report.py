@@ -131,7 +131,7 @@ def _nbytes(tensors) -> int:
 def memory_overhead(theta: dict[str, torch.Tensor], momentum: dict[str, torch.Tensor],
                     residuals: list[dict[str, torch.Tensor]], packed_bytes: list[int],
                     target_params: int | None = None,
-                    snapshots: list[dict[str, torch.Tensor]] = ()) -> dict:
+                    snapshots: list[dict[str, torch.Tensor]] = (), eager_bytes: int = 0) -> dict:
     """Per-worker memory GeoMesh adds to the inner job, measured from the live tensors.
 
     Counted per worker (one rank's TP/PP shard): the global weights
@@ -142,7 +142,8 @@ def memory_overhead(theta: dict[str, torch.Tensor], momentum: dict[str, torch.Te
     (:mod:`geomesh.feedback`).  Reported apart, in host memory: the
     error-feedback residual (fp32, only when on) and, with overlapped rounds,
     the snapshot of the weights whose pseudo-gradient is in flight (fp32,
-    :mod:`geomesh.sync`).  The others live
+    :mod:`geomesh.sync`) and the last aggregate of the eager start (fp32, one
+    per rank, :mod:`geomesh.eager`).  The others live
     on the device of the inner job's parameters (``Trainer.get_params``
     clones them there); the planner's memory model counts them
     (:func:`geomesh.context.build_context`).
@@ -156,11 +157,12 @@ def memory_overhead(theta: dict[str, torch.Tensor], momentum: dict[str, torch.Te
             mode): the overhead is also given for it, at the measured bytes
             per parameter.
         snapshots: each local worker's overlap snapshot (none without overlap).
+        eager_bytes: host bytes of the eager start's last aggregate (0 without overlap).
 
     Returns:
         ``{"params", "global_weights_bytes", "outer_momentum_bytes",
         "packed_message_bytes", "total_bytes", "bytes_per_param",
-        "host_error_feedback_bytes", "host_snapshot_bytes"}`` and, with ``target_params``,
+        "host_error_feedback_bytes", "host_snapshot_bytes", "host_eager_bytes"}`` and, with ``target_params``,
         ``"target_total_bytes"`` (one copy of the target model's worth: a
         worker's GPUs each hold their ``1/(tp·pp)`` shard of it, once per
         DP replica inside the worker).
@@ -176,6 +178,7 @@ def memory_overhead(theta: dict[str, torch.Tensor], momentum: dict[str, torch.Te
     out["total_bytes"] = sum(v for key, v in out.items() if key.endswith("_bytes"))
     out["host_error_feedback_bytes"] = sum(_nbytes(r.values()) for r in residuals) // k
     out["host_snapshot_bytes"] = sum(_nbytes(s.values()) for s in snapshots) // k
+    out["host_eager_bytes"] = eager_bytes // k
     out["bytes_per_param"] = out["total_bytes"] / max(n, 1)
     if target_params:
         out["target_total_bytes"] = round(out["bytes_per_param"] * target_params)

@@ -23,10 +23,11 @@ drift (real: wall-clock per inner step; emulated: the injected
 Overlapped rounds (``geomesh.overlap = f``; the exchange hidden behind compute,
 as Streaming DiLoCo overlaps fragments, Douillard et al. 2025).  After its
 ``H_i`` steps of round ``r`` a worker sends ``Δ_i`` and does not wait: it moves
-to the *eager start* ``θ_global − lr·(Δ_i + μ(μ v + Δ_i))`` — the outer step
-its own pseudo-gradient would give (Kale et al. 2025, "Eager updates for
-overlapped communication in DiLoCo") — and runs the first ``τ_i = ⌈f·H_i⌉``
-steps of round ``r+1`` from there while the messages travel.  Then it takes
+to the *eager start* (Kale et al. 2025, "Eager updates for overlapped
+communication in DiLoCo"; :mod:`geomesh.eager`) — the outer step of its own
+decoded message at its token share mixed with the last aggregate for the
+others' share — and runs the first ``τ_i = ⌈f·H_i⌉`` steps of round ``r+1``
+from there while the messages travel.  Then it takes
 the real outer step (all messages of round ``r``) and moves its weights onto
 the new ``θ_global``, keeping the ``τ_i`` steps' progress:
 ``θ_i ← θ_global + (θ_i − eager start)``; the rest of round ``r+1`` follows,
@@ -54,13 +55,12 @@ outer steps = 98k tokens, all at the same plan; ``bench/geomesh_ttp.py
   round 4 (GeoMesh 819 → 671, DiLoCo 895 → 765);
 * overlap: the exchange (0.4-1.3 s) needs only the fewest steps that cover
   it: ``f = 0.1`` gives ``τ_i`` = 3, 1, 1, 1 on the four-region plan (the
-  H100's step takes 0.5 s, the others' ≥ 1.3 s) and, with the default codec
-  at outer lr 0.35, 568 vs 582 blocking, the target at 79 vs 95 s, sync share 0.97 %; ``f =
-  0.25`` (``τ_i`` = 7, 3, 1, 1) runs more steps from the eager start than
-  the exchange needs and costs perplexity (649); ``geomesh.overlap`` stays
-  off by default (the README has the longer run); a one-round delay without
-  the eager start (workers continuing from their own weights) peaked at
-  1154 at round 6 vs 885.
+  H100's step takes 0.5 s, the others' ≥ 1.3 s); with the eager update of
+  :mod:`geomesh.eager` at outer lr 0.5 it ends at 497.9 vs 500.2 blocking,
+  the target at 66.3 vs 68.0 s, sync share 0.97 %; ``f = 0.25`` (``τ_i`` =
+  7, 3, 1, 1) runs more steps from the estimate than the exchange needs
+  (542.4).  The previous eager start (the worker's own dense ``Δ_i`` alone)
+  cost +8.7 % on the 100-round run (README).
 
 Time.  Emulated: worker ``i``'s compute is the GPU-profile time of its plan on
 the target model (:func:`geomesh.clock.inner_step_time_s`) times any injected
@@ -99,6 +99,7 @@ from .clock import EmulatedClock, inner_step_time_s
 from .codec import DenseCodec, SignCodec
 from .compression import ErrorFeedback, TensorSchema
 from .context import RunContext
+from .eager import EagerStart
 from .feedback import LocalMomentum
 from .guard import Guard
 from .membership_plan import plan_for_members, plan_from_dict
@@ -197,6 +198,7 @@ def run_sync(ctx: RunContext) -> dict:
         charged = codec.encoded_bytes(target)
         transport = InProcessTransport(cl, clock=clock, charged_bytes=charged)
     pool = ThreadPoolExecutor(1) if overlap is not None and not ctx.emulated else None
+    eager = EagerStart() if overlap is not None else None  # host: the last aggregate
     val = ctx.val_batches(dp=pl.dp_in, dp_rank=pl.dp_in_rank)
     stats = RunStats.for_cluster(cl, cfg.train.target_ppl)
     position, start, replans = 0, 0, 0
@@ -237,6 +239,8 @@ def run_sync(ctx: RunContext) -> dict:
         position, start, replans = st["position"], st["round"], st["replans"]
         history = st["history"]
         guard.load_state_dict(st.get("guard", {}))
+        if eager is not None and st.get("eager") is not None:
+            eager.load_state_dict(st["eager"])
         if "lr_scale" in st:
             lr_scales.load_state_dict(st["lr_scale"])
         else:  # saved before it existed: the same position on every rank
@@ -309,6 +313,8 @@ def run_sync(ctx: RunContext) -> dict:
         if ft is not None and guard.last_rejected:  # like lost workers (fail: stop, named)
             ft.lost(rnd.r, sorted(guard.last_rejected), "message rejected by the checks")
         if agg is not None:
+            if eager is not None:
+                eager.remember(agg)
             if local_mom:
                 outer.apply_update(agg)
             else:
@@ -320,7 +326,8 @@ def run_sync(ctx: RunContext) -> dict:
                 [fb.residuals for fb in feedback.values()],
                 [len(rnd.msgs[i]) for i in pl.workers],
                 target_params=ctx.target_schema.numel if ctx.emulated else None,
-                snapshots=[s for s in snapshots.values()])
+                snapshots=[s for s in snapshots.values()],
+                eager_bytes=eager.nbytes() if eager is not None else 0)
         if ctx.emulated:
             if overlap is None:
                 for w in cl.workers:
@@ -423,6 +430,7 @@ def run_sync(ctx: RunContext) -> dict:
                 "clock": clock.state_dict() if clock is not None else None,
                 "stats": stats.state_dict(), "rng": torch.get_rng_state(), "history": history,
                 "guard": guard.state_dict(), "lr_scale": lr_scales.state_dict(),
+                "eager": eager.state_dict() if eager is not None else None,
             }
             save_state(ctx.run_dir / "checkpoints", step, state, rank=pl.rank,
                        job_leader=pl.is_logging_rank, keep_last=cfg.checkpoint.keep_last)
@@ -487,6 +495,7 @@ def run_sync(ctx: RunContext) -> dict:
         elif overlap is not None:
             for i in pl.workers:
                 workers[i].trainer.set_params(theta)
+        round_tokens = sum(steps[j].samples for j in members) * cfg.model.seq_length
         for i in ([] if joining else pl.workers):  # a joining worker heals instead of training
             w0 = time.perf_counter()
             s = steps[i]
@@ -500,15 +509,13 @@ def run_sync(ctx: RunContext) -> dict:
             charge(i, rnd, total - rnd.compute.get(i, 0.0) if ctx.emulated else 0.0, w0)
             delta = local_mom[i].update(res.delta, outer.current_momentum) if local_mom \
                 else res.delta
-            if overlap is not None:
-                # Eager start (Kale et al. 2025): until the aggregate arrives, the worker
-                # continues from θ_global moved by the outer step of its own Δ_i.
-                start = {k: theta[k] - outer.lr * delta[k] for k in theta} if local_mom \
-                    else outer.preview(res.delta)
-                workers[i].trainer.set_params(start)
-                snapshots[i] = {k: v.cpu() for k, v in start.items()}
             rnd.msgs[i] = codec.encode(delta, res.tokens, worker=i, round=r,
                                        feedback=feedback.get(i), **pred)
+            if overlap is not None:  # until the aggregate arrives: the eager start (geomesh.eager)
+                own, _ = codec.aggregate([rnd.msgs[i]], **pred)  # D(msg_i), as the others decode it
+                start = eager.start(outer, own, res.tokens / round_tokens, corrected=bool(local_mom))
+                workers[i].trainer.set_params(start)
+                snapshots[i] = {k: v.cpu() for k, v in start.items()}
             rnd.losses[i] = res.loss
         drain = overlap is None or r + 1 == g.outer_steps or save_round(r + 1)
         if ctx.emulated:

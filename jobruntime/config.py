@@ -445,13 +445,14 @@ class GeoMeshConfig:
     overlap: float | None = None
     """GeoMesh: hide the exchange behind compute: the messages of round ``r`` travel
     while each worker runs the first ``⌈overlap · H_i⌉`` inner steps of round
-    ``r+1`` from θ_global moved by its own pseudo-gradient's outer step (eager
-    start); then it moves onto the new ``θ_global`` keeping that progress
-    (1 = a one-round-delayed outer update).  ``null`` (default): no overlap —
-    on the quick bench overlap 0.25 cost perplexity with the top-k codec (585
-    vs 531) and reached the target later (README, ablation).  Checkpoint
-    rounds and the last round are not overlapped (``geomesh/sync.py``).  The
-    baselines (DiLoCo, DDP, async) never overlap."""
+    ``r+1`` from an estimate of the next θ_global (the eager update: its own
+    message at its token share, the last aggregate for the others',
+    ``geomesh/eager.py``); then it moves onto the new ``θ_global`` keeping that
+    progress (1 = a one-round-delayed outer update).  ``0.1`` covers the
+    four-region cluster's exchange (README: perplexity within noise of the
+    blocking run, WAN idle far below DiLoCo's).  ``null`` (default): blocking
+    rounds.  Checkpoint rounds and the last round are not overlapped
+    (``geomesh/sync.py``).  The baselines (DiLoCo, DDP, async) never overlap."""
     topk_k: int = 24
     """``compression=topk``: elements kept of every 256 of a row (with 2-bit
     values: 24 → 32.8x less than fp32 on GPT-3 1.3B, counted from the encoded
