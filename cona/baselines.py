@@ -59,7 +59,8 @@ def run_cona(ctx: ConaContext) -> tuple[dict, Loop]:
     loop.finish()
     out = method_result(loop)
     out["decisions"] = [
-        {k: d[k] for k in ("step", "current", "best", "switch", "reason", "noise_scale")}
+        {k: d[k] for k in ("step", "current", "best", "switch", "reason", "noise_scale",
+                           "top_ranked") if k in d}
         for d in controller.decisions
     ]
     return out, loop

@@ -7,12 +7,18 @@ Decision rule at a decision step (every ``cfg.decision_interval`` steps):
    efficiency at the current noise scale ``phi``).  Until the GNS estimator
    has a value, only candidates with the current global batch size are
    considered (their efficiencies are equal, so throughput alone is safe).
-2. ``gain = score_best / score_current - 1``; no switch if ``gain < min_gain``.
-3. Repay test: over a horizon of ``T = horizon_steps * iter_s(current)``
+2. Repay test: over a horizon of ``T = horizon_steps * iter_s(current)``
    seconds (at most the time the rest of the budget takes at the current
-   rate, when the caller knows it), the best strategy makes the current one's
-   progress ``r_c T`` in ``T r_c / r_b`` seconds, saving ``T (1 - r_c/r_b)``.
-   Switch only if that exceeds the expected switch cost ``C``.
+   rate, when the caller knows it), candidate ``b`` makes the current one's
+   progress ``r_c T`` in ``T r_c / r_b`` seconds, saving ``T (1 - r_c/r_b)``
+   at an expected switch cost ``C_b``.  The chosen candidate is the one with
+   the largest net saving ``T (1 - r_c/r_b) - C_b`` — not simply the
+   top-scored one: a slightly slower candidate that a cheap batch-only switch
+   reaches beats the best one behind a layout switch that cannot repay (the
+   oracle chains on the GPT-3 grid move this way, README).  When the
+   current strategy scores best, nothing is chosen.
+3. ``gain = score_chosen / score_current - 1``; switch only if
+   ``gain >= min_gain`` and the saving exceeds ``C_b``.
 
 Switch cost ``C`` (seconds), what the switch is charged on the clock:
 
@@ -296,7 +302,8 @@ class Controller:
         return sorted(out, key=lambda x: (-x.score, x.strategy.label))
 
     def decide(self, step: int, remaining_samples: float | None = None) -> Decision:
-        """Rank and decide; the decision is appended to :attr:`decisions`.
+        """Rank, choose the candidate with the largest net saving, decide (module
+        docstring, rule 1-3); the decision is appended to :attr:`decisions`.
 
         Args:
             remaining_samples: samples (the strategies' units) left in the budget;
@@ -305,12 +312,22 @@ class Controller:
         phi = self.gns.noise_scale
         ranked = self.rank()
         by_strategy = {sc.strategy: sc for sc in ranked}
-        cur, best = by_strategy[self.current], ranked[0]
-        gain = best.score / cur.score - 1.0 if cur.score > 0 else float("inf")
+        cur = by_strategy[self.current]
         horizon_s = self.cfg.horizon_steps * cur.iter_s
         if remaining_samples is not None and cur.samples_per_s > 0:
             horizon_s = min(horizon_s, remaining_samples / cur.samples_per_s)
-        time_saved = horizon_s * (1.0 - cur.score / best.score) if best.score > 0 else 0.0
+
+        def saved(sc) -> float:  # seconds saved over the horizon by running sc instead
+            return horizon_s * (1.0 - cur.score / sc.score) if sc.score > 0 else -math.inf
+
+        # The candidate with the most time saved net of its switch cost: the top-scored
+        # one can lose to a slightly slower one a cheap switch reaches (a batch-only
+        # switch at the current layout, one lost step, against a layout switch).
+        others = [sc for sc in ranked if sc.strategy != self.current]
+        best = cur if ranked[0].strategy == self.current or not others else max(
+            others, key=lambda sc: (saved(sc) - self.switch_cost_s(sc.strategy), sc.score))
+        gain = best.score / cur.score - 1.0 if cur.score > 0 else float("inf")
+        time_saved = saved(best) if best.score > 0 else 0.0
         cost = self.switch_cost_s(best.strategy)
         if best.strategy == self.current:
             switch, reason = False, "current_is_best"
@@ -328,6 +345,12 @@ class Controller:
             )
         if phi is None:
             reason += " (no positive noise-scale estimate now: same global batch only)"
+        extra: dict[str, Any] = {}
+        if ranked[0].strategy != best.strategy:  # a cheaper switch won on net time saved
+            extra["top_ranked"] = ranked[0].strategy.label
+        if self._pred_errors:
+            extra["prediction_error"] = dict(
+                sorted((k, self.prediction_error(k)) for k in self._pred_errors))
         d = Decision(
             step=step,
             current=self.current,
@@ -340,13 +363,7 @@ class Controller:
             time_saved_s=time_saved,
             switch_cost_s=cost,
             lr=self.lr(best.strategy if switch else self.current),
-            extra={
-                "prediction_error": dict(
-                    sorted((k, self.prediction_error(k)) for k in self._pred_errors)
-                )
-            }
-            if self._pred_errors
-            else {},
+            extra=extra,
         )
         self.decisions.append(d.to_dict())
         return d

@@ -200,3 +200,26 @@ def test_wrong_extrapolation_discounts_unmeasured_layouts():
     ranked = {sc.strategy: sc.score for sc in ctrl.rank()}
     plain = {sc.strategy: sc.score for sc in rank_strategies([BIG_GB, tp2], cm, 1e4, 64)}
     assert ranked[BIG_GB] == plain[BIG_GB] and ranked[tp2] < 0.6 * plain[tp2]
+
+
+def test_cheap_batch_switch_beats_top_candidate_behind_costly_layout_switch():
+    """Catches a controller that tests only the top-ranked candidate against its
+    switch cost (what kept CONA in its start layout on the GPT-3 grid): from
+    dp4-tp2 at micro-batch 1, the top candidate is the dp8 layout, whose 500 s
+    switch cannot repay, while dp4-tp2 at micro-batch 8 (a batch-only switch,
+    1 s) saves time -> switch to it; with the batch switch as dear as the layout
+    switch, nothing repays and the controller stays."""
+    cur = Strategy(4, 2, 1, 1, 64)
+    same_layout = Strategy(4, 2, 1, 8, 64)
+    layout = Strategy(8, 1, 1, 8, 64)
+    ctrl = _controller([cur, same_layout, layout], cur, noise_scale=4096.0)
+    ranked = [sc.strategy for sc in ctrl.rank()]
+    assert ranked == [layout, same_layout, cur], "the test needs the dp8 layout on top"
+    ctrl.record_switch_cost("layout", 500.0)
+    d = ctrl.decide(10)
+    assert d.switch and d.best == same_layout and d.switch_cost_s == 1.0
+    assert ctrl.decisions[-1]["top_ranked"] == layout.label
+    ctrl = _controller([cur, same_layout, layout], cur, noise_scale=4096.0)
+    ctrl.record_switch_cost("layout", 500.0)
+    ctrl.record_switch_cost("batch", 500.0)
+    assert not ctrl.decide(10).switch
