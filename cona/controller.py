@@ -11,14 +11,15 @@ Decision rule at a decision step (every ``cfg.decision_interval`` steps):
    seconds (at most the time the rest of the budget takes at the current
    rate, when the caller knows it), candidate ``b`` makes the current one's
    progress ``r_c T`` in ``T r_c / r_b`` seconds, saving ``T (1 - r_c/r_b)``
-   at an expected switch cost ``C_b``.  The chosen candidate is the one with
-   the largest net saving ``T (1 - r_c/r_b) - C_b`` — not simply the
-   top-scored one: a slightly slower candidate that a cheap batch-only switch
-   reaches beats the best one behind a layout switch that cannot repay (the
-   oracle chains on the GPT-3 grid move this way, README).  When the
-   current strategy scores best, nothing is chosen.
-3. ``gain = score_chosen / score_current - 1``; switch only if
-   ``gain >= min_gain`` and the saving exceeds ``C_b``.
+   at an expected switch cost ``C_b``.
+3. A candidate qualifies if ``gain = score_b / score_current - 1 >=
+   min_gain`` and its saving exceeds ``C_b``.  Of those, the controller
+   switches to the one with the largest net saving ``T (1 - r_c/r_b) - C_b``
+   — not simply the top-scored one: a slightly slower candidate that a cheap
+   batch-only switch reaches beats the best one behind a layout switch that
+   cannot repay (the oracle chains on the GPT-3 grid move this way, README).
+   If none qualifies, it stays, and the decision names the top-ranked
+   candidate and the test it fails.
 
 Switch cost ``C`` (seconds), what the switch is charged on the clock:
 
@@ -302,8 +303,8 @@ class Controller:
         return sorted(out, key=lambda x: (-x.score, x.strategy.label))
 
     def decide(self, step: int, remaining_samples: float | None = None) -> Decision:
-        """Rank, choose the candidate with the largest net saving, decide (module
-        docstring, rule 1-3); the decision is appended to :attr:`decisions`.
+        """Rank, and switch to the qualifying candidate with the largest net saving
+        (module docstring, rules 1-3); the decision is appended to :attr:`decisions`.
 
         Args:
             remaining_samples: samples (the strategies' units) left in the budget;
@@ -320,12 +321,16 @@ class Controller:
         def saved(sc) -> float:  # seconds saved over the horizon by running sc instead
             return horizon_s * (1.0 - cur.score / sc.score) if sc.score > 0 else -math.inf
 
-        # The candidate with the most time saved net of its switch cost: the top-scored
-        # one can lose to a slightly slower one a cheap switch reaches (a batch-only
-        # switch at the current layout, one lost step, against a layout switch).
-        others = [sc for sc in ranked if sc.strategy != self.current]
-        best = cur if ranked[0].strategy == self.current or not others else max(
-            others, key=lambda sc: (saved(sc) - self.switch_cost_s(sc.strategy), sc.score))
+        # Of the candidates that pass both tests (rule 3), the one with the most time
+        # saved net of its switch cost: the top-scored one can lose to a slightly
+        # slower one that a cheap switch reaches (a batch-only switch at the current
+        # layout, one lost step, against a layout switch).  If none passes, the
+        # top-ranked one is reported with the test it fails.
+        eligible = [sc for sc in ranked if sc.strategy != self.current
+                    and sc.score >= cur.score * (1.0 + self.cfg.min_gain)
+                    and saved(sc) > self.switch_cost_s(sc.strategy)]
+        best = max(eligible, key=lambda sc: (saved(sc) - self.switch_cost_s(sc.strategy),
+                                             sc.score)) if eligible else ranked[0]
         gain = best.score / cur.score - 1.0 if cur.score > 0 else float("inf")
         time_saved = saved(best) if best.score > 0 else 0.0
         cost = self.switch_cost_s(best.strategy)

@@ -223,3 +223,17 @@ def test_cheap_batch_switch_beats_top_candidate_behind_costly_layout_switch():
     ctrl.record_switch_cost("layout", 500.0)
     ctrl.record_switch_cost("batch", 500.0)
     assert not ctrl.decide(10).switch
+
+
+def test_candidate_below_min_gain_does_not_block_one_above():
+    """Catches a net-saving choice made before the min_gain test: from dp4-tp2 at
+    micro-batch 1, the batch-only switch gains ~0.75 and the dp8 layout ~0.89;
+    with min_gain 0.8 only the layout qualifies, and it repays its 30 s prior
+    -> switch to it (not: pick the batch switch on net saving, then refuse it)."""
+    cur, same_layout, layout = Strategy(4, 2, 1, 1, 64), Strategy(4, 2, 1, 8, 64), \
+        Strategy(8, 1, 1, 8, 64)
+    ctrl = _controller([cur, same_layout, layout], cur, noise_scale=4096.0, min_gain=0.8)
+    scores = {sc.strategy: sc.score for sc in ctrl.rank()}
+    assert scores[same_layout] / scores[cur] - 1 < 0.8 < scores[layout] / scores[cur] - 1
+    d = ctrl.decide(10)
+    assert d.switch and d.best == layout and d.switch_cost_s == 30.0
