@@ -46,7 +46,7 @@ first, then 100 (before any full run) so that the four methods fit 60
 minutes on 2 cores.  Neither is adjusted per method or per run.
 
     python bench/geomesh_ttp.py --quick                # the four methods
-    python bench/geomesh_ttp.py --quick --ablation     # GeoMesh variants (19 runs)
+    python bench/geomesh_ttp.py --quick --ablation     # GeoMesh variants (24 runs)
     python bench/geomesh_ttp.py --full                 # the four methods, 100 outer steps
 """
 
@@ -109,6 +109,9 @@ ABLATION = [
     ("top-24 2-bit +EF 0.5", _variant("topk", ef=True)),  # GeoMesh's default
     ("top-7 2-bit +EF 0.5", _variant("topk", ef=True, k=7)),  # 99.7x: just under 100x
     ("top-6 2-bit +EF 0.5", _variant("topk", ef=True, k=6)),  # sparse mode, > 100x
+    # sparse messages make smaller outer steps: the sparse mode at larger outer lrs
+    *[(f"top-6 2-bit +EF 0.5, outer lr {lr}", _variant("topk", ef=True, k=6)
+       + [f"geomesh.outer_lr={lr}"]) for lr in (1.0, 1.4)],
     # overlap 0.1: tau_i = 3, 1, 1, 1 steps on the four-region plan, the fewest that
     # cover the ~1.3 s exchange (the H100's inner step takes 0.5 s, the others' >= 1.3 s)
     ("default, overlap 0.1", _variant("topk", ef=True, overlap=0.1)),

@@ -11,7 +11,8 @@ own message, and the others' messages of one round before,
 
 with ``w_i = n_i / N`` the worker's token share of the round, ``D(msg_i)``
 its message as every worker decodes it (compression and error feedback
-included) and ``Δ^(r−1)`` the last aggregate — the paper's "delayed mixture
+included) and ``Δ^(r−1)`` the last aggregate (the last non-empty one, if a
+round's messages were all rejected) — the paper's "delayed mixture
 of the other replicas' outer gradients", here with the worker's own old
 message inside it at weight ``(1 − w_i) w_i`` so that no per-worker copy is
 kept.  The start is the outer step of ``Δ̂_i``,

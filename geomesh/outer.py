@@ -287,6 +287,7 @@ class OuterNesterov:
         self.momentum_warmup = state.get("momentum_warmup", False)
         self.nesterov = state["nesterov"]
         self.step_count = state["step"]
-        self.momentum_buffer = {
-            k: v.clone().to(self.params[k].device) for k, v in state["momentum_buffer"].items()
-        }
+        # in place: callers hold the dict (the predictive codec's predictor, geomesh/sync.py)
+        self.momentum_buffer.clear()
+        self.momentum_buffer.update(
+            {k: v.clone().to(self.params[k].device) for k, v in state["momentum_buffer"].items()})

@@ -157,7 +157,8 @@ def memory_overhead(theta: dict[str, torch.Tensor], momentum: dict[str, torch.Te
             mode): the overhead is also given for it, at the measured bytes
             per parameter.
         snapshots: each local worker's overlap snapshot (none without overlap).
-        eager_bytes: host bytes of the eager start's last aggregate (0 without overlap).
+        eager_bytes: host bytes of the eager start's last aggregate, one per rank
+            (0 without overlap).
 
     Returns:
         ``{"params", "global_weights_bytes", "outer_momentum_bytes",
@@ -178,7 +179,7 @@ def memory_overhead(theta: dict[str, torch.Tensor], momentum: dict[str, torch.Te
     out["total_bytes"] = sum(v for key, v in out.items() if key.endswith("_bytes"))
     out["host_error_feedback_bytes"] = sum(_nbytes(r.values()) for r in residuals) // k
     out["host_snapshot_bytes"] = sum(_nbytes(s.values()) for s in snapshots) // k
-    out["host_eager_bytes"] = eager_bytes // k
+    out["host_eager_bytes"] = eager_bytes  # one per rank, like θ_global: not divided
     out["bytes_per_param"] = out["total_bytes"] / max(n, 1)
     if target_params:
         out["target_total_bytes"] = round(out["bytes_per_param"] * target_params)

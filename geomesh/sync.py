@@ -24,10 +24,10 @@ Overlapped rounds (``geomesh.overlap = f``; the exchange hidden behind compute,
 as Streaming DiLoCo overlaps fragments, Douillard et al. 2025).  After its
 ``H_i`` steps of round ``r`` a worker sends ``Δ_i`` and does not wait: it moves
 to the *eager start* (Kale et al. 2025, "Eager updates for overlapped
-communication in DiLoCo"; :mod:`geomesh.eager`) — the outer step of its own
-decoded message at its token share mixed with the last aggregate for the
-others' share — and runs the first ``τ_i = ⌈f·H_i⌉`` steps of round ``r+1``
-from there while the messages travel.  Then it takes
+communication and computation in DiLoCo"; :mod:`geomesh.eager`) — the outer
+step of its own decoded message at its token share mixed with the last
+aggregate for the others' share — and runs the first ``τ_i = ⌈f·H_i⌉`` steps
+of round ``r+1`` from there while the messages travel.  Then it takes
 the real outer step (all messages of round ``r``) and moves its weights onto
 the new ``θ_global``, keeping the ``τ_i`` steps' progress:
 ``θ_i ← θ_global + (θ_i − eager start)``; the rest of round ``r+1`` follows,
@@ -496,6 +496,7 @@ def run_sync(ctx: RunContext) -> dict:
             for i in pl.workers:
                 workers[i].trainer.set_params(theta)
         round_tokens = sum(steps[j].samples for j in members) * cfg.model.seq_length
+        shares: dict[int, float] = {}  # each local worker's token share w_i of the round
         for i in ([] if joining else pl.workers):  # a joining worker heals instead of training
             w0 = time.perf_counter()
             s = steps[i]
@@ -511,12 +512,8 @@ def run_sync(ctx: RunContext) -> dict:
                 else res.delta
             rnd.msgs[i] = codec.encode(delta, res.tokens, worker=i, round=r,
                                        feedback=feedback.get(i), **pred)
-            if overlap is not None:  # until the aggregate arrives: the eager start (geomesh.eager)
-                own, _ = codec.aggregate([rnd.msgs[i]], **pred)  # D(msg_i), as the others decode it
-                start = eager.start(outer, own, res.tokens / round_tokens, corrected=bool(local_mom))
-                workers[i].trainer.set_params(start)
-                snapshots[i] = {k: v.cpu() for k, v in start.items()}
             rnd.losses[i] = res.loss
+            shares[i] = res.tokens / round_tokens
         drain = overlap is None or r + 1 == g.outer_steps or save_round(r + 1)
         if ctx.emulated:
             rnd.received = transport.exchange(rnd.msgs)
@@ -536,6 +533,12 @@ def run_sync(ctx: RunContext) -> dict:
             x0 = time.perf_counter()
             rnd.received = pl.gather(rnd.msgs)
             rnd.wait_s = time.perf_counter() - x0
+        if not drain:  # until round r's aggregate arrives: the eager start (geomesh.eager),
+            for i, w_i in shares.items():  # after the send so that it overlaps the exchange
+                own, _ = codec.aggregate([rnd.msgs[i]], **pred)  # D(msg_i), as the others decode it
+                start = eager.start(outer, own, w_i, corrected=bool(local_mom))
+                workers[i].trainer.set_params(start)
+                snapshots[i] = {k: v.cpu() for k, v in start.items()}
         # the token stream moves on by what the round's members trained (after a heal:
         # from the healed round's position, with its plan)
         position += sum(rnd.steps[j].samples for j in members)

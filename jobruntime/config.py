@@ -456,7 +456,8 @@ class GeoMeshConfig:
     topk_k: int = 24
     """``compression=topk``: elements kept of every 256 of a row (with 2-bit
     values: 24 → 32.8x less than fp32 on GPT-3 1.3B, counted from the encoded
-    bytes; 7 → 99.7x, 6 → more than 100x)."""
+    bytes; 7 → 99.7x, 6 → 110.5x, the sparse mode: run it at a larger
+    ``outer_lr``, 1.0-1.4, its messages make smaller steps; README)."""
     topk_bits: int = 2
     """``compression=topk``: bits per kept value, 1 (sign, one magnitude per
     row) or 2 (sign and a level bit, two magnitudes per row)."""

@@ -123,3 +123,16 @@ def test_momentum_warmup_follows_nesterov_schedule_by_hand():
     assert seen[0] == pytest.approx(0.5) and seen[1] == pytest.approx(4 / 7)
     assert seen[23] < 0.9 and seen[24] == pytest.approx(0.9) and seen[-1] == pytest.approx(0.9)
     assert OuterNesterov({"w": torch.zeros(1)}, momentum=0.9).current_momentum == 0.9
+
+
+def test_load_state_dict_fills_the_momentum_dict_callers_hold():
+    """Catches a loaded momentum that replaces the dict: the predictive codec holds
+    ``outer.momentum_buffer`` from before the resume (geomesh/sync.py), so a new
+    dict would leave it empty and a resumed sign_pred run silently predicting 0."""
+    theta = {"w": torch.zeros(3)}
+    a = OuterNesterov(theta, lr=0.5)
+    a.step({"w": torch.tensor([1.0, 2.0, 3.0])})
+    b = OuterNesterov({"w": torch.zeros(3)}, lr=0.5)
+    held = b.momentum_buffer
+    b.load_state_dict(a.state_dict())
+    assert held is b.momentum_buffer and torch.equal(held["w"], torch.tensor([1.0, 2.0, 3.0]))

@@ -71,6 +71,12 @@ def _all(cache_dir: str, root: str) -> dict:
     for name, extra in (("plain", ["geomesh.overlap=null"]), ("overlap0", ["geomesh.overlap=0"]),
                         ("overlap1", ["geomesh.overlap=1", "checkpoint.save_interval=2"])):
         out["summary"][name] = run(cfg("geomesh", "geomesh.outer_steps=4", *extra), root / name)
+    # One worker: its eager estimate is the aggregate itself (token share 1).
+    raw["workers"], raw["name"] = raw["workers"][:1], "solo"
+    solo = root / "solo.yaml"
+    solo.write_text(yaml.safe_dump(raw))
+    for name, extra in (("solo-plain", []), ("solo-overlap1", ["geomesh.overlap=1"])):
+        run(cfg("geomesh", "geomesh.outer_steps=4", f"geomesh.cluster={solo}", *extra), root / name)
     ckpt = root / "overlap1" / "checkpoints" / "outer_0000002"
     out["summary"]["overlap1-resumed"] = run(
         cfg("geomesh", "geomesh.outer_steps=4", "geomesh.overlap=1", "checkpoint.save_interval=2",
@@ -159,6 +165,20 @@ def test_one_round_delay_hides_the_wan_and_resumes(results):
     for a, b in zip(m[2:], resumed):
         for key in ("loss", "val_loss", "tokens", "time_s", "batch_sizes"):
             assert a[key] == b[key], key
+
+
+def test_one_worker_overlap_equals_blocking_rounds(results):
+    """Catches an eager start that is not the estimate the aggregate will be (the
+    worker's own dense pseudo-gradient instead of its decoded message, a wrong
+    token share, a stale aggregate): with one worker the estimate is exact, so a
+    one-round-delayed run trains the blocking run's losses to float rounding
+    (the previous eager start was 1e-3 off by round 2)."""
+    root, _ = results
+    plain, ovl = _metrics(root / "solo-plain"), _metrics(root / "solo-overlap1")
+    assert len(plain) == len(ovl) == 4
+    for a, b in zip(plain, ovl):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
+        assert b["val_loss"] == pytest.approx(a["val_loss"], rel=1e-5)
 
 
 def test_summaries_have_the_comparison_fields(results):
