@@ -77,8 +77,8 @@ TARGET_PPL = {"quick": 800.0, "full": 400.0}
 # 0.5, 0.7} in quick runs (DiLoCo 724/734/765/846/865, async 736/742/750/989/
 # 1875: 0.15, the grid's lowest, so lower may be better still); GeoMesh, with
 # its default codec after the guard fix (2026-12-01), the best of {0.25, 0.35,
-# 0.5}: quick 619/582/500, and on the full run 0.5 beat 0.35 too (218.9 vs
-# 222.3).  DDP has no outer optimizer.
+# 0.5}: quick 619/582/500 (and 503/549 at 0.7/1.0, measured later), and on
+# the full run 0.5 beat 0.35 too (218.9 vs 222.3).  DDP has no outer optimizer.
 OUTER_LR = {"diloco": 0.15, "async": 0.15, "geomesh": 0.5}
 # GeoMesh variants of --ablation: (name, overrides); every row has the same
 # plan (the codecs' state lives in host memory, see geomesh/compression.py).
