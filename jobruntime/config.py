@@ -450,7 +450,7 @@ class GeoMeshConfig:
     ``geomesh/eager.py``); then it moves onto the new ``θ_global`` keeping that
     progress (1 = a one-round-delayed outer update).  ``0.1`` covers the
     four-region cluster's exchange (README: WAN idle 275x below DiLoCo's,
-    final perplexity +1.1 ± 1.6 % over three seeds of the longer run).
+    final perplexity +0.7 ± 1.2 % over four seeds of the longer run).
     ``null`` (default): blocking rounds.  Checkpoint rounds and the last round are not overlapped
     (``geomesh/sync.py``).  The baselines (DiLoCo, DDP, async) never overlap."""
     topk_k: int = 24
