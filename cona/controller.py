@@ -326,11 +326,12 @@ class Controller:
         # slower one that a cheap switch reaches (a batch-only switch at the current
         # layout, one lost step, against a layout switch).  If none passes, the
         # top-ranked one is reported with the test it fails.
-        eligible = [sc for sc in ranked if sc.strategy != self.current
-                    and sc.score >= cur.score * (1.0 + self.cfg.min_gain)
-                    and saved(sc) > self.switch_cost_s(sc.strategy)]
-        best = max(eligible, key=lambda sc: (saved(sc) - self.switch_cost_s(sc.strategy),
-                                             sc.score)) if eligible else ranked[0]
+        net = {sc.strategy: saved(sc) - self.switch_cost_s(sc.strategy) for sc in ranked
+               if sc.strategy != self.current
+               and sc.score >= cur.score * (1.0 + self.cfg.min_gain)}
+        eligible = [sc for sc in ranked if net.get(sc.strategy, 0.0) > 0]
+        best = max(eligible, key=lambda sc: (net[sc.strategy], sc.score)) if eligible \
+            else ranked[0]
         gain = best.score / cur.score - 1.0 if cur.score > 0 else float("inf")
         time_saved = saved(best) if best.score > 0 else 0.0
         cost = self.switch_cost_s(best.strategy)

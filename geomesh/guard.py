@@ -18,8 +18,8 @@ the same messages, so every copy of ``θ_global`` stays identical):
    the round's smallest positive scale), at most ``geomesh.max_norm_ratio``
    times the larger of the median of the other workers' normalised norms this
    round and worker ``i``'s own history (an exponential mean of its accepted
-   normalised norms, weight 1/2); references of 0 are ignored (that worker sent ``Δ = 0``); with
-   neither (one worker, first round) the check passes.  Without the division
+   normalised norms, weight 1/2); references of 0 are ignored (that worker
+   sent ``Δ = 0``); with neither (one worker, first round) the check passes.  Without the division
    honest workers of a heterogeneous plan differed 13x in warmup (the
    four-region plan's H100, 25 inner steps at lrs up to 24/62 of ``train.lr``,
    was rejected in round 1 against the V100's 2 steps at lrs 0 and 1/5);

@@ -163,10 +163,10 @@ def memory_overhead(theta: dict[str, torch.Tensor], momentum: dict[str, torch.Te
     Returns:
         ``{"params", "global_weights_bytes", "outer_momentum_bytes",
         "packed_message_bytes", "total_bytes", "bytes_per_param",
-        "host_error_feedback_bytes", "host_snapshot_bytes", "host_eager_bytes"}`` and, with ``target_params``,
-        ``"target_total_bytes"`` (one copy of the target model's worth: a
-        worker's GPUs each hold their ``1/(tp·pp)`` shard of it, once per
-        DP replica inside the worker).
+        "host_error_feedback_bytes", "host_snapshot_bytes", "host_eager_bytes"}``
+        and, with ``target_params``, ``"target_total_bytes"`` (one copy of the
+        target model's worth: a worker's GPUs each hold their ``1/(tp·pp)``
+        shard of it, once per DP replica inside the worker).
     """
     n = sum(t.numel() for t in theta.values())
     k = max(len(packed_bytes), 1)

@@ -451,8 +451,9 @@ class GeoMeshConfig:
     progress (1 = a one-round-delayed outer update).  ``0.1`` covers the
     four-region cluster's exchange (README: WAN idle 275x below DiLoCo's,
     final perplexity +0.7 ± 1.2 % over four seeds of the longer run).
-    ``null`` (default): blocking rounds.  Checkpoint rounds and the last round are not overlapped
-    (``geomesh/sync.py``).  The baselines (DiLoCo, DDP, async) never overlap."""
+    ``null`` (default): blocking rounds.  Checkpoint rounds and the last round
+    are not overlapped (``geomesh/sync.py``).  The baselines (DiLoCo, DDP,
+    async) never overlap."""
     topk_k: int = 24
     """``compression=topk``: elements kept of every 256 of a row (with 2-bit
     values: 24 → 32.8x less than fp32 on GPT-3 1.3B, counted from the encoded
