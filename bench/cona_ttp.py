@@ -11,8 +11,9 @@ sample-based schedule:
 
 - ``static_throughput``: the candidate with the highest modelled tokens/s;
 - ``static_oracle``: the best TTP over all static candidates;
-- ``cona``: the online controller (starts at the fastest layout of the
-  smallest batch, decides every K steps);
+- ``cona``: the online controller (starts at the smallest batch in the layout
+  chosen one switch ahead, ``cona.controller.start_strategy``; decides every
+  K steps);
 - ``oracle_chain``: exact branch-and-bound search over chains on a window grid
   (``cona/oracle.py``); asserted ``<= static_oracle``.
 
@@ -22,7 +23,11 @@ Rules fixed before any method runs (per family):
    batch ``B_ref`` (where its LR is tuned) with the run's schedule; the target
    perplexity is its validation perplexity after ``TARGET_FRACTION`` of the
    budget (``train.iters * B_ref`` samples).  Runs stop at the target or at
-   the budget.
+   the budget.  If ``B_ref`` stands for fewer target sequences than the
+   grid's smallest batch (rule 2), the reference is run again at that batch
+   (LR by the run's rule, same sample budget; ``rebase``), so the target is one
+   the grid can reach (tiny_llama and tiny_bert: 8 and 16 proxy sequences
+   stand for 32 target sequences, below 64).
 2. **Proxy -> target batches.** ``cona.batch_ratio`` by
    :func:`cona.mapping.calibrate_ratio` from the reference's noise scale at
    that point (the one rule, in ``cona/mapping.py``, with its sources).
@@ -59,10 +64,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 TARGET_FRACTION = 0.5
 BATCHES = [64, 128, 256, 512, 1024]  # target sequences
 # target preset -> proxy preset and run length (budget = iters * the preset's batch)
-MODELS = {
-    "gpt3_1.3b": {"proxy": "tiny_gpt", "iters": 375, "seq": 64},
+MODELS = {  # the longest first, so that --jobs 2 ends soonest
     "bert_large": {"proxy": "tiny_bert", "iters": 188, "seq": 128},
     "llama3.2_1b": {"proxy": "tiny_llama", "iters": 375, "seq": 64},
+    "gpt3_1.3b": {"proxy": "tiny_gpt", "iters": 375, "seq": 64},
 }
 FULL = {"windows": 3, "batches": BATCHES}
 QUICK = {"windows": 2, "batches": BATCHES[:3], "models": {
@@ -110,6 +115,23 @@ def reference(cfg):
     }, ctx.data
 
 
+def rebase(cfg, proxy_batch: int):
+    """Rule 1's reference moved to global batch ``proxy_batch`` (the grid's smallest): the
+    learning rates follow the run's rule (``cona.lr_scaling``) from the preset's batch, and
+    ``train.iters`` keeps the sample budget."""
+    from cona.controller import scale_lr
+
+    cfg = copy.deepcopy(cfg)
+    p, t = cfg.parallel, cfg.train
+    budget = ctx_budget(cfg)
+    t.lr = scale_lr(t.lr, proxy_batch, p.global_batch_size, cfg.cona.lr_scaling)
+    t.min_lr = scale_lr(t.min_lr, proxy_batch, p.global_batch_size, cfg.cona.lr_scaling)
+    p.micro_batch_size = min(p.micro_batch_size, proxy_batch)
+    p.global_batch_size = proxy_batch
+    t.iters = -(-budget // proxy_batch)
+    return cfg
+
+
 def ctx_budget(cfg) -> int:
     return max(cfg.train.iters, 1) * cfg.parallel.global_batch_size
 
@@ -145,6 +167,16 @@ def bench_model(target: str, spec: dict, settings: dict, cache_dir: str | None,
              "batch ratio %d", ref["target_ppl"], ref["samples"], ref["noise_scale_proxy"], ratio)
     cfg.cona.batch_ratio = float(ratio)
     cfg.cona.global_batch_sizes = [b for b in settings["batches"] if b % ratio == 0]
+    smallest = min(cfg.cona.global_batch_sizes)
+    rebased = None
+    if ratio * cfg.parallel.global_batch_size < smallest:  # rule 1: reference inside the grid
+        rebased = {"from_proxy_batch": cfg.parallel.global_batch_size,
+                   "first_target_ppl": ref["target_ppl"]}
+        cfg = rebase(cfg, -(-smallest // ratio))
+        ref, data = reference(cfg)
+        log.info("reference rebased to proxy batch %d (target batch %d): target ppl %.1f after "
+                 "%d samples", cfg.parallel.global_batch_size, smallest, ref["target_ppl"],
+                 ref["samples"])
     cfg.train.target_ppl = ref["target_ppl"]
     ctx = build_context(cfg, data=data)
     D = settings["windows"]
@@ -166,6 +198,7 @@ def bench_model(target: str, spec: dict, settings: dict, cache_dir: str | None,
         "target_ppl": cfg.train.target_ppl,
         "rule": {"target_fraction": TARGET_FRACTION, "budget_samples": ctx.budget_samples,
                  "reference_batch_proxy": cfg.parallel.global_batch_size,
+                 "reference_rebased": rebased, "lr": cfg.train.lr,
                  "reference_samples_to_target": ref["samples"]},
         "mapping": {"ratio": ratio, "noise_scale_ref_proxy": ref["noise_scale_proxy"],
                     "published_batch": PUBLISHED_BATCH[target][0],

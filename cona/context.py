@@ -30,7 +30,7 @@ from jobruntime.config import ConfigError, JobConfig, ModelConfig, load_config
 from jobruntime.parallel import init_distributed
 
 from .candidates import build_candidates
-from .controller import Controller, best_throughput_strategy
+from .controller import Controller, start_strategy
 from .cost_model import CostModel
 from .emulated import EmulatedCluster
 from .job import (
@@ -89,16 +89,16 @@ class ConaContext:
         return self.mapping.target_batch(self.cfg.parallel.global_batch_size)
 
     def start_strategy(self) -> Strategy:
-        """Real mode: ``cfg.parallel``.  Emulated: the fastest candidate at the reference
-        batch, else at the smallest candidate batch."""
+        """Real mode: ``cfg.parallel``.  Emulated: at the reference batch (else the smallest
+        candidate batch), the layout chosen one switch ahead by
+        :func:`cona.controller.start_strategy` (``cona.start_slack``)."""
         if not self.emulated:
             p, world = self.cfg.parallel, dist.get_world_size()
             dp = world // (p.tp * p.pp)
             return Strategy(dp, p.tp, p.pp, p.micro_batch_size, p.global_batch_size)
-        same = [s for s in self.candidates if s.global_batch_size == self.reference_batch]
-        smallest = min(s.global_batch_size for s in self.candidates)
-        pool = same or [s for s in self.candidates if s.global_batch_size == smallest]
-        return best_throughput_strategy(pool, self.cost_model)
+        batches = {s.global_batch_size for s in self.candidates}
+        batch = self.reference_batch if self.reference_batch in batches else min(batches)
+        return start_strategy(self.candidates, self.cost_model, batch, self.cfg.cona.start_slack)
 
     def make_job(self, start: Strategy | None = None) -> Job:
         """A fresh job (initial weights, data position 0, clock 0) at ``start``."""

@@ -104,6 +104,47 @@ def best_throughput_strategy(candidates: Iterable[Strategy], cost_model: CostMod
     return max(cands, key=lambda s: (cost_model.tokens_per_second(s), s.label))
 
 
+def start_strategy(
+    candidates: Iterable[Strategy], cost_model: CostModel, batch: int, slack: float
+) -> Strategy:
+    """The start strategy at global batch ``batch``, chosen one switch ahead.
+
+    A batch-only switch costs about one step, a layout switch (DP/TP/PP change)
+    a process-group rebuild and resharding (seconds to minutes), so the layout
+    the job starts in decides which later batch moves are cheap.  Among the
+    candidates at ``batch`` within ``slack`` of the fastest (tokens/s), this
+    returns the one whose *layout* runs the next larger candidate batch fastest
+    (the move a growing noise scale asks for first, Pollux, Qiao et al. OSDI'21
+    sec. 3.1); ties, and a grid with no larger batch, go to the faster one now.
+    ``slack = 0`` is the fastest candidate at ``batch``.  On the GPT-3 1.3B grid
+    of ``bench/cona_ttp.py`` it starts in ``dp16-tp4`` at batch 64 (1.5 %
+    slower than ``dp8-tp8``), from which batch 128 is a batch-only switch, as
+    the oracle chain does (README).
+
+    Raises:
+        ValueError: no candidate at ``batch``, or ``slack`` not in ``[0, 1)``.
+    """
+    if not 0 <= slack < 1:
+        raise ValueError(f"start slack must be in [0, 1), got {slack}")
+    cands = list(candidates)
+    here = [s for s in cands if s.global_batch_size == batch]
+    if not here:
+        raise ValueError(f"no candidate at global batch {batch}")
+    tps = cost_model.tokens_per_second
+    fastest = max(tps(s) for s in here)
+    near = [s for s in here if tps(s) >= (1.0 - slack) * fastest]
+    larger = [s.global_batch_size for s in cands if s.global_batch_size > batch]
+    if not larger:
+        return max(near, key=lambda s: (tps(s), s.label))
+    nxt = min(larger)
+    ahead: dict[tuple[int, int, int], float] = {}
+    for s in cands:
+        if s.global_batch_size == nxt:
+            key = (s.dp, s.tp, s.pp)
+            ahead[key] = max(ahead.get(key, 0.0), tps(s))
+    return max(near, key=lambda s: (ahead.get((s.dp, s.tp, s.pp), 0.0), tps(s), s.label))
+
+
 def best_goodput_strategy(
     candidates: Iterable[Strategy],
     cost_model: CostModel,

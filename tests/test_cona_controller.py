@@ -11,6 +11,7 @@ from cona.controller import (
     best_goodput_strategy,
     best_throughput_strategy,
     scale_lr,
+    start_strategy,
 )
 from cona.cost_model import CostModel
 from cona.grad_stats import GradientNoiseScale
@@ -237,3 +238,39 @@ def test_candidate_below_min_gain_does_not_block_one_above():
     assert scores[same_layout] / scores[cur] - 1 < 0.8 < scores[layout] / scores[cur] - 1
     d = ctrl.decide(10)
     assert d.switch and d.best == layout and d.switch_cost_s == 30.0
+
+
+class _Tps:
+    """A cost model stub: tokens/s per strategy label."""
+
+    def __init__(self, tps: dict[str, float]):
+        self.tps = tps
+
+    def tokens_per_second(self, s: Strategy) -> float:
+        return self.tps[s.label]
+
+
+def test_start_strategy_plans_one_switch_ahead():
+    """Known answer: at batch 64, layout A is fastest (100) but runs batch 128 at only 110;
+    layout B is 2 % slower at 64 and runs batch 128 at 150 (a batch-only switch later).
+    Slack 5 % starts in B, slack 0 (or 1 %) in A; a grid without a larger batch, or a
+    larger batch B cannot run, keeps the fastest.  Catches a start rule that ignores the
+    next batch (always A) or that ignores the slack (B at any cost)."""
+    a64, a128 = Strategy(8, 8, 1, 8, 64), Strategy(8, 8, 1, 8, 128)
+    b64, b128 = Strategy(16, 4, 1, 4, 64), Strategy(16, 4, 1, 8, 128)
+    c64 = Strategy(32, 2, 1, 2, 64)  # far slower now, fastest later: outside the slack
+    c128 = Strategy(32, 2, 1, 4, 128)
+    cm = _Tps({a64.label: 100.0, a128.label: 110.0, b64.label: 98.0, b128.label: 150.0,
+               c64.label: 80.0, c128.label: 200.0})
+    grid = [a64, a128, b64, b128, c64, c128]
+    assert start_strategy(grid, cm, 64, 0.05) == b64
+    assert start_strategy(grid, cm, 64, 0.25) == c64
+    assert start_strategy(grid, cm, 64, 0.0) == a64
+    assert start_strategy(grid, cm, 64, 0.01) == a64
+    assert start_strategy([a64, b64, c64], cm, 64, 0.05) == a64
+    assert start_strategy([a64, a128, b64, c128], cm, 64, 0.05) == a64
+    assert start_strategy(grid, cm, 128, 0.05) == c128
+    with pytest.raises(ValueError, match="no candidate at global batch 256"):
+        start_strategy(grid, cm, 256, 0.05)
+    with pytest.raises(ValueError, match="slack"):
+        start_strategy(grid, cm, 64, 1.0)

@@ -1,0 +1,25 @@
+"""Rules of ``bench/cona_ttp.py`` that decide what the TTP table compares."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.cona_ttp import ctx_budget, rebase
+from jobruntime.config import load_config
+
+
+def test_rebased_reference_keeps_the_sample_budget_and_follows_the_lr_rule():
+    """Catches a reference moved into the grid that trains a different number of samples
+    (iters kept instead of samples) or keeps the preset's LR at twice the batch: tiny_llama
+    at batch 8 and 375 iterations moved to batch 16 must train 3,000 samples in 188 steps
+    at sqrt(2) x the LRs, and leave the original config untouched."""
+    cfg = load_config("tiny_llama", ["cona.enabled=true", "cona.clock=emulated",
+                                     "train.iters=375"])
+    moved = rebase(cfg, 16)
+    assert moved.parallel.global_batch_size == 16 and moved.train.iters == 188
+    assert ctx_budget(moved) >= ctx_budget(cfg) == 3000
+    assert ctx_budget(moved) - ctx_budget(cfg) < 16
+    assert moved.train.lr == pytest.approx(cfg.train.lr * 2 ** 0.5)
+    assert moved.train.min_lr == pytest.approx(cfg.train.min_lr * 2 ** 0.5)
+    assert cfg.parallel.global_batch_size == 8 and cfg.train.iters == 375
+    moved.validate()
