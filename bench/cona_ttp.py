@@ -235,31 +235,23 @@ def bench_model(target: str, spec: dict, settings: dict, cache_dir: str | None,
     return result
 
 
-def pollux_model(ctx, ref: dict, steps: int = 2000) -> dict:
-    """What chaining could gain at most *in the model* the controller uses: Pollux's
-    efficiency (Qiao et al. OSDI'21, eq. 5) with the noise scale growing log-linearly in
+def pollux_model(ctx, ref: dict) -> dict:
+    """What chaining could gain at most *in the model* the controller uses
+    (:func:`cona.surrogate.chaining_ceiling`): the noise scale growing log-linearly in
     progress between the reference's two direct measurements, the emulated cluster's
     fastest layout per batch, no switch costs.  Returns the best static batch and the
     ideal chain's speed-up over it (a model estimate, not a measurement)."""
     from cona.baselines import fastest_per_batch
-    from cona.surrogate import statistical_efficiency
+    from cona.surrogate import chaining_ceiling
 
     phi0, phi1 = ref["noise_scale_first_decision_proxy"], ref["noise_scale_proxy"]
     if not phi0 or not phi1:
         return {}
-    r, m0 = ctx.mapping.ratio, ctx.reference_batch
+    r = ctx.mapping.ratio
     speed = {b: b / ctx.cluster.iter_s(s)
              for b, s in fastest_per_batch(ctx.candidates, ctx.cluster.iter_s).items()}
-    static = dict.fromkeys(speed, 0.0)
-    ideal = 0.0
-    for i in range(steps):  # progress in reference-batch target samples, midpoint rule
-        phi = r * phi0 * (phi1 / phi0) ** ((i + 0.5) / steps)
-        rate = {b: x * statistical_efficiency(b, phi, m0) for b, x in speed.items()}
-        for b in static:
-            static[b] += 1.0 / rate[b]
-        ideal += 1.0 / max(rate.values())
-    best = min(static, key=static.get)
-    return {"best_static_batch": best, "ideal_chain_over_best_static": static[best] / ideal,
+    best, ceiling = chaining_ceiling(speed, r * phi0, r * phi1, ctx.reference_batch)
+    return {"best_static_batch": best, "ideal_chain_over_best_static": ceiling,
             "noise_scale_range_target": [r * phi0, r * phi1]}
 
 

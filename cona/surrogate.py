@@ -100,3 +100,50 @@ def rank_strategies(
     """Scores of ``candidates``, best first (ties broken by label for determinism)."""
     scores = [score_strategy(s, cost_model, noise_scale, reference_batch) for s in candidates]
     return sorted(scores, key=lambda x: (-x.score, x.strategy.label))
+
+
+def chaining_ceiling(
+    samples_per_s: dict[int, float],
+    noise_scale_start: float,
+    noise_scale_end: float,
+    reference_batch: float,
+    steps: int = 2000,
+) -> tuple[int, float]:
+    """What an ideal chain of global batches gains over the best static one, in this model.
+
+    Progress (reference-batch samples, eq. 4) runs from 0 to 1 while the noise scale grows
+    log-linearly in progress from ``noise_scale_start`` to ``noise_scale_end``; the ideal
+    chain runs every moment at the batch of the highest goodput, with no switch cost, and
+    each static batch at its own.  A model estimate (Pollux, Qiao et al. OSDI'21, eq. 4-5),
+    not a measurement: it bounds what any chain over these batches can win when the cost
+    model and the efficiency rule hold.
+
+    Args:
+        samples_per_s: sequences per second of the fastest layout at each global batch.
+        noise_scale_start, noise_scale_end: noise scale (sequences) at the start and end.
+        reference_batch: ``M0`` (sequences).
+        steps: midpoint-rule steps over progress.
+
+    Returns:
+        ``(best static batch, time of the best static / time of the ideal chain)`` (>= 1).
+
+    Raises:
+        ValueError: no batches, a non-positive rate, or a noise scale <= 0.
+    """
+    if not samples_per_s or min(samples_per_s.values()) <= 0:
+        raise ValueError(f"need positive samples/s per batch, got {samples_per_s}")
+    if noise_scale_start <= 0 or noise_scale_end <= 0:
+        raise ValueError(f"noise scales must be positive, got {noise_scale_start}, "
+                         f"{noise_scale_end}")
+    static = dict.fromkeys(samples_per_s, 0.0)
+    ideal = 0.0
+    growth = noise_scale_end / noise_scale_start
+    for i in range(steps):
+        phi = noise_scale_start * growth ** ((i + 0.5) / steps)
+        rate = {b: x * statistical_efficiency(b, phi, reference_batch)
+                for b, x in samples_per_s.items()}
+        for b in static:
+            static[b] += 1.0 / rate[b]
+        ideal += 1.0 / max(rate.values())
+    best = min(static, key=lambda b: (static[b], b))
+    return best, static[best] / ideal

@@ -16,7 +16,7 @@ from cona.controller import (
 from cona.cost_model import CostModel
 from cona.grad_stats import GradientNoiseScale
 from cona.strategy import Strategy
-from cona.surrogate import goodput, rank_strategies, statistical_efficiency
+from cona.surrogate import chaining_ceiling, goodput, rank_strategies, statistical_efficiency
 from jobruntime.config import ConaConfig, load_config
 
 GPT3 = load_config("gpt3_1.3b").model
@@ -274,3 +274,24 @@ def test_start_strategy_plans_one_switch_ahead():
         start_strategy(grid, cm, 256, 0.05)
     with pytest.raises(ValueError, match="slack"):
         start_strategy(grid, cm, 64, 1.0)
+
+
+def test_chaining_ceiling_known_answer():
+    """Two batches, M0 = 1 at 1 sample/s and M = 3 at 2 samples/s: goodputs cross at a
+    noise scale of 1, which a noise scale growing 16-fold from 1/2 meets a quarter of the
+    way.  Closed form: static M takes int (1/2 + 1/(1+phi(u))) du over [0, 1], the ideal
+    chain 1/4 + the same integral over [1/4, 1], with int du/(1+phi) = u - ln(1+phi)/ln 16.
+    Catches an inverted efficiency, a chain that may pick a slower batch, and a ceiling
+    when nothing changes (growth 1 -> 1.0)."""
+    def f(u):  # antiderivative of 1/(1 + 0.5 * 16**u)
+        return u - math.log(1 + 0.5 * 16 ** u) / math.log(16)
+
+    ideal = 0.25 + 0.375 + (f(1.0) - f(0.25))
+    static_m = 0.5 + (f(1.0) - f(0.0))
+    best, c = chaining_ceiling({1: 1.0, 3: 2.0}, 0.5, 8.0, 1, steps=20000)
+    assert static_m < 1.0 and best == 3
+    assert c == pytest.approx(static_m / ideal, rel=1e-6)
+    assert c > 1.02
+    assert chaining_ceiling({1: 1.0, 3: 2.0}, 4.0, 4.0, 1) == (3, pytest.approx(1.0))
+    with pytest.raises(ValueError):
+        chaining_ceiling({1: 1.0}, 0.0, 1.0, 1)
