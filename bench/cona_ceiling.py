@@ -14,8 +14,10 @@ Usage::
     python bench/cona_ceiling.py                      # A100-80GB, 64 to 512 GPUs
     python bench/cona_ceiling.py --gpu H100 --gpus 64 --phi0 80
 
-Prints one JSON object: ``{"model_estimate": true, "rows": [{"target", "gpus", "growth",
-"best_static_batch", "ceiling"}], "growth_for_1.2x": {target: {gpus: G or null}}}``.
+Prints one JSON object: ``{"model_estimate": true, "gpu", "phi0", "batches", "rows":
+[{"target", "gpus", "growth", "best_static_batch", "ceiling"}], "growth_for_1.2x": {target:
+{gpus: G or null}}}``; ``growth_for_1.2x`` is the first power of two at which the ceiling
+reaches 1.2 (the ceiling is not monotone in G: the best static batch moves with it).
 """
 
 from __future__ import annotations
@@ -59,8 +61,8 @@ def main(argv=None) -> int:
     p.add_argument("--gpus", type=int, nargs="*", default=[64, 128, 256, 512])
     p.add_argument("--phi0", type=float, default=64.0,
                    help="noise scale at the start, target sequences (default 64: the "
-                        "smallest batch; bench/cona_ttp.py measured 80-145 at CONA's first "
-                        "decision)")
+                        "smallest batch; bench/cona_ttp.py measured 36-161 at CONA's first "
+                        "decision on 2026-12-01)")
     args = p.parse_args(argv)
     from cona.surrogate import chaining_ceiling
 

@@ -11,9 +11,9 @@ sample-based schedule:
 
 - ``static_throughput``: the candidate with the highest modelled tokens/s;
 - ``static_oracle``: the best TTP over all static candidates;
-- ``cona``: the online controller (starts at the smallest batch in the layout
-  chosen one switch ahead, ``cona.controller.start_strategy``; decides every
-  K steps);
+- ``cona``: the online controller (starts at the reference batch, which rule 1
+  puts at the grid's smallest, in the layout chosen one switch ahead,
+  ``cona.controller.start_strategy``; decides every K steps);
 - ``oracle_chain``: exact branch-and-bound search over chains on a window grid
   (``cona/oracle.py``); asserted ``<= static_oracle``.
 
@@ -30,7 +30,9 @@ Rules fixed before any method runs (per family):
    stand for 32 target sequences, below 64).
 2. **Proxy -> target batches.** ``cona.batch_ratio`` by
    :func:`cona.mapping.calibrate_ratio` from the reference's noise scale at
-   that point (the one rule, in ``cona/mapping.py``, with its sources).
+   that point (the one rule, in ``cona/mapping.py``, with its sources); it is
+   fixed from the preset-batch reference, also when rule 1 moves the reference
+   (``mapping.ratio_from_noise_scale_proxy`` in the output).
 3. **Oracle grid.** Window ends at 1/D, ..., (D-1)/D of the reference's samples
    to target.
 
@@ -117,16 +119,27 @@ def reference(cfg):
 
 def rebase(cfg, proxy_batch: int):
     """Rule 1's reference moved to global batch ``proxy_batch`` (the grid's smallest): the
-    learning rates follow the run's rule (``cona.lr_scaling``) from the preset's batch, and
-    ``train.iters`` keeps the sample budget."""
+    learning rates follow the run's rule (``cona.lr_scaling``) from the preset's batch;
+    ``train.iters``, ``warmup_iters`` and ``lr_decay_iters`` (steps of the reference batch)
+    are rescaled so that the budget, warmup and decay keep their length in samples; the
+    micro-batch is the largest divisor of ``proxy_batch`` not above the preset's."""
     from cona.controller import scale_lr
 
     cfg = copy.deepcopy(cfg)
     p, t = cfg.parallel, cfg.train
+    old = p.global_batch_size
+
+    def steps(n: int) -> int:  # n steps at the old batch, in steps at the new one
+        return max(round(n * old / proxy_batch), 1)
+
     budget = ctx_budget(cfg)
-    t.lr = scale_lr(t.lr, proxy_batch, p.global_batch_size, cfg.cona.lr_scaling)
-    t.min_lr = scale_lr(t.min_lr, proxy_batch, p.global_batch_size, cfg.cona.lr_scaling)
-    p.micro_batch_size = min(p.micro_batch_size, proxy_batch)
+    t.lr = scale_lr(t.lr, proxy_batch, old, cfg.cona.lr_scaling)
+    t.min_lr = scale_lr(t.min_lr, proxy_batch, old, cfg.cona.lr_scaling)
+    t.warmup_iters = steps(t.warmup_iters) if t.warmup_iters else 0
+    if t.lr_decay_iters:
+        t.lr_decay_iters = steps(t.lr_decay_iters)
+    p.micro_batch_size = max(m for m in range(1, min(p.micro_batch_size, proxy_batch) + 1)
+                             if proxy_batch % m == 0)
     p.global_batch_size = proxy_batch
     t.iters = -(-budget // proxy_batch)
     return cfg
@@ -167,6 +180,10 @@ def bench_model(target: str, spec: dict, settings: dict, cache_dir: str | None,
              "batch ratio %d", ref["target_ppl"], ref["samples"], ref["noise_scale_proxy"], ratio)
     cfg.cona.batch_ratio = float(ratio)
     cfg.cona.global_batch_sizes = [b for b in settings["batches"] if b % ratio == 0]
+    if not cfg.cona.global_batch_sizes:
+        raise SystemExit(f"{target}: batch ratio {ratio} divides none of the grid's batches "
+                         f"{settings['batches']}; add multiples of {ratio} to BATCHES")
+    ratio_noise_scale = ref["noise_scale_proxy"]
     smallest = min(cfg.cona.global_batch_sizes)
     rebased = None
     if ratio * cfg.parallel.global_batch_size < smallest:  # rule 1: reference inside the grid
@@ -200,7 +217,8 @@ def bench_model(target: str, spec: dict, settings: dict, cache_dir: str | None,
                  "reference_batch_proxy": cfg.parallel.global_batch_size,
                  "reference_rebased": rebased, "lr": cfg.train.lr,
                  "reference_samples_to_target": ref["samples"]},
-        "mapping": {"ratio": ratio, "noise_scale_ref_proxy": ref["noise_scale_proxy"],
+        "mapping": {"ratio": ratio, "ratio_from_noise_scale_proxy": ratio_noise_scale,
+                    "noise_scale_ref_proxy": ref["noise_scale_proxy"],
                     "published_batch": PUBLISHED_BATCH[target][0],
                     "source": PUBLISHED_BATCH[target][1],
                     "proxy_seq": ctx.mapping.proxy_seq, "target_seq": ctx.mapping.target_seq},

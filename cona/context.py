@@ -91,14 +91,17 @@ class ConaContext:
     def start_strategy(self) -> Strategy:
         """Real mode: ``cfg.parallel``.  Emulated: at the reference batch (else the smallest
         candidate batch), the layout chosen one switch ahead by
-        :func:`cona.controller.start_strategy` (``cona.start_slack``)."""
+        :func:`cona.controller.start_strategy` (``cona.start_slack``; the premium over the
+        whole budget below the switch cost it saves, on the emulated cluster's model)."""
         if not self.emulated:
             p, world = self.cfg.parallel, dist.get_world_size()
             dp = world // (p.tp * p.pp)
             return Strategy(dp, p.tp, p.pp, p.micro_batch_size, p.global_batch_size)
         batches = {s.global_batch_size for s in self.candidates}
         batch = self.reference_batch if self.reference_batch in batches else min(batches)
-        return start_strategy(self.candidates, self.cost_model, batch, self.cfg.cona.start_slack)
+        return start_strategy(self.candidates, self.cost_model, batch, self.cfg.cona.start_slack,
+                              budget_samples=self.mapping.target_batch(self.budget_samples),
+                              switch_s=self.cluster.switch_s)
 
     def make_job(self, start: Strategy | None = None) -> Job:
         """A fresh job (initial weights, data position 0, clock 0) at ``start``."""

@@ -24,6 +24,7 @@ must share a unit (sequences here).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -128,9 +129,12 @@ def chaining_ceiling(
         ``(best static batch, time of the best static / time of the ideal chain)`` (>= 1).
 
     Raises:
-        ValueError: no batches, a non-positive rate, or a noise scale <= 0.
+        ValueError: no batches, a rate that is not positive and finite, a noise scale or
+            ``reference_batch`` <= 0, or ``steps`` < 1.
     """
-    if not samples_per_s or min(samples_per_s.values()) <= 0:
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
+    if not samples_per_s or not all(0 < x < math.inf for x in samples_per_s.values()):
         raise ValueError(f"need positive samples/s per batch, got {samples_per_s}")
     if noise_scale_start <= 0 or noise_scale_end <= 0:
         raise ValueError(f"noise scales must be positive, got {noise_scale_start}, "

@@ -534,9 +534,10 @@ class ConaConfig:
     start_slack: float = 0.02
     """Emulated mode: the start layout may be this fraction slower than the fastest at the
     start batch if it runs the next larger batch faster (``cona.controller.start_strategy``:
-    a later batch-only switch instead of a layout switch); 0 = the fastest.  The premium is
-    paid in full when the noise scale never calls for the larger batch, so it is capped at
-    the loss accepted then (2 %; 5 % cost Llama 5.1 % in the 2026-12-01 run, README)."""
+    a later batch-only switch instead of a layout switch); 0 = the fastest.  If the noise
+    scale never calls for the larger batch, the whole run is this much slower, so keep it
+    at the slowdown you accept in that case (2 %, chosen after a 5 % run lost 5.1 % on
+    Llama, README).  Must be below ``min_gain``, or the controller undoes the start."""
     switch_timeout_s: float = 600.0
     """Real mode: a layout switch still running after this many seconds means
     a rank stalled or was lost; every rank then exits with one line (resume
@@ -555,6 +556,10 @@ class ConaConfig:
         if not 0 <= self.start_slack < 1:
             raise ConfigError(f"cona.start_slack={self.start_slack} must be in [0, 1) (0.02 = "
                               "start up to 2 % slower for a cheaper later switch; 0 = fastest)")
+        if self.clock == "emulated" and 0 < self.start_slack >= self.min_gain:
+            raise ConfigError(f"cona.start_slack={self.start_slack} must be below cona.min_gain="
+                              f"{self.min_gain}: the controller would switch back from the "
+                              "start layout at its first decision; lower start_slack")
         if not 0 < self.switch_timeout_s < float("inf"):
             raise ConfigError(f"cona.switch_timeout_s={self.switch_timeout_s} must be a positive "
                               "number of seconds (default 600)")

@@ -12,7 +12,8 @@ def test_rebased_reference_keeps_the_sample_budget_and_follows_the_lr_rule():
     """Catches a reference moved into the grid that trains a different number of samples
     (iters kept instead of samples) or keeps the preset's LR at twice the batch: tiny_llama
     at batch 8 and 375 iterations moved to batch 16 must train 3,000 samples in 188 steps
-    at sqrt(2) x the LRs, and leave the original config untouched."""
+    at sqrt(2) x the LRs with half the warmup steps (same warmup samples), and leave the
+    original config untouched."""
     cfg = load_config("tiny_llama", ["cona.enabled=true", "cona.clock=emulated",
                                      "train.iters=375"])
     moved = rebase(cfg, 16)
@@ -22,4 +23,16 @@ def test_rebased_reference_keeps_the_sample_budget_and_follows_the_lr_rule():
     assert moved.train.lr == pytest.approx(cfg.train.lr * 2 ** 0.5)
     assert moved.train.min_lr == pytest.approx(cfg.train.min_lr * 2 ** 0.5)
     assert cfg.parallel.global_batch_size == 8 and cfg.train.iters == 375
+    # warmup and decay keep their length in samples (20 steps of 8 = 10 steps of 16)
+    assert moved.train.warmup_iters * 16 == cfg.train.warmup_iters * 8 == 160
+    moved.validate()
+
+
+def test_rebased_micro_batch_divides_the_new_batch():
+    """Catches min(micro, batch) when it does not divide the batch: micro-batch 4 at a
+    global batch of 6 must become 3 (a pipeline of 6/4 micro-batches does not exist)."""
+    cfg = load_config("tiny_llama", ["train.iters=300", "train.lr_decay_iters=300"])
+    moved = rebase(cfg, 6)
+    assert moved.parallel.micro_batch_size == 3 and moved.parallel.global_batch_size == 6
+    assert moved.train.lr_decay_iters == 400
     moved.validate()

@@ -241,12 +241,12 @@ def test_candidate_below_min_gain_does_not_block_one_above():
 
 
 class _Tps:
-    """A cost model stub: tokens/s per strategy label."""
+    """A cost model stub: samples/s per strategy label."""
 
     def __init__(self, tps: dict[str, float]):
         self.tps = tps
 
-    def tokens_per_second(self, s: Strategy) -> float:
+    def samples_per_second(self, s: Strategy) -> float:
         return self.tps[s.label]
 
 
@@ -254,8 +254,9 @@ def test_start_strategy_plans_one_switch_ahead():
     """Known answer: at batch 64, layout A is fastest (100) but runs batch 128 at only 110;
     layout B is 2 % slower at 64 and runs batch 128 at 150 (a batch-only switch later).
     Slack 5 % starts in B, slack 0 (or 1 %) in A; a grid without a larger batch, or a
-    larger batch B cannot run, keeps the fastest.  Catches a start rule that ignores the
-    next batch (always A) or that ignores the slack (B at any cost)."""
+    larger batch B cannot run, keeps the fastest; so does a budget over which B's premium
+    exceeds the switch cost it would save.  Catches a start rule that ignores the next
+    batch (always A), the slack, or the budget (B at any cost)."""
     a64, a128 = Strategy(8, 8, 1, 8, 64), Strategy(8, 8, 1, 8, 128)
     b64, b128 = Strategy(16, 4, 1, 4, 64), Strategy(16, 4, 1, 8, 128)
     c64 = Strategy(32, 2, 1, 2, 64)  # far slower now, fastest later: outside the slack
@@ -270,6 +271,13 @@ def test_start_strategy_plans_one_switch_ahead():
     assert start_strategy([a64, b64, c64], cm, 64, 0.05) == a64
     assert start_strategy([a64, a128, b64, c128], cm, 64, 0.05) == a64
     assert start_strategy(grid, cm, 128, 0.05) == c128
+    # The premium over the budget (samples * (1/98 - 1/100) s = 0.204 s per 1,000
+    # samples) must stay below the switch cost it saves: 10 s layout against 1 s batch.
+    def switch_s(old, new):
+        return 1.0 if (old.dp, old.tp) == (new.dp, new.tp) else 10.0
+
+    assert start_strategy(grid, cm, 64, 0.05, budget_samples=40_000, switch_s=switch_s) == b64
+    assert start_strategy(grid, cm, 64, 0.05, budget_samples=50_000, switch_s=switch_s) == a64
     with pytest.raises(ValueError, match="no candidate at global batch 256"):
         start_strategy(grid, cm, 256, 0.05)
     with pytest.raises(ValueError, match="slack"):

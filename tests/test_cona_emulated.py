@@ -154,3 +154,33 @@ def test_proxy_mapping_is_one_rule():
     bad = _cfg("cona.enabled=true", "cona.clock=emulated", "cona.batch_ratio=0")
     with pytest.raises(ConfigError, match="batch_ratio"):
         bad.cona.validate()
+
+
+def test_emulated_context_starts_one_switch_ahead():
+    """Catches a context that ignores the look-ahead (the fastest layout at batch 64,
+    dp8-tp8, from which batch 128 is a layout switch) or the budget: on the GPT-3 grid of
+    ``bench/cona_ttp.py`` (64 A100, batches 64-1024, ratio 8) the emulated start is
+    dp16-tp4 at batch 64; with cona.start_slack=0, or a budget long enough that the 1.5 %
+    premium outweighs the 10 s layout switch it saves, it is dp8-tp8."""
+    from cona.context import ConaContext
+    from cona.controller import start_strategy
+
+    def ctx(*overrides, iters=375):
+        cfg = _cfg("cona.enabled=true", "cona.clock=emulated", "cona.num_gpus=64",
+                   "cona.batch_ratio=8", "cona.global_batch_sizes=[64,128,256,512,1024]",
+                   "model.seq_length=64", f"train.iters={iters}", *overrides)
+        target = target_model_config(cfg)
+        cluster = EmulatedCluster(target, "A100-80GB", 64)
+        mapping = ProxyMapping(8, 64, target.seq_length)
+        cands = build_candidates(cfg, target, 64, mapping=mapping,
+                                 memory_limit_bytes=cluster.memory_limit_bytes)
+        return ConaContext(cfg=cfg, target=target, mapping=mapping, candidates=cands,
+                           cost_model=cluster.cost_model, cluster=cluster, data=None,
+                           budget_samples=iters * 8, eval_samples=64, val_micro_batch=1)
+
+    c = ctx()
+    assert c.reference_batch == 64
+    assert c.start_strategy() == Strategy(16, 4, 1, 4, 64)
+    assert ctx("cona.start_slack=0").start_strategy() == Strategy(8, 8, 1, 8, 64)
+    assert ctx(iters=20_000).start_strategy() == Strategy(8, 8, 1, 8, 64)
+    assert c.start_strategy() == start_strategy(c.candidates, c.cost_model, 64, 0.02)
