@@ -61,7 +61,7 @@ def main(argv=None) -> int:
     p.add_argument("--gpus", type=int, nargs="*", default=[64, 128, 256, 512])
     p.add_argument("--phi0", type=float, default=64.0,
                    help="noise scale at the start, target sequences (default 64: the "
-                        "smallest batch; bench/cona_ttp.py measured 36-161 at CONA's first "
+                        "smallest batch; bench/cona_ttp.py measured 34-145 at CONA's first "
                         "decision on 2026-12-01)")
     args = p.parse_args(argv)
     from cona.surrogate import chaining_ceiling

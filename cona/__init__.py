@@ -23,12 +23,19 @@ from .controller import (
     best_goodput_strategy,
     best_throughput_strategy,
     scale_lr,
+    start_strategy,
 )
 from .cost_model import CostModel, Interconnect, IterationEstimate
 from .grad_stats import GradientNoiseScale, estimate_from_norms
 from .memory_model import MemoryEstimate, MemoryModel
 from .strategy import Strategy, check_strategy, enumerate_strategies, strategies_from_dicts
-from .surrogate import Score, goodput, rank_strategies, statistical_efficiency
+from .surrogate import (
+    Score,
+    chaining_ceiling,
+    goodput,
+    rank_strategies,
+    statistical_efficiency,
+)
 
 __all__ = [
     "Controller",
@@ -43,12 +50,14 @@ __all__ = [
     "Strategy",
     "best_goodput_strategy",
     "best_throughput_strategy",
+    "chaining_ceiling",
     "check_strategy",
     "enumerate_strategies",
     "estimate_from_norms",
     "goodput",
     "rank_strategies",
     "scale_lr",
+    "start_strategy",
     "statistical_efficiency",
     "strategies_from_dicts",
 ]
