@@ -28,6 +28,10 @@ OVERRIDES = [
     "geomesh.inner_steps=2", "geomesh.outer_steps=50", "geomesh.replan=false",
     "train.eval_iters=1", "train.warmup_iters=2", "logging.wandb=disabled",
     "checkpoint.save_interval=1", "geomesh.timeout_s=30", "geomesh.on_worker_loss=fail",
+    # keep every checkpoint: on a fast machine both regions finish outer steps 2 and 3
+    # within the 0.5 s poll below, and keep_last=2 would rotate outer step 1 out (a
+    # deletion the run means, not the error path this test is about)
+    "checkpoint.keep_last=0",
 ]
 
 
