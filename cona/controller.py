@@ -146,8 +146,8 @@ def start_strategy(
     here = [s for s in cands if s.global_batch_size == batch]
     if not here:
         raise ValueError(f"no candidate at global batch {batch}")
-    tps = cost_model.samples_per_second  # one sequence length: the order of tokens/s
-    fastest = max(here, key=lambda s: (tps(s), s.label))
+    rate = cost_model.samples_per_second  # one sequence length: the order of tokens/s
+    fastest = max(here, key=lambda s: (rate(s), s.label))
     larger = [s.global_batch_size for s in cands if s.global_batch_size > batch]
     if not larger:
         return fastest
@@ -155,26 +155,25 @@ def start_strategy(
     ahead: dict[tuple[int, int, int], Strategy] = {}  # layout -> its fastest at nxt
     for s in sorted(cands, key=lambda s: s.label):
         key = (s.dp, s.tp, s.pp)
-        if s.global_batch_size == nxt and (key not in ahead or tps(s) > tps(ahead[key])):
+        if s.global_batch_size == nxt and (key not in ahead or rate(s) > rate(ahead[key])):
             ahead[key] = s
 
     def insured(s: Strategy) -> bool:
         if s == fastest:
             return True
-        if tps(s) < (1.0 - slack) * tps(fastest):
+        if rate(s) < (1.0 - slack) * rate(fastest):
             return False
         later = ahead.get((s.dp, s.tp, s.pp))
         if later is None or budget_samples is None or switch_s is None:
             return later is not None
-        premium = budget_samples * (1.0 / tps(s) - 1.0 / tps(fastest))
+        premium = budget_samples * (1.0 / rate(s) - 1.0 / rate(fastest))
         return premium < switch_s(fastest, later) - switch_s(s, later)
 
-    def later_tps(s: Strategy) -> float:
+    def later_rate(s: Strategy) -> float:
         later = ahead.get((s.dp, s.tp, s.pp))
-        return tps(later) if later is not None else 0.0
+        return rate(later) if later is not None else 0.0
 
-    return max(filter(insured, here), key=lambda s: (later_tps(s), tps(s), s.label))
-
+    return max(filter(insured, here), key=lambda s: (later_rate(s), rate(s), s.label))
 
 
 def best_goodput_strategy(
