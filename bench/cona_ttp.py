@@ -41,6 +41,7 @@ Usage::
     python bench/cona_ttp.py --quick              # tiny_gpt / GPT-3 1.3B, CI-sized
     python bench/cona_ttp.py --out runs/cona_ttp  # all three families (long)
     python bench/cona_ttp.py --models bert_large --jobs 1
+    python bench/cona_ttp.py --models llama3.2_1b --budget-scale 2   # a deeper target
 
 Prints one JSON object: ``{"clock": "emulated", "models": {NAME: {"target_ppl",
 "ratios", "gns_growth", "methods": {METHOD: {"ttp_s", "chain", "switch_times_s",
@@ -301,16 +302,24 @@ def main(argv=None) -> int:
     p.add_argument("--cache-dir", default=None, help="tokenizer/dataset cache (data.cache_dir)")
     p.add_argument("--jobs", type=int, default=2,
                    help="families run in parallel processes (default 2: one per core)")
+    p.add_argument("--budget-scale", type=float, default=1.0,
+                   help="multiply every family's training budget (train.iters) by this; "
+                   "the target stays at half the budget, so it moves deeper into training")
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads per process (default 1: OpenMP threads that "
                    "oversubscribe shared cores slow every step down many times)")
     args = p.parse_args(argv)
     if args.jobs < 1 or args.threads < 1:
         p.error("--jobs and --threads must be >= 1")
+    if not 0 < args.budget_scale < float("inf"):
+        p.error(f"--budget-scale must be a positive number, got {args.budget_scale}")
     settings = QUICK if args.quick else FULL
     models = settings.get("models") or {
         k: v for k, v in MODELS.items() if args.models is None or k in args.models}
-    report = {"clock": "emulated", "gpu": "A100-80GB", "num_gpus": 64, "models": {}}
+    models = {k: {**v, "iters": max(round(v["iters"] * args.budget_scale), 1)}
+              for k, v in models.items()}
+    report = {"clock": "emulated", "gpu": "A100-80GB", "num_gpus": 64,
+              "budget_scale": args.budget_scale, "models": {}}
     t0 = time.perf_counter()
     out = str(args.out) if args.out is not None else None
     if args.jobs == 1:  # in this process (easier to debug)
