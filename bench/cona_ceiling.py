@@ -36,7 +36,7 @@ GROWTHS = [4, 8, 16, 64, 256, 1024]
 
 def samples_per_s(target: str, gpu: str, gpus: int, batches: list[int]) -> dict[int, float]:
     """Sequences/s of the fastest candidate layout at each global batch (emulated cluster)."""
-    from cona.baselines import fastest_per_batch
+    from cona.baselines import fastest_rates
     from cona.candidates import build_candidates
     from cona.emulated import EmulatedCluster
     from cona.mapping import ProxyMapping
@@ -51,7 +51,7 @@ def samples_per_s(target: str, gpu: str, gpus: int, batches: list[int]) -> dict[
     mapping = ProxyMapping(1.0, model.seq_length, model.seq_length)
     cands = build_candidates(cfg, model, gpus, mapping=mapping,
                              memory_limit_bytes=cluster.memory_limit_bytes)
-    return {b: b / cluster.iter_s(s) for b, s in fastest_per_batch(cands, cluster.iter_s).items()}
+    return fastest_rates(cands, cluster.iter_s)
 
 
 def main(argv=None) -> int:

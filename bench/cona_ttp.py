@@ -260,15 +260,14 @@ def pollux_model(ctx, ref: dict) -> dict:
     progress between the reference's two direct measurements, the emulated cluster's
     fastest layout per batch, no switch costs.  Returns the best static batch and the
     ideal chain's speed-up over it (a model estimate, not a measurement)."""
-    from cona.baselines import fastest_per_batch
+    from cona.baselines import fastest_rates
     from cona.surrogate import chaining_ceiling
 
     phi0, phi1 = ref["noise_scale_first_decision_proxy"], ref["noise_scale_proxy"]
     if not phi0 or not phi1:
         return {}
     r = ctx.mapping.ratio
-    speed = {b: b / ctx.cluster.iter_s(s)
-             for b, s in fastest_per_batch(ctx.candidates, ctx.cluster.iter_s).items()}
+    speed = fastest_rates(ctx.candidates, ctx.cluster.iter_s)
     best, ceiling = chaining_ceiling(speed, r * phi0, r * phi1, ctx.reference_batch)
     return {"best_static_batch": best, "ideal_chain_over_best_static": ceiling,
             "noise_scale_range_target": [r * phi0, r * phi1]}

@@ -76,6 +76,12 @@ def fastest_per_batch(candidates: list[Strategy], iter_s) -> dict[int, Strategy]
     return dict(sorted(best.items()))
 
 
+def fastest_rates(candidates: list[Strategy], iter_s) -> dict[int, float]:
+    """Sequences per second of :func:`fastest_per_batch`'s candidate at each global batch
+    (``iter_s``: seconds per optimizer step of a strategy)."""
+    return {b: b / iter_s(s) for b, s in fastest_per_batch(candidates, iter_s).items()}
+
+
 class ProxyBranch:
     """:class:`cona.oracle.Branch` over an emulated job: windows trained for real,
     states snapshot and restored in memory (the oracle computes the clock itself)."""

@@ -556,7 +556,7 @@ class ConaConfig:
         if not 0 <= self.start_slack < 1:
             raise ConfigError(f"cona.start_slack={self.start_slack} must be in [0, 1) (0.02 = "
                               "start up to 2 % slower for a cheaper later switch; 0 = fastest)")
-        if self.clock == "emulated" and 0 < self.start_slack >= self.min_gain:
+        if self.clock == "emulated" and self.start_slack > 0 and self.start_slack >= self.min_gain:
             raise ConfigError(f"cona.start_slack={self.start_slack} must be below cona.min_gain="
                               f"{self.min_gain}: the controller would switch back from the "
                               "start layout at its first decision; lower start_slack")

@@ -240,14 +240,14 @@ def test_candidate_below_min_gain_does_not_block_one_above():
     assert d.switch and d.best == layout and d.switch_cost_s == 30.0
 
 
-class _Tps:
+class _Rates:
     """A cost model stub: samples/s per strategy label."""
 
-    def __init__(self, tps: dict[str, float]):
-        self.tps = tps
+    def __init__(self, rates: dict[str, float]):
+        self.rates = rates
 
     def samples_per_second(self, s: Strategy) -> float:
-        return self.tps[s.label]
+        return self.rates[s.label]
 
 
 def test_start_strategy_plans_one_switch_ahead():
@@ -261,7 +261,7 @@ def test_start_strategy_plans_one_switch_ahead():
     b64, b128 = Strategy(16, 4, 1, 4, 64), Strategy(16, 4, 1, 8, 128)
     c64 = Strategy(32, 2, 1, 2, 64)  # far slower now, fastest later: outside the slack
     c128 = Strategy(32, 2, 1, 4, 128)
-    cm = _Tps({a64.label: 100.0, a128.label: 110.0, b64.label: 98.0, b128.label: 150.0,
+    cm = _Rates({a64.label: 100.0, a128.label: 110.0, b64.label: 98.0, b128.label: 150.0,
                c64.label: 80.0, c128.label: 200.0})
     grid = [a64, a128, b64, b128, c64, c128]
     assert start_strategy(grid, cm, 64, 0.05) == b64
