@@ -150,6 +150,50 @@ def ctx_budget(cfg) -> int:
     return max(cfg.train.iters, 1) * cfg.parallel.global_batch_size
 
 
+def family_config(target: str, spec: dict, batches: list[int], cache_dir: str | None):
+    """Rules 1 and 2 for one family: the proxy's config with ``cona.batch_ratio``, the grid
+    and ``train.target_ppl`` set, the reference moved into the grid if needed.
+
+    Returns ``(cfg, ref, data, setup)``: the reference's measurements (:func:`reference`),
+    its dataset (shared by later runs) and the rule's record (ratio, its source, rebase).
+
+    Raises:
+        SystemExit: the calibrated ratio divides none of ``batches``.
+    """
+    from cona.mapping import PUBLISHED_BATCH, calibrate_ratio
+    from jobruntime.config import load_config
+
+    log = logging.getLogger("cona")
+    overrides = [*COMMON, f"cona.target_model={target}", f"train.iters={spec['iters']}",
+                 f"model.seq_length={spec['seq']}"]
+    if cache_dir:
+        overrides.append(f"data.cache_dir={cache_dir}")
+    cfg = load_config(spec["proxy"], overrides)
+    ref, data = reference(cfg)
+    ratio = calibrate_ratio(ref["noise_scale_proxy"], target)
+    log.info("reference: target ppl %.1f after %d samples, noise scale %.1f proxy seq. -> "
+             "batch ratio %d", ref["target_ppl"], ref["samples"], ref["noise_scale_proxy"], ratio)
+    cfg.cona.batch_ratio = float(ratio)
+    cfg.cona.global_batch_sizes = [b for b in batches if b % ratio == 0]
+    if not cfg.cona.global_batch_sizes:
+        raise SystemExit(f"{target}: batch ratio {ratio} divides none of the grid's batches "
+                         f"{batches}; add multiples of {ratio} to BATCHES")
+    setup = {"ratio": ratio, "ratio_from_noise_scale_proxy": ref["noise_scale_proxy"],
+             "published_batch": PUBLISHED_BATCH[target][0], "source": PUBLISHED_BATCH[target][1],
+             "reference_rebased": None}
+    smallest = min(cfg.cona.global_batch_sizes)
+    if ratio * cfg.parallel.global_batch_size < smallest:  # rule 1: reference inside the grid
+        setup["reference_rebased"] = {"from_proxy_batch": cfg.parallel.global_batch_size,
+                                      "first_target_ppl": ref["target_ppl"]}
+        cfg = rebase(cfg, -(-smallest // ratio))
+        ref, data = reference(cfg)
+        log.info("reference rebased to proxy batch %d (target batch %d): target ppl %.1f after "
+                 "%d samples", cfg.parallel.global_batch_size, smallest, ref["target_ppl"],
+                 ref["samples"])
+    cfg.train.target_ppl = ref["target_ppl"]
+    return cfg, ref, data, setup
+
+
 def bench_model(target: str, spec: dict, settings: dict, cache_dir: str | None,
                 out: str | None, threads: int) -> dict:
     import torch
@@ -166,36 +210,9 @@ def bench_model(target: str, spec: dict, settings: dict, cache_dir: str | None,
     from cona.baselines import run_cona, run_search
     from cona.context import build_context
     from cona.grad_stats import noise_scale_growth as growth
-    from cona.mapping import PUBLISHED_BATCH, calibrate_ratio
-    from jobruntime.config import load_config
 
-    overrides = [*COMMON, f"cona.target_model={target}", f"train.iters={spec['iters']}",
-                 f"model.seq_length={spec['seq']}"]
-    if cache_dir:
-        overrides.append(f"data.cache_dir={cache_dir}")
-    cfg = load_config(spec["proxy"], overrides)
     t0, c0 = time.perf_counter(), time.process_time()
-    ref, data = reference(cfg)
-    ratio = calibrate_ratio(ref["noise_scale_proxy"], target)
-    log.info("reference: target ppl %.1f after %d samples, noise scale %.1f proxy seq. -> "
-             "batch ratio %d", ref["target_ppl"], ref["samples"], ref["noise_scale_proxy"], ratio)
-    cfg.cona.batch_ratio = float(ratio)
-    cfg.cona.global_batch_sizes = [b for b in settings["batches"] if b % ratio == 0]
-    if not cfg.cona.global_batch_sizes:
-        raise SystemExit(f"{target}: batch ratio {ratio} divides none of the grid's batches "
-                         f"{settings['batches']}; add multiples of {ratio} to BATCHES")
-    ratio_noise_scale = ref["noise_scale_proxy"]
-    smallest = min(cfg.cona.global_batch_sizes)
-    rebased = None
-    if ratio * cfg.parallel.global_batch_size < smallest:  # rule 1: reference inside the grid
-        rebased = {"from_proxy_batch": cfg.parallel.global_batch_size,
-                   "first_target_ppl": ref["target_ppl"]}
-        cfg = rebase(cfg, -(-smallest // ratio))
-        ref, data = reference(cfg)
-        log.info("reference rebased to proxy batch %d (target batch %d): target ppl %.1f after "
-                 "%d samples", cfg.parallel.global_batch_size, smallest, ref["target_ppl"],
-                 ref["samples"])
-    cfg.train.target_ppl = ref["target_ppl"]
+    cfg, ref, data, setup = family_config(target, spec, settings["batches"], cache_dir)
     ctx = build_context(cfg, data=data)
     D = settings["windows"]
     boundaries = [round(ref["samples"] * k / D) for k in range(1, D)]
@@ -216,12 +233,12 @@ def bench_model(target: str, spec: dict, settings: dict, cache_dir: str | None,
         "target_ppl": cfg.train.target_ppl,
         "rule": {"target_fraction": TARGET_FRACTION, "budget_samples": ctx.budget_samples,
                  "reference_batch_proxy": cfg.parallel.global_batch_size,
-                 "reference_rebased": rebased, "lr": cfg.train.lr,
+                 "reference_rebased": setup["reference_rebased"], "lr": cfg.train.lr,
                  "reference_samples_to_target": ref["samples"]},
-        "mapping": {"ratio": ratio, "ratio_from_noise_scale_proxy": ratio_noise_scale,
+        "mapping": {"ratio": setup["ratio"],
+                    "ratio_from_noise_scale_proxy": setup["ratio_from_noise_scale_proxy"],
                     "noise_scale_ref_proxy": ref["noise_scale_proxy"],
-                    "published_batch": PUBLISHED_BATCH[target][0],
-                    "source": PUBLISHED_BATCH[target][1],
+                    "published_batch": setup["published_batch"], "source": setup["source"],
                     "proxy_seq": ctx.mapping.proxy_seq, "target_seq": ctx.mapping.target_seq},
         "candidates": len(ctx.candidates),
         "batches": sorted({c.global_batch_size for c in ctx.candidates}),

@@ -352,11 +352,18 @@ class EmulatedJob(Job):
             "lr": self.trainer.scheduler.max_lr,
         }
 
-    def measure_noise_scale(self, microbatches: int = 64) -> float | None:
+    def measure_noise_scale(self, microbatches: int = 64,
+                            preconditioned: bool = False) -> float | None:
         """A direct ``B_simple`` measurement (proxy sequences) at the current weights from
         ``microbatches`` fresh micro-batches (:func:`cona.probe.measure_noise_scale`);
-        the data position, RNG and training state are left as they were."""
-        from .probe import measure_noise_scale
+        ``preconditioned``: of Adam's preconditioned gradients instead (Pollux; ``None``
+        before the first step).  The data position, RNG and training state are left as
+        they were."""
+        from .probe import adam_preconditioner, measure_noise_scale
+
+        weights = adam_preconditioner(self.trainer) if preconditioned else None
+        if preconditioned and weights is None:
+            return None
 
         consumed, rng = self.consumed_samples, cstate.rng_state()
         self.probe.detach()
@@ -364,7 +371,7 @@ class EmulatedJob(Job):
         while len(mbs) < microbatches:
             mbs += self.sampler.next()
         try:
-            return measure_noise_scale(self.trainer, mbs[:microbatches])
+            return measure_noise_scale(self.trainer, mbs[:microbatches], weights)
         finally:
             self.probe.attach(self.trainer)
             self.sampler = self._sampler(self.topo, consumed)

@@ -181,7 +181,41 @@ class GNSProbe:
         return out
 
 
-def measure_noise_scale(trainer: Trainer, microbatches: list) -> float | None:
+def adam_preconditioner(trainer: Trainer) -> list[torch.Tensor] | None:
+    """Adam's preconditioner ``P = 1/(sqrt(v_hat) + eps)``, one tensor per counted
+    parameter of ``trainer.module`` (the order of :func:`measure_noise_scale`).
+
+    ``v_hat = exp_avg_sq / (1 - beta2^step)`` is Adam's bias-corrected second moment
+    (the AdamW inside megatron's optimizer; with bf16 the state of the fp32 main
+    copy).  Pollux (Qiao et al., OSDI'21, Sec. 3.1) measures the noise scale of
+    ``P g`` for adaptive optimizers.  ``None`` before the first optimizer step (no
+    state yet).
+    """
+    opt = trainer.optimizer
+    state = {}
+    for o in getattr(opt, "chained_optimizers", [opt]):
+        inner = o.optimizer
+        for group in inner.param_groups:
+            for p in group["params"]:
+                st = inner.state.get(p)
+                if st and "exp_avg_sq" in st:
+                    state[id(p)] = (st, group["betas"][1], group["eps"])
+    main = trainer._main_params()
+    weights = []
+    for p in trainer.module.parameters():
+        if not _is_counted(p):
+            continue
+        entry = state.get(id(main.get(id(p), p)))
+        if entry is None:
+            return None
+        st, beta2, eps = entry
+        v_hat = st["exp_avg_sq"].double() / (1 - beta2 ** float(st["step"]))
+        weights.append(1.0 / (v_hat.sqrt() + eps))
+    return weights
+
+
+def measure_noise_scale(trainer: Trainer, microbatches: list,
+                        weights: list[torch.Tensor] | None = None) -> float | None:
     """``B_simple`` (sequences) at the trainer's current weights from many micro-batches.
 
     A direct measurement for calibration, not the per-step estimate: each
@@ -191,8 +225,14 @@ def measure_noise_scale(trainer: Trainer, microbatches: list) -> float | None:
     ``dp = pp = 1`` (the emulated proxy).  ``None`` if the signal estimate is not
     positive.
 
+    Args:
+        weights: multiply each counted parameter's gradient by this before its norm
+            (e.g. :func:`adam_preconditioner`: Pollux's preconditioned noise scale
+            ``tr(P Sigma P) / |P G|^2``); ``None`` measures ``B_simple``.
+
     Raises:
-        ValueError: fewer than two micro-batches, or not ``dp = pp = 1``.
+        ValueError: fewer than two micro-batches, not ``dp = pp = 1``, or ``weights``
+            not one per counted parameter.
     """
     from .grad_stats import estimate_from_norms
 
@@ -201,21 +241,24 @@ def measure_noise_scale(trainer: Trainer, microbatches: list) -> float | None:
     if dist.get_world_size() != 1:
         raise ValueError("measure_noise_scale runs in one process (the emulated proxy)")
     params = [p for p in trainer.module.parameters() if _is_counted(p)]
+    if weights is None:
+        weights = [None] * len(params)
+    elif len(weights) != len(params):
+        raise ValueError(f"{len(weights)} weights for {len(params)} counted parameters")
     total = [torch.zeros_like(p, dtype=torch.float64) for p in params]
     small = []
     for mb in microbatches:
-        for m in trainer.model:
-            m.train()
-            m.zero_grad_buffer()
+        trainer.zero_grad()  # not only the buffers: see Trainer.zero_grad
         trainer._run_schedule([mb], forward_only=False)
         sq = 0.0
-        for acc, p in zip(total, params):
+        for acc, p, w in zip(total, params, weights):
             g = _grad(p).detach().double()
+            if w is not None:
+                g = g * w
             sq += float(g.pow(2).sum())
             acc += g
         small.append(sq)
-    for m in trainer.model:
-        m.zero_grad_buffer()
+    trainer.zero_grad()
     n = len(microbatches)
     big = sum(float((acc / n).pow(2).sum()) for acc in total)
     b = int(next(iter(microbatches[0].values())).shape[0])

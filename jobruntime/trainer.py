@@ -237,6 +237,16 @@ class Trainer:
         return float(value[0])
 
     # -- public -----------------------------------------------------------
+    def zero_grad(self) -> None:
+        """Zero megatron's gradient buffers (``main_grad``) and drop ``param.grad``; models
+        in train mode.  Needed before every backward: after an optimizer step megatron's
+        fp32 optimizer leaves ``param.grad`` aliasing ``main_grad``, and the DDP hook
+        (``main_grad += param.grad``) then counts the next backward's gradient twice."""
+        for m in self.model:
+            m.train()
+            m.zero_grad_buffer()
+        self.optimizer.zero_grad()
+
     def train_step(self, microbatches: list[dict]) -> StepResult:
         """One optimizer step on this rank's micro-batches of a global batch.
 
@@ -244,10 +254,7 @@ class Trainer:
             microbatches: ``global_batch / (dp * micro_batch)`` dicts of
                 ``[micro_batch, seq]`` tensors from :class:`GlobalBatchSampler`.
         """
-        for m in self.model:
-            m.train()
-            m.zero_grad_buffer()
-        self.optimizer.zero_grad()
+        self.zero_grad()
         losses = self._run_schedule(microbatches, forward_only=False)
         if self.lr_scale != 1.0:  # the scheduler resets every group's lr after each step
             for group in self.optimizer.param_groups:

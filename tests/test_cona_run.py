@@ -104,19 +104,42 @@ def _probe_by_hand(cfg):
     trainer.train_step(mbs)
     probe.detach()
     got = probe.last
+    precond = _preconditioner_checks(trainer, mbs)
     restore(trainer, state)
 
     def sq_norm_after(batch):
-        for m in trainer.model:
-            m.zero_grad_buffer()
-        trainer.optimizer.zero_grad()  # p.grad aliases main_grad after an optimizer step
+        trainer.zero_grad()
         trainer._run_schedule(batch, forward_only=False)
         return sum(float(p.main_grad.double().pow(2).sum()) for p in trainer.module.parameters())
 
     with torch.enable_grad():
         want_small = sum(sq_norm_after(mbs[i : i + 1]) for i in range(len(mbs))) / len(mbs)
         want_big = sq_norm_after(mbs)
-    return {"probe": got, "small": want_small, "big": want_big}
+    return {"probe": got, "small": want_small, "big": want_big, "precond": precond}
+
+
+def _preconditioner_checks(trainer, mbs):
+    """After one Adam step from zero state ``v_hat = g^2`` (the step's clipped gradient,
+    still in the buffers), so ``P |g| = |g| / (|g| + eps)``: 1 to 1e-2 where ``|g| > 1e-6``.
+    Also the direct measurement with a constant weight (scale-free) and with ``P``."""
+    import torch
+
+    from cona.probe import _grad, _is_counted, adam_preconditioner, measure_noise_scale
+
+    weights = adam_preconditioner(trainer)
+    grads = [_grad(p).detach().double().abs()
+             for p in trainer.module.parameters() if _is_counted(p)]
+    prod = torch.cat([(w * g)[g > 1e-6] for w, g in zip(weights, grads)])
+    plain = measure_noise_scale(trainer, mbs)
+    twice = measure_noise_scale(trainer, mbs, [torch.full_like(w, 2.0) for w in weights])
+    with_p = measure_noise_scale(trainer, mbs, weights)
+    try:
+        measure_noise_scale(trainer, mbs, weights[:-1])
+        short = None
+    except ValueError as e:
+        short = str(e)
+    return {"min": float(prod.min()), "max": float(prod.max()), "count": prod.numel(),
+            "plain": plain, "twice": twice, "with_p": with_p, "short": short}
 
 
 @pytest.fixture(scope="module")
@@ -200,3 +223,19 @@ def test_gns_probe_microbatch_norms_match_direct_computation(emulated):
     assert small == pytest.approx(probe["small"], rel=1e-4)
     assert big == pytest.approx(probe["big"], rel=1e-4)
     assert small > big  # one micro-batch's gradient is noisier than the mean of four
+
+
+def test_adam_preconditioner_and_preconditioned_noise_scale(emulated):
+    """Catches a wrong Pollux preconditioner (Qiao et al. OSDI'21 Sec. 3.1): without
+    Adam's bias correction ``P |g|`` would be 1/sqrt(1 - beta2) = 31.6 after one step,
+    and a mis-matched parameter order would scatter it; it must be 1 within 1 %.  A
+    constant weight must leave the noise scale unchanged (it is a ratio): measured
+    right after the step before ``Trainer.zero_grad`` existed, the first micro-batch's
+    gradient counted twice (``param.grad`` aliased ``main_grad``) and the two read 17.0
+    and 14.9.  A wrong number of weights must be refused."""
+    _, probe, _ = emulated
+    p = probe["precond"]
+    assert p["count"] > 1000 and 0.99 <= p["min"] and p["max"] <= 1.0 + 1e-9
+    assert p["plain"] is not None and p["twice"] == pytest.approx(p["plain"], rel=1e-9)
+    assert p["with_p"] is None or p["with_p"] > 0
+    assert p["short"] is not None and "weights for" in p["short"]
