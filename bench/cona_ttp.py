@@ -338,12 +338,8 @@ def main(argv=None) -> int:
               "budget_scale": args.budget_scale, "models": {}}
     t0 = time.perf_counter()
     out = str(args.out) if args.out is not None else None
-    if args.jobs == 1:  # in this process (easier to debug)
-        for name, spec in models.items():
-            report["models"][name] = bench_model(name, spec, settings, args.cache_dir, out,
-                                                 args.threads)
-    else:
-        _parallel(report, models, settings, args, out)
+    report["models"] = run_families(bench_model, models, args.jobs, settings, args.cache_dir,
+                                    out, args.threads)
     report["wall_s"] = time.perf_counter() - t0
     report["load_average_1min_at_end"] = os.getloadavg()[0]
     text = json.dumps(report, indent=2, default=float)
@@ -354,13 +350,15 @@ def main(argv=None) -> int:
     return 0
 
 
-def _parallel(report, models, settings, args, out) -> None:
-    with cf.ProcessPoolExecutor(max_workers=min(args.jobs, len(models)),
+def run_families(fn, models: dict, jobs: int, *args) -> dict:
+    """``{name: fn(name, spec, *args)}`` over ``models``; ``jobs`` > 1 runs them in that
+    many spawned processes (one per core), 1 in this process (easier to debug)."""
+    if jobs == 1:
+        return {name: fn(name, spec, *args) for name, spec in models.items()}
+    with cf.ProcessPoolExecutor(max_workers=min(jobs, len(models)),
                                 mp_context=mp.get_context("spawn")) as pool:
-        futures = {name: pool.submit(bench_model, name, spec, settings, args.cache_dir, out,
-                                     args.threads) for name, spec in models.items()}
-        for name, fut in futures.items():
-            report["models"][name] = fut.result()
+        futures = {name: pool.submit(fn, name, spec, *args) for name, spec in models.items()}
+        return {name: fut.result() for name, fut in futures.items()}
 
 
 if __name__ == "__main__":

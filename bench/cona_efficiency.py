@@ -1,0 +1,162 @@
+"""Does the surrogate's statistical efficiency predict how many samples a global batch needs?
+
+CONA ranks strategies by throughput x Pollux's efficiency ``E(M) = (phi + M0)/(phi + M)``
+(Qiao et al., OSDI'21, eq. 5; :mod:`cona.surrogate`), which says a sample at batch ``M``
+is worth ``E(M)`` samples at the reference batch ``M0``.  This bench measures that
+directly on each family of ``bench/cona_ttp.py`` (the same rules 1-2: reference, target,
+batch ratio ``r``, grid, sqrt LR rule, schedule in samples):
+
+1. **Trajectory.**  The reference run (batch ``M0``) again, stopping every ``--every``
+   steps to measure the noise scale directly from 64 micro-batches (no effect on the
+   run): ``B_simple`` (McCandlish et al. 2018, what the controller uses) and the
+   noise scale of Adam-preconditioned gradients (``tr(P Sigma P)/|P G|^2``, P =
+   ``1/(sqrt(v_hat) + eps)``: what Pollux uses for adaptive optimizers, Sec. 3.1), and
+   the controller's own in-run estimate (:class:`cona.grad_stats.GradientNoiseScale`).
+2. **Measured.**  Every other grid batch trained static in its fastest layout until the
+   target or the budget: proxy samples to the target (at evaluation granularity) and
+   the highest validation perplexity after the first evaluation (a spike there is an
+   unstable run).  ``efficiency = samples(M0) / samples(M)``.
+3. **Predicted.**  ``samples(M) = sum_k dS_k / E(M, r phi_k)`` over the trajectory's
+   intervals (``phi_k`` measured at the end of interval ``k``; an interval without a
+   positive estimate takes its neighbour's), for each noise-scale definition.
+
+Usage::
+
+    python bench/cona_efficiency.py                       # all three families (~15 min)
+    python bench/cona_efficiency.py --models bert_large --jobs 1
+
+Prints one JSON object ``{"models": {NAME: {"trajectory": [...], "batches": {M:
+{"measured", "predicted"}}}}}``.  Measured on the proxy (emulated mode's trained
+model); no clock is involved.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.cona_ttp import BATCHES, MODELS, family_config, run_families  # noqa: E402
+
+DEFINITIONS = ("simple", "preconditioned", "in_run")
+
+
+def predicted_samples(trajectory: list[dict], batch: float, reference_batch: float,
+                      ratio: float, key: str) -> float | None:
+    """Proxy samples to the target at target batch ``batch`` in Pollux's model (step 3 of
+    the module docstring); ``None`` without a positive noise scale anywhere."""
+    from cona.surrogate import statistical_efficiency
+
+    phis = [p[key] if p[key] and p[key] > 0 else None for p in trajectory]
+    known = [i for i, v in enumerate(phis) if v is not None]
+    if not known:
+        return None
+    total, prev = 0.0, 0
+    for i, point in enumerate(trajectory):
+        phi = phis[min(known, key=lambda j: (abs(j - i), -j))]
+        total += (point["samples"] - prev) / statistical_efficiency(batch, ratio * phi,
+                                                                    reference_batch)
+        prev = point["samples"]
+    return total
+
+
+def static_run(ctx, strategy, measure_every: int | None = None):
+    """Train ``strategy`` from the initial weights until the target or the budget.
+
+    With ``measure_every`` (steps) the noise scale is measured directly along the way
+    (trajectory points).  Returns ``(record, trajectory)``."""
+    from cona.run import Loop
+
+    job = ctx.make_job(strategy)
+    loop = Loop(job, ctx.cfg, budget_samples=ctx.budget_samples,
+                eval_samples=ctx.eval_samples, keep_records=False)
+    trajectory = []
+    while measure_every and not loop.done:
+        nxt = job.trainer.step + measure_every
+        loop.run(until=lambda nxt=nxt: job.trainer.step >= nxt)
+        trajectory.append({"step": job.trainer.step, "samples": job.consumed_samples,
+                           "simple": job.measure_noise_scale(),
+                           "preconditioned": job.measure_noise_scale(preconditioned=True),
+                           "in_run": job.gns.noise_scale})
+    loop.run()
+    evals = [e["val_ppl"] for e in loop.progress.evals]
+    record = {"reached": loop.progress.ttp.reached, "samples": job.consumed_samples,
+              "strategy": strategy.label,
+              "peak_val_ppl_after_first_eval": max(evals[1:], default=None)}
+    return record, trajectory
+
+
+def efficiency_family(target: str, spec: dict, batches: list[int], every: int,
+                      cache_dir: str | None, threads: int) -> dict:
+    import torch
+
+    torch.set_num_threads(threads)
+    logging.basicConfig(level=logging.INFO, force=True,
+                        format=f"[%(asctime)s {spec['proxy']}] %(name)s: %(message)s",
+                        datefmt="%H:%M:%S")
+    logging.getLogger("jobruntime").setLevel(logging.WARNING)
+    from cona.baselines import fastest_per_batch
+    from cona.context import build_context
+
+    t0 = time.perf_counter()
+    cfg, ref, data, setup = family_config(target, spec, batches, cache_dir)
+    ctx = build_context(cfg, data=data)
+    per = fastest_per_batch(ctx.candidates, ctx.cluster.iter_s)
+    m0, r = ctx.reference_batch, ctx.mapping.ratio
+    measured = {}
+    measured[m0], trajectory = static_run(ctx, per[m0], measure_every=every)
+    if not measured[m0]["reached"]:
+        raise SystemExit(f"{target}: the reference batch did not reach its own target")
+    trajectory = [p for p in trajectory if p["samples"] <= measured[m0]["samples"]]
+    for b in sorted(per):
+        if b != m0:
+            measured[b], _ = static_run(ctx, per[b])
+    s0 = measured[m0]["samples"]
+    out = {}
+    for b, rec in sorted(measured.items()):
+        eff = s0 / rec["samples"]
+        out[b] = {"measured": {**rec, "efficiency" if rec["reached"] else "efficiency_below": eff},
+                  "predicted": {}}
+        for key in DEFINITIONS:
+            s = predicted_samples(trajectory, b, m0, r, key)
+            out[b]["predicted"][key] = (None if s is None else
+                                        {"samples": s, "efficiency": s0 / s})
+    return {"proxy": spec["proxy"], "target_ppl": cfg.train.target_ppl, "ratio": r,
+            "reference_batch": m0, "lr": cfg.train.lr, "setup": setup,
+            "trajectory": trajectory, "batches": out, "wall_s": time.perf_counter() - t0}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", nargs="*", default=None, choices=sorted(MODELS))
+    p.add_argument("--every", type=int, default=10,
+                   help="steps between direct noise-scale measurements (default 10: "
+                   "cona.decision_interval of the TTP bench)")
+    p.add_argument("--cache-dir", default=None, help="tokenizer/dataset cache (data.cache_dir)")
+    p.add_argument("--out", type=Path, default=None, help="write cona_efficiency.json here")
+    p.add_argument("--jobs", type=int, default=2, help="families in parallel processes")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    args = p.parse_args(argv)
+    if args.jobs < 1 or args.threads < 1 or args.every < 1:
+        p.error("--jobs, --threads and --every must be >= 1")
+    models = {k: v for k, v in MODELS.items() if args.models is None or k in args.models}
+    t0 = time.perf_counter()
+    report = {"models": run_families(efficiency_family, models, args.jobs, BATCHES,
+                                     args.every, args.cache_dir, args.threads)}
+    report["wall_s"] = time.perf_counter() - t0
+    text = json.dumps(report, indent=2, default=float)
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "cona_efficiency.json").write_text(text + "\n")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
