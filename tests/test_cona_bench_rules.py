@@ -36,3 +36,19 @@ def test_rebased_micro_batch_divides_the_new_batch():
     assert moved.parallel.micro_batch_size == 3 and moved.parallel.global_batch_size == 6
     assert moved.train.lr_decay_iters == 400
     moved.validate()
+
+
+def test_efficiency_bench_prediction_integrates_pollux_over_the_trajectory():
+    """Catches a wrong prediction in ``bench/cona_efficiency.py`` (noise scale left in proxy
+    units, efficiency inverted, an interval dropped): at a constant noise scale the
+    predicted samples at batch M are the reference's times (r phi + M)/(r phi + M0)
+    exactly; an interval without an estimate takes its nearest neighbour's."""
+    from bench.cona_efficiency import predicted_samples
+
+    traj = [{"samples": s, "simple": 50.0, "other": None} for s in (100, 200, 300)]
+    want = 300 * (2 * 50 + 256) / (2 * 50 + 64)
+    assert predicted_samples(traj, 256, 64, 2, "simple") == pytest.approx(want)
+    assert predicted_samples(traj, 64, 64, 2, "simple") == pytest.approx(300)
+    assert predicted_samples(traj, 256, 64, 2, "other") is None
+    traj[0]["simple"], traj[2]["simple"] = None, -1.0  # both take the middle point's 50
+    assert predicted_samples(traj, 256, 64, 2, "simple") == pytest.approx(want)
