@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-STYLES = {"static_throughput": ("tab:gray", ":"), "static_oracle": ("tab:blue", "--"),
+STYLES = {"static_throughput": ("tab:gray", ":"), "static_throughput_long": ("tab:gray", "-"),
+          "static_oracle": ("tab:blue", "--"),
           "oracle_chain": ("tab:green", "-."), "cona": ("tab:red", "-")}
 
 
