@@ -34,14 +34,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.cona_ttp import BATCHES, MODELS, family_config, run_families  # noqa: E402
+import bench.cona_ttp as ttp  # noqa: E402
 
 DEFINITIONS = ("simple", "preconditioned", "in_run")
 
@@ -69,12 +68,8 @@ def static_run(ctx, strategy, measure_every: int | None = None):
     """Train ``strategy`` from the initial weights until the target or the budget.
 
     With ``measure_every`` (steps) the noise scale is measured directly along the way
-    (trajectory points).  Returns ``(record, trajectory)``."""
-    from cona.run import Loop
-
-    job = ctx.make_job(strategy)
-    loop = Loop(job, ctx.cfg, budget_samples=ctx.budget_samples,
-                eval_samples=ctx.eval_samples, keep_records=False)
+    (trajectory points; the last at the stop).  Returns ``(record, trajectory)``."""
+    job, loop = ttp.static_loop(ctx, strategy)
     trajectory = []
     while measure_every and not loop.done:
         nxt = job.trainer.step + measure_every
@@ -93,26 +88,22 @@ def static_run(ctx, strategy, measure_every: int | None = None):
 
 def efficiency_family(target: str, spec: dict, batches: list[int], every: int,
                       cache_dir: str | None, threads: int) -> dict:
-    import torch
-
-    torch.set_num_threads(threads)
-    logging.basicConfig(level=logging.INFO, force=True,
-                        format=f"[%(asctime)s {spec['proxy']}] %(name)s: %(message)s",
-                        datefmt="%H:%M:%S")
-    logging.getLogger("jobruntime").setLevel(logging.WARNING)
+    ttp.worker_setup(spec["proxy"], threads)
     from cona.baselines import fastest_per_batch
     from cona.context import build_context
 
     t0 = time.perf_counter()
-    cfg, ref, data, setup = family_config(target, spec, batches, cache_dir)
+    cfg, ref, data, setup = ttp.family_config(target, spec, batches, cache_dir)
     ctx = build_context(cfg, data=data)
     per = fastest_per_batch(ctx.candidates, ctx.cluster.iter_s)
     m0, r = ctx.reference_batch, ctx.mapping.ratio
+    if m0 not in per:
+        raise SystemExit(f"{target}: the reference batch {m0} (target sequences) is not a "
+                         f"candidate batch {sorted(per)}; the prediction needs it as M0")
     measured = {}
     measured[m0], trajectory = static_run(ctx, per[m0], measure_every=every)
     if not measured[m0]["reached"]:
         raise SystemExit(f"{target}: the reference batch did not reach its own target")
-    trajectory = [p for p in trajectory if p["samples"] <= measured[m0]["samples"]]
     for b in sorted(per):
         if b != m0:
             measured[b], _ = static_run(ctx, per[b])
@@ -120,7 +111,8 @@ def efficiency_family(target: str, spec: dict, batches: list[int], every: int,
     out = {}
     for b, rec in sorted(measured.items()):
         eff = s0 / rec["samples"]
-        out[b] = {"measured": {**rec, "efficiency" if rec["reached"] else "efficiency_below": eff},
+        label = "efficiency" if rec["reached"] else "efficiency_at_most"
+        out[b] = {"measured": {**rec, label: eff},
                   "predicted": {}}
         for key in DEFINITIONS:
             s = predicted_samples(trajectory, b, m0, r, key)
@@ -134,7 +126,7 @@ def efficiency_family(target: str, spec: dict, batches: list[int], every: int,
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--models", nargs="*", default=None, choices=sorted(MODELS))
+    p.add_argument("--models", nargs="*", default=None, choices=sorted(ttp.MODELS))
     p.add_argument("--every", type=int, default=10,
                    help="steps between direct noise-scale measurements (default 10: "
                    "cona.decision_interval of the TTP bench)")
@@ -145,9 +137,9 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.jobs < 1 or args.threads < 1 or args.every < 1:
         p.error("--jobs, --threads and --every must be >= 1")
-    models = {k: v for k, v in MODELS.items() if args.models is None or k in args.models}
+    models = {k: v for k, v in ttp.MODELS.items() if args.models is None or k in args.models}
     t0 = time.perf_counter()
-    report = {"models": run_families(efficiency_family, models, args.jobs, BATCHES,
+    report = {"models": ttp.run_families(efficiency_family, models, args.jobs, ttp.BATCHES,
                                      args.every, args.cache_dir, args.threads)}
     report["wall_s"] = time.perf_counter() - t0
     text = json.dumps(report, indent=2, default=float)

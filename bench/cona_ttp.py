@@ -194,8 +194,8 @@ def family_config(target: str, spec: dict, batches: list[int], cache_dir: str | 
     return cfg, ref, data, setup
 
 
-def bench_model(target: str, spec: dict, settings: dict, cache_dir: str | None,
-                out: str | None, threads: int) -> dict:
+def worker_setup(proxy: str, threads: int) -> None:
+    """A family's process: ``threads`` torch threads, log lines tagged with ``proxy``."""
     import torch
 
     torch.set_num_threads(threads)
@@ -203,9 +203,13 @@ def bench_model(target: str, spec: dict, settings: dict, cache_dir: str | None,
 
     setup_logging(logging.INFO)
     logging.basicConfig(level=logging.INFO, force=True,
-                        format=f"[%(asctime)s {spec['proxy']}] %(name)s: %(message)s",
-                        datefmt="%H:%M:%S")
+                        format=f"[%(asctime)s {proxy}] %(name)s: %(message)s", datefmt="%H:%M:%S")
     logging.getLogger("jobruntime").setLevel(logging.WARNING)
+
+
+def bench_model(target: str, spec: dict, settings: dict, cache_dir: str | None,
+                out: str | None, threads: int) -> dict:
+    worker_setup(spec["proxy"], threads)
     log = logging.getLogger("cona")
     from cona.baselines import run_cona, run_search
     from cona.context import build_context
@@ -225,8 +229,16 @@ def bench_model(target: str, spec: dict, settings: dict, cache_dir: str | None,
     methods = {k: search[k] for k in ("static_throughput", "static_oracle", "oracle_chain")}
     methods["cona"] = cona
     scale = settings.get("throughput_budget_scale")
-    if methods["static_throughput"]["ttp_s"] is None and scale:
-        methods["static_throughput_long"] = throughput_long(cfg, scale)
+    thr = methods["static_throughput"]
+    if thr["ttp_s"] is None and scale:
+        from cona.strategy import Strategy
+
+        batch = Strategy.from_label(thr["chain"][0]["strategy"]).global_batch_size
+        if search["per_batch"][batch]["cut"]:  # stopped by the search's bound: run it out
+            methods["static_throughput_long"] = {**throughput_long(cfg, 1, data), "reason": "cut"}
+        else:  # the budget ended before the target
+            methods["static_throughput_long"] = {**throughput_long(cfg, scale), "reason": "budget"}
+    t4 = time.perf_counter()
     so, oc = methods["static_oracle"], methods["oracle_chain"]
     if so is not None and oc["ttp_s"] is not None:
         assert oc["ttp_s"] <= so["ttp_s"] * (1 + 1e-12), "oracle_chain slower than static_oracle"
@@ -256,7 +268,8 @@ def bench_model(target: str, spec: dict, settings: dict, cache_dir: str | None,
         "methods": methods,
         "per_batch": search["per_batch"],
         "search": search["search"],
-        "wall_s": {"reference": t1 - t0, "static_and_oracle": t2 - t1, "cona": t3 - t2},
+        "wall_s": {"reference": t1 - t0, "static_and_oracle": t2 - t1, "cona": t3 - t2,
+                   "static_throughput_long": t4 - t3},
         # CPU seconds of this process: the wall time on an idle core (the machine is shared)
         "cpu_s": time.process_time() - c0,
     }
@@ -274,27 +287,40 @@ def bench_model(target: str, spec: dict, settings: dict, cache_dir: str | None,
     return result
 
 
-def throughput_long(cfg, scale: float) -> dict:
-    """``static_throughput`` given ``scale`` times the budget in samples, its LR decay
-    stretched over it (warmup unchanged): its TTP where the run's budget ends before the
-    target.  A different run from the table's (a longer schedule), reported apart."""
+def static_loop(ctx, strategy):
+    """``(job, loop)``: a job at ``strategy`` from the initial weights and its loop over
+    ``ctx``'s budget (to the target or the budget's end)."""
+    from cona.run import Loop
+
+    job = ctx.make_job(strategy)
+    return job, Loop(job, ctx.cfg, budget_samples=ctx.budget_samples,
+                     eval_samples=ctx.eval_samples, keep_records=False)
+
+
+def throughput_long(cfg, scale: float, data=None) -> dict:
+    """``static_throughput`` run out without the search's cut, given ``scale`` times the
+    budget in samples (its LR decay stretched over it, warmup unchanged): its TTP where
+    the table's run ended before the target.  With ``scale`` != 1 the training set is
+    built for the longer run, so its data order is its own (``data_order``; megatron
+    shuffles all epochs together); ``data`` (the table's) is only valid at scale 1.
+    Reported apart from the table's methods."""
     from cona.context import build_context
     from cona.controller import best_throughput_strategy
-    from cona.run import Loop
 
     long = copy.deepcopy(cfg)
     long.train.iters = max(round(cfg.train.iters * scale), 1)
     if long.train.lr_decay_iters:
         long.train.lr_decay_iters = max(round(cfg.train.lr_decay_iters * scale), 1)
-    ctx = build_context(long)
+    ctx = build_context(long, data=data if scale == 1 else None)
     strategy = best_throughput_strategy(ctx.candidates, ctx.cost_model)
-    job = ctx.make_job(strategy)
-    loop = Loop(job, long, budget_samples=ctx.budget_samples, eval_samples=ctx.eval_samples,
-                keep_records=False)
+    job, loop = static_loop(ctx, strategy)
     loop.run()
-    return {"ttp_s": loop.progress.ttp.ttp_s, "budget_scale": scale, "strategy": strategy.label,
-            "samples": job.consumed_samples, "budget_samples": ctx.budget_samples,
-            "evals": loop.progress.evals}
+    reached = loop.progress.ttp.reached
+    return {"ttp_s": loop.progress.ttp.ttp_s,
+            "ttp_lower_bound_s": None if reached else job.clock_s,
+            "budget_scale": scale, "data_order": "same" if scale == 1 else "own",
+            "strategy": strategy.label, "samples": job.consumed_samples,
+            "budget_samples": ctx.budget_samples, "evals": loop.progress.evals}
 
 
 def pollux_model(ctx, ref: dict) -> dict:
@@ -322,7 +348,9 @@ def ratios(methods: dict) -> dict:
     c = methods["cona"]["ttp_s"]
     out = {}
     for name in ("static_oracle", "oracle_chain", "static_throughput", "static_throughput_long"):
-        m = methods.get(name) or {}
+        if name not in methods:
+            continue
+        m = methods[name] or {}
         t = m.get("ttp_s")
         if c is None:
             out[f"{name}_over_cona"] = None

@@ -21,10 +21,12 @@ whole global batch, so no extra backward pass is needed.  Gradients must be of
 the *mean* loss over their batch (not the sum), before clipping, in fp32.
 
 Scale-free averaging (``normalize=True``, the default): each step's two estimates
-are divided by that step's ``|G_big|^2`` before they enter the EMAs, so the ratio
-averages the noise scale over recent steps with equal weight per step.  Without
-it the ratio of the EMAs weights each step by its own gradient scale; early in
-training ``|G|^2`` falls several-fold within the EMA's window, the old, large
+are divided by that step's ``|G_big|^2 ~ |G|^2 (1 + phi/B_big)`` before they enter
+the EMAs, so the ratio is a mean of the steps' noise scales ``phi_k`` weighted by
+``decay^age / (B_big + phi_k)``: free of the gradient's scale, though steps with a
+smaller noise scale still weigh more (a rising noise scale is still read low).
+Without it the ratio of the EMAs weights each step by ``decay^age |G_k|^2``; early
+in training ``|G|^2`` falls several-fold within the EMA's window, the old, large
 steps dominate both EMAs, and the ratio reads the noise scale of ~20 steps ago.
 Measured on the CONA bench (tiny_bert, 47 steps to the target; direct
 measurement from 64 micro-batches 139 sequences at the target): 43 with the

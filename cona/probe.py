@@ -186,30 +186,28 @@ def adam_preconditioner(trainer: Trainer) -> list[torch.Tensor] | None:
     parameter of ``trainer.module`` (the order of :func:`measure_noise_scale`).
 
     ``v_hat = exp_avg_sq / (1 - beta2^step)`` is Adam's bias-corrected second moment
-    (the AdamW inside megatron's optimizer; with bf16 the state of the fp32 main
-    copy).  Pollux (Qiao et al., OSDI'21, Sec. 3.1) measures the noise scale of
-    ``P g`` for adaptive optimizers.  ``None`` before the first optimizer step (no
-    state yet).
+    (the optimizer state of :func:`cona.state.optimizer_state_by_name`: with bf16 that
+    of the fp32 main copy; ``step`` from the state, or the group as apex keeps it).
+    Pollux (Qiao et al., OSDI'21, Sec. 3.1) measures the noise scale of ``P g`` for
+    adaptive optimizers.  ``None`` before the first optimizer step (no state yet).
     """
-    opt = trainer.optimizer
-    state = {}
-    for o in getattr(opt, "chained_optimizers", [opt]):
-        inner = o.optimizer
-        for group in inner.param_groups:
-            for p in group["params"]:
-                st = inner.state.get(p)
-                if st and "exp_avg_sq" in st:
-                    state[id(p)] = (st, group["betas"][1], group["eps"])
-    main = trainer._main_params()
+    from .state import optimizer_state_by_name
+
+    states = optimizer_state_by_name(trainer)
     weights = []
-    for p in trainer.module.parameters():
+    for name, p in trainer.module.named_parameters():
         if not _is_counted(p):
             continue
-        entry = state.get(id(main.get(id(p), p)))
-        if entry is None:
+        ps = states[name]
+        if "exp_avg_sq" not in ps.state:
             return None
-        st, beta2, eps = entry
-        v_hat = st["exp_avg_sq"].double() / (1 - beta2 ** float(st["step"]))
+        group = next(g for g in ps.holder.param_groups if any(q is ps.main for q in g["params"]))
+        step = float(ps.state.get("step", group.get("step", 0)))
+        if step < 1:
+            return None
+        beta2, eps = group["betas"][1], group["eps"]
+        correction = 1 - beta2**step if group.get("bias_correction", True) else 1.0
+        v_hat = ps.state["exp_avg_sq"].double() / correction
         weights.append(1.0 / (v_hat.sqrt() + eps))
     return weights
 

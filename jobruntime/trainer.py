@@ -239,9 +239,9 @@ class Trainer:
     # -- public -----------------------------------------------------------
     def zero_grad(self) -> None:
         """Zero megatron's gradient buffers (``main_grad``) and drop ``param.grad``; models
-        in train mode.  Needed before every backward: after an optimizer step megatron's
-        fp32 optimizer leaves ``param.grad`` aliasing ``main_grad``, and the DDP hook
-        (``main_grad += param.grad``) then counts the next backward's gradient twice."""
+        in train mode.  Needed before the first backward after an optimizer step:
+        megatron's fp32 optimizer leaves ``param.grad`` aliasing ``main_grad``, and the
+        DDP hook (``main_grad += param.grad``) then counts that backward's gradient twice."""
         for m in self.model:
             m.train()
             m.zero_grad_buffer()

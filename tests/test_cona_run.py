@@ -133,13 +133,16 @@ def _preconditioner_checks(trainer, mbs):
     plain = measure_noise_scale(trainer, mbs)
     twice = measure_noise_scale(trainer, mbs, [torch.full_like(w, 2.0) for w in weights])
     with_p = measure_noise_scale(trainer, mbs, weights)
+    half = len(weights) // 2
+    mixed = measure_noise_scale(trainer, mbs, [torch.full_like(w, 1.0 if i < half else 3.0)
+                                               for i, w in enumerate(weights)])
     try:
         measure_noise_scale(trainer, mbs, weights[:-1])
         short = None
     except ValueError as e:
         short = str(e)
     return {"min": float(prod.min()), "max": float(prod.max()), "count": prod.numel(),
-            "plain": plain, "twice": twice, "with_p": with_p, "short": short}
+            "plain": plain, "twice": twice, "with_p": with_p, "mixed": mixed, "short": short}
 
 
 @pytest.fixture(scope="module")
@@ -229,13 +232,14 @@ def test_adam_preconditioner_and_preconditioned_noise_scale(emulated):
     """Catches a wrong Pollux preconditioner (Qiao et al. OSDI'21 Sec. 3.1): without
     Adam's bias correction ``P |g|`` would be 1/sqrt(1 - beta2) = 31.6 after one step,
     and a mis-matched parameter order would scatter it; it must be 1 within 1 %.  A
-    constant weight must leave the noise scale unchanged (it is a ratio): measured
-    right after the step before ``Trainer.zero_grad`` existed, the first micro-batch's
-    gradient counted twice (``param.grad`` aliased ``main_grad``) and the two read 17.0
-    and 14.9.  A wrong number of weights must be refused."""
+    constant weight must leave the noise scale unchanged (it is a ratio), unequal ones
+    must change it; measured right after the step before ``Trainer.zero_grad`` existed,
+    the first micro-batch's gradient counted twice (``param.grad`` aliased ``main_grad``)
+    and the two read 17.0 and 14.9.  A wrong number of weights must be refused."""
     _, probe, _ = emulated
     p = probe["precond"]
     assert p["count"] > 1000 and 0.99 <= p["min"] and p["max"] <= 1.0 + 1e-9
     assert p["plain"] is not None and p["twice"] == pytest.approx(p["plain"], rel=1e-9)
-    assert p["with_p"] is None or p["with_p"] > 0
+    assert p["with_p"] is None or p["with_p"] > 0  # None: |P G|^2's estimate not positive
+    assert p["mixed"] != pytest.approx(p["plain"], rel=1e-3)  # the weights are applied
     assert p["short"] is not None and "weights for" in p["short"]
