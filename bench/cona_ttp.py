@@ -72,7 +72,7 @@ MODELS = {  # the longest first, so that --jobs 2 ends soonest
     "llama3.2_1b": {"proxy": "tiny_llama", "iters": 375, "seq": 64},
     "gpt3_1.3b": {"proxy": "tiny_gpt", "iters": 375, "seq": 64},
 }
-FULL = {"windows": 3, "batches": BATCHES, "throughput_budget_scale": 4}
+FULL = {"windows": 3, "batches": BATCHES, "throughput_budget_scale": 4, "gns_ablation": True}
 QUICK = {"windows": 2, "batches": BATCHES[:3], "models": {
     "gpt3_1.3b": {"proxy": "tiny_gpt", "iters": 150, "seq": 64}}}
 COMMON = [
@@ -225,9 +225,15 @@ def bench_model(target: str, spec: dict, settings: dict, cache_dir: str | None,
     t2 = time.perf_counter()
     log.info("static + oracle search done in %.0f s: %s", t2 - t1, search["search"])
     cona, loop = run_cona(ctx)
+    if settings.get("gns_ablation"):  # the same controller on the plain EMA ratio
+        plain = copy.deepcopy(cfg)
+        plain.cona.gns_average = "plain"
+        cona_plain, _ = run_cona(build_context(plain, data=data))
     t3 = time.perf_counter()
     methods = {k: search[k] for k in ("static_throughput", "static_oracle", "oracle_chain")}
     methods["cona"] = cona
+    if settings.get("gns_ablation"):
+        methods["cona_plain_gns"] = cona_plain
     scale = settings.get("throughput_budget_scale")
     thr = methods["static_throughput"]
     if thr["ttp_s"] is None and scale:
@@ -358,6 +364,10 @@ def ratios(methods: dict) -> dict:
             out[f"{name}_over_cona"] = t / c
         elif m.get("ttp_lower_bound_s") is not None:
             out[f"{name}_over_cona_at_least"] = m["ttp_lower_bound_s"] / c
+    plain = (methods.get("cona_plain_gns") or {}).get("ttp_s")
+    best = (methods.get("static_oracle") or {}).get("ttp_s")
+    if plain and best:
+        out["static_oracle_over_cona_plain_gns"] = best / plain
     return out
 
 

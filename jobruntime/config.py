@@ -531,6 +531,10 @@ class ConaConfig:
     """Steps over which a switch must repay its measured cost."""
     lr_scaling: Literal["sqrt", "linear", "none"] = "sqrt"
     """How the learning rate follows the global batch size when it changes."""
+    gns_average: Literal["scale_free", "plain"] = "scale_free"
+    """How the noise-scale estimator averages steps (``cona/grad_stats.py``): ``scale_free``
+    divides each step's estimates by its ``|G_big|^2`` (tracks a rising noise scale);
+    ``plain`` is McCandlish's ratio of EMAs, which lags ~20 steps early in training."""
     start_slack: float = 0.02
     """Emulated mode: the start layout may be this fraction slower than the fastest at the
     start batch if it runs the next larger batch faster (``cona.controller.start_strategy``:
