@@ -17,6 +17,11 @@ sample-based schedule:
 - ``oracle_chain``: exact branch-and-bound search over chains on a window grid
   (``cona/oracle.py``); asserted ``<= static_oracle``.
 
+Full runs add two rows outside the table's comparison: ``cona_scale_free_gns``
+(the same controller with ``cona.gns_average=scale_free``) and, where
+``static_throughput`` misses the target, ``static_throughput_long`` (its TTP given
+4x the budget, own data order; :func:`throughput_long`).
+
 Rules fixed before any method runs (per family):
 
 1. **Reference and target.** The reference is the proxy at its preset global
@@ -225,15 +230,15 @@ def bench_model(target: str, spec: dict, settings: dict, cache_dir: str | None,
     t2 = time.perf_counter()
     log.info("static + oracle search done in %.0f s: %s", t2 - t1, search["search"])
     cona, loop = run_cona(ctx)
-    if settings.get("gns_ablation"):  # the same controller on the plain EMA ratio
-        plain = copy.deepcopy(cfg)
-        plain.cona.gns_average = "plain"
-        cona_plain, _ = run_cona(build_context(plain, data=data))
+    if settings.get("gns_ablation"):  # the same controller on the scale-free average
+        other = copy.deepcopy(cfg)
+        other.cona.gns_average = "scale_free"
+        cona_scale_free, _ = run_cona(build_context(other, data=data))
     t3 = time.perf_counter()
     methods = {k: search[k] for k in ("static_throughput", "static_oracle", "oracle_chain")}
     methods["cona"] = cona
     if settings.get("gns_ablation"):
-        methods["cona_plain_gns"] = cona_plain
+        methods["cona_scale_free_gns"] = cona_scale_free
     scale = settings.get("throughput_budget_scale")
     thr = methods["static_throughput"]
     if thr["ttp_s"] is None and scale:
@@ -266,6 +271,9 @@ def bench_model(target: str, spec: dict, settings: dict, cache_dir: str | None,
         "gns_growth": {"cona_first_to_last_decision": growth(decided),
                        "cona_first_decision": next((v for v in decided if v), None),
                        "cona_last_decision": next((v for v in reversed(decided) if v), None),
+                       "cona_scale_free_first_to_last_decision": growth(
+                           [d["noise_scale"] for d in methods["cona_scale_free_gns"]["decisions"]])
+                       if "cona_scale_free_gns" in methods else None,
                        "reference_direct": ref["noise_scale_proxy"]
                        / ref["noise_scale_first_decision_proxy"]
                        if ref["noise_scale_first_decision_proxy"] else None},
@@ -364,10 +372,10 @@ def ratios(methods: dict) -> dict:
             out[f"{name}_over_cona"] = t / c
         elif m.get("ttp_lower_bound_s") is not None:
             out[f"{name}_over_cona_at_least"] = m["ttp_lower_bound_s"] / c
-    plain = (methods.get("cona_plain_gns") or {}).get("ttp_s")
+    other = (methods.get("cona_scale_free_gns") or {}).get("ttp_s")
     best = (methods.get("static_oracle") or {}).get("ttp_s")
-    if plain and best:
-        out["static_oracle_over_cona_plain_gns"] = best / plain
+    if other and best:
+        out["static_oracle_over_cona_scale_free_gns"] = best / other
     return out
 
 

@@ -20,7 +20,7 @@ gradient (before the DP all-reduce) and ``G_big`` the averaged gradient of the
 whole global batch, so no extra backward pass is needed.  Gradients must be of
 the *mean* loss over their batch (not the sum), before clipping, in fp32.
 
-Scale-free averaging (``normalize=True``, the default): each step's two estimates
+Scale-free averaging (``normalize=True``; ``cona.gns_average``): each step's two estimates
 are divided by that step's ``|G_big|^2 ~ |G|^2 (1 + phi/B_big)`` before they enter
 the EMAs, so the ratio is a mean of the steps' noise scales ``phi_k`` weighted by
 ``decay^age / (B_big + phi_k)``: free of the gradient's scale, though steps with a
@@ -94,7 +94,7 @@ class GradientNoiseScale:
     """
 
     def __init__(self, ema_decay: float = 0.95, outlier_factor: float | None = 10.0,
-                 normalize: bool = True) -> None:
+                 normalize: bool = False) -> None:
         if not 0.0 <= ema_decay < 1.0:
             raise ValueError(f"ema_decay={ema_decay} must be in [0, 1)")
         if outlier_factor is not None and outlier_factor <= 1.0:
