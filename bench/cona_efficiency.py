@@ -11,7 +11,8 @@ batch ratio ``r``, grid, sqrt LR rule, schedule in samples):
    run): ``B_simple`` (McCandlish et al. 2018, what the controller uses) and the
    noise scale of Adam-preconditioned gradients (``tr(P Sigma P)/|P G|^2``, P =
    ``1/(sqrt(v_hat) + eps)``: what Pollux uses for adaptive optimizers, Sec. 3.1), and
-   the controller's own in-run estimate (:class:`cona.grad_stats.GradientNoiseScale`).
+   the controller's own in-run estimates (:class:`cona.grad_stats.GradientNoiseScale`,
+   ``cona.gns_average`` plain and scale-free).
 2. **Measured.**  Every other grid batch trained static in its fastest layout until the
    target or the budget: proxy samples to the target (at evaluation granularity) and
    the highest validation perplexity after the first evaluation (a spike there is an
@@ -42,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import bench.cona_ttp as ttp  # noqa: E402
 
-DEFINITIONS = ("simple", "preconditioned", "in_run")
+DEFINITIONS = ("simple", "preconditioned", "in_run_plain", "in_run_scale_free")
 
 
 def predicted_samples(trajectory: list[dict], batch: float, reference_batch: float,
@@ -77,7 +78,8 @@ def static_run(ctx, strategy, measure_every: int | None = None):
         trajectory.append({"step": job.trainer.step, "samples": job.consumed_samples,
                            "simple": job.measure_noise_scale(),
                            "preconditioned": job.measure_noise_scale(preconditioned=True),
-                           "in_run": job.gns.noise_scale})
+                           "in_run_plain": job.gns.noise_scale_plain,
+                           "in_run_scale_free": job.gns.noise_scale_scale_free})
     loop.run()
     evals = [e["val_ppl"] for e in loop.progress.evals]
     record = {"reached": loop.progress.ttp.reached, "samples": job.consumed_samples,

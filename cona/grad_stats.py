@@ -104,7 +104,7 @@ class GradientNoiseScale:
         self.normalize = normalize
         self._g_sq = 0.0
         self._trace = 0.0
-        self._g_rel = 0.0  # EMA of |G|^2 / |G_big|^2 (normalize) or of |G|^2
+        self._g_rel = 0.0  # EMA of |G|^2 / |G_big|^2 (the scale-free average)
         self._trace_rel = 0.0  # the same for tr(Sigma)
         self._big = 0.0  # EMA of |G_big|^2 (outlier test)
         self._weight = 0.0  # 1 - decay^n, the bias correction
@@ -145,11 +145,11 @@ class GradientNoiseScale:
                 and big_sq_norm > self.outlier_factor * self._big / self._weight):
             self.num_skipped += 1
             return g_sq, trace
-        if self.normalize and big_sq_norm <= 0:  # an all-zero gradient carries no scale
+        if big_sq_norm <= 0:  # an all-zero gradient carries no scale
             self.num_skipped += 1
             return g_sq, trace
         d = self.ema_decay
-        w = 1.0 / big_sq_norm if self.normalize else 1.0
+        w = 1.0 / big_sq_norm
         self._g_sq = d * self._g_sq + (1 - d) * g_sq
         self._trace = d * self._trace + (1 - d) * trace
         self._g_rel = d * self._g_rel + (1 - d) * g_sq * w
@@ -171,8 +171,21 @@ class GradientNoiseScale:
 
     @property
     def noise_scale(self) -> float | None:
-        """``B_simple = tr(Sigma)/|G|^2`` in samples (averaged as the class says); ``None``
-        until both averages are positive."""
+        """``B_simple = tr(Sigma)/|G|^2`` in samples, averaged as ``normalize`` says
+        (:attr:`noise_scale_plain` or :attr:`noise_scale_scale_free`)."""
+        return self.noise_scale_scale_free if self.normalize else self.noise_scale_plain
+
+    @property
+    def noise_scale_plain(self) -> float | None:
+        """The ratio of the plain EMAs; ``None`` until both are positive."""
+        if not self.num_updates or self._g_sq <= 0 or self._trace <= 0:
+            return None
+        return self._trace / self._g_sq
+
+    @property
+    def noise_scale_scale_free(self) -> float | None:
+        """The ratio of the scale-free EMAs (module docstring); ``None`` until both are
+        positive."""
         if not self.num_updates or self._g_rel <= 0 or self._trace_rel <= 0:
             return None
         return self._trace_rel / self._g_rel
@@ -208,6 +221,7 @@ class GradientNoiseScale:
         self._g_sq = float(state["g_sq"])
         self._trace = float(state["trace"])
         # a state saved before scale-free averaging existed continues as the plain ratio
+        # (its scale-free average starts from the plain one)
         self.normalize = bool(state.get("normalize", False))
         self._g_rel = float(state.get("g_rel", self._g_sq))
         self._trace_rel = float(state.get("trace_rel", self._trace))
