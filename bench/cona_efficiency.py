@@ -34,7 +34,6 @@ model); no clock is involved.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -144,11 +143,7 @@ def main(argv=None) -> int:
     report = {"models": ttp.run_families(efficiency_family, models, args.jobs, ttp.BATCHES,
                                      args.every, args.cache_dir, args.threads)}
     report["wall_s"] = time.perf_counter() - t0
-    text = json.dumps(report, indent=2, default=float)
-    if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "cona_efficiency.json").write_text(text + "\n")
-    print(text)
+    ttp.write_report(report, args.out, "cona_efficiency.json")
     return 0
 
 

@@ -414,12 +414,20 @@ def main(argv=None) -> int:
                                     out, args.threads)
     report["wall_s"] = time.perf_counter() - t0
     report["load_average_1min_at_end"] = os.getloadavg()[0]
-    text = json.dumps(report, indent=2, default=float)
-    if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "cona_ttp.json").write_text(text + "\n")
-    print(text)
+    write_report(report, args.out, "cona_ttp.json")
     return 0
+
+
+def write_report(report: dict, out: Path | None, name: str) -> None:
+    """Print ``report`` as JSON; with ``out`` also write it to ``out/name`` (through a
+    temporary name, so a killed run leaves no half-written report)."""
+    text = json.dumps(report, indent=2, default=float)
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        tmp = out / f".{name}.tmp"
+        tmp.write_text(text + "\n")
+        tmp.replace(out / name)
+    print(text)
 
 
 def run_families(fn, models: dict, jobs: int, *args) -> dict:
