@@ -15,8 +15,8 @@ batch ratio ``r``, grid, sqrt LR rule, schedule in samples):
    ``cona.gns_average`` plain and scale-free).
 2. **Measured.**  Every other grid batch trained static in its fastest layout until the
    target or the budget: proxy samples to the target (at evaluation granularity) and
-   the highest validation perplexity after the first evaluation (a spike there is an
-   unstable run).  ``efficiency = samples(M0) / samples(M)``.
+   whether the validation perplexity ever more than doubled between two evaluations
+   (an unstable run).  ``efficiency = samples(M0) / samples(M)``.
 3. **Predicted.**  ``samples(M) = sum_k dS_k / E(M, r phi_k)`` over the trajectory's
    intervals (``phi_k`` measured at the end of interval ``k``; an interval without a
    positive estimate takes its neighbour's), for each noise-scale definition.
@@ -83,7 +83,8 @@ def static_run(ctx, strategy, measure_every: int | None = None):
     evals = [e["val_ppl"] for e in loop.progress.evals]
     record = {"reached": loop.progress.ttp.reached, "samples": job.consumed_samples,
               "strategy": strategy.label,
-              "peak_val_ppl_after_first_eval": max(evals[1:], default=None)}
+              "peak_val_ppl_after_first_eval": max(evals[1:], default=None),
+              "val_ppl_doubled": any(b > 2 * a for a, b in zip(evals, evals[1:]))}
     return record, trajectory
 
 
