@@ -28,9 +28,9 @@ smaller noise scale still weigh more (a rising noise scale is still read low).
 Without it the ratio of the EMAs weights each step by ``decay^age |G_k|^2``; early
 in training ``|G|^2`` falls several-fold within the EMA's window, the old, large
 steps dominate both EMAs, and the ratio reads the noise scale of ~20 steps ago.
-Measured on the CONA bench (tiny_bert, 47 steps to the target; direct
-measurement from 64 micro-batches 139 sequences at the target): 43 with the
-plain EMA, 110 scale-free, at the same decay 0.95.  ``|G_big|^2 = |G|^2 +
+Measured on the CONA bench (``bench/cona_efficiency.py``, tiny_bert, 48 steps
+to the target; direct measurement from 64 micro-batches 125 sequences at the
+target): 44 with the plain EMA, 113 scale-free, at the same decay 0.95.  ``|G_big|^2 = |G|^2 +
 tr(Sigma)/B_big`` is a norm, never a small difference, so the weights are stable.
 The EMAs of ``|G|^2`` and ``tr(Sigma)`` in their own units are kept for reporting.
 

@@ -535,8 +535,8 @@ class ConaConfig:
     """How the noise-scale estimator averages steps (``cona/grad_stats.py``): ``plain`` is
     McCandlish's ratio of EMAs, which reads a rising noise scale low (~20 steps behind
     early in training); ``scale_free`` divides each step's estimates by its
-    ``|G_big|^2`` and tracks it closer (tiny_bert: 110 against 139 measured directly,
-    plain 43).  ``plain`` is the default because CONA ranked better with it (GPT-3 bench:
+    ``|G_big|^2`` and tracks it closer (tiny_bert: 113 against 125 measured directly,
+    plain 44).  ``plain`` is the default because CONA ranked better with it (GPT-3 bench:
     44.13 s against 47.90 s; Llama and BERT equal): Pollux's efficiency on ``B_simple``
     overrates larger batches there and the lag offsets part of that (README)."""
     start_slack: float = 0.02

@@ -193,8 +193,8 @@ def test_gns_growth_detected_where_true_noise_scale_is_known():
 
 
 def test_scale_free_average_follows_a_fast_rise():
-    """Catches the lag of the plain ratio of EMAs (seen on the CONA bench: 43 where a direct
-    measurement gave 139 on tiny_bert): when |G|^2 falls several-fold within the EMA's
+    """Catches the lag of the plain ratio of EMAs (seen on the CONA bench: 44 where a direct
+    measurement gave 125 on tiny_bert): when |G|^2 falls several-fold within the EMA's
     window, old large-gradient steps dominate both EMAs.  On least squares at lr 0.01 the
     true noise scale grows 27x in 300 steps; over seeds 0-4 and the last four decision
     points (every 30 steps) the scale-free estimate must read >= 0.78 of the truth on
