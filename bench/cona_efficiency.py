@@ -114,12 +114,10 @@ def efficiency_family(target: str, spec: dict, batches: list[int], every: int,
     for b, rec in sorted(measured.items()):
         eff = s0 / rec["samples"]
         label = "efficiency" if rec["reached"] else "efficiency_at_most"
+        predicted = {key: predicted_samples(trajectory, b, m0, r, key) for key in DEFINITIONS}
         out[b] = {"measured": {**rec, label: eff},
-                  "predicted": {}}
-        for key in DEFINITIONS:
-            s = predicted_samples(trajectory, b, m0, r, key)
-            out[b]["predicted"][key] = (None if s is None else
-                                        {"samples": s, "efficiency": s0 / s})
+                  "predicted": {key: None if s is None else {"samples": s, "efficiency": s0 / s}
+                                for key, s in predicted.items()}}
     return {"proxy": spec["proxy"], "target_ppl": cfg.train.target_ppl, "ratio": r,
             "reference_batch": m0, "lr": cfg.train.lr, "setup": setup,
             "trajectory": trajectory, "batches": out, "wall_s": time.perf_counter() - t0}

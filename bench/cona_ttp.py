@@ -229,16 +229,13 @@ def bench_model(target: str, spec: dict, settings: dict, cache_dir: str | None,
     search = run_search(ctx, boundaries)
     t2 = time.perf_counter()
     log.info("static + oracle search done in %.0f s: %s", t2 - t1, search["search"])
-    cona, loop = run_cona(ctx)
+    methods = {k: search[k] for k in ("static_throughput", "static_oracle", "oracle_chain")}
+    methods["cona"], loop = run_cona(ctx)
     if settings.get("gns_ablation"):  # the same controller on the scale-free average
         other = copy.deepcopy(cfg)
         other.cona.gns_average = "scale_free"
-        cona_scale_free, _ = run_cona(build_context(other, data=data))
+        methods["cona_scale_free_gns"], _ = run_cona(build_context(other, data=data))
     t3 = time.perf_counter()
-    methods = {k: search[k] for k in ("static_throughput", "static_oracle", "oracle_chain")}
-    methods["cona"] = cona
-    if settings.get("gns_ablation"):
-        methods["cona_scale_free_gns"] = cona_scale_free
     scale = settings.get("throughput_budget_scale")
     thr = methods["static_throughput"]
     if thr["ttp_s"] is None and scale:
@@ -253,7 +250,7 @@ def bench_model(target: str, spec: dict, settings: dict, cache_dir: str | None,
     so, oc = methods["static_oracle"], methods["oracle_chain"]
     if so is not None and oc["ttp_s"] is not None:
         assert oc["ttp_s"] <= so["ttp_s"] * (1 + 1e-12), "oracle_chain slower than static_oracle"
-    decided = [d["noise_scale"] for d in cona["decisions"]]
+    decided = [d["noise_scale"] for d in methods["cona"]["decisions"]]
     result = {
         "proxy": spec["proxy"],
         "target_ppl": cfg.train.target_ppl,

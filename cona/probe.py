@@ -194,6 +194,8 @@ def adam_preconditioner(trainer: Trainer) -> list[torch.Tensor] | None:
     from .state import optimizer_state_by_name
 
     states = optimizer_state_by_name(trainer)
+    group_of = {id(q): g for ps in states.values() for g in ps.holder.param_groups
+                for q in g["params"]}
     weights = []
     for name, p in trainer.module.named_parameters():
         if not _is_counted(p):
@@ -201,7 +203,7 @@ def adam_preconditioner(trainer: Trainer) -> list[torch.Tensor] | None:
         ps = states[name]
         if "exp_avg_sq" not in ps.state:
             return None
-        group = next(g for g in ps.holder.param_groups if any(q is ps.main for q in g["params"]))
+        group = group_of[id(ps.main)]
         step = float(ps.state.get("step", group.get("step", 0)))
         if step < 1:
             return None
