@@ -17,8 +17,10 @@ sample-based schedule:
 - ``oracle_chain``: exact branch-and-bound search over chains on a window grid
   (``cona/oracle.py``); asserted ``<= static_oracle``.
 
-Full runs add two rows outside the table's comparison: ``cona_scale_free_gns``
-(the same controller with ``cona.gns_average=scale_free``) and, where
+Full runs add rows outside the table's comparison: the same controller on other
+noise-scale estimates (:data:`GNS_ABLATION`: ``cona_scale_free_gns`` with
+``cona.gns_average=scale_free``, ``cona_preconditioned_gns`` with
+``cona.gns_preconditioned=true``, Pollux's estimate for Adam) and, where
 ``static_throughput`` misses the target, ``static_throughput_long`` (its TTP given
 4x the budget, own data order; :func:`throughput_long`).
 
@@ -77,6 +79,9 @@ MODELS = {  # the longest first, so that --jobs 2 ends soonest
     "llama3.2_1b": {"proxy": "tiny_llama", "iters": 375, "seq": 64},
     "gpt3_1.3b": {"proxy": "tiny_gpt", "iters": 375, "seq": 64},
 }
+# full runs: (method name, cona config field, value) of the noise-scale ablation rows
+GNS_ABLATION = [("cona_scale_free_gns", "gns_average", "scale_free"),
+                ("cona_preconditioned_gns", "gns_preconditioned", True)]
 FULL = {"windows": 3, "batches": BATCHES, "throughput_budget_scale": 4, "gns_ablation": True}
 QUICK = {"windows": 2, "batches": BATCHES[:3], "models": {
     "gpt3_1.3b": {"proxy": "tiny_gpt", "iters": 150, "seq": 64}}}
@@ -231,10 +236,11 @@ def bench_model(target: str, spec: dict, settings: dict, cache_dir: str | None,
     log.info("static + oracle search done in %.0f s: %s", t2 - t1, search["search"])
     methods = {k: search[k] for k in ("static_throughput", "static_oracle", "oracle_chain")}
     methods["cona"], loop = run_cona(ctx)
-    if settings.get("gns_ablation"):  # the same controller on the scale-free average
-        other = copy.deepcopy(cfg)
-        other.cona.gns_average = "scale_free"
-        methods["cona_scale_free_gns"], _ = run_cona(build_context(other, data=data))
+    if settings.get("gns_ablation"):  # the same controller on other noise-scale estimates
+        for name, field, value in GNS_ABLATION:
+            other = copy.deepcopy(cfg)
+            setattr(other.cona, field, value)
+            methods[name], _ = run_cona(build_context(other, data=data))
     t3 = time.perf_counter()
     scale = settings.get("throughput_budget_scale")
     thr = methods["static_throughput"]
@@ -268,9 +274,9 @@ def bench_model(target: str, spec: dict, settings: dict, cache_dir: str | None,
         "gns_growth": {"cona_first_to_last_decision": growth(decided),
                        "cona_first_decision": next((v for v in decided if v), None),
                        "cona_last_decision": next((v for v in reversed(decided) if v), None),
-                       "cona_scale_free_first_to_last_decision": growth(
-                           [d["noise_scale"] for d in methods["cona_scale_free_gns"]["decisions"]])
-                       if "cona_scale_free_gns" in methods else None,
+                       **{f"{name}_first_to_last_decision": growth(
+                           [d["noise_scale"] for d in methods[name]["decisions"]])
+                          for name, _, _ in GNS_ABLATION if name in methods},
                        "reference_direct": ref["noise_scale_proxy"]
                        / ref["noise_scale_first_decision_proxy"]
                        if ref["noise_scale_first_decision_proxy"] else None},
@@ -369,10 +375,11 @@ def ratios(methods: dict) -> dict:
             out[f"{name}_over_cona"] = t / c
         elif m.get("ttp_lower_bound_s") is not None:
             out[f"{name}_over_cona_at_least"] = m["ttp_lower_bound_s"] / c
-    other = (methods.get("cona_scale_free_gns") or {}).get("ttp_s")
     best = (methods.get("static_oracle") or {}).get("ttp_s")
-    if other and best:
-        out["static_oracle_over_cona_scale_free_gns"] = best / other
+    for name, _, _ in GNS_ABLATION:
+        other = (methods.get(name) or {}).get("ttp_s")
+        if other and best:
+            out[f"static_oracle_over_{name}"] = best / other
     return out
 
 

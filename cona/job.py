@@ -112,7 +112,7 @@ class Job:
         self.ctx, self.cfg, self.data = ctx, ctx.cfg, ctx.data
         self.reference_batch = ctx.cfg.parallel.global_batch_size
         self.gns = GradientNoiseScale(normalize=ctx.cfg.cona.gns_average == "scale_free")
-        self.probe = GNSProbe(self.gns)
+        self.probe = GNSProbe(self.gns, preconditioned=ctx.cfg.cona.gns_preconditioned)
 
     # -- helpers ------------------------------------------------------------
     def proxy_batch(self, strategy: Strategy) -> int:

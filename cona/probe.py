@@ -29,6 +29,13 @@ gradient lacks the output-layer part (megatron adds it inside
 ``finalize_model_grads``), so the probe sums a copy over the embedding group.
 The replica norms are averaged over DP.  All results are identical on every
 rank.  Cost: two passes over the gradients and a few scalar all-reduces per step.
+
+Preconditioned (``preconditioned=True``; ``cona.gns_preconditioned``): every
+gradient is multiplied by Adam's preconditioner ``P = 1/(sqrt(v_hat) + eps)``
+(:func:`adam_preconditioner`, the state before this step's update) before its
+norm, so the estimate is Pollux's ``tr(P Sigma P) / |P G|^2`` (Qiao et al.,
+OSDI'21, Sec. 3.1) instead of ``B_simple``.  No estimate on the first step (no
+optimizer state yet).  Cost: one more pass over the optimizer state per step.
 """
 
 from __future__ import annotations
@@ -71,14 +78,17 @@ class GNSProbe:
 
     Args:
         estimator: the estimator the controller reads.
+        preconditioned: norms of Adam-preconditioned gradients (module docstring).
 
     Attributes:
         mode: ``"replica"``, ``"microbatch"`` or ``None`` (no estimate possible).
         last: the last step's ``(small_sq, small_batch, big_sq, big_batch)``.
     """
 
-    def __init__(self, estimator: GradientNoiseScale):
-        self.estimator = estimator
+    def __init__(self, estimator: GradientNoiseScale, preconditioned: bool = False):
+        self.estimator, self.preconditioned = estimator, preconditioned
+        self._weight: dict[int, torch.Tensor] | None = None  # id(param) -> P this step
+        self._skip = False  # no preconditioner yet: no estimate this step
         self.trainer: Trainer | None = None
         self.mode: str | None = None
         self.last: tuple | None = None
@@ -112,6 +122,7 @@ class GNSProbe:
             if self.trainer.microbatch_hook == self._on_microbatch:
                 self.trainer.microbatch_hook = None
         self.trainer, self._orig, self._prev, self._small = None, None, None, []
+        self._weight, self._skip = None, False
 
     # -- norms --------------------------------------------------------------
     def _sq_norm(self, fix_tied: bool) -> float:
@@ -130,18 +141,33 @@ class GNSProbe:
             dist.all_reduce(g, group=module.embd_group)  # input + output parts
             tied = w
             if _is_counted(w):
-                total += _sq(g)
+                total += _sq(self._weighted(w, g))
         for param in module.parameters():
             g = _grad(param)
             if g is None or param is tied or not _is_counted(param):
                 continue
-            total += _sq(g)
+            total += _sq(self._weighted(param, g))
         _all_reduce(total, parallel_state.get_model_parallel_group())
         return float(total[0])
 
+    def _weighted(self, param, g: torch.Tensor) -> torch.Tensor:
+        """``P g`` when preconditioned (fp64, like the norms), else ``g``."""
+        return g if self._weight is None else g.detach().double() * self._weight[id(param)]
+
+    def _load_weights(self) -> bool:
+        """Fetch this step's preconditioner; ``False``: none yet, so no estimate this step."""
+        if not self.preconditioned:
+            return True
+        weights = adam_preconditioner(self.trainer)
+        counted = [p for p in self.trainer.module.parameters() if _is_counted(p)]
+        self._weight = None if weights is None else {
+            id(p): w for p, w in zip(counted, weights, strict=True)}
+        return self._weight is not None
+
     def _grads(self) -> list[torch.Tensor]:
-        """Copies of this rank's counted gradients (``dp = pp = 1``: the whole model)."""
-        return [g.detach().clone() for p in self.trainer.module.parameters()
+        """Copies of this rank's counted gradients (``dp = pp = 1``: the whole model),
+        preconditioned when asked."""
+        return [self._weighted(p, g).detach().clone() for p in self.trainer.module.parameters()
                 if _is_counted(p) and (g := _grad(p)) is not None]
 
     def _microbatch_sq(self) -> None:
@@ -155,18 +181,19 @@ class GNSProbe:
     def _on_microbatch(self, index: int) -> None:
         if index == 0:
             self._prev, self._small = None, []
-        else:
+            self._skip = not self._load_weights()
+        elif not self._skip:
             self._microbatch_sq()
 
     def _finalize(self, *args, **kwargs):
         small = None
         p = self.trainer.cfg.parallel
-        if self.mode == "replica":
+        if self.mode == "replica" and self._load_weights():
             local = torch.tensor([self._sq_norm(fix_tied=True)], dtype=torch.float64,
                                  device=self.trainer.device)
             _all_reduce(local, parallel_state.get_data_parallel_group())
             small, small_batch = float(local[0]) / self._dp, p.global_batch_size // self._dp
-        elif self.mode == "microbatch" and self._small:
+        elif self.mode == "microbatch" and self._small and not self._skip:
             self._microbatch_sq()  # the last micro-batch
             small, small_batch = sum(self._small) / len(self._small), p.micro_batch_size
             self._small, self._prev = [], None

@@ -539,6 +539,12 @@ class ConaConfig:
     plain 44).  ``plain`` is the default because CONA ranked better with it (GPT-3 bench:
     44.13 s against 47.90 s; Llama and BERT equal): Pollux's efficiency on ``B_simple``
     overrates larger batches there and the lag offsets part of that (README)."""
+    gns_preconditioned: bool = False
+    """Estimate the noise scale of Adam-preconditioned gradients, ``tr(P Sigma P)/|P G|^2``
+    with ``P = 1/(sqrt(v_hat)+eps)``, as Pollux does for adaptive optimizers (Qiao et al.
+    OSDI'21, Sec. 3.1; ``cona/probe.py``), instead of ``B_simple``.  Off by default: on the
+    CONA bench it predicts BERT's measured efficiency and overrates larger batches on
+    GPT-3 and Llama (README, ``bench/cona_efficiency.py``)."""
     start_slack: float = 0.02
     """Emulated mode: the start layout may be this fraction slower than the fastest at the
     start batch if it runs the next larger batch faster (``cona.controller.start_strategy``:

@@ -106,6 +106,8 @@ def _probe_by_hand(cfg):
     got = probe.last
     precond = _preconditioner_checks(trainer, mbs)
     restore(trainer, state)
+    online_precond = _preconditioned_probe_by_hand(trainer, mbs)
+    restore(trainer, state)
 
     def sq_norm_after(batch):
         trainer.zero_grad()
@@ -115,7 +117,42 @@ def _probe_by_hand(cfg):
     with torch.enable_grad():
         want_small = sum(sq_norm_after(mbs[i : i + 1]) for i in range(len(mbs))) / len(mbs)
         want_big = sq_norm_after(mbs)
-    return {"probe": got, "small": want_small, "big": want_big, "precond": precond}
+    return {"probe": got, "small": want_small, "big": want_big, "precond": precond,
+            "online_precond": online_precond}
+
+
+def _preconditioned_probe_by_hand(trainer, mbs):
+    """The preconditioned probe over two steps from fresh optimizer state, and its second
+    step's norms recomputed by hand: each micro-batch's gradient times ``P`` (taken before
+    that step) alone, and of all four together."""
+    import torch
+
+    from cona.grad_stats import GradientNoiseScale
+    from cona.probe import GNSProbe, _grad, _is_counted, adam_preconditioner
+    from cona.state import restore, snapshot
+
+    probe = GNSProbe(GradientNoiseScale(), preconditioned=True)
+    probe.attach(trainer)
+    trainer.train_step(mbs)
+    first = probe.last  # no optimizer state before the first step: no estimate
+    weights = adam_preconditioner(trainer)
+    state = snapshot(trainer)
+    trainer.train_step(mbs)
+    probe.detach()
+    got = probe.last
+    restore(trainer, state)
+    params = [p for p in trainer.module.parameters() if _is_counted(p)]
+
+    def weighted_sq_after(batch):
+        trainer.zero_grad()
+        trainer._run_schedule(batch, forward_only=False)
+        return sum(float((_grad(p).double() * w).pow(2).sum()) for p, w in zip(params, weights))
+
+    with torch.enable_grad():
+        small = sum(weighted_sq_after(mbs[i : i + 1]) for i in range(len(mbs))) / len(mbs)
+        big = weighted_sq_after(mbs)
+    trainer.zero_grad()
+    return {"first": first, "probe": got, "small": small, "big": big}
 
 
 def _preconditioner_checks(trainer, mbs):
@@ -243,3 +280,19 @@ def test_adam_preconditioner_and_preconditioned_noise_scale(emulated):
     assert p["with_p"] is None or p["with_p"] > 0  # None: |P G|^2's estimate not positive
     assert p["mixed"] != pytest.approx(p["plain"], rel=1e-3)  # the weights are applied
     assert p["short"] is not None and "weights for" in p["short"]
+
+
+def test_gns_probe_preconditioned_norms_match_direct_computation(emulated):
+    """Catches a preconditioned probe (``cona.gns_preconditioned``, Pollux's ``P g``) that
+    skips the weights, weights one micro-batch and not another, or makes up an estimate
+    before Adam has state: no estimate on the first step; on the second, its squared norms
+    equal those of ``P`` times each micro-batch's separate gradient and of all four's."""
+    _, probe, _ = emulated
+    p = probe["online_precond"]
+    assert p["first"] is None
+    small, small_b, big, big_b = p["probe"]
+    assert (small_b, big_b) == (2, 8)
+    assert small == pytest.approx(p["small"], rel=1e-4)
+    assert big == pytest.approx(p["big"], rel=1e-4)
+    # P is ~1/|g| after the first step: the weighted norms are nowhere near the raw ones
+    assert small != pytest.approx(probe["small"], rel=0.1)
