@@ -62,8 +62,10 @@ def main(argv=None) -> int:
     except ConfigError as e:
         return _error(str(e))
     run_dir = Path(args.run_dir or f"runs/{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}")
-    if run_dir.exists() and not run_dir.is_dir():
-        return _error(f"--run-dir {run_dir} is a file; give a folder (it is created if missing)")
+    from jobruntime.outputs import output_folder_error
+
+    if problem := output_folder_error(run_dir, "--run-dir"):
+        return _error(problem)
     new_run_dir = not run_dir.exists()
 
     from jobruntime.logging_utils import setup_logging

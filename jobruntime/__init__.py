@@ -10,6 +10,7 @@ Modules, in the order a job uses them:
 - :mod:`.trainer` — DDP, optimizer, LR schedule and the forward/backward schedule;
 - :mod:`.checkpoint` — dist_checkpointing save/load (layout-independent, crash-safe);
 - :mod:`.metrics` — metrics.jsonl, summary.json, wandb, TTP;
+- :mod:`.outputs` — output folders named on a command line, checked before any work;
 - :mod:`.loop` — the training loop of an ordinary job;
 - :mod:`.flops`, :mod:`.hardware` — analytic FLOPs/params and GPU profiles.
 

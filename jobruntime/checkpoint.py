@@ -232,6 +232,21 @@ def _unreadable(ckpt: Path, e: BaseException) -> str:
             "load an earlier iter_XXXXXXX folder or start without checkpoint.load")
 
 
+@contextmanager
+def reading(ckpt: Path) -> Iterator[None]:
+    """Any error while reading ``ckpt`` (missing or corrupt ``common.pt``,
+    ``metadata.json``, truncated shards; megatron's ``CheckpointingException``, torch
+    DCP's ``CheckpointException``) becomes a :class:`CheckpointError` that names the
+    folder and the fix.  Every reader of checkpoints (training, the converter) reads
+    through it."""
+    try:
+        yield
+    except CheckpointError:
+        raise
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - whatever the reader hit
+        raise CheckpointError(_unreadable(ckpt, e)) from None
+
+
 def load_checkpoint(path: str | Path, trainer, *, load_optimizer: bool = True) -> dict:
     """Load a checkpoint into ``trainer`` (any TP/PP/DP layout).
 
@@ -243,10 +258,8 @@ def load_checkpoint(path: str | Path, trainer, *, load_optimizer: bool = True) -
             architecture (the message names the differing fields).
     """
     ckpt = find_checkpoint(path)
-    try:
+    with reading(ckpt):
         common = dist_checkpointing.load_common_state_dict(str(ckpt))
-    except Exception as e:  # noqa: BLE001 - missing/corrupt common.pt, metadata.json, ...
-        raise CheckpointError(_unreadable(ckpt, e)) from None
     if not isinstance(common, dict) or "arch" not in common:
         raise CheckpointError(f"'{ckpt}' is not a checkpoint of this project (no 'arch' record)")
     diff = arch_diff(saved_arch(ckpt, common), trainer.cfg.model)
@@ -259,10 +272,8 @@ def load_checkpoint(path: str | Path, trainer, *, load_optimizer: bool = True) -
     request = {"model": model_sd}
     if load_optimizer:
         request["optimizer"] = trainer.optimizer.sharded_state_dict(model_sd, is_loading=True)
-    try:
+    with reading(ckpt):
         loaded = dist_checkpointing.load(request, str(ckpt))
-    except (Exception, CheckpointException) as e:  # noqa: BLE001 - truncated/missing shards
-        raise CheckpointError(_unreadable(ckpt, e)) from None
     trainer.module.load_state_dict(loaded["model"])
     if load_optimizer:
         trainer.optimizer.load_state_dict(loaded["optimizer"])

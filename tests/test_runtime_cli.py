@@ -89,9 +89,10 @@ def test_resume_reproduces_uninterrupted_run(base_run, cache_dir, tmp_path):
         (["data.path={tmp}/cut.jsonl.xz"], "cut.jsonl.xz could not be read"),
         (["data.path={tmp}/tiny.txt"], "lower the vocabulary size"),
         (["train.iters=2", "--run-dir", "{tmp}/tiny.txt"], "is a file"),  # intermixed
+        (["--run-dir", "{tmp}/tiny.txt/sub"], "lies under"),  # was NotADirectoryError, exit 1
     ],
     ids=["bad-key", "bad-type", "missing-data", "no-eval", "not-utf8", "truncated-xz",
-         "vocab-too-large", "run-dir-is-file"],
+         "vocab-too-large", "run-dir-is-file", "run-dir-under-file"],
 )
 def test_bad_input_is_one_line_exit_2(args, needle, cache_dir, tmp_path):
     """Catches tracebacks or wrong exit codes on user errors."""
@@ -148,6 +149,17 @@ def test_damaged_checkpoint_is_one_line_exit_2(base_run, cache_dir, tmp_path, da
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     needle = "is a GeoMesh checkpoint" if damage == "geomesh" else "damaged or incomplete"
     assert len(lines) == 1 and needle in lines[0], proc.stderr
+    if damage == "geomesh":
+        return
+    # the converter reads checkpoints through the same guard (it raised megatron's
+    # CheckpointingException on 'marker-only', exit 1, before jobruntime.checkpoint.reading)
+    proc = subprocess.run([sys.executable, str(REPO / "tools" / "convert_checkpoint.py"),
+                           "mcore-to-hf", "--model", "gpt", "--input", str(ckpt), "--output",
+                           str(tmp_path / "hf"), "--config", str(base_run[0] / "config.yaml")],
+                          capture_output=True, text=True, timeout=300)
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert proc.returncode == 2 and "damaged or incomplete" in lines[-1], proc.stderr[-2000:]
+    assert not (tmp_path / "hf").exists()
 
 
 def test_full_size_presets_build_on_meta_with_published_sizes():

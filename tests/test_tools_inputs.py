@@ -57,6 +57,47 @@ def test_compare_runs_rejects_non_object_files_and_labels_cona(tmp_path):
     assert format_row(load_run(tmp_path / "c"))["method"] == "cona"
 
 
+def test_compare_runs_rejects_non_numbers_it_formats(tmp_path):
+    """Catches ``ValueError: Unknown format code 'f' for object of type 'str'`` from the
+    table on a summary value that is not a number: refused at load, naming file and key."""
+    from tools.compare_runs import load_run
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "summary.json").write_text(json.dumps({"ttp_s": "x"}))
+    with pytest.raises(ValueError, match=r"summary.json: ttp_s='x' is not a number"):
+        load_run(tmp_path / "a")
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "metrics.jsonl").write_text(json.dumps({"step": 1, "val_ppl": [2]}) + "\n")
+    with pytest.raises(ValueError, match=r"metrics.jsonl:1: val_ppl=\[2\] is not a number"):
+        load_run(tmp_path / "b")
+
+
+@pytest.mark.parametrize("tool, args", [
+    ("compare_runs.py", ["{run}", "--out", "{file}"]),
+    ("compare_runs.py", ["{run}", "--out", "{file}/sub"]),
+    ("prepare_data.py", ["--input", "{run}/summary.json", "--output", "{file}/sub/prefix"]),
+    ("convert_checkpoint.py", ["mcore-to-hf", "--model", "gpt", "--input", "{run}",
+                               "--output", "{file}/sub"]),
+], ids=["compare-out-is-file", "compare-out-under-file", "prepare-under-file",
+        "convert-under-file"])
+def test_output_folder_that_cannot_exist_is_one_line_exit_2(tmp_path, tool, args):
+    """Catches FileExistsError / NotADirectoryError tracebacks (exit 1) when an output
+    folder is, or lies under, a file (compare_runs printed its table first): one line
+    naming the flag, before any work, nothing written."""
+    (tmp_path / "afile").write_text("x")
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "summary.json").write_text(json.dumps({"ttp_s": 1.0}))
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 1, "val_ppl": 9.0}) + "\n")
+    args = [a.format(run=run, file=tmp_path / "afile") for a in args]
+    proc = subprocess.run([sys.executable, str(REPO / "tools" / tool), *args],
+                          capture_output=True, text=True, timeout=300)
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-2000:]
+    assert lines[0].startswith("error: --out") and "file" in lines[0], lines
+    assert proc.stdout == ""  # no table, no summary before the error
+
+
 def test_non_string_text_fields_are_data_errors(tmp_path):
     """Catches 5, null or a list in the text field counted as documents."""
     f = tmp_path / "d.jsonl"

@@ -30,6 +30,10 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+if __package__ in (None, ""):  # run as a script: make the repository importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from jobruntime.outputs import output_folder_error  # noqa: E402  (stdlib only)
+
 COLUMNS = ("run", "method", "clock", "TTP (s)", "final ppl", "tokens", "straggler idle",
            "WAN idle", "bytes/outer step", "switches")
 
@@ -151,8 +155,8 @@ def load_run(path: str | Path) -> Run:
         if metrics_f.is_file():
             run.records = [json.loads(line) for line in metrics_f.read_text().splitlines()
                            if line.strip()]
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: summary.json or metrics.jsonl is not valid JSON ({e}); "
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: summary.json or metrics.jsonl is not valid JSON in UTF-8 ({e}); "
                          "give a run folder written by train.py") from None
     if not isinstance(run.summary, dict) or not all(isinstance(r, dict) for r in run.records):
         raise ValueError(f"{path}: summary.json must hold an object and metrics.jsonl one object "
@@ -165,7 +169,29 @@ def load_run(path: str | Path) -> Run:
             run.summary = run.summary or wb.summary
             run.records = run.records or wb.records
             run.source = "files+wandb" if (summary_f.is_file() or metrics_f.is_file()) else wb.source
+    _check_numbers(path, run)
     return run
+
+
+# the values the table formats as numbers (summary.json keys; metrics.jsonl: val_ppl, tokens)
+NUMERIC_KEYS = ("ttp_s", "final_val_ppl", "tokens", "straggler_idle_frac", "wan_idle_frac",
+                "bytes_per_outer_step")
+
+
+def _check_numbers(path: Path, run: Run) -> None:
+    """Refuse a value the table formats as a number that is not one (names file and key)."""
+    def bad(v) -> bool:
+        return v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)))
+
+    for key in NUMERIC_KEYS:
+        if bad(run.summary.get(key)):
+            raise ValueError(f"{path}/summary.json: {key}={run.summary[key]!r} is not a number; "
+                             "give a run folder written by train.py")
+    for i, r in enumerate(run.records, 1):
+        for key in ("val_ppl", "tokens"):
+            if bad(r.get(key)):
+                raise ValueError(f"{path}/metrics.jsonl:{i}: {key}={r[key]!r} is not a number; "
+                                 "give a run folder written by train.py")
 
 
 def _final_ppl(run: Run):
@@ -258,6 +284,9 @@ def main(argv=None) -> int:
     p.add_argument("--wandb-project", default=None, help="also fetch this online wandb project")
     p.add_argument("--out", default="run_comparison", help="folder for plots and runs.csv")
     args = p.parse_args(argv)
+    if problem := output_folder_error(args.out, "--out"):
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     runs = []
     try:
         runs = [load_run(r) for r in args.runs]

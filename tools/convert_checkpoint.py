@@ -69,6 +69,7 @@ from jobruntime.checkpoint import (
     arch_mismatch,
     committed_folder,
     find_checkpoint,
+    reading,
 )
 from jobruntime.config import (
     ConfigError,
@@ -306,14 +307,18 @@ def read_mcore_checkpoint(path: str | Path, model: ModelConfig) -> tuple[Path, d
     from megatron.core import dist_checkpointing
 
     ckpt = find_checkpoint(path)
-    common = dist_checkpointing.load_common_state_dict(str(ckpt))
+    with reading(ckpt):
+        common = dist_checkpointing.load_common_state_dict(str(ckpt))
     diff = arch_diff(common.get("arch", {}) if isinstance(common, dict) else {}, model)
     diff.pop("padded_vocab_size", None)  # export reads the rows the checkpoint holds
     if diff:
         raise CheckpointError(arch_mismatch(ckpt, diff))
-    emb = dist_checkpointing.load_tensors_metadata(str(ckpt))["embedding.word_embeddings.weight"]
+    with reading(ckpt):
+        emb = dist_checkpointing.load_tensors_metadata(str(ckpt))["embedding.word_embeddings.weight"]
     module = _io_model(model, emb.global_shape[0], emb.dtype)
-    loaded = dist_checkpointing.load({"model": module.sharded_state_dict(prefix="")}, str(ckpt))
+    with reading(ckpt):
+        loaded = dist_checkpointing.load({"model": module.sharded_state_dict(prefix="")},
+                                         str(ckpt))
     module.load_state_dict(loaded["model"])
     state = {k: v for k, v in module.state_dict().items() if not k.endswith("_extra_state")}
     return ckpt, _strip_vocab(state, model.vocab_size)
@@ -460,6 +465,7 @@ def parse_args(argv):
 def main(argv=None) -> int:
     args = parse_args(argv)
     from jobruntime.logging_utils import setup_logging
+    from jobruntime.outputs import output_folder_error
     from jobruntime.parallel import shutdown
 
     setup_logging()
@@ -467,9 +473,8 @@ def main(argv=None) -> int:
         print(f"error: --input {args.input} does not exist; give an HF model folder "
               "(hf-to-mcore) or a run's checkpoints/ folder (mcore-to-hf)", file=sys.stderr)
         return 2
-    if Path(args.output).exists() and not Path(args.output).is_dir():
-        print(f"error: --output {args.output} is a file; give a folder (created if missing)",
-              file=sys.stderr)
+    if problem := output_folder_error(args.output, "--output"):
+        print(f"error: {problem}", file=sys.stderr)
         return 2
     try:
         if args.direction == "hf-to-mcore":

@@ -42,6 +42,7 @@ from jobruntime.data import (
     write_indexed,
 )
 from jobruntime.metrics import write_json_atomic
+from jobruntime.outputs import output_folder_error
 from jobruntime.tokenizer import TokenizerError, check_specials, load_tokenizer, train_sentencepiece
 
 
@@ -117,6 +118,9 @@ def main(argv=None) -> int:
                    help="held out of tokenizer training; match data.val_every of the job")
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
+    if problem := output_folder_error(Path(args.output).absolute().parent, "--output's folder"):
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     try:
         summary = prepare(args.input, args.output, tokenizer=args.tokenizer,
                           vocab_size=args.vocab_size, family="bert" if args.family == "bert" else "gpt",
