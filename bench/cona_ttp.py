@@ -401,6 +401,10 @@ def main(argv=None) -> int:
                    help="torch threads per process (default 1: OpenMP threads that "
                    "oversubscribe shared cores slow every step down many times)")
     args = p.parse_args(argv)
+    from jobruntime.outputs import output_folder_error
+
+    if args.out and (problem := output_folder_error(args.out, "--out")):
+        p.error(problem)  # before the run, not after it
     if args.jobs < 1 or args.threads < 1:
         p.error("--jobs and --threads must be >= 1")
     if not 0 < args.budget_scale < float("inf"):

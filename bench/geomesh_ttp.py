@@ -233,6 +233,10 @@ def main(argv=None) -> int:
                    help="take a run's summary.json from --out when its config.yaml is this "
                         "run's config (logging aside) instead of running it again")
     args = p.parse_args(argv)
+    from jobruntime.outputs import output_folder_error
+
+    if args.out and (problem := output_folder_error(args.out, "--out")):
+        p.error(problem)  # before the run, not after it
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
     import torch
 
