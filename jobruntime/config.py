@@ -542,9 +542,10 @@ class ConaConfig:
     gns_preconditioned: bool = False
     """Estimate the noise scale of Adam-preconditioned gradients, ``tr(P Sigma P)/|P G|^2``
     with ``P = 1/(sqrt(v_hat)+eps)``, as Pollux does for adaptive optimizers (Qiao et al.
-    OSDI'21, Sec. 3.1; ``cona/probe.py``), instead of ``B_simple``.  Off by default: on the
-    CONA bench it predicts BERT's measured efficiency and overrates larger batches on
-    GPT-3 and Llama (README, ``bench/cona_efficiency.py``)."""
+    OSDI'21, Sec. 3.1; ``cona/probe.py``), instead of ``B_simple``; use it with
+    ``gns_average=scale_free`` (``|P G|^2`` falls by orders of magnitude early on).  Off by
+    default: on the CONA bench CONA ranked worse with it on all three families (GPT-3 and
+    Llama missed the target, BERT 2.07 s against 1.79 s; README)."""
     start_slack: float = 0.02
     """Emulated mode: the start layout may be this fraction slower than the fastest at the
     start batch if it runs the next larger batch faster (``cona.controller.start_strategy``:
