@@ -98,6 +98,16 @@ def test_output_folder_that_cannot_exist_is_one_line_exit_2(tmp_path, tool, args
     assert proc.stdout == ""  # no table, no summary before the error
 
 
+def test_prepare_data_refuses_zero_max_documents(tmp_path):
+    """Catches ``--max-documents 0`` silently meaning "no limit" (``docs[:0] if 0``)."""
+    proc = subprocess.run([sys.executable, str(REPO / "tools" / "prepare_data.py"), "--input",
+                           str(REPO / "data" / "python-docs-3.11.jsonl.xz"), "--output",
+                           str(tmp_path / "p"), "--max-documents", "0"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "--max-documents 0 must be at least 1" in proc.stderr
+    assert not list(tmp_path.iterdir())
+
+
 def test_non_string_text_fields_are_data_errors(tmp_path):
     """Catches 5, null or a list in the text field counted as documents."""
     f = tmp_path / "d.jsonl"

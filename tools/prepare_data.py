@@ -118,6 +118,8 @@ def main(argv=None) -> int:
                    help="held out of tokenizer training; match data.val_every of the job")
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
+    if args.max_documents is not None and args.max_documents < 1:
+        p.error(f"--max-documents {args.max_documents} must be at least 1 (omit it for all)")
     if problem := output_folder_error(Path(args.output).absolute().parent, "--output's folder"):
         print(f"error: {problem}", file=sys.stderr)
         return 2
