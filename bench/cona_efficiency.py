@@ -135,10 +135,9 @@ def main(argv=None) -> int:
     p.add_argument("--jobs", type=int, default=2, help="families in parallel processes")
     p.add_argument("--threads", type=int, default=1, help="torch threads per process")
     args = p.parse_args(argv)
-    from jobruntime.outputs import output_folder_error
+    from jobruntime.outputs import refuse_output_folder
 
-    if args.out and (problem := output_folder_error(args.out, "--out")):
-        p.error(problem)  # before the run, not after it
+    refuse_output_folder(p, args.out)  # before the run, not after it
     if args.jobs < 1 or args.threads < 1 or args.every < 1:
         p.error("--jobs, --threads and --every must be >= 1")
     models = {k: v for k, v in ttp.MODELS.items() if args.models is None or k in args.models}

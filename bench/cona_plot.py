@@ -8,7 +8,8 @@ from pathlib import Path
 STYLES = {"static_throughput": ("tab:gray", ":"), "static_throughput_long": ("tab:gray", "-"),
           "static_oracle": ("tab:blue", "--"),
           "oracle_chain": ("tab:green", "-."), "cona": ("tab:red", "-"),
-          "cona_scale_free_gns": ("tab:orange", "-")}
+          "cona_scale_free_gns": ("tab:orange", "-"),
+          "cona_preconditioned_gns": ("tab:purple", "-")}
 
 
 def plot_family(name: str, result: dict, path: Path) -> Path:

@@ -406,10 +406,9 @@ def main(argv=None) -> int:
                    help="torch threads per process (default 1: OpenMP threads that "
                    "oversubscribe shared cores slow every step down many times)")
     args = p.parse_args(argv)
-    from jobruntime.outputs import output_folder_error
+    from jobruntime.outputs import refuse_output_folder
 
-    if args.out and (problem := output_folder_error(args.out, "--out")):
-        p.error(problem)  # before the run, not after it
+    refuse_output_folder(p, args.out)  # before the run, not after it
     if args.jobs < 1 or args.threads < 1:
         p.error("--jobs and --threads must be >= 1")
     if not 0 < args.budget_scale < float("inf"):
@@ -434,13 +433,12 @@ def main(argv=None) -> int:
 def write_report(report: dict, out: Path | None, name: str) -> None:
     """Print ``report`` as JSON; with ``out`` also write it to ``out/name`` (through a
     temporary name, so a killed run leaves no half-written report)."""
-    text = json.dumps(report, indent=2, default=float)
+    from jobruntime.metrics import write_json_atomic
+
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
-        tmp = out / f".{name}.tmp"
-        tmp.write_text(text + "\n")
-        tmp.replace(out / name)
-    print(text)
+        write_json_atomic(out / name, report)
+    print(json.dumps(report, indent=2, default=float))
 
 
 def run_families(fn, models: dict, jobs: int, *args) -> dict:

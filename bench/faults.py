@@ -366,10 +366,9 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None, help="folder for logs and faults.json")
     ap.add_argument("--cache-dir", default=".cache", help="tokenizer/corpus cache (data.cache_dir)")
     args = ap.parse_args(argv)
-    from jobruntime.outputs import output_folder_error
+    from jobruntime.outputs import refuse_output_folder
 
-    if args.out and (problem := output_folder_error(args.out, "--out")):
-        ap.error(problem)  # before the run, not after it
+    refuse_output_folder(ap, args.out)  # before the run, not after it
     root = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="faults-"))
     root.mkdir(parents=True, exist_ok=True)
     rounds = 6 if args.quick else 12

@@ -233,10 +233,9 @@ def main(argv=None) -> int:
                    help="take a run's summary.json from --out when its config.yaml is this "
                         "run's config (logging aside) instead of running it again")
     args = p.parse_args(argv)
-    from jobruntime.outputs import output_folder_error
+    from jobruntime.outputs import refuse_output_folder
 
-    if args.out and (problem := output_folder_error(args.out, "--out")):
-        p.error(problem)  # before the run, not after it
+    refuse_output_folder(p, args.out)  # before the run, not after it
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
     import torch
 

@@ -88,7 +88,6 @@ class GNSProbe:
     def __init__(self, estimator: GradientNoiseScale, preconditioned: bool = False):
         self.estimator, self.preconditioned = estimator, preconditioned
         self._weight: dict[int, torch.Tensor] | None = None  # id(param) -> P this step
-        self._skip = False  # no preconditioner yet: no estimate this step
         self.trainer: Trainer | None = None
         self.mode: str | None = None
         self.last: tuple | None = None
@@ -122,7 +121,7 @@ class GNSProbe:
             if self.trainer.microbatch_hook == self._on_microbatch:
                 self.trainer.microbatch_hook = None
         self.trainer, self._orig, self._prev, self._small = None, None, None, []
-        self._weight, self._skip = None, False
+        self._weight = None
 
     # -- norms --------------------------------------------------------------
     def _sq_norm(self, fix_tied: bool) -> float:
@@ -154,15 +153,18 @@ class GNSProbe:
         """``P g`` when preconditioned (fp64, like the norms), else ``g``."""
         return g if self._weight is None else g.detach().double() * self._weight[id(param)]
 
+    def _ready(self) -> bool:
+        """``False`` while preconditioned without a preconditioner: no estimate this step."""
+        return not self.preconditioned or self._weight is not None
+
     def _load_weights(self) -> bool:
-        """Fetch this step's preconditioner; ``False``: none yet, so no estimate this step."""
-        if not self.preconditioned:
-            return True
-        weights = adam_preconditioner(self.trainer)
-        counted = [p for p in self.trainer.module.parameters() if _is_counted(p)]
-        self._weight = None if weights is None else {
-            id(p): w for p, w in zip(counted, weights, strict=True)}
-        return self._weight is not None
+        """Fetch this step's preconditioner (when preconditioned); :meth:`_ready` after."""
+        if self.preconditioned:
+            weights = adam_preconditioner(self.trainer)
+            counted = [p for p in self.trainer.module.parameters() if _is_counted(p)]
+            self._weight = None if weights is None else {
+                id(p): w for p, w in zip(counted, weights, strict=True)}
+        return self._ready()
 
     def _grads(self) -> list[torch.Tensor]:
         """Copies of this rank's counted gradients (``dp = pp = 1``: the whole model),
@@ -181,8 +183,8 @@ class GNSProbe:
     def _on_microbatch(self, index: int) -> None:
         if index == 0:
             self._prev, self._small = None, []
-            self._skip = not self._load_weights()
-        elif not self._skip:
+            self._load_weights()
+        elif self._ready():
             self._microbatch_sq()
 
     def _finalize(self, *args, **kwargs):
@@ -193,7 +195,7 @@ class GNSProbe:
                                  device=self.trainer.device)
             _all_reduce(local, parallel_state.get_data_parallel_group())
             small, small_batch = float(local[0]) / self._dp, p.global_batch_size // self._dp
-        elif self.mode == "microbatch" and self._small and not self._skip:
+        elif self.mode == "microbatch" and self._small and self._ready():
             self._microbatch_sq()  # the last micro-batch
             small, small_batch = sum(self._small) / len(self._small), p.micro_batch_size
             self._small, self._prev = [], None

@@ -27,3 +27,10 @@ def output_folder_error(path: str | Path, flag: str) -> str | None:
             return f"{flag} {path} is a file; give a folder (it is created if missing)"
         return f"{flag} {path} lies under {q}, which is a file; give a folder path"
     return None
+
+
+def refuse_output_folder(parser, path: str | Path | None, flag: str = "--out") -> None:
+    """``parser.error`` (exit 2, usage and one line) if ``path`` cannot be a folder
+    (:func:`output_folder_error`): for benches, before a run whose report would be lost."""
+    if path is not None and (problem := output_folder_error(path, flag)):
+        parser.error(problem)
