@@ -152,7 +152,7 @@ def test_damaged_checkpoint_is_one_line_exit_2(base_run, cache_dir, tmp_path, da
     if damage == "geomesh":
         return
     # the converter reads checkpoints through the same guard (it raised megatron's
-    # CheckpointingException on 'marker-only', exit 1, before jobruntime.checkpoint.reading)
+    # CheckpointingException on each of these four, exit 1, before jobruntime.checkpoint.reading)
     proc = subprocess.run([sys.executable, str(REPO / "tools" / "convert_checkpoint.py"),
                            "mcore-to-hf", "--model", "gpt", "--input", str(ckpt), "--output",
                            str(tmp_path / "hf"), "--config", str(base_run[0] / "config.yaml")],
