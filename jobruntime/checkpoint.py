@@ -274,8 +274,8 @@ def load_checkpoint(path: str | Path, trainer, *, load_optimizer: bool = True) -
         request["optimizer"] = trainer.optimizer.sharded_state_dict(model_sd, is_loading=True)
     with reading(ckpt):
         loaded = dist_checkpointing.load(request, str(ckpt))
-    trainer.module.load_state_dict(loaded["model"])
-    if load_optimizer:
+    trainer.load_weights(loaded["model"])  # also the fp32 main copies of a bf16 optimizer
+    if load_optimizer:  # the saved main copies and moments replace those
         trainer.optimizer.load_state_dict(loaded["optimizer"])
         trainer.scheduler.load_state_dict(common["scheduler"])
         trainer.step = int(common["step"])
