@@ -250,6 +250,10 @@ def reading(ckpt: Path) -> Iterator[None]:
 def load_checkpoint(path: str | Path, trainer, *, load_optimizer: bool = True) -> dict:
     """Load a checkpoint into ``trainer`` (any TP/PP/DP layout).
 
+    With ``load_optimizer=False`` (a fine-tune, zero-shot) only the weights are read;
+    the optimizer's fp32 main copies of bf16/fp16 weights are refreshed from them
+    (:meth:`Trainer.load_weights`), so the first step trains the loaded model.
+
     Returns:
         ``{"step", "consumed_samples", "extra"}`` of the checkpoint.
 
