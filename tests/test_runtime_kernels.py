@@ -48,11 +48,17 @@ def _trainer(cfg):
 
 def _host_syncs_per_step(layers: int) -> dict:
     """``aten::_local_scalar_dense`` calls (``.item()``, ``float(t)``, ``torch.tensor([t, ...])``:
-    a device-to-host copy and stream sync on a GPU) in one training step with clipping on."""
+    a device-to-host copy and stream sync on a GPU) in one training step with clipping on
+    and CONA's gradient-noise probe attached (2 micro-batches: its ``"microbatch"`` mode)."""
     from torch.profiler import profile
+
+    from cona.grad_stats import GradientNoiseScale
+    from cona.probe import GNSProbe
 
     # clip_grad far below the norm: megatron clips (multi_tensor_scale) at every step
     trainer = _trainer(_small("tiny_gpt", f"model.num_layers={layers}", "train.clip_grad=1e-3"))
+    probe = GNSProbe(GradientNoiseScale())
+    probe.attach(trainer)
     batches = _microbatches(trainer.cfg)
     trainer.train_step(batches)  # warm-up: optimizer state exists from here on
     with profile() as prof:
@@ -67,7 +73,8 @@ def _host_syncs_per_step(layers: int) -> dict:
         return False
 
     syncs = [e for e in prof.events() if e.name == "aten::_local_scalar_dense"]
-    return {"params": sum(1 for _ in trainer.module.parameters()),
+    return {"params": sum(1 for _ in trainer.module.parameters()), "probe": probe.mode,
+            "gns_measured": probe.last is not None,
             "syncs": sum(1 for e in syncs if not in_fused_adamw(e))}
 
 
@@ -265,7 +272,8 @@ def _check(results: dict, name: str) -> dict:
 
 def test_host_syncs_per_step_do_not_grow_with_parameters(results):
     """Catches megatron's fallback gradient norm (``torch.tensor([norm, ...])``: one
-    device-to-host sync per parameter, ~390 per step for GPT-3 1.3B on a GPU):
+    device-to-host sync per parameter, ~390 per step for GPT-3 1.3B on a GPU),
+    and CONA's probe reading each parameter's micro-batch norm (``float``):
     2 and 8 layers (28 and 100 parameters) must sync equally often.  Counted
     with torch's profiler (a dispatch mode misses the syncs inside
     ``torch.tensor``).  Not counted: CPU fused AdamW's per-parameter read of
@@ -273,6 +281,7 @@ def test_host_syncs_per_step_do_not_grow_with_parameters(results):
     on the device)."""
     r = _check(results, "syncs")
     small, large = r[2], r[8]
+    assert small["probe"] == "microbatch" and small["gns_measured"], r
     assert large["params"] > small["params"] + 60, r
     assert large["syncs"] == small["syncs"], r
     assert small["syncs"] <= 10, r  # a few per step: loss, norm, data checks
