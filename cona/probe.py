@@ -93,7 +93,7 @@ class GNSProbe:
         self.last: tuple | None = None
         self._orig = None
         self._prev: list | None = None
-        self._small: list[float] = []
+        self._small: list[torch.Tensor] = []  # 0-d fp64, on the compute device
 
     # -- wiring -------------------------------------------------------------
     def attach(self, trainer: Trainer) -> None:
@@ -176,8 +176,10 @@ class GNSProbe:
         """Add the squared norm of the micro-batch just finished (m x the buffer's change)."""
         now = self._grads()
         prev = self._prev or [torch.zeros_like(g) for g in now]
-        sq = sum(float(_sq(a - b)) for a, b in zip(now, prev)) * self._m**2
-        self._small.append(sq)
+        sq = torch.zeros((), dtype=torch.float64, device=self.trainer.device)
+        for a, b in zip(now, prev):  # summed on the device: no host sync per parameter
+            sq += _sq(a - b)
+        self._small.append(sq * self._m**2)
         self._prev = now
 
     def _on_microbatch(self, index: int) -> None:
@@ -197,7 +199,7 @@ class GNSProbe:
             small, small_batch = float(local[0]) / self._dp, p.global_batch_size // self._dp
         elif self.mode == "microbatch" and self._small and self._ready():
             self._microbatch_sq()  # the last micro-batch
-            small, small_batch = sum(self._small) / len(self._small), p.micro_batch_size
+            small, small_batch = float(sum(self._small)) / len(self._small), p.micro_batch_size
             self._small, self._prev = [], None
         out = self._orig(*args, **kwargs)
         if small is not None:
@@ -284,12 +286,12 @@ def measure_noise_scale(trainer: Trainer, microbatches: list,
             g = _grad(p).detach().double()
             if w is not None:
                 g = g * w
-            sq += float(g.pow(2).sum())
+            sq = sq + g.pow(2).sum()  # a device scalar: one host sync per micro-batch
             acc += g
-        small.append(sq)
+        small.append(float(sq))
     trainer.zero_grad()
     n = len(microbatches)
-    big = sum(float((acc / n).pow(2).sum()) for acc in total)
+    big = float(sum((acc / n).pow(2).sum() for acc in total))
     b = int(next(iter(microbatches[0].values())).shape[0])
     g_sq, trace = estimate_from_norms(sum(small) / n, b, big, n * b)
     return trace / g_sq if g_sq > 0 else None

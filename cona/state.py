@@ -178,17 +178,24 @@ def optimizer_state_by_name(trainer: Trainer) -> dict[str, ParamState]:
 
 
 def rng_state() -> dict:
-    return {
+    """Python, NumPy and torch generator states; with CUDA also every GPU's default
+    generator (dropout, and the initial draws of a model built on the GPU)."""
+    state = {
         "python": random.getstate(),
         "numpy": np.random.get_state(),
         "torch": torch.get_rng_state(),
     }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
 
 
 def set_rng_state(state: dict) -> None:
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
+    if "cuda" in state:
+        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 def _clone(v):

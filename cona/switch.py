@@ -311,6 +311,7 @@ def switch_layout(
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
         # Initialised although overwritten: megatron sets the TP attributes
         # (partition dim, stride) that resharding reads only while initialising.
+        # Built on the compute device (build_model's default): no host copy to move.
         module = build_model(new_cfg.model, new_cfg.parallel, params_dtype=owner.trainer.dtype)
         fault_point("switch", _SWITCHES.count)
         _SWITCHES.count += 1

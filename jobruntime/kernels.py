@@ -17,6 +17,16 @@ saves on the tiny CPU models (and the tests start many processes).
 
 :func:`available_kernels` is the one place that decides;
 :func:`jobruntime.model.to_transformer_config` reads it.
+
+Multi-tensor ops: without apex and Transformer Engine, megatron-core 0.16.1
+falls back to ``megatron.core.utils.local_multi_tensor_l2_norm`` (one
+``torch.norm`` per parameter gathered with ``torch.tensor([...])``: one
+device-to-host sync per parameter, ~390 per step for GPT-3 1.3B or BERT-Large)
+and ``local_multi_tensor_scale`` (a Python loop of one multiply and one copy per
+parameter).  :func:`install_multi_tensor_ops` puts :func:`foreach_l2_norm` and
+:func:`foreach_scale` (``torch._foreach_*``: a few grouped kernels, no host
+sync) in their place, in the two megatron modules that look them up, and only
+where megatron chose its fallback.  Same numbers as the fallback.
 """
 
 from __future__ import annotations
@@ -27,6 +37,7 @@ import importlib.util
 from dataclasses import dataclass
 
 import torch
+from torch import Tensor
 
 
 def _imports(module: str) -> bool:
@@ -88,3 +99,85 @@ def available_kernels() -> Kernels:
         rope=te,
         jit=cuda and _imports("triton"),
     )
+
+
+# -- multi-tensor ops ----------------------------------------------------------
+
+
+def foreach_l2_norm(chunk_size: int, noop_flag: Tensor, tensor_lists: list[list[Tensor]],
+                    per_tensor: bool, *args) -> tuple[Tensor, None]:
+    """L2 norm of all tensors of ``tensor_lists`` together, without a host sync.
+
+    Drop-in for ``amp_C.multi_tensor_l2norm`` (called through megatron's
+    ``multi_tensor_applier``) and for megatron-core's fallback
+    ``megatron.core.utils.local_multi_tensor_l2_norm``, which it replaces
+    (:func:`install_multi_tensor_ops`): the per-tensor norms come from one
+    ``torch._foreach_norm`` and stay on the device, where the fallback copies
+    each to the host (``torch.tensor([norm, ...])``).  The same reduction as
+    the fallback (the norm of the per-tensor norms, in fp32): equal results
+    to the bit on CPU.  ``chunk_size``, ``noop_flag`` and ``per_tensor``
+    (per-tensor norms, which megatron never asks for here) are ignored, as the
+    fallback does.
+
+    Returns:
+        ``(norm, None)``: ``norm`` is a ``[1]`` fp32 tensor on the tensors'
+        device (zeros on ``noop_flag``'s device when every list is empty).
+    """
+    norms = [n for tensors in tensor_lists if tensors for n in torch._foreach_norm(tensors)]
+    if not norms:
+        return torch.zeros(1, dtype=torch.float32, device=noop_flag.device), None
+    return torch.linalg.vector_norm(torch.stack(norms).float()).reshape(1), None
+
+
+def foreach_scale(chunk_size: int, noop_flag: Tensor, tensor_lists: list[list[Tensor]],
+                  scale: float) -> None:
+    """``dst[i] = src[i] * scale`` for ``[src, dst] = tensor_lists``, as grouped kernels.
+
+    Drop-in for ``amp_C.multi_tensor_scale`` and megatron-core's fallback
+    ``megatron.core.utils.local_multi_tensor_scale`` (a Python loop of
+    ``dst.copy_(src * scale)``), which it replaces
+    (:func:`install_multi_tensor_ops`).  Used by megatron's gradient clipping
+    (``src is dst``: one ``torch._foreach_mul_``) and by its mixed-precision
+    optimizer's copies (``scale == 1``: one ``torch._foreach_copy_``, casting to
+    ``dst``'s dtype).  Same values as the fallback; like it, ``noop_flag`` is
+    not set on non-finite values (apex does).
+    """
+    src, dst = tensor_lists[0], tensor_lists[1]
+    if not src:
+        return
+    if len(src) == len(dst) and all(s is d for s, d in zip(src, dst)):
+        torch._foreach_mul_(dst, scale)
+    elif scale == 1.0:
+        torch._foreach_copy_(dst, src)
+    else:
+        torch._foreach_copy_(dst, torch._foreach_mul(src, scale))
+
+
+def install_multi_tensor_ops() -> bool:
+    """Replace megatron-core's per-parameter multi-tensor fallbacks by the ``foreach`` ones.
+
+    megatron-core picks its multi-tensor kernels at import time: Transformer
+    Engine's, else apex's ``amp_C``, else its local Python fallbacks.  Only
+    the fallbacks are replaced, in the module globals megatron calls them
+    through: ``megatron.core.optimizer.clip_grads.l2_norm_impl`` (gradient
+    norm) and ``multi_tensor_scale_impl`` (gradient clipping), and
+    ``megatron.core.optimizer.optimizer.multi_tensor_scale_impl`` (copies
+    between model and main parameters).  megatron-core itself is not edited.
+    Idempotent; :class:`jobruntime.trainer.Trainer` calls it before building
+    the optimizer.
+
+    Returns:
+        True when some fallback is now the ``foreach`` version (no apex, no TE).
+    """
+    clip_grads = importlib.import_module("megatron.core.optimizer.clip_grads")
+    optimizer = importlib.import_module("megatron.core.optimizer.optimizer")
+    utils = importlib.import_module("megatron.core.utils")
+    active = False
+    if clip_grads.l2_norm_impl in (utils.local_multi_tensor_l2_norm, foreach_l2_norm):
+        clip_grads.l2_norm_impl = foreach_l2_norm
+        active = True
+    for module in (clip_grads, optimizer):
+        if module.multi_tensor_scale_impl in (utils.local_multi_tensor_scale, foreach_scale):
+            module.multi_tensor_scale_impl = foreach_scale
+            active = True
+    return active

@@ -10,7 +10,6 @@ attention.  Fused kernels are switched on only where they import
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 
 import torch
@@ -18,6 +17,7 @@ import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from . import cpu_compat
 from .attention import allow_unmasked, layer_spec, resolve_attention_backend, swap_in_sdpa
 from .config import ModelConfig, ParallelConfig
 from .kernels import Kernels, available_kernels
@@ -33,11 +33,22 @@ def to_transformer_config(
 ) -> TransformerConfig:
     """Map the project's config to megatron-core's ``TransformerConfig``.
 
-    Weights are initialised on the CPU from the full (unsharded) tensor and then
-    split (``use_cpu_initialization``), so with the same seed a TP=2 model holds
-    the same weights as a TP=1 model; :func:`build_model` moves them to the
-    compute device.  Each kernel fusion is on only where its kernel imports
-    (:func:`jobruntime.kernels.available_kernels`).
+    Weights are initialised from the full (unsharded) tensor and then split
+    (megatron's ``use_cpu_initialization`` path, which allocates without a
+    ``device=``: :func:`build_model` runs it under the compute device), so with
+    the same seed a TP=2 model holds the same weights as a TP=1 model.  Each
+    kernel fusion is on only where its kernel imports
+    (:func:`jobruntime.kernels.available_kernels`), and only where it computes
+    what the unfused path computes:
+
+    * bias+activation fusion for SwiGLU only: megatron's fused bias-GeLU
+      (``fused_bias_gelu.bias_gelu``) is the tanh approximation, while the
+      unfused path and the Hugging Face export (``activation_function`` /
+      ``hidden_act`` ``"gelu"``, :func:`tools.hf_mapping.hf_config_from_model`)
+      use the exact (erf) GeLU;
+    * the fused cross entropy under bf16 only: its backward casts the logit
+      gradients to bf16 (``fused_cross_entropy.calculate_gradients``), which
+      under fp32 would round every logit gradient to 8 mantissa bits.
     """
     k = available_kernels() if model.kernel_fusions == "auto" else Kernels.none()
     swiglu = model.activation == "swiglu"
@@ -63,9 +74,9 @@ def to_transformer_config(
         bf16=params_dtype == torch.bfloat16,
         use_cpu_initialization=True,
         perform_initialization=perform_initialization,
-        bias_activation_fusion=k.jit and (swiglu or model.add_bias_linear),
+        bias_activation_fusion=k.jit and swiglu,
         bias_dropout_fusion=k.jit,
-        cross_entropy_loss_fusion=k.jit,
+        cross_entropy_loss_fusion=k.jit and params_dtype == torch.bfloat16,
         cross_entropy_fusion_impl="native",
         masked_softmax_fusion=k.masked_softmax,
         apply_rope_fusion=k.rope and model.position_embedding == "rope",
@@ -83,8 +94,19 @@ def build_model(
     post_process: bool | None = None,
     meta: bool = False,
     local_spec: bool = False,
+    device: torch.device | None = None,
 ) -> torch.nn.Module:
     """Build this rank's model chunk for the current ``parallel_state`` layout.
+
+    The chunk is built directly on ``device``: megatron's initialisation runs
+    under ``with device:`` (torch's device context), so every weight, the
+    full-size initial draws included, is allocated there and nothing is made
+    on the host and moved (1B-class models took 23-28 s to build on the CPU and
+    move; CONA paid it at every layout switch).  The draws come from
+    ``device``'s default generator, which :func:`jobruntime.parallel.set_seed`
+    seeds alike on every rank, in the same order at every layout: the same
+    seed gives the same model at every TP and PP size on a given device type
+    (the CPU and CUDA generators draw different numbers).
 
     Args:
         pre_process / post_process: embedding / output-layer stage flags;
@@ -94,6 +116,8 @@ def build_model(
             unless ``model.attention_backend=local``) even where Transformer
             Engine is available: plain state-dict names such as
             ``input_layernorm``, used by checkpoint conversion.
+        device: where to build; ``None`` = the compute device
+            (:func:`jobruntime.cpu_compat.device`).  Ignored when ``meta``.
 
     Returns:
         A ``GPTModel`` (families ``gpt``, ``llama``) or ``BertModel`` (``bert``)
@@ -118,14 +142,14 @@ def build_model(
     if local_spec and backend == "te":
         backend = "sdpa"
     spec = layer_spec(model, backend)
+    device = torch.device("meta") if meta else device or cpu_compat.device()
     if not meta and parallel.pp > 1:
-        _draw_earlier_stages(model, parallel, params_dtype, local_spec)
-    ctx = torch.device("meta") if meta else contextlib.nullcontext()
+        _draw_earlier_stages(model, parallel, params_dtype, local_spec, device)
     common = dict(config=tcfg, transformer_layer_spec=spec, vocab_size=vocab,
                   max_sequence_length=model.max_positions, pre_process=pre_process,
                   post_process=post_process,
                   share_embeddings_and_output_weights=model.tie_embeddings)
-    with ctx:
+    with device:  # factory calls without device= (megatron's CPU-init path) land here
         if model.family == "bert":
             module = BertModel(**common, num_tokentypes=2, add_binary_head=False)
             allow_unmasked(module)
@@ -144,11 +168,11 @@ def build_model(
 
 
 def _draw_earlier_stages(model: ModelConfig, parallel: ParallelConfig, params_dtype: torch.dtype,
-                         local_spec: bool) -> None:
+                         local_spec: bool, device: torch.device) -> None:
     """Advance torch's default generator past the initial draws of the pipeline
     stages before this rank's, so that every PP layout holds the PP=1 model.
 
-    Weights are drawn from the default CPU generator in construction order
+    Weights are drawn from ``device``'s default generator in construction order
     (``use_cpu_initialization``: embedding, then layer 0, 1, …).  A stage-``k``
     chunk alone would draw its layers with the numbers the PP=1 model used for
     layers 0, 1, …; building and dropping the chunks of stages ``0..k-1`` first
@@ -161,7 +185,8 @@ def _draw_earlier_stages(model: ModelConfig, parallel: ParallelConfig, params_dt
     single = dataclasses.replace(parallel, pp=1)
     for stage in range(parallel_state.get_pipeline_model_parallel_rank()):
         chunk = build_model(stage_model, single, params_dtype=params_dtype,
-                            pre_process=stage == 0, post_process=False, local_spec=local_spec)
+                            pre_process=stage == 0, post_process=False, local_spec=local_spec,
+                            device=device)
         del chunk
 
 

@@ -118,10 +118,11 @@ def initialize_layout(cfg: JobConfig) -> Topology:
 def set_seed(seed: int) -> None:
     """Seed Python, NumPy, torch and megatron's model-parallel RNG tracker.
 
-    All ranks use the same base seed and TP-sharded weights are initialised
-    from the full tensor (``use_cpu_initialization``, see
-    :func:`jobruntime.model.to_transformer_config`), so TP=1 and TP=2 start
-    from the same model; a PP stage first advances the generator past the
+    All ranks use the same base seed (the compute device's default generator
+    included: ``torch.manual_seed`` seeds every CUDA device) and TP-sharded
+    weights are initialised from the full tensor (``use_cpu_initialization``,
+    run on the compute device, see :func:`jobruntime.model.build_model`), so
+    TP=1 and TP=2 start from the same model; a PP stage first advances the generator past the
     earlier stages' draws (:func:`jobruntime.model.build_model`), so every
     PP size starts from the same model too.
     """

@@ -6,12 +6,14 @@ the current ``parallel_state`` layout, call :meth:`Trainer.train_step` with
 this rank's micro-batches, :meth:`Trainer.evaluate` for validation loss.
 
 Wraps, in megatron's own order (``megatron.training.get_model``): the model
-chunk moved to the compute device, ``megatron.core.transformer.module.Float16Module``
+chunk (built on the compute device), ``megatron.core.transformer.module.Float16Module``
 for bf16/fp16 (casts first-stage inputs to the model dtype and last-stage
 outputs to fp32, exactly as on GPU — also on CPU),
 ``megatron.core.distributed.DistributedDataParallel``,
 ``megatron.core.optimizer.get_megatron_optimizer`` (torch's fused AdamW
-kernel where neither apex nor Transformer Engine provides one),
+kernel, and ``torch._foreach_*`` gradient norm and clipping
+(:func:`jobruntime.kernels.install_multi_tensor_ops`), where neither apex nor
+Transformer Engine provides one),
 ``megatron.core.optimizer_param_scheduler.OptimizerParamScheduler`` and
 ``megatron.core.pipeline_parallel.get_forward_backward_func`` (no pipelining
 or 1F1B, chosen by the PP size).
@@ -40,6 +42,7 @@ from megatron.core.transformer.module import Float16Module
 from . import cpu_compat
 from .config import JobConfig, TrainConfig
 from .devices import check_module_devices
+from .kernels import install_multi_tensor_ops
 from .model import build_model
 
 
@@ -146,7 +149,7 @@ class Trainer:
         self.dtype = resolve_dtype(cfg.train.precision)
         self.device = cpu_compat.device()
         module = model if model is not None else build_model(cfg.model, cfg.parallel, params_dtype=self.dtype)
-        # built on the CPU (use_cpu_initialization: every layout draws the full tensors)
+        # build_model builds on the compute device; a model passed in may sit elsewhere
         self.module = module.to(self.device)
         """The unwrapped megatron model chunk (``GPTModel`` / ``BertModel``)."""
         check_module_devices(self.module, self.device, "model")
@@ -185,6 +188,7 @@ class Trainer:
             params_dtype=self.dtype,
             use_distributed_optimizer=False,
         )
+        install_multi_tensor_ops()  # no per-parameter host sync in the grad norm (no apex/TE)
         self.optimizer = get_megatron_optimizer(opt_cfg, self.model)
         _use_fused_adamw(self.optimizer)
         self.scheduler = lr_scheduler(self.optimizer, t)

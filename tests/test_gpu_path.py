@@ -255,9 +255,11 @@ def test_fused_kernels_follow_imports(monkeypatch):
             assert t.masked_softmax_fusion == k.masked_softmax
             assert t.gradient_accumulation_fusion == k.grad_accumulation
             assert t.apply_rope_fusion == (k.rope and cfg.model.position_embedding == "rope")
-            assert t.bias_activation_fusion == (k.jit and (cfg.model.activation == "swiglu"
-                                                           or cfg.model.add_bias_linear))
-            assert t.cross_entropy_loss_fusion == k.jit
+            # megatron's fused bias-GeLU is the tanh approximation: SwiGLU only (issue 24)
+            assert t.bias_activation_fusion == (k.jit and cfg.model.activation == "swiglu")
+            assert not t.cross_entropy_loss_fusion  # fp32: the fused one returns bf16 gradients
+            bf16 = to_transformer_config(cfg.model, cfg.parallel, params_dtype=torch.bfloat16)
+            assert bf16.cross_entropy_loss_fusion == k.jit
             cfg.model.kernel_fusions = "off"
             off = to_transformer_config(cfg.model, cfg.parallel)
             assert not (off.bias_activation_fusion or off.persist_layer_norm
