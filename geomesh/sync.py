@@ -307,7 +307,7 @@ def run_sync(ctx: RunContext) -> dict:
                 lr_scales.done[i] = max(lr_scales.done[i], rnd.r * rsteps[i].inner_steps)
         guard.expect({i: rsteps[i].samples * cfg.model.seq_length for i in range(K)},
                      {i: lr_scales.round(i, rsteps[i]) for i in range(K)})
-        agg, tokens = codec.aggregate(received, guard=guard, **pred)
+        agg, tokens = codec.aggregate(received, guard=guard, round=rnd.r, **pred)
         for i in members:  # the round's workers trained its inner steps
             lr_scales.advance(i, rsteps[i])
         if ft is not None and guard.last_rejected:  # like lost workers (fail: stop, named)
@@ -347,7 +347,12 @@ def run_sync(ctx: RunContext) -> dict:
                                   4 * schema.numel)
             present = sorted({int(x[0]) for x in rows})
             compute = {k: max(x[2] for x in rows if int(x[0]) == k) for k in present}
-            slowest = max(compute.values())
+            # the loss and compute seconds a worker reports steer the log, the idle
+            # statistics and re-planning: out-of-bounds ones are left out (Guard.screen_figures)
+            present = guard.screen_figures(
+                present, [next(x[1] for x in rows if int(x[0]) == k) for k in present],
+                [compute[k] for k in present])
+            slowest = max((compute[k] for k in present), default=0.0)
             losses = {}
             for k in present:
                 w = cl.workers[k]
@@ -366,15 +371,18 @@ def run_sync(ctx: RunContext) -> dict:
         for k in present:
             stats.add_worker(cl.workers[k].name, tokens=tokens[k], **per[cl.workers[k].name])
         ntok = sum(tokens)
+        weighed = sum(tokens[k] for k in losses)
+        # token-weighted over the accepted figures; with none, this job's own (local) loss
+        loss = sum(tokens[k] * losses[k] for k in losses) / weighed if weighed else \
+            sum(rnd.losses.values()) / max(len(rnd.losses), 1)
         stats.tokens += ntok
         stats.outer_steps = step
         stats.bytes_total += round_bytes
         stats.fp32_bytes_total += round_fp32
-        times = [per[cl.workers[k].name]["compute_s"] for k in present]
+        times = [per[cl.workers[k].name]["compute_s"] for k in present] or [0.0]
         record = dict(
-            step=step, tokens=stats.tokens, time_s=stats.time_s,
-            loss=sum(tokens[k] * losses[k] for k in present) / max(ntok, 1),
-            compute_s=max(times), imbalance=(max(times) - min(times)) / max(times),
+            step=step, tokens=stats.tokens, time_s=stats.time_s, loss=loss,
+            compute_s=max(times), imbalance=(max(times) - min(times)) / max(max(times), 1e-12),
             straggler_idle_s=sum(p["straggler_idle_s"] for p in per.values()),
             wan_idle_s=sum(p["wan_idle_s"] for p in per.values()), bytes=round_bytes,
             batch_sizes=[s.batch_size for s in rsteps],
@@ -535,7 +543,7 @@ def run_sync(ctx: RunContext) -> dict:
             rnd.wait_s = time.perf_counter() - x0
         if not drain:  # until round r's aggregate arrives: the eager start (geomesh.eager),
             for i, w_i in shares.items():  # after the send so that it overlaps the exchange
-                own, _ = codec.aggregate([rnd.msgs[i]], **pred)  # D(msg_i), as the others decode it
+                own, _ = codec.aggregate([rnd.msgs[i]], senders=[i], **pred)  # D(msg_i), as the others decode it
                 start = eager.start(outer, own, w_i, corrected=bool(local_mom))
                 workers[i].trainer.set_params(start)
                 snapshots[i] = {k: v.cpu() for k, v in start.items()}
