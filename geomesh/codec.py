@@ -252,6 +252,9 @@ class DenseCodec(Codec):
             n = int(np.prod(shape)) if shape else 1
             out[name] = (torch.frombuffer(buf, dtype=torch.float32, count=n, offset=off)  # host
                          if n else torch.zeros(0)).reshape(shape)  # host: decoded wire bytes
+            if not bool(torch.isfinite(out[name]).all()):  # an honest encoder refuses them
+                raise MessageError(f"fp32 message from worker {worker}: tensor '{name}' has "
+                                   "NaN/Inf values")
             off += 4 * n
         return out, tokens, worker, rnd
 

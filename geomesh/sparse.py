@@ -201,6 +201,9 @@ class TopKCodec(Codec):
                 n = math.prod(shape)
                 out[name] = torch.from_numpy(  # host: decoded wire bytes
                     np.frombuffer(buf, "<f4", n, off).astype(np.float32)).reshape(shape)
+                if not bool(torch.isfinite(out[name]).all()):  # an honest encoder refuses them
+                    raise MessageError(f"top-k message from worker {worker}: tensor '{name}' "
+                                       "has NaN/Inf values")
                 off += 4 * n
                 continue
             rows, nch = lay
