@@ -43,7 +43,7 @@ the same messages, so every copy of ``θ_global`` stays identical):
    statistics and re-planning) are bounded like values are
    (:meth:`Guard.screen_figures`): finite, non-negative (seconds positive),
    and within ``max_norm_ratio`` (loss) or ``max_norm_ratio²`` (seconds) of
-   the other workers' median.  Out-of-bound figures are left out of the log
+   at least half of the other workers' figures.  Out-of-bound figures are left out of the log
    and the re-plan of that round; the pseudo-gradient is judged by 1-4.
 
 Identity.  Every check is keyed on the worker whose slot of the exchange a
@@ -263,11 +263,14 @@ class Guard:
         along with its message and steer the logged loss, the idle statistics
         and re-planning (module docstring, check 5).  A loss must be finite and
         ``>= 0``, compute seconds finite and ``> 0``, and each within a factor of
-        the median of the *other* workers' valid figures: ``max_norm_ratio`` for
-        the loss (honest workers start the round from the same ``θ_global`` on
-        the same data distribution), ``max_norm_ratio²`` for compute seconds (the
-        plan balances them, but a throttled GPU may legitimately be several times
-        slower until the next re-plan).  The verdict depends on the shared
+        at least half of the *other* workers' valid figures (a majority that
+        one liar cannot move, unlike a mean or a median of two; with two
+        workers a lie removes both figures, nobody can tell which is true):
+        ``max_norm_ratio`` for the loss (honest workers start the round from
+        the same ``θ_global`` on the same data distribution),
+        ``max_norm_ratio²`` for compute seconds (the plan balances them, but a
+        throttled GPU may legitimately be several times slower until the next
+        re-plan).  The verdict depends on the shared
         figures alone, so every job leaves out the same workers and re-plans
         alike; a left-out worker keeps its pseudo-gradient (its values passed
         their own checks), its figures are counted under ``figures``.
@@ -287,14 +290,13 @@ class Guard:
                                          "seconds finite and > 0)")
             for name, vals, ratio in (("loss", losses, r_loss), ("compute seconds", compute_s,
                                                                    r_time)):
-                others = sorted(vals[i] for i in range(len(workers)) if i != j and valid[i])
+                others = [vals[i] for i in range(len(workers)) if i != j and valid[i]]
                 if why is not None or not others:
                     continue
-                m = len(others)
-                med = others[m // 2] if m % 2 else 0.5 * (others[m // 2 - 1] + others[m // 2])
-                if not (med / ratio <= vals[j] <= med * ratio):
-                    why = (f"its {name} {vals[j]:.6g} is more than {ratio:g}x away from the "
-                           f"other workers' median {med:.6g}")
+                agree = sum(o / ratio <= vals[j] <= o * ratio for o in others)
+                if 2 * agree < len(others):
+                    why = (f"its {name} {vals[j]:.6g} is more than {ratio:g}x away from most "
+                           f"other workers' ({', '.join(f'{o:.6g}' for o in others)})")
             if why is None:
                 keep.append(k)
             else:
