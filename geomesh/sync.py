@@ -335,7 +335,7 @@ def run_sync(ctx: RunContext) -> dict:
                     per[w.name] = dict(compute_s=t.compute_s, straggler_idle_s=t.straggler_idle_s,
                                        wan_idle_s=t.wan_idle_s, sent_bytes=t.sent_bytes)
             losses = {i: rnd.losses[i] for i in rnd.losses}
-            present = list(range(K))
+            present = counted = list(range(K))
             round_bytes = charged * K
             round_fp32 = 4 * ctx.target_schema.numel * K
             stats.time_s = clock.last_exchange_end_s  # when θ_global of this round exists
@@ -349,12 +349,12 @@ def run_sync(ctx: RunContext) -> dict:
             compute = {k: max(x[2] for x in rows if int(x[0]) == k) for k in present}
             # the loss and compute seconds a worker reports steer the log, the idle
             # statistics and re-planning: out-of-bounds ones are left out (Guard.screen_figures)
-            present = guard.screen_figures(
+            counted = guard.screen_figures(
                 present, [next(x[1] for x in rows if int(x[0]) == k) for k in present],
                 [compute[k] for k in present])
-            slowest = max((compute[k] for k in present), default=0.0)
+            slowest = max((compute[k] for k in counted), default=0.0)
             losses = {}
-            for k in present:
+            for k in counted:
                 w = cl.workers[k]
                 mine = [x for x in rows if int(x[0]) == k]
                 waited = max(x[3] for x in mine)
@@ -368,7 +368,7 @@ def run_sync(ctx: RunContext) -> dict:
             round_bytes = int(sum(x[4] for x in rows))
             round_fp32 = int(sum(x[5] for x in rows))
             stats.time_s = time.perf_counter() - t0
-        for k in present:
+        for k in counted:
             stats.add_worker(cl.workers[k].name, tokens=tokens[k], **per[cl.workers[k].name])
         ntok = sum(tokens)
         weighed = sum(tokens[k] for k in losses)
@@ -379,7 +379,7 @@ def run_sync(ctx: RunContext) -> dict:
         stats.outer_steps = step
         stats.bytes_total += round_bytes
         stats.fp32_bytes_total += round_fp32
-        times = [per[cl.workers[k].name]["compute_s"] for k in present] or [0.0]
+        times = [per[cl.workers[k].name]["compute_s"] for k in counted] or [0.0]
         record = dict(
             step=step, tokens=stats.tokens, time_s=stats.time_s, loss=loss,
             compute_s=max(times), imbalance=(max(times) - min(times)) / max(max(times), 1e-12),
@@ -410,11 +410,11 @@ def run_sync(ctx: RunContext) -> dict:
         # ones are noisy: real mode averages the last two rounds since the plan
         # last changed (and waits for two).  Overlapped rounds: a new plan
         # starts with the round after the one already under way.
-        for k in present:
+        for k in counted:
             history.setdefault(cl.workers[k].name, []).append(
                 per[cl.workers[k].name]["compute_s"] / rsteps[k].target.inner_steps)
         need = 1 if ctx.emulated else 2
-        full = len(members) == K and len(present) == K  # drift re-plans need everyone measured
+        full = len(members) == K and len(counted) == K  # drift re-plans need everyone measured
         if geomesh and g.replan and full and step < g.outer_steps and history and \
                 min(len(v) for v in history.values()) >= need:
             measured = {n: sum(v[-need:]) / need for n, v in history.items()}
