@@ -29,7 +29,9 @@ committed checkpoints) seen during a run that are gone or shorter at its end
 Hostile messages (in process, the same Opener and Guard as a run): forged,
 replayed, duplicated, other-run, other-version and wrong-slot envelopes, and
 sealed insiders' absurd values, NaN bodies, token grabs, zero tokens and
-malformed bodies.  Bad inputs: random config overrides, cluster files, wire
+malformed bodies; an insider with a forged identity (codec header naming
+another worker or round) and one lying about its loss and compute seconds
+(``hostile_kinds``).  Bad inputs: random config overrides, cluster files, wire
 bytes and checkpoint files (seeded), counted when they are bad; a clean error
 is the module's one-line error type.  Prints one line per scenario and, last,
 one JSON object; ``--out`` also gets ``faults.json`` and the logs.
@@ -283,6 +285,63 @@ def hostile() -> tuple[int, int]:
     return tried, rejected
 
 
+def forged_identity() -> dict:
+    """An insider (valid envelope in its own slot) forging its codec header, every codec.
+
+    Per codec, worker 2's header claims worker 999 with 10^12 tokens, borrows
+    worker 0's id (with absurd values), or names the last round
+    (:func:`tests.test_geomesh_identity.forged_cases`).  Rejected: the forger
+    gets 0 tokens, the honest two keep theirs and the aggregate is exactly
+    theirs; ``honest_blamed`` counts rounds where an honest worker was dropped.
+    """
+    import torch
+
+    from geomesh.guard import Guard
+    from tests.test_geomesh_identity import KINDS, _codec, _through_envelope, forged_cases
+
+    out = {"kind": "forged_identity", "tried": 0, "rejected": 0, "honest_blamed": 0}
+    for kind in KINDS:
+        codec = _codec(kind)
+        for msgs in forged_cases(codec).values():
+            guard = Guard(["a", "b", "c"], ["A", "B", "C"])
+            guard.expect({0: 100, 1: 100, 2: 100})
+            agg, tokens = codec.aggregate(_through_envelope(msgs), guard=guard, round=5)
+            ref, _ = codec.aggregate(msgs[:2])
+            out["tried"] += 1
+            out["rejected"] += tokens == [100, 100, 0] and all(
+                torch.equal(agg[k], ref[k]) for k in ref)
+            out["honest_blamed"] += bool(set(guard.last_rejected) - {2})
+    return out
+
+
+def lying_statistics() -> dict:
+    """An insider lying about the figures that ride with its message: a NaN or negative
+    or tiny loss, 999,999.9, 0 or infinite compute seconds
+    (:func:`tests.test_geomesh_identity.lying_figures`), and a two-worker lie.
+    Rejected: exactly the liar's figures are left out of the logged loss, the idle
+    statistics and the re-plan (with two workers: both, nobody can tell which is
+    true); ``honest_left_out`` counts honest figures dropped with three workers."""
+    from geomesh.guard import Guard
+    from tests.test_geomesh_identity import lying_figures
+
+    out = {"kind": "lying_statistics", "tried": 0, "rejected": 0, "honest_left_out": 0}
+    cases = list(lying_figures().values())
+    for losses, seconds in cases:
+        guard = Guard(["a", "b", "c"], ["A", "B", "C"])
+        kept = guard.screen_figures([0, 1, 2], losses, seconds)
+        out["tried"] += 1
+        out["rejected"] += 2 not in kept
+        out["honest_left_out"] += 2 - len(set(kept) & {0, 1})
+    two = Guard(["a", "b"], ["A", "B"]).screen_figures([0, 1], [4.1, 4.2], [10.0, 999_999.9])
+    out["tried"] += 1
+    out["rejected"] += 1 not in two
+    return out
+
+
+HOSTILE_KINDS = (forged_identity, lying_statistics)
+"""Hostile kinds with their own JSON entry (``hostile_kinds``), counted in ``hostile_*``."""
+
+
 def bad_inputs(n: int, tmp: Path) -> tuple[int, int]:
     """Seeded random bad inputs to the four loaders; ``(bad tried, clean one-line errors)``."""
     import dataclasses
@@ -394,12 +453,15 @@ def main(argv=None) -> int:
         results.append(res)
         print(json.dumps(res), flush=True)
     h_tried, h_rejected = hostile()
+    kinds = [kind() for kind in HOSTILE_KINDS]
+    h_tried += sum(k["tried"] for k in kinds)
+    h_rejected += sum(k["rejected"] for k in kinds)
     b_tried, b_clean = bad_inputs(50 if args.quick else 500, root / "bad")
     summary = {
         "faults_injected": len(results), "faults_survived": sum(r["survived"] for r in results),
         "hostile_tried": h_tried, "hostile_rejected": h_rejected,
         "bad_inputs_tried": b_tried, "clean_errors": b_clean,
-        "bytes_lost": sum(r["bytes_lost"] for r in results),
+        "hostile_kinds": kinds, "bytes_lost": sum(r["bytes_lost"] for r in results),
         "wall_s": round(time.monotonic() - t0, 1), "quick": args.quick,
     }
     (root / "faults.json").write_text(json.dumps({"summary": summary, "scenarios": results},

@@ -186,7 +186,7 @@ def run_async(ctx: RunContext) -> dict:
     for e, ev in enumerate(events):
         i = index[ev.worker]
         msg, loss = pending.pop(i)
-        delta, (n_i,) = codec.aggregate([msg])  # one message: its own fp32 Δ_i
+        delta, (n_i,) = codec.aggregate([msg], senders=[i])  # one message: its own fp32 Δ_i
         outer.step({k: v * (n_i / round_tokens) for k, v in delta.items()})
         staleness.append(ev.staleness)
         window.append(loss)

@@ -50,7 +50,7 @@ from .compression import (
     scale_signs,
     unpack_signs,
 )
-from .guard import message_norm
+from .guard import message_norm, message_peaks
 from .outer import aggregate, aggregate_messages
 
 _DENSE_HEADER = struct.Struct("<4sHHIIQ8sI")
@@ -82,9 +82,20 @@ class Codec:
     ) -> bytes:
         raise NotImplementedError
 
-    def aggregate(self, messages: Sequence[bytes | None], *, guard=None
+    def aggregate(self, messages: Sequence[bytes | None], *, guard=None,
+                  senders: Sequence[int] | None = None, round: int | None = None
                   ) -> tuple[dict[str, torch.Tensor] | None, list[int]]:
         """Decode all workers' messages (worker order); return ``(Δ, n_i list)``.
+
+        Identity comes from where a message arrived, never from its header:
+        ``senders[j]`` is the worker whose slot of the exchange message ``j``
+        came in (default with a ``guard``: its position, the order the
+        transport and the envelope, :mod:`geomesh.envelope`, authenticate; with
+        neither, a worker decoding its own messages, nothing is checked), and ``round`` the
+        round the exchange was sealed for (``None``: not checked).  A header
+        naming another worker or round is a forgery: a ``MessageError``, or
+        with a ``guard`` that slot's worker dropped (reason ``identity``).  The
+        guard keys its token, norm and history checks on ``senders``.
 
         ``None`` entries (lost workers) and messages the ``guard``
         (:class:`geomesh.guard.Guard`) rejects count 0 tokens; ``Δ`` is
@@ -176,10 +187,12 @@ class SignCodec(Codec):
         msg = WorkerMessage(worker=worker, round=round, num_tokens=int(num_tokens), tensors=tensors)
         return encode_message(msg, self.schema)
 
-    def aggregate(self, messages, *, guard=None):
-        pos, decoded = _decoded(messages, lambda m: decode_message(m, self.schema), guard)
-        keep = guard.screen([m.worker for m in decoded], [m.num_tokens for m in decoded],
-                            [message_norm(m) for m in decoded]) if guard is not None \
+    def aggregate(self, messages, *, guard=None, senders=None, round=None):
+        pos, decoded, who = _decoded(messages, lambda m: decode_message(m, self.schema), guard,
+                                     senders=senders, round=round)
+        keep = guard.screen(who, [m.num_tokens for m in decoded],
+                            [message_norm(m) for m in decoded],
+                            [message_peaks(m) for m in decoded]) if guard is not None \
             else range(len(decoded))
         kept = [decoded[j] for j in keep]
         tokens = [0] * len(messages)  # positional, like messages
@@ -224,9 +237,13 @@ class DenseCodec(Codec):
             raise MessageError(
                 f"fp32 message has {len(buf)} bytes, the schema needs {self.encoded_bytes(self.schema)}"
             )
-        magic, _v, _f, worker, rnd, tokens, digest, count = _DENSE_HEADER.unpack_from(buf, 0)
+        magic, version, flags, worker, rnd, tokens, digest, count = _DENSE_HEADER.unpack_from(buf, 0)
         if magic != _DENSE_MAGIC or digest != self.schema.digest:
             raise MessageError(f"fp32 message from worker {worker} is for another model or format")
+        if version != 1 or flags != 0 or count != len(self.schema.entries):
+            raise MessageError(f"fp32 message from worker {worker} has wire version {version}, "
+                               f"flags {flags}, {count} tensors; this build reads version 1, "
+                               f"flags 0, {len(self.schema.entries)} tensors")
         (crc,) = _CRC.unpack_from(buf, len(buf) - _CRC.size)
         if crc != zlib.crc32(memoryview(buf)[: len(buf) - _CRC.size]):
             raise MessageError(f"fp32 message from worker {worker}: CRC-32 mismatch")
@@ -235,30 +252,34 @@ class DenseCodec(Codec):
             n = int(np.prod(shape)) if shape else 1
             out[name] = (torch.frombuffer(buf, dtype=torch.float32, count=n, offset=off)  # host
                          if n else torch.zeros(0)).reshape(shape)  # host: decoded wire bytes
+            if not bool(torch.isfinite(out[name]).all()):  # an honest encoder refuses them
+                raise MessageError(f"fp32 message from worker {worker}: tensor '{name}' has "
+                                   "NaN/Inf values")
             off += 4 * n
-        return out, tokens, worker
+        return out, tokens, worker, rnd
 
-    def aggregate(self, messages, *, guard=None):
-        return aggregate_decoded(messages, self._decode, guard)
+    def aggregate(self, messages, *, guard=None, senders=None, round=None):
+        return aggregate_decoded(messages, self._decode, guard, senders=senders, round=round)
 
     @classmethod
     def encoded_bytes(cls, schema: TensorSchema) -> int:
         return _DENSE_HEADER.size + 4 * schema.numel + _CRC.size
 
 
-def aggregate_decoded(messages: Sequence[bytes | None], decode, guard=None
+def aggregate_decoded(messages: Sequence[bytes | None], decode, guard=None, *,
+                      senders: Sequence[int] | None = None, round: int | None = None
                       ) -> tuple[dict[str, torch.Tensor] | None, list[int]]:
     """Aggregate of codecs whose messages decode to dense tensors (fp32, top-k).
 
-    ``decode(message) -> (Δ_i, n_i, worker)``; the decoded values are screened
-    with ``guard`` (:meth:`geomesh.guard.Guard.screen_dense`), then averaged by
-    tokens (equation 1) or by the guard's robust mode.  Returns ``(Δ, n_i per
-    message position)``: ``None`` entries and rejected messages count 0 tokens;
-    ``Δ`` is ``None`` when no message is left.
+    ``decode(message) -> (Δ_i, n_i, header worker, header round)``; identities
+    are checked as in :meth:`Codec.aggregate`, the decoded values screened with
+    ``guard`` (:meth:`geomesh.guard.Guard.screen_dense`, keyed on ``senders``),
+    then averaged by tokens (equation 1) or by the guard's robust mode.  Returns
+    ``(Δ, n_i per message position)``: ``None`` entries and rejected messages
+    count 0 tokens; ``Δ`` is ``None`` when no message is left.
     """
-    pos, decoded = _decoded(messages, decode, guard)
-    workers = [k for _, _, k in decoded]
-    deltas, counts = [d for d, _, _ in decoded], [t for _, t, _ in decoded]
+    pos, decoded, workers = _decoded(messages, decode, guard, senders=senders, round=round)
+    deltas, counts = [d[0] for d in decoded], [d[1] for d in decoded]
     keep = guard.screen_dense(workers, deltas, counts) if guard is not None else \
         range(len(decoded))
     tokens = [0] * len(messages)  # positional, like messages
@@ -272,22 +293,57 @@ def aggregate_decoded(messages: Sequence[bytes | None], decode, guard=None
     return aggregate(deltas, counts), tokens
 
 
-def _decoded(messages, decode, guard) -> tuple[list[int], list]:
-    """Decode the messages present; with a ``guard``, a malformed one drops its worker
-    (its position: worker order) instead of stopping the round."""
-    pos, out = [], []
+def header_identity(decoded) -> tuple[int, int]:
+    """``(worker, round)`` a decoded message's codec header claims (any codec's decoder)."""
+    if isinstance(decoded, WorkerMessage):
+        return decoded.worker, decoded.round
+    if isinstance(decoded, tuple) and len(decoded) == 4:  # fp32 / top-k: (Δ, n, worker, round)
+        return decoded[2], decoded[3]
+    return header_identity(decoded[-1])  # predictive: (γ, sign message)
+
+
+def _decoded(messages, decode, guard, *, senders=None, round=None
+             ) -> tuple[list[int], list, list[int]]:
+    """Decode the messages present; return ``(positions, decoded, senders)`` of those kept.
+
+    The worker is ``senders[j]`` (default ``j``), the slot the message arrived
+    in; a header that names another worker, or another round than ``round``,
+    is a ``MessageError``.  Without ``senders`` and ``guard`` (a worker decoding
+    its own message) the header's id is reported and nothing is checked.  With a ``guard`` a malformed or forged message drops
+    the worker of its slot (never the one its header names) instead of
+    stopping the round."""
+    check = senders is not None or guard is not None  # unguarded local decoding: no slots
+    senders = list(range(len(messages))) if senders is None else list(senders)
+    if len(senders) != len(messages):
+        raise ValueError(f"{len(messages)} messages for {len(senders)} senders")
+    pos, out, who = [], [], []
     for i, m in enumerate(messages):
         if m is None:
             continue
+        k = senders[i]
         try:
-            out.append(decode(m))
+            d = decode(m)
+            worker, rnd = header_identity(d)
+            if not check:
+                k = worker
+            elif worker != k or (round is not None and rnd != round % 2**32):
+                raise _Forged(f"message in worker {k}'s slot claims worker {worker}, round "
+                              f"{rnd} in its codec header; the exchange says worker {k}"
+                              + (f", round {round}" if round is not None else "")
+                              + " (a forged identity)")
         except MessageError as e:
             if guard is None:
                 raise
-            guard.drop(i, "malformed", str(e))
+            guard.drop(k, "identity" if isinstance(e, _Forged) else "malformed", str(e))
             continue
         pos.append(i)
-    return pos, out
+        out.append(d)
+        who.append(k)
+    return pos, out, who
+
+
+class _Forged(MessageError):
+    """A codec header whose worker or round differs from the authenticated slot."""
 
 
 def build_codec(kind: str, schema: TensorSchema, **kwargs) -> Codec:

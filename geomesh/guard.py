@@ -25,11 +25,36 @@ the same messages, so every copy of ``θ_global`` stays identical):
    was rejected in round 1 against the V100's 2 steps at lrs 0 and 1/5);
    with it they differ by their data and by at most ``(H_max/H_min) ** 0.25``
    (2.2x on that plan), so the default ratio 10 rejects no honest worker in
-   the tests and benches.
+   the tests and benches;
+4. **element** — no element carries more than its share of the norm: in every
+   tensor ``max_j |Δ_j| ≤ MAX_PEAK_RATIO · sqrt(mean_j Δ_j²)`` (the peak-to-RMS
+   or crest factor; sign messages: ``max m_r / sqrt(mean m_r²)`` over the row
+   scales).  Without it a worker could put its whole permitted norm (check 3)
+   into one weight, ``sqrt(numel)`` times the RMS.  A crest factor does not
+   depend on the lr, the round or the worker's size, so one bound fits all;
+   measured on honest emulated four-region runs (6 rounds, ``tiny_gpt``): at
+   most 2.2 (``sign_row`` with error feedback), 4.5 (``compress_update``),
+   4.6 (``sign_pred``), 5.2 (``topk``: a row's kept elements are ``chunk/k``
+   times sparser, ``sqrt(256/8) = 5.7`` is its ideal), 5.7 (fp32, DiLoCo).
+   The bound 64 is 11x the largest; a tensor of at most ``64² = 4096``
+   elements is not constrained by it (its crest is at most ``sqrt(numel)``);
+5. **figures** — the loss and compute seconds a worker reports with its
+   message (one job per region; they feed the logged loss, the idle
+   statistics and re-planning) are bounded like values are
+   (:meth:`Guard.screen_figures`): finite, non-negative (seconds positive),
+   and within ``max_norm_ratio`` (loss) or ``max_norm_ratio²`` (seconds) of
+   at least half of the other workers' figures.  Out-of-bound figures are left out of the log
+   and the re-plan of that round; the pseudo-gradient is judged by 1-4.
 
-A worker that fails any check is dropped from the round like a lost worker
-(its weight renormalised away) and named in a warning; :attr:`Guard.rejected`
-counts rejections by reason.
+Identity.  Every check is keyed on the worker whose slot of the exchange a
+message arrived in (authenticated by :mod:`geomesh.envelope`), never on the
+id in the codec header: a header naming another worker or round is dropped as
+``identity`` (:meth:`geomesh.codec.Codec.aggregate`), and a worker the plan
+gives no tokens this round has no weight (``tokens``).
+
+A worker that fails checks 1-4 or the identity check is dropped from the
+round like a lost worker (its weight renormalised away) and named in a
+warning; :attr:`Guard.rejected` counts rejections by reason.
 
 Robust aggregation (``geomesh.robust_aggregation``), for insiders whose
 values pass the checks but point the wrong way:
@@ -62,6 +87,8 @@ from .compression import WorkerMessage, scale_signs, unpack_signs
 log = logging.getLogger(__name__)
 
 ROBUST = ("none", "sign_majority", "trimmed_mean")
+MAX_PEAK_RATIO = 64.0
+"""Bound of check 4: an element's magnitude over its tensor's RMS (module docstring)."""
 
 
 def message_norm(msg: WorkerMessage) -> float:
@@ -74,6 +101,38 @@ def message_norm(msg: WorkerMessage) -> float:
         else:
             total += float(ct.scale) ** 2 * ct.numel
     return math.sqrt(total)
+
+
+def message_peaks(msg: WorkerMessage) -> tuple[float, str]:
+    """:func:`dense_peaks` of a decoded sign message, from its scales alone: every
+    element of a scale's row decodes to ``±m_r``, so a tensor's peak-to-RMS ratio
+    is ``max m_r / sqrt(mean m_r²)`` (1 with one scale per tensor)."""
+    worst = (0.0, "")
+    for name, ct in msg.tensors.items():
+        m = ct.scale.double() if isinstance(ct.scale, torch.Tensor) \
+            else torch.tensor([float(ct.scale)], dtype=torch.float64)  # host: decoded scale
+        worst = max(worst, (_peak(m.abs().max() if m.numel() else m.new_zeros(()),
+                                  float(m.pow(2).mean()) if m.numel() else 0.0), name))
+    return worst
+
+
+def dense_peaks(delta: Mapping[str, torch.Tensor]) -> tuple[float, str]:
+    """The largest peak-to-RMS ratio ``max |Δ_j| / sqrt(mean Δ_j²)`` over the tensors
+    of ``delta``, and that tensor's name (``(0, "")`` when all are zero)."""
+    worst = (0.0, "")
+    for name, t in delta.items():
+        x = t.double()
+        if x.numel():
+            worst = max(worst, (_peak(x.abs().max(), float(x.pow(2).mean())), name))
+    return worst
+
+
+def _peak(peak: torch.Tensor, mean_square: float) -> float:
+    """``peak / sqrt(mean_square)``; 0 for a zero tensor, ``inf`` for a non-finite one."""
+    p = float(peak)
+    if not (math.isfinite(p) and math.isfinite(mean_square)):
+        return math.inf
+    return p / math.sqrt(mean_square) if mean_square > 0 else 0.0
 
 
 def dense_norm(delta: Mapping[str, torch.Tensor]) -> float:
@@ -94,11 +153,12 @@ class Guard:
 
     def __init__(self, names: Sequence[str], regions: Sequence[str], *,
                  max_norm_ratio: float = 10.0, token_tolerance: float = 0.05,
-                 robust: str = "none") -> None:
+                 robust: str = "none", max_peak_ratio: float | None = None) -> None:
         if robust not in ROBUST:
             raise ValueError(f"robust aggregation {robust!r}: use one of {list(ROBUST)}")
         self.names, self.regions = list(names), list(regions)
         self.max_norm_ratio = max_norm_ratio
+        self.max_peak_ratio = MAX_PEAK_RATIO if max_peak_ratio is None else max_peak_ratio
         self.token_tolerance = token_tolerance
         self.robust = robust
         self.expected: dict[int, int] = {}
@@ -135,14 +195,31 @@ class Guard:
             return f"worker {self.names[k]} (region {self.regions[k]!r})"
         return f"worker #{k}"
 
-    def screen(self, workers: Sequence[int], tokens: Sequence[int],
-               norms: Sequence[float]) -> list[int]:
-        """Positions (into the given lists) of the messages that pass; see the module docstring."""
+    def screen(self, workers: Sequence[int], tokens: Sequence[int], norms: Sequence[float],
+               peaks: Sequence[tuple[float, str]] | None = None) -> list[int]:
+        """Positions (into the given lists) of the messages that pass; see the module docstring.
+
+        Args:
+            workers: the authenticated sender of each message (its slot), never
+                an id read from the message.
+            tokens: each message's ``n_i``.
+            norms: each message's decoded norm (:func:`message_norm`, :func:`dense_norm`).
+            peaks: each message's ``(peak-to-RMS ratio, tensor)`` (:func:`dense_peaks`);
+                ``None``: check 4 is skipped.
+        """
         ok: list[int] = []
+        peaks = list(peaks) if peaks is not None else [(0.0, "")] * len(workers)
         for j, (k, n, nrm) in enumerate(zip(workers, tokens, norms)):
             exp = self.expected.get(k)
             if not math.isfinite(nrm):
                 self.drop(k, "non_finite", "its pseudo-gradient has NaN/Inf values")
+            elif self.expected and exp is None:
+                self.drop(k, "tokens", "the plan gives it no tokens this round (not a worker "
+                                       "of the round)")
+            elif peaks[j][0] > self.max_peak_ratio:
+                self.drop(k, "element", f"one element of tensor '{peaks[j][1]}' is "
+                                        f"{peaks[j][0]:.4g} x the tensor's RMS (at most "
+                                        f"{self.max_peak_ratio:g})")
             elif exp is not None and abs(n - exp) > self.token_tolerance * max(exp, 1):
                 self.drop(k, "tokens", f"it claims {n} tokens, the plan gave it {exp} "
                                         f"(tolerance {self.token_tolerance:g})")
@@ -178,6 +255,57 @@ class Guard:
             self.history[k] = norms[j] if h is None else 0.5 * h + 0.5 * norms[j]
         return passed
 
+    def screen_figures(self, workers: Sequence[int], losses: Sequence[float],
+                       compute_s: Sequence[float]) -> list[int]:
+        """The workers (of ``workers``, order kept) whose reported figures are credible.
+
+        A worker's mean training loss of the round and its compute seconds ride
+        along with its message and steer the logged loss, the idle statistics
+        and re-planning (module docstring, check 5).  A loss must be finite and
+        ``>= 0``, compute seconds finite and ``> 0``, and each within a factor of
+        at least half of the *other* workers' valid figures (a majority that
+        one liar cannot move, unlike a mean or a median of two; with two
+        workers a lie removes both figures, nobody can tell which is true):
+        ``max_norm_ratio`` for the loss (honest workers start the round from
+        the same ``θ_global`` on the same data distribution),
+        ``max_norm_ratio²`` for compute seconds (the plan balances them, but a
+        throttled GPU may legitimately be several times slower until the next
+        re-plan).  The verdict depends on the shared
+        figures alone, so every job leaves out the same workers and re-plans
+        alike; a left-out worker keeps its pseudo-gradient (its values passed
+        their own checks), its figures are counted under ``figures``.
+
+        Args:
+            workers: the authenticated senders (slots) of the figures.
+            losses: mean training loss of each worker's round (nats per token).
+            compute_s: each worker's compute seconds of the round.
+        """
+        r_loss, r_time = self.max_norm_ratio, self.max_norm_ratio ** 2
+        valid = [math.isfinite(x) and x >= 0 and math.isfinite(t) and t > 0
+                 for x, t in zip(losses, compute_s)]
+        keep = []
+        for j, k in enumerate(workers):
+            why = None if valid[j] else (f"it reports loss {losses[j]!r} and {compute_s[j]!r} "
+                                         "compute seconds (a loss must be finite and >= 0, "
+                                         "seconds finite and > 0)")
+            for name, vals, ratio in (("loss", losses, r_loss), ("compute seconds", compute_s,
+                                                                   r_time)):
+                others = [vals[i] for i in range(len(workers)) if i != j and valid[i]]
+                if why is not None or not others:
+                    continue
+                agree = sum(o / ratio <= vals[j] <= o * ratio for o in others)
+                if 2 * agree < len(others):
+                    why = (f"its {name} {vals[j]:.6g} is more than {ratio:g}x away from most "
+                           f"other workers' ({', '.join(f'{o:.6g}' for o in others)})")
+            if why is None:
+                keep.append(k)
+            else:
+                self.rejected["figures"] += 1
+                log.warning("GeoMesh: left out the figures of %s: %s; its loss and compute "
+                            "time are not logged or used for re-planning this round",
+                            self._name(k), why)
+        return keep
+
     def drop(self, k: int, reason: str, why: str) -> None:
         """Reject worker ``k``'s message this round (counted, named in a warning)."""
         self.rejected[reason] += 1
@@ -188,13 +316,16 @@ class Guard:
     def screen_messages(self, messages: Sequence[WorkerMessage]) -> list[WorkerMessage]:
         """The sign messages that pass (order kept)."""
         keep = self.screen([m.worker for m in messages], [m.num_tokens for m in messages],
-                           [message_norm(m) for m in messages])
+                           [message_norm(m) for m in messages],
+                           [message_peaks(m) for m in messages])
         return [messages[j] for j in keep]
 
     def screen_dense(self, workers: Sequence[int], deltas: Sequence[Mapping[str, torch.Tensor]],
                      tokens: Sequence[int]) -> list[int]:
-        """Positions of the fp32 pseudo-gradients that pass."""
-        return self.screen(workers, tokens, [dense_norm(d) for d in deltas])
+        """Positions of the decoded (dense) pseudo-gradients that pass; ``workers``
+        are their authenticated senders."""
+        return self.screen(workers, tokens, [dense_norm(d) for d in deltas],
+                           [dense_peaks(d) for d in deltas])
 
     # -- robust aggregation ------------------------------------------------------
     def robust_sign(self, messages: Sequence[WorkerMessage],

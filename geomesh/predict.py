@@ -145,11 +145,13 @@ class PredictiveSignCodec(SignCodec):
         return gamma, sign
 
     def aggregate(self, messages: Sequence[bytes | None], *, guard=None,
-                  predictor: Mapping[str, torch.Tensor] | None = None):
-        """``(Δ, n_i list)`` like :meth:`SignCodec.aggregate`: ``None`` entries and
-        messages the ``guard`` rejects (screened on each worker's decoded
-        ``D(msg_i) + γ_i v``) count 0 tokens; ``Δ`` is ``None`` when none is left."""
-        pos, decoded = _decoded(messages, self._decode_pred, guard)
+                  predictor: Mapping[str, torch.Tensor] | None = None, senders=None, round=None):
+        """``(Δ, n_i list)`` like :meth:`SignCodec.aggregate` (identities from
+        ``senders`` and ``round``): ``None`` entries and messages the ``guard``
+        rejects (screened on each worker's decoded ``D(msg_i) + γ_i v``) count 0
+        tokens; ``Δ`` is ``None`` when none is left."""
+        pos, decoded, who = _decoded(messages, self._decode_pred, guard, senders=senders,
+                                     round=round)
         v = predictor or {}
         if guard is not None:
             full = []
@@ -157,7 +159,7 @@ class PredictiveSignCodec(SignCodec):
                 d = aggregate_messages([dataclasses.replace(sm, num_tokens=1)])  # D(msg_i) alone
                 p = self._times(torch.from_numpy(gm), v, d)  # host: decoded wire bytes
                 full.append({k: d[k] + p[k] for k in d})
-            keep = guard.screen_dense([sm.worker for _, sm in decoded], full,
+            keep = guard.screen_dense(who, full,
                                       [sm.num_tokens for _, sm in decoded])
         else:
             keep = range(len(decoded))

@@ -181,10 +181,14 @@ class TopKCodec(Codec):
         need = self.encoded_bytes(self.schema)
         if len(buf) != need:
             raise MessageError(f"top-k message has {len(buf)} bytes, the schema needs {need}")
-        magic, _v, flags, worker, _r, tokens, digest, _n = _HEADER.unpack_from(buf, 0)
+        magic, version, flags, worker, rnd, tokens, digest, count = _HEADER.unpack_from(buf, 0)
         if magic != _MAGIC or digest != self.schema.digest or flags != self._flags:
             raise MessageError(f"top-k message from worker {worker} is for another model, "
                                "format or chunk/k/bits setting")
+        if version != 1 or count != len(self.schema.entries):
+            raise MessageError(f"top-k message from worker {worker} has wire version {version} "
+                               f"and {count} tensors; this build reads version 1 and "
+                               f"{len(self.schema.entries)} tensors")
         (crc,) = _CRC.unpack_from(buf, len(buf) - _CRC.size)
         if crc != zlib.crc32(buf[: len(buf) - _CRC.size]):
             raise MessageError(f"top-k message from worker {worker}: CRC-32 mismatch")
@@ -197,6 +201,9 @@ class TopKCodec(Codec):
                 n = math.prod(shape)
                 out[name] = torch.from_numpy(  # host: decoded wire bytes
                     np.frombuffer(buf, "<f4", n, off).astype(np.float32)).reshape(shape)
+                if not bool(torch.isfinite(out[name]).all()):  # an honest encoder refuses them
+                    raise MessageError(f"top-k message from worker {worker}: tensor '{name}' "
+                                       "has NaN/Inf values")
                 off += 4 * n
                 continue
             rows, nch = lay
@@ -216,12 +223,13 @@ class TopKCodec(Codec):
             level = torch.from_numpy(np.unpackbits(body[..., k + kb:], axis=-1, count=k)  # host
                                      .astype(bool)) if self.bits == 2 else sign & False
             out[name] = self._dense(pos, sign, level, scales, shape)
-        return out, tokens, worker
+        return out, tokens, worker, rnd
 
-    def aggregate(self, messages: Sequence[bytes | None], *, guard=None
-                  ) -> tuple[dict[str, torch.Tensor] | None, list[int]]:
+    def aggregate(self, messages: Sequence[bytes | None], *, guard=None, senders=None,
+                  round=None) -> tuple[dict[str, torch.Tensor] | None, list[int]]:
         """Decode the messages (worker order), screen them with ``guard`` like
-        :class:`~geomesh.codec.DenseCodec` (decoded values), return ``(Δ, n_i list)``;
-        ``None`` entries and rejected messages count 0 tokens, ``Δ`` is ``None``
-        when none is left."""
-        return aggregate_decoded(messages, self._decode, guard)
+        :class:`~geomesh.codec.DenseCodec` (decoded values; identities from
+        ``senders`` and ``round``, :meth:`Codec.aggregate`), return ``(Δ, n_i
+        list)``; ``None`` entries and rejected messages count 0 tokens, ``Δ`` is
+        ``None`` when none is left."""
+        return aggregate_decoded(messages, self._decode, guard, senders=senders, round=round)

@@ -307,7 +307,7 @@ def run_sync(ctx: RunContext) -> dict:
                 lr_scales.done[i] = max(lr_scales.done[i], rnd.r * rsteps[i].inner_steps)
         guard.expect({i: rsteps[i].samples * cfg.model.seq_length for i in range(K)},
                      {i: lr_scales.round(i, rsteps[i]) for i in range(K)})
-        agg, tokens = codec.aggregate(received, guard=guard, **pred)
+        agg, tokens = codec.aggregate(received, guard=guard, round=rnd.r, **pred)
         for i in members:  # the round's workers trained its inner steps
             lr_scales.advance(i, rsteps[i])
         if ft is not None and guard.last_rejected:  # like lost workers (fail: stop, named)
@@ -335,7 +335,7 @@ def run_sync(ctx: RunContext) -> dict:
                     per[w.name] = dict(compute_s=t.compute_s, straggler_idle_s=t.straggler_idle_s,
                                        wan_idle_s=t.wan_idle_s, sent_bytes=t.sent_bytes)
             losses = {i: rnd.losses[i] for i in rnd.losses}
-            present = list(range(K))
+            present = counted = list(range(K))
             round_bytes = charged * K
             round_fp32 = 4 * ctx.target_schema.numel * K
             stats.time_s = clock.last_exchange_end_s  # when θ_global of this round exists
@@ -347,9 +347,14 @@ def run_sync(ctx: RunContext) -> dict:
                                   4 * schema.numel)
             present = sorted({int(x[0]) for x in rows})
             compute = {k: max(x[2] for x in rows if int(x[0]) == k) for k in present}
-            slowest = max(compute.values())
+            # the loss and compute seconds a worker reports steer the log, the idle
+            # statistics and re-planning: out-of-bounds ones are left out (Guard.screen_figures)
+            counted = guard.screen_figures(
+                present, [next(x[1] for x in rows if int(x[0]) == k) for k in present],
+                [compute[k] for k in present])
+            slowest = max((compute[k] for k in counted), default=0.0)
             losses = {}
-            for k in present:
+            for k in counted:
                 w = cl.workers[k]
                 mine = [x for x in rows if int(x[0]) == k]
                 waited = max(x[3] for x in mine)
@@ -363,18 +368,21 @@ def run_sync(ctx: RunContext) -> dict:
             round_bytes = int(sum(x[4] for x in rows))
             round_fp32 = int(sum(x[5] for x in rows))
             stats.time_s = time.perf_counter() - t0
-        for k in present:
+        for k in counted:
             stats.add_worker(cl.workers[k].name, tokens=tokens[k], **per[cl.workers[k].name])
         ntok = sum(tokens)
+        weighed = sum(tokens[k] for k in losses)
+        # token-weighted over the accepted figures; with none, this job's own (local) loss
+        loss = sum(tokens[k] * losses[k] for k in losses) / weighed if weighed else \
+            sum(rnd.losses.values()) / max(len(rnd.losses), 1)
         stats.tokens += ntok
         stats.outer_steps = step
         stats.bytes_total += round_bytes
         stats.fp32_bytes_total += round_fp32
-        times = [per[cl.workers[k].name]["compute_s"] for k in present]
+        times = [per[cl.workers[k].name]["compute_s"] for k in counted] or [0.0]
         record = dict(
-            step=step, tokens=stats.tokens, time_s=stats.time_s,
-            loss=sum(tokens[k] * losses[k] for k in present) / max(ntok, 1),
-            compute_s=max(times), imbalance=(max(times) - min(times)) / max(times),
+            step=step, tokens=stats.tokens, time_s=stats.time_s, loss=loss,
+            compute_s=max(times), imbalance=(max(times) - min(times)) / max(max(times), 1e-12),
             straggler_idle_s=sum(p["straggler_idle_s"] for p in per.values()),
             wan_idle_s=sum(p["wan_idle_s"] for p in per.values()), bytes=round_bytes,
             batch_sizes=[s.batch_size for s in rsteps],
@@ -402,11 +410,11 @@ def run_sync(ctx: RunContext) -> dict:
         # ones are noisy: real mode averages the last two rounds since the plan
         # last changed (and waits for two).  Overlapped rounds: a new plan
         # starts with the round after the one already under way.
-        for k in present:
+        for k in counted:
             history.setdefault(cl.workers[k].name, []).append(
                 per[cl.workers[k].name]["compute_s"] / rsteps[k].target.inner_steps)
         need = 1 if ctx.emulated else 2
-        full = len(members) == K and len(present) == K  # drift re-plans need everyone measured
+        full = len(members) == K and len(counted) == K  # drift re-plans need everyone measured
         if geomesh and g.replan and full and step < g.outer_steps and history and \
                 min(len(v) for v in history.values()) >= need:
             measured = {n: sum(v[-need:]) / need for n, v in history.items()}
@@ -535,7 +543,7 @@ def run_sync(ctx: RunContext) -> dict:
             rnd.wait_s = time.perf_counter() - x0
         if not drain:  # until round r's aggregate arrives: the eager start (geomesh.eager),
             for i, w_i in shares.items():  # after the send so that it overlaps the exchange
-                own, _ = codec.aggregate([rnd.msgs[i]], **pred)  # D(msg_i), as the others decode it
+                own, _ = codec.aggregate([rnd.msgs[i]], senders=[i], **pred)  # D(msg_i), as the others decode it
                 start = eager.start(outer, own, w_i, corrected=bool(local_mom))
                 workers[i].trainer.set_params(start)
                 snapshots[i] = {k: v.cpu() for k, v in start.items()}

@@ -11,14 +11,18 @@ fast tier runs a few dozen examples per target, the slow tier hundreds
 from __future__ import annotations
 
 import dataclasses
+import math
+import struct
 import subprocess
 import sys
+import zlib
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import yaml
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from geomesh.cluster import ClusterError, cluster_from_dict
@@ -170,49 +174,132 @@ def _named(seed: int) -> dict[str, torch.Tensor]:
     return {"emb": torch.randn(6, 8, generator=g), "b": torch.randn(7, generator=g)}
 
 
+def _reference_decode(kind: str, data: bytes, schema: TensorSchema
+                      ) -> tuple[dict[str, np.ndarray], int, list[float]]:
+    """An independent reading of a message whose header and length are valid (numpy,
+    the formats of geomesh.compression and geomesh.codec): ``(values, tokens, scales)``
+    with values in fp64; ``scales`` are the sign codec's scales (empty for fp32)."""
+    tokens = struct.unpack_from("<Q", data, 16)[0]
+    off, out, scales = 36, {}, []
+    for name, shape in schema.entries:
+        n = math.prod(shape)
+        if kind == "fp32":
+            out[name] = np.frombuffer(data, "<f4", n, off).astype(np.float64).reshape(shape)
+            off += 4 * n
+            continue
+        rows = shape[0] if schema.row_scales and len(shape) >= 2 else 1
+        m = np.frombuffer(data, "<f4", rows, off).astype(np.float64)
+        scales += m.tolist()
+        off += 4 * rows
+        bits = np.unpackbits(np.frombuffer(data, np.uint8, (n + 7) // 8, off))[:n]
+        off += (n + 7) // 8
+        out[name] = (np.where(bits == 1, 1.0, -1.0).reshape(rows, -1) * m[:, None]).reshape(shape)
+    return out, tokens, scales
+
+
+def _scale_offsets(kind: str, schema: TensorSchema) -> list[int]:
+    """Byte offsets of every fp32 number (sign scales or fp32 values) in a message."""
+    offs, off = [], 36
+    for _, shape in schema.entries:
+        n = math.prod(shape)
+        k = n if kind == "fp32" else schema.num_scales(shape)
+        offs += [off + 4 * i for i in range(k)]
+        off += 4 * k + (0 if kind == "fp32" else (n + 7) // 8)
+    return offs
+
+
 @pytest.mark.parametrize("n", EXAMPLES)
 def test_fuzz_wire_decoder_never_changes_theta(n):
-    """Catches decoder crashes on hostile bytes and hostile bytes that move θ:
-    worker 2's message is random or a mutated valid message; opening its
-    envelope fails (EnvelopeError) or, sealed by an insider, the guard rejects
-    it or it decodes to a valid message — the aggregate then equals what the
-    same round gives with that message's own decoded values, and without the
-    guard every failure is a MessageError."""
+    """Catches decoder crashes on hostile bytes and hostile bodies that move θ.
+
+    Worker 2 is an insider: its mutated message (random byte flips, fp32 numbers
+    — NaN, ±inf, negative, huge — written over scales or values, any token
+    count) carries a valid CRC-32 and is sealed in a valid envelope, so it
+    reaches the body parser (an outsider's copy of the same bytes never opens,
+    EnvelopeError).  Then either the guard rejects it and the aggregate equals
+    the honest two workers' exactly, or it is accepted and an independent
+    reading of its bytes (:func:`_reference_decode`) finds finite values and
+    non-negative scales — what an honest encoder can send — and the aggregate
+    equals ``Σ n_i D(msg_i) / Σ n_i`` of the three independent readings (fp64
+    reference, fp32 arithmetic: rtol 1e-5).  Decoded alone without the guard
+    it is a one-line MessageError or exactly its independent reading.  At least
+    half the examples must get past the CRC (the old test's got none)."""
     schema = dataclasses.replace(TensorSchema.from_tensors(_named(0)), row_scales=True)
     codecs = {"sign": SignCodec(schema), "fp32": DenseCodec(schema)}
     honest = {k: [c.encode(_named(i), 100, worker=i, round=0) for i in range(2)]
               for k, c in codecs.items()}
-    sealer, good = Sealer(b"s" * 32, 7), codecs["sign"].encode(_named(2), 100, worker=2, round=0)
+    good = {k: c.encode(_named(2), 100, worker=2, round=0) for k, c in codecs.items()}
+    offsets = {k: _scale_offsets(k, schema) for k in codecs}
+    sealer = Sealer(b"s" * 32, 7)
+    seen = {"examples": 0, "past_crc": 0, "accepted": 0, "values_rejected": 0}
+    numbers = st.floats(width=32, allow_nan=True, allow_infinity=True)
+
+    flip = st.tuples(st.integers(0, 10**6), st.integers(1, 255))
 
     @_settings(n)
-    @given(st.sampled_from(["sign", "fp32"]), st.one_of(
-        st.binary(max_size=300),
-        st.tuples(st.integers(0, len(good) - 1), st.integers(1, 255)).map(
-            lambda t: good[:t[0]] + bytes([good[t[0]] ^ t[1]]) + good[t[0] + 1:]),
-        st.integers(0, len(good)).map(lambda n: good[:n])))
-    def run(kind, data):
-        codec = codecs[kind]
+    @given(st.sampled_from(["sign", "fp32"]), st.tuples(st.integers(0, 3), flip),
+           st.lists(flip, max_size=3), st.lists(st.tuples(st.floats(0, 1), numbers),
+                                               max_size=2),
+           st.one_of(st.none(), st.integers(0, 2**64 - 1), st.integers(90, 110)))
+    @example("sign", (0, (0, 1)), [], [(0.99, math.nan)], None)  # a tensor scale: NaN
+    @example("sign", (0, (0, 1)), [], [(0.0, -0.5)], None)  # a row scale: negative
+    def run(kind, head_flip, flips, writes, tokens):
+        codec, raw = codecs[kind], bytearray(good[kind])
+        body = len(raw) - 4
+        if head_flip[0] == 3:  # about one example in four: a flip in the 36-byte header
+            raw[head_flip[1][0] % 36] ^= head_flip[1][1]
+        for at, x in flips:  # scales, signs, values
+            raw[36 + at % (body - 36)] ^= x
+        for at, v in writes:
+            where = offsets[kind]  # at: where among the message's fp32 numbers
+            struct.pack_into("<f", raw, where[min(int(at * len(where)), len(where) - 1)], v)
+        if tokens is not None:
+            struct.pack_into("<Q", raw, 16, tokens)
+        struct.pack_into("<I", raw, body, zlib.crc32(raw[:body]))  # an insider's valid CRC
+        data = bytes(raw)
         opener = Opener(b"s" * 32, 7)
         with pytest.raises(EnvelopeError):  # an outsider's bytes never open
             opener.open(data, round=0, sender=2)
-        opener.open(sealer.seal(data, kind=DATA, round=0, worker=2), round=0, sender=2)
+        data = opener.open(sealer.seal(data, kind=DATA, round=0, worker=2), round=0,
+                           sender=2).body
+        seen["examples"] += 1
+        # magic, version, flags, schema digest, tensor count intact: the body gets parsed
+        seen["past_crc"] += data[:8] == good[kind][:8] and data[24:36] == good[kind][24:36]
         guard = Guard(["a", "b", "c"], ["A", "B", "C"])
         guard.expect({0: 100, 1: 100, 2: 100})
-        agg, tokens = codec.aggregate([*honest[kind], data], guard=guard)
+        agg, tokens_out = codec.aggregate([*honest[kind], data], guard=guard)
         ref, _ = codec.aggregate(honest[kind])
-        if tokens[2] == 0:  # rejected: θ moves exactly as without it
+        reason = guard.last_rejected.get(2)
+        if tokens_out[2] == 0:  # rejected: θ moves exactly as without it
+            seen["values_rejected"] += reason in ("non_finite", "norm", "element", "tokens")
             for k in ref:
                 assert torch.equal(agg[k], ref[k])
         else:
-            assert all(torch.isfinite(v).all() for v in agg.values())
+            seen["accepted"] += 1
+            readings = [_reference_decode(kind, m, schema) for m in [*honest[kind], data]]
+            values, count, scales = readings[2]
+            assert all(np.isfinite(v).all() for v in values.values()), "accepted NaN/Inf"
+            assert all(m >= 0 for m in scales), f"accepted a negative scale: {scales}"
+            total = sum(r[1] for r in readings)
+            for k in ref:
+                want = sum(r[1] * r[0][k] for r in readings) / total
+                assert np.allclose(agg[k].double().numpy(), want, rtol=1e-5, atol=1e-7), k
         try:
-            codec.aggregate([data])
+            alone, (count,) = codec.aggregate([data])
         except MessageError as e:
             _one_line(e)
         except ValueError as e:  # zero tokens: nothing to weight
             assert "tokens" in str(e)
+        else:
+            values, _, scales = _reference_decode(kind, data, schema)
+            assert all(m >= 0 for m in scales), f"decoded a negative scale: {scales}"
+            for k, v in values.items():
+                assert np.isfinite(v).all() and torch.isfinite(alone[k]).all(), k
+                assert np.array_equal(alone[k].double().numpy(), v.astype(np.float32)), k
 
     run()
+    assert seen["past_crc"] >= seen["examples"] / 2, seen
+    assert seen["accepted"] and seen["values_rejected"], seen
     with pytest.raises(MessageError):
         decode_message(b"", schema)
 

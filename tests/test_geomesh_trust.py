@@ -259,15 +259,35 @@ def test_robust_aggregation_resists_a_flipped_minority():
 
 def test_healing_payload_round_trip_without_pickle():
     """Catches a healing state that loses tensors, dtypes or nesting, or that is
-    decoded by unpickling: pack/unpack is safetensors + JSON and round-trips."""
+    encoded or decoded with pickle (which runs code a peer chose): the payload
+    is a safetensors file (read back by safetensors' own parser, tensors and
+    the JSON tree in its metadata), is not a pickle (``pickle.loads`` refuses
+    it), and a pickled state — even of plain data — is refused by the decoder
+    before anything in it is used.  (The old check looked for the string
+    ``b"pickle"``, which a pickle does not contain.)"""
+    import json
+    import pickle
+
+    from safetensors import SafetensorError
+    from safetensors.torch import load as st_load
+
     state = {"round": 7, "plan": {"workers": [{"a": 1.5}], "x": None},
              "outer": {"params": {"w": torch.arange(6.0).reshape(2, 3)},
                        "momentum_buffer": {"w": torch.ones(2, 3, dtype=torch.float64)}}}
-    out = unpack_state(pack_state(state))
+    payload = pack_state(state)
+    out = unpack_state(payload)
     assert out["round"] == 7 and out["plan"] == state["plan"]
     assert torch.equal(out["outer"]["params"]["w"], state["outer"]["params"]["w"])
     assert out["outer"]["momentum_buffer"]["w"].dtype == torch.float64
-    assert b"pickle" not in pack_state(state)[:200]
+    tensors = st_load(payload)  # the format's own parser accepts it
+    assert {t.dtype for t in tensors.values()} == {torch.float32, torch.float64}
+    head = json.loads(payload[8:8 + int.from_bytes(payload[:8], "little")])
+    assert json.loads(head["__metadata__"]["tree"])["round"] == 7
+    with pytest.raises((pickle.UnpicklingError, ValueError, EOFError)):
+        pickle.loads(payload)
+    for blob in (pickle.dumps(state), pickle.dumps({"round": 7})):
+        with pytest.raises((ValueError, SafetensorError)):
+            unpack_state(blob)
 
 
 def test_bad_wire_bytes_are_message_errors():
