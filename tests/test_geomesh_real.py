@@ -216,3 +216,28 @@ def test_lost_worker_scenarios(scenario, cache_dir, tmp_path):
     res = geomesh(tmp_path, cache_dir, scenario, 10, **kw)
     assert res["survived"], res
     assert res["bytes_lost"] == 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["lighthouse_restart", "lighthouse_lost"])
+def test_lighthouse_restart_and_loss(kind, cache_dir, tmp_path):
+    """Catches a quorum that never completes once the lighthouse died under it
+    (torchft's manager server asked the old lighthouse once and waited out
+    2 x geomesh.timeout_s = 240 s, then exited 3), and a lighthouse gone for
+    good that is reported only then.  bench/faults.py's scenarios, asserted:
+    restarted 3.6 s after a SIGKILL after round 2, the run completes every
+    round with at most one round tried again and its slowest round at most the
+    gap plus the heartbeat (5 s) over the median; killed for good, both jobs
+    exit 3 with one line naming the lighthouse within the heartbeat plus the
+    probe period and slack (7.5 s; the independent reference is the kill time
+    taken by the bench)."""
+    from bench.faults import HEARTBEAT_S, LIGHTHOUSE_BOUND_S, lighthouse_lost, lighthouse_restart
+
+    if kind == "lighthouse_restart":
+        res = lighthouse_restart(tmp_path, cache_dir, 6)
+        assert res["exit_codes"] == [0, 0] and res["rounds_lost"] <= 1, res
+        assert res["stall_s"] <= 3.6 + HEARTBEAT_S, res
+    else:
+        res = lighthouse_lost(tmp_path, cache_dir, 6)
+        assert res["exit_codes"] == [3, 3] and res["detect_s"] <= LIGHTHOUSE_BOUND_S, res
+    assert res["survived"] and res["bytes_lost"] == 0, res
