@@ -241,3 +241,19 @@ def test_lighthouse_restart_and_loss(kind, cache_dir, tmp_path):
         res = lighthouse_lost(tmp_path, cache_dir, 6)
         assert res["exit_codes"] == [3, 3] and res["detect_s"] <= LIGHTHOUSE_BOUND_S, res
     assert res["survived"] and res["bytes_lost"] == 0, res
+
+
+def test_lighthouse_serves_without_torch():
+    """Catches a lighthouse that imports torch to start (torchft/__init__: 9 s on
+    two loaded cores, longer than the 5-10 s heartbeat in which a restarted
+    lighthouse must answer again): torchft's Rust server is loaded alone, serves
+    its /status page, and lighthouse_status reads a fresh lighthouse's quorum id
+    (0: none formed yet) and no heartbeats from it."""
+    code = ("import sys; from geomesh.lighthouse import lighthouse_server_class, lighthouse_status;"
+            "s = lighthouse_server_class()(bind='127.0.0.1:0', min_replicas=1);"
+            "addr = 'http://127.0.0.1:' + s.address().rsplit(':', 1)[1];"
+            "print('torch' in sys.modules, lighthouse_status(addr)); s.shutdown()")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
+                         timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["False", "(0,", "{})"], out.stdout
