@@ -257,22 +257,28 @@ def _kill_lighthouse(restart_after: float | None, seen: dict) -> Callable[[list[
 def lighthouse_restart(root: Path, cache: str, rounds: int) -> dict:
     """The lighthouse killed after round 2 and restarted on its address 3.6 s later.
 
-    Survived: both jobs finish every round (exit 0), at most one round's quorum or
-    exchange is tried again (``rounds_lost``), and the round in flight committed at
-    most the restart gap plus the heartbeat later than a median round would have
-    (``stall_s``: kill to that commit, less the median round).
+    Survived: both jobs finish every round (exit 0), at most one round is missing
+    from a worker's metrics (``rounds_lost``: it healed past a round instead of
+    training it), and the round in flight committed at most the restart gap plus
+    the heartbeat later than a median round would have (``stall_s``: kill to that
+    commit, less the median round).  ``attempts_retried``: quorum or exchange
+    attempts tried again (the round's messages are kept, not its training redone).
     """
     name = "lighthouse_restart"
     seen: dict = {"metrics": root / name / "w0" / "metrics.jsonl"}
     res = geomesh(root, cache, name, rounds, act=_kill_lighthouse(RESTART_AFTER_S, seen))
     texts = [j.text() for j in seen.get("jobs", [])]
-    lost = max((t.count("quorum attempt") + t.count("exchange failed") for t in texts), default=0)
+    retried = max((t.count("quorum attempt") + t.count("exchange failed") for t in texts),
+                  default=0)
+    # a round a worker did not train and commit (it healed past it instead) has no record
+    lost = max(rounds - len((root / name / f"w{k}" / "metrics.jsonl").read_text().splitlines())
+               for k in range(2))
     times = [json.loads(x)["time_s"] for x in seen["metrics"].read_text().splitlines()]
     median = statistics.median([b - a for a, b in zip(times, times[1:])] or [0.0])
     stall = seen.get("next_round", float("inf")) - seen.get("killed", 0.0) - median
     res.update(survived=res["survived"] and lost <= 1 and stall <= RESTART_AFTER_S + HEARTBEAT_S,
-               rounds_lost=lost, stall_s=round(stall, 1), median_round_s=round(median, 1),
-               restart_after_s=RESTART_AFTER_S)
+               rounds_lost=lost, attempts_retried=retried, stall_s=round(stall, 1),
+               median_round_s=round(median, 1), restart_after_s=RESTART_AFTER_S)
     return res
 
 
