@@ -230,22 +230,11 @@ LIGHTHOUSE_BOUND_S = HEARTBEAT_S + 2.5
 def _kill_lighthouse(restart_after: float | None, seen: dict) -> Callable[[list[Run], Run], Run]:
     """A :func:`geomesh` ``act``: SIGKILL the lighthouse; restart the same command on the
     same address ``restart_after`` seconds later (``None``: never).  Notes the jobs and the
-    kill time in ``seen``, and when the metrics file ``seen["metrics"]`` (worker 0's) next
-    grew: the round in flight committed."""
-
-    def next_round(jobs: list[Run], metrics: Path, done: int) -> None:
-        while any(j.p.poll() is None for j in jobs):
-            if len(metrics.read_text().splitlines()) > done:
-                seen["next_round"] = time.monotonic()
-                return
-            time.sleep(0.05)
+    kill time in ``seen``."""
 
     def act(jobs: list[Run], lh: Run) -> Run:
-        done = len(seen["metrics"].read_text().splitlines())
         lh.p.kill()
         seen.update(killed=time.monotonic(), jobs=jobs)
-        threading.Thread(target=next_round, args=(jobs, seen["metrics"], done),
-                         daemon=True).start()
         if restart_after is None:
             return lh
         time.sleep(restart_after)
@@ -259,13 +248,13 @@ def lighthouse_restart(root: Path, cache: str, rounds: int) -> dict:
 
     Survived: both jobs finish every round (exit 0), at most one round is missing
     from a worker's metrics (``rounds_lost``: it healed past a round instead of
-    training it), and the round in flight committed at most the restart gap plus
-    the heartbeat later than a median round would have (``stall_s``: kill to that
-    commit, less the median round).  ``attempts_retried``: quorum or exchange
+    training it), and no round took more than the restart gap plus the heartbeat
+    over the median round (``stall_s``: the slowest round less the median; rounds
+    2 onwards of worker 0, round 1 holds the start-up).  ``attempts_retried``: quorum or exchange
     attempts tried again (the round's messages are kept, not its training redone).
     """
     name = "lighthouse_restart"
-    seen: dict = {"metrics": root / name / "w0" / "metrics.jsonl"}
+    seen: dict = {}
     res = geomesh(root, cache, name, rounds, act=_kill_lighthouse(RESTART_AFTER_S, seen))
     texts = [j.text() for j in seen.get("jobs", [])]
     retried = max((t.count("quorum attempt") + t.count("exchange failed") for t in texts),
@@ -273,9 +262,11 @@ def lighthouse_restart(root: Path, cache: str, rounds: int) -> dict:
     # a round a worker did not train and commit (it healed past it instead) has no record
     lost = max(rounds - len((root / name / f"w{k}" / "metrics.jsonl").read_text().splitlines())
                for k in range(2))
-    times = [json.loads(x)["time_s"] for x in seen["metrics"].read_text().splitlines()]
-    median = statistics.median([b - a for a, b in zip(times, times[1:])] or [0.0])
-    stall = seen.get("next_round", float("inf")) - seen.get("killed", 0.0) - median
+    times = [json.loads(x)["time_s"] for x in
+             (root / name / "w0" / "metrics.jsonl").read_text().splitlines()]
+    took = [b - a for a, b in zip(times, times[1:])] or [0.0]  # round 1 holds the start-up
+    median = statistics.median(took)
+    stall = max(took) - median
     res.update(survived=res["survived"] and lost <= 1 and stall <= RESTART_AFTER_S + HEARTBEAT_S,
                rounds_lost=lost, attempts_retried=retried, stall_s=round(stall, 1),
                median_round_s=round(median, 1), restart_after_s=RESTART_AFTER_S)
@@ -288,7 +279,7 @@ def lighthouse_lost(root: Path, cache: str, rounds: int) -> dict:
     Survived: every job exits 3 with one ``error:`` line naming the lighthouse and no
     traceback, within :data:`LIGHTHOUSE_BOUND_S` of the kill (``detect_s``).
     """
-    seen: dict = {"metrics": root / "lighthouse_lost" / "w0" / "metrics.jsonl"}
+    seen: dict = {}
     res = geomesh(root, cache, "lighthouse_lost", rounds, act=_kill_lighthouse(None, seen))
     jobs = seen.get("jobs", [])
     detect = max((j.t_exit or time.monotonic() for j in jobs), default=float("inf")) - \

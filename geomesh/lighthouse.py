@@ -19,7 +19,7 @@ next quorum rebuilds the process group, and the round goes on (measured: one
 quorum attempt, 1.3 s over the median round, ``bench/faults.py``).  Silent
 longer, it is gone for good: every job stops within the heartbeat with one
 ``error:`` line and exit code 3.  The client side of its ``/status`` page is here
-too (:func:`lighthouse_status`).
+too (:func:`lighthouse_heartbeats`).
 """
 
 from __future__ import annotations
@@ -46,27 +46,15 @@ def lighthouse_heartbeats(addr: str, timeout_s: float = 2.0) -> dict[int, float]
     Raises:
         OSError: the lighthouse does not answer.
     """
-    return lighthouse_status(addr, timeout_s)[1]
-
-
-def lighthouse_status(addr: str, timeout_s: float = 2.0) -> tuple[int, dict[int, float]]:
-    """The lighthouse's current quorum id and :func:`lighthouse_heartbeats` (``/status``).
-
-    The quorum id only grows while one lighthouse runs (-1: not shown).
-
-    Raises:
-        OSError: the lighthouse does not answer.
-    """
     with urllib.request.urlopen(f"{addr}/status", timeout=timeout_s) as f:
         text = f.read().decode("utf-8", "replace")
-    qid = re.search(r"Current quorum_id: (-?\d+)", text)
     out: dict[int, float] = {}
     for rid, age in _HEARTBEAT.findall(text):
         m = re.fullmatch(r"geomesh_(\d+)", rid)
         if m:
             k = int(m.group(1))
             out[k] = min(out.get(k, float("inf")), float(age))
-    return (int(qid.group(1)) if qid else -1), out
+    return out
 
 
 def quorum_retries(quorum_timeout_s: float, gap_s: float) -> int:

@@ -69,7 +69,7 @@ from jobruntime.faults import RunInterrupted, exit_interrupted, fault_point
 
 from .cluster import ClusterError, ClusterSpec
 from .envelope import DATA, HEAL, JOIN, EnvelopeError, Opener
-from .lighthouse import lighthouse_heartbeats, lighthouse_status, quorum_retries
+from .lighthouse import lighthouse_heartbeats, quorum_retries
 
 os.environ.setdefault("RUST_LOG", "error")  # torchft's Rust side logs every quorum at info
 from torch.distributed.distributed_c10d import AllgatherOptions  # noqa: E402
@@ -401,21 +401,20 @@ class Membership:
         when the probe first saw it absent, not from forever.
         """
         absent_since: dict[int, float] = {}
-        last_qid = -1
+        failed = 0
         while not self._stop.wait(min(1.0, self.heartbeat_s / 4)):
             try:
-                qid, beats = lighthouse_status(self.lighthouse)
+                beats = lighthouse_heartbeats(self.lighthouse)
             except OSError:
                 # silent from the first probe that failed: a restart gets all of heartbeat_s
-                if self._silent_since is None:
-                    self._silent_since = time.monotonic()
+                failed += 1
+                self._silent_since = self._silent_since or time.monotonic()
+                if failed == 2:  # one lost probe is a blip, two an outage (a restart)
                     self._outage()
                 if time.monotonic() - self._silent_since > self.heartbeat_s:
                     self._exit(self._lighthouse_gone())
                 continue
-            if qid < last_qid:  # restarted between two probes: its quorum ids start again
-                self._outage()
-            self._silent_since, last_qid, now = None, qid, time.monotonic()
+            self._silent_since, failed, now = None, 0, time.monotonic()
             for k in range(len(self.cluster.workers)):
                 if k in beats:
                     absent_since.pop(k, None)
@@ -439,8 +438,11 @@ class Membership:
         its own (``Manager._quorum_id``, the one private field touched here), and a
         restarted lighthouse numbers its quorums from 1 again: an equal id would
         keep a group whose peers have rebuilt theirs, and both would wait out
-        ``geomesh.timeout_s``.  Set from the monitor thread, so that a quorum in
-        flight (torchft re-asks the restarted lighthouse) sees it when it returns.
+        ``geomesh.timeout_s``.  Set from the monitor thread while the lighthouse is
+        away, so that every worker's next quorum, also one in flight (torchft
+        re-asks the restarted lighthouse), rebuilds it: all of them, or none.  A
+        restart faster than two probes is not seen; then every worker keeps or
+        rebuilds its group alike (the ids are compared with the same last one).
         """
         self._outages += 1
         self.manager._quorum_id = -1

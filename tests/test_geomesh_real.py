@@ -227,8 +227,8 @@ def test_lighthouse_restart_and_loss(kind, cache_dir, tmp_path):
     good that is reported only then.  bench/faults.py's scenarios, asserted:
     restarted 3.6 s after a SIGKILL after round 2, the run completes every
     round, no worker misses more than one (healed past it), at most one
-    attempt is retried, and the round in flight commits at most the gap plus the
-    heartbeat (5 s) later than a median round; killed for good, both jobs
+    attempt is retried, and no round takes more than the gap plus the heartbeat
+    (5 s) over the median round; killed for good, both jobs
     exit 3 with one line naming the lighthouse within the heartbeat plus the
     probe period and slack (7.5 s; the independent reference is the kill time
     taken by the bench)."""
@@ -242,6 +242,7 @@ def test_lighthouse_restart_and_loss(kind, cache_dir, tmp_path):
     else:
         res = lighthouse_lost(tmp_path, cache_dir, 6)
         assert res["exit_codes"] == [3, 3] and res["detect_s"] <= LIGHTHOUSE_BOUND_S, res
+    print(json.dumps(res))  # the bench's record (pytest -s shows it)
     assert res["survived"] and res["bytes_lost"] == 0, res
 
 
@@ -249,13 +250,13 @@ def test_lighthouse_serves_without_torch():
     """Catches a lighthouse that imports torch to start (torchft/__init__: 9 s on
     two loaded cores, longer than the 5-10 s heartbeat in which a restarted
     lighthouse must answer again): torchft's Rust server is loaded alone, serves
-    its /status page, and lighthouse_status reads a fresh lighthouse's quorum id
-    (0: none formed yet) and no heartbeats from it."""
-    code = ("import sys; from geomesh.lighthouse import lighthouse_server_class, lighthouse_status;"
+    its /status page, and lighthouse_heartbeats reads no heartbeats from it."""
+    code = ("import sys; from geomesh.lighthouse import lighthouse_heartbeats, "
+            "lighthouse_server_class;"
             "s = lighthouse_server_class()(bind='127.0.0.1:0', min_replicas=1);"
             "addr = 'http://127.0.0.1:' + s.address().rsplit(':', 1)[1];"
-            "print('torch' in sys.modules, lighthouse_status(addr)); s.shutdown()")
+            "print('torch' in sys.modules, lighthouse_heartbeats(addr)); s.shutdown()")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
                          timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.split() == ["False", "(0,", "{})"], out.stdout
+    assert out.stdout.split() == ["False", "{}"], out.stdout
