@@ -14,7 +14,8 @@ SIGSTOP/SIGCONT from here (a network stall):
   (``exchange``), after the all-gather (``commit``), inside a checkpoint save
   (``save``); the store host (worker 0: torchft's quorum store is the lowest
   replica's) killed; a late join (worker 1 killed, restarted, heals); a stall
-  of twice the heartbeat; the same loss with ``on_worker_loss=fail``;
+  of twice the heartbeat; the same loss with ``on_worker_loss=fail``; the
+  lighthouse killed and restarted on its address 3.6 s later, or killed for good;
 * CONA (one ``torchrun`` of 2 ranks, gloo): rank 1 killed inside a layout
   switch, then the last checkpoint resumed at the old and at the new layout.
 
@@ -45,11 +46,13 @@ import os
 import random
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -105,6 +108,7 @@ class Run:
 
     def __init__(self, cmd: list[str], log: Path, env: dict) -> None:
         self.log, self.t0, self.t_exit = log, time.monotonic(), None
+        self.cmd, self.env = cmd, env  # to start it again (a restarted lighthouse)
         self.f = open(log, "w")  # noqa: SIM115 - closed in wait()
         self.p = subprocess.Popen(cmd, cwd=REPO, stdout=self.f, stderr=subprocess.STDOUT, env=env)
         threading.Thread(target=self._exited, daemon=True).start()
@@ -141,8 +145,13 @@ def _clean_exit(text: str, name: str) -> bool:
 
 
 def geomesh(root: Path, cache: str, name: str, rounds: int, *, fault: tuple[int, str] | None = None,
-            policy: str = "continue", rejoin: bool = False, stall: bool = False) -> dict:
-    """One GeoMesh scenario (module docstring); returns its result record."""
+            policy: str = "continue", rejoin: bool = False, stall: bool = False,
+            act: Callable[[list[Run], Run], Run] | None = None) -> dict:
+    """One GeoMesh scenario (module docstring); returns its result record.
+
+    ``act(jobs, lighthouse)``, if given, runs once the victim has finished round 2
+    and returns the lighthouse the run goes on with (the same, or a new one).
+    """
     d = root / name
     d.mkdir(parents=True, exist_ok=True)
     port, secret = _port(), os.urandom(16).hex()
@@ -172,7 +181,7 @@ def geomesh(root: Path, cache: str, name: str, rounds: int, *, fault: tuple[int,
     watch = Watch([d / "w0", d / "w1", d / "re1"])
     victim = fault[0] if fault else 1
     extra: list[Run] = []
-    if stall or rejoin:  # wait for round 2 of the victim (its metrics), then act
+    if stall or rejoin or act:  # wait for round 2 of the victim (its metrics), then act
         deadline = time.monotonic() + 600
         m = d / f"w{victim}" / "metrics.jsonl"
         while time.monotonic() < deadline and jobs[victim].p.poll() is None and (
@@ -182,6 +191,8 @@ def geomesh(root: Path, cache: str, name: str, rounds: int, *, fault: tuple[int,
             jobs[victim].p.send_signal(signal.SIGSTOP)
             time.sleep(2 * HEARTBEAT_S)
             jobs[victim].p.send_signal(signal.SIGCONT)
+    if act:
+        lh = act(jobs, lh)
     if rejoin:
         jobs[victim].wait(600)  # killed by its fault
         time.sleep(2)
@@ -210,6 +221,76 @@ def geomesh(root: Path, cache: str, name: str, rounds: int, *, fault: tuple[int,
         detect = None
     return {"scenario": name, "survived": bool(ok), "exit_codes": rcs, "bytes_lost": lost,
             **({"detect_s": round(detect, 1)} if detect is not None else {})}
+
+
+RESTART_AFTER_S = 3.6  # the gap between a lighthouse's SIGKILL and its restart (issue 25)
+# a lighthouse gone for good is reported within the heartbeat, plus the monitor's probe
+# period (min(1, heartbeat/4) s) and slack for two loaded cores
+LIGHTHOUSE_BOUND_S = HEARTBEAT_S + 2.5
+
+
+def _kill_lighthouse(restart_after: float | None, seen: dict) -> Callable[[list[Run], Run], Run]:
+    """A :func:`geomesh` ``act``: SIGKILL the lighthouse; restart the same command on the
+    same address ``restart_after`` seconds later (``None``: never).  Notes the jobs and the
+    kill time in ``seen``."""
+
+    def act(jobs: list[Run], lh: Run) -> Run:
+        lh.p.kill()
+        seen.update(killed=time.monotonic(), jobs=jobs)
+        if restart_after is None:
+            return lh
+        time.sleep(restart_after)
+        return Run(lh.cmd, lh.log.with_name("lighthouse_restarted.log"), lh.env)
+
+    return act
+
+
+def lighthouse_restart(root: Path, cache: str, rounds: int) -> dict:
+    """The lighthouse killed after round 2 and restarted on its address 3.6 s later.
+
+    Survived: both jobs finish every round (exit 0), at most one round is missing
+    from a worker's metrics (``rounds_lost``: it healed past a round instead of
+    training it), and no round took more than the restart gap plus the heartbeat
+    over the median round (``stall_s``: the slowest round less the median; rounds
+    2 onwards of worker 0, round 1 holds the start-up).  ``attempts_retried``: quorum or exchange
+    attempts tried again (the round's messages are kept, not its training redone).
+    """
+    name = "lighthouse_restart"
+    seen: dict = {}
+    res = geomesh(root, cache, name, rounds, act=_kill_lighthouse(RESTART_AFTER_S, seen))
+    texts = [j.text() for j in seen.get("jobs", [])]
+    retried = max((t.count("quorum attempt") + t.count("exchange failed") for t in texts),
+                  default=0)
+    # a round a worker did not train and commit (it healed past it instead) has no record
+    lost = max(rounds - len((root / name / f"w{k}" / "metrics.jsonl").read_text().splitlines())
+               for k in range(2))
+    times = [json.loads(x)["time_s"] for x in
+             (root / name / "w0" / "metrics.jsonl").read_text().splitlines()]
+    took = [b - a for a, b in zip(times, times[1:])] or [0.0]  # round 1 holds the start-up
+    median = statistics.median(took)
+    stall = max(took) - median
+    res.update(survived=res["survived"] and lost <= 1 and stall <= RESTART_AFTER_S + HEARTBEAT_S,
+               rounds_lost=lost, attempts_retried=retried, stall_s=round(stall, 1),
+               median_round_s=round(median, 1), restart_after_s=RESTART_AFTER_S)
+    return res
+
+
+def lighthouse_lost(root: Path, cache: str, rounds: int) -> dict:
+    """The lighthouse killed for good after round 2.
+
+    Survived: every job exits 3 with one ``error:`` line naming the lighthouse and no
+    traceback, within :data:`LIGHTHOUSE_BOUND_S` of the kill (``detect_s``).
+    """
+    seen: dict = {}
+    res = geomesh(root, cache, "lighthouse_lost", rounds, act=_kill_lighthouse(None, seen))
+    jobs = seen.get("jobs", [])
+    detect = max((j.t_exit or time.monotonic() for j in jobs), default=float("inf")) - \
+        seen.get("killed", 0.0)
+    ok = bool(jobs) and res["exit_codes"] == [3] * len(jobs) and all(
+        _clean_exit(j.text(), "lighthouse") for j in jobs)
+    res.update(survived=ok and detect <= LIGHTHOUSE_BOUND_S, detect_s=round(detect, 1),
+               bound_s=LIGHTHOUSE_BOUND_S)
+    return res
 
 
 def cona_switch(root: Path, cache: str) -> list[dict]:
@@ -449,6 +530,9 @@ def main(argv=None) -> int:
                       **kw)
         results.append(res)
         print(json.dumps(res), flush=True)
+    for kind in (lighthouse_restart, lighthouse_lost):
+        results.append(kind(root, args.cache_dir, rounds))
+        print(json.dumps(results[-1]), flush=True)
     for res in cona_switch(root, args.cache_dir):
         results.append(res)
         print(json.dumps(res), flush=True)

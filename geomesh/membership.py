@@ -33,6 +33,12 @@ peer.  Every round (``r`` = the Manager's step, rounds committed so far):
    on.  A failure in 3 (a worker died after the quorum) is reported to the
    Manager and 1-3 are retried with the same messages, at most 3 times.
 
+The lighthouse itself may restart (same address, within ``heartbeat_s``): torchft
+re-asks it for the quorum in flight, the first quorum after the outage rebuilds
+the process group on fresh store keys, and a quorum the new lighthouse formed
+before it heard every alive worker is refused once (1-3 again).  A lighthouse
+silent for ``heartbeat_s`` stops every job with exit code 3 (a monitor thread).
+
 What torchft does not do here, and why.  torchft's exchange primitive is an
 all-reduce of dense tensors (``Manager.allreduce``); GeoMesh must see every
 worker's message apart — to check it (:mod:`geomesh.guard`) and because a sum
@@ -49,7 +55,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import threading
 import time
 import urllib.request
@@ -64,12 +69,14 @@ from jobruntime.faults import RunInterrupted, exit_interrupted, fault_point
 
 from .cluster import ClusterError, ClusterSpec
 from .envelope import DATA, HEAL, JOIN, EnvelopeError, Opener
+from .lighthouse import lighthouse_heartbeats, quorum_retries
 
 os.environ.setdefault("RUST_LOG", "error")  # torchft's Rust side logs every quorum at info
 from torch.distributed.distributed_c10d import AllgatherOptions  # noqa: E402
 from torchft import Manager, ProcessGroupGloo, ProcessGroupNCCL  # noqa: E402
 from torchft.checkpointing._serialization import _streaming_load  # noqa: E402
 from torchft.checkpointing.http_transport import HTTPTransport  # noqa: E402
+from torchft.process_group import create_store_client  # noqa: E402
 
 log = logging.getLogger(__name__)
 for _name in ("torchft", "torchft_quorums", "torchft_commits", "torchft_errors"):
@@ -174,34 +181,18 @@ def _recording(base):
 
         def configure(self, store_addr, replica_id, rank, world_size, quorum_id=None,
                       group_rank=None, group_world_size=None, global_ranks=None):
-            super().configure(store_addr, replica_id, rank, world_size, quorum_id, group_rank,
-                              group_world_size, global_ranks)
+            # torchft's prefix is <store>/torchft/<quorum id>/<group rank>, and a restarted
+            # lighthouse numbers its quorums from 1 again: the same prefix would meet the
+            # stale rendezvous keys of an earlier group.  Every member of a quorum counts
+            # itself in on the prefix; each use of it by world_size members is one epoch.
+            uses = create_store_client(store_addr, timeout=self._timeout).add(
+                f"geomesh_uses/{world_size}", 1)
+            super().configure(f"{store_addr}/e{(uses - 1) // world_size}", replica_id, rank,
+                              world_size, quorum_id, group_rank, group_world_size, global_ranks)
             # torchft numbers replica k's group rank g as k * group_world_size + g.
             self.members = sorted(r // max(group_world_size or 1, 1) for r in global_ranks or [])
 
     return Recording
-
-
-_HEARTBEAT = re.compile(r"([A-Za-z0-9_.\-]+):[0-9a-f\-]+: seen ([0-9.eE+\-]+)s ago")
-
-
-def lighthouse_heartbeats(addr: str, timeout_s: float = 2.0) -> dict[int, float]:
-    """Seconds since the lighthouse last heard from each worker (its ``/status`` page).
-
-    Several entries of one worker (restarts) keep the freshest.
-
-    Raises:
-        OSError: the lighthouse does not answer.
-    """
-    with urllib.request.urlopen(f"{addr}/status", timeout=timeout_s) as f:
-        text = f.read().decode("utf-8", "replace")
-    out: dict[int, float] = {}
-    for rid, age in _HEARTBEAT.findall(text):
-        m = re.fullmatch(r"geomesh_(\d+)", rid)
-        if m:
-            k = int(m.group(1))
-            out[k] = min(out.get(k, float("inf")), float(age))
-    return out
 
 
 class Membership:
@@ -231,6 +222,7 @@ class Membership:
         self.device = torch.device("cuda", torch.cuda.current_device()) if nccl else \
             torch.device("cpu")
         tout = timedelta(seconds=timeout_s)
+        beat_s = min(heartbeat_s / 10, 1.0)
         self.pg = _recording(ProcessGroupNCCL if nccl else ProcessGroupGloo)(timeout=tout)
         self.members: list[int] = []
         self._healed: dict | None = None
@@ -243,7 +235,8 @@ class Membership:
                 connect_timeout=timedelta(seconds=min(timeout_s, 60.0)), rank=shard,
                 world_size=num_shards, store_addr=store_addr, store_port=store_port,
                 lighthouse_addr=lighthouse, replica_id=f"geomesh_{worker:04d}",
-                heartbeat_interval=timedelta(seconds=min(heartbeat_s / 10, 1.0)),
+                heartbeat_interval=timedelta(seconds=beat_s),
+                quorum_retries=quorum_retries(2 * timeout_s, beat_s),
                 checkpoint_transport=SignedHTTPTransport(opener, worker=worker, shard=shard,
                                                          timeout=tout),
                 init_sync=False)
@@ -251,8 +244,11 @@ class Membership:
             raise PeerLostError(self._no_lighthouse(e)) from None
         self.manager.register_state_dict_fn("geomesh", self._load_state, self._save_state)
         self.manager.load_state_dict({"step": start_round, "batches_committed": 0})
+        self._outages = self._outages_at_quorum = 0  # times the lighthouse went silent
+        self._silent_since: float | None = None
         self._stop = threading.Event()
         self._monitor = threading.Thread(target=self._watch, daemon=True)
+        self._monitor.start()
 
     def _no_lighthouse(self, e: BaseException) -> str:
         return (f"GeoMesh: the lighthouse at {self.lighthouse} does not answer "
@@ -313,8 +309,11 @@ class Membership:
                     self.manager.start_quorum(allow_heal=True)
                 except Exception as e:  # noqa: BLE001 - quorum RPC errors (lighthouse gone)
                     raise PeerLostError(self._no_lighthouse(e)) from None
+                if self._outages != self._outages_at_quorum and self._left_out_alive(r):
+                    self.manager.report_error(RuntimeError("a partial quorum after a restart"))
                 err = self.manager.errored()
                 if err is None:
+                    self._outages_at_quorum = self._outages
                     break
                 # A process group that could not form (its store's host just died) or a
                 # heal that failed: tell torchft this step failed, and ask again.
@@ -372,7 +371,6 @@ class Membership:
         while True:
             members, healed = self.quorum(r)
             if healed or len(members) == K:
-                self._monitor.start()
                 return healed
             if self.report and time.monotonic() - said >= REPORT_EVERY_S:
                 said = time.monotonic()
@@ -392,29 +390,98 @@ class Membership:
             time.sleep(1.0)
 
     def _watch(self) -> None:
-        """``fail``: stop the job within ``heartbeat_s`` of a loss, even mid-training."""
-        silent_since = None
+        """Stop the job within ``heartbeat_s`` of losing the lighthouse, or (``fail``) a worker.
+
+        A probe of the lighthouse's ``/status`` every ``min(1, heartbeat_s / 4)`` s,
+        from construction on (also during a quorum, which torchft retries on a
+        lighthouse that came back: :func:`quorum_retries`).  Silent for longer than
+        ``heartbeat_s`` (both policies): the lighthouse is gone for good, and every
+        quorum would wait for it.  A worker the lighthouse has not heard of (a
+        restarted lighthouse that hears the first heartbeats) counts as silent from
+        when the probe first saw it absent, not from forever.
+        """
+        absent_since: dict[int, float] = {}
+        failed = 0
         while not self._stop.wait(min(1.0, self.heartbeat_s / 4)):
-            if self.policy != "fail":
-                continue
             try:
                 beats = lighthouse_heartbeats(self.lighthouse)
-                silent_since = None
             except OSError:
-                silent_since = silent_since or time.monotonic()
-                if time.monotonic() - silent_since > self.heartbeat_s:
-                    self._exit(f"GeoMesh: the lighthouse at {self.lighthouse} has not answered "
-                               f"for {self.heartbeat_s:g} s; geomesh.on_worker_loss=fail stops "
-                               "every job: restart it and all regions from the last checkpoint")
+                # silent from the first probe that failed: a restart gets all of heartbeat_s
+                failed += 1
+                self._silent_since = self._silent_since or time.monotonic()
+                if failed == 2:  # one lost probe is a blip, two an outage (a restart)
+                    self._outage()
+                if time.monotonic() - self._silent_since > self.heartbeat_s:
+                    self._exit(self._lighthouse_gone())
+                continue
+            self._silent_since, failed, now = None, 0, time.monotonic()
+            for k in range(len(self.cluster.workers)):
+                if k in beats:
+                    absent_since.pop(k, None)
+                else:
+                    absent_since.setdefault(k, now)
+            if self.policy != "fail":
                 continue
             lost = [k for k in self.members if k != self.worker
-                    and beats.get(k, float("inf")) > self.heartbeat_s]
+                    and beats.get(k, now - absent_since.get(k, now)) > self.heartbeat_s]
             if lost:
                 regions = list(dict.fromkeys(self.cluster.workers[k].region for k in lost))
                 self._exit(f"GeoMesh: lost region(s) {regions} (worker "
                            f"{', '.join(self.name(k) for k in lost)}: no heartbeat for "
                            f"{self.heartbeat_s:g} s); geomesh.on_worker_loss=fail stops every "
                            "job: restart all regions from the last checkpoint (checkpoint.load)")
+
+    def _outage(self) -> None:
+        """The lighthouse went silent or restarted: the next quorum rebuilds the process group.
+
+        torchft's Manager rebuilds its process group only for a quorum id other than
+        its own (``Manager._quorum_id``, the one private field touched here), and a
+        restarted lighthouse numbers its quorums from 1 again: an equal id would
+        keep a group whose peers have rebuilt theirs, and both would wait out
+        ``geomesh.timeout_s``.  Set from the monitor thread while the lighthouse is
+        away, so that every worker's next quorum, also one in flight (torchft
+        re-asks the restarted lighthouse), rebuilds it: all of them, or none.  A
+        restart faster than two probes is not seen; then every worker keeps or
+        rebuilds its group alike (the ids are compared with the same last one).
+        """
+        self._outages += 1
+        self.manager._quorum_id = -1
+        if self.report:
+            log.warning("GeoMesh: the lighthouse at %s does not answer; waiting up to %g s "
+                        "(geomesh.heartbeat_s) for it to come back", self.lighthouse,
+                        self.heartbeat_s)
+
+    def _left_out_alive(self, r: int) -> list[int]:
+        """Workers of the last quorum missing from this one although alive, after an outage.
+
+        A restarted lighthouse forms a quorum of whoever asks before it has heard
+        the others' heartbeats.  Waits up to ``heartbeat_s`` for the lighthouse to
+        hear them (torchft reconnects with a backoff); one it hears was left out,
+        not lost.
+        """
+        missing = [k for k in self.members if k not in self.pg.members]
+        deadline = time.monotonic() + self.heartbeat_s
+        while missing and time.monotonic() < deadline:
+            try:
+                beats = lighthouse_heartbeats(self.lighthouse)
+            except OSError:
+                beats = {}
+            alive = [k for k in missing if beats.get(k, float("inf")) <= self.heartbeat_s]
+            if alive:
+                if self.report:
+                    log.warning("GeoMesh round %d: the restarted lighthouse formed a quorum "
+                                "without %s, which is alive; asking again", r,
+                                ", ".join(self.name(k) for k in alive))
+                return alive
+            time.sleep(min(0.5, self.heartbeat_s / 10))
+        return []
+
+    def _lighthouse_gone(self) -> str:
+        return (f"GeoMesh: the lighthouse at {self.lighthouse} has not answered for "
+                f"{self.heartbeat_s:g} s (geomesh.heartbeat_s; a restart within that is "
+                "survived), so no round can form a quorum: start it again with python -m "
+                "geomesh.lighthouse --cluster FILE, then every region from the last checkpoint "
+                "(checkpoint.load)")
 
     def _exit(self, message: str) -> None:
         exit_interrupted(message)  # the main thread may sit in a collective only a timeout ends
