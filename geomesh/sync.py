@@ -108,7 +108,7 @@ from .planner import Plan
 from .predict import PredictiveSignCodec
 from .report import RunStats, memory_overhead
 from .sparse import TopKCodec
-from .state import load_state, save_state
+from .state import check_workers, load_state, save_state, worker_identity
 from .transport import InProcessTransport
 from .worker import InnerWorker, LrScale, ProxyStep, proxy_steps
 
@@ -208,6 +208,7 @@ def run_sync(ctx: RunContext) -> dict:
         if st["method"] != ctx.method:
             raise CheckpointError(f"checkpoint is from method {st['method']}, not {ctx.method}; "
                                   f"resume it with geomesh.method={st['method']}")
+        check_workers(st, cl)  # before any per-worker state is matched by position
         if set(st["workers"]) != set(workers) or set(st["feedback"]) != set(feedback) or \
                 set(st.get("local_momentum", {})) != set(local_mom):
             raise CheckpointError(
@@ -422,7 +423,7 @@ def run_sync(ctx: RunContext) -> dict:
         if save_round(step) or reached_stop:
             state = {
                 "method": ctx.method, "round": step, "position": position, "replans": replans,
-                "outer": outer.state_dict(),
+                "cluster": worker_identity(cl), "outer": outer.state_dict(),
                 "feedback": {i: fb.state_dict() for i, fb in feedback.items()},
                 "local_momentum": {i: m.state_dict() for i, m in local_mom.items()},
                 "workers": {i: w.state_dict() for i, w in workers.items()},

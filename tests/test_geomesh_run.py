@@ -217,11 +217,15 @@ def test_summaries_have_the_comparison_fields(results):
 
 
 @pytest.mark.parametrize("case", ["ef-toggled", "nothing-left", "damaged", "outer-lr-0",
-                                  "momentum-1.5", "does-not-fit", "ordinary-checkpoint"])
+                                  "momentum-1.5", "does-not-fit", "ordinary-checkpoint",
+                                  "worker-renamed", "workers-reordered"])
 def test_bad_geomesh_input_is_one_line_exit_2(results, cache_dir, tmp_path, case):
     """Catches tracebacks (KeyError, ValueError, PlanError, a torch zip error),
     a silent no-op run, or a left-behind run folder (config.yaml, wandb/) on bad
-    GeoMesh settings and checkpoints."""
+    GeoMesh settings and checkpoints.  A resume on a cluster file whose workers
+    are not the saved ones: a renamed worker crashed with a raw KeyError in
+    geomesh/clock.py, reordered workers were accepted silently (each ran the
+    other's saved plan and optimizer state); both must be refused by identity."""
     import os
     import shutil
     import subprocess
@@ -241,7 +245,20 @@ def test_bad_geomesh_input_is_one_line_exit_2(results, cache_dir, tmp_path, case
     needle = {"ef-toggled": "error feedback", "nothing-left": "nothing left",
               "damaged": "is damaged", "outer-lr-0": "geomesh.outer_lr",
               "momentum-1.5": "geomesh.outer_momentum", "does-not-fit": "cannot fit",
-              "ordinary-checkpoint": "ordinary train.py run"}[case]
+              "ordinary-checkpoint": "ordinary train.py run",
+              "worker-renamed": "worker 1 is 't4-westeurope' (T4 x4, tp=4, pp=1), the cluster "
+                                "file's is 't4-northeurope'",
+              "workers-reordered": "list the workers in the saved order"}[case]
+    if case in ("worker-renamed", "workers-reordered"):
+        raw = yaml.safe_load(cluster.read_text())
+        assert [w["name"] for w in raw["workers"]] == ["h100-eastus", "t4-westeurope"]
+        if case == "worker-renamed":
+            raw["workers"][1]["name"] = "t4-northeurope"
+        else:
+            raw["workers"].reverse()
+        cluster = tmp_path / "changed.yaml"
+        cluster.write_text(yaml.safe_dump(raw))
+        extra = [f"checkpoint.load={ckpt}", "geomesh.outer_steps=3", "geomesh.error_feedback=true"]
     if case == "ordinary-checkpoint":
         (tmp_path / "ckpts" / "iter_0000002").mkdir(parents=True)
         (tmp_path / "ckpts" / "iter_0000002" / "COMPLETE").write_text("step 2\n")
