@@ -219,9 +219,9 @@ def test_thousand_identical_workers_plan_like_four():
     changed = {wp.worker for wp, old in zip(new.workers, plan.workers)
                if (wp.micro_batch_size, wp.grad_accum, wp.inner_steps) !=
                (old.micro_batch_size, old.grad_accum, old.inner_steps)}
-    assert slow in changed and new.for_worker(slow).tokens < plan.workers[0].tokens
-    twins = [wp for wp in new.workers[1:250]]
-    assert len({(wp.micro_batch_size, wp.grad_accum, wp.inner_steps) for wp in twins}) == 1
+    assert changed == {slow} and new.for_worker(slow).tokens < plan.workers[0].tokens
+    for wp, old in zip(new.workers[1:], plan.workers[1:]):  # every other worker's plan as it was
+        assert wp == old
 
 
 SMALL = load_config("tiny_gpt", ["model.num_layers=2", "model.hidden_size=64",
