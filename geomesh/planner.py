@@ -564,7 +564,8 @@ class Planner:
             A new plan if the current plan, at the measured speeds, would leave
             the round imbalanced by more than ``2 · tolerance`` (relative spread
             of the workers' compute times) and the planner finds different
-            choices, else the current plan (the same object).  The factor
+            choices within the token budget, else the current plan (the same
+            object).  The factor
             2 is hysteresis: wall-clock step times on shared machines vary by
             several per cent, and re-planning on such noise swapped batch
             sizes back and forth (measured in real mode: imbalance 0.05 before
@@ -592,6 +593,6 @@ class Planner:
         if imbalance <= 2 * self.tolerance:
             return self.current
         old, new = self.current, self.plan()
-        if new.same_choices(old):  # nothing better within the budget: no re-plan
-            self.current = new = old
+        if new.same_choices(old) or (old.within_budget and not new.within_budget):
+            self.current = new = old  # nothing better within the budget: no re-plan
         return new
