@@ -72,6 +72,7 @@ from jobruntime.memory import PipelineLayout
 
 from .clock import pipeline_bubble_factor, worker_tokens_per_s
 from .cluster import ClusterError, ClusterSpec, WorkerSpec
+from .speed import SpeedModel
 
 log = logging.getLogger(__name__)
 
@@ -282,6 +283,9 @@ class _Group:
         s = planner.seq_length
         # Same float operations, in the same order, as Planner._step_time.
         self.step = (self.mb * self.a * worker.dp * s) / rate * ((self.a + worker.pp - 1) / self.a)
+        o = planner.fit.overhead.get(worker.name, 0.0)  # measured seconds per micro-batch
+        if o:
+            self.step = self.step + o * self.a
         self.eff = -(self.mb * self.a) / self.step  # −sequences/s: lower is faster
         self.bucket = None
         if planner.balance == "steps":  # b within ~25 % of the reference batch
@@ -344,10 +348,19 @@ class Planner:
         )
         """Balancing by steps: the per-step batch every worker keeps (default
         ``T / (H · s · K)``, the uniform per-worker batch)."""
-        self.speed: dict[str, float] = {w.name: 1.0 for w in cluster.workers}
-        """Correction factor on modelled throughput, from :meth:`replan`."""
+        self.fit = SpeedModel(w.name for w in cluster.workers)
+        """Measured corrections of the profile (:mod:`geomesh.speed`), from :meth:`replan`."""
         self.current: Plan | None = None
         self._h_bucket: dict[int, int] = {}
+
+    @property
+    def speed(self) -> dict[str, float]:
+        """Correction factor on modelled throughput per worker (``self.fit.speed``)."""
+        return self.fit.speed
+
+    @speed.setter
+    def speed(self, value: Mapping[str, float]) -> None:
+        self.fit.speed = dict(value)
 
     @classmethod
     def from_job_config(cls, cfg: JobConfig, cluster: ClusterSpec, **kwargs) -> Planner:
@@ -389,15 +402,21 @@ class Planner:
     def _rate(self, w: WorkerSpec, mb: int) -> float:
         return self.throughput.tokens_per_s(w, mb) * self.speed[w.name]
 
-    def _step_time(self, w: WorkerSpec, mb: int, a: int) -> float:
-        return mb * a * w.dp * self.seq_length / self._rate(w, mb) * pipeline_bubble_factor(w.pp, a)
+    def _step_time(self, w: WorkerSpec, mb: int, a: int, *, profile: bool = False) -> float:
+        """Seconds per inner step; ``profile``: the profile's, without the measured
+        correction (:mod:`geomesh.speed`)."""
+        rate = self.throughput.tokens_per_s(w, mb) if profile else self._rate(w, mb)
+        t = mb * a * w.dp * self.seq_length / rate * pipeline_bubble_factor(w.pp, a)
+        o = 0.0 if profile else self.fit.overhead.get(w.name, 0.0)
+        return t + o * a if o else t
 
     def _groups(self) -> list[_Group]:
         """Workers grouped by everything a choice depends on (cluster order of first members)."""
         key_of = getattr(self.throughput, "group_key", lambda w: w.name)
         groups: dict[tuple, list[int]] = {}
         for i, w in enumerate(self.cluster.workers):
-            key = (dataclasses.replace(w, name="", region=""), self.speed[w.name], key_of(w))
+            key = (dataclasses.replace(w, name="", region=""), self.speed[w.name],
+                   self.fit.overhead.get(w.name, 0.0), key_of(w))
             groups.setdefault(key, []).append(i)
         return [_Group(self, self.cluster.workers[m[0]], m) for m in groups.values()]
 
@@ -553,12 +572,12 @@ class Planner:
                 plan's ``(micro_batch_size, grad_accum)``, by worker name (a
                 subset is fine: others keep their estimate).
 
-        Each measurement becomes the worker's speed factor (measured over
-        modelled time at the measured ``(mb, a)``), applied to every candidate
-        of that worker: an extrapolation wherever step time is not proportional
-        to the modelled one (a fixed per-step overhead).  What bounds the cost of
-        a wrong extrapolation is the token budget: the new plan, like every plan,
-        keeps ``Σ n_i`` within ``tolerance`` of ``T`` (module docstring).
+        Each measurement refits the worker's correction of the profile
+        (:class:`geomesh.speed.SpeedModel`: a speed factor, and a fixed cost per
+        micro-batch once two configurations were measured), which every
+        candidate of that worker then uses.  Until then it is an extrapolation;
+        what bounds the cost of a wrong one is the token budget: the new plan,
+        like every plan, keeps ``Σ n_i`` within ``tolerance`` of ``T``.
 
         Returns:
             A new plan if the current plan, at the measured speeds, would leave
@@ -587,7 +606,9 @@ class Planner:
                     f"replan: step time of '{name}' must be a positive number, got {measured}"
                 )
             wp = current[name]
-            self.speed[name] *= wp.step_time_s / measured
+            profile = self._step_time(self.cluster.worker(name), wp.micro_batch_size,
+                                      wp.grad_accum, profile=True)
+            self.fit.observe(name, wp.micro_batch_size, wp.grad_accum, profile, measured)
             compute[name] = wp.inner_steps * measured
         imbalance = (max(compute.values()) - min(compute.values())) / max(compute.values())
         if imbalance <= 2 * self.tolerance:

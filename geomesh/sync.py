@@ -241,6 +241,7 @@ def run_sync(ctx: RunContext) -> dict:
             w.set_schedule(*schedules[i])
             w.load_state_dict(st["workers"][i])
         ctx.planner.speed = dict(st["planner_speed"])
+        ctx.planner.fit.load_state_dict(st.get("planner_fit", {}))
         ctx.planner.current = plan = st["plan"]
         steps = _proxy(ctx, plan)
         if clock is not None:
@@ -275,6 +276,7 @@ def run_sync(ctx: RunContext) -> dict:
         def save_heal() -> dict:
             return {"round": r, "position": position, "replans": replans, "members": members,
                     "plan": plan.to_dict(), "speed": dict(ctx.planner.speed),
+                    "fit": ctx.planner.fit.state_dict(),
                     "schedules": saved_schedules(r),
                     "outer": outer.state_dict(), "guard": guard.state_dict(),
                     "lr_scale": lr_scales.state_dict()}
@@ -292,6 +294,7 @@ def run_sync(ctx: RunContext) -> dict:
             guard.load_state_dict(st["guard"])
             lr_scales.load_state_dict(st.get("lr_scale", {"done": [r * s.inner_steps for s in steps]}))
             ctx.planner.speed = {k: float(v) for k, v in st["speed"].items()}
+            ctx.planner.fit.load_state_dict(st.get("fit", {}))
             plan = plan_from_dict(st["plan"], ctx.planner.tolerance)
             steps, next_steps, history = _proxy(ctx, plan), None, {}
             for w in workers.values():  # the inner LR schedule where the others' is
@@ -449,7 +452,8 @@ def run_sync(ctx: RunContext) -> dict:
                 "feedback": {i: fb.state_dict() for i, fb in feedback.items()},
                 "local_momentum": {i: m.state_dict() for i, m in local_mom.items()},
                 "workers": {i: w.state_dict() for i, w in workers.items()},
-                "planner_speed": dict(ctx.planner.speed), "plan": plan,
+                "planner_speed": dict(ctx.planner.speed), "planner_fit": ctx.planner.fit.state_dict(),
+                "plan": plan,
                 "clock": clock.state_dict() if clock is not None else None,
                 "stats": stats.state_dict(), "rng": torch.get_rng_state(), "history": history,
                 "guard": guard.state_dict(), "lr_scale": lr_scales.state_dict(),
