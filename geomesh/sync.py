@@ -234,12 +234,12 @@ def run_sync(ctx: RunContext) -> dict:
             fb.load_state_dict(st["feedback"][i])
         for i, lm in local_mom.items():
             lm.load_state_dict(st["local_momentum"][i])
-        if "schedules" in st:  # the schedules as re-plans resized them (before the check
-            schedules = [(int(n), int(w)) for n, w in st["schedules"]]  # in load_state_dict)
+        if "schedules" in st:  # the schedules as re-plans resized them, a pending one included
+            schedules = [(int(n), int(w)) for n, w in st["schedules"]]
             lr_scales.set_schedules(schedules)
         for i, w in workers.items():
-            w.set_schedule(*schedules[i])
-            w.load_state_dict(st["workers"][i])
+            w.load_state_dict(st["workers"][i])  # megatron takes the saved scheduler's lengths:
+            w.set_schedule(*schedules[i])  # a re-plan pending at the save is not in them
         ctx.planner.speed = dict(st["planner_speed"])
         ctx.planner.fit.load_state_dict(st.get("planner_fit", {}))
         ctx.planner.current = plan = st["plan"]

@@ -148,8 +148,8 @@ def test_lr_schedules_follow_a_replan(results):
     its end (3 vs 4).  Every worker's schedule must end with the run — its
     decay length equal to the steps it trained (the uninterrupted run's
     3+3+2 and 1+1+2) — also when resumed from the checkpoint taken when the
-    re-plan was decided (megatron's scheduler refuses a checkpoint whose length
-    differs from its own).  The emulated round's tokens stay H · G_p = 16
+    re-plan was decided, before it took effect (megatron's scheduler takes the
+    lengths saved in its own state, which predate the pending re-plan).  The emulated round's tokens stay H · G_p = 16
     sequences (the data stream is sized by them)."""
     root, out = results
     m = _metrics(root / "slow4")
