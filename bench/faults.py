@@ -16,6 +16,9 @@ SIGSTOP/SIGCONT from here (a network stall):
   replica's) killed; a late join (worker 1 killed, restarted, heals); a stall
   of twice the heartbeat; the same loss with ``on_worker_loss=fail``; the
   lighthouse killed and restarted on its address 3.6 s later, or killed for good;
+* a 10x straggler that triggers a re-plan (one ``torchrun`` of 2 ranks playing
+  both workers): survived when the run finishes, re-plans, and every round's
+  tokens stay within the plan's tolerance of the budget (:func:`straggler_replan`);
 * CONA (one ``torchrun`` of 2 ranks, gloo): rank 1 killed inside a layout
   switch, then the last checkpoint resumed at the old and at the new layout.
 
@@ -330,6 +333,48 @@ def cona_switch(root: Path, cache: str) -> list[dict]:
     return out
 
 
+def straggler_replan(root: Path, cache: str, rounds: int) -> dict:
+    """A 10x straggler that triggers a re-plan (real mode, one ``torchrun`` of two
+    ranks playing both workers, gloo): worker ``w1`` sleeps 9x its compute from
+    round 1 on, re-planning on.  Survived: the run exits 0 after all rounds, at
+    least one re-plan happened, and every round's tokens stay within the plan's
+    tolerance of the budget ``T = inner_steps · global_batch_size · seq_length``
+    (a re-plan once put 8.7 T into a round, issue 25)."""
+    d = root / "straggler_replan"
+    d.mkdir(parents=True, exist_ok=True)
+    cluster = d / "cluster.yaml"
+    cluster.write_text(json.dumps({
+        "name": "straggler", "mode": "real", "rendezvous": f"127.0.0.1:{_port()}",
+        "regions": [{"name": r, "id": i} for i, r in enumerate(REGIONS)],
+        "workers": [{"name": f"w{i}", "gpu": "A100-80GB", "num_gpus": 1, "region": r}
+                    for i, r in enumerate(REGIONS)],
+        "slowdown": [{"worker": "w1", "factor": 10.0, "from_round": 1}]}))
+    inner, batch, seq, tol = 4, 8, 32, 0.05  # SMALL's batch and sequence; the planner's tolerance
+    run = d / "run"
+    watch = Watch([run])
+    p = Run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+             "2", "train.py", "--config", "tiny_gpt", "--run-dir", str(run), *SMALL,
+             f"data.cache_dir={cache}", f"geomesh.cluster={cluster}", "geomesh.method=geomesh",
+             f"geomesh.inner_steps={inner}", f"geomesh.outer_steps={rounds}",
+             f"geomesh.plan_tolerance={tol}", "geomesh.replan=true"], d / "torchrun.log",
+            _env("x" * 16))
+    rc = p.wait(1200)
+    lost = watch.lost()
+    m = run / "metrics.jsonl"
+    records = [json.loads(x) for x in m.read_text().splitlines()] if m.is_file() else []
+    budget = inner * batch * seq
+    tokens = [sum(r["proxy_samples"]) * seq for r in records]
+    worst = max((abs(t - budget) / budget for t in tokens), default=None)
+    replans = sum(bool(r.get("replanned")) for r in records)
+    ok = rc == 0 and len(records) == rounds and replans >= 1 and worst is not None and worst <= tol
+    return {"scenario": "straggler_replan", "survived": bool(ok), "exit_codes": [rc],
+            "bytes_lost": lost, "replans": replans, "token_budget": budget,
+            "round_tokens": tokens, "max_token_deviation": worst,
+            "batch_sizes": [r["batch_sizes"] for r in records],
+            "inner_steps": [r["inner_steps"] for r in records],
+            "imbalance": [round(r["imbalance"], 3) for r in records]}
+
+
 def hostile() -> tuple[int, int]:
     """Hostile messages tried and rejected (envelopes, then sealed insiders)."""
     from geomesh.codec import DenseCodec, SignCodec
@@ -530,7 +575,7 @@ def main(argv=None) -> int:
                       **kw)
         results.append(res)
         print(json.dumps(res), flush=True)
-    for kind in (lighthouse_restart, lighthouse_lost):
+    for kind in (lighthouse_restart, lighthouse_lost, straggler_replan):
         results.append(kind(root, args.cache_dir, rounds))
         print(json.dumps(results[-1]), flush=True)
     for res in cona_switch(root, args.cache_dir):

@@ -41,7 +41,7 @@ from .compression import TensorSchema
 from .context import RunContext
 from .outer import OuterNesterov
 from .report import RunStats
-from .state import load_state, save_state
+from .state import check_workers, load_state, save_state, worker_identity
 from .worker import InnerWorker, proxy_steps
 
 log = logging.getLogger(__name__)
@@ -79,6 +79,7 @@ def run_ddp(ctx: RunContext) -> dict:
         st = load_state(cfg.checkpoint.load, rank=pl.rank)
         if st["method"] != "ddp":
             raise CheckpointError(f"checkpoint is from method {st['method']}, not ddp")
+        check_workers(st, cl)
         trainer.set_params(st["params"])
         trainer.optimizer.load_state_dict(st["optimizer"])
         trainer.scheduler.load_state_dict(st["scheduler"])
@@ -121,6 +122,7 @@ def run_ddp(ctx: RunContext) -> dict:
         every = cfg.checkpoint.save_interval
         if every and (step % every == 0 or step == g.outer_steps or stop):
             state = {"method": "ddp", "round": step, "position": sampler.consumed_samples,
+                     "cluster": worker_identity(cl),
                      "params": trainer.get_params(), "optimizer": trainer.optimizer.state_dict(),
                      "scheduler": trainer.scheduler.state_dict(), "step": trainer.step,
                      "stats": stats.state_dict()}

@@ -232,6 +232,10 @@ def build_context(cfg: JobConfig, run_dir: Path) -> RunContext:
     schema = target_schema(target) if cluster.mode == "emulated" else None
     t = cfg.train
     corpus = prepare_corpus(cfg.data, cfg.model)
+    # Samples the rounds can read: emulated rounds take exactly H · G_p proxy
+    # sequences whatever the plan; real rounds Σ H_i b_i ≤ (1 + plan_tolerance) · H · G_p,
+    # the planner's token budget (plan_tolerance < 1; a re-plan never leaves it,
+    # Planner.replan): 2x covers both.
     stream = 2 * g.outer_steps * g.inner_steps * cfg.parallel.global_batch_size
     train_ds = build_dataset(corpus, cfg.model, "train", stream, t.seed, cfg.data.cache_dir)
     val_ds = build_dataset(corpus, cfg.model, "valid",

@@ -35,7 +35,7 @@ def plan_for_members(planner: Planner, current: Plan, names: Sequence[str]) -> P
     sub = copy.copy(planner)
     sub.cluster = dataclasses.replace(
         planner.cluster, workers=tuple(w for w in planner.cluster.workers if w.name in present))
-    sub.speed = {n: v for n, v in planner.speed.items() if n in present}
+    sub.fit = planner.fit.restrict(present)
     part = {wp.worker: wp for wp in sub.plan().workers}
     return Plan(workers=tuple(part.get(wp.worker, wp) for wp in current.workers),
                 target_tokens=current.target_tokens, tolerance=current.tolerance)

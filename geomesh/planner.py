@@ -6,11 +6,15 @@ replicas), i.e. ``n_i = H_i · b_i · s`` tokens in ``C_i = H_i · t_i`` seconds
 Choose ``(mb_i, a_i, H_i)`` for all workers such that
 
 * every worker fits in memory: ``mem_i(mb_i) ≤ usable · memory_per_gpu_i``;
-* compute time per round is equal within ``tolerance``:
-  ``(max_i C_i − min_i C_i) / max_i C_i ≤ tolerance`` (no straggler idle);
 * total tokens ``N = Σ n_i`` within ``tolerance`` of the target ``T``
   (default ``inner_steps · global_batch_size · seq_length``, what a uniform
-  DiLoCo round would process);
+  DiLoCo round would process) — a constraint: the LR schedules, the data
+  stream and the token counts of a run are sized by ``T``, so no plan or
+  re-plan trades the budget for balance (:attr:`Plan.within_budget`);
+* compute time per round is equal within ``tolerance``:
+  ``(max_i C_i − min_i C_i) / max_i C_i ≤ tolerance`` (no straggler idle),
+  when the budget allows it (a straggler whose smallest step outlasts the
+  others' share of ``T`` leaves them idle instead of inflating the round);
 * among such plans, the shortest round per token (the fastest choices);
 * per worker (``balance="batch"``, default): ``H_i`` within ~25 % of the
   configured ``inner_steps`` (every worker's pseudo-gradient spans a similar
@@ -68,6 +72,7 @@ from jobruntime.memory import PipelineLayout
 
 from .clock import pipeline_bubble_factor, worker_tokens_per_s
 from .cluster import ClusterError, ClusterSpec, WorkerSpec
+from .speed import SpeedModel
 
 log = logging.getLogger(__name__)
 
@@ -222,6 +227,23 @@ class Plan:
     def balanced(self) -> bool:
         return self.imbalance <= self.tolerance
 
+    @property
+    def token_deviation(self) -> float:
+        """``|N − T| / T``: how far the round's tokens are from the budget."""
+        return abs(self.total_tokens - self.target_tokens) / self.target_tokens
+
+    @property
+    def within_budget(self) -> bool:
+        """The round's tokens are within ``tolerance`` of the budget ``T`` (the
+        planner's constraint; it fails only when no discrete choice comes closer)."""
+        return self.token_deviation <= self.tolerance
+
+    def same_choices(self, other: Plan) -> bool:
+        """Every worker has the same ``(micro_batch_size, grad_accum, inner_steps)``."""
+        def key(p: Plan) -> list[tuple]:
+            return [(w.worker, w.micro_batch_size, w.grad_accum, w.inner_steps) for w in p.workers]
+        return key(self) == key(other)
+
     def for_worker(self, name: str) -> WorkerPlan:
         for w in self.workers:
             if w.worker == name:
@@ -234,6 +256,8 @@ class Plan:
             "total_tokens": self.total_tokens,
             "round_time_s": self.round_time_s,
             "imbalance": self.imbalance,
+            "tolerance": self.tolerance,
+            "token_deviation": self.token_deviation,
             "workers": [asdict(w) for w in self.workers],
         }
 
@@ -259,6 +283,9 @@ class _Group:
         s = planner.seq_length
         # Same float operations, in the same order, as Planner._step_time.
         self.step = (self.mb * self.a * worker.dp * s) / rate * ((self.a + worker.pp - 1) / self.a)
+        o = planner.fit.overhead.get(worker.name, 0.0)  # measured seconds per micro-batch
+        if o:
+            self.step = self.step + o * self.a
         self.eff = -(self.mb * self.a) / self.step  # −sequences/s: lower is faster
         self.bucket = None
         if planner.balance == "steps":  # b within ~25 % of the reference batch
@@ -321,10 +348,19 @@ class Planner:
         )
         """Balancing by steps: the per-step batch every worker keeps (default
         ``T / (H · s · K)``, the uniform per-worker batch)."""
-        self.speed: dict[str, float] = {w.name: 1.0 for w in cluster.workers}
-        """Correction factor on modelled throughput, from :meth:`replan`."""
+        self.fit = SpeedModel(w.name for w in cluster.workers)
+        """Measured corrections of the profile (:mod:`geomesh.speed`), from :meth:`replan`."""
         self.current: Plan | None = None
         self._h_bucket: dict[int, int] = {}
+
+    @property
+    def speed(self) -> dict[str, float]:
+        """Correction factor on modelled throughput per worker (``self.fit.speed``)."""
+        return self.fit.speed
+
+    @speed.setter
+    def speed(self, value: Mapping[str, float]) -> None:
+        self.fit.speed = dict(value)
 
     @classmethod
     def from_job_config(cls, cfg: JobConfig, cluster: ClusterSpec, **kwargs) -> Planner:
@@ -366,15 +402,21 @@ class Planner:
     def _rate(self, w: WorkerSpec, mb: int) -> float:
         return self.throughput.tokens_per_s(w, mb) * self.speed[w.name]
 
-    def _step_time(self, w: WorkerSpec, mb: int, a: int) -> float:
-        return mb * a * w.dp * self.seq_length / self._rate(w, mb) * pipeline_bubble_factor(w.pp, a)
+    def _step_time(self, w: WorkerSpec, mb: int, a: int, *, profile: bool = False) -> float:
+        """Seconds per inner step; ``profile``: the profile's, without the measured
+        correction (:mod:`geomesh.speed`)."""
+        rate = self.throughput.tokens_per_s(w, mb) if profile else self._rate(w, mb)
+        t = mb * a * w.dp * self.seq_length / rate * pipeline_bubble_factor(w.pp, a)
+        o = 0.0 if profile else self.fit.overhead.get(w.name, 0.0)
+        return t + o * a if o else t
 
     def _groups(self) -> list[_Group]:
         """Workers grouped by everything a choice depends on (cluster order of first members)."""
         key_of = getattr(self.throughput, "group_key", lambda w: w.name)
         groups: dict[tuple, list[int]] = {}
         for i, w in enumerate(self.cluster.workers):
-            key = (dataclasses.replace(w, name="", region=""), self.speed[w.name], key_of(w))
+            key = (dataclasses.replace(w, name="", region=""), self.speed[w.name],
+                   self.fit.overhead.get(w.name, 0.0), key_of(w))
             groups.setdefault(key, []).append(i)
         return [_Group(self, self.cluster.workers[m[0]], m) for m in groups.values()]
 
@@ -431,9 +473,13 @@ class Planner:
             slowest = max(times)
             balanced = (slowest - min(times)) / slowest <= self.tolerance
             dev = abs(total - T) / T
-            # Balanced first; within the token tolerance the fastest plan
-            # (seconds per token of the round), then the closest to T.
-            key = (not balanced, dev > self.tolerance,
+            # The token budget is a constraint: a plan within ``tolerance`` of T
+            # always beats one outside it (ranking balance first let one re-plan
+            # after a 10x straggler put 8.7 T into a round: the fast worker was
+            # given all the steps that fill the slow one's smallest step).  Then
+            # balanced; then the fastest (seconds per token of the round); then
+            # the closest to T.
+            key = (dev > self.tolerance, not balanced,
                    slowest / total if dev <= self.tolerance else dev, dev)
             if not best or key < best["key"]:
                 best.update(key=key, picks=picks, R=R, balanced=balanced, total=total)
@@ -456,6 +502,8 @@ class Planner:
         R0 = best["R"]
         for k in range(-40, 41):
             consider(R0 * (1 + k * 0.005))
+        if not best["balanced"]:
+            self._scan_bottleneck(groups, best, consider)
         chosen: dict[int, WorkerPlan] = {}
         for g, (c, H) in zip(groups, best["picks"]):
             mb, a, step = int(g.mb[c]), int(g.a[c]), float(g.step[c])
@@ -463,15 +511,37 @@ class Planner:
                 chosen[i] = self._worker_plan(self.cluster.workers[i], mb, a, H, step)
         plan = Plan(workers=tuple(chosen[i] for i in range(len(self.cluster.workers))),
                     target_tokens=T, tolerance=self.tolerance)
+        if not plan.within_budget:
+            log.warning(
+                "GeoMesh plan: %d tokens per round, %.1f%% off the budget of %d (tolerance "
+                "%.1f%%): no choice of batch sizes and inner steps comes closer; raise the "
+                "tokens per round or max_grad_accum", plan.total_tokens,
+                100 * plan.token_deviation, T, 100 * self.tolerance)
         if not plan.balanced:
             log.warning(
-                "GeoMesh plan imbalance %.1f%% exceeds tolerance %.1f%%; "
-                "raise max_grad_accum or tokens per round",
+                "GeoMesh plan imbalance %.1f%% exceeds tolerance %.1f%% within the token "
+                "budget; raise max_grad_accum or tokens per round",
                 100 * plan.imbalance,
                 100 * self.tolerance,
             )
         self.current = plan
         return plan
+
+    def _scan_bottleneck(self, groups: list[_Group], best: dict, consider) -> None:
+        """Within the budget but unbalanced: the slowest worker's choices are
+        coarse (one step of a small batch may outlast the others' share of T),
+        so balanced rounds exist only at ``R`` within ``tolerance / 2.5`` of one of
+        its compute times ``H · t(mb, a)`` — a window the scans above can step
+        over.  Try those ``R`` (``H`` up to one above its current choice, within
+        4x of the best ``R``, the 200 nearest)."""
+        R0 = best["R"]
+        slow = max(range(len(groups)), key=lambda j: best["picks"][j][1]
+                   * float(groups[j].step[best["picks"][j][0]]))
+        g, H0 = groups[slow], best["picks"][slow][1]
+        times = np.concatenate([h * g.step for h in range(1, H0 + 2)])
+        times = np.unique(times[(times >= R0 / 4) & (times <= 4 * R0)])
+        for R in times[np.argsort(np.abs(np.log(times / R0)))[:200]]:
+            consider(float(R))
 
     def uniform(self, batch_size: int, inner_steps: int | None = None) -> Plan:
         """The unbalanced plan of the baselines: every worker ``batch_size``
@@ -502,10 +572,19 @@ class Planner:
                 plan's ``(micro_batch_size, grad_accum)``, by worker name (a
                 subset is fine: others keep their estimate).
 
+        Each measurement refits the worker's correction of the profile
+        (:class:`geomesh.speed.SpeedModel`: a speed factor, and a fixed cost per
+        micro-batch once two configurations were measured), which every
+        candidate of that worker then uses.  Until then it is an extrapolation;
+        what bounds the cost of a wrong one is the token budget: the new plan,
+        like every plan, keeps ``Σ n_i`` within ``tolerance`` of ``T``.
+
         Returns:
             A new plan if the current plan, at the measured speeds, would leave
             the round imbalanced by more than ``2 · tolerance`` (relative spread
-            of the workers' compute times), else the current plan.  The factor
+            of the workers' compute times) and the planner finds different
+            choices within the token budget, else the current plan (the same
+            object).  The factor
             2 is hysteresis: wall-clock step times on shared machines vary by
             several per cent, and re-planning on such noise swapped batch
             sizes back and forth (measured in real mode: imbalance 0.05 before
@@ -527,7 +606,14 @@ class Planner:
                     f"replan: step time of '{name}' must be a positive number, got {measured}"
                 )
             wp = current[name]
-            self.speed[name] *= wp.step_time_s / measured
+            profile = self._step_time(self.cluster.worker(name), wp.micro_batch_size,
+                                      wp.grad_accum, profile=True)
+            self.fit.observe(name, wp.micro_batch_size, wp.grad_accum, profile, measured)
             compute[name] = wp.inner_steps * measured
         imbalance = (max(compute.values()) - min(compute.values())) / max(compute.values())
-        return self.plan() if imbalance > 2 * self.tolerance else self.current
+        if imbalance <= 2 * self.tolerance:
+            return self.current
+        old, new = self.current, self.plan()
+        if new.same_choices(old) or (old.within_budget and not new.within_budget):
+            self.current = new = old  # nothing better within the budget: no re-plan
+        return new

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from geomesh.cluster import ClusterSpec
 from geomesh.planner import Plan, WorkerPlan
 from jobruntime.checkpoint import COMPLETE, CheckpointError, committed_folder
 from jobruntime.faults import fault_point
@@ -41,6 +42,61 @@ def save_state(root: Path, step: int, state: dict, *, rank: int, job_leader: boo
         os.replace(part, tmp / f"rank{rank:05d}.pt")
         fault_point("save", step)
     return root / name
+
+
+def worker_identity(cluster: ClusterSpec) -> list[dict]:
+    """What a checkpoint's per-worker state belongs to, cluster order: each
+    worker's name, GPU type and layout (GPUs, TP, PP).  Saved as ``state["cluster"]``."""
+    return [{"name": w.name, "gpu": w.gpu, "num_gpus": w.num_gpus, "tp": w.tp, "pp": w.pp}
+            for w in cluster.workers]
+
+
+def _describe(w: dict) -> str:
+    if set(w) == {"name"}:
+        return f"'{w['name']}'"
+    return f"'{w['name']}' ({w['gpu']} x{w['num_gpus']}, tp={w['tp']}, pp={w['pp']})"
+
+
+def check_workers(state: dict, cluster: ClusterSpec) -> None:
+    """Refuse to resume ``state`` on a cluster whose workers are not the saved ones.
+
+    A checkpoint's per-worker state (plan, inner optimizer, error feedback, guard
+    history, clock) is stored by worker position and name; a renamed worker made
+    the resume crash with a raw ``KeyError`` in the clock, and reordered workers
+    were accepted silently (the T4 then ran the H100's saved plan: 332 s of
+    straggler idle per round instead of 0.37 s).  The workers must match by
+    identity (:func:`worker_identity`), in the saved order.  States saved before
+    the identity was recorded are checked by the worker names of their plan.
+
+    Raises:
+        CheckpointError: one line naming the first mismatch and the fix.
+    """
+    saved = state.get("cluster")
+    now = worker_identity(cluster)
+    if saved is None:  # older checkpoint: the plan's worker names, cluster order
+        plan = state.get("plan")
+        if plan is None:
+            return
+        saved = [{"name": wp.worker} for wp in plan.workers]
+        now = [{"name": w["name"]} for w in now]
+    fix = ("resume with the cluster file the run was saved with (geomesh.cluster), or start a "
+           "new run without checkpoint.load")
+    if saved == now:
+        return
+    key = [sorted(w.items()) for w in saved]
+    if len(saved) == len(now) and sorted(key) == sorted(sorted(w.items()) for w in now):
+        raise CheckpointError(
+            f"checkpoint's workers are in the order {[w['name'] for w in saved]}, the cluster "
+            f"file lists {[w['name'] for w in now]}: list the workers in the saved order (each "
+            "worker's saved plan and optimizer state belong to its position)")
+    if len(saved) != len(now):
+        raise CheckpointError(
+            f"checkpoint holds {len(saved)} workers {[w['name'] for w in saved]}, the cluster "
+            f"file has {len(now)} {[w['name'] for w in now]}: {fix}")
+    k = next(i for i, (a, b) in enumerate(zip(saved, now)) if a != b)
+    raise CheckpointError(
+        f"checkpoint's worker {k} is {_describe(saved[k])}, the cluster file's is "
+        f"{_describe(now[k])}: {fix}")
 
 
 def find_state(path: str | Path) -> Path:

@@ -17,7 +17,11 @@ balancing and compression):
 GeoMesh plans ``b_i, H_i`` with :class:`geomesh.planner.Planner` so that all
 workers finish their compute together, and re-plans when measured step times
 drift (real: wall-clock per inner step; emulated: the injected
-``slowdown`` of the cluster file).  DiLoCo uses the same ``b = G_t/K`` and
+``slowdown`` of the cluster file).  Every plan keeps the round's tokens within
+the planner's tolerance of ``T`` (a constraint, :mod:`geomesh.planner`), and each
+worker's LR schedule follows a re-plan: the rounds left run the new ``H_i``
+(:func:`geomesh.worker.follow_replan`; saved with checkpoints and healing
+state).  DiLoCo uses the same ``b = G_t/K`` and
 ``H`` everywhere, so fast workers wait for the slowest (straggler idle).
 
 Overlapped rounds (``geomesh.overlap = f``; the exchange hidden behind compute,
@@ -108,9 +112,9 @@ from .planner import Plan
 from .predict import PredictiveSignCodec
 from .report import RunStats, memory_overhead
 from .sparse import TopKCodec
-from .state import load_state, save_state
+from .state import check_workers, load_state, save_state, worker_identity
 from .transport import InProcessTransport
-from .worker import InnerWorker, LrScale, ProxyStep, proxy_steps
+from .worker import InnerWorker, LrScale, ProxyStep, follow_replan, proxy_steps
 
 log = logging.getLogger(__name__)
 
@@ -150,7 +154,8 @@ def run_sync(ctx: RunContext) -> dict:
     K = len(cl.workers)
     plan = ctx.planner.plan() if geomesh else ctx.planner.uniform(ctx.uniform_batch)
     steps = _proxy(ctx, plan)
-    # each worker's LR schedule: its own length, warmup scaled by H_i / H
+    # each worker's LR schedule: its own length, warmup scaled by H_i / H; a re-plan
+    # resizes the rest of it (follow_replan), a resume and a heal restore it
     schedules = [(g.outer_steps * s.inner_steps,
                   round(cfg.train.warmup_iters * s.inner_steps / g.inner_steps)) for s in steps]
     workers: dict[int, InnerWorker] = {}
@@ -208,6 +213,7 @@ def run_sync(ctx: RunContext) -> dict:
         if st["method"] != ctx.method:
             raise CheckpointError(f"checkpoint is from method {st['method']}, not {ctx.method}; "
                                   f"resume it with geomesh.method={st['method']}")
+        check_workers(st, cl)  # before any per-worker state is matched by position
         if set(st["workers"]) != set(workers) or set(st["feedback"]) != set(feedback) or \
                 set(st.get("local_momentum", {})) != set(local_mom):
             raise CheckpointError(
@@ -228,9 +234,14 @@ def run_sync(ctx: RunContext) -> dict:
             fb.load_state_dict(st["feedback"][i])
         for i, lm in local_mom.items():
             lm.load_state_dict(st["local_momentum"][i])
+        if "schedules" in st:  # the schedules as re-plans resized them, a pending one included
+            schedules = [(int(n), int(w)) for n, w in st["schedules"]]
+            lr_scales.set_schedules(schedules)
         for i, w in workers.items():
-            w.load_state_dict(st["workers"][i])
+            w.load_state_dict(st["workers"][i])  # megatron takes the saved scheduler's lengths:
+            w.set_schedule(*schedules[i])  # a re-plan pending at the save is not in them
         ctx.planner.speed = dict(st["planner_speed"])
+        ctx.planner.fit.load_state_dict(st.get("planner_fit", {}))
         ctx.planner.current = plan = st["plan"]
         steps = _proxy(ctx, plan)
         if clock is not None:
@@ -254,21 +265,36 @@ def run_sync(ctx: RunContext) -> dict:
     next_steps: list[ProxyStep] | None = None  # overlap: a re-plan for the next round
 
     r, joining, members = start, False, list(range(K))
+
+    def saved_schedules(rnd: int) -> list[list[int]]:
+        """The LR schedules that go with the saved ``plan``: a re-plan not yet
+        adopted (it starts at round ``rnd``) is followed here, as adopt() will."""
+        if next_steps is None:
+            return [list(x) for x in schedules]
+        return [list(x) for x in follow_replan(schedules, steps, next_steps, rnd, g.outer_steps)]
     if ft is not None:
         def save_heal() -> dict:
             return {"round": r, "position": position, "replans": replans, "members": members,
                     "plan": plan.to_dict(), "speed": dict(ctx.planner.speed),
+                    "fit": ctx.planner.fit.state_dict(),
+                    "schedules": saved_schedules(r),
                     "outer": outer.state_dict(), "guard": guard.state_dict(),
                     "lr_scale": lr_scales.state_dict()}
 
         def load_heal(st: dict) -> None:
-            nonlocal r, position, replans, plan, steps, next_steps, history, members
+            nonlocal r, position, replans, plan, steps, next_steps, history, members, schedules
             r, position, replans = int(st["round"]), int(st["position"]), int(st["replans"])
+            if "schedules" in st:
+                schedules = [(int(n), int(w)) for n, w in st["schedules"]]
+                lr_scales.set_schedules(schedules)
+                for w in workers.values():
+                    w.set_schedule(*schedules[w.index])
             members = [int(k) for k in st["members"]]
             outer.load_state_dict(st["outer"])
             guard.load_state_dict(st["guard"])
             lr_scales.load_state_dict(st.get("lr_scale", {"done": [r * s.inner_steps for s in steps]}))
             ctx.planner.speed = {k: float(v) for k, v in st["speed"].items()}
+            ctx.planner.fit.load_state_dict(st.get("fit", {}))
             plan = plan_from_dict(st["plan"], ctx.planner.tolerance)
             steps, next_steps, history = _proxy(ctx, plan), None, {}
             for w in workers.values():  # the inner LR schedule where the others' is
@@ -430,15 +456,17 @@ def run_sync(ctx: RunContext) -> dict:
         if save_round(step) or reached_stop:
             state = {
                 "method": ctx.method, "round": step, "position": position, "replans": replans,
-                "outer": outer.state_dict(),
+                "cluster": worker_identity(cl), "outer": outer.state_dict(),
                 "feedback": {i: fb.state_dict() for i, fb in feedback.items()},
                 "local_momentum": {i: m.state_dict() for i, m in local_mom.items()},
                 "workers": {i: w.state_dict() for i, w in workers.items()},
-                "planner_speed": dict(ctx.planner.speed), "plan": plan,
+                "planner_speed": dict(ctx.planner.speed), "planner_fit": ctx.planner.fit.state_dict(),
+                "plan": plan,
                 "clock": clock.state_dict() if clock is not None else None,
                 "stats": stats.state_dict(), "rng": torch.get_rng_state(), "history": history,
                 "guard": guard.state_dict(), "lr_scale": lr_scales.state_dict(),
                 "eager": eager.state_dict() if eager is not None else None,
+                "schedules": saved_schedules(step),
             }
             save_state(ctx.run_dir / "checkpoints", step, state, rank=pl.rank,
                        job_leader=pl.is_logging_rank, keep_last=cfg.checkpoint.keep_last)
@@ -470,11 +498,20 @@ def run_sync(ctx: RunContext) -> dict:
             seconds = wall * factor
         rnd.compute[k] = rnd.compute.get(k, 0.0) + seconds
 
+    def adopt(new: list[ProxyStep], rnd: int) -> list[ProxyStep]:
+        """A new plan's steps from round ``rnd`` on; every LR schedule follows it."""
+        nonlocal schedules
+        schedules = follow_replan(schedules, steps, new, rnd, g.outer_steps)
+        lr_scales.set_schedules(schedules)
+        for w in workers.values():
+            w.set_schedule(*schedules[w.index])
+        return new
+
     inflight: _Round | None = None
     stop = False
     while r < g.outer_steps:
         if next_steps is not None:  # a re-plan: from this round on
-            steps, next_steps = next_steps, None
+            steps, next_steps = adopt(next_steps, r), None
         rnd = _Round(r=r, steps=steps)
         # Overlapped: the first τ_i = ⌈overlap · H_i⌉ steps run while round r−1's messages travel.
         taus = {i: math.ceil(overlap * steps[i].inner_steps) if inflight is not None else 0
@@ -493,7 +530,7 @@ def run_sync(ctx: RunContext) -> dict:
             stop = finish(inflight)
             inflight = None
             if next_steps is not None and not any(taus.values()):  # nothing of round r ran yet
-                steps, next_steps = next_steps, None
+                steps, next_steps = adopt(next_steps, r), None
                 rnd.steps = steps
                 offsets = [sum(steps[j].samples for j in members if j < i) for i in range(K + 1)]
             if stop:

@@ -140,6 +140,41 @@ def worker_schedule(cfg: JobConfig, inner_iters: int, warmup_iters: int):
                                warmup_iters=warmup_iters, lr_decay_iters=None)
 
 
+def set_schedule(sched, inner_iters: int, warmup_iters: int) -> None:
+    """Give a worker's LR schedule (megatron's ``OptimizerParamScheduler``) a new
+    length, as ``lr_scheduler(worker_schedule(cfg, inner_iters, warmup_iters))``
+    builds it; its position (``num_steps``) is kept."""
+    iters = max(inner_iters, 1)
+    sched.lr_warmup_steps = warmup_iters
+    sched.lr_decay_steps = max(iters, warmup_iters + 1)  # megatron needs warmup < decay
+    sched.wd_incr_steps = iters
+
+
+def follow_replan(schedules: list[tuple[int, int]], old: list[ProxyStep], new: list[ProxyStep],
+                  round_: int, outer_steps: int) -> list[tuple[int, int]]:
+    """Every worker's ``(inner_iters, warmup_iters)`` after a re-plan that takes
+    effect at round ``round_``: the remaining ``outer_steps − round_`` rounds run
+    ``H_i'`` inner steps instead of ``H_i``, so the schedule ends with the run
+    (it was sized from the first plan: a worker whose ``H_i`` grew ran out of
+    schedule early, one whose ``H_i`` shrank never decayed).  A warmup not yet
+    over keeps ending at the same round.  Deterministic from the plans alone,
+    so every worker computes every other worker's schedule (:class:`LrScale`).
+
+    Args:
+        schedules: per worker ``(inner_iters, warmup_iters)`` of the plan so far.
+        old, new: the plan so far and the new plan, as proxy steps, cluster order.
+    """
+    left = outer_steps - round_
+    out = []
+    for (total, warmup), a, b in zip(schedules, old, new):
+        h, h2 = a.inner_steps, b.inner_steps
+        done = total - left * h  # steps trained before round_ (h per round since the last change)
+        if warmup > done:
+            warmup = done + round((warmup - done) * h2 / h)
+        out.append((done + left * h2, warmup))
+    return out
+
+
 def lr_scale(batch: int, reference_batch: float, scaling: str) -> float:
     """Inner LR multiplier of a step of ``batch`` sequences against the batch
     ``train.lr`` is meant for: ``sqrt`` (ratio ** 0.5), ``linear`` or ``none``."""
@@ -190,6 +225,11 @@ class LrScale:
         """``sqrt(Σ η_h · sqrt(Σ η_h²))`` of worker ``i``'s next round."""
         eta = self.lrs(i, step)
         return math.sqrt(sum(eta) * math.sqrt(sum(e * e for e in eta)))
+
+    def set_schedules(self, schedules: list[tuple[int, int]]) -> None:
+        """New ``(inner_iters, warmup_iters)`` per worker (:func:`follow_replan`)."""
+        for sched, (n, w) in zip(self.schedulers, schedules):
+            set_schedule(sched, n, w)
 
     def advance(self, i: int, step: ProxyStep) -> None:
         """Worker ``i`` trained ``step`` (one round)."""
@@ -290,6 +330,10 @@ class InnerWorker:
         tr = self.trainer
         return {"optimizer": tr.optimizer.state_dict(), "scheduler": tr.scheduler.state_dict(),
                 "step": tr.step}
+
+    def set_schedule(self, inner_iters: int, warmup_iters: int) -> None:
+        """A new length of this worker's LR schedule, position kept (:func:`follow_replan`)."""
+        set_schedule(self.trainer.scheduler, inner_iters, warmup_iters)
 
     def load_state_dict(self, state: dict) -> None:
         tr = self.trainer

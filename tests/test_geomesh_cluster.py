@@ -95,3 +95,48 @@ def test_custom_links_and_scale():
     assert c.link("B", "A").rtt_s == pytest.approx(0.2)
     assert c.link("A", "A").bandwidth_bytes_per_s == pytest.approx(2e9)
     assert c.link("A", "B").transfer_s(5e8) == pytest.approx(0.05 + 1.0)
+
+
+def test_resume_matches_workers_by_identity_not_position():
+    """Catches a resume that trusts worker positions (issue 25): a checkpoint of
+    the two-worker cluster is accepted only by the same workers in the same order;
+    a renamed worker, a changed GPU or layout, reordered or missing workers are
+    refused in one line naming the worker and the fix.  A state saved before the
+    identity was recorded is checked by its plan's worker names."""
+    import dataclasses
+    import re
+
+    from geomesh.planner import Plan, WorkerPlan
+    from geomesh.state import check_workers, worker_identity
+    from jobruntime.checkpoint import CheckpointError
+
+    c = load_cluster("two_worker")
+    state = {"cluster": worker_identity(c)}
+    check_workers(state, c)
+    h100, t4 = c.workers
+    cases = {
+        "renamed": ((h100, dataclasses.replace(t4, name="t4-b")),
+                    "worker 1 is 't4-westeurope' (T4 x4, tp=4, pp=1), the cluster file's is "
+                    "'t4-b' (T4 x4, tp=4, pp=1): resume with the cluster file"),
+        "other gpu": ((h100, dataclasses.replace(t4, gpu="V100")), "'t4-westeurope' (V100 x4"),
+        "other layout": ((h100, dataclasses.replace(t4, tp=2, pp=2)), "tp=2, pp=2"),
+        "reordered": ((t4, h100), "order ['h100-eastus', 't4-westeurope'], the cluster file "
+                                  "lists ['t4-westeurope', 'h100-eastus']"),
+        "missing": ((h100,), "holds 2 workers"),
+    }
+    for name, (workers, match) in cases.items():
+        other = dataclasses.replace(c, workers=workers)
+        with pytest.raises(CheckpointError, match=re.escape(match)) as e:
+            check_workers(state, other)
+        assert "\n" not in str(e.value), name
+
+    def wp(name):
+        return WorkerPlan(worker=name, micro_batch_size=1, grad_accum=1, dp=1, batch_size=1,
+                          inner_steps=1, seq_length=1, tokens=1, step_time_s=1.0, compute_s=1.0,
+                          memory_bytes=0.0, memory_limit_bytes=1.0)
+
+    legacy = {"plan": Plan(workers=(wp("h100-eastus"), wp("t4-westeurope")), target_tokens=2,
+                           tolerance=0.05)}
+    check_workers(legacy, c)
+    with pytest.raises(CheckpointError, match="order"):
+        check_workers(legacy, dataclasses.replace(c, workers=(t4, h100)))

@@ -67,6 +67,17 @@ def _all(cache_dir: str, root: str) -> dict:
                                         f"checkpoint.load={ckpt}"), root / "resumed")
     for m in ("ddp", "diloco", "async"):
         out["summary"][m] = run(cfg(m, "geomesh.outer_steps=2"), root / m)
+    # A 4x slowdown: the re-plan changes the workers' proxy inner steps (3, 1 -> 2, 2).
+    raw4 = dict(raw, name="slow4", slowdown={"worker": "h100-eastus", "factor": 4, "from_round": 1})
+    slow4 = root / "slow4.yaml"
+    slow4.write_text(yaml.safe_dump(raw4))
+    for name, extra in (("slow4", ["checkpoint.save_interval=1", "checkpoint.keep_last=5"]),
+                        ("slow4-resumed", [f"checkpoint.load={root / 'slow4' / 'checkpoints'}"
+                                           "/outer_0000002", "checkpoint.save_interval=1"])):
+        run(cfg("geomesh", "geomesh.outer_steps=3", f"geomesh.cluster={slow4}", *extra), root / name)
+        final = torch.load(root / name / "checkpoints" / "outer_0000003" / "rank00000.pt",
+                           weights_only=False)
+        out[name] = {"schedulers": [w["scheduler"] for w in final["workers"].values()]}
     # Overlapped rounds: at zero delay, and one round delayed (checkpointed, resumed).
     for name, extra in (("plain", ["geomesh.overlap=null"]), ("overlap0", ["geomesh.overlap=0"]),
                         ("overlap1", ["geomesh.overlap=1", "checkpoint.save_interval=2"])):
@@ -127,6 +138,29 @@ def test_slowdown_triggers_replan(results):
         return tokens[0] / sum(tokens)
 
     assert h100_share(full[2]) < 0.9 * h100_share(full[1])
+
+
+def test_lr_schedules_follow_a_replan(results):
+    """Catches LR schedules sized from the first plan (issue 25): each worker's
+    schedule was ``outer_steps · H_i`` of the first plan, so after the 4x
+    slowdown's re-plan (proxy inner steps 3, 1 -> 2, 2 in round 3) the H100's
+    schedule still had a step to go (9 vs 8 trained) and the T4 ran one step past
+    its end (3 vs 4).  Every worker's schedule must end with the run — its
+    decay length equal to the steps it trained (the uninterrupted run's
+    3+3+2 and 1+1+2) — also when resumed from the checkpoint taken when the
+    re-plan was decided, before it took effect (megatron's scheduler takes the
+    lengths saved in its own state, which predate the pending re-plan).  The emulated round's tokens stay H · G_p = 16
+    sequences (the data stream is sized by them)."""
+    root, out = results
+    m = _metrics(root / "slow4")
+    assert [r["replanned"] for r in m if "replanned" in r] == [True]
+    assert [sum(r["proxy_samples"]) for r in m] == [16, 16, 16]
+    for name in ("slow4", "slow4-resumed"):
+        scheds = out[name]["schedulers"]
+        assert [s["num_steps"] for s in scheds] == [8, 4], name
+        assert [s["lr_decay_steps"] for s in scheds] == [8, 4], name
+    resumed = _metrics(root / "slow4-resumed")
+    assert resumed[0]["step"] == 3 and resumed[0]["loss"] == m[2]["loss"]
 
 
 def test_overlap_without_delay_equals_blocking_rounds(results):
@@ -217,11 +251,15 @@ def test_summaries_have_the_comparison_fields(results):
 
 
 @pytest.mark.parametrize("case", ["ef-toggled", "nothing-left", "damaged", "outer-lr-0",
-                                  "momentum-1.5", "does-not-fit", "ordinary-checkpoint"])
+                                  "momentum-1.5", "does-not-fit", "ordinary-checkpoint",
+                                  "worker-renamed", "workers-reordered"])
 def test_bad_geomesh_input_is_one_line_exit_2(results, cache_dir, tmp_path, case):
     """Catches tracebacks (KeyError, ValueError, PlanError, a torch zip error),
     a silent no-op run, or a left-behind run folder (config.yaml, wandb/) on bad
-    GeoMesh settings and checkpoints."""
+    GeoMesh settings and checkpoints.  A resume on a cluster file whose workers
+    are not the saved ones: a renamed worker crashed with a raw KeyError in
+    geomesh/clock.py, reordered workers were accepted silently (each ran the
+    other's saved plan and optimizer state); both must be refused by identity."""
     import os
     import shutil
     import subprocess
@@ -241,7 +279,20 @@ def test_bad_geomesh_input_is_one_line_exit_2(results, cache_dir, tmp_path, case
     needle = {"ef-toggled": "error feedback", "nothing-left": "nothing left",
               "damaged": "is damaged", "outer-lr-0": "geomesh.outer_lr",
               "momentum-1.5": "geomesh.outer_momentum", "does-not-fit": "cannot fit",
-              "ordinary-checkpoint": "ordinary train.py run"}[case]
+              "ordinary-checkpoint": "ordinary train.py run",
+              "worker-renamed": "worker 1 is 't4-westeurope' (T4 x4, tp=4, pp=1), the cluster "
+                                "file's is 't4-northeurope'",
+              "workers-reordered": "list the workers in the saved order"}[case]
+    if case in ("worker-renamed", "workers-reordered"):
+        raw = yaml.safe_load(cluster.read_text())
+        assert [w["name"] for w in raw["workers"]] == ["h100-eastus", "t4-westeurope"]
+        if case == "worker-renamed":
+            raw["workers"][1]["name"] = "t4-northeurope"
+        else:
+            raw["workers"].reverse()
+        cluster = tmp_path / "changed.yaml"
+        cluster.write_text(yaml.safe_dump(raw))
+        extra = [f"checkpoint.load={ckpt}", "geomesh.outer_steps=3", "geomesh.error_feedback=true"]
     if case == "ordinary-checkpoint":
         (tmp_path / "ckpts" / "iter_0000002").mkdir(parents=True)
         (tmp_path / "ckpts" / "iter_0000002" / "COMPLETE").write_text("step 2\n")
