@@ -82,7 +82,7 @@ def main(argv=None) -> int:
     setup_logging()
     from jobruntime.checkpoint import CheckpointError
     from jobruntime.data import DataError
-    from jobruntime.faults import RunInterrupted, exit_interrupted
+    from jobruntime.faults import RunInterrupted, exit_interrupted, peer_lost
     from jobruntime.tokenizer import TokenizerError
 
     bad_input = (ConfigError, DataError, TokenizerError, CheckpointError)
@@ -114,6 +114,11 @@ def main(argv=None) -> int:
         error = str(e)
     except RunInterrupted as e:  # every rank says it: any of them may be the one left
         exit_interrupted(f"[rank {os.environ.get('RANK', '0')}] {e}")
+    except RuntimeError as e:  # a collective whose peer died, in any job and any phase
+        if (why := peer_lost(e)) is None:
+            raise
+        exit_interrupted(f"[rank {os.environ.get('RANK', '0')}] another process of this job was "
+                         f"lost ({why}); resume from the last checkpoint with checkpoint.load")
     else:
         error = None
     finally:

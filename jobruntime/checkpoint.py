@@ -30,6 +30,7 @@ from megatron.core import dist_checkpointing
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 
 from .config import ModelConfig
+from .faults import fault_point
 
 COMPLETE = "COMPLETE"
 FORMAT_VERSION = 1
@@ -220,6 +221,7 @@ def save_checkpoint(root: Path, trainer, *, consumed_samples: int, extra: dict |
     }
     with committed_folder(root, name, keep_last=keep_last, marker=f"step {trainer.step}") as tmp:
         dist_checkpointing.save(state, str(tmp))
+        fault_point("save", trainer.step)  # test-only: a rank lost before the commit
     return root / name
 
 

@@ -158,3 +158,41 @@ def test_a_named_run_folder_is_never_shared(monkeypatch, tmp_path, capsys):
     finally:
         held.release()
     assert main(["--config", "tiny_gpt", "--run-dir", str(tmp_path / "busy")]) == 0
+
+
+def test_a_rank_lost_in_a_checkpoint_save_is_one_line_exit_3(tmp_path, cache_dir):
+    """Catches an ordinary (not GeoMesh, not CONA) job whose peer dies: rank 1 is killed
+    (SIGKILL) inside the checkpoint save of step 2, after writing its shard and before the
+    commit; rank 0's next collective fails in gloo ("Connection reset by peer").  Rank 0
+    printed that traceback and exited 1; it must print one line and exit 3, like a GeoMesh
+    or CONA job, keeping the run folder and the committed checkpoints only.  The two ranks
+    are started as torchrun starts its workers (RANK, WORLD_SIZE, MASTER_*), without
+    torchrun, whose SIGTERM to the survivor would race the gloo error."""
+    run_dir = tmp_path / "run"
+    port = free_port()
+    cmd = [sys.executable, str(REPO / "train.py"), "--config", "tiny_gpt", "--run-dir", str(run_dir),
+           f"data.cache_dir={cache_dir}", "model.num_layers=2", "model.hidden_size=64",
+           "model.num_attention_heads=2", "model.seq_length=32", "parallel.global_batch_size=8",
+           "parallel.micro_batch_size=2", "train.iters=4", "train.eval_interval=0",
+           "train.warmup_iters=1", "logging.wandb=disabled", "checkpoint.save_interval=2",
+           "checkpoint.keep_last=0", "logging.progress=off"]
+    ranks = [subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env={**os.environ, "GEOCONA_FAULT": "save@2/1", "MASTER_ADDR": "127.0.0.1",
+                                   "MASTER_PORT": str(port), "RANK": str(r), "LOCAL_RANK": str(r),
+                                   "WORLD_SIZE": "2", "OMP_NUM_THREADS": "1"})
+             for r in range(2)]
+    try:
+        err = ranks[0].communicate(timeout=600)[1]
+        ranks[1].wait(timeout=60)
+    finally:
+        for p in ranks:
+            if p.poll() is None:
+                p.kill()
+    assert ranks[1].returncode == -signal.SIGKILL, "the fault was not injected"
+    assert ranks[0].returncode == 3, err[-3000:]
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    errors = [ln for ln in lines if ln.startswith("error:")]
+    assert len(errors) == 1 and "[rank 0]" in errors[0] and "lost" in errors[0], err[-3000:]
+    assert "checkpoint.load" in errors[0] and "Traceback" not in err, err[-3000:]
+    assert (run_dir / "metrics.jsonl").is_file()  # the run folder is kept
+    assert not (run_dir / "checkpoints" / "iter_0000002").exists()  # never committed
