@@ -269,6 +269,12 @@ class TrainConfig:
     """Seed for weights, data order and dropout."""
     precision: Literal["fp32", "bf16", "auto"] = "auto"
     """``auto`` = bf16 on CUDA, fp32 on CPU."""
+    check_memory: bool = True
+    """Refuse, before the model is built, a job whose estimated peak bytes per device
+    (:class:`jobruntime.memory.MemoryModel`: weights, gradients, Adam state, the
+    activations of the micro-batches in flight, a fixed overhead) exceed the GPU's memory,
+    or on CPU the host's memory (its cgroup limit if lower) divided among the node's
+    ranks; ``false`` builds it anyway (the allocator then has the last word)."""
     log_interval: int = 1
     """Steps between metrics records."""
     eval_interval: int = 20
