@@ -363,6 +363,11 @@ class CheckpointConfig:
     (fine-tuning, e.g. from ``tools/convert_checkpoint.py`` output)."""
     keep_last: int = 2
     """Number of checkpoints kept; older ones are deleted (0 keeps all)."""
+    load_exact: bool = True
+    """Whether the weights in ``load`` compute the function of the model they came from.
+    ``false`` is written by ``tools/convert_checkpoint.py`` for an HF architecture that
+    megatron-core does not implement (post-LN ``BertForMaskedLM``): the weights are an
+    initialisation to fine-tune, not that model; loading them logs a warning."""
 
     def validate(self) -> None:
         """Raise :class:`ConfigError` naming the first out-of-range setting."""
