@@ -41,10 +41,6 @@ def parse_args(argv):
     return p.parse_intermixed_args(argv)  # overrides may come before and after --run-dir
 
 
-# What a run writes from its first logged step on; a folder holding any of them is kept.
-TRAINING_OUTPUTS = ("metrics.jsonl", "summary.json", "checkpoints")
-
-
 def _error(message: str) -> int:
     if int(os.environ.get("RANK", "0")) == 0:
         print(f"error: {message}", file=sys.stderr)
@@ -61,19 +57,32 @@ def main(argv=None) -> int:
         cfg.validate_sections()
     except ConfigError as e:
         return _error(str(e))
-    run_dir = Path(args.run_dir or f"runs/{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}")
-    from jobruntime.outputs import output_folder_error
+    default = Path(f"runs/{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}")
+    run_dir = Path(args.run_dir) if args.run_dir else default
+    from jobruntime.outputs import (
+        RUN_OUTPUTS,
+        RunFolderError,
+        claim_run_folder,
+        output_folder_error,
+    )
 
     if problem := output_folder_error(run_dir, "--run-dir"):
         return _error(problem)
-    new_run_dir = not run_dir.exists()
+    new_run_dir, folder = False, None
+    if int(os.environ.get("RANK", "0")) == 0:  # the job's other ranks take rank 0's folder
+        resume = cfg.checkpoint.load if cfg.checkpoint.load_optimizer else None
+        try:
+            folder = claim_run_folder(args.run_dir, default, resume_from=resume)
+        except RunFolderError as e:
+            return _error(str(e))
+        run_dir, new_run_dir = folder.path, folder.created
 
     from jobruntime.logging_utils import setup_logging
 
     setup_logging()
     from jobruntime.checkpoint import CheckpointError
     from jobruntime.data import DataError
-    from jobruntime.faults import RunInterrupted, exit_interrupted
+    from jobruntime.faults import RunInterrupted, exit_interrupted, peer_lost
     from jobruntime.tokenizer import TokenizerError
 
     bad_input = (ConfigError, DataError, TokenizerError, CheckpointError)
@@ -105,17 +114,24 @@ def main(argv=None) -> int:
         error = str(e)
     except RunInterrupted as e:  # every rank says it: any of them may be the one left
         exit_interrupted(f"[rank {os.environ.get('RANK', '0')}] {e}")
+    except RuntimeError as e:  # a collective whose peer died, in any job and any phase
+        if (why := peer_lost(e)) is None:
+            raise
+        exit_interrupted(f"[rank {os.environ.get('RANK', '0')}] another process of this job was "
+                         f"lost ({why}); resume from the last checkpoint with checkpoint.load")
     else:
         error = None
     finally:
         from jobruntime.parallel import shutdown
 
         shutdown()
+        if folder is not None:
+            folder.release()
     if error is not None:
         # A folder this invocation created, still without any training output, holds only
         # what the setup wrote (config.yaml, tokenizer, wandb/): remove it.  Once a step
         # was logged or saved (e.g. a GeoMesh region lost mid-run) nothing is deleted.
-        started = any((run_dir / name).exists() for name in TRAINING_OUTPUTS)
+        started = any((run_dir / name).exists() for name in RUN_OUTPUTS)
         if new_run_dir and not started and int(os.environ.get("RANK", "0")) == 0:
             shutil.rmtree(run_dir, ignore_errors=True)
         return _error(error)

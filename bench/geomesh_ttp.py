@@ -233,7 +233,7 @@ def main(argv=None) -> int:
                    help="take a run's summary.json from --out when its config.yaml is this "
                         "run's config (logging aside) instead of running it again")
     args = p.parse_args(argv)
-    from jobruntime.outputs import refuse_output_folder
+    from jobruntime.outputs import new_folder, refuse_output_folder
 
     refuse_output_folder(p, args.out)  # before the run, not after it
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
@@ -254,7 +254,9 @@ def main(argv=None) -> int:
         p.error(f"unknown --methods {sorted(unknown)}; choose from {every}")
     runs = _selected(args)
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    out = Path(args.out or f"runs/geomesh_ttp-{stamp}")
+    # the default name has one-second resolution: a bench started in the same second gets
+    # its own folder (-2, -3, ...), never the other's
+    out = Path(args.out) if args.out else new_folder(f"runs/geomesh_ttp-{stamp}")
     group = f"geomesh_ttp-{mode}-{stamp}"
     t0, c0 = time.perf_counter(), time.process_time()
     results = {}

@@ -17,6 +17,7 @@ TP/PP/DP layout loads into any other (resharding on load).
 
 from __future__ import annotations
 
+import logging
 import random
 import shutil
 from collections.abc import Iterator
@@ -30,7 +31,9 @@ from megatron.core import dist_checkpointing
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 
 from .config import ModelConfig
+from .faults import fault_point
 
+log = logging.getLogger(__name__)
 COMPLETE = "COMPLETE"
 FORMAT_VERSION = 1
 # Model fields that change tensor shapes or semantics: a mismatch is an error.
@@ -220,6 +223,7 @@ def save_checkpoint(root: Path, trainer, *, consumed_samples: int, extra: dict |
     }
     with committed_folder(root, name, keep_last=keep_last, marker=f"step {trainer.step}") as tmp:
         dist_checkpointing.save(state, str(tmp))
+        fault_point("save", trainer.step)  # test-only: a rank lost before the commit
     return root / name
 
 
@@ -262,6 +266,9 @@ def load_checkpoint(path: str | Path, trainer, *, load_optimizer: bool = True) -
             architecture (the message names the differing fields).
     """
     ckpt = find_checkpoint(path)
+    if not trainer.cfg.checkpoint.load_exact and _rank() == 0:
+        log.warning("%s is an initialisation converted from another architecture, not that "
+                    "model (checkpoint.load_exact=false): fine-tune before comparing", ckpt)
     with reading(ckpt):
         common = dist_checkpointing.load_common_state_dict(str(ckpt))
     if not isinstance(common, dict) or "arch" not in common:

@@ -269,6 +269,12 @@ class TrainConfig:
     """Seed for weights, data order and dropout."""
     precision: Literal["fp32", "bf16", "auto"] = "auto"
     """``auto`` = bf16 on CUDA, fp32 on CPU."""
+    check_memory: bool = True
+    """Refuse, before the model is built, a job whose estimated peak bytes per device
+    (:class:`jobruntime.memory.MemoryModel`: weights, gradients, Adam state, the
+    activations of the micro-batches in flight, a fixed overhead) exceed the GPU's memory,
+    or on CPU the host's memory (its cgroup limit if lower) divided among the node's
+    ranks; ``false`` builds it anyway (the allocator then has the last word)."""
     log_interval: int = 1
     """Steps between metrics records."""
     eval_interval: int = 20
@@ -357,6 +363,11 @@ class CheckpointConfig:
     (fine-tuning, e.g. from ``tools/convert_checkpoint.py`` output)."""
     keep_last: int = 2
     """Number of checkpoints kept; older ones are deleted (0 keeps all)."""
+    load_exact: bool = True
+    """Whether the weights in ``load`` compute the function of the model they came from.
+    ``false`` is written by ``tools/convert_checkpoint.py`` for an HF architecture that
+    megatron-core does not implement (post-LN ``BertForMaskedLM``): the weights are an
+    initialisation to fine-tune, not that model; loading them logs a warning."""
 
     def validate(self) -> None:
         """Raise :class:`ConfigError` naming the first out-of-range setting."""

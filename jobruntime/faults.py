@@ -8,7 +8,8 @@ rank ``<rank>`` (default 0) kill itself with SIGKILL — no cleanup, no
 * ``train``    GeoMesh: after the worker's inner steps of a round;
 * ``exchange`` GeoMesh: after the round's quorum, before the all-gather;
 * ``commit``   GeoMesh: after the all-gather, before the outer step commits;
-* ``save``     a checkpoint save, after this rank wrote its file, before the
+* ``save``     a checkpoint save (GeoMesh's ``outer_``, every other job's
+  ``iter_``; ``n`` = the step saved), after this rank wrote its file, before the
   folder is committed;
 * ``switch``   CONA: inside a layout switch, after the new model is built,
   before resharding.
@@ -18,11 +19,16 @@ once per process: it configures a test harness, not the product.
 
 :class:`RunInterrupted` is the error of a run stopped by a lost peer (not by
 bad input): ``train.py`` prints it on one line on every rank and exits with
-code 3, keeping the run folder for ``checkpoint.load``.
+code 3, keeping the run folder for ``checkpoint.load``.  A collective that fails
+because a peer process died anywhere else (a checkpoint save, a training step,
+an evaluation) is recognised by :func:`peer_lost` and reported the same way,
+once, in ``train.py``: GeoMesh and CONA map the losses they expect to their own
+messages first.
 """
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import signal
 import sys
@@ -50,6 +56,37 @@ class RunInterrupted(RuntimeError):
     """A run stopped by a lost process, region or lighthouse; resume from its last checkpoint."""
 
 
+# What gloo, NCCL and the c10d store say when the process at the other end of a
+# collective is gone (torch 2.13 raises these as a plain RuntimeError from gloo).
+PEER_LOST_SIGNS = (
+    "Connection reset by peer", "Connection closed by peer", "Broken pipe",
+    "NCCL communicator was aborted", "remote process exited",
+)
+
+
+def peer_lost(e: BaseException) -> str | None:
+    """Why ``e`` is a collective's failure because a peer process died, else ``None``.
+
+    Matches :class:`torch.distributed.DistNetworkError` (socket errors of the
+    c10d layer) and any ``RuntimeError`` whose message carries one of
+    :data:`PEER_LOST_SIGNS` (gloo's transport errors are plain ``RuntimeError``).
+
+    Returns:
+        A short reason for a one-line message, e.g. ``"Connection reset by peer"``.
+    """
+    if not isinstance(e, RuntimeError):
+        return None
+    text = str(e)
+    for sign in PEER_LOST_SIGNS:
+        if sign in text:
+            return sign
+    import torch.distributed as dist
+
+    if isinstance(e, dist.DistNetworkError):
+        return text.strip().splitlines()[0][:160] if text.strip() else type(e).__name__
+    return None
+
+
 EXIT_INTERRUPTED = 3
 _EXIT = threading.Lock()
 
@@ -59,8 +96,13 @@ def exit_interrupted(message: str) -> None:
 
     Safe from any thread (a watchdog and the main thread may see the same loss
     at once: the second caller blocks until the process is gone).  No teardown:
-    collectives with a lost peer would hang.
+    collectives with a lost peer would hang; child processes are killed.
     """
     _EXIT.acquire()
     print(f"error: {message}", file=sys.stderr, flush=True)
+    # os._exit skips multiprocessing's exit handlers: child processes (megatron's
+    # dist_checkpointing starts a Manager server on the first save) would outlive the
+    # job, holding its stdout and stderr open, and a launcher reading them would hang.
+    for child in multiprocessing.active_children():
+        child.kill()
     os._exit(EXIT_INTERRUPTED)

@@ -86,10 +86,12 @@ threshold the same runs peak 1.3-1.8x higher on retained free blocks.
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import KW_ONLY, dataclass
+from pathlib import Path
 from typing import Literal, Protocol
 
-from .config import ModelConfig
+from .config import ConfigError, JobConfig, ModelConfig
 from .flops import num_params
 
 # (weights, grads, optimizer state) bytes per parameter; the last part is what
@@ -353,3 +355,77 @@ class MemoryModel:
     def fits(self, layout: Layout, limit_bytes: float) -> bool:
         """True if :meth:`peak_bytes` is at most ``limit_bytes``."""
         return self.peak_bytes(layout) <= limit_bytes
+
+
+# -- the check before a build ------------------------------------------------
+
+_CGROUP_LIMITS = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")
+
+
+def host_memory_bytes() -> int:
+    """Physical memory of this host (``MemTotal``), or its cgroup's limit if lower (bytes)."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    for path in _CGROUP_LIMITS:
+        try:
+            raw = Path(path).read_text().strip()
+        except OSError:
+            continue
+        if raw.isdigit():  # "max" (v2) means no limit
+            total = min(total, int(raw))
+    return total
+
+
+def device_memory_limit(device) -> tuple[float, str]:
+    """Bytes one process may hold on ``device`` (a ``torch.device``), and what they are.
+
+    GPU: the device's total memory.  CPU: :func:`host_memory_bytes` divided by the ranks
+    on this node (``LOCAL_WORLD_SIZE``, set by torchrun; 1 otherwise).
+    """
+    import torch
+
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        return float(props.total_memory), f"the memory of {props.name}"
+    local = max(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), 1)
+    what = "host memory" + (f" / {local} ranks on this node" if local > 1 else "")
+    return host_memory_bytes() / local, what
+
+
+def check_job_fits(cfg: JobConfig, *, dp: int, device, dtype_name: str) -> MemoryEstimate:
+    """Refuse a job whose estimated peak per device exceeds the device's memory.
+
+    Called before the model is built, so that a model too large for the machine is one
+    line, not an allocator's traceback from inside the build.  Uses the trainer's state
+    precision (fp32 gradient buffers, no distributed optimizer) and
+    :data:`CPU_OVERHEAD_BYTES` or :data:`GPU_OVERHEAD_BYTES`.
+
+    Args:
+        dp: data-parallel size (sets the micro-batches per step).
+        device: the compute device (``torch.device``).
+        dtype_name: the parameters' dtype, e.g. ``"float32"``, ``"bfloat16"``.
+
+    Returns:
+        The estimate of the largest pipeline stage.
+
+    Raises:
+        ConfigError: the estimate exceeds :func:`device_memory_limit` and
+            ``train.check_memory`` is true; names both numbers and the fixes.
+    """
+    par = cfg.parallel
+    mem = MemoryModel(cfg.model, precision=precision_of(dtype_name),
+                      sequence_parallel=par.sequence_parallel,
+                      overhead_bytes=GPU_OVERHEAD_BYTES if device.type == "cuda" else CPU_OVERHEAD_BYTES)
+    layout = PipelineLayout(tp=par.tp, pp=par.pp, dp=dp, micro_batch_size=par.micro_batch_size,
+                            num_microbatches=max(par.global_batch_size // (par.micro_batch_size * dp), 1))
+    est = mem.estimate(layout)
+    if not cfg.train.check_memory:
+        return est
+    limit, what = device_memory_limit(device)
+    if est.total_bytes > limit:
+        raise ConfigError(
+            f"the model does not fit: estimated peak {est.total_gib:,.1f} GiB per device "
+            f"(stage {est.stage}: {est.params / 1e9:,.2f} B parameters, state "
+            f"{est.state_bytes / GIB:,.1f} GiB, activations {est.activation_bytes / GIB:,.1f} GiB) "
+            f"> {limit / GIB:,.1f} GiB ({what}); shrink the model or parallel.micro_batch_size, "
+            "raise parallel.tp/pp, or set train.check_memory=false to build it anyway")
+    return est

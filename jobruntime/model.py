@@ -19,7 +19,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from . import cpu_compat
 from .attention import allow_unmasked, layer_spec, resolve_attention_backend, swap_in_sdpa
-from .config import ModelConfig, ParallelConfig
+from .config import ConfigError, ModelConfig, ParallelConfig
 from .kernels import Kernels, available_kernels
 from .vocab import mask_padded_logits
 
@@ -85,6 +85,28 @@ def to_transformer_config(
     )
 
 
+def _check_sequence_parallel(parallel: ParallelConfig, backend: str) -> None:
+    """Refuse sequence parallelism where the layer specs' norm cannot run it.
+
+    The Transformer Engine specs (``TENorm``) and apex's ``FusedLayerNorm`` split the norm
+    over the sequence; without either, megatron-core's local specs use
+    ``WrappedTorchNorm``, which asserts ``not config.sequence_parallel`` deep in the build.
+    megatron's own ``HAVE_APEX`` decides which norm the local specs take.
+
+    Raises:
+        ConfigError: ``parallel.sequence_parallel`` without a norm that supports it.
+    """
+    if not parallel.sequence_parallel or backend == "te":
+        return
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    if not gpt_layer_specs.HAVE_APEX:
+        raise ConfigError(
+            "parallel.sequence_parallel=true needs Transformer Engine or apex (megatron-core's "
+            "torch LayerNorm cannot split the sequence); install one, or set "
+            "parallel.sequence_parallel=false")
+
+
 def build_model(
     model: ModelConfig,
     parallel: ParallelConfig,
@@ -141,6 +163,7 @@ def build_model(
     backend = resolve_attention_backend(model)
     if local_spec and backend == "te":
         backend = "sdpa"
+    _check_sequence_parallel(parallel, backend)
     spec = layer_spec(model, backend)
     device = torch.device("meta") if meta else device or cpu_compat.device()
     if not meta and parallel.pp > 1:

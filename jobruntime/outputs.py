@@ -1,9 +1,22 @@
-"""Output folders named on a command line: refuse, with the flag and the fix, a path that
-can never be a folder, before anything is computed or written."""
+"""Output folders: refuse, with the flag and the fix, a path that can never be a folder,
+before anything is computed or written; and give every run a folder of its own.
+
+A run folder is created exclusively (``mkdir`` without ``exist_ok``) and locked for the
+life of the process (``flock`` on the folder), so two runs started in the same second, or
+given the same ``--run-dir``, never write into one folder.
+"""
 
 from __future__ import annotations
 
+import fcntl
+import itertools
+import os
+from dataclasses import dataclass
 from pathlib import Path
+
+# What a run writes from its first logged step on: a folder holding any of them holds a
+# run's results (train.py keeps such a folder on every error path).
+RUN_OUTPUTS = ("metrics.jsonl", "summary.json", "checkpoints")
 
 
 def output_folder_error(path: str | Path, flag: str) -> str | None:
@@ -34,3 +47,90 @@ def refuse_output_folder(parser, path: str | Path | None, flag: str = "--out") -
     (:func:`output_folder_error`): for benches, before a run whose report would be lost."""
     if path is not None and (problem := output_folder_error(path, flag)):
         parser.error(problem)
+
+
+def new_folder(stem: str | Path) -> Path:
+    """Create and return a folder that did not exist: ``stem``, else ``stem-2``, ``stem-3``, ….
+
+    For default output names such as ``runs/<preset>-<YYYYmmdd-HHMMSS>``, whose one-second
+    resolution gives runs started together the same name.  ``mkdir`` without ``exist_ok``
+    is atomic, so of two processes racing for one name exactly one gets it.
+    """
+    stem = Path(stem)
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    for n in itertools.count(1):
+        path = stem if n == 1 else stem.with_name(f"{stem.name}-{n}")
+        try:
+            path.mkdir()
+            return path
+        except FileExistsError:
+            continue
+    raise AssertionError("unreachable")
+
+
+class RunFolderError(ValueError):
+    """A run folder that another run holds or already used; the message names the fix."""
+
+
+@dataclass
+class RunFolder:
+    """The folder of one run, created or checked by :func:`claim_run_folder`.
+
+    Attributes:
+        path: the folder.
+        created: whether this claim created it (an error before any training output
+            may then remove it whole).
+        fd: an open descriptor of the folder holding an exclusive ``flock`` until the
+            process exits (also on SIGKILL: the kernel drops the lock).
+    """
+
+    path: Path
+    created: bool
+    fd: int
+
+    def release(self) -> None:
+        """Drop the lock (at the end of the run; process exit drops it too)."""
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def claim_run_folder(run_dir: str | Path | None, default: str | Path, *,
+                     resume_from: str | Path | None = None, flag: str = "--run-dir") -> RunFolder:
+    """Create or take the folder of one run, exclusively.
+
+    Without ``run_dir`` a new folder is made from ``default`` (:func:`new_folder`).  A
+    named ``run_dir`` is created if missing; if it exists it must hold no run's results
+    (:data:`RUN_OUTPUTS`), unless this run resumes from a checkpoint inside it
+    (``resume_from``: ``checkpoint.load`` when ``checkpoint.load_optimizer`` is true).
+    Either way the folder is locked for the life of the process.
+
+    Raises:
+        RunFolderError: the folder is in use by a running process, or holds the results
+            of a run that this one does not resume.
+    """
+    if run_dir is None:
+        path, created = new_folder(default), True
+    else:
+        path = Path(run_dir)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            path.mkdir()
+            created = True
+        except FileExistsError:
+            created = False
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise RunFolderError(f"{flag} {path} is in use by another running job; give another "
+                             f"folder (or omit {flag} for a new one)") from None
+    held = [name for name in RUN_OUTPUTS if (path / name).exists()]
+    resumes = resume_from is not None and Path(resume_from).resolve().is_relative_to(path.resolve())
+    if held and not resumes:
+        os.close(fd)
+        raise RunFolderError(
+            f"{flag} {path} already holds a run's results ({', '.join(held)}); give a new "
+            f"folder, or resume that run with checkpoint.load={path / 'checkpoints'}")
+    return RunFolder(path=path, created=created, fd=fd)

@@ -43,6 +43,7 @@ from . import cpu_compat
 from .config import JobConfig, TrainConfig
 from .devices import check_module_devices
 from .kernels import install_multi_tensor_ops
+from .memory import check_job_fits
 from .model import build_model
 
 
@@ -148,6 +149,10 @@ class Trainer:
         self.cfg = cfg
         self.dtype = resolve_dtype(cfg.train.precision)
         self.device = cpu_compat.device()
+        if model is None:  # refuse what cannot fit before allocating it
+            dp = (dist.get_world_size(dp_group) if dp_group is not None
+                  else parallel_state.get_data_parallel_world_size())
+            check_job_fits(cfg, dp=dp, device=self.device, dtype_name=str(self.dtype).split(".")[-1])
         module = model if model is not None else build_model(cfg.model, cfg.parallel, params_dtype=self.dtype)
         # build_model builds on the compute device; a model passed in may sit elsewhere
         self.module = module.to(self.device)

@@ -178,8 +178,31 @@ def _preconditioner_checks(trainer, mbs):
         short = None
     except ValueError as e:
         short = str(e)
+    # After one step P ~ 1/|g| of this very batch and |P G|^2's estimate is negative here
+    # (None); after a second, P averages two steps' gradients and it is positive.
+    trainer.train_step(mbs)  # the caller restores the trainer afterwards
+    weights = adam_preconditioner(trainer)
+    with_p2 = measure_noise_scale(trainer, mbs, weights)
+    # tr(P Sigma P) / |P G|^2 by hand: each micro-batch's gradient from its own backward
+    # pass (main_grad), times P, flattened; McCandlish et al. 2018 App. A.1 written out
+    params = [q for q in trainer.module.parameters() if _is_counted(q)]
+    flat_p = torch.cat([w.double().flatten() for w in weights])
+    rows = []
+    for mb in mbs:
+        trainer.zero_grad()
+        trainer._run_schedule([mb], forward_only=False)
+        rows.append(torch.cat([q.main_grad.double().flatten() for q in params]) * flat_p)
+    trainer.zero_grad()
+    pg = torch.stack(rows)  # [micro-batches, counted elements]
+    b_small = int(next(iter(mbs[0].values())).shape[0])
+    b_big = b_small * len(mbs)
+    small_sq, big_sq = float(pg.pow(2).sum(1).mean()), float(pg.mean(0).pow(2).sum())
+    g_sq = (b_big * big_sq - b_small * small_sq) / (b_big - b_small)
+    trace = (small_sq - big_sq) / (1 / b_small - 1 / b_big)
     return {"min": float(prod.min()), "max": float(prod.max()), "count": prod.numel(),
-            "plain": plain, "twice": twice, "with_p": with_p, "mixed": mixed, "short": short}
+            "plain": plain, "twice": twice, "with_p": with_p, "mixed": mixed, "short": short,
+            "with_p2": with_p2, "with_p2_by_hand": trace / g_sq if g_sq > 0 else None,
+            "with_p2_g_sq": g_sq}
 
 
 @pytest.fixture(scope="module")
@@ -272,12 +295,17 @@ def test_adam_preconditioner_and_preconditioned_noise_scale(emulated):
     constant weight must leave the noise scale unchanged (it is a ratio), unequal ones
     must change it; measured right after the step before ``Trainer.zero_grad`` existed,
     the first micro-batch's gradient counted twice (``param.grad`` aliased ``main_grad``)
-    and the two read 17.0 and 14.9.  A wrong number of weights must be refused."""
+    and the two read 17.0 and 14.9.  The preconditioned noise scale (after a second step,
+    where its signal estimate is positive) must equal ``tr(P Sigma P) / |P G|^2`` computed
+    by hand from each micro-batch's own backward pass (fp64 sums of the same fp32
+    gradients in another order: 1e-6 relative); the test accepted any positive value.  A wrong number of weights must be refused."""
     _, probe, _ = emulated
     p = probe["precond"]
     assert p["count"] > 1000 and 0.99 <= p["min"] and p["max"] <= 1.0 + 1e-9
     assert p["plain"] is not None and p["twice"] == pytest.approx(p["plain"], rel=1e-9)
     assert p["with_p"] is None or p["with_p"] > 0  # None: |P G|^2's estimate not positive
+    assert p["with_p2_g_sq"] > 0, "|P G|^2 not positive here: the check below would be vacuous"
+    assert p["with_p2"] == pytest.approx(p["with_p2_by_hand"], rel=1e-6)
     assert p["mixed"] != pytest.approx(p["plain"], rel=1e-3)  # the weights are applied
     assert p["short"] is not None and "weights for" in p["short"]
 

@@ -272,6 +272,40 @@ def test_fused_kernels_follow_imports(monkeypatch):
         kernels.available_kernels.cache_clear()
 
 
+def test_sequence_parallel_without_te_or_apex_is_a_config_error(cache_dir, tmp_path):
+    """Catches ``parallel.sequence_parallel=true`` reaching megatron's torch LayerNorm
+    (``WrappedTorchNorm``), which asserts "sequence parallel not supported by torch
+    LayerNorm" inside the build: a traceback, exit 1.  Without Transformer Engine and apex
+    it must be one line naming the key and the fix, exit 2.  Two ranks at TP=2, started
+    as torchrun starts its workers (rank 1 prints nothing: errors come from rank 0)."""
+    import os
+    import subprocess
+    import sys
+
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    from jobruntime.kernels import available_kernels
+    from tests.dist_utils import free_port
+
+    if gpt_layer_specs.HAVE_APEX or available_kernels().transformer_engine:
+        pytest.skip("apex or Transformer Engine present: sequence parallelism is supported")
+    port = free_port()
+    cmd = [sys.executable, str(REPO / "train.py"), "--config", "tiny_gpt", "--run-dir",
+           str(tmp_path / "run"), f"data.cache_dir={cache_dir}", "parallel.tp=2",
+           "parallel.sequence_parallel=true", "train.iters=1", "logging.wandb=disabled"]
+    procs = [subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, env={**os.environ, "MASTER_ADDR": "127.0.0.1",
+                                              "MASTER_PORT": str(port), "RANK": str(r),
+                                              "LOCAL_RANK": str(r), "WORLD_SIZE": "2"})
+             for r in range(2)]
+    outs = [p.communicate(timeout=600)[1] for p in procs]
+    assert [p.returncode for p in procs] == [2, 2], outs[0][-3000:]
+    lines = [ln for ln in outs[0].splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), outs[0][-3000:]
+    assert "parallel.sequence_parallel=false" in lines[0] and "apex" in lines[0]
+    assert not (tmp_path / "run").exists()  # nothing half-made is left behind
+
+
 def test_collective_check_names_wrong_device(monkeypatch):
     """Catches GPU failure 4 on CPU: a CPU tensor handed to an NCCL collective
     must fail at the call with a message naming the collective and the device

@@ -107,6 +107,44 @@ def test_bad_input_is_one_line_exit_2(args, needle, cache_dir, tmp_path):
     assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], proc.stderr
 
 
+def test_model_too_large_for_the_machine_is_refused_before_the_build(cache_dir, tmp_path):
+    """Catches a model that cannot fit reaching the build: ``model.hidden_size=131072`` on
+    CPU printed 126 lines of megatron/torch traceback (DefaultCPUAllocator) and exited 1.
+    It must be one line, exit 2, naming the estimated peak and the host's memory.  A lower
+    bound that does not use the memory model: the layers' weights alone (12·L·h²
+    parameters at 16 bytes with fp32 Adam) exceed the printed estimate's floor.  Then the
+    limit is shared by the node's ranks (LOCAL_WORLD_SIZE, as torchrun sets it): at 10^5
+    ranks even tiny_gpt is refused, and ``train.check_memory=false`` builds and trains it."""
+    import re
+
+    from jobruntime.memory import GIB, host_memory_bytes
+
+    proc = train("model.hidden_size=131072", f"data.cache_dir={cache_dir}", "logging.wandb=disabled",
+                 "--run-dir", tmp_path / "huge")
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "does not fit" in lines[0], proc.stderr[-2000:]
+    peak, limit = map(lambda x: float(x.replace(",", "")),
+                      re.search(r"estimated peak ([\d,.]+) GiB .* > ([\d,.]+) GiB \(host memory\)",
+                                lines[0]).groups())
+    assert peak >= 16 * 12 * 4 * 131072**2 / GIB  # tiny_gpt: 4 layers
+    assert limit == pytest.approx(host_memory_bytes() / GIB, abs=0.06)
+    assert "train.check_memory=false" in lines[0] and not (tmp_path / "huge").exists()
+
+    env = {**os.environ, "LOCAL_WORLD_SIZE": "100000"}
+    small = ["train.iters=1", "train.eval_interval=0", f"data.cache_dir={cache_dir}",
+             "logging.wandb=disabled"]
+    proc = subprocess.run([sys.executable, str(REPO / "train.py"), *small, "--run-dir",
+                           str(tmp_path / "shared")], cwd=REPO, capture_output=True, text=True,
+                          timeout=600, env=env)
+    assert proc.returncode == 2 and "/ 100000 ranks on this node" in proc.stderr, proc.stderr[-2000:]
+    proc = subprocess.run([sys.executable, str(REPO / "train.py"), *small, "train.check_memory=false",
+                           "--run-dir", str(tmp_path / "allowed")], cwd=REPO, capture_output=True,
+                          text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert [r["step"] for r in read_metrics(tmp_path / "allowed")] == [1]
+
+
 def test_checkpoint_of_another_model_is_one_line_exit_2(base_run, cache_dir):
     """Catches loading a GPT checkpoint into a Llama model (shape errors deep in
     megatron, or worse, a partial load)."""
@@ -164,14 +202,21 @@ def test_damaged_checkpoint_is_one_line_exit_2(base_run, cache_dir, tmp_path, da
 
 def test_full_size_presets_build_on_meta_with_published_sizes():
     """Catches architecture mistakes in the presets (a missing bias, an untied
-    output layer, wrong FFN or KV heads): the counts are the published ones."""
+    output layer, wrong FFN or KV heads): the counts are exact, not within a band (BERT-Large
+    without its linear biases, 221,184 fewer, passed the old +-1.5 %).  References:
+    Llama-3.2-1B as meta-llama/Llama-3.2-1B's safetensors hold it; BERT-Large as HF
+    BertForMaskedLM of bert-large-uncased (335,141,888 of BertModel, less the pooler, plus
+    the MLM head's transform and output bias; megatron's final norm stands in for the
+    embedding norm); GPT-3 XL (Brown et al. 2020, Table 2.1: 24 layers, d 2048, context
+    2048) with GPT-2's 50,257-token vocabulary and biases, as Cerebras-GPT 1.3B (GPT-Neo
+    1.3B, without QKV biases, has 24 * 3 * 2048 fewer: 1,315,575,808)."""
     proc = subprocess.run([sys.executable, str(REPO / "bench" / "model_sizes.py")],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     models = json.loads(proc.stdout)["models"]
     assert models["llama3.2_1b"]["params"] == 1_235_814_400
-    assert 1.30e9 <= models["gpt3_1.3b"]["params"] <= 1.33e9
-    assert 330e6 <= models["bert_large"]["params"] <= 345e6
+    assert models["gpt3_1.3b"]["params"] == 1_315_723_264
+    assert models["bert_large"]["params"] == 335_174_458
     for m in models.values():
         assert m["params"] == m["analytic_params"]
 

@@ -9,6 +9,7 @@ every folder it had created on any bad-input error, this one included).
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -80,3 +81,118 @@ def test_geomesh_job_that_loses_a_region_keeps_its_run_folder(tmp_path, cache_di
     assert len(errors) == 1, err[-3000:]
     assert (east / "config.yaml").is_file() and (east / "metrics.jsonl").read_text().strip()
     assert saved.is_file(), "the checkpoint of outer step 1 was deleted"
+
+
+def _fake_runs(monkeypatch, tmp_path):
+    """``train.main`` with the training replaced by a stub that writes a run's results
+    (metrics.jsonl, summary.json naming the run) into the folder it was given, and a
+    clock frozen inside one second, as for runs of a sweep started together."""
+    import time as time_module
+
+    import jobruntime.loop
+    import train
+
+    seen = []
+
+    def fake_run(cfg, run_dir):
+        run_dir = Path(run_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        seen.append(run_dir)
+        (run_dir / "metrics.jsonl").write_text('{"step": 1}\n')
+        (run_dir / "summary.json").write_text(f'{{"lr": {cfg.train.lr}}}')
+        return {}
+
+    monkeypatch.setattr(jobruntime.loop, "run", fake_run)
+    monkeypatch.setattr(signal, "signal", lambda *a: None)  # keep pytest's SIGTERM handler
+    monkeypatch.setattr(time_module, "strftime", lambda fmt, *a: "20260101-000000")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("RANK", raising=False)
+    return train.main, seen
+
+
+def test_runs_started_in_one_second_get_folders_of_their_own(monkeypatch, tmp_path, capsys):
+    """Catches the default ``runs/<preset>-<YYYYmmdd-HHMMSS>`` folder being reused: three
+    runs of a learning-rate sweep started in the same second wrote into one folder, and
+    only the last run's summary survived.  Each run must get a new folder (mkdir without
+    exist_ok, a -2, -3 suffix on collision), holding its own results."""
+    main, seen = _fake_runs(monkeypatch, tmp_path)
+    for lr in ("1e-3", "2e-3", "3e-3"):
+        assert main(["--config", "tiny_gpt", f"train.lr={lr}"]) == 0, capsys.readouterr().err
+    assert len(set(seen)) == 3, seen
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == [
+        "tiny_gpt-20260101-000000", "tiny_gpt-20260101-000000-2", "tiny_gpt-20260101-000000-3"]
+    lrs = sorted(json.loads((p / "summary.json").read_text())["lr"] for p in seen)
+    assert lrs == [1e-3, 2e-3, 3e-3]
+
+
+def test_a_named_run_folder_is_never_shared(monkeypatch, tmp_path, capsys):
+    """Catches an explicit ``--run-dir`` reused by a second run: one that holds a run's
+    results is refused in one line (exit 2) unless the run resumes from a checkpoint
+    inside it; one held by a running job is refused even while still empty."""
+    from jobruntime.outputs import claim_run_folder
+
+    main, seen = _fake_runs(monkeypatch, tmp_path)
+    run = tmp_path / "sweep"
+    assert main(["--config", "tiny_gpt", "--run-dir", str(run)]) == 0
+    before = (run / "summary.json").read_text()
+
+    def refused(*args, needle):
+        assert main(["--config", "tiny_gpt", *args]) == 2
+        lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+        assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], lines
+
+    capsys.readouterr()
+    refused("--run-dir", str(run), "train.lr=5e-3", needle="already holds a run's results")
+    # a fine-tune from its weights is a new run, not a resume
+    refused("--run-dir", str(run), f"checkpoint.load={run / 'checkpoints'}",
+            "checkpoint.load_optimizer=false", needle="already holds")
+    # a resume of another run's checkpoint is not this folder's run either
+    refused("--run-dir", str(run), f"checkpoint.load={tmp_path / 'other' / 'checkpoints'}",
+            needle="already holds")
+    assert (run / "summary.json").read_text() == before and len(seen) == 1
+    assert main(["--config", "tiny_gpt", "--run-dir", str(run),
+                 f"checkpoint.load={run / 'checkpoints'}"]) == 0  # resuming its own run
+    held = claim_run_folder(tmp_path / "busy", "unused")  # a job running in it, no output yet
+    try:
+        refused("--run-dir", str(tmp_path / "busy"), needle="in use by another running job")
+    finally:
+        held.release()
+    assert main(["--config", "tiny_gpt", "--run-dir", str(tmp_path / "busy")]) == 0
+
+
+def test_a_rank_lost_in_a_checkpoint_save_is_one_line_exit_3(tmp_path, cache_dir):
+    """Catches an ordinary (not GeoMesh, not CONA) job whose peer dies: rank 1 is killed
+    (SIGKILL) inside the checkpoint save of step 2, after writing its shard and before the
+    commit; rank 0's next collective fails in gloo ("Connection reset by peer").  Rank 0
+    printed that traceback and exited 1; it must print one line and exit 3, like a GeoMesh
+    or CONA job, keeping the run folder and the committed checkpoints only.  The two ranks
+    are started as torchrun starts its workers (RANK, WORLD_SIZE, MASTER_*), without
+    torchrun, whose SIGTERM to the survivor would race the gloo error."""
+    run_dir = tmp_path / "run"
+    port = free_port()
+    cmd = [sys.executable, str(REPO / "train.py"), "--config", "tiny_gpt", "--run-dir", str(run_dir),
+           f"data.cache_dir={cache_dir}", "model.num_layers=2", "model.hidden_size=64",
+           "model.num_attention_heads=2", "model.seq_length=32", "parallel.global_batch_size=8",
+           "parallel.micro_batch_size=2", "train.iters=4", "train.eval_interval=0",
+           "train.warmup_iters=1", "logging.wandb=disabled", "checkpoint.save_interval=2",
+           "checkpoint.keep_last=0", "logging.progress=off"]
+    ranks = [subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env={**os.environ, "GEOCONA_FAULT": "save@2/1", "MASTER_ADDR": "127.0.0.1",
+                                   "MASTER_PORT": str(port), "RANK": str(r), "LOCAL_RANK": str(r),
+                                   "WORLD_SIZE": "2", "OMP_NUM_THREADS": "1"})
+             for r in range(2)]
+    try:
+        err = ranks[0].communicate(timeout=600)[1]
+        ranks[1].wait(timeout=60)
+    finally:
+        for p in ranks:
+            if p.poll() is None:
+                p.kill()
+    assert ranks[1].returncode == -signal.SIGKILL, "the fault was not injected"
+    assert ranks[0].returncode == 3, err[-3000:]
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    errors = [ln for ln in lines if ln.startswith("error:")]
+    assert len(errors) == 1 and "[rank 0]" in errors[0] and "lost" in errors[0], err[-3000:]
+    assert "checkpoint.load" in errors[0] and "Traceback" not in err, err[-3000:]
+    assert (run_dir / "metrics.jsonl").is_file()  # the run folder is kept
+    assert not (run_dir / "checkpoints" / "iter_0000002").exists()  # never committed

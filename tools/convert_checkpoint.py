@@ -82,6 +82,7 @@ from jobruntime.config import (
 from jobruntime.tokenizer import load_tokenizer
 from tools.hf_mapping import (
     HF_CLASSES,
+    NOT_FUNCTION_PRESERVING,
     ConversionError,
     default_hf_arch,
     hf_config_from_model,
@@ -367,6 +368,7 @@ def hf_to_mcore(src: str | Path, out: str | Path, family: str, *, tp: int = 1, p
         job.name = src.name
         job.data.tokenizer = str(tok) if tok else "auto"
         job.checkpoint.load, job.checkpoint.load_optimizer = str(out), False
+        job.checkpoint.load_exact = hcfg.get("model_type") not in NOT_FUNCTION_PRESERVING
         save_config(job, out / "config.yaml")
     _barrier()
     return dict(output=str(out), family=family, hf_arch=hcfg.get("model_type"),

@@ -36,7 +36,9 @@ What is more than a rename:
     ``pre_mlp_layernorm`` of layer i, output LN of layer i → next layer's
     ``input_layernorm`` or ``final_layernorm``).  Bijective, so round trips
     are bit-exact, but the converted model is *not* function-equivalent:
-    fine-tune it.  The pooler and NSP head (``BertForPreTraining``) are
+    fine-tune it.  Both directions log this in one warning line
+    (:data:`NOT_FUNCTION_PRESERVING`), and ``hf-to-mcore`` records it in the
+    written config (``checkpoint.load_exact: false``).  The pooler and NSP head (``BertForPreTraining``) are
     dropped: the project's BERT has no binary head.
 """
 
@@ -66,6 +68,15 @@ READABLE_CLASSES = {
     "gpt2": ("GPT2LMHeadModel",),
     "megatron-bert": ("MegatronBertForMaskedLM", "MegatronBertForPreTraining"),
     "bert": ("BertForMaskedLM", "BertForPreTraining"),
+}
+# HF architectures whose mapping keeps every weight (bit-exact round trips) but not the
+# function: a converted model is an initialisation, not the HF model (module docstring).
+# Every other arch converts exactly (test_tools_convert: logits equal within 1e-4).
+NOT_FUNCTION_PRESERVING = {
+    "bert": "HF BertForMaskedLM/BertForPreTraining is post-LN and megatron-core's BertModel is "
+            "pre-LN: the weights map one to one but the converted model computes a different "
+            "function, an initialisation to fine-tune, not the same model (MegatronBertForMaskedLM "
+            "converts exactly)",
 }
 # GELU approximations HF GPT-2 configs use; megatron here uses the exact (erf) GELU
 _TANH_GELUS = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")
@@ -364,6 +375,8 @@ def hf_to_mcore_state(family: str, hcfg: dict, hf_state: dict, *, seq_length: in
     """
     arch = hf_arch_of(hcfg, family=family, hf_arch=hf_arch)
     model = model_config_from_hf(family, hcfg, seq_length=seq_length)
+    if arch in NOT_FUNCTION_PRESERVING:
+        log.warning("converting HF %s: %s", arch, NOT_FUNCTION_PRESERVING[arch])
     a, g, bias = model.num_attention_heads, model.kv_heads, model.add_bias_linear
     out: dict[str, torch.Tensor] = {}
     if arch == "llama":
@@ -462,6 +475,9 @@ def mcore_to_hf_state(model: ModelConfig, state: dict, arch: str) -> dict:
         ConversionError: ``model`` cannot be written as ``arch``, or tensors are missing.
     """
     hf_config_from_model(model, arch)  # validates the architecture
+    if arch in NOT_FUNCTION_PRESERVING:
+        log.warning("writing HF %s: %s (export as megatron-bert for the same model)", arch,
+                    NOT_FUNCTION_PRESERVING[arch])
     a, g, bias = model.num_attention_heads, model.kv_heads, model.add_bias_linear
     src = _Source({k: v for k, v in state.items() if not k.endswith("_extra_state")}, "", ())
     out: dict[str, torch.Tensor] = {}
