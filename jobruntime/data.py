@@ -337,7 +337,7 @@ def build_dataset(corpus: Corpus, model: ModelConfig, split: str, num_samples: i
     # The corpora hold no padding: pad -1 (megatron's "no pad" value) keeps megatron
     # from treating a real id as padding (GPT: masking its loss; BERT: padding token
     # types and the mask with it, which only works for pad 0).  BERT's padding is
-    # marked by that -1 and turned into 0/1 by _BertPadding.
+    # marked by that -1 and turned into 0/1 by _BertSample.
     tokenizer = copy.copy(corpus.tokenizer)
     tokenizer.pad = -1
     common = dict(
@@ -362,7 +362,7 @@ def build_dataset(corpus: Corpus, model: ModelConfig, split: str, num_samples: i
             masking_do_permutation=False,
             masking_use_longer_ngrams=False,
             masking_use_geometric_distribution=False,
-            classification_head=False,
+            classification_head=True,  # sentence pairs; the NSP swap is undone (_BertSample)
             **common,
         )
         cls = BERTMaskedWordPieceDataset
@@ -384,17 +384,26 @@ def build_dataset(corpus: Corpus, model: ModelConfig, split: str, num_samples: i
     _barrier()
     if ds is None:
         ds = cls(indexed, str(corpus.prefix), indices, num_samples, sp, cfg)
-    return _BertPadding(ds) if model.family == "bert" else ds
+    return _BertSample(ds) if model.family == "bert" else ds
 
 
-class _BertPadding:
-    """megatron's BERT samples with the padding (written as the pad id -1, see
-    :func:`build_dataset`) turned into what ``BertModel`` expects:
-    ``padding_mask`` 1 on tokens and 0 on padding, ``types`` 0 on padding.
+class _BertSample:
+    """megatron's BERT samples made into what this project's ``BertModel`` (masked LM,
+    no binary head) trains on.
 
-    megatron pads ``text``, ``types`` and ``padding_mask`` with the tokenizer's
-    pad id, which is right only for pad 0; a ``[PAD]`` elsewhere (or missing)
-    indexed the 2-row token-type embedding out of range.
+    * **Sentence pairs in document order.**  ``build_dataset`` asks megatron for
+      ``[CLS] A [SEP] B [SEP]`` pairs (``classification_head=True``: at least two
+      sentences a sample, filled to ``seq_length``, Devlin et al. 2019, Sec. 3.1), so
+      padding is left only where a document ends early.  megatron swaps A and B in
+      half of them as negatives for next-sentence prediction (``is_random``); without
+      an NSP head a swap only scrambles the text, so it is undone here: positions
+      are permuted back to A-then-B, token types re-assigned (0 for ``[CLS] A [SEP]``,
+      1 for ``B [SEP]``), with ``labels`` and ``loss_mask`` carried along.
+    * **Padding.**  megatron pads ``text``, ``types`` and ``padding_mask`` with the
+      tokenizer's pad id, right only for pad 0; a ``[PAD]`` elsewhere (or missing)
+      indexed the 2-row token-type embedding out of range.  The pad is written as
+      -1 (see :func:`build_dataset`) and turned into ``padding_mask`` 1 on tokens,
+      0 on padding, ``types`` 0 on padding.
     """
 
     def __init__(self, dataset):
@@ -408,7 +417,31 @@ class _BertPadding:
         pad = sample["padding_mask"] == -1  # [seq] bool; megatron wrote the pad id there
         sample["padding_mask"] = (~pad).astype(np.int64)
         sample["types"] = np.where(pad, 0, sample["types"])
+        if sample.pop("is_random", 0):
+            sample.update(_unswap_pair(sample))
         return sample
+
+
+def _unswap_pair(sample: dict) -> dict:
+    """Undo megatron's NSP swap: ``[CLS] B [SEP] A [SEP] pad`` -> ``[CLS] A [SEP] B [SEP] pad``.
+
+    Positions (``n0`` = tokens of type 0, ``n1`` of type 1, padding excluded): 0 is
+    ``[CLS]``, ``1..n0-2`` the first segment, ``n0-1`` its ``[SEP]``, ``n0..n0+n1-2``
+    the second segment, ``n0+n1-1`` its ``[SEP]``.  Every per-position array of
+    length ``seq`` is permuted; ``types`` is rebuilt.
+    """
+    live = sample["padding_mask"].astype(bool)
+    n1 = int(((sample["types"] == 1) & live).sum())
+    n0 = int(live.sum()) - n1
+    seq = len(live)
+    perm = np.concatenate([[0], np.arange(n0, n0 + n1 - 1), [n0 - 1], np.arange(1, n0 - 1),
+                           np.arange(n0 + n1 - 1, seq)])
+    out = {k: v[perm] for k, v in sample.items()
+           if isinstance(v, np.ndarray) and v.shape == (seq,) and k != "types"}
+    types = np.zeros(seq, dtype=sample["types"].dtype)
+    types[n1 + 1:n0 + n1] = 1  # B (the old first segment) and the final [SEP]
+    out["types"] = types
+    return out
 
 
 def collate(samples: list[dict]) -> dict[str, torch.Tensor]:

@@ -93,11 +93,14 @@ def test_missing_mask_is_an_error_not_a_substitute(tokenizers_dir, tmp_path):
 
 
 def _bert_samples(tokenizers, cache_dir):
-    """On one gloo rank (megatron's datasets need a process group): 64 BERT samples
-    per tokenizer layout, and the tokenizer's [CLS] and [SEP] ids."""
+    """On one gloo rank (megatron's datasets need a process group): 256 BERT samples
+    per tokenizer layout with the tokenizer's [CLS] and [SEP] ids, and the "first"
+    layout's tokenised corpus as one stream of ids."""
     from jobruntime.config import load_config
     from jobruntime.data import build_dataset, prepare_corpus
     from jobruntime.parallel import init_distributed
+
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
 
     init_distributed()
     out = {}
@@ -106,8 +109,12 @@ def _bert_samples(tokenizers, cache_dir):
                                         "model.vocab_size=2000", f"data.max_documents={DOCS}",
                                         f"data.cache_dir={cache_dir}"])
         corpus = prepare_corpus(cfg.data, cfg.model)
-        ds = build_dataset(corpus, cfg.model, "train", 64, cfg.train.seed, cache_dir)
-        out[layout] = ([ds[i] for i in range(len(ds))], corpus.tokenizer.cls, corpus.tokenizer.sep)
+        ds = build_dataset(corpus, cfg.model, "train", 256, cfg.train.seed, cache_dir)
+        out[layout] = ([ds[i] for i in range(min(len(ds), 256))], corpus.tokenizer.cls,
+                       corpus.tokenizer.sep)
+        if layout == "first":
+            indexed = IndexedDataset(str(corpus.prefix))
+            out["stream"] = np.concatenate([indexed[i] for i in range(len(indexed))])
     return out
 
 
@@ -134,6 +141,42 @@ def test_bert_samples_pad_with_type_0_and_mask_0(bert_samples, layout):
         assert not s["types"][n:].any()
         padded += n < len(s["text"])
     assert padded > 0  # the check saw padding
+
+
+def _runs(stream: np.ndarray, part: np.ndarray) -> list[int]:
+    """Every index at which ``part`` stands as a contiguous run of ``stream``."""
+    hay, needle, size = stream.tobytes(), part.astype(stream.dtype).tobytes(), stream.itemsize
+    out, at = [], hay.find(needle)
+    while at != -1:
+        if at % size == 0:  # aligned to whole ids
+            out.append(at // size)
+        at = hay.find(needle, at + 1)
+    return out
+
+
+def test_bert_samples_are_sentence_pairs_in_document_order(bert_samples):
+    """Catches BERT samples of one segment ([CLS] A [SEP], at most seq - 1 tokens: every
+    sample and so every batch was padded, so SDPA never took its no-mask path), and
+    megatron's next-sentence swap kept without an NSP head (B before A in half of them).
+    Each sample is [CLS] A [SEP] B [SEP] with types 0 then 1; A and B, masked tokens
+    restored from the labels, are runs of the tokenised corpus with A before B (the
+    truncation to seq - 3 may cut between them); most samples are unpadded."""
+    samples, cls, sep = bert_samples["first"]
+    stream = bert_samples["stream"]
+    full = 0
+    for s in samples:
+        n = int(s["padding_mask"].sum())
+        text = np.where(s["loss_mask"] == 1, s["labels"], s["text"])[:n].astype(np.int64)
+        seps = np.flatnonzero(text == sep)
+        assert text[0] == cls and len(seps) == 2 and seps[1] == n - 1
+        types = s["types"][:n]
+        assert not types[:seps[0] + 1].any() and types[seps[0] + 1:].all()
+        seg_a, seg_b = text[1:seps[0]], text[seps[0] + 1:n - 1]
+        # B follows A within one sample's reach (short runs recur: try every place of A)
+        assert any(_runs(stream[a + len(seg_a):a + len(seg_a) + len(text)], seg_b)
+                   for a in _runs(stream, seg_a)), (seg_a, seg_b)
+        full += n == len(s["text"])
+    assert full / len(samples) >= 0.75, full
 
 
 def _train(*args):
