@@ -7,7 +7,7 @@ counts the samples and micro-batches without a padding position.  Prints one JSO
 object; ``--out FILE`` also writes it (temp name, then rename):
 ``{"preset", "seq_length", "micro_batch_size", "samples", "splits": {SPLIT:
 {"samples_unpadded", "microbatches_unpadded", "mean_padding_tokens"}}, "date",
-"commit"}``.
+"commit", "machine", "command"}`` (:func:`jobruntime.metrics.provenance`).
 
     python bench/bert_data.py [--config tiny_bert] [--samples 2048] [--out FILE]
 """
@@ -15,9 +15,7 @@ object; ``--out FILE`` also writes it (temp name, then rename):
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -49,7 +47,7 @@ def main() -> None:
     from jobruntime.config import load_config
     from jobruntime.data import build_dataset, prepare_corpus
     from jobruntime.logging_utils import setup_logging
-    from jobruntime.metrics import write_json_atomic
+    from jobruntime.metrics import provenance, write_json_atomic
     from jobruntime.parallel import init_distributed, shutdown
 
     setup_logging()
@@ -64,12 +62,9 @@ def main() -> None:
                                    args.samples, mbs)
               for split in ("train", "valid")}
     shutdown()
-    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
-                            capture_output=True, text=True).stdout.strip() or None
     report = {"preset": args.config, "data": cfg.data.path, "seq_length": cfg.model.seq_length,
               "micro_batch_size": mbs, "samples": args.samples, "splits": splits,
-              "date": datetime.date.today().isoformat(), "commit": commit,
-              "command": "python bench/bert_data.py " + " ".join(sys.argv[1:])}
+              **provenance()}
     print(json.dumps(report, indent=2))
     if args.out:
         write_json_atomic(Path(args.out), report)

@@ -593,8 +593,10 @@ def main(argv=None) -> int:
         "hostile_kinds": kinds, "bytes_lost": sum(r["bytes_lost"] for r in results),
         "wall_s": round(time.monotonic() - t0, 1), "quick": args.quick,
     }
-    (root / "faults.json").write_text(json.dumps({"summary": summary, "scenarios": results},
-                                                 indent=1))
+    from jobruntime.metrics import provenance, write_json_atomic
+
+    write_json_atomic(root / "faults.json", {"summary": summary, "scenarios": results,
+                                             **provenance()})
     print(json.dumps(summary), flush=True)
     return 0
 

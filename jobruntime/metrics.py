@@ -25,6 +25,41 @@ def perplexity(loss: float) -> float:
     return math.exp(min(loss, 50.0))
 
 
+def provenance(argv: list[str] | None = None) -> dict[str, Any]:
+    """Where a bench result comes from, for the JSON it writes: ``date`` (UTC, ISO),
+    ``commit`` (short hash of the repository's HEAD, ``+dirty`` with uncommitted
+    changes; ``None`` outside a git checkout), ``machine`` (CPU count and model,
+    GPU name where CUDA is present) and ``command`` (``argv``, default ``sys.argv``)."""
+    import datetime
+    import platform
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parent.parent
+
+    def git(*args: str) -> str:
+        try:
+            return subprocess.run(["git", "-C", str(root), *args], capture_output=True,
+                                  text=True, timeout=10).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return ""
+
+    commit = git("rev-parse", "--short", "HEAD") or None
+    if commit and git("status", "--porcelain", "--untracked-files=no"):
+        commit += "+dirty"
+    machine = f"{os.cpu_count()} CPU cores, {platform.processor() or platform.machine()}"
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            machine += f", {torch.cuda.get_device_name()}"
+    except ImportError:
+        pass
+    return {"date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+            "commit": commit, "machine": machine,
+            "command": " ".join(["python", *(sys.argv if argv is None else argv)])}
+
+
 def write_json_atomic(path: Path, obj: Any) -> None:
     """Write JSON to ``path`` via a temp file and rename (never half-written)."""
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
