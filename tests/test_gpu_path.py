@@ -79,7 +79,13 @@ def _bert_unmasked_equals_masked(cfg) -> float:
 
 
 def _attention_kernel_errors(cfg, device: str = "cpu") -> dict:
-    """Max |SDPA - megatron local| on random q, k, v of this rank's heads, fp32 and bf16."""
+    """Max |SDPA - megatron local| on random q, k, v of this rank's heads, fp32 and bf16.
+
+    Returns:
+        ``{"torch.float32": err, "torch.bfloat16": err, "devices": [device types of
+        both outputs], "dtypes": [the outputs' dtype per input dtype]}``: where the
+        kernels really ran (a ``.to("cuda")`` mapped to the CPU shows here).
+    """
     from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.enums import AttnMaskType
 
@@ -100,16 +106,18 @@ def _attention_kernel_errors(cfg, device: str = "cpu") -> dict:
     if bert:  # megatron's convention: True = masked out; second sequence padded after s/4
         mask = torch.zeros(b, 1, 1, s, dtype=torch.bool, device=device)
         mask[1, ..., s // 4:] = True
-    errors = {}
+    errors, devices, dtypes = {}, set(), []
     for dtype in (torch.float32, torch.bfloat16):
         tcfg = to_transformer_config(cfg.model, cfg.parallel, params_dtype=dtype)
         local = DotProductAttention(tcfg, 1, mask_type, "self")
         sdpa = SDPAttention(tcfg, 1, mask_type, "self")
-        ref = local(q.to(dtype), k.to(dtype), v.to(dtype), mask).float()
-        out = sdpa(q.to(dtype), k.to(dtype), v.to(dtype), mask).float()
+        ref = local(q.to(dtype), k.to(dtype), v.to(dtype), mask)
+        out = sdpa(q.to(dtype), k.to(dtype), v.to(dtype), mask)
         assert out.shape == ref.shape == (s, b, heads * hn)
-        errors[str(dtype)] = float((out - ref).abs().max())
-    return errors
+        devices |= {ref.device.type, out.device.type}
+        dtypes.append(str(out.dtype) if out.dtype == ref.dtype else f"{out.dtype} vs {ref.dtype}")
+        errors[str(dtype)] = float((out.float() - ref.float()).abs().max())
+    return {**errors, "devices": sorted(devices), "dtypes": dtypes}
 
 
 def _bf16_training(cfg) -> dict:
@@ -144,8 +152,24 @@ def _bf16_training(cfg) -> dict:
     return out
 
 
+def _built_on_compute_device(cfg) -> list[str]:
+    """Device types of a model built while the compute device is pretended to be
+    ``meta``: where ``build_model`` allocates, without any ``.to``."""
+    import jobruntime.cpu_compat as cpu_compat
+    from jobruntime.model import build_model
+
+    real = cpu_compat.device
+    cpu_compat.device = lambda: torch.device("meta")
+    try:
+        module = build_model(cfg.model, cfg.parallel)
+    finally:
+        cpu_compat.device = real
+    return sorted({t.device.type for t in [*module.parameters(), *module.buffers()]})
+
+
 def _run_all():
-    """On 2 ranks (TP=2): attention kernels, whole-model losses, bf16 training."""
+    """On 2 ranks (TP=2): attention kernels, whole-model losses, bf16 training, and
+    where the model is built."""
     from jobruntime.parallel import initialize_layout, set_seed
 
     out = {}
@@ -161,6 +185,7 @@ def _run_all():
     cfg = _small("tiny_gpt", "parallel.tp=2", "parallel.micro_batch_size=2",
                  "parallel.global_batch_size=2", "train.lr=3e-3", "train.warmup_iters=0")
     out["bf16"] = _bf16_training(cfg)
+    out["built_on"] = _built_on_compute_device(cfg)
     return out
 
 
@@ -177,6 +202,8 @@ def test_sdpa_equals_local_attention(results, preset):
     worst element over 32 keys: bf16 has 8 mantissa bits)."""
     for rank in results:
         r = rank[preset]
+        assert r["kernel"]["devices"] == ["cpu"], r
+        assert r["kernel"]["dtypes"] == ["torch.float32", "torch.bfloat16"], r
         assert r["kernel"]["torch.float32"] < 1e-5, r
         assert r["kernel"]["torch.bfloat16"] < 6e-2, r
         assert r["sdpa"] == pytest.approx(r["local"], abs=1e-5), r
@@ -200,6 +227,27 @@ def test_bf16_trains_through_megatron_wrappers_on_cpu(results):
         assert bf16["losses"][0] == pytest.approx(fp32["losses"][0], abs=0.02)
         for run in (bf16, fp32):
             assert run["losses"][-1] < run["losses"][0] - 1.0, run["losses"]
+
+
+def test_model_is_built_on_the_compute_device(results):
+    """Catches the host build (issue 24): a 1B-class model drawn on the CPU and
+    moved took 23-28 s per start and per CONA switch on an H200.  With the compute
+    device pretended to be ``meta``, every parameter of a TP=2 model must be
+    allocated there by ``build_model`` itself (it was on the CPU)."""
+    for rank in results:
+        assert rank["built_on"] == ["meta"], rank["built_on"]
+
+
+def test_device_summary_reads_the_parameters(monkeypatch):
+    """Catches records that say where work was meant to run (issue 25): the bench
+    reported ``cuda`` whenever ``torch.cuda.is_available()``.  With CUDA pretended
+    present, a bf16 model on the CPU must be reported as cpu / bfloat16."""
+    from jobruntime.devices import device_summary
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    model = torch.nn.Linear(2, 2).to(torch.bfloat16)
+    assert device_summary(model) == {"device": "cpu", "gpu": None, "precision": "bfloat16",
+                                     "peak_memory_gib": None}
 
 
 def test_fused_kernels_follow_imports(monkeypatch):
