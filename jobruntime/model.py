@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from . import cpu_compat
 from .attention import allow_unmasked, layer_spec, resolve_attention_backend, swap_in_sdpa
 from .config import ModelConfig, ParallelConfig
 from .kernels import Kernels, available_kernels
@@ -33,10 +34,10 @@ def to_transformer_config(
 ) -> TransformerConfig:
     """Map the project's config to megatron-core's ``TransformerConfig``.
 
-    Weights are initialised on the CPU from the full (unsharded) tensor and then
-    split (``use_cpu_initialization``), so with the same seed a TP=2 model holds
-    the same weights as a TP=1 model; :func:`build_model` moves them to the
-    compute device.  Each kernel fusion is on only where its kernel imports
+    Weights are initialised from the full (unsharded) tensor and then split
+    (``use_cpu_initialization``; despite its name, on the device that
+    :func:`build_model` sets as default), so with the same seed a TP=2 model
+    holds the same weights as a TP=1 model.  Each kernel fusion is on only where its kernel imports
     (:func:`jobruntime.kernels.available_kernels`).
     """
     k = available_kernels() if model.kernel_fusions == "auto" else Kernels.none()
@@ -97,7 +98,8 @@ def build_model(
 
     Returns:
         A ``GPTModel`` (families ``gpt``, ``llama``) or ``BertModel`` (``bert``)
-        holding this rank's shard: ``num_layers / pp`` layers, TP-split weights,
+        on the compute device (built there, not moved: a 1B-class model took
+        23-28 s to build on the host and move to an H200), holding this rank's shard: ``num_layers / pp`` layers, TP-split weights,
         ``model.padded_vocab`` embedding rows (the same at every layout) whose
         padding ids' logits are ``-inf`` (:mod:`jobruntime.vocab`).  With the
         same torch seed every layout holds the same weights (see
@@ -120,7 +122,7 @@ def build_model(
     spec = layer_spec(model, backend)
     if not meta and parallel.pp > 1:
         _draw_earlier_stages(model, parallel, params_dtype, local_spec)
-    ctx = torch.device("meta") if meta else contextlib.nullcontext()
+    ctx = torch.device("meta") if meta else _on_compute_device()
     common = dict(config=tcfg, transformer_layer_spec=spec, vocab_size=vocab,
                   max_sequence_length=model.max_positions, pre_process=pre_process,
                   post_process=post_process,
@@ -143,12 +145,25 @@ def build_model(
     return module
 
 
+def _on_compute_device():
+    """Default device for the build: the compute device (the GPU where there is one).
+
+    megatron's ``use_cpu_initialization`` path allocates its full tensors
+    without a ``device``, so they land on the default device.  The draws then
+    come from that device's default generator, which megatron seeds alike on
+    every TP rank (``model_parallel_cuda_manual_seed``: ``torch.cuda.manual_seed(seed)``),
+    so layouts still agree.  On the CPU nothing changes.
+    """
+    dev = cpu_compat.device()
+    return contextlib.nullcontext() if dev.type == "cpu" else torch.device(dev)
+
+
 def _draw_earlier_stages(model: ModelConfig, parallel: ParallelConfig, params_dtype: torch.dtype,
                          local_spec: bool) -> None:
     """Advance torch's default generator past the initial draws of the pipeline
     stages before this rank's, so that every PP layout holds the PP=1 model.
 
-    Weights are drawn from the default CPU generator in construction order
+    Weights are drawn from the build device's default generator in construction order
     (``use_cpu_initialization``: embedding, then layer 0, 1, …).  A stage-``k``
     chunk alone would draw its layers with the numbers the PP=1 model used for
     layers 0, 1, …; building and dropping the chunks of stages ``0..k-1`` first

@@ -146,7 +146,7 @@ class Trainer:
         self.dtype = resolve_dtype(cfg.train.precision)
         self.device = cpu_compat.device()
         module = model if model is not None else build_model(cfg.model, cfg.parallel, params_dtype=self.dtype)
-        # built on the CPU (use_cpu_initialization: every layout draws the full tensors)
+        # built on the compute device (build_model); a model passed in may sit elsewhere
         self.module = module.to(self.device)
         """The unwrapped megatron model chunk (``GPTModel`` / ``BertModel``)."""
         check_module_devices(self.module, self.device, "model")
