@@ -14,7 +14,8 @@ call, on every machine:
 * :func:`check_module_devices` asserts that a model's parameters and buffers
   sit on the compute device.
 
-The static twin of these checks is ``tests/test_devices.py``: every tensor
+The static twin of these checks is
+``tests/test_gpu_path.py::test_every_tensor_factory_names_its_device``: every tensor
 factory call in the project names its device, or says why it is host memory.
 """
 
