@@ -9,8 +9,8 @@
 # the repository root (an ignored folder; GPU_CHECK_WHEELS names another), made here with
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #     --platform manylinux_2_28_x86_64 -d .whl megatron-core==0.16.1 pytest-xdist execnet
-# The install part puts every wheel of that folder into OUT_DIR/pydeps (pip --no-index
-# --no-deps --target; the environment itself is not touched) when a module the check needs
+# The install part puts every wheel of that folder into runs/gpu_check_pydeps (pip --no-index
+# --no-deps --target, first on PYTHONPATH; the environment itself is not touched) when a module the check needs
 # does not import or a wheel is not there yet, or stops in one line saying what to carry.  Its other hard dependencies
 # (torch, numpy, packaging) come with torch and transformers; wandb, datasets, torchft, TE
 # and apex are not needed here.  Tokenizers trained by the tests are kept in .whl/test-cache
@@ -29,7 +29,7 @@
 #
 # GPU_CHECK_DEVICE=cpu is the CPU stand-in (tests/test_gpu_check.py): no CUDA needed, the
 # bench parts run each preset's tiny twin for a few steps.  GPU_CHECK_<PART>_S override the
-# limits (seconds).
+# limits (seconds), GPU_CHECK_PYDEPS the install folder.
 set -u
 cd "$(dirname "$0")/.."
 out=${1:-runs/gpu_check}
@@ -39,12 +39,13 @@ parts=("$@")
 abspath() { case "$1" in /*) echo "$1" ;; *) echo "$PWD/$1" ;; esac; }
 out=$(abspath "$out")
 wheels=$(abspath "${GPU_CHECK_WHEELS:-.whl}")
+pydeps=$(abspath "${GPU_CHECK_PYDEPS:-runs/gpu_check_pydeps}")  # outside OUT: not sent back
 device=${GPU_CHECK_DEVICE:-cuda}
 mkdir -p "$out"
 : > "$out/parts.jsonl"
 export PYTHONUNBUFFERED=1
 export GEOCONA_TEST_CACHE=${GEOCONA_TEST_CACHE:-$wheels/test-cache}
-export PYTHONPATH="$out/pydeps:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="$pydeps:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
 # Limits in seconds: each part gets SIGTERM (the tests SIGINT, on which pytest writes its
 # JUnit report) at its limit and SIGKILL a grace later; the bound counts both.  Estimates for
@@ -84,7 +85,7 @@ for part in "${parts[@]}"; do
   case "$part" in
     install)
       timeout -k "$grace" "$limit" python bench/gpu_deps.py --wheels "${GPU_CHECK_WHEELS:-.whl}" \
-        --target "$out/pydeps" --device "$device" --report "$out/install.json"
+        --target "$pydeps" --device "$device" --report "$out/install.json"
       rc=$?
       record "$part" "$rc" $((SECONDS - t0)) "$limit"
       # nothing else can run without the dependencies (its one line said what to carry)

@@ -12,7 +12,7 @@ It also checks that CUDA is present unless ``--device cpu`` (the stand-in).
 Writes ``--report`` (JSON: Python, versions, where megatron-core came from,
 the wheels installed, the GPU) and exits 0, or prints one line and exits 2::
 
-    python bench/gpu_deps.py --wheels .whl --target runs/gpu_check/pydeps --report install.json
+    python bench/gpu_deps.py --wheels .whl --target runs/gpu_check_pydeps --report install.json
 """
 
 from __future__ import annotations

@@ -66,6 +66,7 @@ def test_without_megatron_or_wheel_it_stops_in_one_line_and_fits_eight_minutes(t
     shadow = _hide_megatron(tmp_path / "shadow")
     (tmp_path / "wheels").mkdir()
     proc = _script(tmp_path / "out", GPU_CHECK_WHEELS=str(tmp_path / "wheels"),
+                   GPU_CHECK_PYDEPS=str(tmp_path / "pydeps"),
                    PYTHONPATH=f"{shadow}:{os.environ.get('PYTHONPATH', '')}")
     assert proc.returncode == 2, (proc.stdout, proc.stderr)
     first = proc.stdout.splitlines()[0]
@@ -126,7 +127,7 @@ def test_summary_names_a_peer_that_did_other_work_or_is_missing(tmp_path, peer, 
 @pytest.mark.slow
 def test_gpu_check_runs_end_to_end_on_the_cpu_stand_in(tmp_path):
     """The whole check as shipped, on the CPU stand-in: megatron-core hidden and
-    installed by the install part from a carried wheel folder into OUT/pydeps
+    installed by the install part from a carried wheel folder into GPU_CHECK_PYDEPS
     (and imported from there by every part), the tests part (all skipped without
     CUDA, reported), and the three bench parts (tiny twins: ours, the eager and
     the compiled peer, GPT's micro-batch sweep).  The summary must be complete:
@@ -138,12 +139,13 @@ def test_gpu_check_runs_end_to_end_on_the_cpu_stand_in(tmp_path):
     out = tmp_path / "out"
     limits = {f"GPU_CHECK_{p}_S": "900" for p in ("INSTALL", "GPT", "LLAMA", "BERT")}
     proc = _script(out, timeout=3000, GPU_CHECK_WHEELS=str(tmp_path / "wheels"),
+                   GPU_CHECK_PYDEPS=str(tmp_path / "pydeps"),
                    PYTHONPATH=f"{shadow}:{os.environ.get('PYTHONPATH', '')}", **limits)
     assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-3000:])
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
     assert summary["complete"] and summary["problems"] == [], summary["problems"]
     env = summary["environment"]
-    assert env["installed"] and env["megatron_core_path"].startswith(str(out / "pydeps")), env
+    assert env["installed"] and env["megatron_core_path"].startswith(str(tmp_path / "pydeps")), env
     assert env["versions"]["megatron-core"] == "0.16.1" and env["device"] == "cpu", env
     assert [p["part"] for p in summary["parts"]] == [
         "install", "tests", "bench:gpt3_1.3b", "bench:llama3.2_1b", "bench:bert_large"]
