@@ -53,13 +53,11 @@ export PYTHONPATH="$pydeps:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 # probes, three small wheels); tests ~110 s side by side (pytest-xdist carried), tokenizer
 # training included; GPT-3 1.3B ~110 s (imports 15, build 3, ours + profile + sweep 25, eager
 # peer 10, torch.compile ~50, its steps 7); Llama-3.2-1B ~80 s; BERT-Large ~60 s.
-l_install=${GPU_CHECK_INSTALL_S:-30}
-l_tests=${GPU_CHECK_TESTS_S:-145}
 l_summary=10
 limit_of() {  # the soft limit of a part
   case "$1" in
-    install) echo "$l_install" ;;
-    tests) echo "$l_tests" ;;
+    install) echo "${GPU_CHECK_INSTALL_S:-30}" ;;
+    tests) echo "${GPU_CHECK_TESTS_S:-145}" ;;
     bench:*bert*) echo "${GPU_CHECK_BERT_S:-65}" ;;
     bench:*gpt*) echo "${GPU_CHECK_GPT_S:-125}" ;;
     bench:*) echo "${GPU_CHECK_LLAMA_S:-85}" ;;
@@ -67,9 +65,15 @@ limit_of() {  # the soft limit of a part
   esac
 }
 grace_of() { case "$1" in tests) echo 5 ;; *) echo 2 ;; esac; }
-bound=$((l_summary + 2))
-for part in "${parts[@]}"; do bound=$((bound + $(limit_of "$part") + $(grace_of "$part"))); done
-echo "gpu_check: ${parts[*]} on $device; bound $bound s (sum of the part limits)"
+bound_of() {  # the parts' limits and graces, and the summary's
+  local b=$((l_summary + 2)) part
+  for part in "${parts[@]}"; do b=$((b + $(limit_of "$part") + $(grace_of "$part"))); done
+  echo "$b"
+}
+bound=$(bound_of)
+echo "gpu_check: ${parts[*]} on $device; bound $bound s (sum of the part limits;" \
+  "$(GPU_CHECK_INSTALL_S='' GPU_CHECK_TESTS_S='' GPU_CHECK_GPT_S='' GPU_CHECK_LLAMA_S='' \
+     GPU_CHECK_BERT_S='' bound_of) s at the default limits)"
 start=$SECONDS
 
 record() {  # part, exit status, seconds, limit -> one line of parts.jsonl
@@ -95,11 +99,11 @@ for part in "${parts[@]}"; do
       # side where pytest-xdist is installed; the benches below run alone
       par=(); python -c "import xdist" 2>/dev/null && par=(-n 6 --dist loadgroup)
       rm -f "$out/gpu_tests.xml"
-      timeout -s INT -k "$grace" "$l_tests" python -m pytest -q -m gpu tests/test_gpu.py \
+      timeout -s INT -k "$grace" "$limit" python -m pytest -q -m gpu tests/test_gpu.py \
         "${par[@]}" -p no:cacheprovider --junitxml="$out/gpu_tests.xml" > "$out/gpu_tests.log" 2>&1
       rc=$?
       # a SIGKILL (or a stop before pytest's session began) leaves no report: write one
-      python bench/gpu_summary.py "$out" --junit-fallback "$rc" --limit-s "$l_tests"
+      python bench/gpu_summary.py "$out" --junit-fallback "$rc" --limit-s "$limit"
       record "$part" "$rc" $((SECONDS - t0)) "$limit" ;;
     bench:*)
       preset=${part#bench:}
