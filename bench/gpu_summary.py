@@ -1,27 +1,51 @@
 """Summarise a ``bench/gpu_check.sh`` output folder as one JSON object.
 
-Reads ``gpu_tests.xml`` (pytest's JUnit report) and ``throughput_<preset>.json``
-(the last line of each: ``bench/throughput.py``'s fullest record), writes
-``summary.json`` next to them and prints it::
+Reads ``install.json`` (``bench/gpu_deps.py``), ``parts.jsonl`` (each part's
+exit status, seconds and limit), ``gpu_tests.xml`` (pytest's JUnit report) and
+``throughput_<preset>.json`` (the last line of each: ``bench/throughput.py``'s
+fullest record), writes ``summary.json`` next to them and prints it::
 
-    python bench/gpu_summary.py runs/gpu_check --wall-s 431
+    python bench/gpu_summary.py runs/gpu_check --wall-s 431 --bound-s 475
+
+``complete`` is true when every part ran to its end and every record holds
+what was asked of it; otherwise ``problems`` says what is missing or wrong
+(a part stopped at its limit, a peer not timed, a peer that did not do ours'
+work: another micro-batch, global batch or sequence, or another device).
+Test failures are findings, listed under ``tests.failed``.  Exits 0 when the
+summary is complete and no test failed, else 1.
+
+``--junit-fallback RC --limit-s L`` (the tests part, after pytest) writes a
+JUnit file with one error case when pytest left none (killed at its limit, or
+stopped before its session began), so that ``tests`` is never null.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import subprocess
+import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
+from xml.sax.saxutils import quoteattr
 
-KEYS = ("tokens_per_s", "mfu", "achieved_tflops_per_device", "peak_memory_gib")
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from jobruntime.metrics import write_json_atomic, write_text_atomic  # noqa: E402
+
+KEYS = ("tokens_per_s", "mfu", "achieved_tflops_per_device", "peak_memory_gib", "device",
+        "precision")
+SAME_WORK = ("micro_batch_size", "global_batch_size", "seq_length", "device")
+STOPPED = (124, 137)  # timeout's status when it stopped a command (TERM/INT, then KILL)
 
 
 def tests_summary(xml: Path) -> dict | None:
-    """``{"passed", "failed": [names], "skipped"}`` from a JUnit XML file, or None."""
-    if not xml.is_file():
+    """``{"passed", "failed": [names], "skipped"}`` from a JUnit XML file, or None
+    (no file, or one that does not parse)."""
+    try:
+        cases = list(ET.parse(xml).getroot().iter("testcase"))
+    except (OSError, ET.ParseError):
         return None
-    cases = ET.parse(xml).getroot().iter("testcase")
     out = {"passed": 0, "failed": [], "skipped": 0}
     for case in cases:
         name = case.get("name")
@@ -34,36 +58,110 @@ def tests_summary(xml: Path) -> dict | None:
     return out
 
 
-def bench_summary(path: Path) -> dict | None:
-    """The fields that matter from the last JSON line of one throughput run."""
-    lines = [ln for ln in path.read_text().splitlines() if ln.startswith("{")]
+def write_junit_fallback(xml: Path, rc: int, limit_s: float) -> bool:
+    """Write a one-case JUnit file at ``xml`` unless a readable one is there.
+
+    Returns:
+        True when it wrote one.
+    """
+    if tests_summary(xml) is not None:
+        return False
+    why = (f"stopped at its {limit_s:g} s limit before pytest wrote its report" if rc in STOPPED
+           else f"pytest exited {rc} without a report (see gpu_tests.log)")
+    text = ('<?xml version="1.0" encoding="utf-8"?>\n<testsuites><testsuite name="gpu_tests" '
+            'tests="1" errors="1" failures="0" skipped="0">'
+            f'<testcase classname="tests.test_gpu" name="tests_part_stopped">'
+            f'<error message={quoteattr(why)}/></testcase></testsuite></testsuites>\n')
+    write_text_atomic(xml, text)
+    return True
+
+
+def bench_summary(path: Path, device: str | None) -> tuple[dict | None, list[str]]:
+    """The fields that matter from the last JSON line of one throughput run.
+
+    Args:
+        device: the device the check expects the models on (None: not checked).
+
+    Returns:
+        ``(summary or None, problems)``.
+    """
+    lines = [ln for ln in path.read_text().splitlines() if ln.startswith("{")] if path.is_file() else []
     if not lines:
-        return None
+        return None, ["no record (the part stopped before our run finished; see throughput.log)"]
     r = json.loads(lines[-1])
-    out = {"gpu": r.get("gpu_name"), "micro_batch_size": r["micro_batch_size"],
+    problems = []
+    ours = {k: r.get(k) for k in (*KEYS, *SAME_WORK)}
+    out = {"model": r.get("model"), "gpu": r.get("gpu_name"), "micro_batch_size": r["micro_batch_size"],
            "global_batch_size": r["global_batch_size"], "seq_length": r["seq_length"],
-           "precision": r["precision"], "ours": {k: r.get(k) for k in KEYS}}
-    for peer in ("peer", "peer_compiled"):
-        if peer in r:
-            out[peer] = {k: r[peer].get(k) for k in KEYS}
-            out[f"ratio_vs_{peer}"] = r[f"ratio_vs_{peer}"]
+           "precision": r["precision"], "ours": ours}
+    if device is not None and r.get("device") != device:
+        problems.append(f"ours ran on {r.get('device')}, not {device}")
+    for peer in r.get("peers_requested", []):
+        if peer not in r:
+            problems.append(f"no {peer} record (stopped at the part's limit?)")
+            continue
+        out[peer] = {k: r[peer].get(k) for k in (*KEYS, *SAME_WORK, "autocast")}
+        out[f"ratio_vs_{peer}"] = r[f"ratio_vs_{peer}"]
+        problems += [f"{peer} {k} {r[peer].get(k)} != ours {r.get(k)}" for k in SAME_WORK
+                     if r[peer].get(k) != r.get(k)]
     if "mbs_sweep" in r:
         out["mbs_sweep"], out["efficiency_fit"] = r["mbs_sweep"], r["efficiency_fit"]
-    return out
+    return out, problems
+
+
+def _commit(repo: Path) -> str | None:
+    try:
+        proc = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True,
+                              text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return proc.stdout.strip() or None if proc.returncode == 0 else None
+
+
+def summarise(folder: Path, *, wall_s: float | None = None, bound_s: float | None = None) -> dict:
+    """The summary of one ``gpu_check.sh`` output folder (module docstring)."""
+    env = json.loads((folder / "install.json").read_text()) if (folder / "install.json").is_file() else None
+    parts_file = folder / "parts.jsonl"
+    parts = [json.loads(ln) for ln in parts_file.read_text().splitlines()] if parts_file.is_file() else []
+    problems = [f"part {p['part']}: " + (f"stopped at its {p['limit_s']} s limit" if p["exit"] in STOPPED
+                                         else f"exit {p['exit']}")
+                for p in parts if p["exit"] != 0]
+    if env is None:
+        problems.append("no install.json (the install part did not run)")
+    summary = {"complete": False, "problems": problems, "wall_s": wall_s, "bound_s": bound_s,
+               "commit": _commit(Path(__file__).resolve().parent.parent),
+               "gpu": env and env.get("gpu"), "environment": env, "parts": parts,
+               "tests": tests_summary(folder / "gpu_tests.xml"), "throughput": {}}
+    if summary["tests"] is None and any(p["part"] == "tests" for p in parts):
+        problems.append("tests: no JUnit report")
+    device = env.get("device") if env else None
+    for p in parts:
+        if p["part"].startswith("bench:"):
+            preset = p["part"].removeprefix("bench:")
+            record, issues = bench_summary(folder / f"throughput_{preset}.json", device)
+            summary["throughput"][preset] = record
+            problems += [f"bench {preset}: {x}" for x in issues]
+    summary["complete"] = not problems
+    return summary
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("folder", type=Path)
     p.add_argument("--wall-s", type=float, default=None)
+    p.add_argument("--bound-s", type=float, default=None, help="the sum of the part limits")
+    p.add_argument("--junit-fallback", type=int, default=None, metavar="RC",
+                   help="only write gpu_tests.xml if pytest (exit RC) left none")
+    p.add_argument("--limit-s", type=float, default=0.0, help="the tests part's limit")
     args = p.parse_args()
-    summary = {"wall_s": args.wall_s, "tests": tests_summary(args.folder / "gpu_tests.xml"),
-               "throughput": {}}
-    for f in sorted(args.folder.glob("throughput_*.json")):
-        summary["throughput"][f.stem.removeprefix("throughput_")] = bench_summary(f)
-    text = json.dumps(summary)
-    (args.folder / "summary.json").write_text(text + "\n")
-    print(text)
+    if args.junit_fallback is not None:
+        write_junit_fallback(args.folder / "gpu_tests.xml", args.junit_fallback, args.limit_s)
+        return
+    summary = summarise(args.folder, wall_s=args.wall_s, bound_s=args.bound_s)
+    write_json_atomic(args.folder / "summary.json", summary)
+    print(json.dumps(summary))
+    tests = summary["tests"] or {}
+    sys.exit(0 if summary["complete"] and not tests.get("failed") else 1)
 
 
 if __name__ == "__main__":

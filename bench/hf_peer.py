@@ -4,14 +4,16 @@
 ``GPT2LMHeadModel`` for the ``gpt`` family, ``LlamaForCausalLM`` for
 ``llama``, ``BertForMaskedLM`` for ``bert``, all with SDPA attention; fp32
 weights under ``torch.autocast(bf16)``, torch's fused AdamW, gradient clipping
-at the preset's norm, gradient accumulation over micro-batches.  Optionally
-``torch.compile``.  Used by ``bench/throughput.py --peer`` for the side-by-side
-tokens/s ratio (issue 9's baseline: the numbers to beat).
+at the preset's norm, gradient accumulation over micro-batches.  Built once,
+on the device; timed eager and, optionally, under ``torch.compile``.  Used by
+``bench/throughput.py --peer`` for the side-by-side tokens/s ratio (issue 9's
+baseline: the numbers to beat).
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable, Iterator
 
 import torch
 
@@ -57,13 +59,19 @@ def hf_config(model):
 
 
 def build_peer(model, device: torch.device) -> torch.nn.Module:
-    """The HF model for ``model``'s shape on ``device`` (fp32 weights, SDPA attention)."""
+    """The HF model for ``model``'s shape, built on ``device`` (fp32 weights, SDPA attention).
+
+    Constructed under ``torch.device(device)``, so the weights are allocated and
+    initialised there: a 1B-class model built on the host and moved took 34-43 s
+    (issue 24), on the GPU it takes seconds.
+    """
     import transformers as tf
 
     cfg = hf_config(model)
     cls = {"gpt": tf.GPT2LMHeadModel, "llama": tf.LlamaForCausalLM, "bert": tf.BertForMaskedLM}
     cfg._attn_implementation = "sdpa"
-    return cls[model.family](cfg).to(device)
+    with torch.device(device):
+        return cls[model.family](cfg)
 
 
 def _batch(model, mbs: int, device, g: torch.Generator) -> dict:
@@ -76,30 +84,45 @@ def _batch(model, mbs: int, device, g: torch.Generator) -> dict:
     return {"input_ids": ids, "labels": ids}  # HF shifts causal-LM labels itself
 
 
-def time_peer(model, train, *, micro_batch_size: int, global_batch_size: int, steps: int,
-              warmup: int, compile: bool, device: torch.device) -> dict:
-    """Train the peer ``warmup + steps`` steps on random tokens; time the last ``steps``.
+def time_peers(model, train, *, micro_batch_size: int, global_batch_size: int, steps: int,
+               warmup: int, device: torch.device, variants: Iterable[str] = ("peer", "peer_compiled")
+               ) -> Iterator[tuple[str, dict]]:
+    """Build the peer once on ``device``, then time each variant: ``warmup + steps``
+    steps on random tokens, the last ``steps`` timed.
+
+    ``peer`` is the eager model, ``peer_compiled`` the same model under
+    ``torch.compile`` (it continues from the eager run's weights and optimizer
+    state: the speed of a step does not depend on them, and one build saves a
+    1B-class model's construction and a second copy in memory).
 
     Args:
-        model: the preset's ``ModelConfig``; train: its ``TrainConfig`` (lr,
-            betas, weight decay, clipping).
+        model: the preset's ``ModelConfig`` (sequence ``model.seq_length``);
+            train: its ``TrainConfig`` (lr, betas, weight decay, clipping, seed).
         micro_batch_size / global_batch_size: sequences per micro-batch / step.
 
-    Returns:
-        ``{"tokens_per_s", "step_s", "peak_memory_gib", "last_loss", "compiled"}``
-        (peak memory in GiB over the timed steps, CUDA only).
+    Yields:
+        ``(variant, result)`` after each variant, ``result`` = ``{"tokens_per_s",
+        "step_s", "peak_memory_gib", "last_loss", "compiled", "device",
+        "precision", "autocast", "micro_batch_size", "global_batch_size",
+        "seq_length"}``: peak memory in GiB over the timed steps (CUDA only);
+        ``device``/``precision`` read from the parameters; ``autocast`` the
+        compute dtype (bfloat16 on CUDA, None on the CPU, where bf16 autocast is slow).
     """
     torch.manual_seed(train.seed)
     net = build_peer(model, device)
     opt = torch.optim.AdamW(net.parameters(), lr=train.lr, betas=(train.adam_beta1, train.adam_beta2),
                             eps=train.adam_eps, weight_decay=train.weight_decay, fused=True)
-    fwd = torch.compile(net) if compile else net
     n_micro = global_batch_size // micro_batch_size
     g = torch.Generator().manual_seed(train.seed)
-    cuda = device.type == "cuda"
-    dtype = torch.bfloat16 if cuda else torch.float32  # CPU: fp32 (bf16 autocast is slow there)
+    param = next(net.parameters())
+    cuda = param.device.type == "cuda"
+    dtype = torch.bfloat16 if cuda else torch.float32
+    where = {"device": param.device.type, "precision": str(param.dtype).replace("torch.", ""),
+             "autocast": str(dtype).replace("torch.", "") if cuda else None,
+             "micro_batch_size": micro_batch_size, "global_batch_size": global_batch_size,
+             "seq_length": model.seq_length}
 
-    def step() -> float:
+    def step(fwd) -> float:
         total = torch.zeros((), device=device)
         for _ in range(n_micro):
             with torch.autocast(device.type, dtype=dtype, enabled=cuda):
@@ -112,18 +135,21 @@ def time_peer(model, train, *, micro_batch_size: int, global_batch_size: int, st
         opt.zero_grad(set_to_none=True)
         return float(total)
 
-    for _ in range(warmup):
-        step()
-    if cuda:
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        loss = step()
-    if cuda:
-        torch.cuda.synchronize()
-    step_s = (time.perf_counter() - t0) / steps
-    out = {"tokens_per_s": global_batch_size * model.seq_length / step_s, "step_s": step_s,
-           "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
-           "last_loss": loss, "compiled": compile}
-    return out
+    for variant in variants:
+        compiled = variant == "peer_compiled"
+        fwd = torch.compile(net) if compiled else net
+        for _ in range(warmup):
+            step(fwd)
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            loss = step(fwd)
+        if cuda:
+            torch.cuda.synchronize()
+        step_s = (time.perf_counter() - t0) / steps
+        yield variant, {"tokens_per_s": global_batch_size * model.seq_length / step_s,
+                        "step_s": step_s, "last_loss": loss, "compiled": compiled,
+                        "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+                        **where}

@@ -5,8 +5,10 @@ Runs ``--warmup`` untimed and ``--steps`` timed optimizer steps of this
 project's trainer (megatron-core model, Float16Module, megatron DDP and
 optimizer) and prints one JSON object.  ``--peer`` then trains the same model
 shape as a Hugging Face ``transformers`` model in the same process (SDPA,
-bf16 autocast, fused AdamW: ``bench/hf_peer.py``) and adds its tokens/s and
+bf16 autocast, fused AdamW: ``bench/hf_peer.py``), at ours' micro-batch, global
+batch and sequence (its record states them), and adds its tokens/s and
 ``ratio`` = ours / peer; ``--peer-compile`` adds the ``torch.compile`` peer.
+``device`` and ``precision`` are read from each model's parameters.
 The JSON object is printed after each stage (ours, the eager peer, the
 compiled peer), each line a superset of the one before: the last line is the
 result.  ``--sweep-mbs 1,2,4,8`` re-times ours at several micro-batch sizes (same global
@@ -39,32 +41,32 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
-def _sync():
+def _sync(cuda: bool) -> None:
     import torch
 
-    if torch.cuda.is_available():
+    if cuda:
         torch.cuda.synchronize()
 
 
-def _time_ours(trainer, batches_fn, steps: int, warmup: int) -> dict:
+def _time_ours(trainer, batches_fn, steps: int, warmup: int, cuda: bool) -> dict:
+    """``warmup`` untimed and ``steps`` timed steps; ``cuda``: the model is on a GPU."""
     import torch
 
     for _ in range(warmup):
         trainer.train_step(batches_fn())
-    _sync()
-    if torch.cuda.is_available():
+    _sync(cuda)
+    if cuda:
         torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
     for _ in range(steps):
         result = trainer.train_step(batches_fn())
-    _sync()
+    _sync(cuda)
     step_s = (time.perf_counter() - t0) / steps
     return {"tokens_per_s": result.tokens / step_s, "step_s": step_s, "last_loss": result.loss,
-            "peak_memory_gib": (torch.cuda.max_memory_allocated() / 2**30
-                                if torch.cuda.is_available() else None)}
+            "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None}
 
 
-def profile_step(trainer, batches_fn, top: int = 12) -> dict:
+def profile_step(trainer, batches_fn, cuda: bool, top: int = 12) -> dict:
     """One more step under ``torch.profiler``: the kernels that took the most time.
 
     Returns:
@@ -72,17 +74,15 @@ def profile_step(trainer, batches_fn, top: int = 12) -> dict:
         ``share`` is of the summed self time of all kernels (device time on
         CUDA, CPU time otherwise); ``device_busy_s`` below ``step_s`` is idle GPU.
     """
-    import torch
     from torch.profiler import ProfilerActivity, profile
 
-    cuda = torch.cuda.is_available()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     batches = batches_fn()
-    _sync()
+    _sync(cuda)
     t0 = time.perf_counter()
     with profile(activities=activities) as prof:
         trainer.train_step(batches)
-        _sync()
+        _sync(cuda)
     step_s = time.perf_counter() - t0
     events = prof.key_averages()
     if cuda:  # kernels only: an aten op's device time is also its kernels' (no double count)
@@ -140,6 +140,7 @@ def main() -> None:
 
     from jobruntime.config import load_config
     from jobruntime.data import synthetic_microbatch
+    from jobruntime.devices import device_summary
     from jobruntime.flops import flops_per_token
     from jobruntime.hardware import get_gpu_profile, profile_for_device
     from jobruntime.loop import build_data
@@ -173,53 +174,56 @@ def main() -> None:
                 "achieved_tflops_per_device": round(tflops, 2),
                 "mfu": round(tflops / peak, 4) if peak else None}
 
-    ours = with_mfu(_time_ours(trainer, batches, args.steps, args.warmup))
+    # where the model's parameters are, and their dtype: not torch.cuda.is_available()
+    ran = device_summary(trainer.module)
+    cuda = ran["device"] == "cuda"
+    # the layout of the run; the sweep below changes cfg.parallel (the trainer's own)
+    mbs, gbs = par.micro_batch_size, par.global_batch_size
+    ours = with_mfu(_time_ours(trainer, batches, args.steps, args.warmup, cuda))
     out = {
-        "model": cfg.name, "device": "cuda" if torch.cuda.is_available() else "cpu",
-        "gpu_name": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        "model": cfg.name, "device": ran["device"], "gpu_name": ran["gpu"],
         "world_size": topo.world_size, "tp": topo.tp, "pp": topo.pp, "dp": topo.dp,
-        "micro_batch_size": par.micro_batch_size, "global_batch_size": par.global_batch_size,
+        "micro_batch_size": mbs, "global_batch_size": gbs,
         "seq_length": cfg.model.seq_length, "data": args.data,
-        "precision": str(trainer.dtype).replace("torch.", ""),
+        "precision": ran["precision"],
         "attention_backend": cfg.model.attention_backend,
         "flops_per_token": fpt, "peak_tflops": peak, **ours,
     }
     if args.profile:
-        out["profile"] = profile_step(trainer, batches)
+        out["profile"] = profile_step(trainer, batches, cuda)
     if args.sweep_mbs:
         sweep = []
-        for mbs in [int(x) for x in args.sweep_mbs.split(",")]:
-            if par.global_batch_size % (mbs * topo.dp):
+        for m in [int(x) for x in args.sweep_mbs.split(",")]:
+            if gbs % (m * topo.dp):
                 continue
-            trainer.set_batch_size(par.global_batch_size, mbs)
-            r = with_mfu(_time_ours(trainer, batches, max(args.steps // 2, 2), 1))
-            sweep.append({"micro_batch_size": mbs, "tokens_per_micro_batch": mbs * cfg.model.seq_length,
+            trainer.set_batch_size(gbs, m)
+            r = with_mfu(_time_ours(trainer, batches, max(args.steps // 2, 2), 1, cuda))
+            sweep.append({"micro_batch_size": m, "tokens_per_micro_batch": m * cfg.model.seq_length,
                           "tokens_per_s": r["tokens_per_s"], "mfu": r["mfu"]})
-        trainer.set_batch_size(par.global_batch_size, par.micro_batch_size)
+        trainer.set_batch_size(gbs, mbs)
         out["mbs_sweep"] = sweep
         out["efficiency_fit"] = fit_efficiency([(s["tokens_per_micro_batch"], s["mfu"]) for s in sweep])
+    variants = [k for k, on in (("peer", args.peer), ("peer_compiled", args.peer_compile)) if on]
+    out["peers_requested"] = variants if topo.world_size == 1 else []  # the summary checks these
     emit = (lambda: print(json.dumps(out), flush=True)) if topo.rank == 0 else (lambda: None)
     emit()  # one line per stage: a run stopped at a time limit keeps what it measured
-    if (args.peer or args.peer_compile) and topo.world_size == 1:
-        from bench.hf_peer import time_peer
+    if variants and topo.world_size == 1:
+        from bench.hf_peer import time_peers
 
         del trainer
         gc.collect()
-        if torch.cuda.is_available():
+        if cuda:
             torch.cuda.empty_cache()
-        kw = dict(micro_batch_size=par.micro_batch_size, global_batch_size=par.global_batch_size,
-                  steps=args.steps, warmup=args.warmup, device=torch.device(out["device"]))
-        for key, compile_ in (("peer", False), ("peer_compiled", True)):
-            if key == "peer" and not args.peer or key == "peer_compiled" and not args.peer_compile:
-                continue
-            r = with_mfu(time_peer(cfg.model, cfg.train, compile=compile_, **kw))
-            gc.collect()  # the peer's model and optimizer go before the next one is built
-            if torch.cuda.is_available():
-                torch._dynamo.reset()
-                torch.cuda.empty_cache()
-            out[key] = r
+        # the same work as ours: the micro-batch, global batch and sequence of ours' timed run
+        peers = time_peers(cfg.model, cfg.train, micro_batch_size=mbs, global_batch_size=gbs,
+                           steps=args.steps, warmup=args.warmup,
+                           device=torch.device(ran["device"]), variants=variants)
+        for key, r in peers:
+            out[key] = with_mfu(r)
             out[f"ratio_vs_{key}"] = round(ours["tokens_per_s"] / r["tokens_per_s"], 3)
             emit()
+        if cuda:
+            torch._dynamo.reset()
     shutdown()
 
 

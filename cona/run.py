@@ -32,7 +32,8 @@ Outputs (logging rank): ``metrics.jsonl`` (``event``: ``step``, ``decision``,
 ``switch``), ``summary.json`` with ``switches``, ``chain`` (``[{strategy,
 start_step}]``), ``switch_log`` (with the time and cost of each switch),
 ``evals`` (perplexity and noise-scale trace), ``ttp_s``, ``final_val_ppl``,
-``clock``, and wandb.
+``clock``, ``device``/``precision`` (read from the model's parameters;
+emulated mode's ``gpu`` is the emulated profile), and wandb.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ import torch.distributed as dist
 
 from jobruntime.checkpoint import save_checkpoint
 from jobruntime.config import JobConfig, save_config
+from jobruntime.devices import device_summary
 from jobruntime.metrics import MetricsWriter, TTPTracker, perplexity
 from jobruntime.parallel import same_run_dir
 
@@ -305,6 +307,7 @@ def run(cfg: JobConfig, run_dir: Path) -> dict:
         switch_costs_charged=controller.switch_costs,
         switch_costs_at_start=getattr(job, "measured_costs", None),
         world_size=dist.get_world_size(),
+        **device_summary(job.trainer.module),  # where the model really ran (GPU tests check it)
     )
     if ctx.emulated:
         summary.update(

@@ -133,8 +133,8 @@ def run_ddp(ctx: RunContext) -> dict:
     info = {wp.worker: {"batch_size": wp.batch_size, "inner_steps": 1} for wp in plan.workers}
     extra = {"codec": "fp32", "wall_s": time.perf_counter() - wall0, "world_size": pl.world,
              "inner_steps": H, "steps_per_outer_step": H}
-    return stats.summary(method="ddp", clock=ctx.clock_name, cluster=cl, extra=extra,
-                         worker_info=info)
+    return stats.summary(method="ddp", clock=ctx.clock_name, cluster=cl, model=trainer.module,
+                         extra=extra, worker_info=info)
 
 
 def run_async(ctx: RunContext) -> dict:
@@ -225,5 +225,5 @@ def run_async(ctx: RunContext) -> dict:
     extra = {"codec": "fp32", "wall_s": time.perf_counter() - wall0, "world_size": 1,
              "inner_steps": H, "mean_staleness": sum(staleness) / max(len(staleness), 1),
              "server_region": server}
-    return stats.summary(method="async", clock=ctx.clock_name, cluster=cl, extra=extra,
-                         worker_info=info)
+    return stats.summary(method="async", clock=ctx.clock_name, cluster=cl,
+                         model=workers[0].trainer.module, extra=extra, worker_info=info)

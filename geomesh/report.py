@@ -11,7 +11,9 @@ worker time spent synchronising rather than computing.  ``bytes_per_outer_step``
 the workers (and, for the async baseline, the parameter server) put on the
 links per outer step — for DDP per ``H`` synchronous steps, the same tokens
 as one outer step.  ``compression_ratio`` = fp32 bytes of the same tensors /
-bytes on the wire.
+bytes on the wire.  ``device``, ``gpu``, ``precision`` and ``peak_memory_gib``
+say where this process's worker models ran, read from their parameters
+(:func:`jobruntime.devices.device_summary`).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from jobruntime.devices import device_summary
 from jobruntime.metrics import TTPTracker
 
 from .cluster import ClusterSpec
@@ -76,9 +79,10 @@ class RunStats:
             return None
         return sum(getattr(w, attr) for w in self.workers.values()) / total
 
-    def summary(self, *, method: str, clock: str, cluster: ClusterSpec, extra: dict | None = None,
-                worker_info: dict[str, dict] | None = None) -> dict:
-        """The ``summary.json`` fields of the run (module docstring)."""
+    def summary(self, *, method: str, clock: str, cluster: ClusterSpec, model: torch.nn.Module,
+                extra: dict | None = None, worker_info: dict[str, dict] | None = None) -> dict:
+        """The ``summary.json`` fields of the run (module docstring); ``model`` is
+        one of this process's worker models (where the run ran)."""
         table = []
         for w in cluster.workers:
             row = {"worker": w.name, "gpu": w.gpu, "region": w.region, **asdict(self.workers[w.name])}
@@ -105,6 +109,7 @@ class RunStats:
             "bytes_per_outer_step": self.bytes_total / self.outer_steps if self.outer_steps else None,
             "compression_ratio": ratio,
             "workers": table,
+            **device_summary(model),
             **(extra or {}),
         }
 

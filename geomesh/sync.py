@@ -606,6 +606,8 @@ def run_sync(ctx: RunContext) -> dict:
     extra = {"codec": codec.kind + ("-row" if row_scales else ""), "error_feedback": bool(feedback),
              "compress_update": bool(local_mom), "overlap": overlap, "replans": replans,
              "plan": plan.to_dict(), "wall_s": time.perf_counter() - wall0,
-             "world_size": pl.world, "inner_steps": g.inner_steps, "memory_overhead": overhead}
-    return stats.summary(method=ctx.method, clock=ctx.clock_name, cluster=cl, extra=extra,
+             "world_size": pl.world, "inner_steps": g.inner_steps, "memory_overhead": overhead,
+             "outer_device": next(iter(theta.values())).device.type}  # where θ_global lives
+    return stats.summary(method=ctx.method, clock=ctx.clock_name, cluster=cl,
+                         model=first.trainer.module, extra=extra,
                          worker_info=info)

@@ -109,15 +109,22 @@ def check_module_devices(module: torch.nn.Module, device: torch.device, what: st
                               f"{device}; move the model with .to(device) before wrapping it")
 
 
-def device_summary(device: torch.device, dtype: torch.dtype) -> dict:
-    """What a run's ``summary.json`` records about where it ran.
+def device_summary(module: torch.nn.Module) -> dict:
+    """Where ``module`` runs, read from its parameters (not from what was asked
+    for, nor from ``torch.cuda.is_available()``): what a run's ``summary.json``
+    and the benches record, so that work that silently ran elsewhere shows.
+
+    Args:
+        module: the model (its first parameter decides; a model is on one device).
 
     Returns:
-        ``{"device": "cuda"|"cpu", "gpu": name or None, "precision": "bfloat16"|...,
-        "peak_memory_gib": max allocated GiB on this rank's GPU, or None on CPU}``.
+        ``{"device": "cuda"|"cpu"|..., "gpu": name or None, "precision":
+        "bfloat16"|"float32"|... (the parameters' dtype), "peak_memory_gib":
+        max allocated GiB on that GPU, or None off CUDA}``.
     """
-    cuda = device.type == "cuda"
-    return {"device": device.type, "gpu": torch.cuda.get_device_name(device) if cuda else None,
-            "precision": str(dtype).replace("torch.", ""),
-            "peak_memory_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 3)
+    p = next(module.parameters())
+    cuda = p.device.type == "cuda"
+    return {"device": p.device.type, "gpu": torch.cuda.get_device_name(p.device) if cuda else None,
+            "precision": str(p.dtype).replace("torch.", ""),
+            "peak_memory_gib": round(torch.cuda.max_memory_allocated(p.device) / 2**30, 3)
             if cuda else None}

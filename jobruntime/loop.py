@@ -166,7 +166,7 @@ def run(cfg: JobConfig, run_dir: Path,
         target_ppl=t.target_ppl, ttp_s=ttp.ttp_s, ttp_tokens=ttp.ttp_tokens, ttp_step=ttp.ttp_step,
         final_val_ppl=last_val_ppl, tokens=trainer.step * tokens_per_step, steps=trainer.step,
         wall_s=wall, world_size=topo.world_size, dp=topo.dp, tp=topo.tp, pp=topo.pp,
-        model=cfg.name, **device_summary(trainer.device, trainer.dtype),
+        model=cfg.name, **device_summary(trainer.module),
     )
     if end_of_run is not None:
         summary.update(end_of_run(trainer, data.corpus))

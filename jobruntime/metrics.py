@@ -25,6 +25,13 @@ def perplexity(loss: float) -> float:
     return math.exp(min(loss, 50.0))
 
 
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` via a temp file and rename (never half-written)."""
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
 def provenance(argv: list[str] | None = None) -> dict[str, Any]:
     """Where a bench result comes from, for the JSON it writes: ``date`` (UTC, ISO),
     ``commit`` (short hash of the repository's HEAD, ``+dirty`` with uncommitted
@@ -62,9 +69,7 @@ def provenance(argv: list[str] | None = None) -> dict[str, Any]:
 
 def write_json_atomic(path: Path, obj: Any) -> None:
     """Write JSON to ``path`` via a temp file and rename (never half-written)."""
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(json.dumps(obj, indent=2, default=float) + "\n")
-    tmp.replace(path)
+    write_text_atomic(path, json.dumps(obj, indent=2, default=float) + "\n")
 
 
 @dataclass

@@ -143,7 +143,8 @@ def build_model(
 
     Returns:
         A ``GPTModel`` (families ``gpt``, ``llama``) or ``BertModel`` (``bert``)
-        holding this rank's shard: ``num_layers / pp`` layers, TP-split weights,
+        on the compute device (built there, not moved: a 1B-class model took
+        23-28 s to build on the host and move to an H200), holding this rank's shard: ``num_layers / pp`` layers, TP-split weights,
         ``model.padded_vocab`` embedding rows (the same at every layout) whose
         padding ids' logits are ``-inf`` (:mod:`jobruntime.vocab`).  With the
         same torch seed every layout holds the same weights (see

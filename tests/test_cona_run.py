@@ -228,6 +228,7 @@ def test_real_mode_switches_and_logs_wall_clock(real):
     assert s["chain"][1]["start_step"] == 4
     assert all(x["chain"] == s["chain"] for x in summaries)
     assert s["final_val_ppl"] is not None and s["samples"] == 12 * 16
+    assert (s["device"], s["precision"]) == ("cpu", "float32")  # the last layout's model
     recs = _records(run_dir)
     switches = [r for r in recs if r.get("event") == "switch"]
     assert switches and switches[0]["switch_s"] > 0 and switches[0]["peak_rss_mib"] > 0

@@ -226,8 +226,11 @@ def test_summaries_have_the_comparison_fields(results):
         assert keys <= s.keys(), name
         assert s["sync_share"] == pytest.approx(s["straggler_idle_frac"] + s["wan_idle_frac"])
         assert s["clock"] == "emulated" and s["mode"] == "emulated"
+        # where the workers' models ran, read from their parameters (the GPU tier asserts cuda)
+        assert (s["device"], s["precision"], s["gpu"]) == ("cpu", "float32", None), name
         assert json.loads((root / name / "summary.json").read_text())["method"] == s["method"]
     geo, dil = out["summary"]["full"], out["summary"]["diloco"]
+    assert geo["outer_device"] == dil["outer_device"] == "cpu"  # θ_global's device
     assert geo["compression_ratio"] > 31 and dil["compression_ratio"] == pytest.approx(1.0)
     assert dil["bytes_per_outer_step"] / geo["bytes_per_outer_step"] > 31
     ddp = out["summary"]["ddp"]

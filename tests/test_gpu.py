@@ -25,6 +25,15 @@ REPO = Path(__file__).resolve().parent.parent
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 QUIET = ["logging.wandb=disabled", "logging.progress=off"]
+# What every test here claims: the work ran on the GPU in bf16.  Each test asserts it from
+# where the model's parameters were (summary.json, the tools' and the bench's records), so a
+# run that silently fell back to the CPU fails here.
+DEVICE, PRECISION = "cuda", "bfloat16"
+
+
+def _assert_ran_on_gpu(record: dict) -> None:
+    """``record``'s ``device`` and ``precision`` (read from the model's parameters) are the GPU's."""
+    assert (record.get("device"), record.get("precision")) == (DEVICE, PRECISION), record
 
 
 def _run(args: list[str], timeout: int = 600) -> subprocess.CompletedProcess:
@@ -53,7 +62,7 @@ def test_demo_reaches_target_on_gpu(demo):
     """Catches any CPU-only assumption in the ordinary job (device, dtype,
     collectives): the demo must run in bf16 on CUDA and reach its target."""
     summary = json.loads((demo / "summary.json").read_text())
-    assert summary["device"] == "cuda" and summary["precision"] == "bfloat16", summary
+    _assert_ran_on_gpu(summary)
     assert summary["ttp_s"] is not None, summary
     assert summary["final_val_ppl"] < summary["target_ppl"], summary
 
@@ -66,6 +75,8 @@ def test_zero_shot_tool_on_gpu(demo):
                 "--task", "tools/samples/piqa_synthetic.jsonl"]).stdout
     results = json.loads(out[out.index("["):])  # two tasks: a JSON list
     assert len(results) == 2 and all(0.0 <= r["accuracy"] <= 1.0 and r["n"] > 0 for r in results), out
+    for r in results:
+        _assert_ran_on_gpu(r)
 
 
 def _train_tokenizer(kind: str, vocab_size: int, cache: Path) -> Path:
@@ -118,7 +129,7 @@ def test_full_size_preset_trains_on_gpu(preset, tmp_path, cache_dir):
           f"parallel.global_batch_size={2 * mbs}", *QUIET], timeout=900)
     losses = [r["loss"] for r in _metrics(run_dir)]
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["device"] == "cuda" and summary["precision"] == "bfloat16", summary
+    _assert_ran_on_gpu(summary)
     assert all(math.isfinite(x) for x in losses), losses
     assert abs(losses[0] - math.log(vocab)) < 1.5, (losses, math.log(vocab))
     assert losses[-1] < losses[0], losses
@@ -146,6 +157,8 @@ def test_geomesh_real_mode_on_gpu(tmp_path):
     _run(cmd)
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["final_val_ppl"] is not None and math.isfinite(summary["final_val_ppl"]), summary
+    _assert_ran_on_gpu(summary)  # the workers' models
+    assert summary["outer_device"] == DEVICE, summary  # θ_global and the outer step
 
 
 def test_cona_real_mode_on_gpu(tmp_path):
@@ -158,6 +171,7 @@ def test_cona_real_mode_on_gpu(tmp_path):
           "cona.decision_interval=15", f"data.cache_dir={tmp_path / 'cache'}", *QUIET])
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary.get("chain"), summary
+    _assert_ran_on_gpu(summary)  # the model of the last layout
 
 
 def _gpu_attention() -> dict:
@@ -178,13 +192,18 @@ def test_sdpa_equals_local_attention_on_gpu():
     attention on the GPU (causal, padding mask, GQA); tolerances as the CPU test."""
     (out,) = launch(_gpu_attention, 1)
     for preset, errors in out.items():
+        # both kernels' outputs: on the GPU, in the dtype of the inputs
+        assert errors["devices"] == [DEVICE] and errors["dtypes"] == [
+            "torch.float32", "torch.bfloat16"], (preset, errors)
         assert errors["torch.float32"] < 1e-3, (preset, errors)  # TF32-free fp32 kernels ~1e-6
         assert errors["torch.bfloat16"] < 6e-2, (preset, errors)
 
 
 def test_throughput_bench_runs_in_bf16():
-    """bench/throughput.py on tiny_gpt: CUDA, bf16, finite loss, a GPU profile found."""
+    """bench/throughput.py on tiny_gpt: the model's parameters on CUDA in bf16,
+    finite loss, a GPU profile found (MFU reported)."""
     out = json.loads(_run(["bench/throughput.py", "--config", "tiny_gpt", "--steps", "5",
                            "--warmup", "2"]).stdout.strip().splitlines()[-1])
-    assert out["device"] == "cuda" and out["precision"] == "bfloat16", out
+    _assert_ran_on_gpu(out)
+    assert out["gpu_name"] and out["peak_memory_gib"] > 0 and out["mfu"] is not None, out
     assert out["tokens_per_s"] > 0 and math.isfinite(out["last_loss"]), out

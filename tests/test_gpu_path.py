@@ -79,7 +79,13 @@ def _bert_unmasked_equals_masked(cfg) -> float:
 
 
 def _attention_kernel_errors(cfg, device: str = "cpu") -> dict:
-    """Max |SDPA - megatron local| on random q, k, v of this rank's heads, fp32 and bf16."""
+    """Max |SDPA - megatron local| on random q, k, v of this rank's heads, fp32 and bf16.
+
+    Returns:
+        ``{"torch.float32": err, "torch.bfloat16": err, "devices": [device types of
+        both outputs], "dtypes": [the outputs' dtype per input dtype]}``: where the
+        kernels really ran (a ``.to("cuda")`` mapped to the CPU shows here).
+    """
     from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.enums import AttnMaskType
 
@@ -100,16 +106,18 @@ def _attention_kernel_errors(cfg, device: str = "cpu") -> dict:
     if bert:  # megatron's convention: True = masked out; second sequence padded after s/4
         mask = torch.zeros(b, 1, 1, s, dtype=torch.bool, device=device)
         mask[1, ..., s // 4:] = True
-    errors = {}
+    errors, devices, dtypes = {}, set(), []
     for dtype in (torch.float32, torch.bfloat16):
         tcfg = to_transformer_config(cfg.model, cfg.parallel, params_dtype=dtype)
         local = DotProductAttention(tcfg, 1, mask_type, "self")
         sdpa = SDPAttention(tcfg, 1, mask_type, "self")
-        ref = local(q.to(dtype), k.to(dtype), v.to(dtype), mask).float()
-        out = sdpa(q.to(dtype), k.to(dtype), v.to(dtype), mask).float()
+        ref = local(q.to(dtype), k.to(dtype), v.to(dtype), mask)
+        out = sdpa(q.to(dtype), k.to(dtype), v.to(dtype), mask)
         assert out.shape == ref.shape == (s, b, heads * hn)
-        errors[str(dtype)] = float((out - ref).abs().max())
-    return errors
+        devices |= {ref.device.type, out.device.type}
+        dtypes.append(str(out.dtype) if out.dtype == ref.dtype else f"{out.dtype} vs {ref.dtype}")
+        errors[str(dtype)] = float((out.float() - ref.float()).abs().max())
+    return {**errors, "devices": sorted(devices), "dtypes": dtypes}
 
 
 def _weights_only_reload(cfg, trainer, batch, ckpt_dir) -> tuple[float, float, float]:
@@ -197,6 +205,8 @@ def test_sdpa_equals_local_attention(results, preset):
     worst element over 32 keys: bf16 has 8 mantissa bits)."""
     for rank in results:
         r = rank[preset]
+        assert r["kernel"]["devices"] == ["cpu"], r
+        assert r["kernel"]["dtypes"] == ["torch.float32", "torch.bfloat16"], r
         assert r["kernel"]["torch.float32"] < 1e-5, r
         assert r["kernel"]["torch.bfloat16"] < 6e-2, r
         assert r["sdpa"] == pytest.approx(r["local"], abs=1e-5), r
@@ -233,6 +243,18 @@ def test_bf16_weights_only_load_keeps_its_weights_at_tp2(results):
         assert trained < rank["bf16"]["bf16"]["losses"][0] - 1.0  # far from the fresh model
         assert loaded == pytest.approx(trained, abs=1e-5)
         assert stepped == pytest.approx(trained, abs=1e-5), (trained, loaded, stepped)
+
+
+def test_device_summary_reads_the_parameters(monkeypatch):
+    """Catches records that say where work was meant to run (issue 25): the bench
+    reported ``cuda`` whenever ``torch.cuda.is_available()``.  With CUDA pretended
+    present, a bf16 model on the CPU must be reported as cpu / bfloat16."""
+    from jobruntime.devices import device_summary
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    model = torch.nn.Linear(2, 2).to(torch.bfloat16)
+    assert device_summary(model) == {"device": "cpu", "gpu": None, "precision": "bfloat16",
+                                     "peak_memory_gib": None}
 
 
 def test_fused_kernels_follow_imports(monkeypatch):

@@ -96,11 +96,11 @@ def _bert_samples(tokenizers, cache_dir):
     """On one gloo rank (megatron's datasets need a process group): 256 BERT samples
     per tokenizer layout with the tokenizer's [CLS] and [SEP] ids, and the "first"
     layout's tokenised corpus as one stream of ids."""
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
     from jobruntime.config import load_config
     from jobruntime.data import build_dataset, prepare_corpus
     from jobruntime.parallel import init_distributed
-
-    from megatron.core.datasets.indexed_dataset import IndexedDataset
 
     init_distributed()
     out = {}

@@ -234,12 +234,17 @@ def evaluate_zero_shot(trainer, tokenizer, task_file: str | Path, *, limit: int 
     """Zero-shot accuracy of ``trainer``'s model on a HellaSwag/PIQA-layout file.
 
     Call on every rank (collective).  Returns the same dict everywhere:
-    ``{"accuracy", "accuracy_norm", "n", "task"}`` (+ ``"scores"``, the
+    ``{"accuracy", "accuracy_norm", "n", "task", "device", "precision"}``
+    (where the model's parameters are, and their dtype) (+ ``"scores"``, the
     log-likelihood of every choice in file order, with ``return_scores``).
     """
+    from jobruntime.devices import device_summary
+
     examples = load_task(task_file, limit)
     scores = score_requests(trainer, build_requests(examples, tokenizer))
-    result = {**accuracy(examples, scores), "task": Path(task_file).stem}
+    ran = device_summary(trainer.module)
+    result = {**accuracy(examples, scores), "task": Path(task_file).stem,
+              "device": ran["device"], "precision": ran["precision"]}
     return {**result, "scores": scores} if return_scores else result
 
 
