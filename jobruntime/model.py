@@ -37,7 +37,8 @@ def to_transformer_config(
     split (``use_cpu_initialization``), so with the same seed a TP=2 model holds
     the same weights as a TP=1 model; :func:`build_model` moves them to the
     compute device.  Each kernel fusion is on only where its kernel imports
-    (:func:`jobruntime.kernels.available_kernels`).
+    (:func:`jobruntime.kernels.available_kernels`).  ``calculate_per_token_loss``
+    is on: :class:`jobruntime.trainer.Trainer`'s loss function returns token sums.
     """
     k = available_kernels() if model.kernel_fusions == "auto" else Kernels.none()
     swiglu = model.activation == "swiglu"
@@ -71,6 +72,9 @@ def to_transformer_config(
         apply_rope_fusion=k.rope and model.position_embedding == "rope",
         gradient_accumulation_fusion=k.grad_accumulation,
         persist_layer_norm=k.persist_layer_norm,
+        # the loss is a sum over tokens, normalised once per global batch
+        # (jobruntime.trainer: independent of the micro-batch and DP split)
+        calculate_per_token_loss=True,
     )
 
 
