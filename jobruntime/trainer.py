@@ -175,13 +175,15 @@ class Trainer:
     Args:
         cfg: the job config (model, parallel, train sections are read).
         model: wrap this model chunk instead of building a fresh one.
-        dp_group: data-parallel group of this job's gradient all-reduce and
-            loss average; ``None`` = megatron's DP group.  GeoMesh passes the
+        dp_group: data-parallel group of this job's gradient sum, loss-token
+            count and loss; ``None`` = megatron's DP group.  GeoMesh passes the
             group of one worker's replicas, so that workers sharing one
-            ``parallel_state`` world do not all-reduce each other's gradients.
+            ``parallel_state`` world do not all-reduce each other's gradients
+            or count each other's tokens.
 
     Raises:
         ConfigError: via the config's validation.
+        ValueError: ``model``'s config lacks ``calculate_per_token_loss``.
     """
 
     def __init__(self, cfg: JobConfig, model: torch.nn.Module | None = None, *,

@@ -50,7 +50,7 @@ def _runs(cache_dir, root):
     old = root / "old_checkpoint"
     shutil.copytree(ckpt, old)
     common = torch.load(old / "common.pt", weights_only=False)
-    del common["consumed_tokens"]
+    common.pop("consumed_tokens", None)  # absent before the counter existed
     torch.save(common, old / "common.pt")
     out = {}
     for name, load in (("resumed", ckpt), ("resumed_old", old)):
