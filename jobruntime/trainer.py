@@ -276,10 +276,10 @@ class Trainer:
         index, batch = next(data_iterator)
         pad = batch.get("padding_mask")
         unpadded = pad is not None and pad.device.type == "cpu" and bool(pad.all())  # no GPU sync
+        if self.microbatch_hook is not None:  # counted on the host batch: no GPU sync
+            self.microbatch_hook(index, int(batch["loss_mask"].sum()))
         batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
         batch["unpadded"] = unpadded
-        if self.microbatch_hook is not None:
-            self.microbatch_hook(index, int(batch["loss_mask"].sum()))
         output = self._forward(batch, model)
         return output, partial(_token_sum_loss, batch["loss_mask"])
 

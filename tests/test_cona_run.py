@@ -74,7 +74,27 @@ def _emulated(cache_dir, run_dir):
             "cona.decision_interval=4",
         ],
     )
-    return run(cfg, Path(run_dir)), _probe_by_hand(cfg)
+    summary, probe = run(cfg, Path(run_dir)), _probe_by_hand(cfg)
+    probe["batch_switch"] = _forced_batch_switch(cfg)
+    return summary, probe
+
+
+def _forced_batch_switch(cfg):
+    """An emulated job's loop: 2 steps at its start strategy, a switch to a candidate of
+    another global batch, 2 more; each step's tokens, samples and proxy batch."""
+    from cona.context import build_context
+    from cona.run import Loop
+
+    ctx = build_context(cfg)
+    job = ctx.make_job()
+    loop = Loop(job, cfg, budget_samples=10**9, eval_samples=10**9)
+    other = next(c for c in ctx.candidates if c.global_batch_size != job.strategy.global_batch_size)
+    for k in range(4):
+        if k == 2:
+            job.apply(other)
+        loop.step()
+    return [(r["tokens"], r["samples"], ctx.mapping.proxy_batch(r["global_batch_size"]))
+            for r in loop.progress.records if r.get("event") == "step"]
 
 
 def _probe_by_hand(cfg):
@@ -265,8 +285,21 @@ def test_emulated_mode_uses_modelled_time(emulated):
         assert r["tokens"] - prev == proxy * 64 and r["tokens"] == r["samples"] * 64, r["step"]
         prev = r["tokens"]
     assert s["tokens"] == prev
-    assert len({r["global_batch_size"] for r in steps}) > 1  # the run switched batch
     assert all(r["gns"] is None or r["gns"] > 0 for r in steps)
+
+
+def test_emulated_tokens_accumulate_through_a_batch_switch(emulated):
+    """Catches token counts recomputed from the current batch (``step x batch x seq``):
+    two steps at one proxy batch, a forced switch to another, two more; every step adds
+    its own batch's tokens, and the trainer's count (carried by the switch) equals the
+    data position times the sequence length."""
+    _, probe, _ = emulated
+    rows = probe["batch_switch"]
+    assert len(rows) == 4 and rows[0][2] == rows[1][2] != rows[2][2] == rows[3][2]
+    total = 0
+    for tokens, samples, proxy in rows:
+        total += proxy * 64
+        assert tokens == total == samples * 64
 
 
 def test_gns_probe_microbatch_norms_match_direct_computation(emulated):
