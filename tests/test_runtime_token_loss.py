@@ -17,15 +17,18 @@ the DP size (the issue measured BERT 7.5693 / 7.5711 / 7.6070); a token count
 all-reduced over megatron's DP group instead of the worker's halves a GeoMesh
 worker's gradient.
 
-Tolerances (fp32): the splits differ only in the order of fp32 sums (loss sums
-per micro-batch, gradient accumulation over micro-batches and ranks).  The
-loss is a sum of ~100 terms of size ~7, the gradient norm a sum over ~10^5
-squares: relative 1e-5 and 1e-4 are ~100x the rounding measured (loss
-<= 6e-7, gradient norm <= 3e-6 relative) and ~100x below the errors of the
-old code (>= 2e-3 relative).  Adam's first update is ``lr g / (|g| + eps)``,
-so a gradient element equal up to rounding moves by ``lr`` times a relative
-rounding error; ``1e-3 lr`` bounds it with margin (measured <= 4e-5 lr) and is
-~1000x below the old code's differences (about ``lr``).
+Tolerances (fp32; measured on this machine): the splits differ only in the order
+of fp32 sums (loss sums per micro-batch, gradient accumulation over micro-batches
+and ranks).  Measured: loss and validation loss within 1.1e-7 relative of the
+1x8 run (and of the plain forward), gradient norm within 1e-7, weights within
+1.2e-4 lr; the old code (a mean of micro-batch means) was off by 1.1e-4 to
+2.4e-3 (loss), 2.3e-2 to 0.41 (gradient norm) and 2 lr (weights: signs of the
+first Adam step flipped), except for one micro-batch at DP=1 (PP=2, 1x8), where it
+is exact too.  Hence 1e-5 relative for the losses and the norm, 1e-3 lr for the
+weights.  Adam's first update is ``lr g / (|g| + eps)``: with the default eps
+1e-8 a gradient element of size ~eps that differs by rounding moves by up to
+5e-3 lr, so the test uses eps 1e-4, which bounds the update's sensitivity to
+``lr / eps`` while leaving every element above 1e-4 in the sign regime.
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ SMALL = ["model.num_layers=2", "model.hidden_size=64", "model.num_attention_head
          "model.ffn_hidden_size=256", "model.vocab_size=1024", f"model.seq_length={SEQ}",
          "model.dropout=0.0", "train.warmup_iters=0", "train.adam_eps=1e-4",
          "logging.wandb=disabled"]
-LOSS_RTOL, NORM_RTOL, WEIGHT_ATOL_LR = 1e-5, 1e-4, 1e-3
+LOSS_RTOL, NORM_RTOL, WEIGHT_ATOL_LR = 1e-5, 1e-5, 1e-3
 
 
 def _cfg(preset, tp=1, pp=1, mbs=GLOBAL):
