@@ -255,6 +255,10 @@ def reading(ckpt: Path) -> Iterator[None]:
 def load_checkpoint(path: str | Path, trainer, *, load_optimizer: bool = True) -> dict:
     """Load a checkpoint into ``trainer`` (any TP/PP/DP layout).
 
+    With ``load_optimizer=False`` (a fine-tune, zero-shot) only the weights are read;
+    the optimizer's fp32 main copies of bf16/fp16 weights are refreshed from them
+    (:meth:`Trainer.load_weights`), so the first step trains the loaded model.
+
     Returns:
         ``{"step", "consumed_samples", "consumed_tokens", "extra"}`` of the
         checkpoint.  ``consumed_tokens`` (also set on ``trainer`` with the step
@@ -283,8 +287,8 @@ def load_checkpoint(path: str | Path, trainer, *, load_optimizer: bool = True) -
         request["optimizer"] = trainer.optimizer.sharded_state_dict(model_sd, is_loading=True)
     with reading(ckpt):
         loaded = dist_checkpointing.load(request, str(ckpt))
-    trainer.module.load_state_dict(loaded["model"])
-    if load_optimizer:
+    trainer.load_weights(loaded["model"])  # also the fp32 main copies of a bf16 optimizer
+    if load_optimizer:  # the saved main copies and moments replace those
         trainer.optimizer.load_state_dict(loaded["optimizer"])
         trainer.scheduler.load_state_dict(common["scheduler"])
     samples = int(common["consumed_samples"])

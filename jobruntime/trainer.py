@@ -399,6 +399,30 @@ class Trainer:
                 for name, p in self.module.named_parameters()}
 
     @torch.no_grad()
+    def load_weights(self, state_dict: dict) -> None:
+        """Load model weights without optimizer state, keeping the optimizer in step.
+
+        Every write of weights that bypasses the optimizer must come through here
+        (or :meth:`set_params`): a mixed-precision optimizer keeps fp32 main copies
+        of the bf16/fp16 parameters, steps those and copies them back, so weights
+        written only into the model would be replaced by the old main copies (the
+        fresh initialisation, for a fine-tune from a converted checkpoint) at the
+        first optimizer step.  As megatron-core's own ``load_checkpoint`` does
+        without the optimizer, the main copies are then refreshed from the model
+        (``MegatronOptimizer.reload_model_params``; a no-op for fp32 training).
+
+        Args:
+            state_dict: ``self.module``'s keys (this rank's TP/PP shard), e.g. the
+                ``"model"`` entry that ``dist_checkpointing.load`` returns.
+
+        Raises:
+            RuntimeError: missing or unexpected keys, or shapes that differ
+                (``torch.nn.Module.load_state_dict``).
+        """
+        self.module.load_state_dict(state_dict)
+        self.optimizer.reload_model_params()
+
+    @torch.no_grad()
     def set_params(self, params: dict[str, torch.Tensor]) -> None:
         """Overwrite this rank's parameters (and fp32 main copies) with ``params``.
 

@@ -27,6 +27,7 @@ import pytest
 import torch
 
 from tests.dist_utils import launch
+from tests.hf_reference import choice_scores
 
 VOCAB, SEQ_LEN = 300, 48
 KINDS = ("llama", "gpt", "bert", "bert-postln")
@@ -394,20 +395,6 @@ def test_weights_only_checkpoint_needs_load_optimizer_false(converted):
 # -- zero-shot ------------------------------------------------------------------
 
 
-def _hf_choice_scores(model, requests):
-    """Reference log-likelihoods with the HF model: plain log_softmax over the vocabulary
-    (one right-padded batch; padding after a sequence cannot change a causal LM's logits)."""
-    seqs = [torch.tensor((ctx + cont)[-(SEQ_LEN + 1):]) for ctx, cont in requests]
-    batch = torch.nn.utils.rnn.pad_sequence(seqs, batch_first=True)
-    with torch.no_grad():
-        logp = torch.log_softmax(model(batch[:, :-1]).logits.double(), dim=-1)
-    out = []
-    for i, ((_, cont), seq) in enumerate(zip(requests, seqs)):
-        n, end = len(cont), len(seq) - 1  # predictions for seq[1:] sit at positions 0..end-1
-        out.append(logp[i, end - n:end].gather(1, seq[-n:, None]).sum().item())
-    return out
-
-
 @pytest.fixture(scope="module")
 def hf_zero_shot(hf):
     """Per task: the examples and the HF model's choice log-likelihoods."""
@@ -419,7 +406,7 @@ def hf_zero_shot(hf):
     out = {}
     for task in TASKS:
         examples = load_task(REPO / task)
-        out[task] = (examples, _hf_choice_scores(hf["models"]["llama"], build_requests(examples, tok)))
+        out[task] = (examples, choice_scores(hf["models"]["llama"], build_requests(examples, tok), SEQ_LEN))
     return out
 
 

@@ -286,6 +286,8 @@ def main(argv=None) -> int:
     p.add_argument("--task", required=True, action="append", help="task JSONL (repeatable)")
     p.add_argument("--tokenizer", default=None, help="default: the config's data.tokenizer")
     p.add_argument("--limit", type=int, default=None, help="first N examples only")
+    p.add_argument("--scores", action="store_true",
+                   help="also print each choice's log-likelihood (nats), in file order")
     p.add_argument("overrides", nargs="*", help="section.key=value (e.g. parallel.tp=2)")
     args = p.parse_args(argv)
     from jobruntime.checkpoint import CheckpointError, load_checkpoint
@@ -303,7 +305,8 @@ def main(argv=None) -> int:
         trainer = Trainer(cfg)
         load_checkpoint(args.checkpoint, trainer, load_optimizer=False)
         tokenizer = _tokenizer_for(cfg, args.tokenizer)
-        results = [evaluate_zero_shot(trainer, tokenizer, t, limit=args.limit) for t in args.task]
+        results = [evaluate_zero_shot(trainer, tokenizer, t, limit=args.limit, return_scores=args.scores)
+                   for t in args.task]
     except (ConfigError, CheckpointError, TokenizerError, ValueError, OSError) as e:
         if not dist.is_initialized() or dist.get_rank() == 0:
             print(f"error: {e}", file=sys.stderr)
