@@ -3,23 +3,26 @@
 Two small/big gradient pairs come for free (McCandlish et al. 2018, App. A.1;
 estimator in :mod:`cona.grad_stats`):
 
-- **DP > 1** (``"replica"``): megatron's ``finalize_model_grads`` all-reduces
-  the DP replicas' gradient buffers.  Just before it, each buffer holds that
-  replica's mean gradient over ``B/dp`` samples (``G_small``); just after it,
-  the mean over the global batch ``B`` (``G_big``).  The probe wraps
-  ``config.finalize_model_grads_func`` to read both.
+- **DP > 1** (``"replica"``): the loss is a sum over tokens (megatron's
+  per-token loss, :mod:`jobruntime.trainer`), DDP sums and megatron's
+  ``finalize_model_grads`` divides by the global batch's loss-token count
+  ``N``.  Just before it, each replica's buffer holds the summed gradient of its
+  ``n_r`` loss tokens (``B/dp`` samples), so ``G_small`` is the buffer over
+  ``n_r`` (the schedule's token count, the wrapped function's argument);
+  just after it, the buffer is the mean over the global batch (``G_big``).
+  The probe wraps ``config.finalize_model_grads_func`` to read both.
 - **DP = 1, PP = 1, >= 2 micro-batches** (``"microbatch"``):
   :attr:`Trainer.microbatch_hook` runs before the forward of micro-batch
-  ``i``, i.e. after the backward of micro-batch ``i - 1``; the buffer then
-  holds the sum of the earlier micro-batches' mean gradients divided by ``m``
-  (megatron scales each micro-batch loss by ``1/m``), so micro-batch ``i - 1``'s
-  gradient is ``m`` times the buffer's change since the previous hook (the
-  last one's: since the last hook, read before the gradients are finalised).
-  ``|G_small|^2`` is the mean over all ``m`` micro-batches (measured: with only
-  micro-batch 0, a batch of 8 gave estimates 0.7-6.5x the true noise scale on
-  least squares; with both, 0.8-1.3x), ``B_small`` the micro-batch size.  (With
-  PP > 1 the 1F1B schedule runs several forwards before the first backward,
-  so these points do not exist; no estimate then.)
+  ``i``, i.e. after the backward of micro-batch ``i - 1``, and is told the
+  micro-batch's loss-token count ``n_i``; the buffer then holds the summed
+  gradient of the earlier micro-batches' tokens, so micro-batch ``i - 1``'s
+  mean gradient is the buffer's change since the previous hook over
+  ``n_{i-1}`` (the last one's: since the last hook, read before the gradients
+  are finalised).  ``|G_small|^2`` is the mean over all ``m`` micro-batches
+  (measured: with only micro-batch 0, a batch of 8 gave estimates 0.7-6.5x the
+  true noise scale on least squares; with both, 0.8-1.3x), ``B_small`` the
+  micro-batch size.  (With PP > 1 the 1F1B schedule runs several forwards
+  before the first backward, so these points do not exist; no estimate then.)
 
 Squared norms follow megatron's gradient-norm rules: TP-duplicated parameters
 count once, the last stage's tied copy of the word embedding (``shared``) is
@@ -93,14 +96,15 @@ class GNSProbe:
         self.last: tuple | None = None
         self._orig = None
         self._prev: list | None = None
-        self._small: list[torch.Tensor] = []  # 0-d fp64, on the compute device
+        self._small: list[torch.Tensor | None] = []  # 0-d fp64 on the compute device; None: no loss tokens
+        self._tokens: list[int] = []  # loss tokens of the micro-batches begun this step
 
     # -- wiring -------------------------------------------------------------
     def attach(self, trainer: Trainer) -> None:
         """Hook into ``trainer`` (its current layout and batch); detaches from any other."""
         self.detach()
         p = trainer.cfg.parallel
-        dp = parallel_state.get_data_parallel_world_size()
+        dp = dist.get_world_size(trainer.grad_dp_group)
         m = p.global_batch_size // (p.micro_batch_size * dp)
         if dp > 1:
             self.mode = "replica"
@@ -109,7 +113,7 @@ class GNSProbe:
         else:
             self.mode = None
             log.info("GNS probe: no estimate at dp=1, pp=%d, %d micro-batch(es)", p.pp, m)
-        self.trainer, self._dp, self._m = trainer, dp, m
+        self.trainer, self._dp = trainer, dp
         self._orig = trainer.tcfg.finalize_model_grads_func
         trainer.tcfg.finalize_model_grads_func = self._finalize
         if self.mode == "microbatch":
@@ -120,7 +124,7 @@ class GNSProbe:
             self.trainer.tcfg.finalize_model_grads_func = self._orig
             if self.trainer.microbatch_hook == self._on_microbatch:
                 self.trainer.microbatch_hook = None
-        self.trainer, self._orig, self._prev, self._small = None, None, None, []
+        self.trainer, self._orig, self._prev, self._small, self._tokens = None, None, None, [], []
         self._weight = None
 
     # -- norms --------------------------------------------------------------
@@ -173,35 +177,54 @@ class GNSProbe:
                 if _is_counted(p) and (g := _grad(p)) is not None]
 
     def _microbatch_sq(self) -> None:
-        """Add the squared norm of the micro-batch just finished (m x the buffer's change)."""
+        """Add the squared norm of the micro-batch just finished: the buffer's change
+        (its summed gradient) over its loss tokens; none for a micro-batch without any."""
         now = self._grads()
         prev = self._prev or [torch.zeros_like(g) for g in now]
-        sq = torch.zeros((), dtype=torch.float64, device=self.trainer.device)
-        for a, b in zip(now, prev):  # summed on the device: no host sync per parameter
-            sq += _sq(a - b)
-        self._small.append(sq * self._m**2)
+        n = self._tokens[len(self._small)] if len(self._small) < len(self._tokens) else 0
+        if n > 0:
+            sq = torch.zeros((), dtype=torch.float64, device=self.trainer.device)
+            for a, b in zip(now, prev):  # summed on the device: no host sync per parameter
+                sq += _sq(a - b)
+            self._small.append(sq / n**2)
+        else:
+            self._small.append(None)
         self._prev = now
 
-    def _on_microbatch(self, index: int) -> None:
+    def _on_microbatch(self, index: int, num_tokens: int) -> None:
         if index == 0:
-            self._prev, self._small = None, []
+            self._prev, self._small, self._tokens = None, [], []
             self._load_weights()
         elif self._ready():
             self._microbatch_sq()
+        self._tokens.append(num_tokens)
 
-    def _finalize(self, *args, **kwargs):
+    def _replica_tokens(self, num_tokens: torch.Tensor | None) -> float:
+        """This replica's loss-token count: the schedule's (last stage only) on every stage."""
+        n = torch.zeros(1, dtype=torch.float64, device=self.trainer.device)
+        if num_tokens is not None and parallel_state.is_pipeline_last_stage():
+            n[0] = float(num_tokens)
+        if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+            dist.broadcast(n, src=parallel_state.get_pipeline_model_parallel_last_rank(),
+                           group=parallel_state.get_pipeline_model_parallel_group())
+        return float(n[0])
+
+    def _finalize(self, model, num_tokens=None, *args, **kwargs):
         small = None
         p = self.trainer.cfg.parallel
         if self.mode == "replica" and self._load_weights():
-            local = torch.tensor([self._sq_norm(fix_tied=True)], dtype=torch.float64,
-                                 device=self.trainer.device)
-            _all_reduce(local, parallel_state.get_data_parallel_group())
+            n = self._replica_tokens(num_tokens)
+            local = torch.tensor([self._sq_norm(fix_tied=True) / max(n, 1.0) ** 2],
+                                 dtype=torch.float64, device=self.trainer.device)
+            _all_reduce(local, self.trainer.grad_dp_group)
             small, small_batch = float(local[0]) / self._dp, p.global_batch_size // self._dp
-        elif self.mode == "microbatch" and self._small and self._ready():
+        elif self.mode == "microbatch" and self._tokens and self._ready():
             self._microbatch_sq()  # the last micro-batch
-            small, small_batch = float(sum(self._small)) / len(self._small), p.micro_batch_size
-            self._small, self._prev = [], None
-        out = self._orig(*args, **kwargs)
+            finite = [x for x in self._small if x is not None]  # micro-batches with loss tokens
+            if finite:
+                small, small_batch = float(sum(finite)) / len(finite), p.micro_batch_size
+            self._small, self._prev, self._tokens = [], None, []
+        out = self._orig(model, num_tokens, *args, **kwargs)
         if small is not None:
             big = self._sq_norm(fix_tied=False)
             self.last = (small, small_batch, big, p.global_batch_size)

@@ -135,7 +135,7 @@ class Loop:
         ppl = perplexity(val_loss)
         p.last_val_ppl = ppl
         samples, step = job.consumed_samples, job.trainer.step
-        tokens = samples * self.cfg.model.seq_length
+        tokens = job.trainer.consumed_tokens
         p.evals.append({"step": step, "samples": samples, "time_s": job.clock_s, "val_ppl": ppl,
                         "gns": self.target_gns, "global_batch_size": job.strategy.global_batch_size})
         if p.ttp.update(ppl, job.clock_s, tokens, step):
@@ -159,7 +159,7 @@ class Loop:
             "event": "step",
             "step": job.trainer.step,
             "samples": samples,
-            "tokens": samples * self.cfg.model.seq_length,
+            "tokens": job.trainer.consumed_tokens,
             "time_s": job.clock_s,
             "loss": result.loss,
             "lr": result.lr,
@@ -258,7 +258,7 @@ class Loop:
             "switch_log": [{k: v for k, v in s.items() if k != "event"} for s in p.switches],
             "steps": job.trainer.step,
             "samples": job.consumed_samples,
-            "tokens": job.consumed_samples * self.cfg.model.seq_length,
+            "tokens": job.trainer.consumed_tokens,
             "clock_s": job.clock_s,
             "wall_s": time.perf_counter() - self._wall0,
             "final_strategy": job.strategy.label,

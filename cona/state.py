@@ -204,7 +204,7 @@ def _clone(v):
 
 @torch.no_grad()
 def snapshot(trainer: Trainer) -> dict:
-    """Copy of model weights, optimizer state, schedule position, step and RNG.
+    """Copy of model weights, optimizer state, schedule position, step, token count and RNG.
 
     Restoring it into the *same* trainer (same layout) with :func:`restore`
     continues bit-for-bit as if nothing happened in between.
@@ -216,6 +216,7 @@ def snapshot(trainer: Trainer) -> dict:
         "opt": {n: {k: _clone(v) for k, v in s.state.items()} for n, s in states.items()},
         "sched": (trainer.scheduler.num_steps, trainer.scheduler.max_lr, trainer.scheduler.min_lr),
         "step": trainer.step,
+        "consumed_tokens": trainer.consumed_tokens,
         "rng": rng_state(),
     }
 
@@ -232,5 +233,5 @@ def restore(trainer: Trainer, snap: dict) -> None:
     num, max_lr, min_lr = snap["sched"]
     trainer.scheduler.num_steps = num
     set_peak_lr(trainer, trainer.scheduler, max_lr, min_lr)
-    trainer.step = snap["step"]
+    trainer.step, trainer.consumed_tokens = snap["step"], snap["consumed_tokens"]
     set_rng_state(snap["rng"])

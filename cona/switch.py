@@ -24,7 +24,7 @@ A *layout switch* (DP, TP or PP size changes) on every rank, in order:
    a ``pp = 1`` source), so it is hidden from the plan and filled the way
    megatron initialises it: zero, then all-reduce over the embedding group
    (first + last stage), for the weight and for each state tensor;
-6. the LR schedule position (samples), step counter and RNG are carried;
+6. the LR schedule position (samples), step and token counters and RNG are carried;
    the data position (``consumed_samples``) is kept by the caller;
 7. the old model, optimizer and process groups are freed.
 
@@ -319,7 +319,7 @@ def switch_layout(
             new_cfg, reference_batch, model=module, num_samples=owner.trainer.scheduler.num_steps
         )
         _reshard(owner.trainer, new)
-        new.step = owner.trainer.step
+        new.step, new.consumed_tokens = owner.trainer.step, owner.trainer.consumed_tokens
         set_rng_state(rng)
         owner.trainer = new
         del module, new

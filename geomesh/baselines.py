@@ -33,7 +33,7 @@ from jobruntime.config import ConfigError
 from jobruntime.data import GlobalBatchSampler
 from jobruntime.metrics import perplexity
 from jobruntime.parallel import set_seed
-from jobruntime.trainer import Trainer
+from jobruntime.trainer import Trainer, mean_loss
 
 from .clock import async_schedule, ddp_schedule, inner_step_time_s
 from .codec import DenseCodec
@@ -90,7 +90,7 @@ def run_ddp(ctx: RunContext) -> dict:
     wall0 = time.perf_counter()
     for r in range(start, g.outer_steps):
         step = r + 1
-        losses = [trainer.train_step(sampler.next()).loss for _ in range(H)]
+        results = [trainer.train_step(sampler.next()) for _ in range(H)]
         ntok = H * p.global_batch_size * cfg.model.seq_length
         if ctx.emulated:
             step_compute = {}
@@ -114,7 +114,7 @@ def run_ddp(ctx: RunContext) -> dict:
         stats.tokens += ntok
         stats.outer_steps = step
         record = dict(step=step, tokens=stats.tokens, time_s=stats.time_s,
-                      loss=sum(losses) / H, bytes=round_bytes)
+                      loss=mean_loss(results), bytes=round_bytes)
         if ctx.is_eval_step(step):
             _eval(ctx, stats, trainer, val, record, step)
         ctx.log_outer_step(record)

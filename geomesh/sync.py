@@ -516,7 +516,7 @@ def run_sync(ctx: RunContext) -> dict:
         # Overlapped: the first τ_i = ⌈overlap · H_i⌉ steps run while round r−1's messages travel.
         taus = {i: math.ceil(overlap * steps[i].inner_steps) if inflight is not None else 0
                 for i in pl.workers}
-        losses: dict[int, list[float]] = {i: [] for i in pl.workers}
+        losses: dict[int, list] = {i: [] for i in pl.workers}  # StepResults of round r
         # each worker's place in the token stream: after the members before it
         offsets = [sum(steps[j].samples for j in members if j < i) for i in range(K + 1)]
         if any(taus.values()):

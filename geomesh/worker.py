@@ -44,7 +44,7 @@ import torch.distributed as dist
 from jobruntime.config import JobConfig
 from jobruntime.data import GlobalBatchSampler
 from jobruntime.parallel import set_seed
-from jobruntime.trainer import Trainer, lr_scheduler
+from jobruntime.trainer import StepResult, Trainer, lr_scheduler, mean_loss
 
 from .planner import Plan, WorkerPlan
 
@@ -125,7 +125,7 @@ def proxy_steps(plan: Plan, scale: float, *, round_samples: int | None = None, d
 
 @dataclass
 class RoundResult:
-    """One worker's round: pseudo-gradient, tokens, mean training loss, steps."""
+    """One worker's round: pseudo-gradient, tokens, training loss per loss token, steps."""
 
     delta: dict[str, torch.Tensor]
     tokens: int
@@ -291,9 +291,9 @@ class InnerWorker:
         losses = self.train_steps(step, start, 0, step.inner_steps)
         return self.result(theta, step, losses)
 
-    def train_steps(self, step: ProxyStep, start: int, first: int, last: int) -> list[float]:
+    def train_steps(self, step: ProxyStep, start: int, first: int, last: int) -> list[StepResult]:
         """Steps ``first .. last-1`` of a round from the current local weights (the
-        round's samples start at ``start``); returns their losses."""
+        round's samples start at ``start``); returns their results."""
         tr = self.trainer
         start += sum(step.batches[:first])
         losses = []
@@ -301,18 +301,19 @@ class InnerWorker:
             mb = step.micro_batch_for(b)
             tr.set_batch_size(b, mb)
             tr.lr_scale = self.lr_scale(b)
-            losses.append(tr.train_step(self.microbatches(start, b, mb)).loss)
+            losses.append(tr.train_step(self.microbatches(start, b, mb)))
             start += b
         return losses
 
     def result(self, anchor: dict[str, torch.Tensor], step: ProxyStep,
-               losses: list[float]) -> RoundResult:
+               losses: list[StepResult]) -> RoundResult:
         """The round's ``Δ_i = anchor − θ_i`` (fp32; ``anchor`` = the θ_global the
-        round started from) with its tokens and mean loss."""
+        round started from) with its tokens and its loss per loss token (the steps'
+        batches differ in size)."""
         local = self.trainer.get_params()
         delta = {k: anchor[k] - local[k] for k in anchor}  # Δ_i = θ_global − θ_i (fp32)
         tokens = step.samples * self.cfg.model.seq_length
-        return RoundResult(delta=delta, tokens=tokens, loss=sum(losses) / max(len(losses), 1),
+        return RoundResult(delta=delta, tokens=tokens, loss=mean_loss(losses) if losses else 0.0,
                            steps=step.inner_steps)
 
     @torch.no_grad()

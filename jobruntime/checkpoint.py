@@ -34,6 +34,7 @@ from .config import ModelConfig
 from .faults import fault_point
 
 log = logging.getLogger(__name__)
+
 COMPLETE = "COMPLETE"
 FORMAT_VERSION = 1
 # Model fields that change tensor shapes or semantics: a mismatch is an error.
@@ -196,7 +197,8 @@ def _set_rng_state(state: dict) -> None:
 
 def save_checkpoint(root: Path, trainer, *, consumed_samples: int, extra: dict | None = None,
                     keep_last: int = 2) -> Path:
-    """Save ``trainer`` (model, optimizer, scheduler, step) to ``root/iter_<step>``.
+    """Save ``trainer`` (model, optimizer, scheduler, step, ``consumed_tokens``) to
+    ``root/iter_<step>``.
 
     Args:
         root: the run's ``checkpoints/`` folder.
@@ -216,6 +218,7 @@ def save_checkpoint(root: Path, trainer, *, consumed_samples: int, extra: dict |
         "scheduler": trainer.scheduler.state_dict(),
         "step": trainer.step,
         "consumed_samples": consumed_samples,
+        "consumed_tokens": trainer.consumed_tokens,
         "rng": _rng_state(),
         "arch": _arch(trainer.cfg.model),
         "format_version": FORMAT_VERSION,
@@ -259,7 +262,11 @@ def load_checkpoint(path: str | Path, trainer, *, load_optimizer: bool = True) -
     (:meth:`Trainer.load_weights`), so the first step trains the loaded model.
 
     Returns:
-        ``{"step", "consumed_samples", "extra"}`` of the checkpoint.
+        ``{"step", "consumed_samples", "consumed_tokens", "extra"}`` of the
+        checkpoint.  ``consumed_tokens`` (also set on ``trainer`` with the step
+        when ``load_optimizer``) is the accumulated count; a checkpoint from
+        before it was saved gets ``consumed_samples x model.seq_length`` (right
+        unless the sequence length changed), with a log line saying so.
 
     Raises:
         CheckpointError: not found, incomplete, or saved from another model
@@ -289,10 +296,20 @@ def load_checkpoint(path: str | Path, trainer, *, load_optimizer: bool = True) -
     if load_optimizer:  # the saved main copies and moments replace those
         trainer.optimizer.load_state_dict(loaded["optimizer"])
         trainer.scheduler.load_state_dict(common["scheduler"])
+    samples = int(common["consumed_samples"])
+    tokens = common.get("consumed_tokens")
+    if tokens is None:
+        tokens = samples * trainer.cfg.model.seq_length
+    if load_optimizer and "consumed_tokens" not in common:
+        log.info("checkpoint %s predates the token counter: %d tokens derived as consumed "
+                 "samples x model.seq_length", ckpt, tokens)
+    if load_optimizer:
         trainer.step = int(common["step"])
+        trainer.consumed_tokens = int(tokens)
         _set_rng_state(common["rng"])
     return {
         "step": int(common["step"]),
-        "consumed_samples": int(common["consumed_samples"]),
+        "consumed_samples": samples,
+        "consumed_tokens": int(tokens),
         "extra": common.get("extra", {}),
     }

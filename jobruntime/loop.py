@@ -109,7 +109,6 @@ def run(cfg: JobConfig, run_dir: Path,
     ttp = TTPTracker(t.target_ppl)
     if extra.get("ttp_s") is not None:
         ttp.ttp_s, ttp.ttp_tokens, ttp.ttp_step = extra["ttp_s"], extra["ttp_tokens"], extra["ttp_step"]
-    tokens_per_step = cfg.parallel.global_batch_size * cfg.model.seq_length
     bar = _progress(cfg, topo, t.iters, trainer.step)
     # Without a progress bar (stderr not a terminal, e.g. piped to a file or
     # under SLURM), a log line per evaluation and every 5 % of the steps.
@@ -123,8 +122,9 @@ def run(cfg: JobConfig, run_dir: Path,
         result = trainer.train_step(data.train.next())
         step_s = time.perf_counter() - step_t0
         now = time.perf_counter() - t0
-        tokens = trainer.step * tokens_per_step
-        record = dict(step=trainer.step, tokens=tokens, time_s=now, loss=result.loss,
+        tokens = trainer.consumed_tokens  # accumulated: right across batch changes and resumes
+        record = dict(step=trainer.step, tokens=tokens, samples=data.train.consumed_samples,
+                      time_s=now, loss=result.loss,
                       lr=result.lr, grad_norm=result.grad_norm,
                       tokens_per_s=result.tokens / step_s)
         last = trainer.step == t.iters
@@ -164,7 +164,8 @@ def run(cfg: JobConfig, run_dir: Path,
     wall = time.perf_counter() - t0
     summary = dict(
         target_ppl=t.target_ppl, ttp_s=ttp.ttp_s, ttp_tokens=ttp.ttp_tokens, ttp_step=ttp.ttp_step,
-        final_val_ppl=last_val_ppl, tokens=trainer.step * tokens_per_step, steps=trainer.step,
+        final_val_ppl=last_val_ppl, tokens=trainer.consumed_tokens,
+        samples=data.train.consumed_samples, steps=trainer.step,
         wall_s=wall, world_size=topo.world_size, dp=topo.dp, tp=topo.tp, pp=topo.pp,
         model=cfg.name, **device_summary(trainer.module),
     )

@@ -17,6 +17,19 @@ Transformer Engine provides one),
 ``megatron.core.optimizer_param_scheduler.OptimizerParamScheduler`` and
 ``megatron.core.pipeline_parallel.get_forward_backward_func`` (no pipelining
 or 1F1B, chosen by the PP size).
+
+The objective is megatron-core's per-token loss
+(``TransformerConfig.calculate_per_token_loss``, set in
+:func:`jobruntime.model.to_transformer_config`): the loss function returns the
+*sum* of the per-token losses of a micro-batch and its loss-token count; the
+schedule adds up the counts, DDP *sums* the gradients over the DP group, and
+``finalize_model_grads`` all-reduces the count over that group and scales the
+gradients by ``1 / N`` (``N`` = loss tokens of the global batch).  The gradient
+is therefore that of the mean loss over the global batch's tokens, whatever the
+micro-batch size, the number of micro-batches and the DP size (which CONA
+changes mid-run); a mean of micro-batch means would weigh a token of a
+micro-batch with few loss tokens (BERT's MLM masks) more.  The logged training
+and validation losses are token-weighted the same way.
 """
 
 from __future__ import annotations
@@ -37,6 +50,8 @@ from megatron.core.distributed import (
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.module import Float16Module
 
 from . import cpu_compat
@@ -52,16 +67,32 @@ class StepResult:
     """Outcome of one optimizer step (identical on every rank).
 
     Attributes:
-        loss: mean training loss over the global batch (nats per token).
+        loss: mean training loss over the loss tokens of the global batch (nats
+            per token; token-weighted, not a mean of micro-batch means).
         grad_norm: global L2 norm of the gradient before clipping.
         lr: learning rate used for this step.
-        tokens: tokens in the global batch.
+        tokens: tokens in the global batch (``samples x seq_length``, padding
+            included), counted from the micro-batches trained.
+        samples: sequences in the global batch.
+        loss_tokens: tokens the loss is averaged over (``loss_mask`` ones).
     """
 
     loss: float
     grad_norm: float
     lr: float
     tokens: int
+    samples: int = 0
+    loss_tokens: int = 0
+
+
+def mean_loss(results: list[StepResult]) -> float:
+    """Loss per loss token over several steps (each weighted by its ``loss_tokens``,
+    so steps of different batch sizes or mask counts count per token); ``nan`` for
+    no steps."""
+    tokens = sum(r.loss_tokens for r in results)
+    if tokens <= 0:
+        return sum(r.loss for r in results) / len(results) if results else math.nan
+    return sum(r.loss * r.loss_tokens for r in results) / tokens
 
 
 def resolve_dtype(precision: str) -> torch.dtype:
@@ -94,16 +125,29 @@ def _gpt_forward(batch, model):
 def _bert_forward(batch, model):
     # no padding in the micro-batch (checked on the host): no mask, flash attention
     mask = None if batch.get("unpadded") else batch["padding_mask"]
-    loss, _ = model(batch["text"], mask, tokentype_ids=batch["types"], lm_labels=batch["labels"])
-    return loss
+    out = model(batch["text"], mask, tokentype_ids=batch["types"], lm_labels=batch["labels"])
+    # last stage: (per-token loss, binary logits); earlier pipeline stages: hidden states
+    return out[0] if isinstance(out, tuple) else out
 
 
-def _masked_mean_loss(loss_mask: torch.Tensor, output: torch.Tensor):
-    """Mean per-token loss over ``loss_mask``; output and mask are ``[b, s]``."""
+def _token_sum_loss(loss_mask: torch.Tensor, output: torch.Tensor):
+    """megatron-core's per-token loss contract (``calculate_per_token_loss``).
+
+    Args:
+        loss_mask: ``[b, s]``, 1 where a token's loss counts.
+        output: ``[b, s]`` per-token losses (nats) from the model.
+
+    Returns:
+        ``(loss_sum, num_tokens, {"lm loss": [loss_sum, num_tokens]})``: the
+        summed loss (scalar, fp32, backpropagated), the loss-token count (int
+        scalar, which the schedule accumulates and ``finalize_model_grads``
+        divides the gradients by), and both as a float64 pair for logging.
+    """
     mask = loss_mask.float()
-    loss = (output.float() * mask).sum() / mask.sum().clamp(min=1.0)
-    # clone: megatron divides the returned loss in place by the micro-batch count
-    return loss, {"lm loss": loss.detach().clone()}
+    loss_sum = (output.float() * mask).sum()
+    num_tokens = mask.sum().to(torch.int)
+    report = torch.stack([loss_sum.detach().double(), num_tokens.double()])
+    return loss_sum, num_tokens, {"lm loss": report}
 
 
 def lr_scheduler(optimizer, t: TrainConfig) -> OptimizerParamScheduler:
@@ -135,13 +179,15 @@ class Trainer:
     Args:
         cfg: the job config (model, parallel, train sections are read).
         model: wrap this model chunk instead of building a fresh one.
-        dp_group: data-parallel group of this job's gradient all-reduce and
-            loss average; ``None`` = megatron's DP group.  GeoMesh passes the
+        dp_group: data-parallel group of this job's gradient sum, loss-token
+            count and loss; ``None`` = megatron's DP group.  GeoMesh passes the
             group of one worker's replicas, so that workers sharing one
-            ``parallel_state`` world do not all-reduce each other's gradients.
+            ``parallel_state`` world do not all-reduce each other's gradients
+            or count each other's tokens.
 
     Raises:
         ConfigError: via the config's validation.
+        ValueError: ``model``'s config lacks ``calculate_per_token_loss``.
     """
 
     def __init__(self, cfg: JobConfig, model: torch.nn.Module | None = None, *,
@@ -163,11 +209,12 @@ class Trainer:
         ddp_cfg = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False
         )
+        if not self.tcfg.calculate_per_token_loss:  # DDP reads it when built: before the wrap
+            raise ValueError("Trainer needs a model built with calculate_per_token_loss=True "
+                             "(jobruntime.model.to_transformer_config sets it)")
         self.dp_group = dp_group
         pgs = None
         if dp_group is not None:
-            from megatron.core.process_groups_config import ProcessGroupCollection
-
             pgs = ProcessGroupCollection(
                 tp=parallel_state.get_tensor_model_parallel_group(),
                 pp=parallel_state.get_pipeline_model_parallel_group(),
@@ -176,6 +223,25 @@ class Trainer:
             )
         self.model = [DistributedDataParallel(config=self.tcfg, ddp_config=ddp_cfg, module=chunk,
                                               pg_collection=pgs)]
+        self.grad_dp_group = dp_group or parallel_state.get_data_parallel_group(
+            with_context_parallel=True)
+        """The DP group whose gradients are summed and whose loss tokens are counted
+        (``dp_group``, or megatron's)."""
+        # The schedule's groups, as megatron builds them when given none, but with
+        # this job's DP group: finalize_model_grads all-reduces the loss-token count
+        # over pg_collection.dp_cp (megatron's DP group by default, which spans
+        # several GeoMesh workers).
+        pp_group = parallel_state.get_pipeline_model_parallel_group()
+        self._schedule_pgs = ProcessGroupCollection(
+            tp=parallel_state.get_tensor_model_parallel_group(),
+            cp=parallel_state.get_context_parallel_group(),
+            pp=pp_group,
+            embd=parallel_state.get_embedding_group(check_initialized=False),
+            pos_embd=parallel_state.get_position_embedding_group(check_initialized=False),
+            dp_cp=self.grad_dp_group,
+        )
+        self._p2p = (P2PCommunicator(pp_group=pp_group, config=self.tcfg)
+                     if dist.get_world_size(pp_group) > 1 else None)
         t = cfg.train
         # clip_grad=0 disables clipping; an infinite threshold keeps megatron
         # computing (and returning) the gradient norm without ever clipping.
@@ -202,23 +268,29 @@ class Trainer:
         self.tcfg.grad_scale_func = self.optimizer.scale_loss
         self._forward = _bert_forward if cfg.model.family == "bert" else _gpt_forward
         self.step = 0
+        self.consumed_tokens = 0
+        """Tokens of every global batch trained so far (sequences x their length, padding
+        included), accumulated by :meth:`train_step` from the batches themselves, so it
+        stays right when the global batch or the sequence length changes (CONA switches,
+        a resume at another batch); checkpointed with :attr:`step`."""
         self.lr_scale = 1.0
         """Multiplies the scheduled learning rate of the next steps (GeoMesh scales a
         worker's LR with its batch size); the schedule itself is unchanged."""
-        self.microbatch_hook: Callable[[int], None] | None = None
-        """Called with the micro-batch index before each forward (after the previous backward)."""
+        self.microbatch_hook: Callable[[int, int], None] | None = None
+        """Called with the micro-batch index and its loss-token count before each forward
+        (after the previous backward)."""
 
     # -- schedule ---------------------------------------------------------
     def _forward_step(self, data_iterator, model):
         index, batch = next(data_iterator)
         pad = batch.get("padding_mask")
         unpadded = pad is not None and pad.device.type == "cpu" and bool(pad.all())  # no GPU sync
+        if self.microbatch_hook is not None:  # counted on the host batch: no GPU sync
+            self.microbatch_hook(index, int(batch["loss_mask"].sum()))
         batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
         batch["unpadded"] = unpadded
-        if self.microbatch_hook is not None:
-            self.microbatch_hook(index)
         output = self._forward(batch, model)
-        return output, partial(_masked_mean_loss, batch["loss_mask"])
+        return output, partial(_token_sum_loss, batch["loss_mask"])
 
     def _run_schedule(self, microbatches: list[dict], forward_only: bool) -> list[dict]:
         fwd_bwd = get_forward_backward_func()
@@ -230,20 +302,29 @@ class Trainer:
             seq_length=self.cfg.model.seq_length,
             micro_batch_size=self.cfg.parallel.micro_batch_size,
             forward_only=forward_only,
+            pg_collection=self._schedule_pgs,
+            p2p_communicator=self._p2p,
         )
 
-    def _mean_loss(self, losses: list[dict]) -> float:
-        """Average the micro-batch losses over micro-batches and DP; broadcast from the last stage."""
-        value = torch.zeros(1, dtype=torch.float64, device=self.device)
+    def _loss_sums(self, losses: list[dict]) -> torch.Tensor:
+        """``[loss_sum, loss_tokens]`` (float64) of this rank's micro-batches; zeros
+        off the last pipeline stage."""
+        value = torch.zeros(2, dtype=torch.float64, device=self.device)
         if parallel_state.is_pipeline_last_stage() and losses:
-            value[0] = torch.stack([d["lm loss"].double() for d in losses]).mean()
-            group = self.dp_group or parallel_state.get_data_parallel_group()
-            dist.all_reduce(value, group=group)
-            value /= dist.get_world_size(group)
+            value += torch.stack([d["lm loss"] for d in losses]).sum(dim=0)
+        return value
+
+    def _token_mean(self, local: torch.Tensor) -> tuple[float, int]:
+        """``(loss per token, loss tokens)`` over the DP group from :meth:`_loss_sums`:
+        summed over DP on the last stage, then sent to the other stages."""
+        value = local.clone()
+        if parallel_state.is_pipeline_last_stage():
+            dist.all_reduce(value, group=self.grad_dp_group)
         if parallel_state.get_pipeline_model_parallel_world_size() > 1:
             last = parallel_state.get_pipeline_model_parallel_last_rank()
             dist.broadcast(value, src=last, group=parallel_state.get_pipeline_model_parallel_group())
-        return float(value[0])
+        total, tokens = float(value[0]), int(value[1])
+        return total / max(tokens, 1), tokens
 
     # -- public -----------------------------------------------------------
     def zero_grad(self) -> None:
@@ -265,6 +346,8 @@ class Trainer:
         """
         self.zero_grad()
         losses = self._run_schedule(microbatches, forward_only=False)
+        samples = sum(int(mb["loss_mask"].shape[0]) for mb in microbatches)
+        samples *= dist.get_world_size(self.grad_dp_group)
         if self.lr_scale != 1.0:  # the scheduler resets every group's lr after each step
             for group in self.optimizer.param_groups:
                 group["lr"] = group["lr"] * self.lr_scale
@@ -272,27 +355,30 @@ class Trainer:
         lr = self.optimizer.param_groups[0]["lr"]
         self.scheduler.step(increment=1)
         self.step += 1
-        tokens = (
-            self.cfg.parallel.global_batch_size * self.cfg.model.seq_length
-        )
+        tokens = samples * int(microbatches[0]["loss_mask"].shape[1])
+        self.consumed_tokens += tokens
+        loss, loss_tokens = self._token_mean(self._loss_sums(losses))
         return StepResult(
-            loss=self._mean_loss(losses),
+            loss=loss,
             grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
             lr=lr,
             tokens=tokens,
+            samples=samples,
+            loss_tokens=loss_tokens,
         )
 
     @torch.no_grad()
     def evaluate(self, batches: list[list[dict]]) -> float:
-        """Mean validation loss over ``batches`` (each one global batch's micro-batches)."""
+        """Validation loss per token (nats) over all loss tokens of ``batches`` (each one
+        global batch's micro-batches): one token-weighted mean, not a mean of batch means."""
         for m in self.model:
             m.eval()
-        total = 0.0
+        local = torch.zeros(2, dtype=torch.float64, device=self.device)
         for microbatches in batches:
-            total += self._mean_loss(self._run_schedule(microbatches, forward_only=True))
+            local += self._loss_sums(self._run_schedule(microbatches, forward_only=True))
         for m in self.model:
             m.train()
-        return total / max(len(batches), 1)
+        return self._token_mean(local)[0]
 
     def set_batch_size(self, global_batch_size: int, micro_batch_size: int) -> None:
         """Change the batch of later steps (sequences per step over this job's DP

@@ -74,7 +74,27 @@ def _emulated(cache_dir, run_dir):
             "cona.decision_interval=4",
         ],
     )
-    return run(cfg, Path(run_dir)), _probe_by_hand(cfg)
+    summary, probe = run(cfg, Path(run_dir)), _probe_by_hand(cfg)
+    probe["batch_switch"] = _forced_batch_switch(cfg)
+    return summary, probe
+
+
+def _forced_batch_switch(cfg):
+    """An emulated job's loop: 2 steps at its start strategy, a switch to a candidate of
+    another global batch, 2 more; each step's tokens, samples and proxy batch."""
+    from cona.context import build_context
+    from cona.run import Loop
+
+    ctx = build_context(cfg)
+    job = ctx.make_job()
+    loop = Loop(job, cfg, budget_samples=10**9, eval_samples=10**9)
+    other = next(c for c in ctx.candidates if c.global_batch_size != job.strategy.global_batch_size)
+    for k in range(4):
+        if k == 2:
+            job.apply(other)
+        loop.step()
+    return [(r["tokens"], r["samples"], ctx.mapping.proxy_batch(r["global_batch_size"]))
+            for r in loop.progress.records if r.get("event") == "step"]
 
 
 def _probe_by_hand(cfg):
@@ -234,6 +254,11 @@ def test_real_mode_switches_and_logs_wall_clock(real):
     assert switches and switches[0]["switch_s"] > 0 and switches[0]["peak_rss_mib"] > 0
     steps = [r for r in recs if r.get("event") == "step"]
     assert len(steps) == 12 and all(r["clock"] == "wall" and r["step_s"] > 0 for r in steps)
+    # the trainer's accumulated token count (carried across the switch) against the data
+    # position: 16 sequences of 64 tokens per step
+    assert [r["tokens"] for r in steps] == [r["samples"] * 64 for r in steps] == [
+        k * 16 * 64 for k in range(1, 13)]
+    assert s["tokens"] == 12 * 16 * 64
     assert any(r.get("event") == "decision" for r in recs)
     saved = json.loads((run_dir / "summary.json").read_text())
     # what a switch costs is what it took: the wall clock advanced by its cost, and the
@@ -273,12 +298,38 @@ def test_emulated_mode_uses_modelled_time(emulated):
     modelled += sum(x["cost_s"] for x in s["switch_log"])
     assert s["clock_s"] == pytest.approx(modelled, rel=1e-9)
     assert s["samples"] >= 16 * 8 and s["final_val_ppl"] is not None
+    # tokens accumulate each step's own batch (the proxy batch of its strategy), through
+    # batch switches: the trainer's count against the data position
+    from cona.mapping import ProxyMapping
+
+    mapping = ProxyMapping(**s["mapping"])
+    prev = 0
+    for r in steps:
+        proxy = mapping.proxy_batch(r["global_batch_size"])
+        assert r["tokens"] - prev == proxy * 64 and r["tokens"] == r["samples"] * 64, r["step"]
+        prev = r["tokens"]
+    assert s["tokens"] == prev
     assert all(r["gns"] is None or r["gns"] > 0 for r in steps)
 
 
+def test_emulated_tokens_accumulate_through_a_batch_switch(emulated):
+    """Catches token counts recomputed from the current batch (``step x batch x seq``):
+    two steps at one proxy batch, a forced switch to another, two more; every step adds
+    its own batch's tokens, and the trainer's count (carried by the switch) equals the
+    data position times the sequence length."""
+    _, probe, _ = emulated
+    rows = probe["batch_switch"]
+    assert len(rows) == 4 and rows[0][2] == rows[1][2] != rows[2][2] == rows[3][2]
+    total = 0
+    for tokens, samples, proxy in rows:
+        total += proxy * 64
+        assert tokens == total == samples * 64
+
+
 def test_gns_probe_microbatch_norms_match_direct_computation(emulated):
-    """Catches wrong wiring of the one-process GNS probe (wrong micro-batch read, missing
-    m^2 scaling of the 1/m-scaled buffer, norms after clipping): its small squared norm
+    """Catches wrong wiring of the one-process GNS probe (wrong micro-batch read, a summed
+    micro-batch gradient not divided by its loss tokens, norms after clipping): its small
+    squared norm
     must equal the mean over the four micro-batches of separate backward passes, and its
     big one that of all four together (fp32 sums in different order: 1e-4 relative)."""
     _, probe, _ = emulated
