@@ -15,8 +15,9 @@ Test failures are findings, listed under ``tests.failed``.  Exits 0 when the
 summary is complete and no test failed, else 1.
 
 ``--junit-fallback RC --limit-s L`` (the tests part, after pytest) writes a
-JUnit file with one error case when pytest left none (killed at its limit, or
-stopped before its session began), so that ``tests`` is never null.
+JUnit file with one error case when pytest left none, and adds that case to a
+partial one when the limit stopped pytest, so that ``tests`` is never null and
+a stopped part never reads as clean.
 """
 
 from __future__ import annotations
@@ -59,19 +60,31 @@ def tests_summary(xml: Path) -> dict | None:
 
 
 def write_junit_fallback(xml: Path, rc: int, limit_s: float) -> bool:
-    """Write a one-case JUnit file at ``xml`` unless a readable one is there.
+    """Make ``xml`` say what happened to the tests part: unless pytest left a readable
+    JUnit file and finished, write or add one error case ``tests_part_stopped``.
+
+    A pytest interrupted at its limit may still write a (partial) report, of zero
+    tests when it was stopped while collecting: the stop is then added to it, so a
+    stopped part never reads as a clean one.
 
     Returns:
-        True when it wrote one.
+        True when it wrote or changed the file.
     """
-    if tests_summary(xml) is not None:
+    stopped = rc in STOPPED
+    if tests_summary(xml) is not None and not stopped:
         return False
-    why = (f"stopped at its {limit_s:g} s limit before pytest wrote its report" if rc in STOPPED
+    why = (f"stopped at its {limit_s:g} s limit" if stopped
            else f"pytest exited {rc} without a report (see gpu_tests.log)")
+    case = ('<testcase classname="tests.test_gpu" name="tests_part_stopped">'
+            f'<error message={quoteattr(why)}/></testcase>')
+    if tests_summary(xml) is not None:  # a partial report: add the stop to its first suite
+        tree = ET.parse(xml)
+        suite = next(tree.getroot().iter("testsuite"), tree.getroot())
+        suite.append(ET.fromstring(case))
+        write_text_atomic(xml, ET.tostring(tree.getroot(), encoding="unicode") + "\n")
+        return True
     text = ('<?xml version="1.0" encoding="utf-8"?>\n<testsuites><testsuite name="gpu_tests" '
-            'tests="1" errors="1" failures="0" skipped="0">'
-            f'<testcase classname="tests.test_gpu" name="tests_part_stopped">'
-            f'<error message={quoteattr(why)}/></testcase></testsuite></testsuites>\n')
+            f'tests="1" errors="1" failures="0" skipped="0">{case}</testsuite></testsuites>\n')
     write_text_atomic(xml, text)
     return True
 
@@ -151,7 +164,7 @@ def main() -> None:
     p.add_argument("--wall-s", type=float, default=None)
     p.add_argument("--bound-s", type=float, default=None, help="the sum of the part limits")
     p.add_argument("--junit-fallback", type=int, default=None, metavar="RC",
-                   help="only write gpu_tests.xml if pytest (exit RC) left none")
+                   help="make gpu_tests.xml record a stopped or report-less pytest (exit RC)")
     p.add_argument("--limit-s", type=float, default=0.0, help="the tests part's limit")
     args = p.parse_args()
     if args.junit_fallback is not None:

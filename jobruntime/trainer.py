@@ -150,6 +150,12 @@ def _token_sum_loss(loss_mask: torch.Tensor, output: torch.Tensor):
     return loss_sum, num_tokens, {"lm loss": report}
 
 
+def _host_count(mask: torch.Tensor) -> int:
+    """Number of ones in a micro-batch's mask, read from host memory where the batch
+    still sits there (NumPy: no device sync, no torch op); a device tensor is synced."""
+    return int(mask.numpy().sum()) if mask.device.type == "cpu" else int(mask.sum())
+
+
 def lr_scheduler(optimizer, t: TrainConfig) -> OptimizerParamScheduler:
     """megatron's ``OptimizerParamScheduler`` for ``t``: linear warmup from 0 over
     ``t.warmup_iters`` steps, cosine decay to ``t.min_lr`` at ``t.lr_decay_iters``
@@ -285,8 +291,8 @@ class Trainer:
         index, batch = next(data_iterator)
         pad = batch.get("padding_mask")
         unpadded = pad is not None and pad.device.type == "cpu" and bool(pad.all())  # no GPU sync
-        if self.microbatch_hook is not None:  # counted on the host batch: no GPU sync
-            self.microbatch_hook(index, int(batch["loss_mask"].sum()))
+        if self.microbatch_hook is not None:
+            self.microbatch_hook(index, _host_count(batch["loss_mask"]))
         batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
         batch["unpadded"] = unpadded
         output = self._forward(batch, model)
