@@ -53,7 +53,7 @@ import torch
 import torch.distributed as dist
 
 from .canonical import CanonicalSchema, Shard
-from .codec import mean_abs_scales
+from .codec import aggregate_decoded, mean_abs_scales
 from .compression import (
     ErrorFeedback,
     MessageError,
@@ -304,3 +304,13 @@ class CanonicalCodec:
                                    "missing or repeated)")
             out[name] = t
         return out, tokens, worker, rnd
+
+    def aggregate(self, messages: Sequence[Sequence[bytes] | None], *, guard=None,
+                  senders: Sequence[int] | None = None, round: int | None = None
+                  ) -> tuple[dict[str, torch.Tensor] | None, list[int]]:
+        """Token-weighted ``Δ = Σ (n_i/N) D(msg_i)`` on this rank's shards (equation 1).
+
+        ``messages[j]`` is worker ``j``'s list of parts (``None``: lost); identities,
+        guard and return value as :func:`geomesh.codec.aggregate_decoded`.
+        """
+        return aggregate_decoded(messages, self.decode, guard, senders=senders, round=round)

@@ -85,6 +85,21 @@ def _worker(layouts):
                     if not torch.equal(decoded[n], ref[s.key][s.box]):
                         diff = (decoded[n] - ref[s.key][s.box]).abs().max().item()
                         report["bad"].append(f"{kind} from {sender} on {name}: {s.key} {diff:.3g}")
+    # A worker of another vocabulary padding (same layout): its message is refused.
+    cfg = load_config("tiny_gpt", [*OVERRIDES, "model.padded_vocab_size=1152",
+                                   f"parallel.tp={tp}", f"parallel.pp={pp}"])
+    set_seed(0)
+    other = layout_map(build_model(cfg.model, cfg.parallel))
+    peer = CanonicalCodec("sign_row", other,
+                          CanonicalSchema.gather(other, parallel_state.get_model_parallel_group()),
+                          tp_group=parallel_state.get_tensor_model_parallel_group())
+    part = peer.encode({n: canonical_delta(s.key, s.global_shape)[s.box] for n, s in other.items()},
+                       100, worker=1, round=3)
+    try:
+        codec.decode([part])
+        report["refused"] = None
+    except MessageError as e:
+        report["refused"] = str(e)
     return report
 
 
@@ -103,6 +118,15 @@ def test_every_layout_decodes_every_layouts_message_bit_identically(reports):
         assert r["bad"] == [], r["bad"][:5]
     # every (layout, sender, codec, local tensor) pair was checked on every rank
     assert all(r["checks"] > 100 for r in reports)
+
+
+def test_message_of_other_vocabulary_padding_is_refused_naming_the_embedding(reports):
+    """Catches a decoder that accepts (or silently crops) a TP2 model padded to 1152
+    rows instead of 1024: the error names the word embedding and both shapes."""
+    for r in reports:
+        assert r["refused"] is not None and r["refused"].startswith(
+            "canonical tensor 'embedding.word_embeddings.weight' has global shape (1152, 64) at "
+            "worker 1, (1024, 64) here"), r["refused"]
 
 
 def test_schema_digest_and_main_shards_do_not_depend_on_layout(reports):
@@ -159,6 +183,18 @@ def test_whole_layout_is_the_sign_codecs_closed_form():
             assert torch.allclose(out[k], expect, rtol=1e-6, atol=0), (kind, k)
             if kind != "fp32":
                 assert torch.allclose(out[k] + fb.residuals[k], x, atol=1e-6), (kind, k)
+
+
+def test_aggregate_weights_workers_by_tokens():
+    """Catches an aggregate that ignores n_i or a lost worker: Σ (n_i/N) D(msg_i)."""
+    schema = CanonicalSchema.from_shapes(SHAPES)
+    codec = CanonicalCodec("fp32", whole_layout(schema), schema)
+    xs = [{k: canonical_delta(k, s) * (i + 1) for k, s in schema.entries} for i in range(2)]
+    msgs = [[codec.encode(x, n, worker=i, round=0)] for i, (x, n) in enumerate(zip(xs, (1, 3)))]
+    agg, tokens = codec.aggregate([*msgs, None], senders=[0, 1, 2], round=0)
+    assert tokens == [1, 3, 0]
+    for k, _ in schema.entries:
+        assert torch.allclose(agg[k], 0.25 * xs[0][k] + 0.75 * xs[1][k], rtol=1e-6)
 
 
 def test_other_padding_or_missing_tensor_is_refused_naming_the_tensor():
