@@ -27,18 +27,27 @@ fp32 whatever the summation split).
 
 Wire format of one part (little-endian)::
 
-    header  40 B  magic "GMCN" | version u16 | codec u8 | 0 u8 | worker u32 | round u32
+    header  44 B  magic "GMCN" | version u16 | codec u8 | bits u8 | chunk u16 | k u16
+                  (top-k's setting, else 0) | worker u32 | round u32
                   | num_tokens u64 | schema digest 8 B | schema bytes u32 | pieces u32
     schema        zlib of the sender's canonical schema text (``key:d0,d1`` lines),
                   so that a receiver of another model names the first differing tensor
     pieces        key index u32 | offsets ndim x u32 | lengths ndim x u32 | payload
                   fp32: numel f32; sign: 1 (or box rows with row scales) f32 scales,
-                  ceil(numel/8) sign bytes (row-major box)
+                  ceil(numel/8) sign bytes (row-major box); top-k: matrices as
+                  :meth:`geomesh.sparse.TopKCodec.matrix_bytes` of the box, vectors fp32
     trailer  4 B  CRC-32 of everything before
 
-Not yet covered: top-k / sparse (chunks along global rows need a cross-rank
-top-k where TP splits a row), predicted sign; the running exchange
-(:mod:`geomesh.sync`) still uses the local-shard codecs.
+- ``topk``: :class:`geomesh.sparse.TopKCodec` on global rows.  Chunks are cut at
+  global columns ``0, chunk, 2·chunk, ...``, so a row split along dim 1 across
+  TP ranks keeps its chunks whole when ``chunk`` divides the shard width
+  (refused otherwise, naming the tensor); positions are within the chunk,
+  hence global.  The row's scales (``bits = 2``: the median split of the
+  whole row's kept magnitudes) need the whole row's kept magnitudes: they are
+  all-gathered over the TP group (``1/chunk · k`` of the row per rank).
+
+Not yet covered: predicted sign; the running exchange (:mod:`geomesh.sync`)
+still uses the local-shard codecs.
 """
 
 from __future__ import annotations
@@ -57,37 +66,44 @@ from .codec import aggregate_decoded, mean_abs_scales
 from .compression import (
     ErrorFeedback,
     MessageError,
+    TensorSchema,
     num_row_scales,
     pack_signs,
     packed_size,
     scale_signs,
     unpack_signs,
 )
+from .sparse import TopKCodec, chunk_layout
 
-_HEADER = struct.Struct("<4sHBBIIQ8sII")
+HEADER = struct.Struct("<4sHBBHHIIQ8sII")
 _MAGIC = b"GMCN"
 _CRC = struct.Struct("<I")
-_KINDS = {"fp32": 0, "sign": 1, "sign_row": 2}
+_KINDS = {"fp32": 0, "sign": 1, "sign_row": 2, "topk": 3}
 
 
 class CanonicalCodec:
     """Encode this process's shards, decode any layout's message into them.
 
     Args:
-        kind: ``"fp32"``, ``"sign"`` or ``"sign_row"``.
+        kind: ``"fp32"``, ``"sign"``, ``"sign_row"`` or ``"topk"``.
         layout: ``{local name: Shard}`` (:func:`geomesh.canonical.layout_map`).
         schema: the whole model's canonical schema (:meth:`CanonicalSchema.gather`).
         tp_group: the worker's TP group (scales of split tensors and rows are
             reduced over it); ``None``: no reduction (TP=1).
+        chunk, k, bits: the top-k setting (:class:`geomesh.sparse.TopKCodec`).
 
     Raises:
         ValueError: unknown ``kind``, or a shard whose key is not in ``schema``.
     """
 
     def __init__(self, kind: str, layout: Mapping[str, Shard], schema: CanonicalSchema, *,
-                 tp_group: dist.ProcessGroup | None = None) -> None:
+                 tp_group: dist.ProcessGroup | None = None, chunk: int = 256, k: int = 8,
+                 bits: int = 2) -> None:
         if kind not in _KINDS:
             raise ValueError(f"canonical codec '{kind}' unknown; have {sorted(_KINDS)}")
+        self.topk = TopKCodec(TensorSchema(()), chunk=chunk, k=k, bits=bits) \
+            if kind == "topk" else None
+        self._params = (bits, chunk, k) if self.topk is not None else (0, 0, 0)
         self.kind, self.layout, self.schema, self.tp_group = kind, dict(layout), schema, tp_group
         self._index = schema.index()
         for name, s in self.layout.items():
@@ -158,11 +174,15 @@ class CanonicalCodec:
             xs[name] = feedback.add(name, x) if feedback is not None else x
             if self.kind == "fp32" and not bool(torch.isfinite(x).all()):
                 raise ValueError(f"pseudo-gradient '{name}' of worker {worker} has NaN/Inf")
-        scales = self._scales(xs, worker) if self.kind != "fp32" else {}
+        scales = self._scales(xs, worker) if self.kind in ("sign", "sign_row") else {}
         pieces = []
         for name, s in self.layout.items():
             x = xs[name]
-            if self.kind != "fp32":
+            if self.topk is not None:
+                payload, sent = self._topk_shard(s, x)
+                if feedback is not None:  # e ← x − D(C(x)), on every rank holding x
+                    feedback.keep(name, x - sent)
+            elif self.kind != "fp32":
                 packed, _ = pack_signs(x)
                 if feedback is not None:  # e ← x − m·sign(x), on every rank holding x
                     feedback.keep(name, x - self._dense(packed, scales[name], s.local_shape))
@@ -170,12 +190,14 @@ class CanonicalCodec:
                 continue
             box = struct.pack(f"<I{2 * len(s.local_shape)}I", self._index[s.key],
                               *s.offsets, *s.local_shape)
-            if self.kind == "fp32":
+            if self.topk is not None:
+                pieces.append(box + payload)
+            elif self.kind == "fp32":
                 pieces.append(box + x.contiguous().cpu().numpy().astype("<f4").tobytes())
             else:
                 pieces.append(box + scales[name].cpu().numpy().astype("<f4").tobytes()
                               + packed.cpu().numpy().tobytes())
-        head = _HEADER.pack(_MAGIC, 1, _KINDS[self.kind], 0, worker, round % 2**32,
+        head = HEADER.pack(_MAGIC, 1, _KINDS[self.kind], *self._params, worker, round % 2**32,
                             int(num_tokens), self.schema.digest, len(self._schema_blob),
                             len(pieces))
         body = b"".join([head, self._schema_blob, *pieces])
@@ -186,15 +208,57 @@ class CanonicalCodec:
         """``m · sign`` of a box (one scale, or one per box row)."""
         return scale_signs(unpack_signs(packed, shape), scale.to(packed.device))
 
+    def _topk_shard(self, s: Shard, x: torch.Tensor) -> tuple[bytes, torch.Tensor]:
+        """Top-k payload of one shard (chunks of global rows) and its decoded values.
+
+        Raises:
+            ValueError: the shard splits a row inside a chunk (``chunk`` must
+                divide the TP shard width).
+        """
+        t = self.topk
+        lay = chunk_layout(s.local_shape, t.chunk)
+        if lay is None:  # vectors go as fp32, like TopKCodec
+            if not bool(torch.isfinite(x).all()):
+                raise ValueError(f"pseudo-gradient of '{s.key}' has NaN/Inf")
+            return x.contiguous().cpu().numpy().astype("<f4").tobytes(), x
+        rows, nch = lay
+        nd = len(s.global_shape)
+        split = s.offsets[1:] != (0,) * (nd - 1) or s.local_shape[1:] != s.global_shape[1:]
+        if split:
+            c0, width, cols = s.offsets[1], s.local_shape[1], s.global_shape[1]
+            if nd != 2 or c0 % t.chunk or (width % t.chunk and c0 + width != cols):
+                raise ValueError(f"top-k: '{s.key}' {s.global_shape} is split across TP "
+                                 f"ranks inside a chunk ({width} columns at {c0}, chunk "
+                                 f"{t.chunk}); use a geomesh.topk chunk that divides {width}")
+        if not bool(torch.isfinite(x).all()):
+            raise ValueError(f"pseudo-gradient of '{s.key}' has NaN/Inf")
+        pos, vals = t.pick(x, rows, nch)
+        mag = vals.abs().reshape(rows, -1)
+        size = dist.get_world_size(self.tp_group) if self.tp_group is not None else 1
+        if split and size > 1:  # the whole row's kept magnitudes, in chunk order
+            me = dist.get_rank(self.tp_group)
+            if s.offsets[1] != me * s.local_shape[1]:
+                raise ValueError(f"top-k: '{s.key}' columns at {s.offsets[1]} on TP rank {me}; "
+                                 "expected TP ranks in column order")
+            parts = [torch.empty_like(mag) for _ in range(size)]
+            dist.all_gather(parts, mag.contiguous(), group=self.tp_group)
+            level, scales = t.levels(torch.cat(parts, dim=1))
+            level = level[:, me * mag.shape[1]:(me + 1) * mag.shape[1]]
+        else:
+            level, scales = t.levels(mag)
+        sign, level = vals >= 0, level.reshape(vals.shape)
+        return (t.matrix_bytes(pos, sign, level, scales),
+                t.dense(pos, sign, level, scales, s.local_shape).to(x.device))
+
     # -- decode -------------------------------------------------------------
 
     def _pieces(self, data: bytes):
         """Parse one part: header fields and ``[(key, offsets, lengths, dense box)]``."""
         buf = bytes(data)
-        if len(buf) < _HEADER.size + _CRC.size:
+        if len(buf) < HEADER.size + _CRC.size:
             raise MessageError(f"canonical message truncated: {len(buf)} bytes")
-        magic, version, kind, _, worker, rnd, tokens, digest, blob, count = \
-            _HEADER.unpack_from(buf, 0)
+        magic, version, kind, *params, worker, rnd, tokens, digest, blob, count = \
+            HEADER.unpack_from(buf, 0)
         if magic != _MAGIC or version != 1:
             raise MessageError(f"not a canonical GeoMesh message of version 1 (magic "
                                f"{bytes(magic)!r}, version {version})")
@@ -202,7 +266,7 @@ class CanonicalCodec:
         if crc != zlib.crc32(buf[:len(buf) - _CRC.size]):
             raise MessageError(f"canonical message from worker {worker}: CRC-32 mismatch")
         if digest != self.schema.digest:
-            off = _HEADER.size
+            off = HEADER.size
             try:
                 peer = CanonicalSchema.from_text(zlib.decompress(buf[off:off + blob]).decode())
             except (zlib.error, ValueError, UnicodeDecodeError) as e:
@@ -211,10 +275,11 @@ class CanonicalCodec:
             self.schema.check(peer, f"worker {worker}")
             raise MessageError(f"canonical message from worker {worker} has schema digest "
                                f"{digest.hex()}, here {self.schema.digest.hex()}")
-        if kind != _KINDS[self.kind]:
-            raise MessageError(f"canonical message from worker {worker} uses codec {kind}, "
-                               f"this worker decodes '{self.kind}' ({_KINDS[self.kind]})")
-        off, end = _HEADER.size + blob, len(buf) - _CRC.size
+        if kind != _KINDS[self.kind] or tuple(params) != self._params:
+            raise MessageError(f"canonical message from worker {worker} uses codec {kind} "
+                               f"(bits, chunk, k) {tuple(params)}; this worker decodes "
+                               f"'{self.kind}' ({_KINDS[self.kind]}) {self._params}")
+        off, end = HEADER.size + blob, len(buf) - _CRC.size
         out = []
         for _ in range(count):
             if off + 4 > end:
@@ -231,14 +296,20 @@ class CanonicalCodec:
                 raise MessageError(f"canonical message from worker {worker}: box {offs}+{lens} "
                                    f"outside '{key}' {gshape}")
             n = math.prod(lens)
-            if self.kind == "fp32":
+            lay = chunk_layout(lens, self.topk.chunk) if self.topk is not None else None
+            if lay is not None:
+                need = self.topk.matrix_size(*lay)
+            elif self.kind in ("fp32", "topk"):
                 need = 4 * n
             else:
                 ns = lens[0] if self.kind == "sign_row" and nd >= 2 else 1
                 need = 4 * ns + packed_size(n)
             if off + need > end:
                 raise MessageError(f"canonical message from worker {worker} truncated in '{key}'")
-            if self.kind == "fp32":
+            if lay is not None:
+                box = self.topk.read_matrix(buf, off, lens, *lay, f"canonical message from "
+                                            f"worker {worker}: '{key}'")
+            elif self.kind in ("fp32", "topk"):
                 box = torch.from_numpy(np.frombuffer(buf, "<f4", n, off).astype(np.float32))  # host
                 if not bool(torch.isfinite(box).all()):
                     raise MessageError(f"canonical message from worker {worker}: '{key}' has "

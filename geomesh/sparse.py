@@ -50,7 +50,7 @@ _MAGIC = b"GMTK"
 _CRC = struct.Struct("<I")
 
 
-def _layout(shape: Sequence[int], chunk: int) -> tuple[int, int] | None:
+def chunk_layout(shape: Sequence[int], chunk: int) -> tuple[int, int] | None:
     """``(rows, chunks per row)`` of a matrix, ``None`` for a vector (sent as fp32)."""
     if len(shape) < 2:
         return None
@@ -85,7 +85,7 @@ class TopKCodec(Codec):
         """Exact bytes of one encoded message for ``schema``."""
         n = _HEADER.size + _CRC.size
         for _, shape in schema.entries:
-            lay = _layout(shape, chunk)
+            lay = chunk_layout(shape, chunk)
             if lay is None:
                 n += 4 * math.prod(shape)
             else:
@@ -153,7 +153,7 @@ class TopKCodec(Codec):
             if not bool(torch.isfinite(x).all()):
                 raise ValueError(f"pseudo-gradient '{name}' of worker {worker} has NaN/Inf; the "
                                  "worker diverged (lower the inner learning rate)")
-            lay = _layout(shape, self.chunk)
+            lay = chunk_layout(shape, self.chunk)
             if lay is None:
                 parts.append(x.contiguous().cpu().numpy().astype("<f4", copy=False).tobytes())
                 sent = x
@@ -161,7 +161,7 @@ class TopKCodec(Codec):
                 rows, nch = lay
                 pos, sign, level, scales = self._select(x, rows, nch)
                 parts.append(self.matrix_bytes(pos, sign, level, scales))
-                sent = self._dense(pos, sign, level, scales, shape).to(x.device)
+                sent = self.dense(pos, sign, level, scales, shape).to(x.device)
             if feedback is not None:  # e ← x − D(C(x)), kept locally
                 feedback.keep(name, x - sent)
         data = b"".join(parts)
@@ -202,9 +202,9 @@ class TopKCodec(Codec):
             np.unpackbits(body[..., k:k + kb], axis=-1, count=k).astype(bool))
         level = torch.from_numpy(np.unpackbits(body[..., k + kb:], axis=-1, count=k)  # host
                                  .astype(bool)) if self.bits == 2 else sign & False
-        return self._dense(pos, sign, level, scales, shape)
+        return self.dense(pos, sign, level, scales, shape)
 
-    def _dense(self, pos: torch.Tensor, sign: torch.Tensor, level: torch.Tensor,
+    def dense(self, pos: torch.Tensor, sign: torch.Tensor, level: torch.Tensor,
                scales: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
         """Decoded tensor: ``±scale`` of the value's level at the kept positions, 0 elsewhere."""
         rows, nch, k = pos.shape
@@ -236,7 +236,7 @@ class TopKCodec(Codec):
             raise MessageError(f"top-k message from worker {worker}: CRC-32 mismatch")
         off, out = _HEADER.size, {}
         for name, shape in self.schema.entries:
-            lay = _layout(shape, self.chunk)
+            lay = chunk_layout(shape, self.chunk)
             if lay is None:
                 n = math.prod(shape)
                 out[name] = torch.from_numpy(  # host: decoded wire bytes

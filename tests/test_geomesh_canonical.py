@@ -17,12 +17,14 @@ import pytest
 import torch
 
 from geomesh.canonical import CanonicalSchema, whole_layout
-from geomesh.canonical_codec import CanonicalCodec
+from geomesh.canonical_codec import HEADER, CanonicalCodec
 from geomesh.codec import DenseCodec, SignCodec
 from geomesh.compression import ErrorFeedback, MessageError, TensorSchema
+from geomesh.sparse import TopKCodec
 from tests.dist_utils import launch
 
-KINDS = ("fp32", "sign", "sign_row")
+KINDS = ("fp32", "sign", "sign_row", "topk")
+TOPK = {"chunk": 16, "k": 4, "bits": 2}  # 16 divides every TP2 shard width of the model below
 LAYOUTS = ((2, 1), (1, 2), (2, 2), (1, 1), (2, 1))  # (tp, pp); TP2 again decodes TP1's message
 OVERRIDES = ["model.hidden_size=64", "model.num_attention_heads=4", "model.vocab_size=1000",
              "model.seq_length=64", "parallel.micro_batch_size=1",
@@ -39,9 +41,14 @@ def canonical_delta(key: str, shape) -> torch.Tensor:
     return x
 
 
+def _codec(kind, layout, schema, tp_group=None) -> CanonicalCodec:
+    return CanonicalCodec(kind, layout, schema, tp_group=tp_group,
+                          **(TOPK if kind == "topk" else {}))
+
+
 def _reference(kind: str, schema: CanonicalSchema) -> dict[str, torch.Tensor]:
     """Decoded values from one process holding ``schema``'s tensors whole, by key."""
-    codec = CanonicalCodec(kind, whole_layout(schema), schema)
+    codec = _codec(kind, whole_layout(schema), schema)
     data = codec.encode({k: canonical_delta(k, s) for k, s in schema.entries}, 100,
                         worker=0, round=3)
     return codec.decode([data])[0]
@@ -73,22 +80,24 @@ def _worker(layouts):
         mine = CanonicalSchema.from_shapes((s.key, s.global_shape) for s in layout.values())
         deltas = {n: canonical_delta(s.key, s.global_shape)[s.box] for n, s in layout.items()}
         for kind in KINDS:
-            codec = CanonicalCodec(kind, layout, schema,
-                                   tp_group=parallel_state.get_tensor_model_parallel_group())
+            codec = _codec(kind, layout, schema, parallel_state.get_tensor_model_parallel_group())
             part = codec.encode(deltas, 100, worker=0, round=3)
             parts = [None] * dist.get_world_size()
             dist.all_gather_object(parts, (topo.dp_rank, part))
             messages.setdefault((name, kind), [p for d, p in parts if d == 0])
             ref = _reference(kind, mine)
             # the local-shard codecs of the running exchange send the same values
+            # (top-k: only without TP, as the running exchange allows it)
             local = TensorSchema.from_tensors(deltas)
-            same = DenseCodec(local) if kind == "fp32" else SignCodec(
-                dataclasses.replace(local, row_scales=kind == "sign_row"),
-                tp_group=parallel_state.get_tensor_model_parallel_group(), tp_partition=split)
-            agg, _ = same.aggregate([same.encode(deltas, 100, worker=0, round=3)])
-            for n, s in layout.items():
-                if not torch.equal(agg[n], ref[s.key][s.box]):
-                    report["bad"].append(f"{kind} local-shard codec on {name}: {s.key}")
+            same = DenseCodec(local) if kind == "fp32" else TopKCodec(local, **TOPK) \
+                if kind == "topk" else SignCodec(
+                    dataclasses.replace(local, row_scales=kind == "sign_row"),
+                    tp_group=parallel_state.get_tensor_model_parallel_group(), tp_partition=split)
+            if kind != "topk" or tp == 1:
+                agg, _ = same.aggregate([same.encode(deltas, 100, worker=0, round=3)])
+                for n, s in layout.items():
+                    if not torch.equal(agg[n], ref[s.key][s.box]):
+                        report["bad"].append(f"{kind} local-shard codec on {name}: {s.key}")
             for (sender, k), msg in messages.items():
                 if k != kind:
                     continue
@@ -183,13 +192,17 @@ def test_whole_layout_is_the_sign_codecs_closed_form():
     schema = CanonicalSchema.from_shapes(SHAPES)
     xs = {k: canonical_delta(k, s) for k, s in schema.entries}
     for kind in KINDS:
-        codec = CanonicalCodec(kind, whole_layout(schema), schema)
+        codec = _codec(kind, whole_layout(schema), schema)
         fb = ErrorFeedback()
         out, tokens, _, _ = codec.decode(codec.encode(xs, 7, worker=2, round=1, feedback=fb))
         assert tokens == 7
         for k, x in xs.items():
             sign = torch.where(x >= 0, 1.0, -1.0)
-            if kind == "fp32":
+            if kind == "topk":  # the local-shard top-k codec on the whole tensor
+                one = TopKCodec(TensorSchema.from_tensors({k: x}), **TOPK)
+                expect = one.aggregate([one.encode({k: x}, 1, worker=0, round=0)])[0][k]
+                assert torch.equal(out[k], expect), k
+            elif kind == "fp32":
                 expect = x
             elif kind == "sign_row" and x.dim() == 2:
                 expect = x.abs().mean(dim=1, keepdim=True) * sign
@@ -198,6 +211,17 @@ def test_whole_layout_is_the_sign_codecs_closed_form():
             assert torch.allclose(out[k], expect, rtol=1e-6, atol=0), (kind, k)
             if kind != "fp32":
                 assert torch.allclose(out[k] + fb.residuals[k], x, atol=1e-6), (kind, k)
+
+
+def test_topk_refuses_a_tp_shard_that_splits_a_chunk():
+    """Catches top-k chunks cut at local instead of global columns: a row-parallel
+    shard starting inside a chunk (column 8 with chunk 16) is refused naming it."""
+    from geomesh.canonical import Shard
+
+    schema = CanonicalSchema.from_shapes([("w", (4, 32))])
+    layout = {"w": Shard("w", (4, 32), (0, 8), (4, 24))}
+    with pytest.raises(ValueError, match="'w' .* inside a chunk .* divides 24"):
+        _codec("topk", layout, schema).encode({"w": torch.ones(4, 24)}, 1, worker=0, round=0)
 
 
 def test_aggregate_weights_workers_by_tokens():
@@ -244,7 +268,7 @@ def _drop_piece(data: bytes) -> bytes:
     """The message with its last piece (the 1024 x 64 embedding) removed, re-framed."""
     import struct
 
-    head = struct.Struct("<4sHBBIIQ8sII")
+    head = HEADER
     fields = list(head.unpack_from(data, 0))
     fields[-1] -= 1
     body = head.pack(*fields) + data[head.size:len(data) - 4 - (4 + 16 + 4 * 1024 * 64)]
