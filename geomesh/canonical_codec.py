@@ -105,9 +105,9 @@ class CanonicalCodec:
             if kind == "topk" else None
         self._params = (bits, chunk, k) if self.topk is not None else (0, 0, 0)
         self.kind, self.layout, self.schema, self.tp_group = kind, dict(layout), schema, tp_group
-        self._index = schema.index()
+        self._index, shapes = schema.index(), dict(schema.entries)
         for name, s in self.layout.items():
-            if dict(schema.entries).get(s.key) != s.global_shape:
+            if shapes.get(s.key) != s.global_shape:
                 raise ValueError(f"parameter '{name}' ({s.key} {s.global_shape}) is not in the "
                                  "canonical schema")
         self._schema_blob = zlib.compress(schema.to_text().encode())
@@ -155,8 +155,8 @@ class CanonicalCodec:
 
         Args:
             deltas: ``{local name: pseudo-gradient}`` of this rank's shards
-                (``local_shape`` each).  With sign codecs, a collective over
-                ``tp_group``: every TP rank calls it.
+                (``local_shape`` each).  With sign and top-k codecs, a collective
+                over ``tp_group``: every TP rank calls it.
             feedback: error-feedback residuals by local name (kept on every
                 rank, TP replicas included, ``e = x − D(C(x))``).
 
