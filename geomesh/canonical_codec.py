@@ -38,6 +38,11 @@ Wire format of one part (little-endian)::
                   :meth:`geomesh.sparse.TopKCodec.matrix_bytes` of the box, vectors fp32
     trailer  4 B  CRC-32 of everything before
 
+- ``sign_pred``: :class:`geomesh.predict.PredictiveSignCodec` on global rows:
+  ``γ = ⟨x, v⟩ / ‖v‖²`` per global row (both sums over the TP group), then
+  ``sign_row`` of the innovation ``y = Δ + e − γ v``; a piece carries the
+  ``γ`` of its rows before the scales; the receiver adds ``γ v`` with its own
+  shard of the outer momentum ``v``.
 - ``topk``: :class:`geomesh.sparse.TopKCodec` on global rows.  Chunks are cut at
   global columns ``0, chunk, 2·chunk, ...``, so a row split along dim 1 across
   TP ranks keeps its chunks whole when ``chunk`` divides the shard width
@@ -46,8 +51,8 @@ Wire format of one part (little-endian)::
   whole row's kept magnitudes) need the whole row's kept magnitudes: they are
   all-gathered over the TP group (``1/chunk · k`` of the row per rank).
 
-Not yet covered: predicted sign; the running exchange (:mod:`geomesh.sync`)
-still uses the local-shard codecs.
+Not yet covered: the running exchange (:mod:`geomesh.sync`) still uses the
+local-shard codecs.
 """
 
 from __future__ import annotations
@@ -73,19 +78,21 @@ from .compression import (
     scale_signs,
     unpack_signs,
 )
+from .predict import fit_coefficients
 from .sparse import TopKCodec, chunk_layout
 
 HEADER = struct.Struct("<4sHBBHHIIQ8sII")
 _MAGIC = b"GMCN"
 _CRC = struct.Struct("<I")
-_KINDS = {"fp32": 0, "sign": 1, "sign_row": 2, "topk": 3}
+_KINDS = {"fp32": 0, "sign": 1, "sign_row": 2, "topk": 3, "sign_pred": 4}
+_ROWS = ("sign_row", "sign_pred")  # one scale per global row of 2+-dim tensors
 
 
 class CanonicalCodec:
     """Encode this process's shards, decode any layout's message into them.
 
     Args:
-        kind: ``"fp32"``, ``"sign"``, ``"sign_row"`` or ``"topk"``.
+        kind: ``"fp32"``, ``"sign"``, ``"sign_row"``, ``"sign_pred"`` or ``"topk"``.
         layout: ``{local name: Shard}`` (:func:`geomesh.canonical.layout_map`).
         schema: the whole model's canonical schema (:meth:`CanonicalSchema.gather`).
         tp_group: the worker's TP group (scales of split tensors and rows are
@@ -115,42 +122,83 @@ class CanonicalCodec:
     # -- scales -------------------------------------------------------------
 
     def _num_scales(self, shape: Sequence[int]) -> int:
-        return num_row_scales(shape) if self.kind == "sign_row" else 1
+        return num_row_scales(shape) if self.kind in _ROWS else 1
 
-    def _scales(self, xs: Mapping[str, torch.Tensor], worker: int) -> dict[str, torch.Tensor]:
-        """Per local name, fp32 scales of the whole canonical tensor or of its global
-        rows: L1 sums placed at global positions, summed over the TP group."""
+    def _global_sums(self, sums, device) -> tuple[torch.Tensor, dict]:
+        """fp64 ``[m, scales of this stage]``: ``sums(name, x_rows)`` (``[m, local scales]``
+        over each scale's local elements, ``x_rows = [local scales, -1]`` views) placed at
+        the global positions of the canonical scales and summed over the TP group;
+        TP replicas add nothing (counted once, by TP rank 0)."""
         spans, pos = {}, 0
         for name, s in self.layout.items():
             spans[name] = (pos, self._num_scales(s.global_shape))
             pos += spans[name][1]
-        device = next((x.device for x in xs.values()), torch.device("cpu"))
-        l1 = torch.zeros(pos, dtype=torch.float64, device=device)
-        counts = torch.zeros(pos, dtype=torch.float64, device=device)
+        out = None
         for name, s in self.layout.items():
             at, n = spans[name]
-            counts[at:at + n] = math.prod(s.global_shape) / n
-            if not s.tp_main:  # a TP replica: its copy is counted once, by TP rank 0
+            if not s.tp_main:
                 continue
-            x = xs[name]
-            if n == 1:
-                l1[at] = x.abs().sum(dtype=torch.float64)
-            else:  # this shard's rows are global rows offsets[0] ...
-                r0 = at + s.offsets[0]
-                l1[r0:r0 + s.local_shape[0]] = \
-                    x.reshape(s.local_shape[0], -1).abs().sum(dim=1, dtype=torch.float64)
-        scales = mean_abs_scales(l1, counts, worker=worker, group=self.tp_group)
+            rows = 1 if n == 1 else s.local_shape[0]
+            part = sums(name, rows)  # [m, rows] fp64
+            if out is None:
+                out = torch.zeros(part.shape[0], pos, dtype=torch.float64, device=device)
+            r0 = at + (0 if n == 1 else s.offsets[0])
+            out[:, r0:r0 + rows] = part.to(device)
+        if out is None:  # nothing here (an empty model chunk)
+            out = torch.zeros(1, pos, dtype=torch.float64, device=device)
+        if self.tp_group is not None and dist.get_world_size(self.tp_group) > 1:
+            dist.all_reduce(out, group=self.tp_group)
+        return out, spans
+
+    def _local(self, vec: torch.Tensor, spans: dict) -> dict[str, torch.Tensor]:
+        """This shard's entries of a per-canonical-scale vector, by local name."""
         out = {}
         for name, s in self.layout.items():
             at, n = spans[name]
-            out[name] = (scales[at:at + n] if n == 1 else
-                         scales[at + s.offsets[0]:at + s.offsets[0] + s.local_shape[0]])
+            out[name] = (vec[at:at + n] if n == 1 else
+                         vec[at + s.offsets[0]:at + s.offsets[0] + s.local_shape[0]])
         return out
+
+    def _scales(self, xs: Mapping[str, torch.Tensor], worker: int) -> dict[str, torch.Tensor]:
+        """Per local name, fp32 scales of the whole canonical tensor or of its global
+        rows: L1 sums placed at global positions, summed over the TP group."""
+        device = next((x.device for x in xs.values()), torch.device("cpu"))
+        l1, spans = self._global_sums(
+            lambda name, rows: xs[name].reshape(rows, -1).abs().sum(dim=1, dtype=torch.float64)
+            .unsqueeze(0), device)
+        counts = torch.zeros(l1.shape[1], dtype=torch.float64, device=device)
+        for name, s in self.layout.items():
+            at, n = spans[name]
+            counts[at:at + n] = math.prod(s.global_shape) / n
+        return self._local(mean_abs_scales(l1[0], counts, worker=worker), spans)
+
+    def _coefs(self, xs: Mapping[str, torch.Tensor], v: Mapping[str, torch.Tensor]
+               ) -> dict[str, torch.Tensor]:
+        """``γ`` of :mod:`geomesh.predict` per global row (or tensor), by local name:
+        ``⟨x, v⟩`` and ``‖v‖²`` summed over the TP group (fp64)."""
+        def sums(name, rows):
+            x, p = xs[name], v.get(name)
+            if p is None or x.numel() == 0:
+                return torch.zeros(2, rows, dtype=torch.float64)
+            xr, pr = x.reshape(rows, -1).double(), p.reshape(rows, -1).to(x.device).double()
+            return torch.stack([(xr * pr).sum(dim=1), (pr * pr).sum(dim=1)])
+
+        device = next((x.device for x in xs.values()), torch.device("cpu"))
+        both, spans = self._global_sums(sums, device)
+        return self._local(fit_coefficients(both), spans)
+
+    @staticmethod
+    def _times(gamma: torch.Tensor, v: torch.Tensor | None, shape) -> torch.Tensor:
+        """``γ ⊙ v`` (rows scaled by their coefficient), zeros without ``v``."""
+        if v is None or not math.prod(shape):
+            return torch.zeros(shape)  # host: no prediction
+        return (v.float().reshape(gamma.numel(), -1) * gamma.to(v.device).unsqueeze(1)).reshape(shape)
 
     # -- encode -------------------------------------------------------------
 
     def encode(self, deltas: Mapping[str, torch.Tensor], num_tokens: int, *, worker: int,
-               round: int, feedback: ErrorFeedback | None = None) -> bytes:
+               round: int, feedback: ErrorFeedback | None = None,
+               predictor: Mapping[str, torch.Tensor] | None = None) -> bytes:
         """This process's part of the worker's message.
 
         Args:
@@ -159,6 +207,8 @@ class CanonicalCodec:
                 over ``tp_group``: every TP rank calls it.
             feedback: error-feedback residuals by local name (kept on every
                 rank, TP replicas included, ``e = x − D(C(x))``).
+            predictor: ``sign_pred``: the outer momentum ``v`` by local name
+                (this rank's shards; empty before the first outer step).
 
         Raises:
             ValueError: a missing tensor, a wrong shape, or NaN/Inf values.
@@ -174,7 +224,15 @@ class CanonicalCodec:
             xs[name] = feedback.add(name, x) if feedback is not None else x
             if self.kind == "fp32" and not bool(torch.isfinite(x).all()):
                 raise ValueError(f"pseudo-gradient '{name}' of worker {worker} has NaN/Inf")
-        scales = self._scales(xs, worker) if self.kind in ("sign", "sign_row") else {}
+        gamma = {}
+        if self.kind == "sign_pred":  # send the innovation y = Δ + e − γ v (geomesh.predict)
+            v = predictor or {}
+            gamma = self._coefs(xs, v)
+            for name, s in self.layout.items():
+                y = deltas[name].detach().float() - self._times(gamma[name], v.get(name),
+                                                                s.local_shape)
+                xs[name] = feedback.add(name, y) if feedback is not None else y
+        scales = self._scales(xs, worker) if self.kind in ("sign", *_ROWS) else {}
         pieces = []
         for name, s in self.layout.items():
             x = xs[name]
@@ -195,7 +253,9 @@ class CanonicalCodec:
             elif self.kind == "fp32":
                 pieces.append(box + x.contiguous().cpu().numpy().astype("<f4").tobytes())
             else:
-                pieces.append(box + scales[name].cpu().numpy().astype("<f4").tobytes()
+                pieces.append(box + (gamma[name].cpu().numpy().astype("<f4").tobytes()
+                                     if gamma else b"")
+                              + scales[name].cpu().numpy().astype("<f4").tobytes()
                               + packed.cpu().numpy().tobytes())
         head = HEADER.pack(_MAGIC, 1, _KINDS[self.kind], *self._params, worker, round % 2**32,
                             int(num_tokens), self.schema.digest, len(self._schema_blob),
@@ -297,13 +357,15 @@ class CanonicalCodec:
                                    f"outside '{key}' {gshape}")
             n = math.prod(lens)
             lay = chunk_layout(lens, self.topk.chunk) if self.topk is not None else None
+            pred = 0  # bytes of sign_pred's coefficients in this piece
             if lay is not None:
                 need = self.topk.matrix_size(*lay)
             elif self.kind in ("fp32", "topk"):
                 need = 4 * n
             else:
-                ns = lens[0] if self.kind == "sign_row" and nd >= 2 else 1
-                need = 4 * ns + packed_size(n)
+                ns = lens[0] if self.kind in _ROWS and nd >= 2 else 1
+                pred = 4 * ns if self.kind == "sign_pred" else 0
+                need = pred + 4 * ns + packed_size(n)
             if off + need > end:
                 raise MessageError(f"canonical message from worker {worker} truncated in '{key}'")
             if lay is not None:
@@ -316,6 +378,13 @@ class CanonicalCodec:
                                        "NaN/Inf values")
                 box = box.reshape(lens)
             else:
+                if pred:  # the coefficients γ of the box's rows
+                    gamma = torch.from_numpy(np.frombuffer(buf, "<f4", ns, off).astype(np.float32))  # host
+                    if not bool(torch.isfinite(gamma).all()):
+                        raise MessageError(f"canonical message from worker {worker}: '{key}' "
+                                           "has a non-finite coefficient")
+                    off += pred
+                    need -= pred
                 scale = torch.from_numpy(np.frombuffer(buf, "<f4", ns, off).astype(np.float32))  # host
                 if not bool((torch.isfinite(scale) & (scale >= 0)).all()):
                     raise MessageError(f"canonical message from worker {worker}: '{key}' has "
@@ -324,13 +393,17 @@ class CanonicalCodec:
                                                         off + 4 * ns).copy())
                 box = self._dense(packed, scale, lens)
             off += need
-            out.append((key, offs, lens, box))
+            out.append((key, offs, lens, box, gamma if pred else None))
         if off != end:
             raise MessageError(f"canonical message from worker {worker} is overlong")
         return (worker, rnd, tokens), out
 
-    def decode(self, parts: Sequence[bytes]) -> tuple[dict[str, torch.Tensor], int, int, int]:
+    def decode(self, parts: Sequence[bytes], *, predictor: Mapping[str, torch.Tensor] | None = None
+               ) -> tuple[dict[str, torch.Tensor], int, int, int]:
         """Decode one worker's message (its processes' parts, any layout) into this rank's shards.
+
+        ``predictor``: ``sign_pred``'s outer momentum ``v`` on this rank's shards
+        (by local name); each decoded row is ``m sign(y) + γ v``.
 
         Returns:
             ``({local name: fp32 tensor of its local_shape}, num_tokens, worker, round)``,
@@ -351,8 +424,8 @@ class CanonicalCodec:
                 raise MessageError(f"parts of one message disagree: (worker, round, tokens) "
                                    f"{ident} and {head}")
             ident = head
-            for key, offs, lens, box in pieces:
-                by_key.setdefault(key, []).append((offs, lens, box))
+            for key, offs, lens, box, gamma in pieces:
+                by_key.setdefault(key, []).append((offs, lens, box, gamma))
         if ident is None:
             raise MessageError("empty canonical message (no parts)")
         worker, rnd, tokens = ident
@@ -360,7 +433,8 @@ class CanonicalCodec:
         for name, s in self.layout.items():
             t = torch.zeros(s.local_shape)  # host: decoded wire bytes
             covered = 0
-            for offs, lens, box in by_key.get(s.key, ()):
+            v = (predictor or {}).get(name)
+            for offs, lens, box, gamma in by_key.get(s.key, ()):
                 lo = [max(a, b) for a, b in zip(offs, s.offsets)]
                 hi = [min(a + n, b + m) for a, n, b, m in zip(offs, lens, s.offsets, s.local_shape)]
                 if any(h <= low for low, h in zip(lo, hi)) and s.local_shape:
@@ -368,6 +442,10 @@ class CanonicalCodec:
                 dst = tuple(slice(low - o, h - o) for low, h, o in zip(lo, hi, s.offsets))
                 src = tuple(slice(low - o, h - o) for low, h, o in zip(lo, hi, offs))
                 t[dst] = box[src]
+                if gamma is not None and v is not None:  # + γ v on the overlap (geomesh.predict)
+                    g = gamma[src[0]].view(-1, *[1] * (len(lens) - 1)) if gamma.numel() > 1 \
+                        else gamma[0]
+                    t[dst] += v[dst].float() * g
                 covered += math.prod(h - low for low, h in zip(lo, hi))
             if covered != s.numel:
                 raise MessageError(f"message from worker {worker} covers {covered} of the "
@@ -377,11 +455,13 @@ class CanonicalCodec:
         return out, tokens, worker, rnd
 
     def aggregate(self, messages: Sequence[Sequence[bytes] | None], *, guard=None,
-                  senders: Sequence[int] | None = None, round: int | None = None
+                  senders: Sequence[int] | None = None, round: int | None = None,
+                  predictor: Mapping[str, torch.Tensor] | None = None
                   ) -> tuple[dict[str, torch.Tensor] | None, list[int]]:
         """Token-weighted ``Δ = Σ (n_i/N) D(msg_i)`` on this rank's shards (equation 1).
 
         ``messages[j]`` is worker ``j``'s list of parts (``None``: lost); identities,
         guard and return value as :func:`geomesh.codec.aggregate_decoded`.
         """
-        return aggregate_decoded(messages, self.decode, guard, senders=senders, round=round)
+        return aggregate_decoded(messages, lambda m: self.decode(m, predictor=predictor), guard,
+                                 senders=senders, round=round)

@@ -20,10 +20,11 @@ from geomesh.canonical import CanonicalSchema, whole_layout
 from geomesh.canonical_codec import HEADER, CanonicalCodec
 from geomesh.codec import DenseCodec, SignCodec
 from geomesh.compression import ErrorFeedback, MessageError, TensorSchema
+from geomesh.predict import PredictiveSignCodec
 from geomesh.sparse import TopKCodec
 from tests.dist_utils import launch
 
-KINDS = ("fp32", "sign", "sign_row", "topk")
+KINDS = ("fp32", "sign", "sign_row", "sign_pred", "topk")
 TOPK = {"chunk": 16, "k": 4, "bits": 2}  # 16 divides every TP2 shard width of the model below
 LAYOUTS = ((2, 1), (1, 2), (2, 2), (1, 1), (2, 1))  # (tp, pp); TP2 again decodes TP1's message
 OVERRIDES = ["model.hidden_size=64", "model.num_attention_heads=4", "model.vocab_size=1000",
@@ -46,12 +47,18 @@ def _codec(kind, layout, schema, tp_group=None) -> CanonicalCodec:
                           **(TOPK if kind == "topk" else {}))
 
 
+def momentum(key: str, shape) -> torch.Tensor:
+    """The outer momentum ``v`` (sign_pred's predictor), correlated with the delta."""
+    return 0.5 * canonical_delta(key, shape) + canonical_delta(key + "/v", shape)
+
+
 def _reference(kind: str, schema: CanonicalSchema) -> dict[str, torch.Tensor]:
     """Decoded values from one process holding ``schema``'s tensors whole, by key."""
     codec = _codec(kind, whole_layout(schema), schema)
+    v = {k: momentum(k, s) for k, s in schema.entries}
     data = codec.encode({k: canonical_delta(k, s) for k, s in schema.entries}, 100,
-                        worker=0, round=3)
-    return codec.decode([data])[0]
+                        worker=0, round=3, predictor=v)
+    return codec.decode([data], predictor=v)[0]
 
 
 def _worker(layouts):
@@ -79,9 +86,10 @@ def _worker(layouts):
         report["main"].append((name, topo.dp_rank, {s.key: s.box for s in layout.values() if s.main}))
         mine = CanonicalSchema.from_shapes((s.key, s.global_shape) for s in layout.values())
         deltas = {n: canonical_delta(s.key, s.global_shape)[s.box] for n, s in layout.items()}
+        v = {n: momentum(s.key, s.global_shape)[s.box] for n, s in layout.items()}
         for kind in KINDS:
             codec = _codec(kind, layout, schema, parallel_state.get_tensor_model_parallel_group())
-            part = codec.encode(deltas, 100, worker=0, round=3)
+            part = codec.encode(deltas, 100, worker=0, round=3, predictor=v)
             parts = [None] * dist.get_world_size()
             dist.all_gather_object(parts, (topo.dp_rank, part))
             messages.setdefault((name, kind), [p for d, p in parts if d == 0])
@@ -90,18 +98,20 @@ def _worker(layouts):
             # (top-k: only without TP, as the running exchange allows it)
             local = TensorSchema.from_tensors(deltas)
             same = DenseCodec(local) if kind == "fp32" else TopKCodec(local, **TOPK) \
-                if kind == "topk" else SignCodec(
-                    dataclasses.replace(local, row_scales=kind == "sign_row"),
+                if kind == "topk" else (PredictiveSignCodec if kind == "sign_pred" else SignCodec)(
+                    dataclasses.replace(local, row_scales=kind != "sign"),
                     tp_group=parallel_state.get_tensor_model_parallel_group(), tp_partition=split)
+            pred = {"predictor": v} if kind == "sign_pred" else {}
             if kind != "topk" or tp == 1:
-                agg, _ = same.aggregate([same.encode(deltas, 100, worker=0, round=3)])
+                agg, _ = same.aggregate([same.encode(deltas, 100, worker=0, round=3, **pred)],
+                                        **pred)
                 for n, s in layout.items():
                     if not torch.equal(agg[n], ref[s.key][s.box]):
                         report["bad"].append(f"{kind} local-shard codec on {name}: {s.key}")
             for (sender, k), msg in messages.items():
                 if k != kind:
                     continue
-                decoded, tokens, worker, rnd = codec.decode(msg)
+                decoded, tokens, worker, rnd = codec.decode(msg, predictor=v)
                 assert (tokens, worker, rnd) == (100, 0, 3)
                 for n, s in layout.items():
                     report["checks"] += 1
@@ -185,20 +195,30 @@ SHAPES = [("embedding.word_embeddings.weight", (1024, 64)), ("decoder.layers.0.f
           ("decoder.layers.0.fc2.bias", (64,))]
 
 
-def test_whole_layout_is_the_sign_codecs_closed_form():
+def test_whole_layout_is_the_codecs_closed_form():
     """Catches a canonical codec that does not send m·sign(x) with m = mean|x| over the
-    tensor (sign) or each row (sign_row), or loses fp32 bits; and error feedback that
-    does not keep x − D(C(x))."""
+    tensor (sign) or each row (sign_row), sign_pred that does not send γ v + m·sign(y)
+    with y = x − γ v, γ = ⟨x, v⟩/‖v‖² per row, top-k that differs from TopKCodec, lost
+    fp32 bits, and error feedback that does not keep x − D(C(x))."""
     schema = CanonicalSchema.from_shapes(SHAPES)
     xs = {k: canonical_delta(k, s) for k, s in schema.entries}
+    vs = {k: momentum(k, s) for k, s in schema.entries}
     for kind in KINDS:
         codec = _codec(kind, whole_layout(schema), schema)
         fb = ErrorFeedback()
-        out, tokens, _, _ = codec.decode(codec.encode(xs, 7, worker=2, round=1, feedback=fb))
+        out, tokens, _, _ = codec.decode(codec.encode(xs, 7, worker=2, round=1, feedback=fb,
+                                                      predictor=vs), predictor=vs)
         assert tokens == 7
         for k, x in xs.items():
             sign = torch.where(x >= 0, 1.0, -1.0)
-            if kind == "topk":  # the local-shard top-k codec on the whole tensor
+            if kind == "sign_pred":
+                v = vs[k].reshape(x.shape[0] if x.dim() == 2 else 1, -1)
+                xr = x.reshape(v.shape)
+                gamma = (xr * v).sum(dim=1, keepdim=True) / (v * v).sum(dim=1, keepdim=True)
+                y = xr - gamma * v
+                expect = (gamma * v + y.abs().mean(dim=1, keepdim=True) * y.sign()).reshape(x.shape)
+                assert gamma.abs().mean() > 0.2  # the predictor matters
+            elif kind == "topk":  # the local-shard top-k codec on the whole tensor
                 one = TopKCodec(TensorSchema.from_tensors({k: x}), **TOPK)
                 expect = one.aggregate([one.encode({k: x}, 1, worker=0, round=0)])[0][k]
                 assert torch.equal(out[k], expect), k
@@ -208,7 +228,8 @@ def test_whole_layout_is_the_sign_codecs_closed_form():
                 expect = x.abs().mean(dim=1, keepdim=True) * sign
             else:
                 expect = x.abs().mean() * sign
-            assert torch.allclose(out[k], expect, rtol=1e-6, atol=0), (kind, k)
+            tol = 1e-5 if kind == "sign_pred" else 0  # γ in fp64 here, fp32 in the test
+            assert torch.allclose(out[k], expect, rtol=1e-6, atol=tol), (kind, k)
             if kind != "fp32":
                 assert torch.allclose(out[k] + fb.residuals[k], x, atol=1e-6), (kind, k)
 
