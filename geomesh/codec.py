@@ -166,14 +166,8 @@ class SignCodec(Codec):
             reduce.append(torch.full((n,), red, dtype=torch.bool, device=device))
         l1 = torch.cat(sums) if sums else torch.zeros(0, dtype=torch.float64, device=device)
         mask = torch.cat(reduce) if reduce else torch.zeros(0, dtype=torch.bool, device=device)
-        if bool(mask.any()):  # one all-reduce of the split tensors' partial sums
-            part = torch.where(mask, l1, torch.zeros_like(l1))
-            dist.all_reduce(part, group=self.tp_group)
-            l1 = torch.where(mask, part, l1)
-        scales = (l1 / torch.cat(counts).clamp(min=1)).float()  # fp32 on the wire
-        if not bool(torch.isfinite(scales).all()):
-            raise ValueError(f"pseudo-gradient of worker {worker} has NaN/Inf; the worker "
-                             "diverged (lower the inner learning rate)")
+        counts = torch.cat(counts) if counts else torch.zeros(0, dtype=torch.float64, device=device)
+        scales = mean_abs_scales(l1, counts, worker=worker, group=self.tp_group, reduce=mask)
         tensors, off = {}, 0
         for (name, shape), x in zip(self.schema.entries, xs):
             n = self.schema.num_scales(shape)
@@ -264,6 +258,34 @@ class DenseCodec(Codec):
     @classmethod
     def encoded_bytes(cls, schema: TensorSchema) -> int:
         return _DENSE_HEADER.size + 4 * schema.numel + _CRC.size
+
+
+def mean_abs_scales(l1: torch.Tensor, counts: torch.Tensor, *, worker: int,
+                    group: dist.ProcessGroup | None = None,
+                    reduce: torch.Tensor | None = None) -> torch.Tensor:
+    """fp32 sign-codec scales ``m = Σ|x| / count`` (least squares, :mod:`geomesh.compression`).
+
+    Args:
+        l1: fp64 ``[n]`` L1 sums of this rank's part of each scale's elements.
+        counts: fp64 ``[n]`` elements per scale over the whole (reduced) scale.
+        worker: for the error message.
+        group: the worker's TP group; entries selected by ``reduce`` are summed
+            over it first (one all-reduce), so a scale covers a whole tensor or
+            row split across TP ranks.
+        reduce: bool ``[n]``; ``None``: every entry.
+
+    Raises:
+        ValueError: a scale is NaN/Inf (a diverged worker).
+    """
+    if group is not None and (reduce is None or bool(reduce.any())):
+        part = l1.clone() if reduce is None else torch.where(reduce, l1, torch.zeros_like(l1))
+        dist.all_reduce(part, group=group)
+        l1 = part if reduce is None else torch.where(reduce, part, l1)
+    scales = (l1 / counts.clamp(min=1)).float()  # fp32 on the wire
+    if not bool(torch.isfinite(scales).all()):
+        raise ValueError(f"pseudo-gradient of worker {worker} has NaN/Inf; the worker "
+                         "diverged (lower the inner learning rate)")
+    return scales
 
 
 def aggregate_decoded(messages: Sequence[bytes | None], decode, guard=None, *,

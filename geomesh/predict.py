@@ -48,6 +48,13 @@ _HEAD = struct.Struct("<4sHHI")
 _MAGIC = b"GMPR"
 
 
+def fit_coefficients(both: torch.Tensor) -> torch.Tensor:
+    """fp32 ``γ = ⟨x, v⟩ / ‖v‖²`` per scale from fp64 ``[2, n]`` sums ``(⟨x, v⟩, ‖v‖²)``
+    over each scale's elements (0 where ``v`` is 0: no prediction)."""
+    return torch.where(both[1] > 0, both[0] / both[1].clamp(min=1e-300),
+                       torch.zeros_like(both[0])).float()
+
+
 class PredictiveSignCodec(SignCodec):
     """:class:`SignCodec` of ``x − γ v`` plus the per-scale coefficients ``γ`` (module docstring).
 
@@ -92,8 +99,7 @@ class PredictiveSignCodec(SignCodec):
             part = torch.where(mask, both, torch.zeros_like(both))
             dist.all_reduce(part, group=self.tp_group)
             both = torch.where(mask, part, both)
-        gamma = torch.where(both[1] > 0, both[0] / both[1].clamp(min=1e-300), torch.zeros_like(both[0]))
-        return gamma.float()
+        return fit_coefficients(both)
 
     def _times(self, gamma: torch.Tensor, v: Mapping[str, torch.Tensor], like: Mapping[str, torch.Tensor]):
         """``γ ⊙ v`` per tensor (rows scaled by their coefficient); zeros without ``v``."""

@@ -50,7 +50,7 @@ _MAGIC = b"GMTK"
 _CRC = struct.Struct("<I")
 
 
-def _layout(shape: Sequence[int], chunk: int) -> tuple[int, int] | None:
+def chunk_layout(shape: Sequence[int], chunk: int) -> tuple[int, int] | None:
     """``(rows, chunks per row)`` of a matrix, ``None`` for a vector (sent as fp32)."""
     if len(shape) < 2:
         return None
@@ -85,7 +85,7 @@ class TopKCodec(Codec):
         """Exact bytes of one encoded message for ``schema``."""
         n = _HEADER.size + _CRC.size
         for _, shape in schema.entries:
-            lay = _layout(shape, chunk)
+            lay = chunk_layout(shape, chunk)
             if lay is None:
                 n += 4 * math.prod(shape)
             else:
@@ -106,11 +106,19 @@ class TopKCodec(Codec):
     def _select(self, x: torch.Tensor, rows: int, nch: int):
         """Positions ``[rows, nch, k]``, signs, levels (``bits = 2``) and the row
         scales ``[bits, rows]`` of ``x``."""
-        c, k = self.chunk, self.k
+        k = self.k
         if rows * nch == 0:  # an empty tensor: nothing to send but its (zero) scales
             z = torch.zeros(rows, nch, k, dtype=torch.bool, device=x.device)
             return (torch.zeros(rows, nch, k, dtype=torch.long, device=x.device), z, z,
                     torch.zeros(self.bits, rows, device=x.device))
+        pos, vals = self.pick(x, rows, nch)
+        level, scales = self.levels(vals.abs().reshape(rows, -1))  # a padded slot counts as 0
+        return pos, vals >= 0, level.reshape(vals.shape), scales
+
+    def pick(self, x: torch.Tensor, rows: int, nch: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Positions (sorted) and values of the top-``k`` ``|x|`` of each chunk: ``[rows, nch, k]``
+        each; ``x`` is ``rows`` rows of ``nch`` chunks (the last one zero-padded)."""
+        c, k = self.chunk, self.k
         flat = x.reshape(rows, -1)
         pad = nch * c - flat.shape[1]
         if pad:
@@ -118,19 +126,20 @@ class TopKCodec(Codec):
         blocks = flat.reshape(rows, nch, c)
         _, pos = blocks.abs().topk(k, dim=-1, sorted=False)
         pos, _ = pos.sort(dim=-1)  # deterministic order on the wire
-        vals = blocks.gather(-1, pos)  # [rows, nch, k]
-        mag = vals.abs().reshape(rows, -1)  # a padded slot holds 0 and counts as 0
+        return pos, blocks.gather(-1, pos)
+
+    def levels(self, mag: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Level bits ``[rows, n]`` and fp32 scales ``[bits, rows]`` of each row's kept
+        magnitudes ``mag [rows, n]`` (the whole row's, in chunk order)."""
         if self.bits == 1:
-            level = torch.zeros_like(vals, dtype=torch.bool)
-            scales = mag.mean(dim=1, keepdim=True).T
-        else:  # split each row's kept magnitudes at their median: least squares per half
-            hi = mag > mag.median(dim=1, keepdim=True).values
-            n_hi = hi.sum(dim=1).clamp(min=1)
-            n_lo = (~hi).sum(dim=1).clamp(min=1)
-            m_hi = torch.where(hi, mag, 0.0).sum(dim=1) / n_hi
-            m_lo = torch.where(hi, 0.0, mag).sum(dim=1) / n_lo
-            level, scales = hi.reshape(vals.shape), torch.stack([m_lo, m_hi])
-        return pos, vals >= 0, level, scales.float()
+            return torch.zeros_like(mag, dtype=torch.bool), mag.mean(dim=1, keepdim=True).T.float()
+        # split each row's kept magnitudes at their median: least squares per half
+        hi = mag > mag.median(dim=1, keepdim=True).values
+        n_hi = hi.sum(dim=1).clamp(min=1)
+        n_lo = (~hi).sum(dim=1).clamp(min=1)
+        m_hi = torch.where(hi, mag, 0.0).sum(dim=1) / n_hi
+        m_lo = torch.where(hi, 0.0, mag).sum(dim=1) / n_lo
+        return hi, torch.stack([m_lo, m_hi]).float()
 
     def encode(self, deltas, num_tokens, *, worker, round, feedback: ErrorFeedback | None = None):
         parts = [_HEADER.pack(_MAGIC, 1, self._flags, worker, round % 2**32, int(num_tokens),
@@ -144,25 +153,58 @@ class TopKCodec(Codec):
             if not bool(torch.isfinite(x).all()):
                 raise ValueError(f"pseudo-gradient '{name}' of worker {worker} has NaN/Inf; the "
                                  "worker diverged (lower the inner learning rate)")
-            lay = _layout(shape, self.chunk)
+            lay = chunk_layout(shape, self.chunk)
             if lay is None:
                 parts.append(x.contiguous().cpu().numpy().astype("<f4", copy=False).tobytes())
                 sent = x
             else:
                 rows, nch = lay
                 pos, sign, level, scales = self._select(x, rows, nch)
-                parts.append(scales.cpu().numpy().astype("<f4").tobytes())
-                body = [pos.to(torch.uint8).cpu().numpy(), np.packbits(sign.cpu().numpy(), axis=-1)]
-                if self.bits == 2:
-                    body.append(np.packbits(level.cpu().numpy(), axis=-1))
-                parts.append(np.concatenate(body, axis=-1).tobytes())
-                sent = self._dense(pos, sign, level, scales, shape).to(x.device)
+                parts.append(self.matrix_bytes(pos, sign, level, scales))
+                sent = self.dense(pos, sign, level, scales, shape).to(x.device)
             if feedback is not None:  # e ← x − D(C(x)), kept locally
                 feedback.keep(name, x - sent)
         data = b"".join(parts)
         return data + _CRC.pack(zlib.crc32(data))
 
-    def _dense(self, pos: torch.Tensor, sign: torch.Tensor, level: torch.Tensor,
+    def matrix_bytes(self, pos: torch.Tensor, sign: torch.Tensor, level: torch.Tensor,
+                     scales: torch.Tensor) -> bytes:
+        """Wire bytes of one matrix: scales ``[bits, rows]`` f32, then per row and chunk
+        ``k`` u8 positions, sign bits and (``bits = 2``) level bits."""
+        body = [pos.to(torch.uint8).cpu().numpy(), np.packbits(sign.cpu().numpy(), axis=-1)]
+        if self.bits == 2:
+            body.append(np.packbits(level.cpu().numpy(), axis=-1))
+        return scales.cpu().numpy().astype("<f4").tobytes() + np.concatenate(body, axis=-1).tobytes()
+
+    def matrix_size(self, rows: int, nch: int) -> int:
+        """Bytes of :meth:`matrix_bytes` for ``rows`` rows of ``nch`` chunks."""
+        return 4 * self.bits * rows + rows * nch * (self.k + self.bits * ((self.k + 7) // 8))
+
+    def read_matrix(self, buf: bytes, off: int, shape: Sequence[int], rows: int, nch: int,
+                    who: str) -> torch.Tensor:
+        """Decoded matrix of ``shape`` from :meth:`matrix_bytes` at ``buf[off:]`` (host).
+
+        Raises:
+            MessageError: a negative or non-finite scale, a position outside its chunk.
+        """
+        k, kb = self.k, (self.k + 7) // 8
+        scales = torch.from_numpy(np.frombuffer(buf, "<f4", self.bits * rows, off)  # host
+                                  .astype(np.float32)).reshape(self.bits, rows)
+        off += 4 * self.bits * rows
+        if not bool((torch.isfinite(scales) & (scales >= 0)).all()):
+            raise MessageError(f"{who} has a negative or non-finite scale")
+        width = k + self.bits * kb
+        body = np.frombuffer(buf, np.uint8, rows * nch * width, off).reshape(rows, nch, width)
+        if int(body[..., :k].max(initial=0)) >= self.chunk:
+            raise MessageError(f"{who}: position out of chunk")
+        pos = torch.from_numpy(body[..., :k].copy())  # host: decoded wire bytes
+        sign = torch.from_numpy(  # host
+            np.unpackbits(body[..., k:k + kb], axis=-1, count=k).astype(bool))
+        level = torch.from_numpy(np.unpackbits(body[..., k + kb:], axis=-1, count=k)  # host
+                                 .astype(bool)) if self.bits == 2 else sign & False
+        return self.dense(pos, sign, level, scales, shape)
+
+    def dense(self, pos: torch.Tensor, sign: torch.Tensor, level: torch.Tensor,
                scales: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
         """Decoded tensor: ``±scale`` of the value's level at the kept positions, 0 elsewhere."""
         rows, nch, k = pos.shape
@@ -193,10 +235,8 @@ class TopKCodec(Codec):
         if crc != zlib.crc32(buf[: len(buf) - _CRC.size]):
             raise MessageError(f"top-k message from worker {worker}: CRC-32 mismatch")
         off, out = _HEADER.size, {}
-        k, kb = self.k, (self.k + 7) // 8
-        width = k + self.bits * kb
         for name, shape in self.schema.entries:
-            lay = _layout(shape, self.chunk)
+            lay = chunk_layout(shape, self.chunk)
             if lay is None:
                 n = math.prod(shape)
                 out[name] = torch.from_numpy(  # host: decoded wire bytes
@@ -207,22 +247,9 @@ class TopKCodec(Codec):
                 off += 4 * n
                 continue
             rows, nch = lay
-            scales = torch.from_numpy(np.frombuffer(buf, "<f4", self.bits * rows, off)  # host
-                                      .astype(np.float32)).reshape(self.bits, rows)
-            off += 4 * self.bits * rows
-            if not bool((torch.isfinite(scales) & (scales >= 0)).all()):
-                raise MessageError(f"top-k message from worker {worker}: tensor '{name}' has a "
-                                   "negative or non-finite scale")
-            body = np.frombuffer(buf, np.uint8, rows * nch * width, off).reshape(rows, nch, width)
-            off += body.size
-            if int(body[..., :k].max(initial=0)) >= self.chunk:
-                raise MessageError(f"top-k message from worker {worker}: position out of chunk")
-            pos = torch.from_numpy(body[..., :k].copy())  # host: decoded wire bytes
-            sign = torch.from_numpy(  # host
-                np.unpackbits(body[..., k:k + kb], axis=-1, count=k).astype(bool))
-            level = torch.from_numpy(np.unpackbits(body[..., k + kb:], axis=-1, count=k)  # host
-                                     .astype(bool)) if self.bits == 2 else sign & False
-            out[name] = self._dense(pos, sign, level, scales, shape)
+            out[name] = self.read_matrix(buf, off, shape, rows, nch,
+                                         f"top-k message from worker {worker}: tensor '{name}'")
+            off += self.matrix_size(rows, nch)
         return out, tokens, worker, rnd
 
     def aggregate(self, messages: Sequence[bytes | None], *, guard=None, senders=None,
