@@ -184,7 +184,7 @@ class CanonicalCodec:
         def sums(name, rows):
             x, p = xs[name], v.get(name)
             if p is None or x.numel() == 0:
-                return torch.zeros(2, rows, dtype=torch.float64)
+                return torch.zeros(2, rows, dtype=torch.float64, device=x.device)
             xr, pr = x.reshape(rows, -1).double(), p.reshape(rows, -1).to(x.device).double()
             return torch.stack([(xr * pr).sum(dim=1), (pr * pr).sum(dim=1)])
 
