@@ -44,14 +44,17 @@ def main() -> None:
     p.add_argument("--out", default=None, help="also write the JSON here")
     p.add_argument("overrides", nargs="*", help="section.key=value")
     args = p.parse_args()
-    from jobruntime.config import load_config
+    from jobruntime.config import ConfigError, load_config
     from jobruntime.data import build_dataset, prepare_corpus
     from jobruntime.logging_utils import setup_logging
     from jobruntime.metrics import provenance, write_json_atomic
     from jobruntime.parallel import init_distributed, shutdown
 
     setup_logging()
-    cfg = load_config(args.config, args.overrides)
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as e:
+        p.error(str(e))
     if cfg.model.family != "bert":
         p.error(f"--config {args.config} is a {cfg.model.family} preset; give a BERT one")
     init_distributed()

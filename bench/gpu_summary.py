@@ -167,6 +167,8 @@ def main() -> None:
                    help="make gpu_tests.xml record a stopped or report-less pytest (exit RC)")
     p.add_argument("--limit-s", type=float, default=0.0, help="the tests part's limit")
     args = p.parse_args()
+    if not args.folder.is_dir():
+        p.error(f"{args.folder} is not a folder; give the GPU check's output folder")
     if args.junit_fallback is not None:
         write_junit_fallback(args.folder / "gpu_tests.xml", args.junit_fallback, args.limit_s)
         return

@@ -132,5 +132,6 @@ def claim_run_folder(run_dir: str | Path | None, default: str | Path, *,
         os.close(fd)
         raise RunFolderError(
             f"{flag} {path} already holds a run's results ({', '.join(held)}); give a new "
-            f"folder, or resume that run with checkpoint.load={path / 'checkpoints'}")
+            f"folder, or resume that run with checkpoint.load={path / 'checkpoints'} and "
+            "checkpoint.load_optimizer=true (a weights-only load starts a new run)")
     return RunFolder(path=path, created=created, fd=fd)
