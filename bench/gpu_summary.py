@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
@@ -32,7 +31,7 @@ from xml.sax.saxutils import quoteattr
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from jobruntime.metrics import write_json_atomic, write_text_atomic  # noqa: E402
+from jobruntime.metrics import provenance, write_json_atomic, write_text_atomic  # noqa: E402
 
 KEYS = ("tokens_per_s", "mfu", "achieved_tflops_per_device", "peak_memory_gib", "device",
         "precision")
@@ -122,15 +121,6 @@ def bench_summary(path: Path, device: str | None) -> tuple[dict | None, list[str
     return out, problems
 
 
-def _commit(repo: Path) -> str | None:
-    try:
-        proc = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True,
-                              text=True, timeout=10)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return proc.stdout.strip() or None if proc.returncode == 0 else None
-
-
 def summarise(folder: Path, *, wall_s: float | None = None, bound_s: float | None = None) -> dict:
     """The summary of one ``gpu_check.sh`` output folder (module docstring)."""
     env = json.loads((folder / "install.json").read_text()) if (folder / "install.json").is_file() else None
@@ -142,7 +132,7 @@ def summarise(folder: Path, *, wall_s: float | None = None, bound_s: float | Non
     if env is None:
         problems.append("no install.json (the install part did not run)")
     summary = {"complete": False, "problems": problems, "wall_s": wall_s, "bound_s": bound_s,
-               "commit": _commit(Path(__file__).resolve().parent.parent),
+               "commit": provenance()["commit"],
                "gpu": env and env.get("gpu"), "environment": env, "parts": parts,
                "tests": tests_summary(folder / "gpu_tests.xml"), "throughput": {}}
     if summary["tests"] is None and any(p["part"] == "tests" for p in parts):
