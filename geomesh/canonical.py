@@ -207,3 +207,90 @@ class CanonicalSchema:
             raise MessageError(f"canonical tensor '{key}' has global shape {b} at {who}, {a} "
                                "here (another model or vocabulary padding: model.padded_vocab_size "
                                "and the model section must match)")
+
+
+Piece = tuple[str, tuple[int, ...], torch.Tensor]
+"""``(canonical key, global offsets, values)``: one box of a canonical tensor."""
+
+
+def main_pieces(layout: Mapping[str, Shard], tensors: Mapping[str, torch.Tensor]) -> list[Piece]:
+    """This rank's main shards of ``tensors`` (by local name) as canonical pieces.
+
+    The main shards of a worker's model-parallel ranks tile every canonical
+    tensor exactly once (module docstring); a DP replica's are equal copies,
+    so one replica (DP rank 0) contributes them.
+
+    Raises:
+        KeyError: a parameter of ``layout`` is missing from ``tensors``.
+    """
+    return [(s.key, s.offsets, tensors[name]) for name, s in layout.items() if s.main]
+
+
+def assemble(layout: Mapping[str, Shard], pieces: Iterable[Piece], *, what: str = "state"
+             ) -> dict[str, torch.Tensor]:
+    """This rank's shards, cut from canonical pieces of any layout.
+
+    Args:
+        layout: this rank's ``{local name: Shard}`` (:func:`layout_map`).
+        pieces: boxes of canonical tensors (another layout's :func:`main_pieces`).
+        what: named in errors (e.g. ``"healing state"``).
+
+    Returns:
+        ``{local name: fp32 tensor of its local_shape}`` on the host.
+
+    Raises:
+        ValueError: the pieces do not cover a shard exactly once (one missing,
+            or two overlapping), or a piece lies outside its tensor.
+    """
+    by_key: dict[str, list[Piece]] = {}
+    for p in pieces:
+        by_key.setdefault(p[0], []).append(p)
+    out = {}
+    for name, s in layout.items():
+        t = torch.zeros(s.local_shape)  # host: assembled from received pieces
+        covered = 0
+        for _key, offs, box in by_key.get(s.key, ()):
+            sl = overlap(s, offs, tuple(box.shape))
+            if sl is None:
+                continue
+            dst, src = sl
+            t[dst] = box[src].float().cpu()
+            covered += math.prod(d.stop - d.start for d in dst)
+        if covered != s.numel:
+            raise ValueError(f"{what}: the pieces cover {covered} of the {s.numel} elements of "
+                             f"'{s.key}' held here (a piece is missing or repeated)")
+        out[name] = t
+    return out
+
+
+def overlap(s: Shard, offsets: Sequence[int], lengths: Sequence[int]
+            ) -> tuple[tuple[slice, ...], tuple[slice, ...]] | None:
+    """Where a box ``offsets + lengths`` of ``s``'s canonical tensor meets ``s``:
+    ``(slices into the shard, slices into the box)``, or ``None`` when they are apart
+    (a 0-dim tensor always meets)."""
+    lo = [max(a, b) for a, b in zip(offsets, s.offsets)]
+    hi = [min(a + n, b + m) for a, n, b, m in zip(offsets, lengths, s.offsets, s.local_shape)]
+    if s.local_shape and any(h <= low for low, h in zip(lo, hi)):
+        return None
+    return (tuple(slice(low - o, h - o) for low, h, o in zip(lo, hi, s.offsets)),
+            tuple(slice(low - o, h - o) for low, h, o in zip(lo, hi, offsets)))
+
+
+def canonical_digest(schema: CanonicalSchema, pieces: Iterable[Piece]) -> str:
+    """SHA-256 of the whole canonical tensors (fp32, little-endian, keys in schema
+    order) cut from ``pieces`` of any layout: equal for equal weights whatever
+    the layouts that hold them.  Assembles one tensor at a time.
+
+    Raises:
+        ValueError: the pieces do not cover a tensor exactly once.
+    """
+    by_key: dict[str, list[Piece]] = {}
+    for p in pieces:
+        by_key.setdefault(p[0], []).append(p)
+    h = hashlib.sha256()
+    for key, shape in schema.entries:
+        whole = whole_layout(CanonicalSchema(((key, shape),)))
+        t = assemble(whole, by_key.get(key, ()), what="weights digest")[key]
+        h.update(key.encode() + b"\0")
+        h.update(t.contiguous().numpy().astype("<f4").tobytes())
+    return h.hexdigest()

@@ -71,7 +71,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .canonical import CanonicalSchema, Shard
+from .canonical import CanonicalSchema, Shard, overlap
 from .codec import aggregate_decoded, mean_abs_scales
 from .compression import (
     ErrorFeedback,
@@ -83,8 +83,10 @@ from .compression import (
     scale_signs,
     unpack_signs,
 )
+from .guard import peak_ratio
 from .predict import fit_coefficients
 from .sparse import TopKCodec, chunk_layout
+from .transport import TransportError, decode_bundle, encode_bundle
 
 HEADER = struct.Struct("<4sHBBHHIIQ8sII")
 _MAGIC = b"GMCN"
@@ -102,6 +104,9 @@ class CanonicalCodec:
         schema: the whole model's canonical schema (:meth:`CanonicalSchema.gather`).
         tp_group: the worker's TP group (scales of split tensors and rows are
             reduced over it); ``None``: no reduction (TP=1).
+        mp_group: the worker's model-parallel group (TP x PP,
+            ``parallel_state.get_model_parallel_group()``): the guard's statistics
+            and the set of decodable messages are agreed over it; ``None``: one rank.
         chunk, k, bits: the top-k setting (:class:`geomesh.sparse.TopKCodec`).
 
     Raises:
@@ -109,7 +114,8 @@ class CanonicalCodec:
     """
 
     def __init__(self, kind: str, layout: Mapping[str, Shard], schema: CanonicalSchema, *,
-                 tp_group: dist.ProcessGroup | None = None, chunk: int = 256, k: int = 8,
+                 tp_group: dist.ProcessGroup | None = None,
+                 mp_group: dist.ProcessGroup | None = None, chunk: int = 256, k: int = 8,
                  bits: int = 2) -> None:
         if kind not in _KINDS:
             raise ValueError(f"canonical codec '{kind}' unknown; have {sorted(_KINDS)}")
@@ -117,12 +123,33 @@ class CanonicalCodec:
             if kind == "topk" else None
         self._params = (bits, chunk, k) if self.topk is not None else (0, 0, 0)
         self.kind, self.layout, self.schema, self.tp_group = kind, dict(layout), schema, tp_group
+        self.mp_group = mp_group
         self._index, shapes = schema.index(), dict(schema.entries)
         for name, s in self.layout.items():
             if shapes.get(s.key) != s.global_shape:
                 raise ValueError(f"parameter '{name}' ({s.key} {s.global_shape}) is not in the "
                                  "canonical schema")
         self._schema_blob = zlib.compress(schema.to_text().encode())
+
+    def message_bytes(self, schema: CanonicalSchema | None = None) -> int:
+        """Bytes of one worker's message (a bundle of one part) holding every tensor of
+        ``schema`` (default: this codec's) whole: what a TP=PP=1 worker sends.  The
+        emulated clock charges it for the target model."""
+        schema = schema or self.schema
+        blob = len(zlib.compress(schema.to_text().encode()))
+        size = HEADER.size + blob + _CRC.size + 16  # + the bundle's count and one length
+        for _, shape in schema.entries:
+            n, nd = math.prod(shape), len(shape)
+            lay = chunk_layout(shape, self.topk.chunk) if self.topk is not None else None
+            if lay is not None:
+                body = self.topk.matrix_size(*lay)
+            elif self.kind in ("fp32", "topk"):
+                body = 4 * n
+            else:
+                ns = shape[0] if self.kind in _ROWS and nd >= 2 else 1
+                body = (8 if self.kind == "sign_pred" else 4) * ns + packed_size(n)
+            size += 4 + 8 * nd + body
+        return size
 
     # -- scales -------------------------------------------------------------
 
@@ -420,8 +447,7 @@ class CanonicalCodec:
                 rounds or token counts, or pieces that do not cover a shard
                 exactly once.
         """
-        if isinstance(parts, (bytes, bytearray, memoryview)):
-            parts = [parts]
+        parts = split_parts(parts)
         ident, by_key = None, {}
         for data in parts:
             head, pieces = self._pieces(data)
@@ -440,18 +466,16 @@ class CanonicalCodec:
             covered = 0
             v = (predictor or {}).get(name)
             for offs, lens, box, gamma in by_key.get(s.key, ()):
-                lo = [max(a, b) for a, b in zip(offs, s.offsets)]
-                hi = [min(a + n, b + m) for a, n, b, m in zip(offs, lens, s.offsets, s.local_shape)]
-                if any(h <= low for low, h in zip(lo, hi)) and s.local_shape:
+                sl = overlap(s, offs, lens)
+                if sl is None:
                     continue
-                dst = tuple(slice(low - o, h - o) for low, h, o in zip(lo, hi, s.offsets))
-                src = tuple(slice(low - o, h - o) for low, h, o in zip(lo, hi, offs))
+                dst, src = sl
                 t[dst] = box[src]
                 if gamma is not None and v is not None:  # + γ v on the overlap (geomesh.predict)
                     g = gamma[src[0]].view(-1, *[1] * (len(lens) - 1)) if gamma.numel() > 1 \
                         else gamma[0]
                     t[dst] += v[dst].float() * g
-                covered += math.prod(h - low for low, h in zip(lo, hi))
+                covered += math.prod(d.stop - d.start for d in dst)
             if covered != s.numel:
                 raise MessageError(f"message from worker {worker} covers {covered} of the "
                                    f"{s.numel} elements of '{s.key}' held here (a part is "
@@ -459,14 +483,91 @@ class CanonicalCodec:
             out[name] = t
         return out, tokens, worker, rnd
 
-    def aggregate(self, messages: Sequence[Sequence[bytes] | None], *, guard=None,
+    def aggregate(self, messages: Sequence[bytes | Sequence[bytes] | None], *, guard=None,
                   senders: Sequence[int] | None = None, round: int | None = None,
                   predictor: Mapping[str, torch.Tensor] | None = None
                   ) -> tuple[dict[str, torch.Tensor] | None, list[int]]:
         """Token-weighted ``Δ = Σ (n_i/N) D(msg_i)`` on this rank's shards (equation 1).
 
-        ``messages[j]`` is worker ``j``'s list of parts (``None``: lost); identities,
-        guard and return value as :func:`geomesh.codec.aggregate_decoded`.
+        ``messages[j]`` is worker ``j``'s message (:func:`join_parts` bytes or its list
+        of parts; ``None``: lost); identities, guard and return value as
+        :func:`geomesh.codec.aggregate_decoded`.  With ``mp_group`` a collective over
+        it: the worker's ranks keep the same messages (one that fails to decode on
+        any shard is dropped on all) and the guard sees the norms and peaks of the
+        whole canonical pseudo-gradients, so its verdicts do not depend on the layout.
         """
-        return aggregate_decoded(messages, lambda m: self.decode(m, predictor=predictor), guard,
-                                 senders=senders, round=round)
+        multi = self.mp_group is not None and dist.get_world_size(self.mp_group) > 1
+        return aggregate_decoded(
+            messages, lambda m: self.decode(m, predictor=predictor), guard, senders=senders,
+            round=round, agree=(lambda pos: self._agree(pos, len(messages))) if multi else None,
+            measure=self._measure, signs=self.kind not in ("fp32", "topk"))
+
+    def _agree(self, positions: Sequence[int], n: int) -> list[int]:
+        """The positions decoded on every rank of ``mp_group`` (a MIN all-reduce)."""
+        ok = torch.zeros(n, dtype=torch.int32)  # gloo / NCCL: on the group's device below
+        ok[list(positions)] = 1
+        ok = ok.to(self._device())
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=self.mp_group)
+        return [j for j in range(n) if int(ok[j])]
+
+    def _device(self) -> torch.device:
+        return torch.device("cuda", torch.cuda.current_device()) \
+            if dist.get_backend(self.mp_group) == "nccl" else torch.device("cpu")
+
+    def _measure(self, deltas: Sequence[Mapping[str, torch.Tensor]]
+                 ) -> tuple[list[float], list[tuple[float, str]]]:
+        """``(‖Δ_i‖₂, (peak-to-RMS ratio, canonical key))`` of each whole canonical
+        pseudo-gradient: per tensor ``Σx²``, element count and ``max|x|`` of the main
+        shards (each canonical element counted once), summed (max) over ``mp_group``
+        (:func:`geomesh.guard.dense_norm`, :func:`geomesh.guard.dense_peaks`)."""
+        keys = [k for k, _ in self.schema.entries]
+        at = self._index
+        sums = torch.zeros(len(deltas), len(keys), 2, dtype=torch.float64)  # host: fp64 sums
+        peak = torch.zeros(len(deltas), len(keys), dtype=torch.float64)  # host
+        for j, d in enumerate(deltas):
+            for name, s in self.layout.items():
+                if not s.main or not s.numel:
+                    continue
+                x = d[name].double()
+                sums[j, at[s.key], 0] += float(x.pow(2).sum())
+                sums[j, at[s.key], 1] += s.numel
+                peak[j, at[s.key]] = max(float(peak[j, at[s.key]]), float(x.abs().max()))
+        if self.mp_group is not None and dist.get_world_size(self.mp_group) > 1 and deltas:
+            dev = self._device()
+            sums, peak = sums.to(dev), peak.to(dev)
+            dist.all_reduce(sums, group=self.mp_group)
+            dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=self.mp_group)
+            sums, peak = sums.cpu(), peak.cpu()
+        norms, peaks = [], []
+        for j in range(len(deltas)):
+            norms.append(math.sqrt(float(sums[j, :, 0].sum())))
+            worst = (0.0, "")
+            for e, key in enumerate(keys):
+                n = float(sums[j, e, 1])
+                if n:
+                    worst = max(worst, (peak_ratio(peak[j, e], float(sums[j, e, 0]) / n), key))
+            peaks.append(worst)
+        return norms, peaks
+
+
+def join_parts(parts: Sequence[bytes]) -> bytes:
+    """One worker's message: its processes' parts in one bundle
+    (:func:`geomesh.transport.encode_bundle`)."""
+    return encode_bundle(list(parts))
+
+
+def split_parts(message: bytes | Sequence[bytes]) -> list[bytes]:
+    """The parts of a worker's message (:func:`join_parts` bytes, one bare part, or a list).
+
+    Raises:
+        MessageError: a corrupted bundle.
+    """
+    if not isinstance(message, (bytes, bytearray, memoryview)):
+        return list(message)
+    data = bytes(message)
+    if data[:4] == _MAGIC:
+        return [data]
+    try:
+        return decode_bundle(data)
+    except TransportError as e:
+        raise MessageError(str(e)) from None

@@ -50,7 +50,7 @@ from .compression import (
     scale_signs,
     unpack_signs,
 )
-from .guard import message_norm, message_peaks
+from .guard import dense_norm, dense_peaks, message_norm, message_peaks
 from .outer import aggregate, aggregate_messages
 
 _DENSE_HEADER = struct.Struct("<4sHHIIQ8sI")
@@ -289,21 +289,42 @@ def mean_abs_scales(l1: torch.Tensor, counts: torch.Tensor, *, worker: int,
 
 
 def aggregate_decoded(messages: Sequence[bytes | None], decode, guard=None, *,
-                      senders: Sequence[int] | None = None, round: int | None = None
+                      senders: Sequence[int] | None = None, round: int | None = None,
+                      agree=None, measure=None, signs: bool = False
                       ) -> tuple[dict[str, torch.Tensor] | None, list[int]]:
     """Aggregate of codecs whose messages decode to dense tensors (fp32, top-k).
 
     ``decode(message) -> (Δ_i, n_i, header worker, header round)``; identities
     are checked as in :meth:`Codec.aggregate`, the decoded values screened with
-    ``guard`` (:meth:`geomesh.guard.Guard.screen_dense`, keyed on ``senders``),
+    ``guard`` (:meth:`geomesh.guard.Guard.screen`, keyed on ``senders``),
     then averaged by tokens (equation 1) or by the guard's robust mode.  Returns
     ``(Δ, n_i per message position)``: ``None`` entries and rejected messages
     count 0 tokens; ``Δ`` is ``None`` when no message is left.
+
+    Hooks for a worker whose ranks each decode their own shard
+    (:class:`geomesh.canonical_codec.CanonicalCodec`): ``agree(positions)`` returns
+    the positions every rank decoded (the others are dropped as malformed),
+    ``measure(deltas)`` the ``(norms, peaks)`` of the whole pseudo-gradients
+    (default: :func:`geomesh.guard.dense_norm` / ``dense_peaks`` of the local
+    tensors); ``signs``: the values are decoded signs (``sign_majority`` votes).
     """
     pos, decoded, workers = _decoded(messages, decode, guard, senders=senders, round=round)
+    if agree is not None:
+        ok = set(agree(pos))
+        for j in [j for j in range(len(pos)) if pos[j] not in ok]:
+            if guard is None:
+                raise MessageError(f"message {pos[j]} does not decode on every shard of this worker")
+            guard.drop(workers[j], "malformed", "a part of its message does not decode on "
+                                                "another shard of this worker")
+        keep = [j for j in range(len(pos)) if pos[j] in ok]
+        pos, decoded, workers = ([x[j] for j in keep] for x in (pos, decoded, workers))
     deltas, counts = [d[0] for d in decoded], [d[1] for d in decoded]
-    keep = guard.screen_dense(workers, deltas, counts) if guard is not None else \
-        range(len(decoded))
+    if guard is not None:
+        norms, peaks = measure(deltas) if measure is not None else \
+            ([dense_norm(d) for d in deltas], [dense_peaks(d) for d in deltas])
+        keep = guard.screen(workers, counts, norms, peaks)
+    else:
+        keep = range(len(decoded))
     tokens = [0] * len(messages)  # positional, like messages
     for j in keep:
         tokens[pos[j]] = counts[j]
@@ -311,7 +332,7 @@ def aggregate_decoded(messages: Sequence[bytes | None], decode, guard=None, *,
         return None, tokens
     deltas, counts = [deltas[j] for j in keep], [counts[j] for j in keep]
     if guard is not None and guard.robust != "none":
-        return guard.robust_dense(deltas, counts), tokens
+        return guard.robust_dense(deltas, counts, signs=signs), tokens
     return aggregate(deltas, counts), tokens
 
 

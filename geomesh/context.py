@@ -25,6 +25,7 @@ from jobruntime.metrics import MetricsWriter
 from jobruntime.model import build_model
 from jobruntime.parallel import initialize_layout, same_run_dir
 
+from .canonical import CanonicalSchema, layout_map
 from .cluster import ClusterSpec, load_cluster
 from .compression import TensorSchema
 from .deploy import Placement, place_emulated, place_real
@@ -179,6 +180,13 @@ def target_schema(target: JobConfig) -> TensorSchema:
     par = dataclasses.replace(target.parallel, tp=1, pp=1)
     model = build_model(target.model, par, meta=True)
     return TensorSchema.from_tensors(dict(model.named_parameters()))
+
+
+def target_canonical_schema(target: JobConfig) -> CanonicalSchema:
+    """The target model's canonical schema (:mod:`geomesh.canonical`), built on the meta
+    device: what a message of the target model addresses (emulated bytes on the wire)."""
+    par = dataclasses.replace(target.parallel, tp=1, pp=1)
+    return CanonicalSchema.gather(layout_map(build_model(target.model, par, meta=True)))
 
 
 def build_context(cfg: JobConfig, run_dir: Path) -> RunContext:

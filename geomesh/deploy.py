@@ -4,12 +4,14 @@ Emulated mode: one process (world size 1) plays every worker, one after the
 other; all workers are TP=PP=1 proxies.
 
 Real mode: every worker is ``num_gpus`` processes (``tp · pp · dp_in``).  Either
-one ``torchrun`` runs the whole cluster as one ``torch.distributed`` world
-(one failure domain: a lost process stops the run), or each region runs its
-own job (``geomesh.region`` names it) as a torchft replica group whose only
-link to the others is :mod:`geomesh.membership` (quorum, healing, the
-exchange), with the torchft lighthouse at the cluster's ``rendezvous``
-(:func:`place_region`).  The rest of this docstring is about the first.
+each region runs its own job (``geomesh.region`` names it) as a torchft replica
+group whose only link to the others is its leader's membership
+(:mod:`geomesh.region`: quorum, healing, the exchange), with the torchft
+lighthouse at the cluster's ``rendezvous`` (:func:`place_region`); regions may
+then differ in ``tp``, ``pp`` and replicas, since messages are canonical
+(:mod:`geomesh.canonical_codec`).  Or one ``torchrun`` runs the whole cluster as
+one ``torch.distributed`` world (one failure domain: a lost process stops the
+run; workers of one shape).  The rest of this docstring is about the second.
 
 Ranks follow megatron's default order (TP fastest, then DP, then PP), with the
 DP axis split into ``workers × dp_in``::
@@ -24,12 +26,16 @@ rank creates every group, in one fixed order, as ``torch.distributed`` needs):
   inner trainer's DDP all-reduces gradients over this group only, never across
   workers (megatron's DP group would average the workers into one model);
 * ``tp_group`` — a worker's TP ranks (for the layout-independent sign scale);
-* ``exchange group`` — the same shard ``(t, p, d=0)`` of every worker, one rank
-  per worker in worker order: the outer exchange runs per shard, each TP/PP
-  rank sending its own shard's pseudo-gradient.  Replicas ``d > 0`` receive
-  the round's messages from ``d = 0`` by a broadcast over ``dp_group``.
+* ``worker_group`` — all ranks of a worker: its ranks all-gather their
+  canonical parts into the worker's message (:meth:`Placement.collect`), and
+  its leader ``(t, d, p) = 0`` broadcasts the round's messages to them
+  (:meth:`Placement.share`);
+* ``exchange group`` — the leaders of all workers, in worker order: the outer
+  exchange (:mod:`geomesh.transport`, hierarchical over regions) carries whole
+  worker messages.
 
-Only equal ``(tp, pp, num_gpus)`` across workers are supported in real mode.
+One world needs equal ``(tp, pp, num_gpus)`` across workers (one job per
+region does not).
 """
 
 from __future__ import annotations
@@ -52,7 +58,8 @@ from jobruntime import cpu_compat
 from jobruntime.config import JobConfig
 from jobruntime.parallel import Topology, init_distributed, initialize_layout
 
-from .cluster import ClusterError, ClusterSpec
+from .canonical_codec import join_parts
+from .cluster import ClusterError, ClusterSpec, WorkerSpec
 from .envelope import Opener, load_secret, run_id
 from .transport import (
     TorchDistributedTransport,
@@ -67,6 +74,7 @@ _STATS = struct.Struct("<dd")  # a worker's mean loss and compute seconds, befor
 
 if TYPE_CHECKING:
     from .membership import Membership
+    from .region import RegionMembership
 
 
 @dataclass
@@ -103,8 +111,20 @@ class Placement:
     store: dist.Store | None = field(default=None, repr=False)
     job_group: dist.ProcessGroup | None = None
     job_src: int = 0
-    membership: Membership | None = field(default=None, repr=False)
-    """One job per region: this rank's torchft membership (:mod:`geomesh.membership`)."""
+    membership: RegionMembership | None = field(default=None, repr=False)
+    """One job per region: the region's torchft membership (:mod:`geomesh.region`)."""
+    worker_group: dist.ProcessGroup | None = None
+    """All ranks of this worker (``None``: one rank, or emulated)."""
+    leader_rank: int = 0
+    """Global rank of this worker's leader (``t = d = p = 0``)."""
+    mp_group: dist.ProcessGroup | None = None
+    """This replica's model-parallel ranks (TP x PP; megatron's model-parallel group)."""
+    layout_shape: tuple[int, int, int] = (1, 1, 1)
+    """``(tp, pp, dp)`` of this worker."""
+    per_region: bool = False
+    """One job per region (:func:`place_region`)."""
+    ft_leader: Membership | None = field(default=None, repr=False)
+    """One job per region, rank 0: the torchft membership that :attr:`membership` wraps."""
     rows: list[list[float]] = field(default_factory=list, repr=False)
     healed: bool = False
     """The last exchange healed this worker from a live peer (its message was not sent)."""
@@ -114,68 +134,66 @@ class Placement:
         """Writes metrics: the first process of every job (all hold the same numbers)."""
         return self.job_rank == 0
 
-    def exchange(self, messages: dict[int, bytes], *, stats: tuple[float, float] = (0.0, 0.0),
-                 quorum_done: bool = False) -> list[bytes | None]:
-        """Real mode: this shard's all-gather over workers, shared with replicas.
+    def collect(self, part: bytes | None) -> bytes:
+        """The worker's message from its ranks' canonical parts (``None``: a DP
+        replica's, which repeats DP rank 0's): an all-gather over ``worker_group``, so
+        every rank holds its own worker's message (:func:`~geomesh.canonical_codec.join_parts`)."""
+        if self.worker_group is None or dist.get_world_size(self.worker_group) == 1:
+            return join_parts([part])
+        parts: list = [None] * dist.get_world_size(self.worker_group)
+        dist.all_gather_object(parts, part, group=self.worker_group)
+        return join_parts([p for p in parts if p is not None])
 
-        One job per region: ``None`` for workers absent from the round (lost,
-        joining, or whose message was rejected); ``stats`` (the worker's mean
-        loss and compute seconds) ride along for :meth:`gather_rows`, and
-        :attr:`healed` tells whether this worker healed instead of sending.
+    def exchange(self, message: bytes, *, stats: tuple[float, float] = (0.0, 0.0),
+                 quorum_done: bool = False) -> list[bytes | None]:
+        """One job per region: the round's messages of every worker, over torchft.
+
+        ``None`` for workers absent from the round (lost, joining, or whose
+        message was rejected); ``stats`` (the worker's mean loss and compute
+        seconds) ride along for :meth:`gather_rows`, and :attr:`healed` tells
+        whether this worker healed instead of sending.
         """
-        if self.membership is not None:
-            me = self.workers[0]
-            body = None if quorum_done else _STATS.pack(*stats) + messages[me]
-            x0 = time.perf_counter()
-            out, self.healed = self.membership.exchange(self.membership.step, body,
-                                                        quorum_done=quorum_done)
-            self._ft_rows(out, time.perf_counter() - x0)
-            return [None if m is None else m[_STATS.size:] for m in out]
-        return self.share(self.gather(messages))
+        x0 = time.perf_counter()
+        body = None if quorum_done else _STATS.pack(*stats) + message
+        out = self.membership.exchange(body, quorum_done=quorum_done)
+        self.healed = self.membership.healed
+        self._ft_rows(out, time.perf_counter() - x0)
+        return [None if m is None else m[_STATS.size:] for m in out]
 
     def gather(self, messages: dict[int, bytes]) -> bytes | None:
-        """The all-gather over workers (replicas ``d > 0``: nothing); may run in a
-        background thread (overlapped rounds) — it uses only the transport's groups.
+        """The leaders' all-gather of worker messages (other ranks: nothing); may run in
+        a background thread (overlapped rounds): it uses only the transport's groups.
         Not for one job per region (its exchange is :meth:`exchange`)."""
         return encode_bundle(self.transport.exchange(messages)) if self.transport is not None else None
 
     def share(self, data: bytes | None) -> list[bytes]:
-        """Give :meth:`gather`'s result to this worker's replicas (over ``dp_group``); decode."""
-        if self.dp_in > 1:
+        """Give :meth:`gather`'s result to this worker's ranks (over ``worker_group``); decode."""
+        if self.worker_group is not None and dist.get_world_size(self.worker_group) > 1:
             box = [data]
-            src = dist.get_global_rank(self.dp_group, 0)
-            dist.broadcast_object_list(box, src=src, group=self.dp_group)
+            dist.broadcast_object_list(box, src=self.leader_rank, group=self.worker_group)
             data = box[0]
         return decode_bundle(data)
 
     def _ft_rows(self, out: list[bytes | None], exchange_s: float) -> None:
-        """Rows of :meth:`gather_rows` from the stats in the messages (padded to K per rank)."""
+        """Rows of :meth:`gather_rows` from the stats in the messages."""
         rows = []
         for k, m in enumerate(out):
             if m is not None and len(m) >= _STATS.size:
                 loss, compute = _STATS.unpack_from(m)
-                n = len(m) - _STATS.size
-                rows.append([k, loss, compute, exchange_s, n, 0.0])
-            else:
-                rows.append([-1.0] * 6)
+                rows.append([k, loss, compute, exchange_s, len(m) - _STATS.size, 0.0])
         self.rows = rows
 
     def gather_rows(self, row: list[float], fp32_bytes: int) -> list[list[float]]:
         """Per-rank round statistics ``[worker, loss, compute_s, exchange_s, sent, fp32]``.
 
         One world: an all-gather of every rank's ``row``.  One job per region:
-        the rows of the workers present this round, from their messages'
-        stats, gathered over this job's shards (another worker's exchange time
-        is not sent: this worker's own stands in for it).
+        the rows of the workers present this round, from their messages' stats
+        (every rank of the job decoded the same messages; another worker's
+        exchange time is not sent: this worker's own stands in for it).
         """
         if self.membership is None:
             return world_gather(row)
-        mine = [list(r) for r in self.rows]
-        for r in mine:
-            if r[0] >= 0:
-                r[5] = fp32_bytes if r[4] else 0
-        flat = world_gather([x for r in mine for x in r])
-        return [v[i:i + 6] for v in flat for i in range(0, len(v), 6) if v[i] >= 0]
+        return [r[:5] + [fp32_bytes if r[4] else 0] for r in self.rows]
 
 
 def global_rank(k: int, t: int, d: int, p: int, *, tp: int, dp_in: int, num_workers: int) -> int:
@@ -183,27 +201,36 @@ def global_rank(k: int, t: int, d: int, p: int, *, tp: int, dp_in: int, num_work
     return t + tp * (k * dp_in + d) + tp * (num_workers * dp_in) * p
 
 
+def worker_shape(w: WorkerSpec) -> tuple[int, int, int]:
+    """``(tp, pp, dp)`` of a worker: its processes are ``num_gpus = tp · pp · dp``."""
+    return w.tp, w.pp, w.num_gpus // (w.tp * w.pp)
+
+
 def _worker_shape(cluster: ClusterSpec) -> tuple[int, int, int]:
     shapes = {(w.tp, w.pp, w.num_gpus) for w in cluster.workers}
     if len(shapes) != 1:
         raise ClusterError(
-            f"real mode needs the same tp, pp and num_gpus on every worker, cluster "
-            f"'{cluster.name}' has {sorted(shapes)}; make the workers alike or use mode: emulated"
+            f"one torchrun for the whole cluster needs the same tp, pp and num_gpus on every "
+            f"worker, cluster '{cluster.name}' has {sorted(shapes)}; run one job per region "
+            "(geomesh.region=<name>, e.g. python -m geomesh.launch_local), where regions may "
+            "differ, or use mode: emulated"
         )
-    tp, pp, n = shapes.pop()
-    return tp, pp, n // (tp * pp)
+    return worker_shape(cluster.workers[0])
 
 
 def place_region(cfg: JobConfig, cluster: ClusterSpec) -> tuple[Placement, JobConfig]:
     """One job per region: this job's own world, megatron's layout, and its torchft membership.
+
+    The region's worker runs at its own ``(tp, pp, dp)`` (the cluster file's
+    ``tp``, ``pp`` and ``num_gpus``), whatever the other regions run
+    (:mod:`geomesh.region`).
 
     Returns:
         ``(placement, layout_cfg)`` as :func:`place_real`.
 
     Raises:
         ClusterError / ConfigError: wrong region or process count, a region of
-            several workers or replicas (not supported here), no secret, or no
-            lighthouse at the cluster's ``rendezvous``.
+            several workers, no secret, or no lighthouse at the cluster's ``rendezvous``.
     """
     g = cfg.geomesh
     try:
@@ -213,44 +240,46 @@ def place_region(cfg: JobConfig, cluster: ClusterSpec) -> tuple[Placement, JobCo
             f"geomesh.region={g.region!r} is not a region of cluster '{cluster.name}'; use one of "
             f"{[r.name for r in cluster.regions]}") from None
     members = cluster.workers_in(g.region)
-    tp, pp, dp_in = _worker_shape(cluster)
-    if len(members) != 1 or dp_in != 1:
+    if len(members) != 1:
         raise ClusterError(
-            f"one job per region runs one worker without replicas (num_gpus = tp * pp); region "
-            f"{g.region!r} of cluster '{cluster.name}' has {len(members)} worker(s) of "
-            f"{dp_in} replica(s): split it into regions of one worker, or run the whole cluster "
-            "with one torchrun (no geomesh.region)")
+            f"one job per region runs one worker (its replicas inside: num_gpus = tp * pp * dp); "
+            f"region {g.region!r} of cluster '{cluster.name}' has {len(members)} workers: merge "
+            "them into one worker of more GPUs, or split the region")
+    tp, pp, dp_in = worker_shape(members[0])
     secret = load_secret(g.secret_file)
     host, port = cluster.rendezvous_host_port
     k = cluster.worker_index(members[0].name)
-    per_worker = tp * pp
     job_world = int(os.environ.get("WORLD_SIZE", "1"))
-    if job_world != per_worker:
+    if job_world != tp * pp * dp_in:
         raise ClusterError(
-            f"region {g.region!r} has 1 worker of {per_worker} process(es); launch its torchrun "
-            f"with {per_worker} processes, not {job_world}")
+            f"region {g.region!r} has 1 worker of {tp * pp * dp_in} process(es) (tp={tp}, pp={pp}, "
+            f"dp={dp_in}); launch its torchrun with {tp * pp * dp_in} processes, not {job_world}")
     init_distributed(g.timeout_s)
     layout = copy.deepcopy(cfg)
     layout.parallel.tp, layout.parallel.pp = tp, pp
     check = copy.deepcopy(layout)
-    check.parallel.micro_batch_size, check.parallel.global_batch_size = 1, 1
+    check.parallel.micro_batch_size, check.parallel.global_batch_size = 1, dp_in
     topo = initialize_layout(check)
     from megatron.core import parallel_state as ps
 
     pl = Placement(mode="real", workers=[k], rank=dist.get_rank(), world=dist.get_world_size(),
                    job_rank=dist.get_rank(), tp_rank=topo.tp_rank, pp_rank=topo.pp_rank,
-                   dp_in=1, topology=topo, dp_group=ps.get_data_parallel_group(),
-                   tp_group=ps.get_tensor_model_parallel_group())
-    run = run_id(cluster.name, [w.name for w in cluster.workers], g.method, cfg.train.seed,
-                 sorted(dataclasses.asdict(cfg.model).items()))
-    from .membership import Membership
+                   dp_in_rank=topo.dp_rank, dp_in=dp_in, topology=topo,
+                   dp_group=ps.get_data_parallel_group(),
+                   tp_group=ps.get_tensor_model_parallel_group(),
+                   mp_group=ps.get_model_parallel_group(),
+                   worker_group=dist.group.WORLD if dist.get_world_size() > 1 else None,
+                   leader_rank=0, layout_shape=(tp, pp, dp_in), per_region=True)
+    if pl.job_rank == 0:
+        run = run_id(cluster.name, [w.name for w in cluster.workers], g.method, cfg.train.seed,
+                     sorted(dataclasses.asdict(cfg.model).items()))
+        from .membership import Membership
 
-    pl.membership = Membership(
-        cluster, k, shard=topo.tp_rank + tp * topo.pp_rank, num_shards=per_worker,
-        lighthouse=f"http://{host}:{port}", store_addr=os.environ["MASTER_ADDR"],
-        store_port=int(os.environ["MASTER_PORT"]), opener=Opener(secret, run),
-        timeout_s=g.timeout_s, heartbeat_s=g.heartbeat_s, on_worker_loss=g.on_worker_loss,
-        report=pl.is_logging_rank)
+        pl.ft_leader = Membership(
+            cluster, k, shard=0, num_shards=1, lighthouse=f"http://{host}:{port}",
+            store_addr=os.environ["MASTER_ADDR"], store_port=int(os.environ["MASTER_PORT"]),
+            opener=Opener(secret, run), timeout_s=g.timeout_s, heartbeat_s=g.heartbeat_s,
+            on_worker_loss=g.on_worker_loss, report=True)
     return pl, layout
 
 
@@ -276,11 +305,10 @@ def place_real(cfg: JobConfig, cluster: ClusterSpec) -> tuple[Placement, JobConf
         ClusterError: layout or process count does not match the cluster, or a
             region did not join in time.
     """
-    tp, pp, dp_in = _worker_shape(cluster)
-    K = len(cluster.workers)
-    store = None
     if cfg.geomesh.region is not None:
         return place_region(cfg, cluster)
+    tp, pp, dp_in = _worker_shape(cluster)
+    K = len(cluster.workers)
     init_distributed(cfg.geomesh.timeout_s)
     rank, world, job_rank = dist.get_rank(), dist.get_world_size(), dist.get_rank()
     if world != K * tp * pp * dp_in:
@@ -298,10 +326,13 @@ def place_real(cfg: JobConfig, cluster: ClusterSpec) -> tuple[Placement, JobConf
     k, d = divmod(topo.dp_rank, dp_in)
     if rank != global_rank(k, topo.tp_rank, d, topo.pp_rank, tp=tp, dp_in=dp_in, num_workers=K):
         raise RuntimeError("megatron's rank order is not TP-DP-PP; GeoMesh's groups would be wrong")
+    from megatron.core import parallel_state as ps
+
+    g = lambda k_, t_, d_, p_: global_rank(k_, t_, d_, p_, tp=tp, dp_in=dp_in, num_workers=K)  # noqa: E731
     pl = Placement(mode="real", workers=[k], rank=rank, world=world, job_rank=job_rank,
                    tp_rank=topo.tp_rank, pp_rank=topo.pp_rank, dp_in_rank=d, dp_in=dp_in,
-                   topology=topo, store=store)
-    g = lambda k_, t_, d_, p_: global_rank(k_, t_, d_, p_, tp=tp, dp_in=dp_in, num_workers=K)  # noqa: E731
+                   topology=topo, mp_group=ps.get_model_parallel_group(),
+                   leader_rank=g(k, 0, 0, 0), layout_shape=(tp, pp, dp_in))
     tout = timedelta(seconds=cfg.geomesh.timeout_s)
     for kk in range(K):  # every rank creates every group, in this order
         for p in range(pp):
@@ -313,20 +344,20 @@ def place_real(cfg: JobConfig, cluster: ClusterSpec) -> tuple[Placement, JobConf
                 grp = dist.new_group([g(kk, t, dd, p) for t in range(tp)], timeout=tout)
                 if (kk, dd, p) == (k, d, topo.pp_rank):
                     pl.tp_group = grp
+        grp = dist.new_group(sorted(g(kk, t, dd, p) for t in range(tp) for dd in range(dp_in)
+                                    for p in range(pp)), timeout=tout)
+        if kk == k and tp * pp * dp_in > 1:
+            pl.worker_group = grp
     # A nonce shared by all ranks keeps store keys of successive runs apart.
     box = [secrets.token_hex(4) if rank == 0 else None]
     dist.broadcast_object_list(box, src=0)
-    for p in range(pp):
-        for t in range(tp):
-            ranks = [g(kk, t, 0, p) for kk in range(K)]
-            grp = dist.new_group(ranks, timeout=tout)
-            sub = build_transport_groups(cluster, ranks, timeout_s=cfg.geomesh.timeout_s)
-            if (t, p) == (topo.tp_rank, topo.pp_rank) and d == 0:
-                pl.transport = TorchDistributedTransport(
-                    cluster, grp, store=store, timeout_s=cfg.geomesh.timeout_s,
-                    groups=sub if isinstance(sub, TransportGroups) else None,
-                    prefix=f"geomesh/{box[0]}/t{t}p{p}",
-                )
+    leaders = [g(kk, 0, 0, 0) for kk in range(K)]
+    grp = dist.new_group(leaders, timeout=tout)
+    sub = build_transport_groups(cluster, leaders, timeout_s=cfg.geomesh.timeout_s)
+    if rank == pl.leader_rank:
+        pl.transport = TorchDistributedTransport(
+            cluster, grp, store=None, timeout_s=cfg.geomesh.timeout_s,
+            groups=sub if isinstance(sub, TransportGroups) else None, prefix=f"geomesh/{box[0]}")
     return pl, layout
 
 

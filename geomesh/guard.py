@@ -111,7 +111,7 @@ def message_peaks(msg: WorkerMessage) -> tuple[float, str]:
     for name, ct in msg.tensors.items():
         m = ct.scale.double() if isinstance(ct.scale, torch.Tensor) \
             else torch.tensor([float(ct.scale)], dtype=torch.float64)  # host: decoded scale
-        worst = max(worst, (_peak(m.abs().max() if m.numel() else m.new_zeros(()),
+        worst = max(worst, (peak_ratio(m.abs().max() if m.numel() else m.new_zeros(()),
                                   float(m.pow(2).mean()) if m.numel() else 0.0), name))
     return worst
 
@@ -123,11 +123,11 @@ def dense_peaks(delta: Mapping[str, torch.Tensor]) -> tuple[float, str]:
     for name, t in delta.items():
         x = t.double()
         if x.numel():
-            worst = max(worst, (_peak(x.abs().max(), float(x.pow(2).mean())), name))
+            worst = max(worst, (peak_ratio(x.abs().max(), float(x.pow(2).mean())), name))
     return worst
 
 
-def _peak(peak: torch.Tensor, mean_square: float) -> float:
+def peak_ratio(peak: torch.Tensor, mean_square: float) -> float:
     """``peak / sqrt(mean_square)``; 0 for a zero tensor, ``inf`` for a non-finite one."""
     p = float(peak)
     if not (math.isfinite(p) and math.isfinite(mean_square)):
@@ -349,9 +349,18 @@ class Guard:
         return out
 
     def robust_dense(self, deltas: Sequence[Mapping[str, torch.Tensor]],
-                     weights: Sequence[float]) -> dict[str, torch.Tensor]:
-        """Element-wise trimmed mean (either robust mode) of fp32 pseudo-gradients."""
-        del weights  # a trimmed mean weights the kept values equally
+                     weights: Sequence[float], *, signs: bool = False) -> dict[str, torch.Tensor]:
+        """Element-wise trimmed mean (either robust mode) of fp32 pseudo-gradients.
+
+        ``signs``: the values are decoded sign messages (``±m`` per element); then
+        ``sign_majority`` is :meth:`robust_sign`'s vote on them, element by
+        element: ``sign(Σ w_i sign(x_i)) · Σ w_i |x_i|`` with token weights ``w_i``.
+        """
+        if signs and self.robust == "sign_majority":
+            total = float(sum(weights))
+            w = [float(x) / total for x in weights]
+            return {k: torch.sign(sum(wi * torch.sign(d[k].float()) for wi, d in zip(w, deltas)))
+                    * sum(wi * d[k].float().abs() for wi, d in zip(w, deltas)) for k in deltas[0]}
         return {k: trimmed_mean(torch.stack([d[k].float() for d in deltas]))
                 for k in deltas[0]}
 

@@ -133,6 +133,25 @@ def unpack_state(data: bytes) -> dict:
     return walk(json.loads(meta["tree"]))
 
 
+def lost_workers(cluster: ClusterSpec, policy: str, r: int, lost: list[int], why: str, *,
+                 members: int, report: bool) -> None:
+    """Workers dropped from round ``r``: ``fail`` raises, ``continue`` warns.
+
+    Raises:
+        PeerLostError: ``policy == "fail"`` (names the regions and the fix).
+    """
+    names = ", ".join(f"{cluster.workers[k].name} ({cluster.workers[k].region})" for k in lost)
+    regions = list(dict.fromkeys(cluster.workers[k].region for k in lost))
+    if policy == "fail":
+        raise PeerLostError(
+            f"GeoMesh round {r}: lost region(s) {regions} (worker {names}: {why}); "
+            "geomesh.on_worker_loss=fail stops every job: restart all regions from the last "
+            "checkpoint (checkpoint.load), or use on_worker_loss=continue")
+    if report:
+        log.warning("GeoMesh round %d: lost %s (%s); continuing with %d worker(s), it may "
+                    "rejoin at a round boundary", r, names, why, members)
+
+
 class SignedHTTPTransport(HTTPTransport):
     """torchft's HTTP checkpoint transport carrying one sealed, pickle-free blob.
 
@@ -344,17 +363,9 @@ class Membership:
         return new, healed
 
     def lost(self, r: int, lost: list[int], why: str = "no heartbeat") -> None:
-        """Workers dropped from round ``r``: ``fail`` raises :class:`PeerLostError`, else a warning."""
-        names = ", ".join(self.name(k) for k in lost)
-        regions = list(dict.fromkeys(self.cluster.workers[k].region for k in lost))
-        if self.policy == "fail":
-            raise PeerLostError(
-                f"GeoMesh round {r}: lost region(s) {regions} (worker {names}: {why}); "
-                "geomesh.on_worker_loss=fail stops every job: restart all regions from the last "
-                "checkpoint (checkpoint.load), or use on_worker_loss=continue")
-        if self.report:
-            log.warning("GeoMesh round %d: lost %s (%s); continuing with %d worker(s), it may "
-                        "rejoin at a round boundary", r, names, why, len(self.members))
+        """Workers dropped from round ``r`` (:func:`lost_workers`)."""
+        lost_workers(self.cluster, self.policy, r, lost, why, members=len(self.members),
+                     report=self.report)
 
     def join(self, r: int) -> bool:
         """Startup: wait until every worker is in the quorum, or heal from a running run.

@@ -99,19 +99,19 @@ from jobruntime.checkpoint import CheckpointError
 from jobruntime.faults import fault_point
 from jobruntime.metrics import perplexity
 
+from .canonical import CanonicalSchema, canonical_digest, layout_map, main_pieces
+from .canonical_codec import CanonicalCodec
 from .clock import EmulatedClock, inner_step_time_s
-from .codec import DenseCodec, SignCodec
-from .compression import ErrorFeedback, TensorSchema
-from .context import RunContext
+from .compression import ErrorFeedback
+from .context import RunContext, target_canonical_schema
 from .eager import EagerStart
 from .feedback import LocalMomentum
 from .guard import Guard
 from .membership_plan import plan_for_members, plan_from_dict
 from .outer import OuterNesterov
 from .planner import Plan
-from .predict import PredictiveSignCodec
+from .region import RegionMembership
 from .report import RunStats, memory_overhead
-from .sparse import TopKCodec
 from .state import check_workers, load_state, save_state, worker_identity
 from .transport import InProcessTransport
 from .worker import InnerWorker, LrScale, ProxyStep, follow_replan, proxy_steps
@@ -130,6 +130,36 @@ def _true_step_s(ctx: RunContext, k: int, step: ProxyStep, round_: int) -> float
 def _proxy(ctx: RunContext, plan: Plan) -> list[ProxyStep]:
     return proxy_steps(plan, ctx.scale, round_samples=ctx.round_samples,
                        dp_in=ctx.placement.dp_in, max_micro_batch=ctx.cfg.parallel.micro_batch_size)
+
+
+def _weights_digest(pl, layout, schema: CanonicalSchema, theta: dict) -> str | None:
+    """SHA-256 of ``θ_global`` in canonical form (:func:`geomesh.canonical.canonical_digest`):
+    the same in every region after the same round, whatever their layouts.  The
+    worker's main shards are gathered to its leader (``None`` on the other ranks)."""
+    mine = [(k, o, t.cpu()) for k, o, t in main_pieces(layout, theta)] if pl.dp_in_rank == 0 else []
+    if pl.worker_group is None or dist.get_world_size(pl.worker_group) == 1:
+        return canonical_digest(schema, mine)
+    lead = dist.get_rank() == pl.leader_rank
+    parts: list | None = [None] * dist.get_world_size(pl.worker_group) if lead else None
+    dist.gather_object(mine, parts, dst=pl.leader_rank, group=pl.worker_group)
+    return canonical_digest(schema, [x for part in parts for x in part]) if lead else None
+
+
+def _codec_kind(ctx: RunContext) -> str:
+    """GeoMesh's codec for the whole run (every region reads the same config and
+    cluster file, so all choose alike): ``geomesh.compression``, except that top-k
+    falls back to ``sign_row`` in real mode when a TP worker would split a row
+    inside a 256-column chunk (:meth:`CanonicalCodec._topk_shard
+    <geomesh.canonical_codec.CanonicalCodec._topk_shard>`)."""
+    kind = ctx.cfg.geomesh.compression
+    tp = max(w.tp for w in ctx.cluster.workers)
+    m = ctx.cfg.model
+    widths = (m.hidden_size // tp, m.ffn // tp)
+    if kind == "topk" and not ctx.emulated and tp > 1 and any(w % 256 for w in widths):
+        log.warning("geomesh.compression=topk: a TP=%d worker splits rows of %s columns "
+                    "inside 256-column chunks; this run uses sign_row", tp, list(widths))
+        return "sign_row"
+    return kind
 
 
 @dataclass
@@ -167,23 +197,15 @@ def run_sync(ctx: RunContext) -> dict:
     lr_scales = LrScale(ctx.layout_cfg, schedules, ctx.reference_batch, g.inner_lr_scaling)
     first = workers[pl.workers[0]]
     theta = first.trainer.get_params()  # θ_global, fp32, this rank's shard
-    compression = g.compression
-    if compression == "topk" and pl.tp_group is not None and dist.get_world_size(pl.tp_group) > 1:
-        log.warning("geomesh.compression=topk needs tp=1 workers (its chunks would span TP "
-                    "shards); this run uses sign_row")
-        compression = "sign_row"
-    sign = geomesh and compression in ("sign", "sign_row", "sign_pred")
-    row_scales = sign and compression != "sign"
-    schema = dataclasses.replace(TensorSchema.from_tensors(theta), row_scales=row_scales)
-    predictive = geomesh and compression == "sign_pred"  # the outer momentum predicts Δ_i
-    if sign:
-        codec = (PredictiveSignCodec if predictive else SignCodec)(
-            schema, tp_group=pl.tp_group, tp_partition=first.trainer.tp_partition_dims())
-    elif geomesh and compression == "topk":
-        codec = TopKCodec(schema, k=g.topk_k, bits=g.topk_bits)
-    else:
-        codec = DenseCodec(schema)
+    layout = layout_map(first.trainer.module)  # this rank's shards in canonical coordinates
+    cschema = CanonicalSchema.gather(layout, pl.mp_group)
+    kind = _codec_kind(ctx) if geomesh else "fp32"
+    row_scales = kind in ("sign_row", "sign_pred")
+    predictive = kind == "sign_pred"  # the outer momentum predicts Δ_i
+    codec = CanonicalCodec(kind, layout, cschema, tp_group=pl.tp_group, mp_group=pl.mp_group,
+                           k=g.topk_k, bits=g.topk_bits)
     lossy = codec.kind != "fp32"
+    canon_numel = sum(math.prod(shape) for _, shape in cschema.entries)
     outer = OuterNesterov(theta, lr=g.outer_lr, momentum=g.outer_momentum,
                           momentum_warmup=g.outer_momentum_warmup)
     pred = {"predictor": outer.momentum_buffer} if predictive else {}
@@ -199,9 +221,12 @@ def run_sync(ctx: RunContext) -> dict:
     clock = transport = None
     if ctx.emulated:
         clock = EmulatedClock(cl, overlap=overlap is not None)
-        target = dataclasses.replace(ctx.target_schema, row_scales=row_scales)
-        charged = codec.encoded_bytes(target)
+        charged = codec.message_bytes(target_canonical_schema(ctx.target))
         transport = InProcessTransport(cl, clock=clock, charged_bytes=charged)
+    if pl.per_region:  # the region's ranks follow its leader's torchft membership
+        pl.membership = RegionMembership(pl.ft_leader, layout, contributes=pl.dp_in_rank == 0,
+                                         cluster=cl, worker=pl.workers[0],
+                                         policy=g.on_worker_loss)
     pool = ThreadPoolExecutor(1) if overlap is not None and not ctx.emulated else None
     eager = EagerStart() if overlap is not None else None  # host: the last aggregate
     val = ctx.val_batches(dp=pl.dp_in, dp_rank=pl.dp_in_rank)
@@ -369,8 +394,8 @@ def run_sync(ctx: RunContext) -> dict:
             me = pl.workers[0]
             sent = len(rnd.msgs[me]) if pl.transport is not None and me in rnd.msgs else 0
             rows = pl.gather_rows([me, rnd.losses.get(me, 0.0), rnd.compute.get(me, 0.0),
-                                   rnd.wait_s, sent, 4 * schema.numel if sent else 0],
-                                  4 * schema.numel)
+                                   rnd.wait_s, sent, 4 * canon_numel if sent else 0],
+                                  4 * canon_numel)
             present = sorted({int(x[0]) for x in rows})
             compute = {k: max(x[2] for x in rows if int(x[0]) == k) for k in present}
             # the loss and compute seconds a worker reports steer the log, the idle
@@ -555,8 +580,10 @@ def run_sync(ctx: RunContext) -> dict:
             charge(i, rnd, total - rnd.compute.get(i, 0.0) if ctx.emulated else 0.0, w0)
             delta = local_mom[i].update(res.delta, outer.current_momentum) if local_mom \
                 else res.delta
-            rnd.msgs[i] = codec.encode(delta, res.tokens, worker=i, round=r,
-                                       feedback=feedback.get(i), **pred)
+            part = codec.encode(delta, res.tokens, worker=i, round=r,
+                                feedback=feedback.get(i), **pred)
+            # the worker's message: its ranks' canonical parts (a DP replica's repeat DP rank 0's)
+            rnd.msgs[i] = pl.collect(part if pl.dp_in_rank == 0 else None)
             rnd.losses[i] = res.loss
             shares[i] = res.tokens / round_tokens
         drain = overlap is None or r + 1 == g.outer_steps or save_round(r + 1)
@@ -565,7 +592,7 @@ def run_sync(ctx: RunContext) -> dict:
         elif ft is not None:  # one job per region: torchft quorum, then the all-gather
             me = pl.workers[0]
             x0 = time.perf_counter()
-            rnd.received = pl.exchange(rnd.msgs, quorum_done=joining,
+            rnd.received = pl.exchange(rnd.msgs.get(me, b""), quorum_done=joining,
                                        stats=(rnd.losses[me], rnd.compute[me])
                                        if me in rnd.msgs else (0.0, 0.0))
             rnd.wait_s, rnd.shared = time.perf_counter() - x0, True
@@ -603,7 +630,10 @@ def run_sync(ctx: RunContext) -> dict:
     info = {w.name: {"batch_size": s.target.batch_size, "inner_steps": s.target.inner_steps,
                      "proxy_batches": list(s.batches)}
             for w, s in zip(cl.workers, steps)}
+    tp, pp, dp = pl.layout_shape
     extra = {"codec": codec.kind + ("-row" if row_scales else ""), "error_feedback": bool(feedback),
+             "layout": {"tp": tp, "pp": pp, "dp": dp},
+             "global_weights_sha256": _weights_digest(pl, layout, cschema, theta),
              "compress_update": bool(local_mom), "overlap": overlap, "replans": replans,
              "plan": plan.to_dict(), "wall_s": time.perf_counter() - wall0,
              "world_size": pl.world, "inner_steps": g.inner_steps, "memory_overhead": overhead,
