@@ -200,7 +200,6 @@ def run_sync(ctx: RunContext) -> dict:
     layout = layout_map(first.trainer.module)  # this rank's shards in canonical coordinates
     cschema = CanonicalSchema.gather(layout, pl.mp_group)
     kind = _codec_kind(ctx) if geomesh else "fp32"
-    row_scales = kind in ("sign_row", "sign_pred")
     predictive = kind == "sign_pred"  # the outer momentum predicts Δ_i
     codec = CanonicalCodec(kind, layout, cschema, tp_group=pl.tp_group, mp_group=pl.mp_group,
                            k=g.topk_k, bits=g.topk_bits)
@@ -215,6 +214,10 @@ def run_sync(ctx: RunContext) -> dict:
     local_mom = {i: LocalMomentum() for i in pl.workers} if geomesh and g.compress_update else {}
     overlap = g.overlap if geomesh else None  # the baselines never overlap
     guard = Guard.from_config(g, cl)  # checks every message before aggregation
+    if pl.per_region:  # the region's ranks follow its leader's torchft membership
+        pl.membership = RegionMembership(pl.ft_leader, layout, contributes=pl.dp_in_rank == 0,
+                                         cluster=cl, worker=pl.workers[0],
+                                         policy=g.on_worker_loss)
     ft = pl.membership  # one job per region: torchft quorum, healing (geomesh.membership)
     if ft is not None and overlap is not None:  # _validate refuses it; a guard for direct callers
         raise ValueError("geomesh.overlap does not combine with one job per region")
@@ -223,10 +226,6 @@ def run_sync(ctx: RunContext) -> dict:
         clock = EmulatedClock(cl, overlap=overlap is not None)
         charged = codec.message_bytes(target_canonical_schema(ctx.target))
         transport = InProcessTransport(cl, clock=clock, charged_bytes=charged)
-    if pl.per_region:  # the region's ranks follow its leader's torchft membership
-        pl.membership = RegionMembership(pl.ft_leader, layout, contributes=pl.dp_in_rank == 0,
-                                         cluster=cl, worker=pl.workers[0],
-                                         policy=g.on_worker_loss)
     pool = ThreadPoolExecutor(1) if overlap is not None and not ctx.emulated else None
     eager = EagerStart() if overlap is not None else None  # host: the last aggregate
     val = ctx.val_batches(dp=pl.dp_in, dp_rank=pl.dp_in_rank)
@@ -631,7 +630,8 @@ def run_sync(ctx: RunContext) -> dict:
                      "proxy_batches": list(s.batches)}
             for w, s in zip(cl.workers, steps)}
     tp, pp, dp = pl.layout_shape
-    extra = {"codec": codec.kind + ("-row" if row_scales else ""), "error_feedback": bool(feedback),
+    names = {"sign_row": "sign-row", "sign_pred": "sign-pred-row"}  # the summaries' names
+    extra = {"codec": names.get(codec.kind, codec.kind), "error_feedback": bool(feedback),
              "layout": {"tp": tp, "pp": pp, "dp": dp},
              "global_weights_sha256": _weights_digest(pl, layout, cschema, theta),
              "compress_update": bool(local_mom), "overlap": overlap, "replans": replans,

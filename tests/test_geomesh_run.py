@@ -231,7 +231,8 @@ def test_summaries_have_the_comparison_fields(results):
         assert json.loads((root / name / "summary.json").read_text())["method"] == s["method"]
     geo, dil = out["summary"]["full"], out["summary"]["diloco"]
     assert geo["outer_device"] == dil["outer_device"] == "cpu"  # θ_global's device
-    assert geo["compression_ratio"] > 31 and dil["compression_ratio"] == pytest.approx(1.0)
+    # fp32 DiLoCo: 1 up to the canonical message's header and schema (~1 kB of 5.3 GB)
+    assert geo["compression_ratio"] > 31 and dil["compression_ratio"] == pytest.approx(1.0, rel=1e-5)
     assert dil["bytes_per_outer_step"] / geo["bytes_per_outer_step"] > 31
     ddp = out["summary"]["ddp"]
     assert ddp["straggler_idle_frac"] > 0.2 and ddp["wan_idle_frac"] > 0.01
