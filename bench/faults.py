@@ -35,8 +35,8 @@ replayed, duplicated, other-run, other-version and wrong-slot envelopes, and
 sealed insiders' absurd values, NaN bodies, token grabs, zero tokens and
 malformed bodies; an insider with a forged identity (codec header naming
 another worker or round) and one lying about its loss and compute seconds
-(``hostile_kinds``).  Bad inputs: random config overrides, cluster files, wire
-bytes and checkpoint files (seeded), counted when they are bad; a clean error
+(``hostile_kinds``).  Bad inputs: random config overrides, cluster files, region
+shapes, wire bytes and checkpoint files (seeded), counted when they are bad; a clean error
 is the module's one-line error type.  Prints one line per scenario and, last,
 one JSON object; ``--out`` also gets ``faults.json`` and the logs.
 """
@@ -469,7 +469,9 @@ HOSTILE_KINDS = (forged_identity, lying_statistics)
 
 
 def bad_inputs(n: int, tmp: Path) -> tuple[int, int]:
-    """Seeded random bad inputs to the four loaders; ``(bad tried, clean one-line errors)``."""
+    """Seeded random bad inputs to the four loaders and to the region-shape check (a
+    four_region worker's tp, pp, num_gpus or memory against GPT-3 1.3B:
+    :mod:`geomesh.shapes`); ``(bad tried, clean one-line errors)``."""
     import dataclasses
 
     import torch
@@ -479,6 +481,8 @@ def bad_inputs(n: int, tmp: Path) -> tuple[int, int]:
     from geomesh.codec import SignCodec
     from geomesh.compression import MessageError
     from geomesh.context import _validate
+    from geomesh.planner import MemoryModel
+    from geomesh.shapes import check_region_shapes
     from geomesh.state import load_state
     from jobruntime.checkpoint import CheckpointError
     from jobruntime.config import ConfigError, JobConfig, load_config
@@ -528,6 +532,18 @@ def bad_inputs(n: int, tmp: Path) -> tuple[int, int]:
         codec.aggregate([bytes(data[:rng.randint(0, len(data))] if rng.random() < 0.3
                                else data)])
 
+    shape_rng = random.Random(1)  # its own draws: the other loaders' stay as they were
+    target = load_config("gpt3_1.3b").model
+    memory = MemoryModel(model=target, extra_bytes_per_param=8.25)
+
+    def shape():
+        raw = json.loads(json.dumps(base))
+        key, values = shape_rng.choice([("tp", [3, 5, 6, 12, 32]), ("pp", [5, 7, 16, 48]),
+                                        ("num_gpus", [1, 3, 6, 12]),
+                                        ("memory_gib", [0.5, 4, 8, 12])])
+        raw["workers"][shape_rng.randrange(4)][key] = shape_rng.choice(values)
+        check_region_shapes(cluster_from_dict(raw), target, memory, model_name="gpt3_1.3b")
+
     def checkpoint():
         f = tmp / "checkpoints" / "outer_0000001"
         f.mkdir(parents=True, exist_ok=True)
@@ -541,6 +557,7 @@ def bad_inputs(n: int, tmp: Path) -> tuple[int, int]:
         check(cluster, ClusterError)
         check(wire, MessageError)
         check(checkpoint, CheckpointError)
+        check(shape, ClusterError)
     return tried, clean
 
 

@@ -135,17 +135,7 @@ def check_strategy(strategy: Strategy, model_cfg: ModelConfig, world_size: int) 
     reasons = []
     if strategy.world_size != world_size:
         reasons.append(f"dp*tp*pp={strategy.world_size} != world size {world_size}")
-    if model_cfg.num_attention_heads % strategy.tp:
-        reasons.append(
-            f"tp={strategy.tp} does not divide num_attention_heads={model_cfg.num_attention_heads}"
-        )
-    if model_cfg.kv_heads % strategy.tp:
-        reasons.append(f"tp={strategy.tp} does not divide the kv heads ({model_cfg.kv_heads})")
-    if model_cfg.num_layers % strategy.pp:
-        reasons.append(f"pp={strategy.pp} does not divide num_layers={model_cfg.num_layers}")
-    if model_cfg.padded_vocab % strategy.tp:
-        reasons.append(f"tp={strategy.tp} does not divide the padded vocabulary "
-                       f"({model_cfg.padded_vocab}; model.padded_vocab_size)")
+    reasons += model_cfg.split_problems(strategy.tp, strategy.pp)  # megatron's split rules
     return reasons
 
 

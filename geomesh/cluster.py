@@ -96,6 +96,11 @@ class WorkerSpec:
         return get_gpu_profile(self.gpu)
 
     @property
+    def label(self) -> str:
+        """``'v100-japaneast' (V100 x8, tp=2, pp=1)``: the worker as messages name it."""
+        return f"'{self.name}' ({self.gpu} x{self.num_gpus}, tp={self.tp}, pp={self.pp})"
+
+    @property
     def dp(self) -> int:
         """Data-parallel replicas inside the worker."""
         return self.num_gpus // (self.tp * self.pp)
@@ -244,8 +249,9 @@ def _parse_workers(raw_workers: Any) -> list[WorkerSpec]:
         pp = _num(w.get("pp", 1), f"{where}.pp", integer=True)
         if n % (tp * pp):
             raise ClusterError(
-                f"{where}.num_gpus={n} is not a multiple of tp*pp={tp * pp}; "
-                "change num_gpus, tp or pp"
+                f"{where}.num_gpus={n} is not a multiple of tp*pp={tp * pp} (worker "
+                f"'{w['name']}': tp={tp}, pp={pp}; replicas = num_gpus / (tp*pp)); change "
+                "num_gpus, tp or pp"
             )
         mem = w.get("memory_gib")
         if mem is not None:

@@ -30,6 +30,7 @@ from .cluster import ClusterSpec, load_cluster
 from .compression import TensorSchema
 from .deploy import Placement, place_emulated, place_real
 from .planner import MemoryModel, Planner
+from .shapes import check_region_shapes
 
 log = logging.getLogger(__name__)
 
@@ -193,7 +194,9 @@ def build_context(cfg: JobConfig, run_dir: Path) -> RunContext:
     """Validate, place this process, plan, and open data and metrics.
 
     Raises:
-        ConfigError / ClusterError: bad settings, cluster file or process count.
+        ConfigError / ClusterError: bad settings, cluster file or process count; a
+            region shape that does not split the model or fit its GPUs' memory
+            (:func:`geomesh.shapes.check_region_shapes`, before anything is built).
         DataError, TokenizerError: unusable data.
     """
     _validate(cfg)
@@ -201,6 +204,19 @@ def build_context(cfg: JobConfig, run_dir: Path) -> RunContext:
     cluster = load_cluster(g.cluster, wan_bandwidth_scale=g.wan_bandwidth_scale)
     cluster = dataclasses.replace(cluster, mode=g.mode or cluster.mode)
     K = len(cluster.workers)
+    emulated = cluster.mode == "emulated"
+    target = load_config(g.target_model) if emulated and g.target_model else cfg
+    s_t = target.model.seq_length
+    # θ_global and the outer momentum (fp32, 8 bytes/param) and the packed
+    # message (~1/8) stay on the worker's GPUs next to its shard: the memory
+    # model counts them (geomesh.report.memory_overhead).  The error-feedback
+    # residual and the overlap snapshot live in host memory.
+    memory = MemoryModel(model=target.model, seq_length=s_t, extra_bytes_per_param=8.0 + 0.25)
+    # Every region's shape against the model it must hold, before any process
+    # group, data or plan (geomesh.shapes: the target model in emulated mode).
+    check_region_shapes(cluster, target.model, memory, model_name=(
+        f"the target model {target.name} (geomesh.target_model)" if target is not cfg
+        else f"the model {cfg.name}"))
     if cluster.mode == "emulated":
         if g.region is not None:
             raise ConfigError("geomesh.region is for real mode (one torchrun per region); unset it")
@@ -211,7 +227,6 @@ def build_context(cfg: JobConfig, run_dir: Path) -> RunContext:
         check = copy.deepcopy(layout_cfg)
         check.parallel.micro_batch_size = check.parallel.global_batch_size = 1
         placement.topology = initialize_layout(check)
-        target = load_config(g.target_model) if g.target_model else cfg
     else:
         if g.method == "async":
             raise ConfigError("geomesh.method=async runs in emulated mode only; set geomesh.mode=emulated")
@@ -224,20 +239,12 @@ def build_context(cfg: JobConfig, run_dir: Path) -> RunContext:
             )
         if g.target_model:
             log.warning("real mode: geomesh.target_model is ignored (time and bytes are measured)")
-        target = cfg
     run_dir = same_run_dir(run_dir, group=placement.job_group, src=placement.job_src)
     G_t = target.parallel.global_batch_size
-    s_t = target.model.seq_length
-    # θ_global and the outer momentum (fp32, 8 bytes/param) and the packed
-    # message (~1/8) stay on the worker's GPUs next to its shard: the memory
-    # model counts them (geomesh.report.memory_overhead).  The error-feedback
-    # residual and the overlap snapshot live in host memory.
-    outer_bytes = 8.0 + 0.25
     planner = Planner(cluster, target.model, tokens_per_round=g.inner_steps * G_t * s_t,
                       inner_steps=g.inner_steps, balance=g.balance, tolerance=g.plan_tolerance,
-                      memory=MemoryModel(model=target.model, seq_length=s_t,
-                                         extra_bytes_per_param=outer_bytes))
-    schema = target_schema(target) if cluster.mode == "emulated" else None
+                      memory=memory)
+    schema = target_schema(target) if emulated else None
     t = cfg.train
     corpus = prepare_corpus(cfg.data, cfg.model)
     # Samples the rounds can read: emulated rounds take exactly H · G_p proxy

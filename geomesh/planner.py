@@ -51,8 +51,10 @@ momentum; activations after Korthikanti et al. 2022 as megatron's layers keep
 them, 1F1B with ``pp`` micro-batches in flight, logits, a 2 GiB allowance
 for the CUDA context) against the whole device memory.
 
-Errors: :class:`PlanError` (a ``ValueError``) when a worker cannot fit even
-micro-batch 1, naming the worker, the bytes needed and the fixes.
+Errors: :class:`PlanError` (a ``ValueError``) when a worker cannot fit even its
+smallest micro-batch, naming the worker, the GiB needed by kind and the fixes
+(:func:`geomesh.shapes.memory_refusal`; a run refuses micro-batch 1 earlier, in
+:func:`geomesh.shapes.check_region_shapes`).
 """
 
 from __future__ import annotations
@@ -67,11 +69,12 @@ from typing import Literal, Protocol
 import numpy as np
 
 from jobruntime.config import JobConfig, ModelConfig, load_config
+from jobruntime.memory import MemoryEstimate, PipelineLayout
 from jobruntime.memory import MemoryModel as RuntimeMemoryModel
-from jobruntime.memory import PipelineLayout
 
 from .clock import pipeline_bubble_factor, worker_tokens_per_s
 from .cluster import ClusterError, ClusterSpec, WorkerSpec
+from .shapes import memory_refusal
 from .speed import SpeedModel
 
 log = logging.getLogger(__name__)
@@ -154,13 +157,22 @@ class MemoryModel:
     seq_length: int | None = None
     extra_bytes_per_param: float = 0.0
 
+    @property
+    def runtime(self) -> RuntimeMemoryModel:
+        """The project's memory model that this one evaluates at each worker's layout."""
+        return RuntimeMemoryModel(self.model, seq_length=self.seq_length,
+                                  extra_bytes_per_param=self.extra_bytes_per_param)
+
+    def estimate(self, worker: WorkerSpec, micro_batch_size: int) -> MemoryEstimate:
+        """The worker's fullest pipeline stage at ``micro_batch_size`` (bytes per GPU:
+        parameters, state, activations, allowance)."""
+        return self.runtime.estimate(PipelineLayout(tp=worker.tp, pp=worker.pp, dp=worker.dp,
+                                                    micro_batch_size=micro_batch_size,
+                                                    num_microbatches=worker.pp))
+
     def bytes_per_gpu(self, worker: WorkerSpec, micro_batch_size: int) -> float:
         """Peak bytes on the worker's fullest GPU at ``micro_batch_size``."""
-        memory = RuntimeMemoryModel(self.model, seq_length=self.seq_length,
-                                    extra_bytes_per_param=self.extra_bytes_per_param)
-        return memory.peak_bytes(PipelineLayout(tp=worker.tp, pp=worker.pp, dp=worker.dp,
-                                                micro_batch_size=micro_batch_size,
-                                                num_microbatches=worker.pp))
+        return self.estimate(worker, micro_batch_size).total_bytes
 
     def limit_bytes(self, worker: WorkerSpec) -> float:
         return float(worker.memory_bytes_per_gpu)
@@ -388,15 +400,9 @@ class Planner:
         allowed = self.throughput.micro_batch_sizes(w)
         cands = allowed if allowed is not None else range(1, self.max_micro_batch_size + 1)
         fit = [mb for mb in cands if self._fits(w, mb)]
-        if not fit:
+        if not fit:  # build_context refuses micro-batch 1 earlier; measured sizes may start above
             first = min(cands) if cands else 1
-            need, usable = self._memory(w, first)
-            raise PlanError(
-                f"worker '{w.name}' ({w.gpu}, tp={w.tp}, pp={w.pp}) cannot fit the target model: "
-                f"{need / 2**30:.1f} GiB per GPU needed at micro-batch {first}, "
-                f"{usable / 2**30:.1f} GiB usable; raise tp or pp for this worker, "
-                "use activation recompute, or drop the worker"
-            )
+            raise PlanError(memory_refusal(w, self.memory, "the model", micro_batch_size=first))
         return fit
 
     def _rate(self, w: WorkerSpec, mb: int) -> float:

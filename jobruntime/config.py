@@ -187,6 +187,46 @@ class ModelConfig:
         need(0 <= self.dropout < 1, "dropout", "must be in [0, 1)")
         need(0 < self.mask_prob < 1, "mask_prob", "must be in (0, 1)")
 
+    def split_problems(self, tp: int, pp: int) -> list[str]:
+        """Why megatron-core cannot split this model over ``tp`` x ``pp``: one line per
+        broken rule, each with its numbers (empty: it splits).
+
+        The rules, as megatron-core 0.16 asserts them while building (an
+        ``AssertionError`` or ``ValueError`` from deep inside the build otherwise):
+
+        * ``tp`` divides the attention heads (``TransformerConfig.__post_init__``);
+        * ``tp`` divides the query groups (``num_query_groups``; megatron also takes a
+          ``tp`` that is a multiple of them and replicates K/V, which this project's
+          memory model and canonical shards do not);
+        * ``tp`` divides the FFN hidden size (``divide(ffn, tp)`` in
+          ``ColumnParallelLinear`` / ``RowParallelLinear``);
+        * ``tp`` divides the padded vocabulary (``VocabUtility``; :mod:`jobruntime.vocab`);
+        * ``pp`` divides the layers (``get_num_layers_to_build``: ``num_layers // pp``
+          per stage).
+
+        The one copy of these rules: :meth:`ParallelConfig.validate` (the job's own
+        layout), CONA's ``check_strategy`` (candidate strategies) and GeoMesh's region
+        shapes (:mod:`geomesh.shapes`) call it.
+        """
+        out = []
+        if self.num_attention_heads % tp:
+            out.append(f"tp={tp} does not divide the attention heads "
+                       f"(model.num_attention_heads={self.num_attention_heads})")
+        if self.kv_heads % tp and self.kv_heads != self.num_attention_heads:  # MHA: said above
+            out.append(f"tp={tp} does not divide the query groups "
+                       f"(kv heads, model.num_query_groups={self.kv_heads})")
+        if self.ffn % tp:
+            out.append(f"tp={tp} does not divide the FFN hidden size "
+                       f"(model.ffn_hidden_size={self.ffn})")
+        if self.padded_vocab % tp:
+            fit = -(-self.vocab_size // (PAD_MULTIPLE * tp)) * PAD_MULTIPLE * tp
+            out.append(f"tp={tp} does not divide the padded vocabulary ({self.padded_vocab}); "
+                       f"set model.padded_vocab_size to a multiple of the TP sizes this run "
+                       f"uses, e.g. {fit}")
+        if self.num_layers % pp:
+            out.append(f"pp={pp} does not divide the layers (model.num_layers={self.num_layers})")
+        return out
+
 
 @dataclass(kw_only=True)
 class ParallelConfig:
@@ -219,22 +259,9 @@ class ParallelConfig:
                 f"{self.tp * self.pp}; launch a multiple of tp*pp processes"
             )
         dp = world_size // (self.tp * self.pp)
-        if model.num_attention_heads % self.tp or model.kv_heads % self.tp:
-            raise ConfigError(
-                f"parallel.tp={self.tp} must divide model.num_attention_heads="
-                f"{model.num_attention_heads} and the KV heads ({model.kv_heads})"
-            )
-        if model.num_layers % self.pp:
-            raise ConfigError(
-                f"parallel.pp={self.pp} must divide model.num_layers={model.num_layers}"
-            )
-        if model.padded_vocab % self.tp:
-            fit = -(-model.vocab_size // (PAD_MULTIPLE * self.tp)) * PAD_MULTIPLE * self.tp
-            raise ConfigError(
-                f"parallel.tp={self.tp} does not divide the padded vocabulary "
-                f"({model.padded_vocab}); set model.padded_vocab_size to a multiple of the TP "
-                f"sizes this run uses, e.g. {fit}"
-            )
+        problems = model.split_problems(self.tp, self.pp)
+        if problems:
+            raise ConfigError(f"parallel.{problems[0]}")
         if self.global_batch_size % (self.micro_batch_size * dp):
             raise ConfigError(
                 f"parallel.global_batch_size={self.global_batch_size} is not a multiple of "

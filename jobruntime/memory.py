@@ -249,10 +249,18 @@ class MemoryModel:
             out.append(p)
         return out
 
+    def state_bytes_parts(self, dp: int) -> dict[str, float]:
+        """Bytes per parameter on one device by kind: ``weights``, ``grads``,
+        ``optimizer`` (fp32 master weights and Adam moments; over ``dp`` with the
+        distributed optimizer) and ``extra`` (``extra_bytes_per_param``)."""
+        w, g, opt = STATE_BYTES[self.precision]
+        return {"weights": w, "grads": g,
+                "optimizer": opt / dp if self.distributed_optimizer else opt,
+                "extra": self.extra_bytes_per_param}
+
     def state_bytes_per_param(self, dp: int) -> float:
         """Weights + grads + optimizer (+ extra) bytes per parameter on one device."""
-        w, g, opt = STATE_BYTES[self.precision]
-        return w + g + (opt / dp if self.distributed_optimizer else opt) + self.extra_bytes_per_param
+        return sum(self.state_bytes_parts(dp).values())
 
     # -- activations --------------------------------------------------------
 

@@ -49,7 +49,8 @@ def _with(**changes):
     [
         ({"w1_gpu": "RTX9000"}, r"workers\[1\]\.gpu='RTX9000' is unknown"),
         ({"w1_region": "Mars"}, r"no WAN link .*'Mars'.* add .* under wan_links"),
-        ({"w1_num_gpus": 6}, r"workers\[1\]\.num_gpus=6 is not a multiple of tp\*pp=4"),
+        ({"w1_num_gpus": 6}, r"workers\[1\]\.num_gpus=6 is not a multiple of tp\*pp=4 \(worker "
+                             r"'b': tp=4, pp=1; replicas = num_gpus / \(tp\*pp\)\)"),
         ({"w1_speed": 3}, r"workers\[1\]: unknown key\(s\) \['speed'\]"),
         ({"w1_name": "a"}, r"duplicate name"),
         ({"mode": "real"}, r"mode=real needs rendezvous"),
@@ -140,3 +141,112 @@ def test_resume_matches_workers_by_identity_not_position():
     check_workers(legacy, c)
     with pytest.raises(CheckpointError, match="order"):
         check_workers(legacy, dataclasses.replace(c, workers=(t4, h100)))
+
+
+# -- region shapes against the model (geomesh/shapes.py) ----------------------
+
+# The model each shipped cluster file is meant for; files not listed (e.g. the
+# CPU cluster four_shape_cpu.yaml) are run with tiny_gpt.
+SHIPPED_MODELS = {"four_region": "gpt3_1.3b", "two_worker": "gpt3_1.3b",
+                  "two_worker_real": "tiny_gpt"}
+OUTER = 8.0 + 0.25  # θ_global + outer momentum + message, bytes/param (geomesh.context)
+
+
+def _memory(model):
+    from geomesh.planner import MemoryModel
+
+    return MemoryModel(model=model, extra_bytes_per_param=OUTER)
+
+
+def test_shipped_clusters_hold_their_models():
+    """Catches a shape refusal that rejects the shipped clusters: four_region's TP2
+    V100 and TP4 T4 workers split GPT-3 1.3B and hold its state with the outer state
+    (the TP1 V100 and TP2 T4 would not: test_shape_that_does_not_fit_...), and every
+    other file (the CPU four-shape cluster among them) holds tiny_gpt."""
+    from geomesh.cluster import CLUSTERS_DIR
+    from geomesh.shapes import check_region_shapes
+    from jobruntime.config import load_config
+
+    files = sorted(CLUSTERS_DIR.glob("*.yaml"))
+    assert {f.stem for f in files} >= set(SHIPPED_MODELS)
+    for f in files:
+        name = SHIPPED_MODELS.get(f.stem, "tiny_gpt")
+        model = load_config(name).model
+        check_region_shapes(load_cluster(f), model, _memory(model), model_name=name)
+    four = load_cluster("four_region")
+    assert [(w.tp, w.pp, w.dp) for w in four.workers] == [(1, 1, 8), (1, 1, 8), (2, 1, 4),
+                                                          (4, 1, 2)]
+
+
+# A model (12 heads, FFN 3072, vocabulary 8192, 8 layers) that worker 'a' (TP1,
+# PP2) splits in every case; each case breaks exactly one rule at worker 'b'.
+SPLIT = dict(num_layers=8, hidden_size=768, num_attention_heads=12, ffn_hidden_size=3072,
+             vocab_size=8192, seq_length=128)
+
+
+@pytest.mark.parametrize("change, shape, rule", [
+    ({}, {"tp": 8, "num_gpus": 8},
+     "tp=8 does not divide the attention heads (model.num_attention_heads=12)"),
+    ({"num_query_groups": 3}, {"tp": 2, "num_gpus": 2},
+     "tp=2 does not divide the query groups (kv heads, model.num_query_groups=3)"),
+    ({"ffn_hidden_size": 3070}, {"tp": 4, "num_gpus": 4},
+     "tp=4 does not divide the FFN hidden size (model.ffn_hidden_size=3070)"),
+    ({"padded_vocab_size": 8194}, {"tp": 4, "num_gpus": 4},
+     "tp=4 does not divide the padded vocabulary (8194)"),
+    ({}, {"pp": 3, "num_gpus": 3}, "pp=3 does not divide the layers (model.num_layers=8)"),
+])
+def test_shape_that_does_not_split_the_model_is_refused(change, shape, rule):
+    """Catches a region shape that megatron-core cannot build reaching the build (an
+    AssertionError or ValueError from inside megatron, per region, after the run
+    started) or, in emulated mode, never being built and silently timed: the refusal
+    names the worker, the one rule broken with its numbers, and the shapes of its
+    GPUs that split the model."""
+    from geomesh.shapes import check_region_shapes
+    from jobruntime.config import ModelConfig
+
+    model = ModelConfig(**{**SPLIT, **change})
+    model.validate()
+    cluster = cluster_from_dict({"workers": [
+        {"name": "a", "gpu": "A100-80GB", "region": "East US", "pp": 2, "num_gpus": 2},
+        {"name": "b", "gpu": "A100-80GB", "region": "West Europe", **shape}]})
+    with pytest.raises(ClusterError) as e:
+        check_region_shapes(cluster, model, _memory(model), model_name="the model m")
+    msg = str(e.value)
+    assert msg.startswith("worker 'b' (A100-80GB x") and "cannot split the model m" in msg, msg
+    assert rule in msg and msg.count("does not divide") == 1 and "\n" not in msg, msg
+    assert "with tp*pp dividing num_gpus=" in msg
+
+
+def test_build_context_checks_the_model_each_mode_builds(tmp_path):
+    """Catches the shape check running on the wrong model, or after the setup: in
+    emulated mode the target model (geomesh.target_model) sets time and memory, so a
+    T4 at TP1 cannot hold GPT-3 1.3B although the tiny proxy would fit; in real mode
+    the job's own model is built, so TP8 cannot split tiny_gpt's 4 heads although
+    GPT-3 1.3B's 16 would split.  Both are refused by build_context before any process
+    group or data exists (no run folder)."""
+    import yaml
+
+    from geomesh.context import build_context
+    from jobruntime.config import load_config
+
+    def run(mode: str, worker: dict) -> str:
+        f = tmp_path / f"{mode}.yaml"
+        f.write_text(yaml.safe_dump({
+            "mode": mode, "rendezvous": "127.0.0.1:29599",
+            "workers": [{"name": "h100", "gpu": "H100", "region": "East US"},
+                        {"name": "t4", "gpu": "T4", "region": "West Europe", **worker}]}))
+        cfg = load_config("tiny_gpt", [f"geomesh.cluster={f}", "geomesh.method=geomesh",
+                                       "geomesh.target_model=gpt3_1.3b",
+                                       "logging.wandb=disabled"])
+        with pytest.raises(ClusterError) as e:
+            build_context(cfg, tmp_path / "run")
+        assert not (tmp_path / "run").exists()
+        return str(e.value)
+
+    msg = run("emulated", {})
+    assert msg.startswith("worker 't4' (T4 x1, tp=1, pp=1) cannot fit the target model "
+                          "gpt3_1.3b (geomesh.target_model) in 16.0 GiB per GPU"), msg
+    msg = run("real", {"num_gpus": 8, "tp": 8})
+    assert msg.startswith("worker 't4' (T4 x8, tp=8, pp=1) cannot split the model tiny_gpt: "
+                          "tp=8 does not divide the attention heads "
+                          "(model.num_attention_heads=4)"), msg

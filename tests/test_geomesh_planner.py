@@ -115,6 +115,44 @@ def test_model_that_cannot_fit_names_worker_and_fix():
         Planner(c, GPT, tokens_per_round=T).plan()
 
 
+def test_shape_that_does_not_fit_is_refused_with_the_numbers():
+    """Catches a region shape whose GPUs cannot hold the model state being found only
+    when the round is planned (after the run's setup), with one total: four_region's
+    T4 worker at TP2 (16 GiB per GPU) is refused before anything is built, naming the
+    worker, the GPU memory, the state at that shape by kind in GiB and the smallest
+    shape of its 8 GPUs that fits.  By hand: one GPU of a TP2, PP1 worker holds
+    (N - positions) / 2 + positions parameters (the position table is not split) at
+    2 + 4 + 12 + 8.25 bytes (bf16 weights, fp32 grads, fp32 master + Adam m, v;
+    θ_global, outer momentum, message)."""
+    import dataclasses
+
+    from geomesh.cluster import ClusterError
+    from geomesh.shapes import check_region_shapes
+
+    four = load_cluster("four_region")
+    workers = [dataclasses.replace(w, tp=2) if w.gpu == "T4" else w for w in four.workers]
+    cluster = dataclasses.replace(four, workers=tuple(workers))
+    mm = MemoryModel(model=GPT, extra_bytes_per_param=8.25)
+    with pytest.raises(ClusterError) as e:
+        check_region_shapes(cluster, GPT, mm, model_name="gpt3_1.3b")
+    pos = 2048 * 2048
+    params = (num_params(GPT, padded_vocab=GPT.padded_vocab) - pos) / 2 + pos
+    gib = [f"{params * b / 2**30:.1f}" for b in (2, 4, 12, 8.25)]
+    msg = str(e.value)
+    assert msg.startswith("worker 't4-australiaeast' (T4 x8, tp=2, pp=1) cannot fit gpt3_1.3b "
+                          "in 16.0 GiB per GPU: at tp=2, pp=1"), msg
+    assert (f"{params / 1e9:.2f} B parameters whose state needs "
+            f"{params * 26.25 / 2**30:.1f} GiB (weights {gib[0]} + grads {gib[1]} + "
+            f"optimizer {gib[2]} + outer state {gib[3]} GiB)") in msg, msg
+    w = cluster.worker("t4-australiaeast")
+    assert f"= {mm.bytes_per_gpu(w, 1) / 2**30:.1f} GiB" in msg and "a 2.0 GiB allowance" in msg
+    assert "raise tp or pp (tp=4, pp=1 fits)" in msg and "\n" not in msg
+    # The planner, asked anyway, refuses with the same line.
+    with pytest.raises(PlanError) as p:
+        Planner(cluster, GPT, tokens_per_round=T, memory=mm).plan()
+    assert str(p.value) == msg.replace("gpt3_1.3b", "the model")
+
+
 def _scalar_plan(planner: Planner):
     """The per-worker Python search the grouped planner replaced (reference):
     ``(mb, a, H)`` per worker, enumerated and compared one candidate at a time."""

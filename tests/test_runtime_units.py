@@ -40,6 +40,12 @@ def test_layout_validation_names_the_field():
     with pytest.raises(ConfigError, match="global_batch_size"):
         cfg.validate(world_size=2)
     assert load_config("tiny_gpt").validate(world_size=2) == 2
+    # An FFN width TP does not divide: megatron's RowParallelLinear asserts
+    # divide(ffn_hidden_size, tp) inside the build (fc2's input is the FFN width).
+    cfg = load_config("tiny_gpt", ["parallel.tp=4", "model.ffn_hidden_size=1002"])
+    with pytest.raises(ConfigError, match=r"^parallel\.tp=4 does not divide the FFN hidden size "
+                                          r"\(model\.ffn_hidden_size=1002\)$"):
+        cfg.validate(world_size=4)
 
 
 def test_documents_split_by_document_not_line():
