@@ -188,11 +188,14 @@ class Loop:
                             extra={"strategy": job.strategy.label},
                             keep_last=self.cfg.checkpoint.keep_last)
         # No decision when less than one decision interval of training remains:
-        # a switch could not run (let alone repay its cost) before the end.
+        # a switch could not run (let alone repay its cost) before the end.  Both
+        # sides in proxy samples: the budget and consumed samples are proxy
+        # sequences, and one interval is ``decision_interval`` steps of the proxy
+        # batch (the strategy's global batch is in target sequences, r x larger).
         left = self.budget_samples - job.consumed_samples
         interval = self.controller.cfg.decision_interval if self.controller is not None else 0
         if (self.controller is not None and self.controller.should_decide(job.trainer.step)
-                and left >= interval * job.strategy.global_batch_size):
+                and left >= interval * job.proxy_batch(job.strategy)):
             self.decide()
 
     def decide(self) -> None:
