@@ -126,7 +126,8 @@ class ChainResult:
     """A chain: its time to target (or its clock at the end), layouts and traces.
 
     Attributes:
-        ttp_s: clock seconds to the target (the clock at the end if not reached).
+        ttp_s: clock seconds to the target, interpolated at the crossing (the clock
+            at the end if not reached).
         batches: global batch per window.
         layouts: the layout of each segment (one entry per change).
         switch_steps: the step at which each segment starts.
