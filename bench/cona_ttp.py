@@ -7,7 +7,9 @@ model of the target at its own shape (sequence 2048, BERT 512) on 64 A100s
 (8 nodes of 8; ``cona.clock=emulated``, ``cona/emulated.py``), at target global
 batches of 64 to 1024 sequences.  Methods (``cona/baselines.py``), all from the
 same initial weights, data order, LR rule (sqrt of the global batch) and
-sample-based schedule:
+sample-based schedule; every method's TTP (the oracle's too) is interpolated
+(log-perplexity) at the crossing of the target between the evaluations either
+side (``jobruntime.metrics.TTPTracker``):
 
 - ``static_throughput``: the candidate with the highest modelled tokens/s;
 - ``static_oracle``: the best TTP over all static candidates;

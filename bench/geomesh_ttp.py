@@ -11,7 +11,10 @@ of tokens, the same inner optimizer (AdamW, ``tiny_gpt``'s settings with the
 20-step warmup the bench was tuned with) and an
 outer Nesterov optimizer (momentum 0.9 ramped in from 0.5) whose learning
 rate is tuned per method (``OUTER_LR``); evaluation after every outer step
-(``--quick``) or every 2nd (``--full``) on the same validation batches.
+(``--quick``) or every 2nd (``--full``) on the same validation batches.  TTP
+is interpolated (log-perplexity) at the crossing of the target between the
+evaluations either side (``jobruntime.metrics.TTPTracker``); ``ttp_step`` is
+the outer step of the first evaluation at or below it.
 
 Modes (``SETTINGS``): ``--quick`` 12 outer steps of ``H = 8`` (98k proxy
 tokens; one run 1.5-2.5 min on an idle core, 10-15 min on a busy shared

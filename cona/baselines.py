@@ -100,15 +100,20 @@ class ProxyBranch:
     def run_window(self, batch, end_samples, stop) -> WindowRun:
         job, loop = self.job, self.loop
         job.set_strategy(self.per_batch[batch])
-        first_eval, steps = len(loop.progress.evals), 0
+        evals, first_eval, steps, at = loop.progress.evals, len(loop.progress.evals), 0, []
         while not loop.done and not (end_samples is not None and job.consumed_samples >= end_samples):
-            if stop(steps):
-                return WindowRun(steps, stopped=True)
+            n = len(evals)
             loop.step()
             steps += 1
-            if loop.progress.ttp.reached:
-                return WindowRun(steps, steps, evals=copy.deepcopy(loop.progress.evals[first_eval:]))
-        return WindowRun(steps, evals=copy.deepcopy(loop.progress.evals[first_eval:]))
+            if len(evals := loop.progress.evals) == n:
+                continue  # no evaluation at this step
+            at.append(steps)
+            ttp = loop.progress.ttp
+            if ttp.reached or stop(steps):
+                return WindowRun(steps, steps if ttp.reached else None, stopped=not ttp.reached,
+                                 evals=copy.deepcopy(evals[first_eval:]), eval_steps=tuple(at),
+                                 crossing=ttp.crossing if ttp.reached else 1.0)
+        return WindowRun(steps, evals=copy.deepcopy(evals[first_eval:]), eval_steps=tuple(at))
 
 
 class ClusterTime:

@@ -3,7 +3,10 @@
 A *chain* assigns a global batch to each window of a sample grid
 ``0 < S_1 < ... < S_{D-1}`` (the last window runs until the target or the
 budget); its time to target is the emulated clock of that sequence of
-batches, each run at its best layout, switch costs included.
+batches, each run at its best layout, switch costs included.  Like every
+TTP of the project (:class:`jobruntime.metrics.TTPTracker`), it is
+interpolated at the crossing of the target between the last evaluation above
+it and the first at or below it, on the chain's own clock.
 
 **What is searched** (all exactly; nothing extrapolated):
 
@@ -22,9 +25,10 @@ A batch sequence is trained for real from restored in-memory states: the
 tree of sequences shares prefixes, every node's state (weights, optimizer,
 schedule, data position, RNG, GNS) is a snapshot of its parent's plus one
 window.  Branch and bound keeps it affordable and exact: a node (or a window
-still running) whose cheapest elapsed time already reaches the best time to
-target found so far cannot lead to a better chain and is cut.  Constant
-chains are searched first (they are the static baselines, and give the first
+still running) whose cheapest time at its latest evaluation already reaches
+the best time to target found so far cannot lead to a better chain (its
+interpolated TTP lies after that evaluation) and is cut; a running window is
+cut at an evaluation.  Constant chains are searched first (they are the static baselines, and give the first
 bound); the constant chain of ``unpruned`` (the throughput baseline) runs on
 until ``unpruned_factor`` times the bound (its time to target, or a lower
 bound on it).  Since every static chain is in the searched set,
@@ -56,12 +60,20 @@ class WindowRun:
             the target (``None``: not reached).
         stopped: the window was cut by the time limit (neither end nor target).
         evals: evaluation records of the window (for traces).
+        eval_steps: steps into the window of each of its evaluations, ascending
+            (the last is ``reached_step`` when reached).
+        crossing: when reached, the fraction of the way from the previous
+            evaluation (in this window or an earlier one) to ``reached_step``'s
+            at which the target was crossed (``TTPTracker.crossing``; 1.0: no
+            earlier evaluation).
     """
 
     steps: int
     reached_step: int | None = None
     stopped: bool = False
     evals: list = field(default_factory=list)
+    eval_steps: tuple = ()
+    crossing: float = 1.0
 
 
 class Branch(Protocol):
@@ -75,7 +87,8 @@ class Branch(Protocol):
         self, batch: int, end_samples: int | None, stop: Callable[[int], bool]
     ) -> WindowRun:
         """Train at global batch ``batch`` until ``end_samples`` (``None``: the budget) or the
-        target; stop early once ``stop(steps_so_far)`` is true."""
+        target; after each evaluation above the target, stop early (``stopped``) if
+        ``stop(steps into the window)`` is true."""
         ...
 
 
@@ -89,13 +102,23 @@ class TimeModel(Protocol):
 
 @dataclass
 class Node:
-    """A batch-sequence prefix and, per layout of its last batch, the best elapsed time."""
+    """A batch-sequence prefix and, per layout of its last batch, the best elapsed time.
+
+    ``times``: layout -> (seconds at the window's end, or the interpolated time to
+    target if the window reached it; parent layout or ``None``).  ``paths``: for a
+    window that reached the target with its previous evaluation in an earlier
+    window, layout -> the layouts of the windows from that one to the parent (the
+    crossing's own minimum, :meth:`OracleSearch._reach_times`).  ``eval_lb``: the
+    least time over layouts at the latest evaluation so far (a lower bound on the
+    time to target of every extension)."""
 
     batches: tuple
-    times: dict  # layout -> (seconds at the window's end, parent layout or None)
+    times: dict
     parent: Node | None
     run: WindowRun
     start_step: int
+    paths: dict = field(default_factory=dict)
+    eval_lb: float = 0.0
 
 
 @dataclass
@@ -103,7 +126,8 @@ class ChainResult:
     """A chain: its time to target (or its clock at the end), layouts and traces.
 
     Attributes:
-        ttp_s: clock seconds to the target (the clock at the end if not reached).
+        ttp_s: clock seconds to the target, interpolated at the crossing (the clock
+            at the end if not reached).
         batches: global batch per window.
         layouts: the layout of each segment (one entry per change).
         switch_steps: the step at which each segment starts.
@@ -181,22 +205,69 @@ class OracleSearch:
 
         run = self.branch.run_window(batch, self._end(depth), stop)
         self.windows_trained += 1
-        steps = run.reached_step if run.reached_step is not None else run.steps
-        times = {lay: (t + steps * self.tm.iter_s(lay), p) for lay, (t, p) in entries.items()}
         start = parent.start_step + parent.run.steps if parent is not None else 0
-        node = Node((*(parent.batches if parent else ()), batch), times, parent, run, start)
+        batches = (*(parent.batches if parent else ()), batch)
         if run.reached_step is not None:
+            times, paths = self._reach_times(parent, run, entries)
+            node = Node(batches, times, parent, run, start, paths)
             self._finish(node)
-        return node
+            return node
+        times = {lay: (t + run.steps * self.tm.iter_s(lay), p) for lay, (t, p) in entries.items()}
+        if run.eval_steps:
+            k = run.eval_steps[-1]
+            lb = min(t + k * self.tm.iter_s(lay) for lay, (t, _) in entries.items())
+        else:
+            lb = parent.eval_lb if parent is not None else 0.0
+        return Node(batches, times, parent, run, start, eval_lb=lb)
+
+    def _reach_times(self, parent: Node | None, run: WindowRun, entries: dict) -> tuple[dict, dict]:
+        """Per layout of a window that reached the target: the least interpolated time to
+        target ``(1 - f) t_prev + f t_reach`` over the layout paths into it (``f``:
+        ``run.crossing``), with the parent layout, and the ``paths`` of :class:`Node`.
+
+        With the previous evaluation in this window (or none), both times lie in it at
+        one layout, so the crossing is ``entry + (k0 + f (k - k0)) iter_s``.  Otherwise
+        it lies in an earlier window ``A``: ``t_prev`` is fixed by ``A``'s layout and
+        everything after it counts with weight ``f``, so the windows from ``A`` on are
+        searched again (the same dynamic programming with those weights)."""
+        tm, f, k = self.tm, run.crossing, run.reached_step
+        earlier = [s for s in run.eval_steps if s < k]
+        anc, between = parent, []
+        while anc is not None and not anc.run.eval_steps:
+            between.append(anc)
+            anc = anc.parent
+        if earlier or anc is None or f >= 1.0:
+            k0 = earlier[-1] if earlier else k
+            x = k0 + f * (k - k0)
+            return {lay: (t + x * tm.iter_s(lay), p) for lay, (t, p) in entries.items()}, {}
+        rem = anc.run.steps - anc.run.eval_steps[-1]  # A's steps after its last evaluation
+        # val: t_prev + f * (time since A's last evaluation), and the layouts from A on
+        val = {lay: (t - (1 - f) * rem * tm.iter_s(lay), (lay,)) for lay, (t, _) in anc.times.items()}
+
+        def extend(layouts, steps: int) -> dict:
+            out = {}
+            for lay in layouts:
+                v, path = min(((v + f * tm.switch_s(path[-1], lay), path)
+                               for v, path in val.values()), key=lambda x: x[0])
+                out[lay] = (v + f * steps * tm.iter_s(lay), (*path, lay))
+            return out
+
+        for m in reversed(between):
+            val = extend(list(m.times), m.run.steps)
+        reach = extend(list(entries), k)
+        return ({lay: (v, path[-2]) for lay, (v, path) in reach.items()},
+                {lay: path[:-1] for lay, (_, path) in reach.items()})
 
     def _trace(self, node: Node) -> ChainResult:
         """The chain ending at ``node``, at its cheapest layouts, with its clock."""
         layout, (end_s, _) = min(node.times.items(), key=lambda kv: kv[1][0])
+        fixed = list(node.paths.get(layout, ()))  # the crossing's layouts back to its window
         path, n = [], node
         while n is not None:  # back-pointers: (node, its layout), last first
             path.append((n, layout))
-            layout = n.times[layout][1]
+            back = n.times[layout][1]
             n = n.parent
+            layout = fixed.pop() if fixed else back
         path.reverse()
         layouts, starts, times, evals = [], [], [], []
         t, prev = 0.0, None
@@ -225,7 +296,7 @@ class OracleSearch:
         """A node may lead to a better chain: not reached, not cut, under the bound."""
         if node.run.reached_step is not None or node.run.stopped:
             return False
-        if min(t for t, _ in node.times.values()) >= self.bound:
+        if node.eval_lb >= self.bound:
             self.nodes_cut += 1
             return False
         return True

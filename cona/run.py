@@ -23,8 +23,9 @@ Budget and schedule are in (proxy) samples (the strategies' global batches
 differ): ``train.iters * B_ref`` samples with ``B_ref = parallel.global_batch_size``;
 warmup and decay likewise (:mod:`cona.state`).  Validation runs every
 ``train.eval_interval * B_ref`` samples on a fixed validation set;
-time-to-target-perplexity (TTP) is the clock time of the first evaluation at
-or below ``train.target_ppl``.  In real mode the clock is the wall time since
+time-to-target-perplexity (TTP) is the clock time at which validation
+perplexity crossed ``train.target_ppl``, interpolated between the evaluations
+either side (:class:`jobruntime.metrics.TTPTracker`).  In real mode the clock is the wall time since
 the start of training (switches and evaluations included); in emulated mode
 it is step and switch time only.
 
@@ -187,11 +188,14 @@ class Loop:
                             extra={"strategy": job.strategy.label},
                             keep_last=self.cfg.checkpoint.keep_last)
         # No decision when less than one decision interval of training remains:
-        # a switch could not run (let alone repay its cost) before the end.
+        # a switch could not run (let alone repay its cost) before the end.  Both
+        # sides in proxy samples: the budget and consumed samples are proxy
+        # sequences, and one interval is ``decision_interval`` steps of the proxy
+        # batch (the strategy's global batch is in target sequences, r x larger).
         left = self.budget_samples - job.consumed_samples
         interval = self.controller.cfg.decision_interval if self.controller is not None else 0
         if (self.controller is not None and self.controller.should_decide(job.trainer.step)
-                and left >= interval * job.strategy.global_batch_size):
+                and left >= interval * job.proxy_batch(job.strategy)):
             self.decide()
 
     def decide(self) -> None:
@@ -249,9 +253,7 @@ class Loop:
         return {
             "clock": job.ctx.clock,
             "target_ppl": self.cfg.train.target_ppl,
-            "ttp_s": p.ttp.ttp_s,
-            "ttp_tokens": p.ttp.ttp_tokens,
-            "ttp_step": p.ttp.ttp_step,
+            **p.ttp.summary(),
             "final_val_ppl": p.last_val_ppl,
             "switches": len(p.switches),
             "chain": p.chain,

@@ -95,9 +95,7 @@ class RunStats:
             "clock": clock,
             "cluster": cluster.name,
             "target_ppl": self.target_ppl,
-            "ttp_s": self.ttp.ttp_s,
-            "ttp_tokens": self.ttp.ttp_tokens,
-            "ttp_step": self.ttp.ttp_step,
+            **self.ttp.summary(),
             "final_val_ppl": self.final_val_ppl,
             "final_val_loss": self.final_val_loss,
             "tokens": self.tokens,
@@ -126,7 +124,7 @@ class RunStats:
         self.workers = {k: WorkerTotals(**v) for k, v in state["workers"].items()}
         for k, v in state["scalars"].items():
             setattr(self, k, v)
-        self.ttp = TTPTracker(**state["ttp"])
+        self.ttp = TTPTracker.from_state(state["ttp"], state["ttp"].get("target_ppl"))
 
 
 def _nbytes(tensors) -> int:

@@ -11,7 +11,7 @@ import logging
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from .checkpoint import load_checkpoint, save_checkpoint
@@ -106,9 +106,10 @@ def run(cfg: JobConfig, run_dir: Path,
     if topo.is_logging_rank:
         save_config(cfg, run_dir / "config.yaml")
         save_tokenizer_file(data.corpus.tokenizer, run_dir)
-    ttp = TTPTracker(t.target_ppl)
-    if extra.get("ttp_s") is not None:
-        ttp.ttp_s, ttp.ttp_tokens, ttp.ttp_step = extra["ttp_s"], extra["ttp_tokens"], extra["ttp_step"]
+    # "ttp": the tracker's state (with the last evaluation above the target, so a
+    # resumed run interpolates its crossing); older checkpoints hold only ttp_s/_tokens/_step
+    ttp = TTPTracker.from_state(extra.get("ttp") or {k: extra.get(k) for k in (
+        "ttp_s", "ttp_tokens", "ttp_step")}, t.target_ppl)
     bar = _progress(cfg, topo, t.iters, trainer.step)
     # Without a progress bar (stderr not a terminal, e.g. piped to a file or
     # under SLURM), a log line per evaluation and every 5 % of the steps.
@@ -157,13 +158,12 @@ def run(cfg: JobConfig, run_dir: Path,
             save_checkpoint(run_dir / "checkpoints", trainer,
                             consumed_samples=data.train.consumed_samples,
                             keep_last=cfg.checkpoint.keep_last,
-                            extra={"time_s": now, "ttp_s": ttp.ttp_s, "ttp_tokens": ttp.ttp_tokens,
-                                   "ttp_step": ttp.ttp_step, "final_val_ppl": last_val_ppl})
+                            extra={"time_s": now, "ttp": asdict(ttp), "final_val_ppl": last_val_ppl})
     if bar is not None:
         bar.close()
     wall = time.perf_counter() - t0
     summary = dict(
-        target_ppl=t.target_ppl, ttp_s=ttp.ttp_s, ttp_tokens=ttp.ttp_tokens, ttp_step=ttp.ttp_step,
+        target_ppl=t.target_ppl, **ttp.summary(),
         final_val_ppl=last_val_ppl, tokens=trainer.consumed_tokens,
         samples=data.train.consumed_samples, steps=trainer.step,
         wall_s=wall, world_size=topo.world_size, dp=topo.dp, tp=topo.tp, pp=topo.pp,

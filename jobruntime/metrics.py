@@ -4,7 +4,9 @@ Every record carries the time on the run's clock: ``"wall"`` (seconds since
 the run started) or ``"emulated"`` (seconds of a modelled cluster, see
 ``geomesh/`` and ``cona/``).  :class:`TTPTracker` records the
 time-to-target-perplexity (TTP): the clock time and tokens at which
-validation perplexity first reached ``target_ppl``.
+validation perplexity crossed ``target_ppl``, interpolated between the
+evaluations on either side of the crossing (:func:`crossing_fraction`), and
+the step of the first evaluation at or below it.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import json
 import logging
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -72,31 +74,105 @@ def write_json_atomic(path: Path, obj: Any) -> None:
     write_text_atomic(path, json.dumps(obj, indent=2, default=float) + "\n")
 
 
+def crossing_fraction(ppl_above: float, ppl_at: float, target: float) -> float:
+    """Where between two evaluations the validation perplexity crossed ``target``.
+
+    The curve between the evaluations is taken piecewise linear in *log*
+    perplexity (the validation loss, nats/token), not in perplexity: the loss
+    is what falls roughly linearly over a short stretch of training, while
+    perplexity = exp(loss) is convex in it, so linear interpolation of
+    perplexity would put the crossing systematically late.
+
+    Args:
+        ppl_above: perplexity of the last evaluation above the target.
+        ppl_at: perplexity of the first evaluation at or below it.
+        target: the target perplexity, ``ppl_at <= target < ppl_above``.
+
+    Returns:
+        ``f`` in [0, 1] with ``log target = (1 - f) log ppl_above + f log ppl_at``
+        (1.0 when ``ppl_above`` is not finite: no usable earlier point).
+    """
+    if not math.isfinite(ppl_above) or not ppl_at <= target < ppl_above:
+        return 1.0
+    hi, lo = math.log(ppl_above), math.log(ppl_at)
+    return min(max((hi - math.log(target)) / (hi - lo), 0.0), 1.0)
+
+
 @dataclass
 class TTPTracker:
-    """Time-to-target-perplexity.
+    """Time-to-target-perplexity, interpolated at the crossing of the target.
+
+    Fed the evaluations in order (clock time ``t_j``, perplexity ``p_j``), TTP
+    is the time at which the piecewise-linear interpolation of ``log p`` between
+    the last evaluation above the target and the first at or below it crosses
+    ``log target`` (:func:`crossing_fraction`); when the first evaluation of the
+    run is already at or below the target, it is that evaluation's time.  Taking
+    the first evaluation's time instead made TTP jump by a whole evaluation
+    interval when a curve crossed the target just after an evaluation.
 
     Attributes:
         target_ppl: target validation perplexity (``None``: never reached).
-        ttp_s: clock seconds when it was first reached, else ``None``.
-        ttp_tokens: training tokens consumed by then.
+        ttp_s: interpolated clock seconds of the crossing, else ``None``.
+        ttp_tokens: training tokens at the crossing (interpolated the same way).
+        ttp_step: step (GeoMesh: outer step) of the first evaluation at or below
+            the target ("reached at step N").
+        reached_s: clock seconds of that evaluation (``>= ttp_s``).
+        crossing: fraction of the way from the last evaluation above the target
+            to ``ttp_step``'s evaluation at which the target was crossed (1.0
+            without an earlier evaluation).
+        above_s, above_tokens, above_ppl: the last evaluation above the target
+            (``None`` before the first evaluation).
     """
 
     target_ppl: float | None
     ttp_s: float | None = None
     ttp_tokens: int | None = None
     ttp_step: int | None = None
+    reached_s: float | None = None
+    crossing: float | None = None
+    above_s: float | None = None
+    above_tokens: int | None = None
+    above_ppl: float | None = None
 
     def update(self, val_ppl: float, time_s: float, tokens: int, step: int) -> bool:
-        """Record an evaluation; return True the first time the target is reached."""
-        if self.target_ppl is None or self.ttp_s is not None or not val_ppl <= self.target_ppl:
+        """Record an evaluation (perplexity, clock seconds, training tokens, step);
+        return True the first time the target is reached."""
+        if self.target_ppl is None or self.reached:
             return False
-        self.ttp_s, self.ttp_tokens, self.ttp_step = time_s, tokens, step
+        if not val_ppl <= self.target_ppl:  # above (or NaN): the crossing is later
+            self.above_s, self.above_tokens, self.above_ppl = time_s, tokens, val_ppl
+            return False
+        f = 1.0 if self.above_s is None else crossing_fraction(self.above_ppl, val_ppl,
+                                                               self.target_ppl)
+        t0, n0 = (time_s, tokens) if self.above_s is None else (self.above_s, self.above_tokens)
+        self.ttp_s = t0 + f * (time_s - t0)
+        self.ttp_tokens = round(n0 + f * (tokens - n0))
+        self.ttp_step, self.reached_s, self.crossing = step, time_s, f
         return True
 
     @property
     def reached(self) -> bool:
         return self.ttp_s is not None
+
+    def summary(self) -> dict:
+        """The ``summary.json`` fields: ``ttp_s``, ``ttp_tokens``, ``ttp_step`` and
+        ``ttp_reached_s`` (the clock at ``ttp_step``'s evaluation)."""
+        return {"ttp_s": self.ttp_s, "ttp_tokens": self.ttp_tokens, "ttp_step": self.ttp_step,
+                "ttp_reached_s": self.reached_s}
+
+    @classmethod
+    def from_state(cls, state: dict, target_ppl: float | None) -> TTPTracker:
+        """Restore from ``asdict(tracker)`` of a checkpoint; ``target_ppl`` is the run's.
+
+        A state saved before interpolation (only ``ttp_s``, ``ttp_tokens``,
+        ``ttp_step``) keeps its TTP as it was: the reaching evaluation's time
+        (``reached_s``) with no crossing fraction recorded.
+        """
+        known = {f.name for f in fields(cls)} - {"target_ppl"}
+        out = cls(target_ppl, **{k: v for k, v in state.items() if k in known})
+        if out.ttp_s is not None and out.reached_s is None:
+            out.reached_s = out.ttp_s
+        return out
 
 
 @dataclass

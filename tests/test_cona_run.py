@@ -23,6 +23,48 @@ COMMON = [
 ]
 
 
+def test_last_decision_guard_counts_proxy_samples():
+    """Catches the "less than one decision interval remains" guard comparing proxy samples
+    with ``interval x target global batch`` (r x too large), which stopped decisions r
+    intervals before the end.  Ratio r = 4: the strategy's 64 target sequences are 16
+    proxy samples a step, one interval (4 steps) is 64 proxy samples.  With a budget of
+    160 proxy samples (10 steps), at step 4 there are 96 left (>= 64): the controller must
+    decide there (the old guard wanted 4 x 64 = 256); at step 8, 32 left: no decision."""
+    from types import SimpleNamespace
+
+    from cona.job import Job
+    from cona.mapping import ProxyMapping
+    from cona.run import Loop
+    from jobruntime.config import load_config
+
+    class FakeJob:
+        fresh, clock_s, evaluate = False, 0.0, staticmethod(lambda: 5.0)
+        proxy_batch = Job.proxy_batch
+
+        def __init__(self):
+            self.ctx = SimpleNamespace(mapping=ProxyMapping(ratio=4), clock="emulated")
+            self.strategy = SimpleNamespace(label="dp8-mb2", global_batch_size=64)
+            self.trainer = SimpleNamespace(step=0, consumed_tokens=0)
+            self.gns = SimpleNamespace(noise_scale=None, to_dict=dict)
+            self.consumed_samples = 0
+
+        def train_step(self):
+            self.trainer.step += 1
+            self.consumed_samples += self.proxy_batch(self.strategy)
+            return SimpleNamespace(loss=5.0, lr=1e-3, grad_norm=1.0), 0.1
+
+    controller = SimpleNamespace(cfg=SimpleNamespace(decision_interval=4),
+                                 should_decide=lambda step: step % 4 == 0,
+                                 record_iteration=lambda *a: None)
+    job = FakeJob()
+    loop = Loop(job, load_config("tiny_gpt", ["train.target_ppl=null"]), controller=controller,
+                budget_samples=160, eval_samples=10**9)
+    decided = []
+    loop.decide = lambda: decided.append(job.trainer.step)
+    loop.run()
+    assert job.trainer.step == 10 and decided == [4]
+
+
 def _real(cache_dir, run_dir):
     import torch
 

@@ -86,9 +86,72 @@ def test_ttp_tracker_records_first_crossing_only():
     assert not t.update(150.0, 10.0, 1000, 1)
     assert t.update(99.0, 20.0, 2000, 2)
     assert not t.update(50.0, 30.0, 3000, 3)
-    assert (t.ttp_s, t.ttp_tokens, t.ttp_step) == (20.0, 2000, 2)
+    assert (t.ttp_step, t.reached_s) == (2, 20.0)
     assert not TTPTracker(target_ppl=None).update(1.0, 1.0, 1, 1)
     assert not TTPTracker(target_ppl=10.0).update(math.nan, 1.0, 1, 1)
+
+
+def test_ttp_is_interpolated_in_log_perplexity_at_the_crossing():
+    """Catches TTP taken at the first evaluation at or below the target (it jumped by a
+    whole evaluation interval when a curve crossed just after an evaluation; the old
+    tracker returned 30 s here).  Perplexity 120 at 20 s, 80 at 30 s, target 100: log-
+    linear interpolation crosses at f = ln(120/100) / ln(120/80) = 0.44966, i.e.
+    24.4966 s and 2,450 tokens (linear in perplexity it would be 25 s); the step stays
+    that of the evaluation at or below the target."""
+    t = TTPTracker(target_ppl=100.0)
+    for ppl, time_s, tokens, step in ((200.0, 10.0, 1000, 1), (120.0, 20.0, 2000, 2)):
+        assert not t.update(ppl, time_s, tokens, step)
+    assert t.update(80.0, 30.0, 3000, 3)
+    f = math.log(1.2) / math.log(1.5)
+    assert t.ttp_s == pytest.approx(20.0 + 10.0 * f, rel=1e-12)
+    assert (t.ttp_tokens, t.ttp_step, t.reached_s) == (2450, 3, 30.0)
+    assert t.crossing == pytest.approx(f, rel=1e-12)
+    assert t.summary() == {"ttp_s": t.ttp_s, "ttp_tokens": 2450, "ttp_step": 3, "ttp_reached_s": 30.0}
+    # the first evaluation already at the target: no earlier point, its own time
+    first = TTPTracker(target_ppl=100.0)
+    assert first.update(90.0, 5.0, 500, 1) and (first.ttp_s, first.crossing) == (5.0, 1.0)
+    # a NaN evaluation gives no point to interpolate from: the reaching evaluation's time
+    after_nan = TTPTracker(target_ppl=100.0)
+    after_nan.update(math.nan, 5.0, 500, 1)
+    assert after_nan.update(90.0, 10.0, 1000, 2) and after_nan.ttp_s == 10.0
+
+
+def test_ttp_tracker_state_round_trip_and_old_checkpoints():
+    """Catches a resumed run that loses the last evaluation above the target (it would
+    take the next crossing without interpolation) and checkpoints written before
+    interpolation that no longer load: a tracker and GeoMesh's RunStats restored from
+    their state mid-run finish with the TTP of an uninterrupted run; an old state (only
+    ttp_s/_tokens/_step) keeps its TTP, with reached_s = ttp_s."""
+    from dataclasses import asdict
+
+    from geomesh.cluster import load_cluster
+    from geomesh.report import RunStats
+
+    whole = TTPTracker(target_ppl=100.0)
+    whole.update(130.0, 10.0, 1000, 1)
+    resumed = TTPTracker.from_state(json.loads(json.dumps(asdict(whole))), 100.0)
+    for t in (whole, resumed):
+        assert t.update(70.0, 20.0, 2000, 2)
+    assert asdict(resumed) == asdict(whole) and 10.0 < whole.ttp_s < 20.0
+    old = TTPTracker.from_state({"ttp_s": 20.0, "ttp_tokens": 2000, "ttp_step": 2}, 100.0)
+    assert (old.ttp_s, old.reached_s, old.ttp_step, old.reached) == (20.0, 20.0, 2, True)
+    assert not TTPTracker.from_state({"ttp_s": None, "ttp_tokens": None, "ttp_step": None},
+                                     100.0).reached
+
+    cluster = load_cluster("two_worker")
+    stats = RunStats.for_cluster(cluster, 100.0)
+    stats.time_s, stats.tokens = 10.0, 1000
+    stats.evaluated(math.log(130.0), 130.0, 1)
+    back = RunStats.for_cluster(cluster, None)
+    back.load_state_dict(json.loads(json.dumps(stats.state_dict())))
+    for s in (stats, back):
+        s.time_s, s.tokens = 20.0, 2000
+        assert s.evaluated(math.log(70.0), 70.0, 2)
+    assert back.state_dict() == stats.state_dict()
+    legacy = stats.state_dict()
+    legacy["ttp"] = {"target_ppl": 100.0, "ttp_s": 20.0, "ttp_tokens": 2000, "ttp_step": 2}
+    back.load_state_dict(legacy)
+    assert (back.ttp.ttp_s, back.ttp.reached_s, back.ttp.ttp_step) == (20.0, 20.0, 2)
 
 
 _CPU_LAYER_SCRIPT = r"""
