@@ -256,6 +256,10 @@ def wait_jobs(jobs: list[RegionJob], roots: set[int], stall_s: float) -> None:
         time.sleep(POLL_S)
 
 
+_EXCEPTION = re.compile(r"^(?:\[rank\d+\]:\s*)?((?:[A-Za-z_][\w.]*)?(?:Error|Exception)\b: .*)$",
+                        re.MULTILINE)
+
+
 def failure_line(job: RegionJob) -> str:
     """One line naming a failed region, its exit code, the cause found in its log, and the log."""
     text = job.log.read_text(errors="replace") if job.log.exists() else ""
@@ -263,11 +267,17 @@ def failure_line(job: RegionJob) -> str:
     codes = re.findall(r"exitcode\s*:\s*(-?\d+)", text)  # torchrun's failure report per rank
     if codes:
         code = int(codes[-1])  # the last block is torchrun's root cause
-        causes.append(f"a process exited with {code}" if code >= 0 else
-                      f"a process was killed by {signal.Signals(-code).name}")
-    errors = [x for x in text.splitlines() if x.startswith("error:")]
+        try:
+            how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with {code}"
+        except ValueError:  # not a signal number
+            how = f"exited with {code}"
+        causes.append(f"a process {how}")
+    errors = [x.removeprefix("error:") for x in text.splitlines() if x.startswith("error:")]
+    # no one-line error: a traceback's exception line (a rank's, not torchrun's own)
+    errors = errors or [m.group(1) for m in _EXCEPTION.finditer(text)
+                        if "torch.distributed.elastic" not in m.group(1)]
     if errors:
-        causes.append(errors[0].removeprefix("error:").strip()[:200])
+        causes.append(errors[0].strip()[:200])
     if job.stalled:
         causes.append("stopped by the launcher: no output after another region failed")
     cause = f" ({'; '.join(causes)})" if causes else ""

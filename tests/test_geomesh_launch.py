@@ -275,6 +275,7 @@ def test_failure_lines_and_stalled_survivors(tmp_path):
     another region failed.  Logs with torchrun's real failure report (rank exit code 2
     with the job's ``error:`` line; -9): the lines name the region, ``exit code 1``,
     the job's error or SIGKILL, and the log; only all-bad-input counts as bad input.
+    A rank's traceback gives its exception line, not torchrun's ChildFailedError.
     Then one job fails (exit 1) while another sleeps silently: ``wait_jobs`` with a
     stall limit of 2 s stops the sleeper within the limit plus the stop grace,
     marked stalled, and its line says the launcher stopped it."""
@@ -288,7 +289,16 @@ def test_failure_lines_and_stalled_survivors(tmp_path):
                                f"with 2; geomesh.topk_k must be in [1, 256]); log: {a.log}")
     assert failure_line(b) == (f"error: region 'West Europe' failed with exit code 1 (a process "
                                f"was killed by SIGKILL); log: {b.log}")
-    assert bad_input_only([a]) and not bad_input_only([a, b])
+    crash = ("[rank1]:   File \"geomesh/transport.py\", line 91, in decode_bundle\n"
+             "[rank1]: TypeError: object of type 'NoneType' has no len()\n"
+             "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \n"
+             + TORCHRUN_FAILURE.format(code=1, signal=""))
+    c = _job(tmp_path, "Japan", log=crash)
+    c.rc = 1
+    assert failure_line(c) == (f"error: region 'Japan' failed with exit code 1 (a process exited "
+                               f"with 1; TypeError: object of type 'NoneType' has no len()); "
+                               f"log: {c.log}")
+    assert bad_input_only([a]) and not bad_input_only([a, b]) and not bad_input_only([c])
     jobs = [_job(tmp_path, "Japan East", [sys.executable, "-c", "import sys; sys.exit(1)"]),
             _job(tmp_path, "Australia East", ["sleep", "600"])]
     t0 = time.monotonic()
