@@ -30,7 +30,7 @@ is stopped too (:mod:`geomesh.proctree`), so nothing outlives the launcher
 unless the launcher itself is SIGKILLed.
 
 Exit codes: 0 every region's job exited 0; 1 a region failed (one ``error:`` line
-per failed region: its name, exit code, cause and log); 2 bad input (cluster file,
+per failed region, in the order they exited: its name, exit code, cause and log); 2 bad input (cluster file,
 config, run folder, a lighthouse that cannot bind), or every failed region failed
 on bad input; 130 interrupted.
 """
@@ -277,7 +277,7 @@ def failure_line(job: RegionJob) -> str:
     errors = errors or [m.group(1) for m in _EXCEPTION.finditer(text)
                         if "torch.distributed.elastic" not in m.group(1)]
     if errors:
-        causes.append(errors[0].strip()[:200])
+        causes.append(errors[0].strip()[:300])
     if job.stalled:
         causes.append("stopped by the launcher: no output after another region failed")
     cause = f" ({'; '.join(causes)})" if causes else ""
@@ -433,7 +433,8 @@ def main(argv=None) -> int:
         signal.signal(signal.SIGINT, signal.default_int_handler)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
     print(format_table([region_row(j) for j in jobs]), flush=True)
-    failed = [j for j in jobs if j.rc != 0]
+    # in the order they exited: the first is the likeliest cause of the others
+    failed = sorted((j for j in jobs if j.rc != 0), key=lambda j: j.t0 + (j.wall_s or 0.0))
     for j in failed:
         print(failure_line(j), file=sys.stderr, flush=True)
     if not failed:

@@ -19,15 +19,11 @@ from pathlib import Path
 import yaml
 
 from tests.dist_utils import free_port
+from tests.test_geomesh_real import OVERRIDES
 
 REPO = Path(__file__).resolve().parent.parent
-SMALL = [
-    "model.num_layers=2", "model.hidden_size=64", "model.num_attention_heads=2",
-    "model.seq_length=32", "parallel.global_batch_size=8", "parallel.micro_batch_size=2",
-    "geomesh.inner_steps=2", "geomesh.replan=false", "train.eval_iters=1",
-    "train.warmup_iters=2", "logging.wandb=disabled", "geomesh.heartbeat_s=5",
-    "geomesh.timeout_s=60",
-]
+# test_geomesh_real's tiny run; the jobs' heartbeat (and so the lighthouse's) shorter
+SMALL = [*OVERRIDES, "geomesh.heartbeat_s=5", "geomesh.timeout_s=60"]
 REGIONS = ("East US", "West Europe")
 
 
@@ -167,7 +163,7 @@ def test_happy_path(tmp_path, cache_dir):
     cluster = _cluster(tmp_path, port)
     run_dir = tmp_path / "run"
     t0 = time.monotonic()
-    proc = _launch(cluster, run_dir, f"data.cache_dir={cache_dir}", "geomesh.outer_steps=2", *SMALL)
+    proc = _launch(cluster, run_dir, f"data.cache_dir={cache_dir}", *SMALL, "geomesh.outer_steps=2")
     wall = time.monotonic() - t0
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     summaries = [json.loads((run_dir / slug / "summary.json").read_text())
@@ -192,8 +188,8 @@ def test_lost_region_is_named(tmp_path, cache_dir):
     cluster = _cluster(tmp_path, free_port())
     run_dir = tmp_path / "run"
     env = _env(GEOCONA_FAULT="train@1", GEOCONA_FAULT_REGION="West Europe")
-    proc = _launch(cluster, run_dir, f"data.cache_dir={cache_dir}", "geomesh.outer_steps=3",
-                   *SMALL, env=env)
+    proc = _launch(cluster, run_dir, f"data.cache_dir={cache_dir}", *SMALL,
+                   "geomesh.outer_steps=3", env=env)
     errors = _errors(proc.stderr)
     assert proc.returncode == 1 and len(errors) == 1, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert "'West Europe'" in errors[0] and "SIGKILL" in errors[0], errors
@@ -212,8 +208,8 @@ def test_ctrl_c_stops_every_process(tmp_path, cache_dir):
     run is left."""
     cluster = _cluster(tmp_path, free_port())
     run_dir = tmp_path / "run"
-    p = subprocess.Popen(_cmd(cluster, run_dir, f"data.cache_dir={cache_dir}",
-                              "geomesh.outer_steps=50", *SMALL),
+    p = subprocess.Popen(_cmd(cluster, run_dir, f"data.cache_dir={cache_dir}", *SMALL,
+                              "geomesh.outer_steps=50"),
                          cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                          env=_env())
     try:
