@@ -51,7 +51,7 @@ from pathlib import Path
 
 from geomesh.cluster import ClusterError, ClusterSpec, load_cluster, resolve_cluster
 from geomesh.envelope import SECRET_ENV
-from jobruntime.config import ConfigError, load_config, parse_override
+from jobruntime.config import ConfigError, JobConfig, load_config, parse_override
 from jobruntime.faults import ENV as FAULT_ENV
 from jobruntime.faults import REGION_ENV as FAULT_REGION_ENV
 from jobruntime.outputs import RUN_OUTPUTS, output_folder_error
@@ -82,7 +82,7 @@ class RegionJob:
         run_dir: the job's ``--run-dir``; its output goes to ``run_dir / "job.log"``.
         cmd: the command line.
         rc: the job's exit code once it has exited (``None`` while it runs).
-        wall_s: seconds from start to exit (seconds).
+        wall_s: from the job's start to its exit (seconds).
         stalled: stopped here after a loss because it wrote nothing for too long.
     """
 
@@ -135,7 +135,7 @@ def plan_jobs(cluster: ClusterSpec, cluster_file: Path, run_dir: Path, config: s
     return jobs
 
 
-def check_inputs(args: argparse.Namespace) -> tuple[ClusterSpec, Path, object]:
+def check_inputs(args: argparse.Namespace) -> tuple[ClusterSpec, Path, JobConfig]:
     """Load the cluster and the job config as the region jobs will; refuse what cannot run.
 
     Returns:
@@ -174,7 +174,7 @@ def check_inputs(args: argparse.Namespace) -> tuple[ClusterSpec, Path, object]:
 # -- the lighthouse -------------------------------------------------------------------
 
 
-def start_lighthouse(cluster: ClusterSpec, cluster_file: Path, cfg, run_dir: Path,
+def start_lighthouse(cluster: ClusterSpec, cluster_file: Path, cfg: JobConfig, run_dir: Path,
                      env: dict[str, str]) -> subprocess.Popen:
     """Start ``python -m geomesh.lighthouse`` with the jobs' heartbeat and timeout; wait until it answers.
 
@@ -364,7 +364,7 @@ def _interrupt(signum, frame):
     raise KeyboardInterrupt
 
 
-def prepare(args: argparse.Namespace) -> tuple[list[RegionJob], ClusterSpec, Path, object,
+def prepare(args: argparse.Namespace) -> tuple[list[RegionJob], ClusterSpec, Path, JobConfig,
                                                dict[str, str]]:
     """Validate the inputs, create the run folders, and build the jobs' environment.
 
