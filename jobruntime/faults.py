@@ -14,6 +14,9 @@ rank ``<rank>`` (default 0) kill itself with SIGKILL — no cleanup, no
 * ``switch``   CONA: inside a layout switch, after the new model is built,
   before resharding.
 
+``GEOCONA_FAULT_REGION=<region>`` makes ``python -m geomesh.launch_local`` give
+``GEOCONA_FAULT`` to that region's job only (every job inherits it otherwise).
+
 Unset (the normal case) it costs one dictionary lookup.  The variable is read
 once per process: it configures a test harness, not the product.
 
@@ -35,6 +38,7 @@ import sys
 import threading
 
 ENV = "GEOCONA_FAULT"
+REGION_ENV = "GEOCONA_FAULT_REGION"
 POINTS = ("train", "exchange", "commit", "save", "switch")
 _spec = os.environ.get(ENV)
 

@@ -1,0 +1,359 @@
+"""``python -m geomesh.launch_local``: the lighthouse and one torchrun per region on this machine.
+
+Bad inputs and the four-shape cluster's jobs are checked without training; the
+happy path, a lost region and Ctrl-C run the real command on a two-region
+cluster of one process each (tiny_gpt at test size, as tests/test_geomesh_real.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+from tests.dist_utils import free_port
+from tests.test_geomesh_real import OVERRIDES
+
+REPO = Path(__file__).resolve().parent.parent
+# test_geomesh_real's tiny run; the jobs' heartbeat (and so the lighthouse's) shorter
+SMALL = [*OVERRIDES, "geomesh.heartbeat_s=5", "geomesh.timeout_s=60"]
+REGIONS = ("East US", "West Europe")
+
+
+def _cluster(root: Path, port: int, mode: str = "real") -> Path:
+    """Two regions of one process each; GPUs of two speeds, so that their H_i differ."""
+    raw = {"name": "two_cpu", "mode": mode, "rendezvous": f"127.0.0.1:{port}",
+           "regions": [{"name": r, "id": i} for i, r in enumerate(REGIONS)],
+           "workers": [{"name": "w0", "gpu": "A100-80GB", "num_gpus": 1, "region": REGIONS[0]},
+                       {"name": "w1", "gpu": "V100", "num_gpus": 1, "region": REGIONS[1]}]}
+    path = root / f"two_{mode}.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "WANDB_SILENT": "true", **extra}
+    for k in ("GEOCONA_FAULT", "GEOCONA_FAULT_REGION", "GEOMESH_SECRET"):
+        if k not in extra:
+            env.pop(k, None)
+    return env
+
+
+def _cmd(cluster: Path | str, run_dir: Path, *overrides: str) -> list[str]:
+    return [sys.executable, "-m", "geomesh.launch_local", "--cluster", str(cluster),
+            "--run-dir", str(run_dir), *overrides]
+
+
+def _launch(cluster, run_dir, *overrides, env=None, timeout=600) -> subprocess.CompletedProcess:
+    return subprocess.run(_cmd(cluster, run_dir, *overrides), cwd=REPO, capture_output=True,
+                          text=True, timeout=timeout, env=env or _env())
+
+
+def _errors(text: str) -> list[str]:
+    return [x for x in text.splitlines() if x.startswith("error:")]
+
+
+def _processes_naming(marker: str) -> list[str]:
+    """Command lines of living processes that mention ``marker`` (a test's tmp folder)."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit() and int(d.name) != os.getpid():
+            try:
+                cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            if marker in cmd:
+                out.append(f"{d.name}: {cmd[:200]}")
+    return out
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as s:
+        # connections of the run may linger in TIME_WAIT; only a listener makes bind fail
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
+
+
+def test_bad_inputs_exit_2_with_one_line(tmp_path):
+    """Catches a launcher that starts processes (or writes folders) for input it cannot
+    run, or answers it with a traceback: a missing cluster file, an emulated cluster,
+    an override of what the launcher sets per region, a run folder holding results,
+    and a rendezvous port already taken (the lighthouse cannot bind) each exit 2
+    with one ``error:`` line that names the problem."""
+    port = free_port()
+    real = _cluster(tmp_path, port)
+    emulated = _cluster(tmp_path, port, mode="emulated")
+    cases = [
+        ((tmp_path / "nope.yaml", tmp_path / "r1"), "nope.yaml"),
+        ((emulated, tmp_path / "r2"), "emulated"),
+        ((real, tmp_path / "r3", "geomesh.region=East US"), "geomesh.region"),
+        ((real, tmp_path / "r4", "geomesh.method=none"), "geomesh.method=none"),
+        ((real, tmp_path / "r5", "geomesh.nope=1"), "geomesh.nope"),
+    ]
+    for args, word in cases:
+        proc = _launch(*args, timeout=120)
+        errors = _errors(proc.stderr)
+        assert proc.returncode == 2 and len(errors) == 1 and word in errors[0], proc.stderr
+        assert "Traceback" not in proc.stderr and not args[1].exists(), proc.stderr
+    held = tmp_path / "held"
+    (held / "west-europe").mkdir(parents=True)
+    (held / "west-europe" / "summary.json").write_text("{}")
+    proc = _launch(real, held, timeout=120)
+    errors = _errors(proc.stderr)
+    assert proc.returncode == 2 and len(errors) == 1 and "already holds" in errors[0], proc.stderr
+    assert not (held / "east-us").exists()
+    with socket.socket() as taken:  # someone else serves at the rendezvous
+        taken.bind(("127.0.0.1", port))
+        taken.listen()
+        proc = _launch(real, tmp_path / "r6", timeout=120)
+    errors = _errors(proc.stderr)
+    assert proc.returncode == 2 and len(errors) == 1 and "lighthouse" in errors[0], proc.stderr
+    assert not _processes_naming(str(tmp_path))
+
+
+def test_four_shape_cluster_jobs():
+    """Catches a four-shape cluster or a launcher that runs a region with the wrong
+    process count or layout, or GPU kinds the planner cannot tell apart: the
+    shipped four_shape_cpu.yaml gives four torchrun jobs of 1, 2, 2, 2 processes
+    at TP1, DP2, TP2 and PP2 (7 processes, for tiny_gpt: 4 heads, 4 layers), each
+    with its own region and folder, and the planner gives the four regions
+    distinct batch sizes or inner steps (b_i, H_i) for tiny_gpt."""
+    from geomesh.cluster import load_cluster
+    from geomesh.launch_local import plan_jobs
+    from geomesh.planner import Planner
+    from jobruntime.config import load_config
+
+    cluster = load_cluster("four_shape_cpu")
+    assert cluster.mode == "real" and cluster.rendezvous.startswith("127.0.0.1:")
+    jobs = plan_jobs(cluster, Path("c.yaml"), Path("/runs/x"), "tiny_gpt", ["geomesh.outer_steps=2"])
+    assert [(j.nproc, j.layout) for j in jobs] == [
+        (1, (1, 1, 1)), (2, (1, 1, 2)), (2, (2, 1, 1)), (2, (1, 2, 1))]
+    assert len({j.run_dir for j in jobs}) == 4
+    for j in jobs:
+        cmd = " ".join(j.cmd)
+        assert f"--nproc-per-node {j.nproc} " in cmd and f"--run-dir /runs/x/{j.slug}" in cmd
+        assert j.cmd[-2:] == ["geomesh.cluster=c.yaml", f"geomesh.region={j.region}"]
+        assert "geomesh.outer_steps=2" in j.cmd
+    cfg = load_config("tiny_gpt")
+    assert cfg.model.num_attention_heads % 2 == 0 and cfg.model.num_layers % 2 == 0
+    plan = Planner.from_job_config(cfg, cluster, balance=cfg.geomesh.balance).plan()
+    assert len({(w.batch_size, w.inner_steps) for w in plan.workers}) == 4, plan.to_dict()
+
+
+def test_happy_path(tmp_path, cache_dir):
+    """Catches a launcher whose regions do not find each other, that reports success
+    before every region finished, or that leaves a process behind: two regions (one
+    process each) train 2 rounds; the command exits 0, each region's folder holds its
+    summary.json with the same final validation loss as the other region's (both
+    evaluate the same θ_global after the same round: equal to the last digit), the
+    table names both regions with exit code 0, and afterwards the lighthouse's port
+    is free and no process of the run is left."""
+    port = free_port()
+    cluster = _cluster(tmp_path, port)
+    run_dir = tmp_path / "run"
+    t0 = time.monotonic()
+    proc = _launch(cluster, run_dir, f"data.cache_dir={cache_dir}", *SMALL, "geomesh.outer_steps=2")
+    wall = time.monotonic() - t0
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    summaries = [json.loads((run_dir / slug / "summary.json").read_text())
+                 for slug in ("east-us", "west-europe")]
+    assert all(s["outer_steps"] == 2 and s["mode"] == "real" for s in summaries)
+    assert summaries[0]["final_val_loss"] == summaries[1]["final_val_loss"]
+    table = proc.stdout.splitlines()
+    head = next(i for i, x in enumerate(table) if x.split()[:3] == ["region", "tp/pp/dp", "exit"])
+    rows = table[head + 1:head + 3]
+    for region, row in zip(REGIONS, rows):
+        assert row.startswith(region) and " 0 " in row and "summary.json" in row, proc.stdout
+    assert _port_free(port) and not _processes_naming(str(tmp_path))
+    print(f"launch_local happy path: {wall:.1f} s")
+
+
+def test_lost_region_is_named(tmp_path, cache_dir):
+    """Catches a launcher that exits 0 (or hangs) when a region dies, or names the
+    wrong one: West Europe's process is SIGKILLed after the inner steps of round 1
+    (GEOCONA_FAULT=train@1 for that region only); East US finishes the 3 rounds
+    without it (on_worker_loss=continue) and exits 0, and the launcher exits 1 with
+    exactly one error line, naming West Europe, the SIGKILL and its log."""
+    cluster = _cluster(tmp_path, free_port())
+    run_dir = tmp_path / "run"
+    env = _env(GEOCONA_FAULT="train@1", GEOCONA_FAULT_REGION="West Europe")
+    proc = _launch(cluster, run_dir, f"data.cache_dir={cache_dir}", *SMALL,
+                   "geomesh.outer_steps=3", env=env)
+    errors = _errors(proc.stderr)
+    assert proc.returncode == 1 and len(errors) == 1, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "'West Europe'" in errors[0] and "SIGKILL" in errors[0], errors
+    assert str(run_dir / "west-europe" / "job.log") in errors[0], errors
+    east = json.loads((run_dir / "east-us" / "summary.json").read_text())
+    assert east["outer_steps"] == 3
+    assert not (run_dir / "west-europe" / "summary.json").exists()
+    assert not _processes_naming(str(tmp_path))
+
+
+def test_ctrl_c_stops_every_process(tmp_path, cache_dir):
+    """Catches orphans on Ctrl-C: the launcher's children run in sessions of their own
+    (a terminal's Ctrl-C reaches the launcher only), so a launcher that does not stop
+    them leaves every region training.  SIGINT once both regions' workers exist (a run
+    of 50 rounds): the launcher exits 130 within its stop grace, and no process of the
+    run is left."""
+    cluster = _cluster(tmp_path, free_port())
+    run_dir = tmp_path / "run"
+    p = subprocess.Popen(_cmd(cluster, run_dir, f"data.cache_dir={cache_dir}", *SMALL,
+                              "geomesh.outer_steps=50"),
+                         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env=_env())
+    try:
+        deadline = time.monotonic() + 300
+        # the workers' own command lines name their run folders (train.py --run-dir ...)
+        while time.monotonic() < deadline and p.poll() is None and not all(
+                any("train.py" in c and "torch.distributed.run" not in c and f"run/{slug} " in c
+                    for c in _processes_naming(str(run_dir)))
+                for slug in ("east-us", "west-europe")):
+            time.sleep(0.5)
+        assert p.poll() is None, p.communicate()
+        time.sleep(3)  # into their imports
+        p.send_signal(signal.SIGINT)
+        out, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 130, out[-2000:] + err[-3000:]
+    assert "interrupted" in err and "Traceback" not in err, err[-3000:]
+    time.sleep(1)
+    assert not _processes_naming(str(tmp_path))
+
+
+# torchrun's report of a failed rank (torch 2.13), as it ends a job.log
+TORCHRUN_FAILURE = """torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+============================================================
+/repo/train.py FAILED
+------------------------------------------------------------
+Failures:
+  <NO_OTHER_FAILURES>
+------------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-12-02_00:35:27
+  host      : localhost
+  rank      : 0 (local_rank: 0)
+  exitcode  : {code} (pid: 18622) {signal}
+  error_file: <N/A>
+  traceback : To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html
+============================================================
+"""
+
+
+def _job(tmp_path: Path, region: str, cmd: list[str] | None = None, log: str = ""):
+    from geomesh.launch_local import RegionJob, region_slug
+
+    job = RegionJob(region=region, slug=region_slug(region), nproc=1, layout=(1, 1, 1),
+                    run_dir=tmp_path / region_slug(region))
+    job.run_dir.mkdir()
+    job.log.write_text(log)
+    if cmd:
+        job.proc, job.t0 = subprocess.Popen(cmd), time.monotonic()
+    return job
+
+
+def test_failure_lines_and_stalled_survivors(tmp_path):
+    """Catches a failure line without the region, cause or log, a run failed on bad
+    input reported as a crash, and a survivor that hangs the launcher forever after
+    another region failed.  Logs with torchrun's real failure report (rank exit code 2
+    with the job's ``error:`` line; -9): the lines name the region, ``exit code 1``,
+    the job's error or SIGKILL, and the log; only all-bad-input counts as bad input.
+    A rank's traceback gives its exception line, not torchrun's ChildFailedError.
+    Then one job fails (exit 1) while another sleeps silently: ``wait_jobs`` with a
+    stall limit of 2 s stops the sleeper within the limit plus the stop grace,
+    marked stalled, and its line says the launcher stopped it."""
+    from geomesh.launch_local import STOP_GRACE_S, bad_input_only, failure_line, wait_jobs
+
+    bad = "error: geomesh.topk_k must be in [1, 256]\n" + TORCHRUN_FAILURE.format(code=2, signal="")
+    killed = TORCHRUN_FAILURE.format(code=-9, signal="(SIGKILL)")
+    a, b = _job(tmp_path, "East US", log=bad), _job(tmp_path, "West Europe", log=killed)
+    a.rc = b.rc = 1
+    assert failure_line(a) == (f"error: region 'East US' failed with exit code 1 (a process exited "
+                               f"with 2; geomesh.topk_k must be in [1, 256]); log: {a.log}")
+    assert failure_line(b) == (f"error: region 'West Europe' failed with exit code 1 (a process "
+                               f"was killed by SIGKILL); log: {b.log}")
+    crash = ("[rank1]:   File \"geomesh/transport.py\", line 91, in decode_bundle\n"
+             "[rank1]: TypeError: object of type 'NoneType' has no len()\n"
+             "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \n"
+             + TORCHRUN_FAILURE.format(code=1, signal=""))
+    c = _job(tmp_path, "Japan", log=crash)
+    c.rc = 1
+    assert failure_line(c) == (f"error: region 'Japan' failed with exit code 1 (a process exited "
+                               f"with 1; TypeError: object of type 'NoneType' has no len()); "
+                               f"log: {c.log}")
+    assert bad_input_only([a]) and not bad_input_only([a, b]) and not bad_input_only([c])
+    jobs = [_job(tmp_path, "Japan East", [sys.executable, "-c", "import sys; sys.exit(1)"]),
+            _job(tmp_path, "Australia East", ["sleep", "600"])]
+    t0 = time.monotonic()
+    wait_jobs(jobs, {j.proc.pid for j in jobs}, stall_s=2.0)
+    assert time.monotonic() - t0 < 2.0 + STOP_GRACE_S
+    assert [j.rc for j in jobs] == [1, -signal.SIGTERM] and [j.stalled for j in jobs] == [False, True]
+    assert "stopped by the launcher" in failure_line(jobs[1])
+
+
+PROCTREE_SCRIPT = """
+import os, signal, subprocess, sys, time
+from pathlib import Path
+from geomesh.proctree import become_subreaper, start_tree, stop_trees, sweep_orphans
+
+def alive(pid):
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"
+    except OSError:
+        return False
+
+# a root that starts a worker in a session of its own (as torchrun does), prints its
+# pid and ignores SIGTERM; the worker ignores SIGTERM too
+SPAWN = ("import signal, subprocess, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+         "w = subprocess.Popen([sys.executable, '-c', 'import signal, time; "
+         "signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)'], start_new_session=True); "
+         "print(w.pid, flush=True); time.sleep(600)")
+assert become_subreaper()
+log = Path(sys.argv[1])
+roots = []
+for k in range(2):
+    roots.append(start_tree([sys.executable, "-c", SPAWN], log, dict(os.environ)))
+    while len(log.read_text().split()) <= k:
+        time.sleep(0.05)
+workers = [int(x) for x in log.read_text().split()]
+# 1. stop_trees: SIGTERM ignored by root and worker -> both killed after the grace
+t0 = time.monotonic()
+rcs = stop_trees([roots[0]], grace_s=1.0)
+assert rcs == [-signal.SIGKILL] and time.monotonic() - t0 < 5, rcs
+time.sleep(0.2)
+assert not alive(workers[0]), "worker of a stopped tree still alive"
+# 2. a root killed alone (out of memory, SIGKILL) leaves its worker; it is ours now
+roots[1].kill()
+roots[1].wait()
+time.sleep(0.2)
+assert alive(workers[1])
+# the first tree's killed worker is ours too (a zombie): both are reaped, no root
+assert sorted(sweep_orphans({p.pid for p in roots})) == sorted(workers)
+assert not alive(workers[1])
+print("ok")
+"""
+
+
+def test_process_trees_leave_no_orphans(tmp_path):
+    """Catches a stop that reaches only torchrun (its workers run in sessions of their
+    own) and a worker left running after its torchrun was SIGKILLed: in a separate
+    process (the subreaper setting is per process), a root ignoring SIGTERM with a
+    worker ignoring it is gone, worker included, 1 s after ``stop_trees``; a root
+    SIGKILLed alone leaves its worker re-parented to the launcher, and
+    ``sweep_orphans`` kills it and reaps exactly the two workers (never a root)."""
+    proc = subprocess.run([sys.executable, "-c", PROCTREE_SCRIPT, str(tmp_path / "pids")],
+                          cwd=REPO, capture_output=True, text=True, timeout=120, env=_env())
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
