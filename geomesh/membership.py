@@ -70,6 +70,7 @@ from jobruntime.faults import RunInterrupted, exit_interrupted, fault_point
 from .cluster import ClusterError, ClusterSpec
 from .envelope import DATA, HEAL, JOIN, EnvelopeError, Opener
 from .lighthouse import lighthouse_heartbeats, quorum_retries
+from .transport import WireBytes
 
 os.environ.setdefault("RUST_LOG", "error")  # torchft's Rust side logs every quorum at info
 from torch.distributed.distributed_c10d import AllgatherOptions  # noqa: E402
@@ -244,6 +245,7 @@ class Membership:
         beat_s = min(heartbeat_s / 10, 1.0)
         self.pg = _recording(ProcessGroupNCCL if nccl else ProcessGroupGloo)(timeout=tout)
         self.members: list[int] = []
+        self.wire = WireBytes()  # the exchange's payload bytes (geomesh.transport)
         self._healed: dict | None = None
         self._save: Callable[[], dict] | None = None
         self._load: Callable[[dict], None] | None = None
@@ -510,6 +512,7 @@ class Membership:
                 bytearray(data), dtype=torch.uint8).to(self.device)
         outs = [[torch.empty_like(buf) for _ in range(n)]]
         self.pg.allgather(outs, [buf], AllgatherOptions()).wait()
+        self.wire.gathered(len(data), lengths)
         return [o[:k].cpu().numpy().tobytes() for o, k in zip(outs[0], lengths)]
 
     def exchange(self, r: int, body: bytes | None, *, quorum_done: bool = False

@@ -145,6 +145,14 @@ def _weights_digest(pl, layout, schema: CanonicalSchema, theta: dict) -> str | N
     return canonical_digest(schema, [x for part in parts for x in part]) if lead else None
 
 
+def _wire_bytes(pl, transport) -> dict:
+    """This job's exchange bytes as its transport counted them (emulated: the proxy's
+    real messages, not the target's charged bytes): ``bytes_sent``, ``bytes_received``."""
+    counter = (transport or pl.transport or pl.ft_leader)
+    wire = getattr(counter, "wire", None)
+    return {"bytes_sent": wire.sent, "bytes_received": wire.received} if wire is not None else {}
+
+
 def _codec_kind(ctx: RunContext) -> str:
     """GeoMesh's codec for the whole run (every region reads the same config and
     cluster file, so all choose alike): ``geomesh.compression``, except that top-k
@@ -632,7 +640,7 @@ def run_sync(ctx: RunContext) -> dict:
     tp, pp, dp = pl.layout_shape
     names = {"sign_row": "sign-row", "sign_pred": "sign-pred-row"}  # the summaries' names
     extra = {"codec": names.get(codec.kind, codec.kind), "error_feedback": bool(feedback),
-             "layout": {"tp": tp, "pp": pp, "dp": dp},
+             "layout": {"tp": tp, "pp": pp, "dp": dp}, **_wire_bytes(pl, transport),
              "global_weights_sha256": _weights_digest(pl, layout, cschema, theta),
              "compress_update": bool(local_mom), "overlap": overlap, "replans": replans,
              "plan": plan.to_dict(), "wall_s": time.perf_counter() - wall0,

@@ -76,6 +76,21 @@ def as_bytes(msg: MessageLike) -> bytes:
     return bytes(msg)
 
 
+@dataclass
+class WireBytes:
+    """Payload bytes this process put on and took off the network, counted by the
+    transport (the all-gather's padding to the longest message and its 8-byte
+    lengths not included)."""
+
+    sent: int = 0
+    received: int = 0
+
+    def gathered(self, mine: int, lengths: list[int]) -> None:
+        """An all-gather: ``mine`` went to each of the others, their ``lengths`` came here."""
+        self.sent += mine * (len(lengths) - 1)
+        self.received += sum(lengths) - mine
+
+
 def encode_bundle(messages: list[bytes]) -> bytes:
     """Concatenate messages: ``"GMBD" | count u32 | lengths u64[count] | payloads``."""
     head = _BUNDLE_MAGIC + struct.pack(f"<I{len(messages)}Q", len(messages), *map(len, messages))
@@ -289,6 +304,7 @@ class TorchDistributedTransport(Transport):
         self.hierarchical = hierarchical
         self.prefix = prefix
         self.round = 0
+        self.wire = WireBytes()
         backend = dist.get_backend(self.group)
         self.device = (
             torch.device("cuda", torch.cuda.current_device())
@@ -370,6 +386,7 @@ class TorchDistributedTransport(Transport):
             dist.all_gather(outs, buf, group=group)
         except RuntimeError as e:
             raise TransportError(f"GeoMesh exchange {self.round}: {phase} failed: {e}") from e
+        self.wire.gathered(len(data), lengths)
         return [o[:k].cpu().numpy().tobytes() for o, k in zip(outs, lengths)]
 
     def _broadcast(
@@ -389,6 +406,10 @@ class TorchDistributedTransport(Transport):
             dist.broadcast(buf, src=src, group=group)
         except RuntimeError as e:
             raise TransportError(f"GeoMesh exchange {self.round}: {phase} failed: {e}") from e
+        if dist.get_rank() == src:
+            self.wire.sent += n * (dist.get_world_size(group) - 1)
+        else:
+            self.wire.received += n
         return buf[:n].cpu().numpy().tobytes()
 
     def exchange(self, messages: Mapping[int, MessageLike]) -> list[bytes]:
