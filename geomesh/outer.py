@@ -22,6 +22,17 @@ DiLoCo's defaults are ``lr = 0.7``, ``μ = 0.9``.  With ``nesterov=False``
 the update is heavy-ball ``θ ← θ − lr · v``.  Every worker applies (1)–(2)
 to the same messages in the same order, so all copies of ``θ_global`` stay
 bitwise identical without another broadcast.
+
+This is DiLoCo's outer step (Douillard et al. 2023, Alg. 1) as torchft's
+``torchft.local_sgd.DiLoCo`` takes it with ``torch.optim.SGD(lr, momentum=μ,
+nesterov=True)``: the same pseudo-gradient sign, the mean over replicas
+(``Manager.allreduce``: sum, then ``/ K``), the same operations in the same
+order.  Two workers of ``geomesh.method=diloco`` and two torchft replica
+groups give the same θ bit for bit after every round
+(``tests/test_geomesh_torchft_diloco.py``).  ``momentum_warmup`` (on by
+default, ``geomesh.outer_momentum_warmup``) is not in the paper: it is the
+same optimizer with ``μ_t`` in place of ``μ``, bit for bit torchft's DiLoCo
+whose outer SGD gets ``μ_t`` before round ``t``.
 """
 
 from __future__ import annotations
@@ -158,7 +169,8 @@ class OuterNesterov:
             (Nesterov's schedule, Sutskever et al. 2013, §2) instead of using
             ``μ`` from the first step: early pseudo-gradients are large and
             quickly outdated (the model first fits unigram statistics), and a
-            full momentum keeps pushing along them for many rounds.
+            full momentum keeps pushing along them for many rounds.  Not in
+            DiLoCo's paper (``False`` is its Alg. 1).
     """
 
     def __init__(

@@ -49,9 +49,34 @@ def launch(fn, world_size: int, *args, timeout_s: float = 600):
     Raises:
         RuntimeError: a rank raised (its traceback is in the message) or died.
     """
+    return _spawn(_entry, world_size, lambda out: (world_size, free_port(), out, fn, args),
+                  timeout_s)
+
+
+def _job_entry(job, ports, out_dir, fn, args):
+    _entry(0, 1, ports[job], str(Path(out_dir) / f"job{job}"), fn, (job, *args))
+    (Path(out_dir) / f"job{job}" / "rank0.pkl").rename(Path(out_dir) / f"rank{job}.pkl")
+
+
+def launch_jobs(fn, num_jobs: int, *args, timeout_s: float = 600):
+    """Run ``fn(job, *args)`` in ``num_jobs`` independent one-process jobs, each its
+    own world of size 1 (its own ``MASTER_PORT``): separate torchft replica groups,
+    whose only link is what ``fn`` builds (a Manager and a lighthouse).
+
+    Raises:
+        RuntimeError: a job raised (its traceback is in the message) or died.
+    """
+    def entry_args(out):
+        for j in range(num_jobs):
+            (Path(out) / f"job{j}").mkdir()
+        return ([free_port() for _ in range(num_jobs)], out, fn, args)
+
+    return _spawn(_job_entry, num_jobs, entry_args, timeout_s)
+
+
+def _spawn(entry, nprocs: int, entry_args, timeout_s: float) -> list:
     with tempfile.TemporaryDirectory() as out:
-        ctx = mp.spawn(_entry, args=(world_size, free_port(), out, fn, args), nprocs=world_size,
-                       join=False)
+        ctx = mp.spawn(entry, args=entry_args(out), nprocs=nprocs, join=False)
         deadline = time.monotonic() + timeout_s
         # join() returns when any one rank exits; loop until all have.
         while not ctx.join(max(deadline - time.monotonic(), 0.1)):
@@ -60,7 +85,7 @@ def launch(fn, world_size: int, *args, timeout_s: float = 600):
                     proc.kill()
                 raise RuntimeError(f"ranks did not finish within {timeout_s} s")
         results = []
-        for r in range(world_size):
+        for r in range(nprocs):
             f = Path(out) / f"rank{r}.pkl"
             if not f.is_file():
                 raise RuntimeError(f"rank {r} produced no result")

@@ -54,11 +54,15 @@ def test_aggregate_messages_is_weighted_mean_of_decompressed():
     torch.testing.assert_close(fast["b"], by_hand, rtol=1e-6, atol=1e-6)
 
 
-def test_outer_nesterov_step_by_hand_and_matches_torch_sgd():
+@pytest.mark.parametrize("warmup", [False, True])
+def test_outer_nesterov_step_by_hand_and_matches_torch_sgd(warmup):
     """Catches a wrong Nesterov form (e.g. θ -= lr·v, or momentum applied before
-    the first buffer exists): step 1 and 2 by hand with lr=0.5, μ=0.5, and three
-    steps equal torch.optim.SGD(nesterov=True) fed Δ as the gradient (1e-6: same
-    fp32 operations in a different order)."""
+    the first buffer exists): step 1 and 2 by hand with lr=0.5, μ=0.5, and eight
+    steps equal torch.optim.SGD(nesterov=True) fed Δ as the gradient, bit for bit
+    (the same fp32 operations in the same order: what torchft's DiLoCo runs as its
+    outer step, tests/test_geomesh_torchft_diloco.py).  With ``momentum_warmup``
+    torch's SGD gets ``μ_t`` before step ``t``: the ramp is a momentum schedule of
+    the same optimizer, nothing else."""
     theta = {"w": torch.tensor([1.0, 2.0])}
     opt = OuterNesterov(theta, lr=0.5, momentum=0.5)
     opt.step({"w": torch.tensor([1.0, -2.0])})  # v=[1,-2]; θ -= 0.5*([1,-2]+0.5*[1,-2])
@@ -67,17 +71,18 @@ def test_outer_nesterov_step_by_hand_and_matches_torch_sgd():
     assert torch.equal(theta["w"], torch.tensor([-1.375, 3.75]))
 
     g = torch.Generator().manual_seed(0)
-    start = torch.randn(4, 3, generator=g)
-    deltas = [torch.randn(4, 3, generator=g) for _ in range(3)]
+    start = torch.randn(64, 33, generator=g)
+    deltas = [torch.randn(64, 33, generator=g) * 10.0 ** (t % 5 - 2) for t in range(8)]
     ours = {"p": start.clone()}
-    outer = OuterNesterov(ours, lr=0.7, momentum=0.9)
+    outer = OuterNesterov(ours, lr=0.7, momentum=0.9, momentum_warmup=warmup)
     ref = torch.nn.Parameter(start.clone())
     sgd = torch.optim.SGD([ref], lr=0.7, momentum=0.9, nesterov=True)
     for d in deltas:
+        sgd.param_groups[0]["momentum"] = outer.current_momentum
         outer.step({"p": d})
         ref.grad = d.clone()
         sgd.step()
-        torch.testing.assert_close(ours["p"], ref.detach(), rtol=1e-6, atol=1e-6)
+        assert torch.equal(ours["p"], ref.detach())
 
 
 def test_outer_state_dict_round_trip():
