@@ -48,6 +48,7 @@ import gc
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import psutil
@@ -278,7 +279,8 @@ def _watchdog(seconds: float, what: str):
 
 
 def switch_layout(
-    owner, new_cfg: JobConfig, *, reference_batch: int, seed: int
+    owner, new_cfg: JobConfig, *, reference_batch: int | None = None, seed: int,
+    build: Callable[[JobConfig, torch.nn.Module, Trainer], Trainer] | None = None,
 ) -> tuple[Topology, SwitchReport]:
     """Move ``owner.trainer`` to ``new_cfg``'s layout (collective: call on every rank).
 
@@ -289,10 +291,15 @@ def switch_layout(
             new trainer.
         new_cfg: config of the new layout (parallel section) and LR (train.lr/min_lr).
         reference_batch: batch the schedule's samples are counted against
-            (see :func:`cona.state.build_trainer`).
+            (see :func:`cona.state.build_trainer`); CONA's trainer only.
         seed: base seed to re-seed megatron's model-parallel RNG tracker for
             the new TP rank (dropout streams); the default torch/NumPy/Python
             RNG states are carried over unchanged.
+        build: ``build(new_cfg, model, old_trainer)`` wraps the new layout's model
+            in a trainer whose LR schedule continues the old one's; default CONA's
+            (:func:`cona.state.build_trainer`, a sample-counting schedule).  GeoMesh's
+            regions pass their own (:mod:`geomesh.layout_switch`).  Weights, optimizer
+            state, step and token counts are moved here whatever ``build`` does.
 
     Returns:
         ``(topology, report)`` of the new layout.
@@ -315,9 +322,11 @@ def switch_layout(
         module = build_model(new_cfg.model, new_cfg.parallel, params_dtype=owner.trainer.dtype)
         fault_point("switch", _SWITCHES.count)
         _SWITCHES.count += 1
-        new = build_trainer(
-            new_cfg, reference_batch, model=module, num_samples=owner.trainer.scheduler.num_steps
-        )
+        if build is None:
+            new = build_trainer(new_cfg, reference_batch, model=module,
+                                num_samples=owner.trainer.scheduler.num_steps)
+        else:
+            new = build(new_cfg, module, owner.trainer)
         _reshard(owner.trainer, new)
         new.step, new.consumed_tokens = owner.trainer.step, owner.trainer.consumed_tokens
         set_rng_state(rng)

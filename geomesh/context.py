@@ -29,6 +29,7 @@ from .canonical import CanonicalSchema, layout_map
 from .cluster import ClusterSpec, load_cluster
 from .compression import TensorSchema
 from .deploy import Placement, place_emulated, place_real
+from .layout_switch import check_schedule
 from .planner import MemoryModel, Planner
 from .shapes import check_region_shapes
 
@@ -217,6 +218,7 @@ def build_context(cfg: JobConfig, run_dir: Path) -> RunContext:
     check_region_shapes(cluster, target.model, memory, model_name=(
         f"the target model {target.name} (geomesh.target_model)" if target is not cfg
         else f"the model {cfg.name}"))
+    check_schedule(cfg, cluster, memory, model_name=f"the model {cfg.name}")  # cona.schedule
     if cluster.mode == "emulated":
         if g.region is not None:
             raise ConfigError("geomesh.region is for real mode (one torchrun per region); unset it")

@@ -107,6 +107,7 @@ from .context import RunContext, target_canonical_schema
 from .eager import EagerStart
 from .feedback import LocalMomentum
 from .guard import Guard
+from .layout_switch import RegionSwitch, max_tp
 from .membership_plan import plan_for_members, plan_from_dict
 from .outer import OuterNesterov
 from .planner import Plan
@@ -160,7 +161,7 @@ def _codec_kind(ctx: RunContext) -> str:
     inside a 256-column chunk (:meth:`CanonicalCodec._topk_shard
     <geomesh.canonical_codec.CanonicalCodec._topk_shard>`)."""
     kind = ctx.cfg.geomesh.compression
-    tp = max(w.tp for w in ctx.cluster.workers)
+    tp = max_tp(ctx.cfg, ctx.cluster)  # a region's scheduled TP counts (cona.schedule)
     m = ctx.cfg.model
     widths = (m.hidden_size // tp, m.ffn // tp)
     if kind == "topk" and not ctx.emulated and tp > 1 and any(w % 256 for w in widths):
@@ -226,6 +227,7 @@ def run_sync(ctx: RunContext) -> dict:
         pl.membership = RegionMembership(pl.ft_leader, layout, contributes=pl.dp_in_rank == 0,
                                          cluster=cl, worker=pl.workers[0],
                                          policy=g.on_worker_loss)
+    layouts = RegionSwitch.for_run(ctx)  # cona.schedule: this region's layout switches
     ft = pl.membership  # one job per region: torchft quorum, healing (geomesh.membership)
     if ft is not None and overlap is not None:  # _validate refuses it; a guard for direct callers
         raise ValueError("geomesh.overlap does not combine with one job per region")
@@ -544,6 +546,12 @@ def run_sync(ctx: RunContext) -> dict:
     while r < g.outer_steps:
         if next_steps is not None:  # a re-plan: from this round on
             steps, next_steps = adopt(next_steps, r), None
+        if layouts is not None and (switch := layouts.due(r)) is not None:
+            # a round boundary: this region moves to another TP/PP/DP (geomesh.layout_switch)
+            new = layouts.apply(switch, workers=workers, outer=outer, layout=layout, codec=codec,
+                                feedback=feedback, local_mom=local_mom)
+            theta, outer, layout, codec, val = new.theta, new.outer, new.layout, new.codec, new.val
+            pred, steps = ({"predictor": outer.momentum_buffer} if predictive else {}), new.restep(steps)
         rnd = _Round(r=r, steps=steps)
         # Overlapped: the first τ_i = ⌈overlap · H_i⌉ steps run while round r−1's messages travel.
         taus = {i: math.ceil(overlap * steps[i].inner_steps) if inflight is not None else 0
@@ -642,6 +650,7 @@ def run_sync(ctx: RunContext) -> dict:
     extra = {"codec": names.get(codec.kind, codec.kind), "error_feedback": bool(feedback),
              "layout": {"tp": tp, "pp": pp, "dp": dp}, **_wire_bytes(pl, transport),
              "global_weights_sha256": _weights_digest(pl, layout, cschema, theta),
+             "layout_switches": layouts.reports if layouts is not None else [],
              "compress_update": bool(local_mom), "overlap": overlap, "replans": replans,
              "plan": plan.to_dict(), "wall_s": time.perf_counter() - wall0,
              "world_size": pl.world, "inner_steps": g.inner_steps, "memory_overhead": overhead,

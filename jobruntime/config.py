@@ -599,9 +599,20 @@ class ConaConfig:
     """Real mode: a layout switch still running after this many seconds means
     a rank stalled or was lost; every rank then exits with one line (resume
     from the last checkpoint at either layout)."""
+    schedule: list | None = None
+    """GeoMesh, one job per region (``geomesh.region``): layout switches at round
+    boundaries, ``[{after_step, region, tp, pp}]`` -- after outer step ``after_step``
+    (the metrics' ``step``) region ``region`` moves to TP=``tp``, PP=``pp`` (DP = its
+    processes / (tp*pp)) with CONA's in-memory switch (``geomesh/layout_switch.py``).
+    Needs ``cona.enabled=true``.  A schedule, because CONA's controller ranks global
+    batches and GeoMesh's planner owns each region's batch: the controller does not
+    drive GeoMesh regions yet."""
 
     def validate(self) -> None:
         """Raise :class:`ConfigError` naming the first bad CONA setting."""
+        if self.schedule is not None and not self.enabled:
+            raise ConfigError("cona.schedule switches GeoMesh regions with CONA's switch; set "
+                              "cona.enabled=true (or unset cona.schedule)")
         if not self.enabled:
             return
         for key in ("decision_interval", "horizon_steps"):
