@@ -69,7 +69,7 @@ from jobruntime.trainer import Trainer
 
 from .canonical import Shard, assemble, layout_map, main_pieces
 from .canonical_codec import CanonicalCodec
-from .cluster import ClusterSpec
+from .cluster import ClusterError, ClusterSpec
 from .outer import OuterNesterov
 from .worker import ProxyStep
 
@@ -123,7 +123,8 @@ def check_schedule(cfg: JobConfig, cluster: ClusterSpec, memory, *, model_name: 
         model_name: how messages name the model.
 
     Raises:
-        ConfigError: CONA on without a schedule in a GeoMesh run, a schedule in
+        ConfigError: CONA on without a schedule in a GeoMesh run or a schedule
+            without CONA (:meth:`jobruntime.config.ConaConfig.validate`), a schedule in
             emulated mode or without ``geomesh.region``, with ``checkpoint.load``, an
             unknown region, a step outside ``[1, outer_steps)``, two switches of one
             region after the same step, or a ``tp·pp`` that does not divide the
@@ -133,6 +134,7 @@ def check_schedule(cfg: JobConfig, cluster: ClusterSpec, memory, *, model_name: 
     from .shapes import check_region_shapes
 
     g = cfg.geomesh
+    cfg.cona.validate()  # a schedule without cona.enabled, before any process group
     if cfg.cona.enabled and cfg.cona.schedule is None:
         raise ConfigError("cona.enabled=true in a GeoMesh run switches regions on cona.schedule "
                           "(CONA's controller does not drive GeoMesh regions yet); give "
@@ -166,8 +168,11 @@ def check_schedule(cfg: JobConfig, cluster: ClusterSpec, memory, *, model_name: 
                 raise ConfigError(f"cona.schedule: region {s.region!r} has {w.num_gpus} "
                                   f"process(es), not a multiple of tp*pp={s.tp * s.pp}")
             moved = dataclasses.replace(w, tp=s.tp, pp=s.pp)
-            check_region_shapes(dataclasses.replace(cluster, workers=[moved]), cfg.model, memory,
-                                model_name=model_name)
+            try:
+                check_region_shapes(dataclasses.replace(cluster, workers=[moved]), cfg.model,
+                                    memory, model_name=model_name)
+            except ClusterError as e:  # the fix is in the schedule, not the cluster file
+                raise ClusterError(f"cona.schedule after step {s.after_step}: {e}") from None
 
 
 def max_tp(cfg: JobConfig, cluster: ClusterSpec) -> int:

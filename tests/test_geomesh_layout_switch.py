@@ -29,9 +29,6 @@ COMMON = [*SMALL, "geomesh.compression=sign_row", "geomesh.error_feedback=true",
 SWITCH = ["cona.enabled=true",
           "cona.schedule=[{after_step: 2, region: West Europe, tp: 2, pp: 1}]"]
 
-pytestmark = pytest.mark.slow
-
-
 def _cluster(root: Path, name: str) -> Path:
     raw = {"name": "switch_cpu", "mode": "real", "rendezvous": f"127.0.0.1:{free_port()}",
            "regions": [{"name": r, "id": i} for i, r in enumerate(REGIONS)],
@@ -60,6 +57,7 @@ def runs(cache_dir, tmp_path_factory):
     return root, fixed, switched
 
 
+@pytest.mark.slow
 def test_switching_region_keeps_one_global_model(runs):
     """Catches a switch that loses GeoMesh's per-shard state (θ_global, outer momentum,
     error-feedback residuals left at the old layout or reset), a codec or layout map
@@ -83,6 +81,7 @@ def test_switching_region_keeps_one_global_model(runs):
     assert _summaries(root / "fixed")[1]["layout"] == {"tp": 1, "pp": 1, "dp": 2}
 
 
+@pytest.mark.slow
 def test_switch_trains_the_run_without_it(runs):
     """Catches a switch that changes the math (inner AdamW state not resharded, the LR
     schedule restarted, a replica's data slice kept after DP2 became DP1, θ_global or
@@ -100,3 +99,60 @@ def test_switch_trains_the_run_without_it(runs):
             assert a["val_loss"] == pytest.approx(b["val_loss"], abs=1e-4), (slug, a, b)
             assert a["loss"] == pytest.approx(b["loss"], abs=1e-4), (slug, a, b)
         assert got[3]["val_loss"] < got[1]["val_loss"], slug  # it trained after the switch
+
+
+def _check(tmp_path: Path, *overrides: str, mode: str = "real", region: str | None = "East US"):
+    from geomesh.cluster import load_cluster
+    from geomesh.layout_switch import check_schedule
+    from geomesh.planner import MemoryModel
+    from jobruntime.config import load_config
+
+    raw = yaml.safe_load(_cluster(tmp_path, "c").read_text())
+    raw["mode"] = mode
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    cfg = load_config("tiny_gpt", [*SMALL, "geomesh.method=geomesh", f"geomesh.cluster={path}",
+                                   *([f"geomesh.region={region}"] if region else []), *overrides])
+    cluster = load_cluster(str(path))
+    memory = MemoryModel(model=cfg.model, seq_length=cfg.model.seq_length)
+    check_schedule(cfg, cluster, memory, model_name="the model tiny_gpt")
+
+
+def test_bad_schedules_are_refused_with_the_fix(tmp_path):
+    """Catches a schedule the run cannot follow reaching the round boundary (a hang or a
+    crash mid-run): each refusal is one line naming the setting and the fix."""
+    from geomesh.cluster import ClusterError
+    from jobruntime.config import ConfigError
+
+    ok = "cona.schedule=[{after_step: 1, region: West Europe, tp: 2}]"
+    _check(tmp_path, "cona.enabled=true", ok)  # accepted
+    _check(tmp_path)  # no CONA, no schedule: nothing to check
+    cases = [
+        (["cona.enabled=true"], "CONA's controller does not drive GeoMesh regions yet"),
+        (["cona.enabled=true", "cona.schedule=[{after_step: 1, region: Mars, tp: 2}]"],
+         "region 'Mars' is not in cluster"),
+        (["cona.enabled=true", "cona.schedule=[{after_step: 4, region: West Europe, tp: 2}]"],
+         "after_step=4 must be in [1, geomesh.outer_steps=4)"),
+        (["cona.enabled=true", "cona.schedule=[{after_step: 1, region: West Europe, tp: 4}]"],
+         "has 2 process(es), not a multiple of tp*pp=4"),
+        (["cona.enabled=true", "cona.schedule=[{after_step: 1, region: West Europe}]"],
+         "must be {after_step: N, region: NAME, tp: T, pp: P}"),
+        (["cona.enabled=true", "cona.schedule=[{after_step: 0, region: West Europe, tp: 2}]"],
+         "must be positive integers"),
+        (["cona.enabled=true", ok, "checkpoint.load=/nowhere"], "checkpoint.load"),
+    ]
+    for overrides, words in cases:
+        with pytest.raises(ConfigError) as e:
+            _check(tmp_path, *overrides, "geomesh.outer_steps=4")
+        assert words in str(e.value) and "\n" not in str(e.value), (overrides, str(e.value))
+    with pytest.raises(ConfigError, match="needs mode: real with one job per region"):
+        _check(tmp_path, "cona.enabled=true", ok, region=None)
+    with pytest.raises(ConfigError, match="needs mode: real with one job per region"):
+        _check(tmp_path, "cona.enabled=true", ok, mode="emulated", region=None)
+    with pytest.raises(ConfigError, match="set cona.enabled=true"):
+        _check(tmp_path, ok)
+    # a new shape must split the model (the planner's rule, geomesh.shapes)
+    with pytest.raises(ClusterError, match=r"cona.schedule after step 1: .*pp=2 does not divide "
+                                           r"the layers \(model.num_layers=3\)"):
+        _check(tmp_path, "cona.enabled=true", "model.num_layers=3",
+               "cona.schedule=[{after_step: 1, region: West Europe, tp: 1, pp: 2}]")
