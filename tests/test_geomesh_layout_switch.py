@@ -156,3 +156,20 @@ def test_bad_schedules_are_refused_with_the_fix(tmp_path):
                                            r"the layers \(model.num_layers=3\)"):
         _check(tmp_path, "cona.enabled=true", "model.num_layers=3",
                "cona.schedule=[{after_step: 1, region: West Europe, tp: 1, pp: 2}]")
+
+
+def test_codec_counts_a_scheduled_tp(tmp_path):
+    """Catches a codec chosen from the cluster file's TP alone: top-k's 256-column chunks
+    would be split by the region that switches to TP2 (hidden 64: 32-column shards) and
+    that region would fail at its first message; every region falls back to sign_row."""
+    from types import SimpleNamespace
+
+    from geomesh.cluster import load_cluster
+    from geomesh.sync import _codec_kind
+    from jobruntime.config import load_config
+
+    path = _cluster(tmp_path, "c")
+    cluster = load_cluster(str(path))
+    for extra, kind in (([], "topk"), (SWITCH, "sign_row")):
+        cfg = load_config("tiny_gpt", [*SMALL, "geomesh.compression=topk", *extra])
+        assert _codec_kind(SimpleNamespace(cfg=cfg, cluster=cluster, emulated=False)) == kind
