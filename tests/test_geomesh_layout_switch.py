@@ -19,8 +19,8 @@ import yaml
 
 from tests.dist_utils import free_port
 from tests.test_geomesh_launch import SMALL, _launch
+from tests.test_geomesh_launch import _cluster as two_regions
 
-REGIONS = ("East US", "West Europe")
 SLUGS = ("east-us", "west-europe")
 # 4 rounds; round 1 moves nothing (megatron's first inner step runs at LR 0), so the
 # switch after round 2 carries a nonzero outer momentum, residuals and AdamW state
@@ -29,12 +29,12 @@ COMMON = [*SMALL, "geomesh.compression=sign_row", "geomesh.error_feedback=true",
 SWITCH = ["cona.enabled=true",
           "cona.schedule=[{after_step: 2, region: West Europe, tp: 2, pp: 1}]"]
 
-def _cluster(root: Path, name: str) -> Path:
-    raw = {"name": "switch_cpu", "mode": "real", "rendezvous": f"127.0.0.1:{free_port()}",
-           "regions": [{"name": r, "id": i} for i, r in enumerate(REGIONS)],
-           "workers": [{"name": "w0", "gpu": "A100-80GB", "num_gpus": 1, "region": REGIONS[0]},
-                       {"name": "w1", "gpu": "V100", "num_gpus": 2, "region": REGIONS[1]}]}
-    path = root / f"{name}.yaml"
+def _cluster(root: Path, name: str, mode: str = "real") -> Path:
+    """test_geomesh_launch's two regions, West Europe with two processes (DP2)."""
+    (root / name).mkdir(parents=True, exist_ok=True)
+    path = two_regions(root / name, free_port(), mode)
+    raw = yaml.safe_load(path.read_text())
+    raw["workers"][1]["num_gpus"] = 2
     path.write_text(yaml.safe_dump(raw))
     return path
 
@@ -57,7 +57,6 @@ def runs(cache_dir, tmp_path_factory):
     return root, fixed, switched
 
 
-@pytest.mark.slow
 def test_switching_region_keeps_one_global_model(runs):
     """Catches a switch that loses GeoMesh's per-shard state (θ_global, outer momentum,
     error-feedback residuals left at the old layout or reset), a codec or layout map
@@ -81,7 +80,6 @@ def test_switching_region_keeps_one_global_model(runs):
     assert _summaries(root / "fixed")[1]["layout"] == {"tp": 1, "pp": 1, "dp": 2}
 
 
-@pytest.mark.slow
 def test_switch_trains_the_run_without_it(runs):
     """Catches a switch that changes the math (inner AdamW state not resharded, the LR
     schedule restarted, a replica's data slice kept after DP2 became DP1, θ_global or
@@ -107,10 +105,7 @@ def _check(tmp_path: Path, *overrides: str, mode: str = "real", region: str | No
     from geomesh.planner import MemoryModel
     from jobruntime.config import load_config
 
-    raw = yaml.safe_load(_cluster(tmp_path, "c").read_text())
-    raw["mode"] = mode
-    path = tmp_path / "c.yaml"
-    path.write_text(yaml.safe_dump(raw))
+    path = _cluster(tmp_path, "c", mode)
     cfg = load_config("tiny_gpt", [*SMALL, "geomesh.method=geomesh", f"geomesh.cluster={path}",
                                    *([f"geomesh.region={region}"] if region else []), *overrides])
     cluster = load_cluster(str(path))
