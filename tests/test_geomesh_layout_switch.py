@@ -3,7 +3,8 @@ does not notice.
 
 Two regions on torchft (``python -m geomesh.launch_local``): East US, one process
 at TP1; West Europe, two processes that run TP1·DP2 for rounds 1-2, then switch to
-TP2 (CONA's in-memory switch, :mod:`geomesh.layout_switch`) for rounds 3 and 4.
+TP2 -- or, in a second run, PP2 -- (CONA's in-memory switch,
+:mod:`geomesh.layout_switch`) for rounds 3 and 4.
 The reference is the same run without the switch.  TP2 sums in another order,
 so the two runs agree within TP numerics (losses within 1e-4), and inside each
 run the two regions hold one bit-identical ``θ_global``.
@@ -28,6 +29,8 @@ COMMON = [*SMALL, "geomesh.compression=sign_row", "geomesh.error_feedback=true",
           "geomesh.outer_steps=4"]
 SWITCH = ["cona.enabled=true",
           "cona.schedule=[{after_step: 2, region: West Europe, tp: 2, pp: 1}]"]
+# West Europe's (tp, pp) after the switch in each switched run (dp = 2 / (tp·pp) = 1)
+TARGETS = {"tp2": (2, 1), "pp2": (1, 2)}
 
 def _cluster(root: Path, name: str, mode: str = "real") -> Path:
     """test_geomesh_launch's two regions, West Europe with two processes (DP2)."""
@@ -51,52 +54,56 @@ def _summaries(run_dir: Path) -> list[dict]:
 def runs(cache_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("layout_switch")
     common = [f"data.cache_dir={cache_dir}", *COMMON]
-    fixed = _launch(_cluster(root, "fixed"), root / "fixed", *common, timeout=900)
-    switched = _launch(_cluster(root, "switched"), root / "switched", *common, *SWITCH,
-                       timeout=900)
-    return root, fixed, switched
+    out = {"fixed": _launch(_cluster(root, "fixed"), root / "fixed", *common, timeout=900)}
+    for name, (tp, pp) in TARGETS.items():
+        sched = f"cona.schedule=[{{after_step: 2, region: West Europe, tp: {tp}, pp: {pp}}}]"
+        out[name] = _launch(_cluster(root, name), root / name, *common, "cona.enabled=true",
+                            sched, timeout=900)
+    for name, res in out.items():
+        assert res.returncode == 0, (name, res.stdout[-3000:] + res.stderr[-3000:])
+    return root
 
 
+@pytest.mark.slow  # three launches: 81 s here unloaded
 def test_switching_region_keeps_one_global_model(runs):
     """Catches a switch that loses GeoMesh's per-shard state (θ_global, outer momentum,
     error-feedback residuals left at the old layout or reset), a codec or layout map
     left at the old shards (the TP2 region would decode the others' messages into the
-    wrong slices), or replicas that both send after the switch: West Europe ends at
-    TP2 having switched once, and both regions of the run hold the same canonical
-    θ_global bit for bit."""
-    root, fixed, switched = runs
-    for res in (fixed, switched):
-        assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    for name in ("fixed", "switched"):
+    wrong slices, a PP stage its renumbered layers), or replicas that both send after
+    the switch: West Europe ends at TP2 (PP2) having switched once, and both regions
+    of each run hold the same canonical θ_global bit for bit."""
+    root = runs
+    for name in ("fixed", *TARGETS):
         sums = _summaries(root / name)
         digests = {s["global_weights_sha256"] for s in sums}
         assert len(digests) == 1 and len(digests.pop()) == 64, name
-    east, west = _summaries(root / "switched")
-    assert east["layout"] == {"tp": 1, "pp": 1, "dp": 1} and east["layout_switches"] == []
-    assert west["layout"] == {"tp": 2, "pp": 1, "dp": 1}
-    (sw,) = west["layout_switches"]
-    assert sw["after_step"] == 2 and sw["from"] == {"tp": 1, "pp": 1, "dp": 2}
-    assert sw["to"] == {"tp": 2, "pp": 1, "dp": 1} and sw["seconds"] > 0
     assert _summaries(root / "fixed")[1]["layout"] == {"tp": 1, "pp": 1, "dp": 2}
+    for name, (tp, pp) in TARGETS.items():
+        east, west = _summaries(root / name)
+        assert east["layout"] == {"tp": 1, "pp": 1, "dp": 1} and east["layout_switches"] == []
+        assert west["layout"] == {"tp": tp, "pp": pp, "dp": 1}, name
+        (sw,) = west["layout_switches"]
+        assert sw["after_step"] == 2 and sw["from"] == {"tp": 1, "pp": 1, "dp": 2}
+        assert sw["to"] == {"tp": tp, "pp": pp, "dp": 1} and sw["seconds"] > 0
 
 
+@pytest.mark.slow  # three launches: 81 s here unloaded
 def test_switch_trains_the_run_without_it(runs):
     """Catches a switch that changes the math (inner AdamW state not resharded, the LR
     schedule restarted, a replica's data slice kept after DP2 became DP1, θ_global or
     the outer momentum cut from the wrong pieces): every region's training and
     validation losses after each round equal the run without the switch within 1e-4
     (TP2's reduction order differs at ~1e-6); rounds 1-2, before the switch, bit for bit."""
-    root, fixed, switched = runs
-    assert fixed.returncode == 0 and switched.returncode == 0
-    for slug in SLUGS:
-        ref, got = _records(root / "fixed" / slug), _records(root / "switched" / slug)
+    root = runs
+    for name, slug in ((n, s) for n in TARGETS for s in SLUGS):
+        ref, got = _records(root / "fixed" / slug), _records(root / name / slug)
         assert [r["step"] for r in got] == [r["step"] for r in ref] == [1, 2, 3, 4], slug
         assert [r["val_loss"] for r in got[:2]] == [r["val_loss"] for r in ref[:2]], slug
         for a, b in zip(got, ref):
-            assert a["tokens"] == b["tokens"], slug
-            assert a["val_loss"] == pytest.approx(b["val_loss"], abs=1e-4), (slug, a, b)
-            assert a["loss"] == pytest.approx(b["loss"], abs=1e-4), (slug, a, b)
-        assert got[3]["val_loss"] < got[1]["val_loss"], slug  # it trained after the switch
+            assert a["tokens"] == b["tokens"], (name, slug)
+            assert a["val_loss"] == pytest.approx(b["val_loss"], abs=1e-4), (name, slug, a, b)
+            assert a["loss"] == pytest.approx(b["loss"], abs=1e-4), (name, slug, a, b)
+        assert got[3]["val_loss"] < got[1]["val_loss"], (name, slug)  # it trained after the switch
 
 
 def _check(tmp_path: Path, *overrides: str, mode: str = "real", region: str | None = "East US"):
