@@ -67,7 +67,7 @@ from jobruntime import cpu_compat
 from jobruntime.config import ConfigError, JobConfig
 from jobruntime.trainer import Trainer
 
-from .canonical import Shard, assemble, layout_map, main_pieces
+from .canonical import Piece, Shard, assemble, layout_map, main_pieces
 from .canonical_codec import CanonicalCodec
 from .cluster import ClusterError, ClusterSpec
 from .outer import OuterNesterov
@@ -196,18 +196,15 @@ def _geomesh_trainer(cfg: JobConfig, module: torch.nn.Module, old: Trainer) -> T
     return new
 
 
-Pieces = list[tuple[str, tuple[int, ...], torch.Tensor]]
-
-
 def _pieces(layout: Mapping[str, Shard], named: Mapping[str, torch.Tensor],
-            contributes: bool) -> Pieces:
+            contributes: bool) -> list[Piece]:
     if not contributes or not named:
         return []
     return [(k, o, t.detach().float().cpu()) for k, o, t in main_pieces(layout, named)]
 
 
 def gather_state(layout: Mapping[str, Shard], state: Mapping[str, Mapping[str, torch.Tensor]],
-                 *, contributes: bool) -> dict[str, Pieces]:
+                 *, contributes: bool) -> dict[str, list[Piece]]:
     """Every rank's main pieces of each named tensor dict in ``state``, all-gathered
     over the job's world (a collective: every rank of the region calls it).
 
@@ -228,7 +225,7 @@ def gather_state(layout: Mapping[str, Shard], state: Mapping[str, Mapping[str, t
     return {part: [p for other in parts for p in other[part]] for part in state}
 
 
-def cut(layout: Mapping[str, Shard], pieces: Pieces, what: str, device=None
+def cut(layout: Mapping[str, Shard], pieces: list[Piece], what: str, device=None
         ) -> dict[str, torch.Tensor]:
     """This rank's shards of ``layout`` from the region's pieces (empty: empty)."""
     if not pieces:
