@@ -55,9 +55,11 @@ Wire format of one part (little-endian)::
                   :meth:`geomesh.sparse.TopKCodec.matrix_bytes` of the box, vectors fp32
     trailer  4 B  CRC-32 of everything before
 
-A worker's processes each send one part; DP replicas inside a worker hold the
-same values, so only one of them (DP rank 0) sends.  Not yet wired: the
-running exchange (:mod:`geomesh.sync`) still uses the local-shard codecs.
+A worker's processes each encode one part; DP replicas inside a worker hold
+the same values, so only DP rank 0's parts go into the worker's message
+(:meth:`geomesh.deploy.Placement.collect`: an all-gather over the worker's
+ranks, then :func:`join_parts`).  Every method and mode of :mod:`geomesh.sync`
+exchanges these messages.
 """
 
 from __future__ import annotations

@@ -5,12 +5,16 @@ balancing and compression):
 
 1. every worker ``i`` sets ``θ_i ← θ_global`` and runs ``H_i`` inner AdamW
    steps of ``b_i`` sequences (:class:`geomesh.worker.InnerWorker`);
-2. ``Δ_i = θ_global − θ_i`` (fp32) is encoded — GeoMesh: sign bits + an fp32
-   scale per row (``sign_row``) or per tensor (``sign``), error feedback
-   optional (:class:`geomesh.codec.SignCodec`); DiLoCo: fp32
-   (:class:`geomesh.codec.DenseCodec`) — with the worker's token count ``n_i``;
-3. the messages are all-gathered (:mod:`geomesh.transport`), decoded and
-   aggregated, ``Δ = Σ (n_i/N) D(msg_i)``;
+2. ``Δ_i = θ_global − θ_i`` (fp32) is encoded in canonical form, whatever the
+   worker's TP/PP/DP layout (:class:`geomesh.canonical_codec.CanonicalCodec`) —
+   GeoMesh: ``geomesh.compression`` (top-k, or sign bits + an fp32 scale per
+   global row), error feedback optional; DiLoCo: fp32 — with the worker's token
+   count ``n_i``; a worker's ranks join their parts into its message
+   (:meth:`geomesh.deploy.Placement.collect`);
+3. the messages are all-gathered (:mod:`geomesh.transport`, or the region
+   leaders' torchft exchange, :mod:`geomesh.region`); every rank decodes the
+   part of each message that overlaps its own shard and aggregates,
+   ``Δ = Σ (n_i/N) D(msg_i)``;
 4. the outer Nesterov step updates ``θ_global`` (:class:`geomesh.outer.OuterNesterov`);
    every worker applies it to the same messages, so all copies stay equal.
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from geomesh.canonical import CanonicalSchema, whole_layout
-from geomesh.canonical_codec import HEADER, CanonicalCodec
+from geomesh.canonical_codec import HEADER, CanonicalCodec, join_parts
 from geomesh.codec import DenseCodec, SignCodec
 from geomesh.compression import ErrorFeedback, MessageError, TensorSchema
 from geomesh.predict import PredictiveSignCodec
@@ -67,11 +67,12 @@ def _worker(layouts):
     from megatron.core import parallel_state
 
     from geomesh.canonical import layout_map
+    from geomesh.deploy import Placement
     from jobruntime.config import load_config
     from jobruntime.model import build_model
     from jobruntime.parallel import initialize_layout, set_seed
 
-    messages, report = {}, {"digests": [], "checks": 0, "bad": [], "main": []}
+    messages, report = {}, {"digests": [], "checks": 0, "bad": [], "main": [], "repeated": 0}
     for tp, pp in layouts:
         name = f"tp{tp}pp{pp}"
         cfg = load_config("tiny_gpt", [*OVERRIDES, f"parallel.tp={tp}", f"parallel.pp={pp}"])
@@ -92,7 +93,18 @@ def _worker(layouts):
             part = codec.encode(deltas, 100, worker=0, round=3, predictor=v)
             parts = [None] * dist.get_world_size()
             dist.all_gather_object(parts, (topo.dp_rank, part))
-            messages.setdefault((name, kind), [p for d, p in parts if d == 0])
+            # the worker's message as the running exchange joins it: the DP replicas of
+            # this layout are one worker's replicas (DP2-in-region), DP rank 0's parts go
+            joined = Placement(mode="real", workers=[0], dp_in_rank=topo.dp_rank,
+                               worker_group=dist.group.WORLD).collect(
+                part if topo.dp_rank == 0 else None)
+            messages.setdefault((name, kind), joined)
+            if topo.dp_rank == 0 and topo.dp > 1:  # every replica's parts: repeated
+                try:
+                    codec.decode(join_parts([p for _, p in parts]), predictor=v)
+                    report["bad"].append(f"{kind} on {name}: replicas' parts accepted twice")
+                except MessageError as e:
+                    report["repeated"] += "repeated" in str(e)
             ref = _reference(kind, mine)
             # the local-shard codecs of the running exchange send the same values
             # (top-k: only without TP, as the running exchange allows it)
@@ -146,12 +158,18 @@ def test_every_layout_decodes_every_layouts_message_bit_identically(reports):
     (a TP-split row), pieces placed at local instead of global coordinates, and
     PP layer numbers that are not global: a message sent at TP1, TP2, PP2 or
     TP2·PP2 decodes, on every rank of every layout, to bit for bit the values of
-    one process holding the tensors whole.  The local-shard codecs (SignCodec,
+    one process holding the tensors whole; the worker's message is joined as the
+running exchange joins it (DP rank 0's parts, :meth:`Placement.collect`), and
+one holding every DP replica's parts is refused as repeated.  The local-shard codecs (SignCodec,
     DenseCodec: one layout per run) decode their own messages to the same values."""
     for r in reports:
         assert r["bad"] == [], r["bad"][:5]
     # every (layout, sender, codec, local tensor) pair was checked on every rank
     assert all(r["checks"] > 100 for r in reports)
+    # DP2-in-region: a message holding every replica's parts is refused as repeated,
+    # for every codec on each DP-rank-0 process (tp·pp of them) of a layout with replicas
+    assert sum(r["repeated"] for r in reports) == len(KINDS) * sum(
+        tp * pp for tp, pp in LAYOUTS if 4 // (tp * pp) > 1)
 
 
 def test_message_of_other_vocabulary_padding_is_refused_naming_the_embedding(reports):
