@@ -469,17 +469,18 @@ def run_sync(ctx: RunContext) -> dict:
                          cfg.train.target_ppl, step, stats.time_s, ctx.clock_name)
         # -- re-plan on drift (GeoMesh) ------------------------------------------
         # Emulated measurements are exact: the last one is used.  Wall-clock
-        # ones are noisy: real mode averages the last two rounds since the plan
-        # last changed (and waits for two).  Overlapped rounds: a new plan
-        # starts with the round after the one already under way.
+        # ones are noisy: real mode re-plans after the first round measured since
+        # the plan last changed and then averages the last two (the planner's
+        # hysteresis, Planner.replan, absorbs the rest).  Overlapped rounds: a new
+        # plan starts with the round after the one already under way.
         for k in counted:
             history.setdefault(cl.workers[k].name, []).append(
                 per[cl.workers[k].name]["compute_s"] / rsteps[k].target.inner_steps)
-        need = 1 if ctx.emulated else 2
+        window = 1 if ctx.emulated else 2
         full = len(members) == K and len(counted) == K  # drift re-plans need everyone measured
         if geomesh and g.replan and full and step < g.outer_steps and history and \
-                min(len(v) for v in history.values()) >= need:
-            measured = {n: sum(v[-need:]) / need for n, v in history.items()}
+                min(len(v) for v in history.values()) >= 1:
+            measured = {n: sum(v[-window:]) / len(v[-window:]) for n, v in history.items()}
             new = ctx.planner.replan(measured)
             if new is not plan:
                 plan, next_steps, replans, history = new, _proxy(ctx, new), replans + 1, {}
@@ -645,6 +646,7 @@ def run_sync(ctx: RunContext) -> dict:
     names = {"sign_row": "sign-row", "sign_pred": "sign-pred-row"}  # the summaries' names
     extra = {"codec": names.get(codec.kind, codec.kind), "error_feedback": bool(feedback),
              "layout": {"tp": tp, "pp": pp, "dp": dp}, **_wire_bytes(pl, transport),
+             "region": cfg.geomesh.region,
              "global_weights_sha256": _weights_digest(pl, layout, cschema, theta),
              "compress_update": bool(local_mom), "overlap": overlap, "replans": replans,
              "plan": plan.to_dict(), "wall_s": time.perf_counter() - wall0,
