@@ -69,7 +69,11 @@ def measured(root: Path, cluster: Path, common: list[str]) -> dict:
                          + proc.stdout[-2000:] + proc.stderr[-2000:])
     sums = [json.loads((d / "summary.json").read_text()) for d in _region_dirs(root / "measured")]
     rows = [_region_row(s) for s in sums]
-    return {"exit_code": proc.returncode, "regions": rows,
+    first = _records(_region_dirs(root / "measured")[0])
+    rounds = [{"step": r["step"], "batch_sizes": r["batch_sizes"], "inner_steps": r["inner_steps"],
+               "imbalance": round(r["imbalance"], 3), "replanned": bool(r.get("replanned"))}
+              for r in first]  # every region logs the same plan per round
+    return {"exit_code": proc.returncode, "regions": rows, "rounds": rounds,
             "same_digest": len({r["global_weights_sha256"] for r in rows}) == 1,
             "distinct_layouts": len({tuple(r["layout"].values()) for r in rows})}
 
