@@ -83,7 +83,7 @@ def render(text: str) -> tuple[str, list[str]]:
             raise ValueError(f"results block '{name}': no renderer in tools/render_results.py")
         path = RESULTS / f"{name}.json"
         if not path.is_file():
-            raise ValueError(f"results block '{name}': {path.relative_to(REPO)} is missing")
+            raise ValueError(f"results block '{name}': docs/results/{path.name} is missing")
         names.append(name)
         return m.group(1) + RENDERERS[name](json.loads(path.read_text())) + m.group(4)
 
