@@ -71,7 +71,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .canonical import CanonicalSchema, Shard, overlap
+from .canonical import CanonicalSchema, Shard, coverage, overlap
 from .codec import aggregate_decoded, mean_abs_scales
 from .compression import (
     ErrorFeedback,
@@ -463,7 +463,7 @@ class CanonicalCodec:
         out = {}
         for name, s in self.layout.items():
             t = torch.zeros(s.local_shape)  # host: decoded wire bytes
-            covered = 0
+            dsts = []
             v = (predictor or {}).get(name)
             for offs, lens, box, gamma in by_key.get(s.key, ()):
                 sl = overlap(s, offs, lens)
@@ -475,11 +475,13 @@ class CanonicalCodec:
                     g = gamma[src[0]].view(-1, *[1] * (len(lens) - 1)) if gamma.numel() > 1 \
                         else gamma[0]
                     t[dst] += v[dst].float() * g
-                covered += math.prod(d.stop - d.start for d in dst)
-            if covered != s.numel:
+                dsts.append(dst)
+            covered, twice = coverage(dsts)
+            if twice or covered != s.numel:
                 raise MessageError(f"message from worker {worker} covers {covered} of the "
-                                   f"{s.numel} elements of '{s.key}' held here (a part is "
-                                   "missing or repeated)")
+                                   f"{s.numel} elements of '{s.key}' held here"
+                                   f"{' with overlapping pieces' if twice else ''} (a part "
+                                   "is missing or repeated)")
             out[name] = t
         return out, tokens, worker, rnd
 
