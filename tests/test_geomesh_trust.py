@@ -43,12 +43,13 @@ def _schema(named: dict[str, torch.Tensor] | None = None) -> CanonicalSchema:
 
 
 def _codec(kind: str, named: dict[str, torch.Tensor] | None = None,
-           layout: dict[str, Shard] | None = None) -> CanonicalCodec:
+           layout: dict[str, Shard] | None = None, **topk) -> CanonicalCodec:
     """The exchange's codec of ``kind`` for the model of ``named`` (canonical key = name),
-    on one process holding every tensor whole unless ``layout`` says otherwise."""
+    on one process holding every tensor whole unless ``layout`` says otherwise;
+    ``topk``: the top-k setting (default :data:`TOPK`)."""
     schema = _schema(named)
     return CanonicalCodec(kind, layout or whole_layout(schema), schema,
-                          **(TOPK if kind == "topk" else {}))
+                          **((topk or TOPK) if kind == "topk" else {}))
 
 
 def encode(codec: CanonicalCodec, named: dict[str, torch.Tensor], tokens: int, *, worker: int,
