@@ -21,12 +21,12 @@ Codecs (the math of :mod:`geomesh.codec`, :mod:`geomesh.compression`,
   the scales a TP=1 worker sends.  A piece carries the scales of its rows: a
   row split over ``t`` TP ranks sends its scale ``t`` times (on GPT-3 1.3B at
   TP=8: 2.75 MB, 1.7 % of the message; at TP=2 0.2 %).
-- ``sign_pred``: :class:`geomesh.predict.PredictiveSignCodec` on global rows:
+- ``sign_pred``: predictive sign coding (:mod:`geomesh.predict`) on global rows:
   ``γ = ⟨x, v⟩ / ‖v‖²`` per global row (both sums over the TP group), then
   ``sign_row`` of the innovation ``y = Δ + e − γ v``; a piece carries the
   ``γ`` of its rows before the scales; the receiver adds ``γ v`` with its own
   shard of the outer momentum ``v``.
-- ``topk``: :class:`geomesh.sparse.TopKCodec` on global rows.  Chunks are cut at
+- ``topk``: :mod:`geomesh.sparse`'s top-k on global rows.  Chunks are cut at
   global columns ``0, chunk, 2·chunk, ...``, so a row split along dim 1 across
   TP ranks keeps its chunks whole when ``chunk`` divides the shard width
   (refused otherwise, naming the tensor); positions are within the chunk,
@@ -73,12 +73,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .canonical import CanonicalSchema, Shard, overlap
+from .canonical import CanonicalSchema, Shard, coverage, overlap
 from .codec import aggregate_decoded, mean_abs_scales
 from .compression import (
     ErrorFeedback,
     MessageError,
-    TensorSchema,
     num_row_scales,
     pack_signs,
     packed_size,
@@ -121,8 +120,7 @@ class CanonicalCodec:
                  bits: int = 2) -> None:
         if kind not in _KINDS:
             raise ValueError(f"canonical codec '{kind}' unknown; have {sorted(_KINDS)}")
-        self.topk = TopKCodec(TensorSchema(()), chunk=chunk, k=k, bits=bits) \
-            if kind == "topk" else None
+        self.topk = TopKCodec(chunk=chunk, k=k, bits=bits) if kind == "topk" else None
         self._params = (bits, chunk, k) if self.topk is not None else (0, 0, 0)
         self.kind, self.layout, self.schema, self.tp_group = kind, dict(layout), schema, tp_group
         self.mp_group = mp_group
@@ -198,12 +196,12 @@ class CanonicalCodec:
         rows: L1 sums placed at global positions, summed over the TP group."""
         device = next((x.device for x in xs.values()), torch.device("cpu"))
         l1, spans = self._global_sums(
-            lambda name, rows: xs[name].reshape(rows, -1).abs().sum(dim=1, dtype=torch.float64)
-            .unsqueeze(0), device)
+            lambda name, rows: xs[name].reshape(rows, xs[name].numel() // max(rows, 1)).abs()
+            .sum(dim=1, dtype=torch.float64).unsqueeze(0), device)  # an empty tensor: 0 rows
         counts = torch.zeros(l1.shape[1], dtype=torch.float64, device=device)
         for name, s in self.layout.items():
             at, n = spans[name]
-            counts[at:at + n] = math.prod(s.global_shape) / n
+            counts[at:at + n] = math.prod(s.global_shape) / max(n, 1)
         return self._local(mean_abs_scales(l1[0], counts, worker=worker), spans)
 
     def _coefs(self, xs: Mapping[str, torch.Tensor], v: Mapping[str, torch.Tensor]
@@ -311,7 +309,7 @@ class CanonicalCodec:
         """
         t = self.topk
         lay = chunk_layout(s.local_shape, t.chunk)
-        if lay is None:  # vectors go as fp32, like TopKCodec
+        if lay is None:  # vectors go as fp32 (geomesh.sparse)
             if not bool(torch.isfinite(x).all()):
                 raise ValueError(f"pseudo-gradient of '{s.key}' has NaN/Inf")
             return x.contiguous().cpu().numpy().astype("<f4").tobytes(), x
@@ -327,7 +325,7 @@ class CanonicalCodec:
         if not bool(torch.isfinite(x).all()):
             raise ValueError(f"pseudo-gradient of '{s.key}' has NaN/Inf")
         pos, vals = t.pick(x, rows, nch)
-        mag = vals.abs().reshape(rows, -1)
+        mag = vals.abs().reshape(rows, nch * t.k)
         size = dist.get_world_size(self.tp_group) if self.tp_group is not None else 1
         if split and size > 1:  # the whole row's kept magnitudes, in chunk order
             me = dist.get_rank(self.tp_group)
@@ -465,7 +463,7 @@ class CanonicalCodec:
         out = {}
         for name, s in self.layout.items():
             t = torch.zeros(s.local_shape)  # host: decoded wire bytes
-            covered = 0
+            dsts = []
             v = (predictor or {}).get(name)
             for offs, lens, box, gamma in by_key.get(s.key, ()):
                 sl = overlap(s, offs, lens)
@@ -477,11 +475,13 @@ class CanonicalCodec:
                     g = gamma[src[0]].view(-1, *[1] * (len(lens) - 1)) if gamma.numel() > 1 \
                         else gamma[0]
                     t[dst] += v[dst].float() * g
-                covered += math.prod(d.stop - d.start for d in dst)
-            if covered != s.numel:
+                dsts.append(dst)
+            covered, twice = coverage(dsts)
+            if twice or covered != s.numel:
                 raise MessageError(f"message from worker {worker} covers {covered} of the "
-                                   f"{s.numel} elements of '{s.key}' held here (a part is "
-                                   "missing or repeated)")
+                                   f"{s.numel} elements of '{s.key}' held here"
+                                   f"{' with overlapping pieces' if twice else ''} (a part "
+                                   "is missing or repeated)")
             out[name] = t
         return out, tokens, worker, rnd
 
