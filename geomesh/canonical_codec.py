@@ -4,8 +4,10 @@ Each process of a worker encodes only its main shards (:mod:`geomesh.canonical`)
 as *pieces*: canonical tensor, global box (offsets and lengths), payload.  A
 worker's message is the list of its processes' parts.  A receiver at any TP/PP
 decodes, for each of its own parameters, only the pieces that overlap its
-shard, and checks that they cover it exactly once.  No process materialises
-the full model: a piece is at most one sender shard.
+shard, and checks that they cover it exactly once; the payload of a piece of a
+tensor it does not hold (another PP stage's layer, say) is skipped unread.  No
+process materialises the full model: a piece it decodes is at most one sender
+shard.
 
 Codecs (the math of :mod:`geomesh.codec`, :mod:`geomesh.compression`,
 :mod:`geomesh.predict` and :mod:`geomesh.sparse`, reused, not copied):
@@ -130,6 +132,9 @@ class CanonicalCodec:
                 raise ValueError(f"parameter '{name}' ({s.key} {s.global_shape}) is not in the "
                                  "canonical schema")
         self._schema_blob = zlib.compress(schema.to_text().encode())
+        self._held: dict[str, list[Shard]] = {}  # this rank's shards by canonical key
+        for sh in self.layout.values():
+            self._held.setdefault(sh.key, []).append(sh)
 
     def message_bytes(self, schema: CanonicalSchema | None = None) -> int:
         """Bytes of one worker's message (a bundle of one part) holding every tensor of
@@ -345,7 +350,9 @@ class CanonicalCodec:
     # -- decode -------------------------------------------------------------
 
     def _pieces(self, data: bytes):
-        """Parse one part: header fields and ``[(key, offsets, lengths, dense box)]``."""
+        """Parse one part: header fields and ``[(key, offsets, lengths, dense box)]`` of
+        the pieces that overlap a shard of this rank (the others' payloads are skipped
+        unread: a rank never builds the dense values of tensors it does not hold)."""
         buf = bytes(data)
         if len(buf) < HEADER.size + _CRC.size:
             raise MessageError(f"canonical message truncated: {len(buf)} bytes")
@@ -400,6 +407,9 @@ class CanonicalCodec:
                 need = pred + 4 * ns + packed_size(n)
             if off + need > end:
                 raise MessageError(f"canonical message from worker {worker} truncated in '{key}'")
+            if not any(overlap(s, offs, lens) is not None for s in self._held.get(key, ())):
+                off += need  # held elsewhere: that rank decodes (and checks) it
+                continue
             if lay is not None:
                 box = self.topk.read_matrix(buf, off, lens, *lay, f"canonical message from "
                                             f"worker {worker}: '{key}'")

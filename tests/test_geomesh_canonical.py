@@ -11,6 +11,7 @@ no reduction), checked against the closed form in the single-process tests.
 from __future__ import annotations
 
 import math
+import struct
 import zlib
 
 import pytest
@@ -266,6 +267,28 @@ def test_assemble_refuses_pieces_that_overlap_and_leave_a_gap():
         assemble(layout, [("w", (0, 0), x[:4]), ("w", (2, 0), x[2:4])], what="healing state")
     got = assemble(layout, [("w", (0, 0), x[:4]), ("w", (4, 0), x[4:])])["w"]
     assert torch.equal(got, x)
+
+
+def test_a_rank_decodes_only_the_pieces_it_holds():
+    """Catches a decoder that builds the dense values of every tensor of a message
+    (the whole model on every rank, e.g. every layer on each PP stage): a rank
+    that does not hold the embedding skips its payload unread — a NaN planted
+    there does not reach it — while a rank holding it refuses the message."""
+    schema = CanonicalSchema.from_shapes(SHAPES)
+    codec = CanonicalCodec("fp32", whole_layout(schema), schema)
+    data = bytearray(codec.encode({k: canonical_delta(k, s) for k, s in schema.entries}, 5,
+                                  worker=0, round=0))
+    emb, fc2 = SHAPES[0], SHAPES[1]
+    assert schema.entries[-1][0] == emb[0]  # the last piece: its last value ends the payload
+    at = len(data) - 4 - 4
+    data[at:at + 4] = struct.pack("<f", float("nan"))
+    data[-4:] = struct.pack("<I", zlib.crc32(bytes(data[:-4])))  # an insider's valid CRC
+    stage = {n: Shard(k, s, (0,) * len(s), s) for n, (k, s) in (("w", fc2), ("e", emb))}
+    other = CanonicalCodec("fp32", {"w": stage["w"]}, schema)
+    out = other.decode(bytes(data))[0]["w"]
+    assert torch.equal(out, canonical_delta(*fc2))
+    with pytest.raises(MessageError, match="NaN"):
+        CanonicalCodec("fp32", {"e": stage["e"]}, schema).decode(bytes(data))
 
 
 def test_topk_refuses_a_tp_shard_that_splits_a_chunk():
