@@ -66,7 +66,78 @@ def four_shape_cpu(r: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-RENDERERS: dict[str, Callable[[dict], str]] = {"four_shape_cpu": four_shape_cpu}
+# What each fault scenario of bench/faults.py injects and what surviving means (text);
+# every number in the table comes from the scenario's record.
+FAULTS = {
+    "worker_killed_in_train": ("worker killed after its inner steps", "SIGKILL"),
+    "worker_killed_at_exchange": ("worker killed after the quorum, before the all-gather",
+                                  "SIGKILL"),
+    "worker_killed_before_commit": ("worker killed after the all-gather, before commit",
+                                    "SIGKILL"),
+    "worker_killed_in_checkpoint_save": ("worker killed inside a checkpoint save", "SIGKILL"),
+    "store_host_killed": ("store host (worker 0, torchft's quorum store) killed", "SIGKILL"),
+    "late_join": ("late join: worker killed, restarted, healed from a live peer", "SIGKILL"),
+    "network_stall": ("network stall 2 x heartbeat", "SIGSTOP"),
+    "worker_lost_fail_policy": ("worker lost, `on_worker_loss=fail`", "SIGKILL"),
+    "store_host_lost_fail_policy": ("store host lost, `on_worker_loss=fail`", "SIGKILL"),
+    "lighthouse_restart": ("lighthouse killed, restarted on its address", "SIGKILL"),
+    "lighthouse_lost": ("lighthouse killed for good", "SIGKILL"),
+    "straggler_replan": ("a 10x straggler, re-planning on", "slowdown"),
+    "cona_switch_killed": ("CONA: rank 1 killed inside a layout switch", "SIGKILL"),
+    "cona_resume_old_layout": ("CONA: resume the last checkpoint at the old layout", "resume"),
+    "cona_resume_new_layout": ("CONA: resume the last checkpoint at the new layout", "resume"),
+}
+
+
+def _fault_result(x: dict) -> str:
+    """The measured part of a scenario's row: detection, stall, re-plans, digests."""
+    out = []
+    if "detect_s" in x:
+        out.append(f"stopped {x['detect_s']:.1f} s after the death"
+                   + (f" (bound {x['bound_s']:.1f} s)" if "bound_s" in x else ""))
+    if "stall_s" in x:
+        out.append(f"restarted after {x['restart_after_s']:.1f} s; {x['rounds_lost']} round(s) "
+                   f"lost; longest round {x['stall_s']:.1f} s over the median "
+                   f"({x['median_round_s']:.1f} s)")
+    if "replans" in x:
+        dev = x["max_token_deviation"]
+        out.append(f"{x['replans']} re-plans; round tokens {min(x['round_tokens']):,}-"
+                   f"{max(x['round_tokens']):,} against a budget of {x['token_budget']:,} "
+                   f"(max deviation {100 * dev:.1f} %)")
+    if "seconds" in x:
+        out.append(f"survivor stopped in {x['seconds']:.1f} s, checkpoints kept")
+    if "same_digest" in x:
+        out.append("θ_global digests " + ("equal" if x["same_digest"] else "DIFFER"))
+    if "layouts" in x:
+        out.append("layouts " + ", ".join(x["layouts"]))
+    return "; ".join(out)
+
+
+def faults_quick(r: dict) -> str:
+    """The fault table: every scenario survived or not, with its measured figures."""
+    sm = r["summary"]
+    lines = ["| fault (real processes) | injected | survived | result | exit codes | bytes lost |",
+             "|---|---|---|---|---|---:|"]
+    for x in r["scenarios"]:
+        what, how = FAULTS.get(x["scenario"], (x["scenario"].replace("_", " "), ""))
+        codes = ", ".join("killed" if c == -9 else str(c) for c in x.get("exit_codes", []))
+        lines.append(f"| {what} | {how} | {'yes' if x['survived'] else '**no**'} | "
+                     f"{_fault_result(x)} | {codes} | {x['bytes_lost']} |")
+    kinds = {k["kind"]: k for k in sm.get("hostile_kinds", [])}
+    lines += ["", f"{sm['faults_survived']} of {sm['faults_injected']} faults survived, "
+              f"{sm['hostile_rejected']} of {sm['hostile_tried']} hostile messages rejected"
+              + (f" ({kinds['forged_identity']['rejected']} forged identities, "
+                 f"{kinds['lying_statistics']['rejected']} lying statistics among them; honest "
+                 "workers blamed: "
+                 f"{kinds['forged_identity']['honest_blamed']})" if len(kinds) == 2 else "")
+              + f", {sm['clean_errors']} of {sm['bad_inputs_tried']} bad inputs a one-line "
+              f"error, {sm['bytes_lost']} bytes lost; {sm['wall_s']:.0f} s wall.",
+              "", _source(r, "faults_quick")]
+    return "\n".join(lines) + "\n"
+
+
+RENDERERS: dict[str, Callable[[dict], str]] = {"four_shape_cpu": four_shape_cpu,
+                                               "faults_quick": faults_quick}
 
 
 def render(text: str) -> tuple[str, list[str]]:
