@@ -71,7 +71,6 @@ from .canonical import Piece, Shard, assemble, layout_map, main_pieces
 from .canonical_codec import CanonicalCodec
 from .cluster import ClusterError, ClusterSpec
 from .outer import OuterNesterov
-from .worker import ProxyStep
 
 log = logging.getLogger(__name__)
 
@@ -234,24 +233,6 @@ def cut(layout: Mapping[str, Shard], pieces: list[Piece], what: str, device=None
     return {k: v.to(device) for k, v in out.items()} if device is not None else out
 
 
-@dataclass
-class Switched:
-    """GeoMesh's state after a switch (by the new layout's local names)."""
-
-    theta: dict[str, torch.Tensor]
-    outer: OuterNesterov
-    layout: dict[str, Shard]
-    codec: CanonicalCodec
-    val: list
-    dp_in: int
-    report: dict
-
-    def restep(self, steps: list[ProxyStep]) -> list[ProxyStep]:
-        """The round's proxy steps with the worker's new replica count: its batches
-        (all replicas) are kept, the micro-batch follows the per-replica share."""
-        return [dataclasses.replace(s, dp_in=self.dp_in) for s in steps]
-
-
 class RegionSwitch:
     """This region's scheduled layout switches (module docstring).
 
@@ -264,7 +245,8 @@ class RegionSwitch:
         self.ctx = ctx
         self.by_step = {s.after_step: s for s in switches}
         self.reports: list[dict] = []
-        """Measured cost of each switch done (CONA's report plus the state's move)."""
+        """Measured cost of each switch done (wall seconds of the whole switch, CONA's
+        resharding seconds and peak RSS in MiB; max over the region's ranks)."""
 
     @classmethod
     def for_run(cls, ctx) -> RegionSwitch | None:
@@ -273,23 +255,22 @@ class RegionSwitch:
         mine = [s for s in parse_schedule(ctx.cfg) if s.region == region]
         return cls(ctx, mine) if mine and ctx.placement.per_region else None
 
-    def due(self, r: int) -> Switch | None:
-        """The switch to run before round ``r`` (0-based: after outer step ``r``)."""
-        return self.by_step.get(r)
+    def at_boundary(self, loop) -> None:
+        """Before round ``loop.r`` (0-based: after outer step ``loop.r``): switch if one
+        is scheduled (:meth:`apply`), else nothing.  Every rank of the region calls it."""
+        sw = self.by_step.get(loop.r)
+        if sw is not None:
+            self.apply(sw, loop)
 
-    def apply(self, sw: Switch, *, workers: dict, outer: OuterNesterov, layout: dict,
-              codec: CanonicalCodec, feedback: dict, local_mom: dict) -> Switched:
+    def apply(self, sw: Switch, loop) -> None:
         """Switch this region to ``sw``'s layout (a collective over the region's job).
 
         Args:
-            workers: this job's :class:`~geomesh.worker.InnerWorker` (one per region).
-            outer: the outer optimizer (its ``params`` are ``θ_global``).
-            layout, codec: the current layout map and codec.
-            feedback, local_mom: per-worker :class:`~geomesh.compression.ErrorFeedback`
-                and :class:`~geomesh.feedback.LocalMomentum` (moved in place).
-
-        Returns:
-            the new ``θ_global``, outer optimizer, layout, codec and validation batches.
+            sw: the switch.
+            loop: the :class:`geomesh.sync.OuterLoop`; its ``theta`` (θ_global),
+                ``outer``, ``layout``, ``codec``, ``val``, ``pred`` and ``steps`` are
+                replaced by the new layout's; its workers' trainers (CONA's switch),
+                error-feedback residuals and local momentum are moved in place.
 
         Raises:
             RuntimeError: a collective failed (a rank of the region was lost).
@@ -302,15 +283,16 @@ class RegionSwitch:
         ctx, pl, cfg = self.ctx, self.ctx.placement, self.ctx.cfg
         t0 = time.perf_counter()
         old_shape = pl.layout_shape
+        outer = loop.outer
         state = {"theta": outer.params, "momentum": outer.momentum_buffer}
-        for i, fb in feedback.items():
+        for i, fb in loop.feedback.items():
             state[f"feedback{i}"] = fb.residuals
-        for i, m in local_mom.items():
+        for i, m in loop.local_mom.items():
             state[f"local_momentum{i}"] = m.buffers
-        pieces = gather_state(layout, state, contributes=pl.dp_in_rank == 0)
+        pieces = gather_state(loop.layout, state, contributes=pl.dp_in_rank == 0)
         dp = pl.world // (sw.tp * sw.pp)
-        topo = None
-        for w in workers.values():
+        topo = rep = None
+        for w in loop.workers.values():
             new_cfg = copy.deepcopy(w.cfg)
             new_cfg.parallel.tp, new_cfg.parallel.pp = sw.tp, sw.pp
             # megatron's layout check needs a batch its DP divides; the worker sets
@@ -326,31 +308,34 @@ class RegionSwitch:
         pl.tp_group = ps.get_tensor_model_parallel_group()
         pl.mp_group = ps.get_model_parallel_group()
         ctx.layout_cfg.parallel.tp, ctx.layout_cfg.parallel.pp = sw.tp, sw.pp
-        first = next(iter(workers.values()))
-        new_layout = layout_map(first.trainer.module)
+        layout = layout_map(loop.first.trainer.module)
         device = cpu_compat.device()
-        theta = cut(new_layout, pieces["theta"], "θ_global", device)
+        theta = cut(layout, pieces["theta"], "θ_global", device)
         new_outer = OuterNesterov(theta, lr=outer.lr, momentum=outer.momentum,
                                   nesterov=outer.nesterov, momentum_warmup=outer.momentum_warmup)
         new_outer.step_count = outer.step_count
-        new_outer.momentum_buffer.update(cut(new_layout, pieces["momentum"], "outer momentum",
-                                             device))
-        for i, fb in feedback.items():  # host memory, as ErrorFeedback keeps them
-            fb.residuals = cut(new_layout, pieces[f"feedback{i}"], "error feedback")
-        for i, m in local_mom.items():
-            m.buffers = cut(new_layout, pieces[f"local_momentum{i}"], "local momentum", device)
+        new_outer.momentum_buffer.update(cut(layout, pieces["momentum"], "outer momentum", device))
+        for i, fb in loop.feedback.items():  # host memory, as ErrorFeedback keeps them
+            fb.residuals = cut(layout, pieces[f"feedback{i}"], "error feedback")
+        for i, m in loop.local_mom.items():
+            m.buffers = cut(layout, pieces[f"local_momentum{i}"], "local momentum", device)
         g = cfg.geomesh
-        new_codec = CanonicalCodec(codec.kind, new_layout, codec.schema, tp_group=pl.tp_group,
-                                   mp_group=pl.mp_group, k=g.topk_k, bits=g.topk_bits)
+        loop.codec = CanonicalCodec(loop.codec.kind, layout, loop.codec.schema,
+                                    tp_group=pl.tp_group, mp_group=pl.mp_group, k=g.topk_k,
+                                    bits=g.topk_bits)
         if pl.membership is not None:  # healing state is cut from this layout from now on
-            pl.membership.layout = dict(new_layout)
+            pl.membership.layout = dict(layout)
             pl.membership.contributes = pl.dp_in_rank == 0
-        val = ctx.val_batches(dp=pl.dp_in, dp_rank=pl.dp_in_rank)
+        loop.theta, loop.outer, loop.layout = theta, new_outer, layout
+        if "predictor" in loop.pred:  # sign_pred predicts from the outer momentum
+            loop.pred = {"predictor": new_outer.momentum_buffer}
+        loop.val = ctx.val_batches(dp=pl.dp_in, dp_rank=pl.dp_in_rank)
+        # the round's batches (all replicas) are kept; micro-batches follow the new DP
+        loop.steps = [dataclasses.replace(s, dp_in=pl.dp_in) for s in loop.steps]
         seconds = max_over_ranks([time.perf_counter() - t0])[0]
-        report = {"after_step": sw.after_step, "from": dict(zip("tp pp dp".split(), old_shape)),
-                  "to": {"tp": sw.tp, "pp": sw.pp, "dp": topo.dp}, "seconds": seconds,
-                  "reshard_s": rep.seconds, "peak_rss_mib": rep.peak_rss_mib}
-        self.reports.append(report)
+        self.reports.append({"after_step": sw.after_step,
+                             "from": dict(zip(("tp", "pp", "dp"), old_shape)),
+                             "to": {"tp": sw.tp, "pp": sw.pp, "dp": topo.dp}, "seconds": seconds,
+                             "reshard_s": rep.seconds, "peak_rss_mib": rep.peak_rss_mib})
         log.info("after outer step %d: region %s switched (tp, pp, dp) %s -> %s in %.2f s",
                  sw.after_step, sw.region, old_shape, pl.layout_shape, seconds)
-        return Switched(theta, new_outer, new_layout, new_codec, val, pl.dp_in, report)
