@@ -30,6 +30,8 @@ from pathlib import Path
 import yaml
 
 REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:  # run as a script from anywhere
+    sys.path.insert(0, str(REPO))
 CLUSTER = REPO / "geomesh" / "clusters" / "four_shape_cpu.yaml"
 
 

@@ -30,3 +30,25 @@ def test_blocks_name_a_renderer_and_a_committed_file(tmp_path, monkeypatch):
     (tmp_path / "four_shape_cpu.json").write_text(json.dumps(data))
     out, names = render_results.render("<!-- results: four_shape_cpu -->\nold\n<!-- /results -->\n")
     assert names == ["four_shape_cpu"] and "123.46" in out and "old" not in out
+
+
+def test_configuration_reference_is_current_and_complete():
+    """Catches a config key added, renamed or re-documented without regenerating
+    docs/configuration.md, and a generator that drops keys: the page equals what
+    tools/config_reference.py writes, and every key of every section has a row
+    with its default."""
+    import dataclasses
+
+    from jobruntime.config import JobConfig
+    from tools import config_reference
+
+    assert config_reference.main(["--check"]) == 0
+    page = config_reference.PAGE.read_text()
+    job = JobConfig()
+    for section in dataclasses.fields(JobConfig):
+        value = getattr(job, section.name)
+        if dataclasses.is_dataclass(value):
+            assert f"## `{section.name}`" in page
+            for f in dataclasses.fields(value):
+                assert f"| `{f.name}` |" in page and f"`{getattr(value, f.name)!r}`" in page, \
+                    (section.name, f.name)
