@@ -35,7 +35,7 @@ replayed, duplicated, other-run, other-version and wrong-slot envelopes, and
 sealed insiders' absurd values, NaN bodies, token grabs, zero tokens, truncated
 or corrupted parts, a worker's bundle with a part repeated, missing, overlapping
 or disagreeing, and parts of another model, codec or format, on every kind of the
-exchange's codec (:class:`geomesh.canonical_codec.CanonicalCodec`); an insider
+exchange's codec (:class:`geomesh.wire.canonical_codec.CanonicalCodec`); an insider
 with a forged identity (codec header naming another worker or round) and one
 lying about its loss and compute seconds (``hostile_kinds``).  Bad inputs: random config overrides, cluster files, region
 shapes, wire bytes and checkpoint files (seeded), counted when they are bad; a clean error
@@ -67,7 +67,7 @@ SMALL = ["model.num_layers=2", "model.hidden_size=64", "model.num_attention_head
          "train.eval_iters=1", "train.warmup_iters=2", "logging.wandb=disabled",
          "logging.progress=on"]
 HEARTBEAT_S = 5.0
-SLOWDOWN = 8.0  # each round sleeps 7x its compute time (geomesh/cluster.py ``slowdown``)
+SLOWDOWN = 8.0  # each round sleeps 7x its compute time (geomesh/fleet/cluster.py ``slowdown``)
 REGIONS = ["East US", "West Europe"]
 
 
@@ -379,8 +379,8 @@ def straggler_replan(root: Path, cache: str, rounds: int) -> dict:
 
 def hostile() -> tuple[int, int]:
     """Hostile messages tried and rejected (envelopes, then sealed insiders)."""
-    from geomesh.envelope import DATA, EnvelopeError, Opener, Sealer
-    from geomesh.guard import Guard
+    from geomesh.wire.envelope import DATA, EnvelopeError, Opener, Sealer
+    from geomesh.wire.guard import Guard
     from tests.test_geomesh_trust import KINDS, _codec, aggregate, hostile_cases
 
     tried = rejected = 0
@@ -422,7 +422,7 @@ def forged_identity() -> dict:
     """
     import torch
 
-    from geomesh.guard import Guard
+    from geomesh.wire.guard import Guard
     from tests.test_geomesh_identity import _through_envelope, forged_cases
     from tests.test_geomesh_trust import KINDS, _codec, aggregate
 
@@ -448,7 +448,7 @@ def lying_statistics() -> dict:
     Rejected: exactly the liar's figures are left out of the logged loss, the idle
     statistics and the re-plan (with two workers: both, nobody can tell which is
     true); ``honest_left_out`` counts honest figures dropped with three workers."""
-    from geomesh.guard import Guard
+    from geomesh.wire.guard import Guard
     from tests.test_geomesh_identity import lying_figures
 
     out = {"kind": "lying_statistics", "tried": 0, "rejected": 0, "honest_left_out": 0}
@@ -472,19 +472,19 @@ HOSTILE_KINDS = (forged_identity, lying_statistics)
 def bad_inputs(n: int, tmp: Path) -> tuple[int, int]:
     """Seeded random bad inputs to the four loaders and to the region-shape check (a
     four_region worker's tp, pp, num_gpus or memory against GPT-3 1.3B:
-    :mod:`geomesh.shapes`); ``(bad tried, clean one-line errors)``."""
+    :mod:`geomesh.fleet.shapes`); ``(bad tried, clean one-line errors)``."""
     import dataclasses
 
     import torch
     import yaml
 
-    from geomesh.canonical_codec import join_parts
-    from geomesh.cluster import ClusterError, cluster_from_dict
-    from geomesh.compression import MessageError
     from geomesh.context import _validate
-    from geomesh.planner import MemoryModel
-    from geomesh.shapes import check_region_shapes
+    from geomesh.fleet.cluster import ClusterError, cluster_from_dict
+    from geomesh.fleet.planner import MemoryModel
+    from geomesh.fleet.shapes import check_region_shapes
     from geomesh.state import load_state
+    from geomesh.wire.canonical_codec import join_parts
+    from geomesh.wire.compression import MessageError
     from jobruntime.checkpoint import CheckpointError
     from jobruntime.config import ConfigError, JobConfig, load_config
     from tests.test_geomesh_trust import _codec, _named, pp2_parts

@@ -6,7 +6,7 @@ replicated ``K/4`` times in its region (8xH100 East US, 8xA100 West Europe,
 GPT-3 1.3B, ``T = H · G · s`` with ``G = 512 · K/4`` sequences, in two setups
 (``SETUPS``): ``quick_bench`` — ``H = 8``, balancing by steps, the memory
 model counting GeoMesh's own state (8.25 B/param), as ``bench/geomesh_ttp.py``
-plans — and ``planner_defaults`` — :class:`~geomesh.planner.Planner`'s
+plans — and ``planner_defaults`` — :class:`~geomesh.fleet.planner.Planner`'s
 defaults (``H = 20``, balancing by batch).  Per setup and size it measures,
 on one thread:
 
@@ -19,7 +19,7 @@ on one thread:
   the latter under the true (slowed) speeds;
 * ``clock_round_s``: one emulated outer round as ``geomesh/sync.py`` charges
   it — each worker's step time from the GPU profile, ``compute`` on the
-  :class:`~geomesh.clock.EmulatedClock`, the hierarchical exchange of the
+  :class:`~geomesh.fleet.clock.EmulatedClock`, the hierarchical exchange of the
   GeoMesh message (``clock_round_overlap_s``: the same with the exchange
   overlapped with the next round, ``geomesh.overlap=1``).
 
@@ -59,7 +59,7 @@ def scaled_cluster(k: int):
     """four_region with each worker replicated ``k/4`` times in its region."""
     import yaml
 
-    from geomesh.cluster import CLUSTERS_DIR, cluster_from_dict
+    from geomesh.fleet.cluster import CLUSTERS_DIR, cluster_from_dict
 
     raw = yaml.safe_load((CLUSTERS_DIR / "four_region.yaml").read_text())
     base = raw["workers"]
@@ -79,8 +79,8 @@ def _timed(fn, repeat: int = 3):
 
 
 def measure(k: int, repeat: int, setup: dict) -> dict:
-    from geomesh.clock import EmulatedClock, inner_step_time_s
-    from geomesh.planner import MemoryModel, Planner
+    from geomesh.fleet.clock import EmulatedClock, inner_step_time_s
+    from geomesh.fleet.planner import MemoryModel, Planner
     from jobruntime.config import load_config
     from jobruntime.flops import num_params
 

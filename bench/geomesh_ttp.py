@@ -84,7 +84,7 @@ TARGET_PPL = {"quick": 800.0, "full": 400.0}
 # the full run 0.5 beat 0.35 too (218.9 vs 222.3).  DDP has no outer optimizer.
 OUTER_LR = {"diloco": 0.15, "async": 0.15, "geomesh": 0.5}
 # GeoMesh variants of --ablation: (name, overrides); every row has the same
-# plan (the codecs' state lives in host memory, see geomesh/compression.py).
+# plan (the codecs' state lives in host memory, see geomesh/wire/compression.py).
 # Codec rows run without overlap, so that only the codec differs.
 
 

@@ -7,7 +7,7 @@ Convergence is that of one job at the global batch, so one
 it (emulated mode), or megatron's DDP over the whole real world (real mode,
 where megatron's DP group spans the workers).  Emulated time: per step the
 slowest worker's compute of ``G_t / K`` target sequences plus a hierarchical
-ring all-reduce of ``4 · P`` bytes (:func:`geomesh.clock.ddp_schedule`).
+ring all-reduce of ``4 · P`` bytes (:func:`geomesh.fleet.clock.ddp_schedule`).
 An "outer step" is ``H`` steps, the tokens of one GeoMesh round.
 
 **async** — asynchronous local SGD / DiLoCo (emulated only): every worker runs
@@ -17,7 +17,7 @@ applies it on arrival with the outer Nesterov optimizer, scaled by the
 worker's share of a synchronous round, ``n_i / (K · n)`` (so ``K`` arrivals
 move the weights as much as one synchronous round); the worker then pulls
 the new weights and starts again.  Arrival times and staleness come from
-:func:`geomesh.clock.async_schedule`; the proxy replays its events in order
+:func:`geomesh.fleet.clock.async_schedule`; the proxy replays its events in order
 (a worker trains when it pulls, from the weights of that moment).  An outer
 step is ``K`` arrivals (the tokens of one synchronous round).  Checkpoints
 and injected slowdowns are not supported for this baseline.
@@ -35,13 +35,13 @@ from jobruntime.metrics import perplexity
 from jobruntime.parallel import set_seed
 from jobruntime.trainer import Trainer, mean_loss
 
-from .clock import async_schedule, ddp_schedule, inner_step_time_s
-from .codec import DenseCodec
-from .compression import TensorSchema
 from .context import RunContext
+from .fleet.clock import async_schedule, ddp_schedule, inner_step_time_s
 from .outer import OuterNesterov
 from .report import RunStats
 from .state import check_workers, load_state, save_state, worker_identity
+from .wire.codec import DenseCodec
+from .wire.compression import TensorSchema
 from .worker import InnerWorker, proxy_steps
 
 log = logging.getLogger(__name__)

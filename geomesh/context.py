@@ -25,13 +25,13 @@ from jobruntime.metrics import MetricsWriter
 from jobruntime.model import build_model
 from jobruntime.parallel import initialize_layout, same_run_dir
 
-from .canonical import CanonicalSchema, layout_map
-from .cluster import ClusterSpec, load_cluster
-from .compression import TensorSchema
-from .deploy import Placement, place_emulated, place_real
+from .exchange.deploy import Placement, place_emulated, place_real
+from .fleet.cluster import ClusterSpec, load_cluster
+from .fleet.planner import MemoryModel, Planner
+from .fleet.shapes import check_region_shapes
 from .layout_switch import check_schedule
-from .planner import MemoryModel, Planner
-from .shapes import check_region_shapes
+from .wire.canonical import CanonicalSchema, layout_map
+from .wire.compression import TensorSchema
 
 log = logging.getLogger(__name__)
 
@@ -185,7 +185,7 @@ def target_schema(target: JobConfig) -> TensorSchema:
 
 
 def target_canonical_schema(target: JobConfig) -> CanonicalSchema:
-    """The target model's canonical schema (:mod:`geomesh.canonical`), built on the meta
+    """The target model's canonical schema (:mod:`geomesh.wire.canonical`), built on the meta
     device: what a message of the target model addresses (emulated bytes on the wire)."""
     par = dataclasses.replace(target.parallel, tp=1, pp=1)
     return CanonicalSchema.gather(layout_map(build_model(target.model, par, meta=True)))
@@ -197,7 +197,7 @@ def build_context(cfg: JobConfig, run_dir: Path) -> RunContext:
     Raises:
         ConfigError / ClusterError: bad settings, cluster file or process count; a
             region shape that does not split the model or fit its GPUs' memory
-            (:func:`geomesh.shapes.check_region_shapes`, before anything is built).
+            (:func:`geomesh.fleet.shapes.check_region_shapes`, before anything is built).
         DataError, TokenizerError: unusable data.
     """
     _validate(cfg)

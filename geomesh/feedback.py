@@ -24,7 +24,7 @@ Why error feedback gained nothing (measured, quick bench, ``geomesh/sync.py``).
    the planner's plan (A100 7 steps of 144 → 9 of 120, round 15.9 → 17.1 s);
    "EF on 713 vs off 715, TTP 158 vs 130 s" compared two plans — the TTP
    difference is the longer round.  The residual now lives in host memory
-   (:class:`geomesh.compression.ErrorFeedback`): same plan either way, and
+   (:class:`geomesh.wire.compression.ErrorFeedback`): same plan either way, and
    EF on the pseudo-gradient gives 679 vs 724 (fp32: 601).
 2. *What it repays, the next round re-derives.*  In DiLoCo-style training the
    part of ``Δ_t`` that was not sent still shows in the loss gradient, and
@@ -47,7 +47,7 @@ Why error feedback gained nothing (measured, quick bench, ``geomesh/sync.py``).
    without EF, 712 with): ``u_i`` is dominated by ``μ v_i``, which the
    receivers as good as know, so the bits go to known information and the
    sign error grows with ``‖u‖ ≫ ‖Δ‖``.  Predicting ``Δ_i`` by the shared
-   momentum and sending only the innovation (:mod:`geomesh.predict`) did
+   momentum and sending only the innovation (:mod:`geomesh.wire.predict`) did
    not help either (676 with EF, 755 without).
 
 Memory: ``v_i`` is 4 bytes per parameter on the device and replaces the

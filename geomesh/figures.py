@@ -2,9 +2,9 @@
 record, and the run's summary (:class:`geomesh.sync.OuterLoop`'s figures).
 
 Emulated mode reads compute, straggler idle and WAN idle off the emulated
-clock's schedule (:class:`geomesh.clock.EmulatedClock`) and charges the target
+clock's schedule (:class:`geomesh.fleet.clock.EmulatedClock`) and charges the target
 model's message bytes; real mode measures wall time on every rank and gathers
-one row per rank (:meth:`geomesh.deploy.Placement.gather_rows`), and its bytes
+one row per rank (:meth:`geomesh.exchange.deploy.Placement.gather_rows`), and its bytes
 are the transport's count.  A worker's straggler idle is ``max_j compute_j −
 compute_i`` (overlapped: only the waiting after compute), its WAN idle the rest
 of its wait for the exchange.
@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from jobruntime.metrics import perplexity
 
-from .canonical import CanonicalSchema, canonical_digest, main_pieces
+from .wire.canonical import CanonicalSchema, canonical_digest, main_pieces
 
 if TYPE_CHECKING:
     from .sync import _Round
@@ -142,7 +142,7 @@ class RoundFigures:
 
 
 def _weights_digest(pl, layout, schema: CanonicalSchema, theta: dict) -> str | None:
-    """SHA-256 of ``θ_global`` in canonical form (:func:`geomesh.canonical.canonical_digest`):
+    """SHA-256 of ``θ_global`` in canonical form (:func:`geomesh.wire.canonical.canonical_digest`):
     the same in every region after the same round, whatever their layouts.  The
     worker's main shards are gathered to its leader (``None`` on the other ranks)."""
     mine = [(k, o, t.cpu()) for k, o, t in main_pieces(layout, theta)] if pl.dp_in_rank == 0 else []

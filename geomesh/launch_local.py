@@ -49,8 +49,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from geomesh.cluster import ClusterError, ClusterSpec, load_cluster, resolve_cluster
-from geomesh.envelope import SECRET_ENV
+from geomesh.fleet.cluster import ClusterError, ClusterSpec, load_cluster, resolve_cluster
+from geomesh.wire.envelope import SECRET_ENV
 from jobruntime.config import ConfigError, JobConfig, load_config, parse_override
 from jobruntime.faults import ENV as FAULT_ENV
 from jobruntime.faults import REGION_ENV as FAULT_REGION_ENV

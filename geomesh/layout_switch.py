@@ -11,7 +11,7 @@ from its processes (``num_gpus / (tp·pp)``).  The user asks for it with
 after outer step 1 (the metrics' ``step``) the region "West Europe" runs TP=2.
 Every region reads the same config; only the named region switches, the
 others keep decoding its messages, which are canonical
-(:mod:`geomesh.canonical_codec`) whatever layout sent them.
+(:mod:`geomesh.wire.canonical_codec`) whatever layout sent them.
 
 A *schedule*, not CONA's controller: the controller ranks (layout, global
 batch) pairs by throughput x statistical efficiency, while in GeoMesh the
@@ -24,7 +24,7 @@ On every rank of the region, at the boundary before round ``after_step``
 1. GeoMesh's per-shard state -- ``θ_global``, the outer Nesterov momentum, the
    error-feedback residuals and the workers' local momentum
    (``geomesh.compress_update``), all by local parameter name -- is turned
-   into canonical pieces (:func:`geomesh.canonical.main_pieces`; the DP rank 0
+   into canonical pieces (:func:`geomesh.wire.canonical.main_pieces`; the DP rank 0
    replica contributes) and all-gathered over the region's job;
 2. CONA's in-memory switch (:func:`cona.switch.switch_layout`): megatron's
    process groups rebuilt, a new model at the new layout, weights and the
@@ -34,7 +34,7 @@ On every rank of the region, at the boundary before round ``after_step``
 3. the placement's groups and ranks (``tp_group``, ``mp_group``,
    ``dp_group``, ``dp_in``, ``dp_in_rank``, ``layout_shape``), the layout map,
    the codec and the region membership's layout are rebuilt; each rank cuts
-   its new shards out of the gathered pieces (:func:`geomesh.canonical.assemble`).
+   its new shards out of the gathered pieces (:func:`geomesh.wire.canonical.assemble`).
 
 The job's rank 0 stays rank 0, so the torchft member (and the leader of the
 region's exchange) does not change; the world process group is kept.
@@ -42,7 +42,7 @@ region's exchange) does not change; the world process group is kept.
 Costs, stated: during the switch every rank of the region holds the whole
 ``θ_global`` and outer momentum (8 bytes per parameter) plus the residuals
 (4 more with error feedback) on the host, as a healing leader does
-(:mod:`geomesh.region`), and the old and new models coexist (CONA's switch).
+(:mod:`geomesh.exchange.region`), and the old and new models coexist (CONA's switch).
 
 Not supported (refused by :func:`check_schedule`): a schedule in emulated mode
 (every emulated worker is a TP1 proxy in one process) or with one torchrun for
@@ -67,10 +67,10 @@ from jobruntime import cpu_compat
 from jobruntime.config import ConfigError, JobConfig
 from jobruntime.trainer import Trainer
 
-from .canonical import Piece, Shard, assemble, layout_map, main_pieces
-from .canonical_codec import CanonicalCodec
-from .cluster import ClusterError, ClusterSpec
+from .fleet.cluster import ClusterError, ClusterSpec
 from .outer import OuterNesterov
+from .wire.canonical import Piece, Shard, assemble, layout_map, main_pieces
+from .wire.canonical_codec import CanonicalCodec
 
 log = logging.getLogger(__name__)
 
@@ -118,7 +118,7 @@ def check_schedule(cfg: JobConfig, cluster: ClusterSpec, memory, *, model_name: 
         cfg: the job config (``cona``, ``geomesh``, ``checkpoint`` sections).
         cluster: the loaded cluster (its mode already resolved).
         memory: the planner's memory model, to check each new shape's fit
-            (:func:`geomesh.shapes.check_region_shapes`).
+            (:func:`geomesh.fleet.shapes.check_region_shapes`).
         model_name: how messages name the model.
 
     Raises:
@@ -130,7 +130,7 @@ def check_schedule(cfg: JobConfig, cluster: ClusterSpec, memory, *, model_name: 
             region's processes.
         ClusterError: a new shape that does not split the model or fit the GPUs.
     """
-    from .shapes import check_region_shapes
+    from .fleet.shapes import check_region_shapes
 
     g = cfg.geomesh
     cfg.cona.validate()  # a schedule without cona.enabled, before any process group

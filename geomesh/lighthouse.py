@@ -1,6 +1,6 @@
 """Run the torchft Lighthouse of a GeoMesh run: ``python -m geomesh.lighthouse``.
 
-The lighthouse decides who is in each round's quorum (:mod:`geomesh.membership`).
+The lighthouse decides who is in each round's quorum (:mod:`geomesh.exchange.membership`).
 It holds no training state, so it can run anywhere every region reaches,
 and a lost region never takes it down with it; start it before the regions'
 jobs, at the cluster file's ``rendezvous`` address::
@@ -91,7 +91,7 @@ def lighthouse_server_class() -> type:
 
     ``torchft/__init__`` imports torch and its Manager: ~2 s of CPU, 9 s on two
     loaded cores, and a restarted lighthouse must answer again within the jobs'
-    ``geomesh.heartbeat_s`` (:meth:`geomesh.membership.Membership._watch`).  The
+    ``geomesh.heartbeat_s`` (:meth:`geomesh.exchange.membership.Membership._watch`).  The
     class lives in the extension module ``torchft._torchft``, which links no
     torch, so it is loaded from its file; any surprise falls back to the
     package's own ``torchft.coordination.LighthouseServer`` (the same class).
@@ -128,7 +128,7 @@ def main(argv=None) -> int:
 
     bind = args.bind
     if bind is None and args.cluster:
-        from geomesh.cluster import ClusterError, load_cluster
+        from geomesh.fleet.cluster import ClusterError, load_cluster
 
         try:
             cluster = load_cluster(args.cluster)

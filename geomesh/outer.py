@@ -1,7 +1,7 @@
 """Token-weighted aggregation of pseudo-gradients and the outer Nesterov optimizer.
 
 Aggregation.  Worker ``i`` trained on ``n_i`` tokens this round and sends
-``C(Δ_i)``, e.g. ``m_i · sign(Δ_i)`` (see :mod:`geomesh.compression`).  With
+``C(Δ_i)``, e.g. ``m_i · sign(Δ_i)`` (see :mod:`geomesh.wire.compression`).  With
 ``N = Σ_i n_i`` the outer gradient is the token-weighted mean
 
     Δ = Σ_i (n_i / N) · m_i · sign(Δ_i)                                    (1)
@@ -57,7 +57,7 @@ def aggregate(
     deltas: Sequence[Mapping[str, torch.Tensor]], num_tokens: Sequence[int],
 ) -> dict[str, torch.Tensor]:
     """Token-weighted mean ``Σ (n_i/N) Δ_i`` of (decoded) pseudo-gradients; the guard's
-    checks and robust modes come first (:func:`geomesh.codec.aggregate_decoded`).
+    checks and robust modes come first (:func:`geomesh.wire.codec.aggregate_decoded`).
 
     Args:
         deltas: one name -> tensor mapping per worker, same names and shapes.

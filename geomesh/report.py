@@ -2,7 +2,7 @@
 
 Every second of a worker is compute, straggler idle (waiting for a slower
 worker's compute) or WAN idle (waiting for communication), see
-:mod:`geomesh.clock`.  Fractions are over all workers' time together:
+:mod:`geomesh.fleet.clock`.  Fractions are over all workers' time together:
 
     straggler_idle_frac = Σ_i straggler_i / Σ_i (compute_i + straggler_i + wan_i)
 
@@ -25,7 +25,7 @@ import torch
 from jobruntime.devices import device_summary
 from jobruntime.metrics import TTPTracker
 
-from .cluster import ClusterSpec
+from .fleet.cluster import ClusterSpec
 
 
 @dataclass

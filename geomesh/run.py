@@ -29,7 +29,7 @@ used: a worker runs ``outer_steps · H_i`` inner steps, its LR schedule spans
 them, ``train.warmup_iters`` is scaled by ``H_i / H``.
 
 Errors: :class:`~jobruntime.config.ConfigError` /
-:class:`~geomesh.cluster.ClusterError` for bad settings, a wrong process
+:class:`~geomesh.fleet.cluster.ClusterError` for bad settings, a wrong process
 count, or a region that does not answer within ``geomesh.timeout_s`` (the
 message names it) — ``train.py`` prints them on one line and exits with 2.
 """
@@ -39,9 +39,9 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from .cluster import ClusterError
 from .context import build_context
-from .transport import RegionTimeoutError, TransportError
+from .exchange.transport import RegionTimeoutError, TransportError
+from .fleet.cluster import ClusterError
 
 log = logging.getLogger(__name__)
 

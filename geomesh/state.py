@@ -26,8 +26,8 @@ from pathlib import Path
 
 import torch
 
-from geomesh.cluster import ClusterSpec
-from geomesh.planner import Plan, WorkerPlan
+from geomesh.fleet.cluster import ClusterSpec
+from geomesh.fleet.planner import Plan, WorkerPlan
 from jobruntime.checkpoint import COMPLETE, CheckpointError, committed_folder
 from jobruntime.faults import fault_point
 
@@ -147,7 +147,10 @@ def load_state(path: str | Path, *, rank: int) -> dict:
             "cluster and process layout it was saved with"
         )
     try:  # tensors, plain containers and the plan only: a pickle that runs code is refused
-        with torch.serialization.safe_globals([Plan, WorkerPlan]):
+        # checkpoints saved before geomesh.fleet existed name the plan classes by their
+        # old module: allowed under that name too
+        with torch.serialization.safe_globals([Plan, WorkerPlan, (Plan, "geomesh.fleet.planner.Plan"),
+                                               (WorkerPlan, "geomesh.fleet.planner.WorkerPlan")]):
             state = torch.load(f, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - truncated zip, unpickling errors, disallowed globals
         raise CheckpointError(
@@ -244,7 +247,7 @@ def resume(loop, st: dict) -> None:
 
 
 def heal_state(loop) -> dict:
-    """What a live worker hands one that (re)joins (:mod:`geomesh.region` makes its
+    """What a live worker hands one that (re)joins (:mod:`geomesh.exchange.region` makes its
     outer tensors canonical, so any layout can load it)."""
     ctx = loop.ctx
     return {"round": loop.r, "position": loop.position, "replans": loop.replans,
@@ -257,7 +260,7 @@ def heal_state(loop) -> dict:
 def load_heal(loop, st: dict) -> None:
     """Take a live worker's :func:`heal_state`: the round, data position, plan, outer
     state, and each inner LR schedule where the others' is."""
-    from geomesh.membership_plan import plan_from_dict
+    from geomesh.fleet.membership_plan import plan_from_dict
 
     ctx = loop.ctx
     loop.r, loop.position, loop.replans = int(st["round"]), int(st["position"]), int(st["replans"])

@@ -6,23 +6,23 @@ balancing and compression):
 1. every worker ``i`` sets ``θ_i ← θ_global`` and runs ``H_i`` inner AdamW
    steps of ``b_i`` sequences (:class:`geomesh.worker.InnerWorker`);
 2. ``Δ_i = θ_global − θ_i`` (fp32) is encoded in canonical form, whatever the
-   worker's TP/PP/DP layout (:class:`geomesh.canonical_codec.CanonicalCodec`) —
+   worker's TP/PP/DP layout (:class:`geomesh.wire.canonical_codec.CanonicalCodec`) —
    GeoMesh: ``geomesh.compression`` (top-k, or sign bits + an fp32 scale per
    global row), error feedback optional; DiLoCo: fp32 — with the worker's token
    count ``n_i``; a worker's ranks join their parts into its message
-   (:meth:`geomesh.deploy.Placement.collect`);
-3. the messages are all-gathered (:mod:`geomesh.transport`, or the region
-   leaders' torchft exchange, :mod:`geomesh.region`); every rank decodes the
+   (:meth:`geomesh.exchange.deploy.Placement.collect`);
+3. the messages are all-gathered (:mod:`geomesh.exchange.transport`, or the region
+   leaders' torchft exchange, :mod:`geomesh.exchange.region`); every rank decodes the
    part of each message that overlaps its own shard and aggregates,
    ``Δ = Σ (n_i/N) D(msg_i)``;
 4. the outer Nesterov step updates ``θ_global`` (:class:`geomesh.outer.OuterNesterov`);
    every worker applies it to the same messages, so all copies stay equal.
 
-GeoMesh plans ``b_i, H_i`` with :class:`geomesh.planner.Planner` so that all
+GeoMesh plans ``b_i, H_i`` with :class:`geomesh.fleet.planner.Planner` so that all
 workers finish their compute together, and re-plans when measured step times
 drift (real: wall-clock per inner step; emulated: the injected
 ``slowdown`` of the cluster file).  Every plan keeps the round's tokens within
-the planner's tolerance of ``T`` (a constraint, :mod:`geomesh.planner`), and each
+the planner's tolerance of ``T`` (a constraint, :mod:`geomesh.fleet.planner`), and each
 worker's LR schedule follows a re-plan: the rounds left run the new ``H_i``
 (:func:`geomesh.worker.follow_replan`; saved with checkpoints and healing
 state).  DiLoCo uses the same ``b = G_t/K`` and
@@ -46,25 +46,25 @@ checkpoint then holds no messages in flight); a re-plan decided while round
 ``r+1`` is under way applies from round ``r+2``.  The snapshot of the eager
 start is kept in host memory.  Real mode runs the all-gather in a background
 thread (it uses only the transport's process groups); the emulated clock
-charges the wait at step ``τ_i`` (:class:`geomesh.clock.EmulatedClock`).
+charges the wait at step ``τ_i`` (:class:`geomesh.fleet.clock.EmulatedClock`).
 
 The measured choices behind the defaults (one scale per row, balancing by
 steps, the outer-momentum ramp, overlap 0.1 with the eager update) are in the
 README's ablation tables and ``bench/geomesh_ttp.py --ablation``.
 
 Time.  Emulated: worker ``i``'s compute is the GPU-profile time of its plan on
-the target model (:func:`geomesh.clock.inner_step_time_s`) times any injected
-slowdown, charged to an :class:`~geomesh.clock.EmulatedClock`; the exchange is
+the target model (:func:`geomesh.fleet.clock.inner_step_time_s`) times any injected
+slowdown, charged to an :class:`~geomesh.fleet.clock.EmulatedClock`; the exchange is
 charged with the target model's message size.  Real: wall-clock; a worker's
 straggler idle is ``max_j compute_j − compute_i`` and its WAN idle the rest
 of its time in the exchange.
 
-Every round's messages pass :class:`geomesh.guard.Guard` before aggregation
+Every round's messages pass :class:`geomesh.wire.guard.Guard` before aggregation
 (every codec: ``codec.aggregate(received, guard=guard)``); a rejected message
 drops its worker from the round.  One job per region (``geomesh.region``):
-each round's exchange is a torchft quorum (:mod:`geomesh.membership`), lost
+each round's exchange is a torchft quorum (:mod:`geomesh.exchange.membership`), lost
 workers drop out (the plan is redone for the members left,
-:mod:`geomesh.membership_plan`), a joining worker heals from a live peer at a
+:mod:`geomesh.fleet.membership_plan`), a joining worker heals from a live peer at a
 round boundary.  Those rounds are blocking: ``geomesh.overlap`` with
 ``geomesh.region`` is refused (:func:`geomesh.context._validate`).
 """
@@ -82,23 +82,23 @@ import torch
 
 from jobruntime.faults import fault_point
 
-from .canonical import CanonicalSchema, layout_map
-from .canonical_codec import CanonicalCodec
-from .clock import EmulatedClock, inner_step_time_s
-from .compression import ErrorFeedback
 from .context import RunContext, target_canonical_schema
 from .eager import EagerStart
+from .exchange.region import RegionMembership
+from .exchange.transport import InProcessTransport
 from .feedback import LocalMomentum
 from .figures import RoundFigures
-from .guard import Guard
+from .fleet.clock import EmulatedClock, inner_step_time_s
+from .fleet.membership_plan import plan_for_members
 from .layout_switch import RegionSwitch, max_tp
-from .membership_plan import plan_for_members
 from .outer import OuterNesterov
-from .region import RegionMembership
 from .report import RunStats, memory_overhead
 from .state import checkpoint_state, heal_state, load_heal, load_state, resume, save_state
 from .state import proxy_steps_for as _proxy
-from .transport import InProcessTransport
+from .wire.canonical import CanonicalSchema, layout_map
+from .wire.canonical_codec import CanonicalCodec
+from .wire.compression import ErrorFeedback
+from .wire.guard import Guard
 from .worker import InnerWorker, LrScale, ProxyStep, follow_replan
 
 log = logging.getLogger(__name__)
@@ -117,7 +117,7 @@ def _codec_kind(ctx: RunContext) -> str:
     cluster file, so all choose alike): ``geomesh.compression``, except that top-k
     falls back to ``sign_row`` in real mode when a TP worker would split a row
     inside a 256-column chunk (:meth:`CanonicalCodec._topk_shard
-    <geomesh.canonical_codec.CanonicalCodec._topk_shard>`)."""
+    <geomesh.wire.canonical_codec.CanonicalCodec._topk_shard>`)."""
     kind = ctx.cfg.geomesh.compression
     tp = max_tp(ctx.cfg, ctx.cluster)  # a region's scheduled TP counts (cona.schedule)
     m = ctx.cfg.model
@@ -491,7 +491,7 @@ class OuterLoop(RoundFigures):
         Emulated measurements are exact: the last one is used.  Wall-clock ones
         are noisy: real mode re-plans after the first round measured since the
         plan last changed and then averages the last two (the planner's
-        hysteresis, :meth:`Planner.replan <geomesh.planner.Planner.replan>`,
+        hysteresis, :meth:`Planner.replan <geomesh.fleet.planner.Planner.replan>`,
         absorbs the rest).  Overlapped rounds: a new plan starts with the round
         after the one already under way.
         """

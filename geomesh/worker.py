@@ -46,7 +46,7 @@ from jobruntime.data import GlobalBatchSampler
 from jobruntime.parallel import set_seed
 from jobruntime.trainer import StepResult, Trainer, lr_scheduler, mean_loss
 
-from .planner import Plan, WorkerPlan
+from .fleet.planner import Plan, WorkerPlan
 
 
 @dataclass(frozen=True)
@@ -192,7 +192,7 @@ class LrScale:
     mostly noise, like ``sqrt(Σ η_h²)``.  :meth:`round` returns the geometric
     mean of the two, ``sqrt(Σ η_h · sqrt(Σ η_h²))``, so that honest workers of
     very different ``H_i`` stay within ``(H_max / H_min) ** 0.25`` of each
-    other in either regime, and :class:`geomesh.guard.Guard` divides norms by
+    other in either regime, and :class:`geomesh.wire.guard.Guard` divides norms by
     it.  Measured on the four-region plan's round 1 (warmup 62 / 22 / 5 / 2
     steps for ``H_i`` = 25 / 9 / 2 / 1; megatron's first step runs at lr 0):
     raw norms differ 13x between the H100 and the V100, this scale 11.7x.

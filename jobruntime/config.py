@@ -206,7 +206,7 @@ class ModelConfig:
 
         The one copy of these rules: :meth:`ParallelConfig.validate` (the job's own
         layout), CONA's ``check_strategy`` (candidate strategies) and GeoMesh's region
-        shapes (:mod:`geomesh.shapes`) call it.
+        shapes (:mod:`geomesh.fleet.shapes`) call it.
         """
         out = []
         if self.num_attention_heads % tp:
@@ -461,7 +461,7 @@ class GeoMeshConfig:
     """GeoMesh's planner: allowed relative spread of the workers' compute time
     per round.  The planner picks the fastest plan per token within it; 0.02
     halves the straggler idle of the four-region cluster (imbalance 0.7 %
-    instead of 1.9 %) at 1.9 % more seconds per token (``geomesh/planner.py``)."""
+    instead of 1.9 %) at 1.9 % more seconds per token (``geomesh/fleet/planner.py``)."""
     inner_lr_scaling: Literal["none", "sqrt", "linear"] = "none"
     """How a worker's inner learning rate follows its batch ``b_i``, relative to
     the uniform per-worker batch ``G/K`` for which ``train.lr`` is meant:
@@ -471,11 +471,11 @@ class GeoMeshConfig:
     compression: Literal["sign_row", "sign_pred", "sign", "topk", "fp32"] = "topk"
     """GeoMesh's pseudo-gradient codec: the ``topk_k`` largest of every 256
     elements of a row, position + 2-bit value (``topk``, default: 32.8x less
-    than fp32 on GPT-3 1.3B; ``geomesh/sparse.py``; real-mode workers with
+    than fp32 on GPT-3 1.3B; ``geomesh/wire/sparse.py``; real-mode workers with
     TP > 1 fall back to ``sign_row``); sign bits with one fp32 magnitude per
     row of every matrix (``sign_row``, 31.6x), the same for the part the
     outer momentum does not predict plus one coefficient per row
-    (``sign_pred``, ``geomesh/predict.py``), one magnitude per tensor
+    (``sign_pred``, ``geomesh/wire/predict.py``), one magnitude per tensor
     (``sign``), or none (``fp32``, an ablation).  Measured: README, ablation."""
     compress_update: bool = False
     """GeoMesh: compress each worker's momentum-corrected outer update
@@ -535,13 +535,13 @@ class GeoMeshConfig:
     Never give the secret itself on the command line."""
     max_norm_ratio: float = 10.0
     """A message whose pseudo-gradient norm exceeds this multiple of the other
-    workers' median (or of its own history) is rejected (``geomesh/guard.py``)."""
+    workers' median (or of its own history) is rejected (``geomesh/wire/guard.py``)."""
     token_tolerance: float = 0.05
     """A message whose token count is off the plan's by more than this
     fraction is rejected."""
     robust_aggregation: Literal["none", "sign_majority", "trimmed_mean"] = "none"
     """Aggregate by a token-weighted majority of signs, or with trimmed-mean
-    scales, instead of equation (1) (``geomesh/guard.py``)."""
+    scales, instead of equation (1) (``geomesh/wire/guard.py``)."""
 
 
 @dataclass(kw_only=True)

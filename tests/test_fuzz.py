@@ -25,14 +25,14 @@ import yaml
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from geomesh.canonical import CanonicalSchema
-from geomesh.canonical_codec import HEADER
-from geomesh.cluster import ClusterError, cluster_from_dict
-from geomesh.compression import MessageError
 from geomesh.context import _validate
-from geomesh.envelope import DATA, EnvelopeError, Opener, Sealer
-from geomesh.guard import Guard
+from geomesh.fleet.cluster import ClusterError, cluster_from_dict
 from geomesh.state import load_state
+from geomesh.wire.canonical import CanonicalSchema
+from geomesh.wire.canonical_codec import HEADER
+from geomesh.wire.compression import MessageError
+from geomesh.wire.envelope import DATA, EnvelopeError, Opener, Sealer
+from geomesh.wire.guard import Guard
 from jobruntime.checkpoint import CheckpointError, find_checkpoint
 from jobruntime.config import ConfigError, JobConfig, load_config
 from tests.test_geomesh_trust import _codec, _named
@@ -182,7 +182,7 @@ def _pieces_at(data: bytes) -> int:
 
 def _reference_decode(kind: str, data: bytes, schema: CanonicalSchema
                       ) -> tuple[dict[str, np.ndarray], int, list[float]]:
-    """An independent reading (numpy, the wire format of :mod:`geomesh.canonical_codec`)
+    """An independent reading (numpy, the wire format of :mod:`geomesh.wire.canonical_codec`)
     of a one-process part holding every tensor whole, whose header is valid:
     ``(values, tokens, scales)`` with values in fp64; ``scales`` are the sign
     kinds' scales (empty for fp32)."""
@@ -363,7 +363,7 @@ def test_checkpoint_that_runs_code_is_refused(tmp_path):
     was read with ``weights_only=False``, so a crafted file ran code on load.
     It must be a one-line CheckpointError, and the code must not run; a real
     state (tensors and a plan) still loads."""
-    from geomesh.planner import Plan, WorkerPlan
+    from geomesh.fleet.planner import Plan, WorkerPlan
 
     folder = tmp_path / "checkpoints" / "outer_0000001"
     folder.mkdir(parents=True)

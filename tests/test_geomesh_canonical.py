@@ -17,9 +17,9 @@ import zlib
 import pytest
 import torch
 
-from geomesh.canonical import CanonicalSchema, Shard, assemble, whole_layout
-from geomesh.canonical_codec import HEADER, CanonicalCodec, join_parts
-from geomesh.compression import ErrorFeedback, MessageError
+from geomesh.wire.canonical import CanonicalSchema, Shard, assemble, whole_layout
+from geomesh.wire.canonical_codec import HEADER, CanonicalCodec, join_parts
+from geomesh.wire.compression import ErrorFeedback, MessageError
 from tests.dist_utils import launch
 
 KINDS = ("fp32", "sign", "sign_row", "sign_pred", "topk")
@@ -64,8 +64,8 @@ def _worker(layouts):
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from geomesh.canonical import layout_map
-    from geomesh.deploy import Placement
+    from geomesh.exchange.deploy import Placement
+    from geomesh.wire.canonical import layout_map
     from jobruntime.config import load_config
     from jobruntime.model import build_model
     from jobruntime.parallel import initialize_layout, set_seed
@@ -294,7 +294,7 @@ def test_a_rank_decodes_only_the_pieces_it_holds():
 def test_topk_refuses_a_tp_shard_that_splits_a_chunk():
     """Catches top-k chunks cut at local instead of global columns: a row-parallel
     shard starting inside a chunk (column 8 with chunk 16) is refused naming it."""
-    from geomesh.canonical import Shard
+    from geomesh.wire.canonical import Shard
 
     schema = CanonicalSchema.from_shapes([("w", (4, 32))])
     layout = {"w": Shard("w", (4, 32), (0, 8), (4, 24))}

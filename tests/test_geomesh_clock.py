@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from geomesh.clock import (
+from geomesh.fleet.clock import (
     EmulatedClock,
     async_schedule,
     ddp_schedule,
     geomesh_round,
     inner_step_time_s,
 )
-from geomesh.cluster import cluster_from_dict, load_cluster
+from geomesh.fleet.cluster import cluster_from_dict, load_cluster
 from jobruntime.config import load_config
 from jobruntime.flops import flops_per_token
 

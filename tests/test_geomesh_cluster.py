@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from geomesh.cluster import ClusterError, cluster_from_dict, load_cluster
+from geomesh.fleet.cluster import ClusterError, cluster_from_dict, load_cluster
 
 
 def test_shipped_examples_load():
@@ -107,7 +107,7 @@ def test_resume_matches_workers_by_identity_not_position():
     import dataclasses
     import re
 
-    from geomesh.planner import Plan, WorkerPlan
+    from geomesh.fleet.planner import Plan, WorkerPlan
     from geomesh.state import check_workers, worker_identity
     from jobruntime.checkpoint import CheckpointError
 
@@ -143,7 +143,7 @@ def test_resume_matches_workers_by_identity_not_position():
         check_workers(legacy, dataclasses.replace(c, workers=(t4, h100)))
 
 
-# -- region shapes against the model (geomesh/shapes.py) ----------------------
+# -- region shapes against the model (geomesh/fleet/shapes.py) ----------------------
 
 # The model each shipped cluster file is meant for; files not listed (e.g. the
 # CPU cluster four_shape_cpu.yaml) are run with tiny_gpt.
@@ -153,7 +153,7 @@ OUTER = 8.0 + 0.25  # θ_global + outer momentum + message, bytes/param (geomesh
 
 
 def _memory(model):
-    from geomesh.planner import MemoryModel
+    from geomesh.fleet.planner import MemoryModel
 
     return MemoryModel(model=model, extra_bytes_per_param=OUTER)
 
@@ -163,8 +163,8 @@ def test_shipped_clusters_hold_their_models():
     V100 and TP4 T4 workers split GPT-3 1.3B and hold its state with the outer state
     (the TP1 V100 and TP2 T4 would not: test_shape_that_does_not_fit_...), and every
     other file (the CPU four-shape cluster among them) holds tiny_gpt."""
-    from geomesh.cluster import CLUSTERS_DIR
-    from geomesh.shapes import check_region_shapes
+    from geomesh.fleet.cluster import CLUSTERS_DIR
+    from geomesh.fleet.shapes import check_region_shapes
     from jobruntime.config import load_config
 
     files = sorted(CLUSTERS_DIR.glob("*.yaml"))
@@ -201,7 +201,7 @@ def test_shape_that_does_not_split_the_model_is_refused(change, shape, rule):
     started) or, in emulated mode, never being built and silently timed: the refusal
     names the worker, the one rule broken with its numbers, and the shapes of its
     GPUs that split the model."""
-    from geomesh.shapes import check_region_shapes
+    from geomesh.fleet.shapes import check_region_shapes
     from jobruntime.config import ModelConfig
 
     model = ModelConfig(**{**SPLIT, **change})

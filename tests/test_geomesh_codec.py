@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from geomesh.canonical import CanonicalSchema, whole_layout
-from geomesh.canonical_codec import CanonicalCodec
-from geomesh.codec import DenseCodec
-from geomesh.compression import ErrorFeedback, MessageError, TensorSchema
+from geomesh.wire.canonical import CanonicalSchema, whole_layout
+from geomesh.wire.canonical_codec import CanonicalCodec
+from geomesh.wire.codec import DenseCodec
+from geomesh.wire.compression import ErrorFeedback, MessageError, TensorSchema
 from geomesh.worker import proxy_steps
 from tests.test_geomesh_trust import _codec, encode
 
@@ -83,8 +83,8 @@ def test_proxy_batches_keep_shares_and_round_tokens():
     below one sequence per step rounded up to one every step) or changing the
     round's tokens: on the four-region GPT-3 1.3B plan, a proxy round holds
     exactly H·G_p sequences, split like the planned target tokens (±1)."""
-    from geomesh.cluster import load_cluster
-    from geomesh.planner import Planner
+    from geomesh.fleet.cluster import load_cluster
+    from geomesh.fleet.planner import Planner
     from jobruntime.config import load_config
 
     target = load_config("gpt3_1.3b")

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from geomesh.canonical import CanonicalSchema, whole_layout
-from geomesh.canonical_codec import CanonicalCodec
-from geomesh.compression import pack_signs, unpack_signs
+from geomesh.wire.canonical import CanonicalSchema, whole_layout
+from geomesh.wire.canonical_codec import CanonicalCodec
+from geomesh.wire.compression import pack_signs, unpack_signs
 from jobruntime.config import load_config
 from jobruntime.flops import num_params
 

@@ -8,10 +8,10 @@ import math
 import pytest
 import torch
 
-from geomesh.canonical_codec import join_parts
-from geomesh.compression import ErrorFeedback
 from geomesh.feedback import LocalMomentum
 from geomesh.outer import OuterNesterov
+from geomesh.wire.canonical_codec import join_parts
+from geomesh.wire.compression import ErrorFeedback
 from tests.test_geomesh_trust import KINDS, _codec
 
 

@@ -3,7 +3,7 @@
 ``python -m geomesh.launch_local`` runs ``geomesh/clusters/four_shape_cpu.yaml``
 (7 processes, one torchrun per region, torchft between them) at test size; the
 same cluster in ``mode: emulated`` (every worker one TP1 process) is the
-reference.  Messages are canonical (:mod:`geomesh.canonical_codec`), so a
+reference.  Messages are canonical (:mod:`geomesh.wire.canonical_codec`), so a
 region decodes the others' whatever their layouts.
 """
 

@@ -1,7 +1,7 @@
 """No identity or figure of a message is trusted beyond what its envelope authenticates.
 
 Pure logic, no processes.  An insider holds the run's secret, so its envelope
-opens in its own slot (:mod:`geomesh.envelope` binds slot, run and round); what
+opens in its own slot (:mod:`geomesh.wire.envelope` binds slot, run and round); what
 it writes *inside* — the codec header's worker id, round, version, piece
 count, token count, the values, and the loss and compute seconds riding along —
 is checked here, one test per kind (issue 25, "a self-reported identity is
@@ -17,9 +17,9 @@ import struct
 import pytest
 import torch
 
-from geomesh.compression import MessageError
-from geomesh.envelope import DATA, Opener, Sealer
-from geomesh.guard import Guard
+from geomesh.wire.compression import MessageError
+from geomesh.wire.envelope import DATA, Opener, Sealer
+from geomesh.wire.guard import Guard
 from tests.test_geomesh_trust import KINDS, V, _codec, _crc, _named, aggregate, encode
 
 SECRET, RUN = b"i" * 32, 77

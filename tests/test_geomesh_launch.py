@@ -129,9 +129,9 @@ def test_four_shape_cluster_jobs():
     at TP1, DP2, TP2 and PP2 (7 processes, for tiny_gpt: 4 heads, 4 layers), each
     with its own region and folder, and the planner gives the four regions
     distinct batch sizes or inner steps (b_i, H_i) for tiny_gpt."""
-    from geomesh.cluster import load_cluster
+    from geomesh.fleet.cluster import load_cluster
+    from geomesh.fleet.planner import Planner
     from geomesh.launch_local import plan_jobs
-    from geomesh.planner import Planner
     from jobruntime.config import load_config
 
     cluster = load_cluster("four_shape_cpu")
@@ -285,7 +285,7 @@ def test_failure_lines_and_stalled_survivors(tmp_path):
                                f"with 2; geomesh.topk_k must be in [1, 256]); log: {a.log}")
     assert failure_line(b) == (f"error: region 'West Europe' failed with exit code 1 (a process "
                                f"was killed by SIGKILL); log: {b.log}")
-    crash = ("[rank1]:   File \"geomesh/transport.py\", line 91, in decode_bundle\n"
+    crash = ("[rank1]:   File \"geomesh/exchange/transport.py\", line 91, in decode_bundle\n"
              "[rank1]: TypeError: object of type 'NoneType' has no len()\n"
              "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \n"
              + TORCHRUN_FAILURE.format(code=1, signal=""))

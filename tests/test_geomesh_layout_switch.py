@@ -107,9 +107,9 @@ def test_switch_trains_the_run_without_it(runs):
 
 
 def _check(tmp_path: Path, *overrides: str, mode: str = "real", region: str | None = "East US"):
-    from geomesh.cluster import load_cluster
+    from geomesh.fleet.cluster import load_cluster
+    from geomesh.fleet.planner import MemoryModel
     from geomesh.layout_switch import check_schedule
-    from geomesh.planner import MemoryModel
     from jobruntime.config import load_config
 
     path = _cluster(tmp_path, "c", mode)
@@ -123,7 +123,7 @@ def _check(tmp_path: Path, *overrides: str, mode: str = "real", region: str | No
 def test_bad_schedules_are_refused_with_the_fix(tmp_path):
     """Catches a schedule the run cannot follow reaching the round boundary (a hang or a
     crash mid-run): each refusal is one line naming the setting and the fix."""
-    from geomesh.cluster import ClusterError
+    from geomesh.fleet.cluster import ClusterError
     from jobruntime.config import ConfigError
 
     ok = "cona.schedule=[{after_step: 1, region: West Europe, tp: 2}]"
@@ -166,7 +166,7 @@ def test_codec_counts_a_scheduled_tp(tmp_path):
     that region would fail at its first message; every region falls back to sign_row."""
     from types import SimpleNamespace
 
-    from geomesh.cluster import load_cluster
+    from geomesh.fleet.cluster import load_cluster
     from geomesh.sync import _codec_kind
     from jobruntime.config import load_config
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from geomesh.clock import inner_step_time_s, worker_tokens_per_s
-from geomesh.cluster import cluster_from_dict, load_cluster
-from geomesh.planner import MeasuredThroughput, MemoryModel, PlanError, Planner
+from geomesh.fleet.clock import inner_step_time_s, worker_tokens_per_s
+from geomesh.fleet.cluster import cluster_from_dict, load_cluster
+from geomesh.fleet.planner import MeasuredThroughput, MemoryModel, PlanError, Planner
 from jobruntime.config import load_config
 from jobruntime.flops import num_params
 
@@ -126,8 +126,8 @@ def test_shape_that_does_not_fit_is_refused_with_the_numbers():
     θ_global, outer momentum, message)."""
     import dataclasses
 
-    from geomesh.cluster import ClusterError
-    from geomesh.shapes import check_region_shapes
+    from geomesh.fleet.cluster import ClusterError
+    from geomesh.fleet.shapes import check_region_shapes
 
     four = load_cluster("four_region")
     workers = [dataclasses.replace(w, tp=2) if w.gpu == "T4" else w for w in four.workers]
@@ -238,7 +238,7 @@ def test_thousand_identical_workers_plan_like_four():
     balanced within the tolerance."""
     import yaml
 
-    from geomesh.cluster import CLUSTERS_DIR
+    from geomesh.fleet.cluster import CLUSTERS_DIR
 
     raw = yaml.safe_load((CLUSTERS_DIR / "four_region.yaml").read_text())
     base = raw["workers"]
@@ -339,7 +339,7 @@ def test_speed_model_fit_drift_and_state():
     state restores the same fit."""
     import json
 
-    from geomesh.speed import SpeedModel
+    from geomesh.fleet.speed import SpeedModel
 
     s = SpeedModel(["w"])
     s.observe("w", 1, 1, 0.1, 0.125)

@@ -11,14 +11,14 @@ import json
 import pytest
 import torch
 
-from geomesh.canonical import CanonicalSchema, whole_layout
-from geomesh.canonical_codec import CanonicalCodec, join_parts
-from geomesh.clock import EmulatedClock
-from geomesh.cluster import load_cluster
-from geomesh.compression import ErrorFeedback
+from geomesh.exchange.transport import InProcessTransport
+from geomesh.fleet.clock import EmulatedClock
+from geomesh.fleet.cluster import load_cluster
+from geomesh.fleet.planner import Planner
 from geomesh.outer import OuterNesterov
-from geomesh.planner import Planner
-from geomesh.transport import InProcessTransport
+from geomesh.wire.canonical import CanonicalSchema, whole_layout
+from geomesh.wire.canonical_codec import CanonicalCodec, join_parts
+from geomesh.wire.compression import ErrorFeedback
 from jobruntime.config import load_config
 
 

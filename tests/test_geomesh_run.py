@@ -35,7 +35,7 @@ def _all(cache_dir: str, root: str) -> dict:
 
     torch.set_num_threads(1)  # shared 2-core machine: spinning threads would crawl
 
-    from geomesh.cluster import CLUSTERS_DIR
+    from geomesh.fleet.cluster import CLUSTERS_DIR
     from geomesh.run import run
     from jobruntime.config import load_config
 
@@ -262,7 +262,7 @@ def test_bad_geomesh_input_is_one_line_exit_2(results, cache_dir, tmp_path, case
     a silent no-op run, or a left-behind run folder (config.yaml, wandb/) on bad
     GeoMesh settings and checkpoints.  A resume on a cluster file whose workers
     are not the saved ones: a renamed worker crashed with a raw KeyError in
-    geomesh/clock.py, reordered workers were accepted silently (each ran the
+    geomesh/fleet/clock.py, reordered workers were accepted silently (each ran the
     other's saved plan and optimizer state); both must be refused by identity."""
     import os
     import shutil
@@ -324,3 +324,26 @@ def test_bad_geomesh_input_is_one_line_exit_2(results, cache_dir, tmp_path, case
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip() and not logs.match(ln)]
     assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], proc.stderr
     assert not (tmp_path / "run").exists(), "a failed run left a half-written folder"
+
+
+def test_checkpoint_from_before_the_subpackages_still_loads(tmp_path, monkeypatch):
+    """Catches a resume that breaks on checkpoints written when the planner lived at
+    ``geomesh.planner`` (its Plan pickled under that name): load_state allows the
+    old name for the same class (tests/test_fuzz.py: files that would run code stay
+    refused)."""
+    import sys
+    import types
+
+    from geomesh.fleet.planner import Plan, WorkerPlan
+    from geomesh.state import load_state, save_state
+
+    old = types.ModuleType("geomesh.planner")
+    old.Plan, old.WorkerPlan = Plan, WorkerPlan
+    monkeypatch.setitem(sys.modules, "geomesh.planner", old)
+    monkeypatch.setattr(Plan, "__module__", "geomesh.planner")
+    plan = Plan(workers=[], target_tokens=1024, tolerance=0.05)
+    save_state(tmp_path / "ck", 3, {"method": "geomesh", "round": 3, "outer": {}, "plan": plan},
+               rank=0, job_leader=True)
+    monkeypatch.undo()  # the old module is gone, as after the upgrade
+    st = load_state(tmp_path / "ck", rank=0)
+    assert type(st["plan"]) is Plan and st["plan"].target_tokens == 1024

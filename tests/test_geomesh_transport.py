@@ -18,11 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from geomesh.canonical import CanonicalSchema, whole_layout
-from geomesh.canonical_codec import CanonicalCodec
-from geomesh.clock import EmulatedClock, geomesh_round
-from geomesh.cluster import cluster_from_dict
-from geomesh.transport import (
+from geomesh.exchange.transport import (
     InProcessTransport,
     RegionTimeoutError,
     TorchDistributedTransport,
@@ -30,6 +26,10 @@ from geomesh.transport import (
     decode_bundle,
     encode_bundle,
 )
+from geomesh.fleet.clock import EmulatedClock, geomesh_round
+from geomesh.fleet.cluster import cluster_from_dict
+from geomesh.wire.canonical import CanonicalSchema, whole_layout
+from geomesh.wire.canonical_codec import CanonicalCodec
 
 # East US holds workers 0 and 2 (non-contiguous); region ids differ from worker order.
 CLUSTER = {

@@ -1,8 +1,8 @@
 """No message trusted: envelopes (HMAC, binding) and checks before aggregation.
 
 Pure logic, no processes: every hostile message of ``bench/faults.py`` goes
-through the same :class:`~geomesh.envelope.Opener` and
-:class:`~geomesh.guard.Guard` as in a run (:func:`hostile_cases` is shared).
+through the same :class:`~geomesh.wire.envelope.Opener` and
+:class:`~geomesh.wire.guard.Guard` as in a run (:func:`hostile_cases` is shared).
 """
 
 from __future__ import annotations
@@ -14,18 +14,18 @@ import zlib
 import pytest
 import torch
 
-from geomesh.canonical import CanonicalSchema, Shard, whole_layout
-from geomesh.canonical_codec import CanonicalCodec, join_parts
-from geomesh.compression import MessageError
-from geomesh.envelope import DATA, HEAL, JOIN, EnvelopeError, Opener, Sealer, load_secret
-from geomesh.guard import Guard
-from geomesh.membership import pack_state, unpack_state
+from geomesh.exchange.membership import pack_state, unpack_state
+from geomesh.wire.canonical import CanonicalSchema, Shard, whole_layout
+from geomesh.wire.canonical_codec import CanonicalCodec, join_parts
+from geomesh.wire.compression import MessageError
+from geomesh.wire.envelope import DATA, HEAL, JOIN, EnvelopeError, Opener, Sealer, load_secret
+from geomesh.wire.guard import Guard
 from jobruntime.config import ConfigError
 
 SECRET = b"k" * 32
 RUN = 1234
 KINDS = ["fp32", "sign", "sign_row", "sign_pred", "topk"]
-"""Every kind of :class:`~geomesh.canonical_codec.CanonicalCodec`, the exchange's one codec."""
+"""Every kind of :class:`~geomesh.wire.canonical_codec.CanonicalCodec`, the exchange's one codec."""
 TOPK = {"chunk": 4, "k": 2}  # two chunks per row of the 6 x 8 tensor
 
 

@@ -124,7 +124,7 @@ def test_ttp_tracker_state_round_trip_and_old_checkpoints():
     ttp_s/_tokens/_step) keeps its TTP, with reached_s = ttp_s."""
     from dataclasses import asdict
 
-    from geomesh.cluster import load_cluster
+    from geomesh.fleet.cluster import load_cluster
     from geomesh.report import RunStats
 
     whole = TTPTracker(target_ppl=100.0)

@@ -1,9 +1,9 @@
 """Authenticated envelopes around every GeoMesh message that crosses a job boundary.
 
-The codecs (:mod:`geomesh.codec`) produce the bytes of a pseudo-gradient; a
+The codecs (:mod:`geomesh.wire.codec`) produce the bytes of a pseudo-gradient; a
 CRC-32 in them catches corruption in transit, nothing a sender does on
 purpose.  This layer wraps those bytes (and the healing state a live peer
-sends to a worker that rejoins, :mod:`geomesh.membership`) in an envelope
+sends to a worker that rejoins, :mod:`geomesh.exchange.membership`) in an envelope
 authenticated with HMAC-SHA256 (RFC 2104, FIPS 198-1) under a per-run secret,
 and binds it to the run, the round, the sender and the shard::
 
@@ -24,7 +24,7 @@ reason in :class:`Opener`.
 What the secret does and does not give.  Every holder of the secret can seal
 messages, so it keeps *outsiders* out (anyone on the WAN path, a process of
 another run); it cannot tell one worker of the run from another.  An insider
-that sends absurd values is the job of :mod:`geomesh.guard` (checks of the
+that sends absurd values is the job of :mod:`geomesh.wire.guard` (checks of the
 decoded values before aggregation, optional robust aggregation).
 
 Secret: ``GEOMESH_SECRET`` (environment) or ``geomesh.secret_file`` (a file

@@ -53,8 +53,8 @@ for the CUDA context) against the whole device memory.
 
 Errors: :class:`PlanError` (a ``ValueError``) when a worker cannot fit even its
 smallest micro-batch, naming the worker, the GiB needed by kind and the fixes
-(:func:`geomesh.shapes.memory_refusal`; a run refuses micro-batch 1 earlier, in
-:func:`geomesh.shapes.check_region_shapes`).
+(:func:`geomesh.fleet.shapes.memory_refusal`; a run refuses micro-batch 1 earlier, in
+:func:`geomesh.fleet.shapes.check_region_shapes`).
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ log = logging.getLogger(__name__)
 
 class PlanError(ClusterError):
     """No feasible plan; the message names the worker and the fix (a
-    :class:`~geomesh.cluster.ClusterError`, so ``train.py`` prints it on one line)."""
+    :class:`~geomesh.fleet.cluster.ClusterError`, so ``train.py`` prints it on one line)."""
 
 
 # ---------------------------------------------------------------------------
@@ -361,7 +361,7 @@ class Planner:
         """Balancing by steps: the per-step batch every worker keeps (default
         ``T / (H · s · K)``, the uniform per-worker batch)."""
         self.fit = SpeedModel(w.name for w in cluster.workers)
-        """Measured corrections of the profile (:mod:`geomesh.speed`), from :meth:`replan`."""
+        """Measured corrections of the profile (:mod:`geomesh.fleet.speed`), from :meth:`replan`."""
         self.current: Plan | None = None
         self._h_bucket: dict[int, int] = {}
 
@@ -410,7 +410,7 @@ class Planner:
 
     def _step_time(self, w: WorkerSpec, mb: int, a: int, *, profile: bool = False) -> float:
         """Seconds per inner step; ``profile``: the profile's, without the measured
-        correction (:mod:`geomesh.speed`)."""
+        correction (:mod:`geomesh.fleet.speed`)."""
         rate = self.throughput.tokens_per_s(w, mb) if profile else self._rate(w, mb)
         t = mb * a * w.dp * self.seq_length / rate * pipeline_bubble_factor(w.pp, a)
         o = 0.0 if profile else self.fit.overhead.get(w.name, 0.0)
@@ -579,7 +579,7 @@ class Planner:
                 subset is fine: others keep their estimate).
 
         Each measurement refits the worker's correction of the profile
-        (:class:`geomesh.speed.SpeedModel`: a speed factor, and a fixed cost per
+        (:class:`geomesh.fleet.speed.SpeedModel`: a speed factor, and a fixed cost per
         micro-batch once two configurations were measured), which every
         candidate of that worker then uses.  Until then it is an extrapolation;
         what bounds the cost of a wrong one is the token budget: the new plan,

@@ -48,7 +48,7 @@ from jobruntime.hardware import GPUProfile, get_gpu_profile, gpu_profiles
 
 from .wan import DEFAULT_WAN_CSV, WanLink, WanProfileError, gbps_to_bytes_per_s, load_wan_csv
 
-CLUSTERS_DIR = Path(__file__).resolve().parent / "clusters"
+CLUSTERS_DIR = Path(__file__).resolve().parent.parent / "clusters"  # geomesh/clusters
 
 # Intra-region defaults between two VMs of one Azure region (assumptions, not
 # measurements): accelerated networking gives tens of Gbit/s and < 2 ms RTT.

@@ -1,6 +1,6 @@
 """Layout-independent pseudo-gradient messages: canonical keys, global coordinates.
 
-Each process of a worker encodes only its main shards (:mod:`geomesh.canonical`)
+Each process of a worker encodes only its main shards (:mod:`geomesh.wire.canonical`)
 as *pieces*: canonical tensor, global box (offsets and lengths), payload.  A
 worker's message is the list of its processes' parts.  A receiver at any TP/PP
 decodes, for each of its own parameters, only the pieces that overlap its
@@ -9,26 +9,26 @@ tensor it does not hold (another PP stage's layer, say) is skipped unread.  No
 process materialises the full model: a piece it decodes is at most one sender
 shard.
 
-Codecs (the math of :mod:`geomesh.codec`, :mod:`geomesh.compression`,
-:mod:`geomesh.predict` and :mod:`geomesh.sparse`, reused, not copied):
+Codecs (the math of :mod:`geomesh.wire.codec`, :mod:`geomesh.wire.compression`,
+:mod:`geomesh.wire.predict` and :mod:`geomesh.wire.sparse`, reused, not copied):
 
 - ``fp32``: the values of the box (DiLoCo).
-- ``sign``: one bit per element (:func:`~geomesh.compression.pack_signs`) and
+- ``sign``: one bit per element (:func:`~geomesh.wire.compression.pack_signs`) and
   one scale ``mean |x|`` per *canonical* tensor.
 - ``sign_row``: one scale per *global* row (dim 0 of the global tensor, the
   other dims flattened), for tensors of 2+ dims.  A row split across TP ranks
   (row-parallel weights, split along dim 1) gets its L1 sum summed over the
-  worker's TP group (:func:`~geomesh.codec.mean_abs_scales`; one all-reduce
+  worker's TP group (:func:`~geomesh.wire.codec.mean_abs_scales`; one all-reduce
   of a vector of the stage's global rows per round), so a TP=2 worker sends
   the scales a TP=1 worker sends.  A piece carries the scales of its rows: a
   row split over ``t`` TP ranks sends its scale ``t`` times (on GPT-3 1.3B at
   TP=8: 2.75 MB, 1.7 % of the message; at TP=2 0.2 %).
-- ``sign_pred``: predictive sign coding (:mod:`geomesh.predict`) on global rows:
+- ``sign_pred``: predictive sign coding (:mod:`geomesh.wire.predict`) on global rows:
   ``γ = ⟨x, v⟩ / ‖v‖²`` per global row (both sums over the TP group), then
   ``sign_row`` of the innovation ``y = Δ + e − γ v``; a piece carries the
   ``γ`` of its rows before the scales; the receiver adds ``γ v`` with its own
   shard of the outer momentum ``v``.
-- ``topk``: :mod:`geomesh.sparse`'s top-k on global rows.  Chunks are cut at
+- ``topk``: :mod:`geomesh.wire.sparse`'s top-k on global rows.  Chunks are cut at
   global columns ``0, chunk, 2·chunk, ...``, so a row split along dim 1 across
   TP ranks keeps its chunks whole when ``chunk`` divides the shard width
   (refused otherwise, naming the tensor); positions are within the chunk,
@@ -54,12 +54,12 @@ Wire format of one part (little-endian)::
                   fp32: numel f32; sign / sign_row: 1 (or box rows) f32 scales, then
                   ceil(numel/8) sign bytes (row-major box); sign_pred: as many f32
                   coefficients γ first; top-k: matrices as
-                  :meth:`geomesh.sparse.TopKCodec.matrix_bytes` of the box, vectors fp32
+                  :meth:`geomesh.wire.sparse.TopKCodec.matrix_bytes` of the box, vectors fp32
     trailer  4 B  CRC-32 of everything before
 
 A worker's processes each encode one part; DP replicas inside a worker hold
 the same values, so only DP rank 0's parts go into the worker's message
-(:meth:`geomesh.deploy.Placement.collect`: an all-gather over the worker's
+(:meth:`geomesh.exchange.deploy.Placement.collect`: an all-gather over the worker's
 ranks, then :func:`join_parts`).  Every method and mode of :mod:`geomesh.sync`
 exchanges these messages.
 """
@@ -75,6 +75,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ..exchange.transport import TransportError, decode_bundle, encode_bundle
 from .canonical import CanonicalSchema, Shard, coverage, overlap
 from .codec import aggregate_decoded, mean_abs_scales
 from .compression import (
@@ -89,7 +90,6 @@ from .compression import (
 from .guard import peak_ratio
 from .predict import fit_coefficients
 from .sparse import TopKCodec, chunk_layout
-from .transport import TransportError, decode_bundle, encode_bundle
 
 HEADER = struct.Struct("<4sHBBHHIIQ8sII")
 _MAGIC = b"GMCN"
@@ -103,14 +103,14 @@ class CanonicalCodec:
 
     Args:
         kind: ``"fp32"``, ``"sign"``, ``"sign_row"``, ``"sign_pred"`` or ``"topk"``.
-        layout: ``{local name: Shard}`` (:func:`geomesh.canonical.layout_map`).
+        layout: ``{local name: Shard}`` (:func:`geomesh.wire.canonical.layout_map`).
         schema: the whole model's canonical schema (:meth:`CanonicalSchema.gather`).
         tp_group: the worker's TP group (scales of split tensors and rows are
             reduced over it); ``None``: no reduction (TP=1).
         mp_group: the worker's model-parallel group (TP x PP,
             ``parallel_state.get_model_parallel_group()``): the guard's statistics
             and the set of decodable messages are agreed over it; ``None``: one rank.
-        chunk, k, bits: the top-k setting (:class:`geomesh.sparse.TopKCodec`).
+        chunk, k, bits: the top-k setting (:class:`geomesh.wire.sparse.TopKCodec`).
 
     Raises:
         ValueError: unknown ``kind``, or a shard whose key is not in ``schema``.
@@ -211,7 +211,7 @@ class CanonicalCodec:
 
     def _coefs(self, xs: Mapping[str, torch.Tensor], v: Mapping[str, torch.Tensor]
                ) -> dict[str, torch.Tensor]:
-        """``γ`` of :mod:`geomesh.predict` per global row (or tensor), by local name:
+        """``γ`` of :mod:`geomesh.wire.predict` per global row (or tensor), by local name:
         ``⟨x, v⟩`` and ``‖v‖²`` summed over the TP group (fp64)."""
         def sums(name, rows):
             x, p = xs[name], v.get(name)
@@ -449,7 +449,7 @@ class CanonicalCodec:
 
         Returns:
             ``({local name: fp32 tensor of its local_shape}, num_tokens, worker, round)``,
-            the form :func:`geomesh.codec.aggregate_decoded` takes.
+            the form :func:`geomesh.wire.codec.aggregate_decoded` takes.
 
         Raises:
             MessageError: malformed part, another codec, another canonical schema
@@ -503,7 +503,7 @@ class CanonicalCodec:
 
         ``messages[j]`` is worker ``j``'s message (:func:`join_parts` bytes or its list
         of parts; ``None``: lost); identities, guard and return value as
-        :func:`geomesh.codec.aggregate_decoded`.  With ``mp_group`` a collective over
+        :func:`geomesh.wire.codec.aggregate_decoded`.  With ``mp_group`` a collective over
         it: the worker's ranks keep the same messages (one that fails to decode on
         any shard is dropped on all) and the guard sees the norms and peaks of the
         whole canonical pseudo-gradients, so its verdicts do not depend on the layout.
@@ -531,7 +531,7 @@ class CanonicalCodec:
         """``(‖Δ_i‖₂, (peak-to-RMS ratio, canonical key))`` of each whole canonical
         pseudo-gradient: per tensor ``Σx²``, element count and ``max|x|`` of the main
         shards (each canonical element counted once), summed (max) over ``mp_group``
-        (:func:`geomesh.guard.dense_norm`, :func:`geomesh.guard.dense_peaks`)."""
+        (:func:`geomesh.wire.guard.dense_norm`, :func:`geomesh.wire.guard.dense_peaks`)."""
         keys = [k for k, _ in self.schema.entries]
         at = self._index
         sums = torch.zeros(len(deltas), len(keys), 2, dtype=torch.float64)  # host: fp64 sums
@@ -564,7 +564,7 @@ class CanonicalCodec:
 
 def join_parts(parts: Sequence[bytes]) -> bytes:
     """One worker's message: its processes' parts in one bundle
-    (:func:`geomesh.transport.encode_bundle`)."""
+    (:func:`geomesh.exchange.transport.encode_bundle`)."""
     return encode_bundle(list(parts))
 
 

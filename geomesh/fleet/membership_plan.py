@@ -1,8 +1,8 @@
 """Plans for a changed membership, and plans carried to a worker that heals.
 
-When workers are lost or rejoin (:mod:`geomesh.membership`), the round's
+When workers are lost or rejoin (:mod:`geomesh.exchange.membership`), the round's
 target tokens ``T`` are re-planned over the workers present: the planner's
-algorithm (:class:`geomesh.planner.Planner`) runs on the cluster restricted
+algorithm (:class:`geomesh.fleet.planner.Planner`) runs on the cluster restricted
 to them, with the speed corrections measured so far, so the survivors
 share ``T`` and still finish together.  Absent workers keep their last
 entry (the plan has one per worker, cluster order) but train nothing: the

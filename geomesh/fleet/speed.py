@@ -1,7 +1,7 @@
 """Measured speed of each worker against its profile: the planner's correction.
 
 The planner's step time of worker ``i`` at micro-batch ``mb`` and ``a``
-accumulation steps is the profile's ``m_i(mb, a)`` (:mod:`geomesh.clock`)
+accumulation steps is the profile's ``m_i(mb, a)`` (:mod:`geomesh.fleet.clock`)
 corrected by what was measured:
 
     ``t_i(mb, a) = m_i(mb, a) / speed_i + overhead_i · a``     (seconds per inner step)

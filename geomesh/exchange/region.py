@@ -6,13 +6,13 @@ over the job's data-parallel replicas (the region's fast network).  Regions
 may differ in all three, so the WAN cannot pair shard ``g`` of one region
 with shard ``g`` of another (torchft pairs equal group ranks): only the job's
 *leader* (rank 0) is a torchft replica group member
-(:class:`geomesh.membership.Membership` of one rank).  The exchange is
+(:class:`geomesh.exchange.membership.Membership` of one rank).  The exchange is
 hierarchical:
 
 1. inside the region, the worker's ranks all-gather their canonical parts
-   (:mod:`geomesh.canonical_codec`; DP replicas hold equal copies, so only DP
+   (:mod:`geomesh.wire.canonical_codec`; DP replicas hold equal copies, so only DP
    rank 0 contributes) into the worker's message (:meth:`Placement.collect
-   <geomesh.deploy.Placement.collect>`);
+   <geomesh.exchange.deploy.Placement.collect>`);
 2. the leader exchanges the message over the WAN (quorum, all-gather, commit);
 3. the leader broadcasts the round's messages, the members and whether it
    healed to the job's ranks; each rank decodes what overlaps its own shard.
@@ -20,9 +20,9 @@ hierarchical:
 Healing across layouts.  The state torchft hands a joining region is in
 canonical form: each rank's main shards of ``θ_global`` and the outer
 momentum as ``(canonical key, global offsets)`` pieces
-(:func:`geomesh.canonical.main_pieces`), gathered to the serving leader on
+(:func:`geomesh.wire.canonical.main_pieces`), gathered to the serving leader on
 demand; the joiner's leader broadcasts them and each rank cuts its own
-shards out (:func:`geomesh.canonical.assemble`), whatever the two layouts.
+shards out (:func:`geomesh.wire.canonical.assemble`), whatever the two layouts.
 
 The other ranks follow the leader: while it is inside a torchft call they wait
 for its commands on the job's process group (``state``: send your pieces for
@@ -42,7 +42,7 @@ from collections.abc import Callable, Mapping
 
 import torch.distributed as dist
 
-from .canonical import Shard, assemble, main_pieces
+from ..wire.canonical import Shard, assemble, main_pieces
 from .membership import Membership, lost_workers
 
 log = logging.getLogger(__name__)
@@ -186,7 +186,7 @@ class RegionMembership:
         return self.healed
 
     def lost(self, r: int, lost: list[int], why: str = "no heartbeat") -> None:
-        """Workers dropped from round ``r`` (:func:`geomesh.membership.lost_workers`)."""
+        """Workers dropped from round ``r`` (:func:`geomesh.exchange.membership.lost_workers`)."""
         lost_workers(self.cluster, self.policy, r, lost, why, members=len(self.members),
                      report=self.leader is not None and self.leader.report)
 

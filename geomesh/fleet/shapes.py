@@ -2,7 +2,7 @@
 
 A worker's *shape* is its ``tp``, ``pp`` and ``num_gpus`` (replicas
 ``dp = num_gpus / (tp·pp)``).  That ``tp·pp`` divides ``num_gpus`` is checked
-when the cluster file is loaded (:func:`geomesh.cluster.load_cluster`); the two
+when the cluster file is loaded (:func:`geomesh.fleet.cluster.load_cluster`); the two
 rules here need the model, and :func:`geomesh.context.build_context` applies
 them before placement, process groups, data or plan:
 
@@ -11,7 +11,7 @@ them before placement, process groups, data or plan:
    FFN hidden size and padded vocabulary by ``tp``, layers by ``pp``);
 2. the model state and activations of micro-batch 1 fit one GPU's memory at
    that shape — the planner's memory model
-   (:class:`geomesh.planner.MemoryModel`), which the planner would otherwise
+   (:class:`geomesh.fleet.planner.MemoryModel`), which the planner would otherwise
    find only when it plans, after the run's setup.
 
 Which model: in emulated mode the *target* model (``geomesh.target_model``):
@@ -20,7 +20,7 @@ bubble and the memory model assume even stages and TP shards (the proxy
 really trained there runs at TP=PP=1).  In real mode the job's own model,
 which every region builds at its own shape.
 
-Errors: :class:`~geomesh.cluster.ClusterError` (``train.py`` prints it on one
+Errors: :class:`~geomesh.fleet.cluster.ClusterError` (``train.py`` prints it on one
 line and exits 2) naming the worker, the rule with its numbers, and the fix.
 """
 

@@ -21,7 +21,7 @@ with ``chunk = 256, k = 8, bits = 1`` that is 0.30 bits per element on GPT-3
 
 This module is the math; the wire format, with chunks cut at global columns
 so that a row split across TP ranks keeps its chunks, is the ``topk`` kind of
-:class:`geomesh.canonical_codec.CanonicalCodec`.
+:class:`geomesh.wire.canonical_codec.CanonicalCodec`.
 """
 
 from __future__ import annotations

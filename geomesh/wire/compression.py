@@ -1,6 +1,6 @@
 """Sign compression of pseudo-gradients: bit packing, scales, error feedback.
 
-The sign kinds of :class:`geomesh.canonical_codec.CanonicalCodec` send one sign
+The sign kinds of :class:`geomesh.wire.canonical_codec.CanonicalCodec` send one sign
 bit per element (8 per byte) and fp32 magnitudes ``m``; the receiver
 reconstructs ``m * sign(x)``.
 
@@ -168,7 +168,7 @@ class ErrorFeedback:
 @dataclass(frozen=True)
 class TensorSchema:
     """Ordered ``(name, shape)`` list of one process's tensors (the async baseline's
-    :class:`geomesh.codec.DenseCodec`; the target model's parameter count)."""
+    :class:`geomesh.wire.codec.DenseCodec`; the target model's parameter count)."""
 
     entries: tuple[tuple[str, tuple[int, ...]], ...]
 

@@ -1,7 +1,7 @@
 """The fp32 codec of the async baseline, and the aggregate every codec shares.
 
 The running exchange (:mod:`geomesh.sync`) sends every method's messages with
-:class:`geomesh.canonical_codec.CanonicalCodec`, which addresses canonical
+:class:`geomesh.wire.canonical_codec.CanonicalCodec`, which addresses canonical
 (unsharded) tensors.  This module keeps what it shares with the one baseline
 that sends messages outside that exchange (:func:`geomesh.baselines.run_async`,
 one process holding the whole model):
@@ -30,12 +30,12 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import torch
 
+from ..outer import aggregate
 from .compression import (
     MessageError,
     TensorSchema,
 )
 from .guard import dense_norm, dense_peaks
-from .outer import aggregate
 
 _DENSE_HEADER = struct.Struct("<4sHHIIQ8sI")
 _DENSE_MAGIC = b"GMDN"
@@ -119,7 +119,7 @@ class DenseCodec:
 
 
 def mean_abs_scales(l1: torch.Tensor, counts: torch.Tensor, *, worker: int) -> torch.Tensor:
-    """fp32 sign-codec scales ``m = Σ|x| / count`` (least squares, :mod:`geomesh.compression`).
+    """fp32 sign-codec scales ``m = Σ|x| / count`` (least squares, :mod:`geomesh.wire.compression`).
 
     Args:
         l1: fp64 ``[n]`` L1 sums of each scale's elements (already summed over the
@@ -147,21 +147,21 @@ def aggregate_decoded(messages: Sequence[bytes | None], decode, guard=None, *,
     comes from where a message arrived, never from its header: ``senders[j]``
     is the worker whose slot of the exchange message ``j`` came in (default
     with a ``guard``: its position, the order the transport and the envelope,
-    :mod:`geomesh.envelope`, authenticate; with neither, a worker decoding its
+    :mod:`geomesh.wire.envelope`, authenticate; with neither, a worker decoding its
     own messages, nothing is checked), and ``round`` the round the exchange
     was sealed for (``None``: not checked).  A header naming another worker or
     round is a forgery: a ``MessageError``, or with a ``guard`` that slot's
     worker dropped (reason ``identity``).  The decoded values are screened with
-    ``guard`` (:meth:`geomesh.guard.Guard.screen`, keyed on ``senders``),
+    ``guard`` (:meth:`geomesh.wire.guard.Guard.screen`, keyed on ``senders``),
     then averaged by tokens (equation 1) or by the guard's robust mode.  Returns
     ``(Δ, n_i per message position)``: ``None`` entries and rejected messages
     count 0 tokens; ``Δ`` is ``None`` when no message is left.
 
     Hooks for a worker whose ranks each decode their own shard
-    (:class:`geomesh.canonical_codec.CanonicalCodec`): ``agree(positions)`` returns
+    (:class:`geomesh.wire.canonical_codec.CanonicalCodec`): ``agree(positions)`` returns
     the positions every rank decoded (the others are dropped as malformed),
     ``measure(deltas)`` the ``(norms, peaks)`` of the whole pseudo-gradients
-    (default: :func:`geomesh.guard.dense_norm` / ``dense_peaks`` of the local
+    (default: :func:`geomesh.wire.guard.dense_norm` / ``dense_peaks`` of the local
     tensors); ``signs``: the values are decoded signs (``sign_majority`` votes).
     """
     pos, decoded, workers = _decoded(messages, decode, guard, senders=senders, round=round)

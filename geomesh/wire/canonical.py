@@ -26,7 +26,7 @@ key, global shape, global offset, replica id), the metadata
 A worker's *main* shard of a canonical tensor has ``tie = tp = 0``: the main
 shards of all its processes tile each canonical tensor exactly once.  (DP
 replicas inside a worker hold equal copies; choosing one of them is the
-hierarchical exchange's job: DP rank 0, :mod:`geomesh.region`.)
+hierarchical exchange's job: DP rank 0, :mod:`geomesh.exchange.region`.)
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ DPCM; the outer momentum is the predictor every receiver already has, as
 1-bit Adam uses the shared momentum (Tang et al. 2021).
 
 This module is the fit; the wire format is the ``sign_pred`` kind of
-:class:`geomesh.canonical_codec.CanonicalCodec`, whose coefficients cover global
+:class:`geomesh.wire.canonical_codec.CanonicalCodec`, whose coefficients cover global
 rows (the dot products of a row split over TP ranks are all-reduced over the
 worker's TP group), so a TP=2 worker sends what a TP=1 worker would.
 """

@@ -7,7 +7,7 @@ cluster worker order.  Emulated mode plays all workers in one process
 mode has one process per worker leader (:class:`TorchDistributedTransport`).
 Only these classes and the clock differ between the modes.
 
-Hierarchical collective (real mode, as modelled by :mod:`geomesh.clock`):
+Hierarchical collective (real mode, as modelled by :mod:`geomesh.fleet.clock`):
 
 1. all-gather inside each region (intra-region group; skipped for a region
    with one worker);
@@ -41,8 +41,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from .clock import EmulatedClock, RoundSchedule
-from .cluster import ClusterSpec
+from ..fleet.clock import EmulatedClock, RoundSchedule
+from ..fleet.cluster import ClusterSpec
 
 MessageLike = bytes | bytearray | memoryview | torch.Tensor
 

@@ -26,7 +26,7 @@ peer.  Every round (``r`` = the Manager's step, rounds committed so far):
    with an authenticated, pickle-free payload: :class:`SignedHTTPTransport`),
    sends an empty JOIN message this round, applies the same outer step from
    the others' messages, and trains from the next round on;
-3. **all-gather** of the sealed messages (:mod:`geomesh.envelope`) over the
+3. **all-gather** of the sealed messages (:mod:`geomesh.wire.envelope`) over the
    quorum's process group: lengths (int64), then uint8 buffers padded to the
    longest; each message is opened against the slot it came in;
 4. **commit** (``Manager.should_commit``): the round counts, the step moves
@@ -41,12 +41,12 @@ silent for ``heartbeat_s`` stops every job with exit code 3 (a monitor thread).
 
 What torchft does not do here, and why.  torchft's exchange primitive is an
 all-reduce of dense tensors (``Manager.allreduce``); GeoMesh must see every
-worker's message apart — to check it (:mod:`geomesh.guard`) and because a sum
+worker's message apart — to check it (:mod:`geomesh.wire.guard`) and because a sum
 of sign-compressed messages is not a sign-compressed message (an all-reduce
 would need the fp32 pseudo-gradient, 32x the bytes).  So the exchange is an
 all-gather on torchft's process group, not the Manager's all-reduce; and
 torchft has one flat group per quorum, so the hierarchical exchange of
-:mod:`geomesh.transport` (inside regions, then between leaders) is not used
+:mod:`geomesh.exchange.transport` (inside regions, then between leaders) is not used
 here (one worker per region job: the two are the same).
 """
 
@@ -67,9 +67,9 @@ from safetensors.torch import save as st_save
 
 from jobruntime.faults import RunInterrupted, exit_interrupted, fault_point
 
-from .cluster import ClusterError, ClusterSpec
-from .envelope import DATA, HEAL, JOIN, EnvelopeError, Opener
-from .lighthouse import lighthouse_heartbeats, quorum_retries
+from ..fleet.cluster import ClusterError, ClusterSpec
+from ..lighthouse import lighthouse_heartbeats, quorum_retries
+from ..wire.envelope import DATA, HEAL, JOIN, EnvelopeError, Opener
 from .transport import WireBytes
 
 os.environ.setdefault("RUST_LOG", "error")  # torchft's Rust side logs every quorum at info
@@ -224,7 +224,7 @@ class Membership:
         shard / num_shards: this rank's group rank inside the worker, and how many.
         lighthouse: ``http://host:port`` of the lighthouse.
         store_addr / store_port: this job's own TCPStore (torchrun's or its own).
-        opener: the run's :class:`~geomesh.envelope.Opener`.
+        opener: the run's :class:`~geomesh.wire.envelope.Opener`.
         timeout_s, heartbeat_s, on_worker_loss: ``geomesh.*``.
         start_round: rounds already done (a resumed checkpoint).
         report: print lines (the job's first rank).

@@ -1,6 +1,6 @@
 """Checks of decoded pseudo-gradients before aggregation, and robust aggregation.
 
-An authenticated message (:mod:`geomesh.envelope`) can still carry values no
+An authenticated message (:mod:`geomesh.wire.envelope`) can still carry values no
 honest worker sends: a worker in another organisation may be buggy or
 hostile.  Before equation (1) of :mod:`geomesh.outer` weights a message,
 :class:`Guard` checks, per worker ``i`` (all receivers run the same checks on
@@ -48,9 +48,9 @@ the same messages, so every copy of ``θ_global`` stays identical):
    and the re-plan of that round; the pseudo-gradient is judged by 1-4.
 
 Identity.  Every check is keyed on the worker whose slot of the exchange a
-message arrived in (authenticated by :mod:`geomesh.envelope`), never on the
+message arrived in (authenticated by :mod:`geomesh.wire.envelope`), never on the
 id in the codec header: a header naming another worker or round is dropped as
-``identity`` (:func:`geomesh.codec.aggregate_decoded`), and a worker the plan
+``identity`` (:func:`geomesh.wire.codec.aggregate_decoded`), and a worker the plan
 gives no tokens this round has no weight (``tokens``).
 
 A worker that fails checks 1-4 or the identity check is dropped from the

@@ -6,10 +6,10 @@ other; all workers are TP=PP=1 proxies.
 Real mode: every worker is ``num_gpus`` processes (``tp · pp · dp_in``).  Either
 each region runs its own job (``geomesh.region`` names it) as a torchft replica
 group whose only link to the others is its leader's membership
-(:mod:`geomesh.region`: quorum, healing, the exchange), with the torchft
+(:mod:`geomesh.exchange.region`: quorum, healing, the exchange), with the torchft
 lighthouse at the cluster's ``rendezvous`` (:func:`place_region`); regions may
 then differ in ``tp``, ``pp`` and replicas, since messages are canonical
-(:mod:`geomesh.canonical_codec`).  Or one ``torchrun`` runs the whole cluster as
+(:mod:`geomesh.wire.canonical_codec`).  Or one ``torchrun`` runs the whole cluster as
 one ``torch.distributed`` world (one failure domain: a lost process stops the
 run; workers of one shape).  The rest of this docstring is about the second.
 
@@ -31,7 +31,7 @@ rank creates every group, in one fixed order, as ``torch.distributed`` needs):
   its leader ``(t, d, p) = 0`` broadcasts the round's messages to them
   (:meth:`Placement.share`);
 * ``exchange group`` — the leaders of all workers, in worker order: the outer
-  exchange (:mod:`geomesh.transport`, hierarchical over regions) carries whole
+  exchange (:mod:`geomesh.exchange.transport`, hierarchical over regions) carries whole
   worker messages.
 
 One world needs equal ``(tp, pp, num_gpus)`` across workers (one job per
@@ -58,9 +58,9 @@ from jobruntime import cpu_compat
 from jobruntime.config import JobConfig
 from jobruntime.parallel import Topology, init_distributed, initialize_layout
 
-from .canonical_codec import join_parts
-from .cluster import ClusterError, ClusterSpec, WorkerSpec
-from .envelope import Opener, load_secret, run_id
+from ..fleet.cluster import ClusterError, ClusterSpec, WorkerSpec
+from ..wire.canonical_codec import join_parts
+from ..wire.envelope import Opener, load_secret, run_id
 from .transport import (
     TorchDistributedTransport,
     TransportGroups,
@@ -112,7 +112,7 @@ class Placement:
     job_group: dist.ProcessGroup | None = None
     job_src: int = 0
     membership: RegionMembership | None = field(default=None, repr=False)
-    """One job per region: the region's torchft membership (:mod:`geomesh.region`)."""
+    """One job per region: the region's torchft membership (:mod:`geomesh.exchange.region`)."""
     worker_group: dist.ProcessGroup | None = None
     """All ranks of this worker (``None``: one rank, or emulated)."""
     leader_rank: int = 0
@@ -137,7 +137,7 @@ class Placement:
     def collect(self, part: bytes | None) -> bytes:
         """The worker's message from its ranks' canonical parts (``None``: a DP
         replica's, which repeats DP rank 0's): an all-gather over ``worker_group``, so
-        every rank holds its own worker's message (:func:`~geomesh.canonical_codec.join_parts`)."""
+        every rank holds its own worker's message (:func:`~geomesh.wire.canonical_codec.join_parts`)."""
         if self.worker_group is None or dist.get_world_size(self.worker_group) == 1:
             return join_parts([part])
         parts: list = [None] * dist.get_world_size(self.worker_group)
@@ -223,7 +223,7 @@ def place_region(cfg: JobConfig, cluster: ClusterSpec) -> tuple[Placement, JobCo
 
     The region's worker runs at its own ``(tp, pp, dp)`` (the cluster file's
     ``tp``, ``pp`` and ``num_gpus``), whatever the other regions run
-    (:mod:`geomesh.region`).
+    (:mod:`geomesh.exchange.region`).
 
     Returns:
         ``(placement, layout_cfg)`` as :func:`place_real`.

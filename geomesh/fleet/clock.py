@@ -17,7 +17,7 @@ bubble (Narayanan et al. 2021, bubble fraction ``(p−1)/m``), 1 when
 ``pp == 1``.  TP/PP communication inside a worker is not modelled.
 
 Links.  A one-way push of ``B`` bytes over a link takes ``rtt/2 + B/bandwidth``
-(:meth:`geomesh.cluster.WanLink.transfer_s`): half the round trip is the
+(:meth:`geomesh.fleet.cluster.WanLink.transfer_s`): half the round trip is the
 propagation delay of one direction; connections are assumed long-lived.
 
 GeoMesh round (hierarchical all-gather, modelled by :meth:`EmulatedClock.exchange`):
@@ -147,7 +147,7 @@ class EmulatedClock:
 
     Usage per round: ``clock.compute(name, seconds)`` for each worker, then
     ``clock.exchange({name: message_bytes})`` (called by
-    :class:`geomesh.transport.InProcessTransport`), which advances every
+    :class:`geomesh.exchange.transport.InProcessTransport`), which advances every
     worker to the time it holds all messages.  :attr:`totals` accumulates.
 
     Overlapped rounds (``overlap=True``, ``geomesh.overlap``): ``exchange``

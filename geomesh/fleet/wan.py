@@ -16,7 +16,7 @@ from pathlib import Path
 
 from jobruntime.config import ConfigError
 
-DEFAULT_WAN_CSV = Path(__file__).resolve().parent / "data" / "azure_wan.csv"
+DEFAULT_WAN_CSV = Path(__file__).resolve().parent.parent / "data" / "azure_wan.csv"  # geomesh/data
 
 
 class WanProfileError(ConfigError):

@@ -1,0 +1,1 @@
+"""The fleet: cluster files, the WAN, the planner's speed and memory models, and the emulated clock."""
