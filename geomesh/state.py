@@ -32,6 +32,7 @@ from jobruntime.checkpoint import COMPLETE, CheckpointError, committed_folder
 from jobruntime.faults import fault_point
 
 log = logging.getLogger(__name__)
+_OLD_PLANNER = "geomesh.planner"  # the planner's module before geomesh.fleet (old checkpoints)
 
 
 def save_state(root: Path, step: int, state: dict, *, rank: int, job_leader: bool,
@@ -149,8 +150,8 @@ def load_state(path: str | Path, *, rank: int) -> dict:
     try:  # tensors, plain containers and the plan only: a pickle that runs code is refused
         # checkpoints saved before geomesh.fleet existed name the plan classes by their
         # old module: allowed under that name too
-        with torch.serialization.safe_globals([Plan, WorkerPlan, (Plan, "geomesh.fleet.planner.Plan"),
-                                               (WorkerPlan, "geomesh.fleet.planner.WorkerPlan")]):
+        with torch.serialization.safe_globals([Plan, WorkerPlan, (Plan, f"{_OLD_PLANNER}.Plan"),
+                                               (WorkerPlan, f"{_OLD_PLANNER}.WorkerPlan")]):
             state = torch.load(f, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - truncated zip, unpickling errors, disallowed globals
         raise CheckpointError(
