@@ -15,7 +15,8 @@ injects one fault with ``GEOCONA_FAULT`` (SIGKILL at a named point:
   (``exchange``), after the all-gather (``commit``), inside a checkpoint save
   (``save``); the store host (worker 0: torchft's quorum store is the lowest
   replica's) killed; a late join (worker 1 killed, restarted, heals); the same
-  across layouts (a TP2 job healed by a TP1 one, a DP2 job by a PP2 one); a
+  across layouts (a TP2 job healed by a TP1 one, a DP2 job by a PP2 one, a TP1 job
+  by a TP2 one with ``geomesh.compress_update``); a
   region of a TP1/TP2/PP2 cluster lost (a rank of its PP2 job killed); a stall
   of twice the heartbeat; the same loss with ``on_worker_loss=fail``; the
   lighthouse killed and restarted on its address 3.6 s later, or killed for good;
@@ -171,7 +172,8 @@ def _digest(run_dir: Path) -> str | None:
 def geomesh(root: Path, cache: str, name: str, rounds: int, *, fault: tuple[int, str] | None = None,
             policy: str = "continue", rejoin: bool = False, stall: bool = False,
             act: Callable[[list[Run], Run], Run] | None = None,
-            shapes: list[dict] | None = None, slowdown: list[float] | None = None) -> dict:
+            shapes: list[dict] | None = None, slowdown: list[float] | None = None,
+            overrides: tuple[str, ...] = ()) -> dict:
     """One GeoMesh scenario (module docstring); returns its result record.
 
     ``shapes``: one dict per region of worker fields over one process at TP1
@@ -180,6 +182,7 @@ def geomesh(root: Path, cache: str, name: str, rounds: int, *, fault: tuple[int,
     ``fault``'s spec kills its job rank ``/<rank>`` (default 0, the torchft leader).
     ``slowdown``: each region's factor (default :data:`SLOWDOWN`): a survivor slower
     than the victim is still running when a restarted multi-process job is back.
+    ``overrides``: more ``section.key=value`` for every job.
     ``act(jobs, lighthouse)``, if given, runs once the victim has finished round 2
     and returns the lighthouse the run goes on with (the same, or a new one).
     With ``continue``, survived also means that every job alive at the end holds
@@ -206,7 +209,7 @@ def geomesh(root: Path, cache: str, name: str, rounds: int, *, fault: tuple[int,
               "geomesh.method=geomesh", "geomesh.inner_steps=2", f"geomesh.outer_steps={rounds}",
               "geomesh.replan=false", f"geomesh.heartbeat_s={HEARTBEAT_S}", "geomesh.timeout_s=120",
               f"geomesh.on_worker_loss={policy}", "checkpoint.save_interval=1",
-              "checkpoint.keep_last=0"]
+              "checkpoint.keep_last=0", *overrides]
 
     def job(k: int, tag: str, fault_spec: str | None) -> Run:
         return Run([*_job_cmd(workers[k]["num_gpus"]), "--config", "tiny_gpt", "--run-dir",
@@ -287,6 +290,11 @@ SCENARIOS: dict[str, dict] = {
     "late_join_pp2_serves_dp2": dict(fault=(1, "train@1"), rejoin=True,
                                      shapes=[{"num_gpus": 2, "pp": 2}, {"num_gpus": 2}],
                                      slowdown=[25.0, SLOWDOWN]),
+    # a TP2 job serves (its follower rank answers its leader's state request) a TP1 one,
+    # with the outer momentum kept by the workers (geomesh.compress_update): none to heal
+    "late_join_compress_update": dict(fault=(1, "train@1"), rejoin=True, shapes=[TP2, {}],
+                                      slowdown=[25.0, SLOWDOWN],
+                                      overrides=("geomesh.compress_update=true",)),
     # a lost region in a mixed-shape cluster: rank 1 (not the torchft leader) of the PP2 job
     "region_lost_mixed_shapes": dict(fault=(2, "train@2/1"),
                                      shapes=[{}, TP2, {"num_gpus": 2, "pp": 2}]),
@@ -295,7 +303,8 @@ SCENARIOS: dict[str, dict] = {
     "store_host_lost_fail_policy": dict(fault=(0, "train@2"), policy="fail"),
 }
 """The :func:`geomesh` scenarios of the bench, by name: ``geomesh()``'s keyword arguments."""
-ROUNDS_SCALE = {"late_join": 3, "late_join_across_layouts": 2, "late_join_pp2_serves_dp2": 2}
+ROUNDS_SCALE = {"late_join": 3, "late_join_across_layouts": 2, "late_join_pp2_serves_dp2": 2,
+                "late_join_compress_update": 2}
 """Rounds of a scenario in units of the bench's: a restarted job must find the run going."""
 
 

@@ -85,14 +85,17 @@ def test_pieces_that_miss_a_shard_are_refused():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("scenario", ["late_join_across_layouts", "late_join_pp2_serves_dp2"])
+@pytest.mark.parametrize("scenario", ["late_join_across_layouts", "late_join_pp2_serves_dp2",
+                                      "late_join_compress_update"])
 def test_late_join_heals_across_layouts(scenario, cache_dir, tmp_path):
     """Catches a joiner that cannot load a peer's healing state of another layout
     (local names, local shards), a serving job whose other ranks do not answer
     its leader's state request (a hang), and a healed region whose outer state
     differs (its later outer steps drift): the region killed after round 1 and
     restarted heals from the live region of another layout (TP1 serves a TP2
-    job; a PP2 job serves a DP2 job), and every job ends with the same
+    job; a PP2 job serves a DP2 job; a TP2 job serves a TP1 one with
+    ``compress_update``, whose outer optimizer holds no momentum: the old code
+    raised KeyError in the server's quorum thread), and every job ends with the same
     ``global_weights_sha256`` (bit-identical θ_global; the independent reference
     is the survivor, which never healed) after all rounds, exit 0."""
     from bench.faults import SCENARIOS, geomesh
