@@ -15,7 +15,7 @@ injects one fault with ``GEOCONA_FAULT`` (SIGKILL at a named point:
   (``exchange``), after the all-gather (``commit``), inside a checkpoint save
   (``save``); the store host (worker 0: torchft's quorum store is the lowest
   replica's) killed; a late join (worker 1 killed, restarted, heals); the same
-  across layouts (a TP2 job healed by a TP1 one, a DP2 job by a PP2 one, a TP1 job
+  across layouts (a TP2 job healed by a TP1 one, a PP2 job by a DP2 one, a TP1 job
   by a TP2 one with ``geomesh.compress_update``); a
   region of a TP1/TP2/PP2 cluster lost (a rank of its PP2 job killed); a stall
   of twice the heartbeat; the same loss with ``on_worker_loss=fail``; the
@@ -282,13 +282,14 @@ SCENARIOS: dict[str, dict] = {
     "worker_killed_in_checkpoint_save": dict(fault=(1, "save@2")),
     "store_host_killed": dict(fault=(0, "train@2")),
     "late_join": dict(fault=(1, "train@1"), rejoin=True),
-    # healing across layouts: the TP1 region serves a TP2 job, a PP2 job serves a DP2 one;
+    # healing across layouts: the TP1 region serves a TP2 job, a DP2 job (its replica
+    # sends nothing) serves a PP2 one (its last stage cuts the tied output layer);
     # the survivor is slower than the victim so that it still runs when the restarted
     # torchrun of two processes is back (about a minute on two loaded cores)
     "late_join_across_layouts": dict(fault=(1, "train@1"), rejoin=True, shapes=[{}, TP2],
                                      slowdown=[50.0, SLOWDOWN]),
-    "late_join_pp2_serves_dp2": dict(fault=(1, "train@1"), rejoin=True,
-                                     shapes=[{"num_gpus": 2, "pp": 2}, {"num_gpus": 2}],
+    "late_join_dp2_serves_pp2": dict(fault=(1, "train@1"), rejoin=True,
+                                     shapes=[{"num_gpus": 2}, {"num_gpus": 2, "pp": 2}],
                                      slowdown=[25.0, SLOWDOWN]),
     # a TP2 job serves (its follower rank answers its leader's state request) a TP1 one,
     # with the outer momentum kept by the workers (geomesh.compress_update): none to heal
@@ -303,7 +304,7 @@ SCENARIOS: dict[str, dict] = {
     "store_host_lost_fail_policy": dict(fault=(0, "train@2"), policy="fail"),
 }
 """The :func:`geomesh` scenarios of the bench, by name: ``geomesh()``'s keyword arguments."""
-ROUNDS_SCALE = {"late_join": 3, "late_join_across_layouts": 2, "late_join_pp2_serves_dp2": 2,
+ROUNDS_SCALE = {"late_join": 3, "late_join_across_layouts": 2, "late_join_dp2_serves_pp2": 2,
                 "late_join_compress_update": 2}
 """Rounds of a scenario in units of the bench's: a restarted job must find the run going."""
 

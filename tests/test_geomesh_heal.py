@@ -85,7 +85,7 @@ def test_pieces_that_miss_a_shard_are_refused():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("scenario", ["late_join_across_layouts", "late_join_pp2_serves_dp2",
+@pytest.mark.parametrize("scenario", ["late_join_across_layouts", "late_join_dp2_serves_pp2",
                                       "late_join_compress_update"])
 def test_late_join_heals_across_layouts(scenario, cache_dir, tmp_path):
     """Catches a joiner that cannot load a peer's healing state of another layout
@@ -93,7 +93,7 @@ def test_late_join_heals_across_layouts(scenario, cache_dir, tmp_path):
     its leader's state request (a hang), and a healed region whose outer state
     differs (its later outer steps drift): the region killed after round 1 and
     restarted heals from the live region of another layout (TP1 serves a TP2
-    job; a PP2 job serves a DP2 job; a TP2 job serves a TP1 one with
+    job; a DP2 job serves a PP2 job; a TP2 job serves a TP1 one with
     ``compress_update``, whose outer optimizer holds no momentum: the old code
     raised KeyError in the server's quorum thread), and every job ends with the same
     ``global_weights_sha256`` (bit-identical θ_global; the independent reference
