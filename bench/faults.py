@@ -37,10 +37,12 @@ committed checkpoints) seen during a run that are gone or shorter at its end
 
 Hostile messages (in process, the same Opener and Guard as a run): forged,
 replayed, duplicated, other-run, other-version and wrong-slot envelopes, and
-sealed insiders' absurd values, NaN bodies, token grabs, zero tokens and
-malformed bodies; an insider with a forged identity (codec header naming
-another worker or round) and one lying about its loss and compute seconds
-(``hostile_kinds``).  Bad inputs: random config overrides, cluster files, region
+sealed insiders' absurd values, NaN bodies, token grabs, zero tokens, truncated
+or corrupted parts, a worker's bundle with a part repeated, missing, overlapping
+or disagreeing, and parts of another model, codec or format, on every kind of the
+exchange's codec (:class:`geomesh.canonical_codec.CanonicalCodec`); an insider
+with a forged identity (codec header naming another worker or round) and one
+lying about its loss and compute seconds (``hostile_kinds``).  Bad inputs: random config overrides, cluster files, region
 shapes, wire bytes and checkpoint files (seeded), counted when they are bad; a clean error
 is the module's one-line error type.  Prints one line per scenario and, last,
 one JSON object; ``--out`` also gets ``faults.json`` and the logs.
@@ -460,10 +462,9 @@ def straggler_replan(root: Path, cache: str, rounds: int) -> dict:
 
 def hostile() -> tuple[int, int]:
     """Hostile messages tried and rejected (envelopes, then sealed insiders)."""
-    from geomesh.codec import DenseCodec, SignCodec
     from geomesh.envelope import DATA, EnvelopeError, Opener, Sealer
     from geomesh.guard import Guard
-    from tests.test_geomesh_trust import _schema, hostile_cases
+    from tests.test_geomesh_trust import KINDS, _codec, aggregate, hostile_cases
 
     tried = rejected = 0
     s, o = Sealer(b"s" * 32, 1), Opener(b"s" * 32, 1)
@@ -482,13 +483,12 @@ def hostile() -> tuple[int, int]:
             o.open(e, round=5, sender=1)
         except EnvelopeError:
             rejected += 1
-    for codec in (SignCodec(_schema()), DenseCodec(_schema(False))):
-        cases = hostile_cases(codec)
-        cases["malformed"] = [*cases["huge_values"][:2], b"GMSH" + bytes(100)]
-        for msgs in cases.values():
+    for kind in KINDS:  # the exchange's codec, every kind (tests.test_geomesh_trust)
+        codec = _codec(kind)
+        for msgs in hostile_cases(codec).values():
             guard = Guard(["a", "b", "c"], ["A", "B", "C"])
             guard.expect({0: 100, 1: 100, 2: 100})
-            _, tokens = codec.aggregate(msgs, guard=guard)
+            _, tokens = aggregate(codec, msgs, guard=guard)
             tried += 1
             rejected += tokens[2] == 0 and tokens[:2] == [100, 100]
     return tried, rejected
@@ -506,7 +506,8 @@ def forged_identity() -> dict:
     import torch
 
     from geomesh.guard import Guard
-    from tests.test_geomesh_identity import KINDS, _codec, _through_envelope, forged_cases
+    from tests.test_geomesh_identity import _through_envelope, forged_cases
+    from tests.test_geomesh_trust import KINDS, _codec, aggregate
 
     out = {"kind": "forged_identity", "tried": 0, "rejected": 0, "honest_blamed": 0}
     for kind in KINDS:
@@ -514,8 +515,8 @@ def forged_identity() -> dict:
         for msgs in forged_cases(codec).values():
             guard = Guard(["a", "b", "c"], ["A", "B", "C"])
             guard.expect({0: 100, 1: 100, 2: 100})
-            agg, tokens = codec.aggregate(_through_envelope(msgs), guard=guard, round=5)
-            ref, _ = codec.aggregate(msgs[:2])
+            agg, tokens = aggregate(codec, _through_envelope(msgs), guard=guard, round=5)
+            ref, _ = aggregate(codec, msgs[:2])
             out["tried"] += 1
             out["rejected"] += tokens == [100, 100, 0] and all(
                 torch.equal(agg[k], ref[k]) for k in ref)
@@ -560,8 +561,8 @@ def bad_inputs(n: int, tmp: Path) -> tuple[int, int]:
     import torch
     import yaml
 
+    from geomesh.canonical_codec import join_parts
     from geomesh.cluster import ClusterError, cluster_from_dict
-    from geomesh.codec import SignCodec
     from geomesh.compression import MessageError
     from geomesh.context import _validate
     from geomesh.planner import MemoryModel
@@ -569,15 +570,15 @@ def bad_inputs(n: int, tmp: Path) -> tuple[int, int]:
     from geomesh.state import load_state
     from jobruntime.checkpoint import CheckpointError
     from jobruntime.config import ConfigError, JobConfig, load_config
-    from tests.test_geomesh_trust import _named, _schema
+    from tests.test_geomesh_trust import _codec, _named, pp2_parts
 
     rng = random.Random(0)
     keys = [f"{s}.{f.name}" for s in ("model", "parallel", "train", "geomesh", "cona")
             for f in dataclasses.fields(getattr(JobConfig(), s))]
     junk = ["-1", "0", "nan", "inf", "abc", "[1,", "{}", "1e999", "", "null", "-0.5", "true"]
     base = yaml.safe_load((REPO / "geomesh/clusters/four_region.yaml").read_text())
-    codec = SignCodec(_schema())
-    good = codec.encode(_named(0), 100, worker=0, round=0)
+    codec = _codec("sign_row")  # a PP2 worker's two parts in one bundle, as the exchange sends
+    good = join_parts(pp2_parts("sign_row", _named(0), 100, worker=0))
     tried = clean = 0
 
     def check(fn, kinds) -> None:

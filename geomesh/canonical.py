@@ -26,7 +26,7 @@ key, global shape, global offset, replica id), the metadata
 A worker's *main* shard of a canonical tensor has ``tie = tp = 0``: the main
 shards of all its processes tile each canonical tensor exactly once.  (DP
 replicas inside a worker hold equal copies; choosing one of them is the
-hierarchical exchange's job, issue 22.)
+hierarchical exchange's job: DP rank 0, :mod:`geomesh.region`.)
 """
 
 from __future__ import annotations
@@ -248,19 +248,35 @@ def assemble(layout: Mapping[str, Shard], pieces: Iterable[Piece], *, what: str 
     out = {}
     for name, s in layout.items():
         t = torch.zeros(s.local_shape)  # host: assembled from received pieces
-        covered = 0
+        dsts = []
         for _key, offs, box in by_key.get(s.key, ()):
             sl = overlap(s, offs, tuple(box.shape))
             if sl is None:
                 continue
             dst, src = sl
             t[dst] = box[src].float().cpu()
-            covered += math.prod(d.stop - d.start for d in dst)
-        if covered != s.numel:
+            dsts.append(dst)
+        covered, twice = coverage(dsts)
+        if twice or covered != s.numel:
             raise ValueError(f"{what}: the pieces cover {covered} of the {s.numel} elements of "
-                             f"'{s.key}' held here (a piece is missing or repeated)")
+                             f"'{s.key}' held here{' with overlaps' if twice else ''} (a piece "
+                             "is missing or repeated)")
         out[name] = t
     return out
+
+
+def coverage(regions: Sequence[tuple[slice, ...]]) -> tuple[int, bool]:
+    """``(elements, overlap)`` of boxes in one shard (:func:`overlap`'s first slices):
+    the sum of their sizes, and whether two of them share an element.  The boxes
+    tile the shard exactly once iff there is no overlap and the sum is its size
+    (a count alone passes an overlap that hides an equal gap).  Pairwise: a shard
+    meets at most one box per sender process."""
+    total, twice = 0, False
+    for i, a in enumerate(regions):
+        total += math.prod(d.stop - d.start for d in a)
+        twice = twice or any(all(x.start < y.stop and y.start < x.stop for x, y in zip(a, b))
+                             for b in regions[:i])
+    return total, twice
 
 
 def overlap(s: Shard, offsets: Sequence[int], lengths: Sequence[int]

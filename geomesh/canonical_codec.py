@@ -4,8 +4,10 @@ Each process of a worker encodes only its main shards (:mod:`geomesh.canonical`)
 as *pieces*: canonical tensor, global box (offsets and lengths), payload.  A
 worker's message is the list of its processes' parts.  A receiver at any TP/PP
 decodes, for each of its own parameters, only the pieces that overlap its
-shard, and checks that they cover it exactly once.  No process materialises
-the full model: a piece is at most one sender shard.
+shard, and checks that they cover it exactly once; the payload of a piece of a
+tensor it does not hold (another PP stage's layer, say) is skipped unread.  No
+process materialises the full model: a piece it decodes is at most one sender
+shard.
 
 Codecs (the math of :mod:`geomesh.codec`, :mod:`geomesh.compression`,
 :mod:`geomesh.predict` and :mod:`geomesh.sparse`, reused, not copied):
@@ -21,12 +23,12 @@ Codecs (the math of :mod:`geomesh.codec`, :mod:`geomesh.compression`,
   the scales a TP=1 worker sends.  A piece carries the scales of its rows: a
   row split over ``t`` TP ranks sends its scale ``t`` times (on GPT-3 1.3B at
   TP=8: 2.75 MB, 1.7 % of the message; at TP=2 0.2 %).
-- ``sign_pred``: :class:`geomesh.predict.PredictiveSignCodec` on global rows:
+- ``sign_pred``: predictive sign coding (:mod:`geomesh.predict`) on global rows:
   ``γ = ⟨x, v⟩ / ‖v‖²`` per global row (both sums over the TP group), then
   ``sign_row`` of the innovation ``y = Δ + e − γ v``; a piece carries the
   ``γ`` of its rows before the scales; the receiver adds ``γ v`` with its own
   shard of the outer momentum ``v``.
-- ``topk``: :class:`geomesh.sparse.TopKCodec` on global rows.  Chunks are cut at
+- ``topk``: :mod:`geomesh.sparse`'s top-k on global rows.  Chunks are cut at
   global columns ``0, chunk, 2·chunk, ...``, so a row split along dim 1 across
   TP ranks keeps its chunks whole when ``chunk`` divides the shard width
   (refused otherwise, naming the tensor); positions are within the chunk,
@@ -55,9 +57,11 @@ Wire format of one part (little-endian)::
                   :meth:`geomesh.sparse.TopKCodec.matrix_bytes` of the box, vectors fp32
     trailer  4 B  CRC-32 of everything before
 
-A worker's processes each send one part; DP replicas inside a worker hold the
-same values, so only one of them (DP rank 0) sends.  Not yet wired: the
-running exchange (:mod:`geomesh.sync`) still uses the local-shard codecs.
+A worker's processes each encode one part; DP replicas inside a worker hold
+the same values, so only DP rank 0's parts go into the worker's message
+(:meth:`geomesh.deploy.Placement.collect`: an all-gather over the worker's
+ranks, then :func:`join_parts`).  Every method and mode of :mod:`geomesh.sync`
+exchanges these messages.
 """
 
 from __future__ import annotations
@@ -71,12 +75,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .canonical import CanonicalSchema, Shard, overlap
+from .canonical import CanonicalSchema, Shard, coverage, overlap
 from .codec import aggregate_decoded, mean_abs_scales
 from .compression import (
     ErrorFeedback,
     MessageError,
-    TensorSchema,
     num_row_scales,
     pack_signs,
     packed_size,
@@ -119,8 +122,7 @@ class CanonicalCodec:
                  bits: int = 2) -> None:
         if kind not in _KINDS:
             raise ValueError(f"canonical codec '{kind}' unknown; have {sorted(_KINDS)}")
-        self.topk = TopKCodec(TensorSchema(()), chunk=chunk, k=k, bits=bits) \
-            if kind == "topk" else None
+        self.topk = TopKCodec(chunk=chunk, k=k, bits=bits) if kind == "topk" else None
         self._params = (bits, chunk, k) if self.topk is not None else (0, 0, 0)
         self.kind, self.layout, self.schema, self.tp_group = kind, dict(layout), schema, tp_group
         self.mp_group = mp_group
@@ -130,6 +132,9 @@ class CanonicalCodec:
                 raise ValueError(f"parameter '{name}' ({s.key} {s.global_shape}) is not in the "
                                  "canonical schema")
         self._schema_blob = zlib.compress(schema.to_text().encode())
+        self._held: dict[str, list[Shard]] = {}  # this rank's shards by canonical key
+        for sh in self.layout.values():
+            self._held.setdefault(sh.key, []).append(sh)
 
     def message_bytes(self, schema: CanonicalSchema | None = None) -> int:
         """Bytes of one worker's message (a bundle of one part) holding every tensor of
@@ -196,12 +201,12 @@ class CanonicalCodec:
         rows: L1 sums placed at global positions, summed over the TP group."""
         device = next((x.device for x in xs.values()), torch.device("cpu"))
         l1, spans = self._global_sums(
-            lambda name, rows: xs[name].reshape(rows, -1).abs().sum(dim=1, dtype=torch.float64)
-            .unsqueeze(0), device)
+            lambda name, rows: xs[name].reshape(rows, xs[name].numel() // max(rows, 1)).abs()
+            .sum(dim=1, dtype=torch.float64).unsqueeze(0), device)  # an empty tensor: 0 rows
         counts = torch.zeros(l1.shape[1], dtype=torch.float64, device=device)
         for name, s in self.layout.items():
             at, n = spans[name]
-            counts[at:at + n] = math.prod(s.global_shape) / n
+            counts[at:at + n] = math.prod(s.global_shape) / max(n, 1)
         return self._local(mean_abs_scales(l1[0], counts, worker=worker), spans)
 
     def _coefs(self, xs: Mapping[str, torch.Tensor], v: Mapping[str, torch.Tensor]
@@ -309,7 +314,7 @@ class CanonicalCodec:
         """
         t = self.topk
         lay = chunk_layout(s.local_shape, t.chunk)
-        if lay is None:  # vectors go as fp32, like TopKCodec
+        if lay is None:  # vectors go as fp32 (geomesh.sparse)
             if not bool(torch.isfinite(x).all()):
                 raise ValueError(f"pseudo-gradient of '{s.key}' has NaN/Inf")
             return x.contiguous().cpu().numpy().astype("<f4").tobytes(), x
@@ -325,7 +330,7 @@ class CanonicalCodec:
         if not bool(torch.isfinite(x).all()):
             raise ValueError(f"pseudo-gradient of '{s.key}' has NaN/Inf")
         pos, vals = t.pick(x, rows, nch)
-        mag = vals.abs().reshape(rows, -1)
+        mag = vals.abs().reshape(rows, nch * t.k)
         size = dist.get_world_size(self.tp_group) if self.tp_group is not None else 1
         if split and size > 1:  # the whole row's kept magnitudes, in chunk order
             me = dist.get_rank(self.tp_group)
@@ -345,7 +350,9 @@ class CanonicalCodec:
     # -- decode -------------------------------------------------------------
 
     def _pieces(self, data: bytes):
-        """Parse one part: header fields and ``[(key, offsets, lengths, dense box)]``."""
+        """Parse one part: header fields and ``[(key, offsets, lengths, dense box)]`` of
+        the pieces that overlap a shard of this rank (the others' payloads are skipped
+        unread: a rank never builds the dense values of tensors it does not hold)."""
         buf = bytes(data)
         if len(buf) < HEADER.size + _CRC.size:
             raise MessageError(f"canonical message truncated: {len(buf)} bytes")
@@ -400,6 +407,9 @@ class CanonicalCodec:
                 need = pred + 4 * ns + packed_size(n)
             if off + need > end:
                 raise MessageError(f"canonical message from worker {worker} truncated in '{key}'")
+            if not any(overlap(s, offs, lens) is not None for s in self._held.get(key, ())):
+                off += need  # held elsewhere: that rank decodes (and checks) it
+                continue
             if lay is not None:
                 box = self.topk.read_matrix(buf, off, lens, *lay, f"canonical message from "
                                             f"worker {worker}: '{key}'")
@@ -463,7 +473,7 @@ class CanonicalCodec:
         out = {}
         for name, s in self.layout.items():
             t = torch.zeros(s.local_shape)  # host: decoded wire bytes
-            covered = 0
+            dsts = []
             v = (predictor or {}).get(name)
             for offs, lens, box, gamma in by_key.get(s.key, ()):
                 sl = overlap(s, offs, lens)
@@ -475,11 +485,13 @@ class CanonicalCodec:
                     g = gamma[src[0]].view(-1, *[1] * (len(lens) - 1)) if gamma.numel() > 1 \
                         else gamma[0]
                     t[dst] += v[dst].float() * g
-                covered += math.prod(d.stop - d.start for d in dst)
-            if covered != s.numel:
+                dsts.append(dst)
+            covered, twice = coverage(dsts)
+            if twice or covered != s.numel:
                 raise MessageError(f"message from worker {worker} covers {covered} of the "
-                                   f"{s.numel} elements of '{s.key}' held here (a part is "
-                                   "missing or repeated)")
+                                   f"{s.numel} elements of '{s.key}' held here"
+                                   f"{' with overlapping pieces' if twice else ''} (a part "
+                                   "is missing or repeated)")
             out[name] = t
         return out, tokens, worker, rnd
 

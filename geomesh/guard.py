@@ -6,7 +6,8 @@ hostile.  Before equation (1) of :mod:`geomesh.outer` weights a message,
 :class:`Guard` checks, per worker ``i`` (all receivers run the same checks on
 the same messages, so every copy of ``θ_global`` stays identical):
 
-1. **finite** — every value (fp32 codec) and every scale (sign codec) is finite;
+1. **finite** — every value (fp32), scale (sign, top-k) and coefficient
+   (``sign_pred``) is finite (the decoder refuses others: ``malformed``);
 2. **tokens** — ``n_i`` within ``geomesh.token_tolerance`` (relative) of the
    tokens the plan gave worker ``i`` this round (a worker claiming more
    tokens would take more weight; the plan is known to every worker);
@@ -49,7 +50,7 @@ the same messages, so every copy of ``θ_global`` stays identical):
 Identity.  Every check is keyed on the worker whose slot of the exchange a
 message arrived in (authenticated by :mod:`geomesh.envelope`), never on the
 id in the codec header: a header naming another worker or round is dropped as
-``identity`` (:meth:`geomesh.codec.Codec.aggregate`), and a worker the plan
+``identity`` (:func:`geomesh.codec.aggregate_decoded`), and a worker the plan
 gives no tokens this round has no weight (``tokens``).
 
 A worker that fails checks 1-4 or the identity check is dropped from the
@@ -59,16 +60,17 @@ warning; :attr:`Guard.rejected` counts rejections by reason.
 Robust aggregation (``geomesh.robust_aggregation``), for insiders whose
 values pass the checks but point the wrong way:
 
-* ``sign_majority`` — per element the token-weighted majority of the signs,
-  ``Δ = (Σ w_i m_i) · sign(Σ w_i sign(Δ_i))`` (ties give 0): a minority
+* ``sign_majority`` — with the sign kinds of the codec, per element the
+  token-weighted majority of the signs, ``Δ = (Σ w_i |x_i|) · sign(Σ w_i
+  sign(x_i))`` on the decoded values ``x_i = ±m_i`` (ties give 0): a minority
   cannot flip an element (signSGD with majority vote, Bernstein et al. 2019,
   "signSGD with Majority Vote is Communication Efficient and Fault
-  Tolerant", Alg. 1, with the token-weighted scale of equation (1));
-* ``trimmed_mean`` — each scale replaced by the coordinate-wise trimmed mean
-  of the workers' scales (the largest and smallest ``max(1, ⌊K/4⌋)``
-  dropped when ``K ≥ 3``; Yin et al. 2018, "Byzantine-Robust Distributed
-  Learning", Def. 2), signs kept, ``Δ = Σ w_i m̃ sign(Δ_i)``; fp32 messages
-  are trimmed element-wise.
+  Tolerant", Alg. 1, with the token-weighted scale of equation (1)); with
+  fp32 and top-k, the trimmed mean below;
+* ``trimmed_mean`` — the coordinate-wise trimmed mean of the workers' decoded
+  values (the largest and smallest ``max(1, ⌊K/4⌋)`` dropped when ``K ≥ 3``,
+  unweighted; Yin et al. 2018, "Byzantine-Robust Distributed Learning",
+  Def. 2).
 
 Their perplexity cost is measured in the README (GeoMesh, faults).
 """
@@ -82,38 +84,11 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from .compression import WorkerMessage, scale_signs, unpack_signs
-
 log = logging.getLogger(__name__)
 
 ROBUST = ("none", "sign_majority", "trimmed_mean")
 MAX_PEAK_RATIO = 64.0
 """Bound of check 4: an element's magnitude over its tensor's RMS (module docstring)."""
-
-
-def message_norm(msg: WorkerMessage) -> float:
-    """``‖m · sign(Δ)‖₂`` of a decoded sign message, from its scales alone (fp64)."""
-    total = 0.0
-    for ct in msg.tensors.values():
-        if isinstance(ct.scale, torch.Tensor):
-            per = ct.numel // max(ct.scale.numel(), 1)
-            total += float((ct.scale.double() ** 2).sum()) * per
-        else:
-            total += float(ct.scale) ** 2 * ct.numel
-    return math.sqrt(total)
-
-
-def message_peaks(msg: WorkerMessage) -> tuple[float, str]:
-    """:func:`dense_peaks` of a decoded sign message, from its scales alone: every
-    element of a scale's row decodes to ``±m_r``, so a tensor's peak-to-RMS ratio
-    is ``max m_r / sqrt(mean m_r²)`` (1 with one scale per tensor)."""
-    worst = (0.0, "")
-    for name, ct in msg.tensors.items():
-        m = ct.scale.double() if isinstance(ct.scale, torch.Tensor) \
-            else torch.tensor([float(ct.scale)], dtype=torch.float64)  # host: decoded scale
-        worst = max(worst, (peak_ratio(m.abs().max() if m.numel() else m.new_zeros(()),
-                                  float(m.pow(2).mean()) if m.numel() else 0.0), name))
-    return worst
 
 
 def dense_peaks(delta: Mapping[str, torch.Tensor]) -> tuple[float, str]:
@@ -203,7 +178,8 @@ class Guard:
             workers: the authenticated sender of each message (its slot), never
                 an id read from the message.
             tokens: each message's ``n_i``.
-            norms: each message's decoded norm (:func:`message_norm`, :func:`dense_norm`).
+            norms: each message's decoded norm (:func:`dense_norm`, or the whole
+                canonical tensors' over a worker's shards).
             peaks: each message's ``(peak-to-RMS ratio, tensor)`` (:func:`dense_peaks`);
                 ``None``: check 4 is skipped.
         """
@@ -313,48 +289,14 @@ class Guard:
         log.warning("GeoMesh: rejected the message of %s: %s; dropped from this round",
                     self._name(k), why)
 
-    def screen_messages(self, messages: Sequence[WorkerMessage]) -> list[WorkerMessage]:
-        """The sign messages that pass (order kept)."""
-        keep = self.screen([m.worker for m in messages], [m.num_tokens for m in messages],
-                           [message_norm(m) for m in messages],
-                           [message_peaks(m) for m in messages])
-        return [messages[j] for j in keep]
-
-    def screen_dense(self, workers: Sequence[int], deltas: Sequence[Mapping[str, torch.Tensor]],
-                     tokens: Sequence[int]) -> list[int]:
-        """Positions of the decoded (dense) pseudo-gradients that pass; ``workers``
-        are their authenticated senders."""
-        return self.screen(workers, tokens, [dense_norm(d) for d in deltas],
-                           [dense_peaks(d) for d in deltas])
-
     # -- robust aggregation ------------------------------------------------------
-    def robust_sign(self, messages: Sequence[WorkerMessage],
-                    weights: Sequence[float]) -> dict[str, torch.Tensor]:
-        """``sign_majority`` or ``trimmed_mean`` of sign messages (module docstring)."""
-        out: dict[str, torch.Tensor] = {}
-        for name in messages[0].tensors:
-            cts = [m.tensors[name] for m in messages]
-            signs = [unpack_signs(ct.packed, ct.shape) for ct in cts]  # fp32 ±1 each
-            scales = [ct.scale if isinstance(ct.scale, torch.Tensor)
-                      else torch.tensor([float(ct.scale)]) for ct in cts]  # host: decoded messages
-            if self.robust == "sign_majority":
-                vote = sum(w * s for w, s in zip(weights, signs))
-                scale = sum(w * m.float() for w, m in zip(weights, scales))
-                out[name] = scale_signs(torch.sign(vote), scale if scale.numel() > 1
-                                        else float(scale))
-            else:
-                m = trimmed_mean(torch.stack([s.float() for s in scales]))
-                acc = sum(w * s for w, s in zip(weights, signs))
-                out[name] = scale_signs(acc, m if m.numel() > 1 else float(m))
-        return out
-
     def robust_dense(self, deltas: Sequence[Mapping[str, torch.Tensor]],
                      weights: Sequence[float], *, signs: bool = False) -> dict[str, torch.Tensor]:
         """Element-wise trimmed mean (either robust mode) of fp32 pseudo-gradients.
 
         ``signs``: the values are decoded sign messages (``±m`` per element); then
-        ``sign_majority`` is :meth:`robust_sign`'s vote on them, element by
-        element: ``sign(Σ w_i sign(x_i)) · Σ w_i |x_i|`` with token weights ``w_i``.
+        ``sign_majority`` votes on them, element by element:
+        ``sign(Σ w_i sign(x_i)) · Σ w_i |x_i|`` with token weights ``w_i``.
         """
         if signs and self.robust == "sign_majority":
             total = float(sum(weights))

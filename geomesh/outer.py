@@ -1,7 +1,7 @@
 """Token-weighted aggregation of pseudo-gradients and the outer Nesterov optimizer.
 
 Aggregation.  Worker ``i`` trained on ``n_i`` tokens this round and sends
-``C(Δ_i) = m_i · sign(Δ_i)`` (see :mod:`geomesh.compression`).  With
+``C(Δ_i)``, e.g. ``m_i · sign(Δ_i)`` (see :mod:`geomesh.compression`).  With
 ``N = Σ_i n_i`` the outer gradient is the token-weighted mean
 
     Δ = Σ_i (n_i / N) · m_i · sign(Δ_i)                                    (1)
@@ -38,14 +38,8 @@ whose outer SGD gets ``μ_t`` before round ``t``.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING
 
 import torch
-
-from .compression import WorkerMessage, scale_signs, unpack_signs
-
-if TYPE_CHECKING:
-    from .guard import Guard
 
 
 def _check_weights(num_tokens: Sequence[int]) -> list[float]:
@@ -60,17 +54,14 @@ def _check_weights(num_tokens: Sequence[int]) -> list[float]:
 
 
 def aggregate(
-    deltas: Sequence[Mapping[str, torch.Tensor]], num_tokens: Sequence[int], *,
-    guard: Guard | None = None, workers: Sequence[int] | None = None,
+    deltas: Sequence[Mapping[str, torch.Tensor]], num_tokens: Sequence[int],
 ) -> dict[str, torch.Tensor]:
-    """Token-weighted mean ``Σ (n_i/N) Δ_i`` of (decompressed) pseudo-gradients.
+    """Token-weighted mean ``Σ (n_i/N) Δ_i`` of (decoded) pseudo-gradients; the guard's
+    checks and robust modes come first (:func:`geomesh.codec.aggregate_decoded`).
 
     Args:
         deltas: one name -> tensor mapping per worker, same names and shapes.
         num_tokens: ``n_i`` per worker, same order.
-        guard: checks the pseudo-gradients first and drops those that fail
-            (:mod:`geomesh.guard`); its robust mode replaces the mean.
-        workers: worker index of each entry (for the guard; default 0, 1, ...).
 
     Returns:
         name -> fp32 tensor (on the first worker's device).
@@ -82,11 +73,6 @@ def aggregate(
         raise ValueError(
             f"aggregate: {len(deltas)} pseudo-gradients but {len(num_tokens)} token counts"
         )
-    if guard is not None:
-        keep = guard.screen_dense(workers or range(len(deltas)), deltas, num_tokens)
-        deltas, num_tokens = [deltas[j] for j in keep], [num_tokens[j] for j in keep]
-        if guard.robust != "none" and deltas:
-            return guard.robust_dense(deltas, _check_weights(num_tokens))
     weights = _check_weights(num_tokens)
     names = list(deltas[0])
     out: dict[str, torch.Tensor] = {}
@@ -103,54 +89,6 @@ def aggregate(
             raise ValueError(
                 f"aggregate: worker {i} has {len(d)} tensors, worker 0 has {len(names)}"
             )
-    return out
-
-
-def aggregate_messages(
-    messages: Sequence[WorkerMessage], *, device: torch.device | str | None = None,
-    guard: Guard | None = None,
-) -> dict[str, torch.Tensor]:
-    """Equation (1) straight from compressed messages (no per-worker fp32 copies).
-
-    Each term is added as ``sign * ((n_i/N) · m_i)`` in message order, so every
-    worker that calls this on the same list gets bitwise the same result.
-
-    Args:
-        messages: decoded messages of all workers (any order, but the same on
-            every worker — use the transport's worker order).
-        device: where to build the result (default: where the signs are).
-        guard: checks the messages first and drops those that fail
-            (:mod:`geomesh.guard`); its robust mode replaces equation (1).
-
-    Raises:
-        ValueError: messages with different tensor sets; no tokens at all.
-    """
-    if guard is not None:
-        messages = guard.screen_messages(messages)
-        if guard.robust != "none" and messages:
-            return guard.robust_sign(messages, _check_weights([m.num_tokens for m in messages]))
-    weights = _check_weights([m.num_tokens for m in messages])
-    names = list(messages[0].tensors)
-    out: dict[str, torch.Tensor] = {}
-    for name in names:
-        acc = None
-        for m, w in zip(messages, weights):
-            ct = m.tensors.get(name)
-            if ct is None or len(m.tensors) != len(names):
-                raise ValueError(
-                    f"aggregate: worker {m.worker}'s message has other tensors than worker "
-                    f"{messages[0].worker}'s (missing '{name}' or extra ones)"
-                )
-            packed = ct.packed if device is None else ct.packed.to(device)
-            sign = unpack_signs(packed, ct.shape)  # fp32 ±1, shape of the tensor
-            if isinstance(ct.scale, torch.Tensor):  # row scales: sign * (w · m_row)
-                term = scale_signs(sign, ct.scale.to(sign.device) * w)
-                acc = term if acc is None else acc.add_(term)
-            elif acc is None:
-                acc = sign.mul_(w * ct.scale)
-            else:
-                acc.add_(sign, alpha=w * ct.scale)
-        out[name] = acc
     return out
 
 

@@ -20,6 +20,7 @@ per-rank shards of ``θ_global`` and per-worker optimizer states.  When several
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
@@ -29,6 +30,8 @@ from geomesh.cluster import ClusterSpec
 from geomesh.planner import Plan, WorkerPlan
 from jobruntime.checkpoint import COMPLETE, CheckpointError, committed_folder
 from jobruntime.faults import fault_point
+
+log = logging.getLogger(__name__)
 
 
 def save_state(root: Path, step: int, state: dict, *, rank: int, job_leader: bool,
@@ -156,3 +159,129 @@ def load_state(path: str | Path, *, rank: int) -> dict:
         raise CheckpointError(f"'{f}' is not a GeoMesh state (no method, round and outer state); "
                               "resume from an earlier outer_XXXXXXX folder")
     return state
+
+
+# ---------------------------------------------------------------------------
+# What of a running outer loop (geomesh.sync.OuterLoop) is saved, resumed and healed
+# ---------------------------------------------------------------------------
+
+
+def checkpoint_state(loop, step: int) -> dict:
+    """This rank's checkpoint after outer step ``step`` (everything :func:`resume` needs)."""
+    ctx = loop.ctx
+    return {
+        "method": ctx.method, "round": step, "position": loop.position, "replans": loop.replans,
+        "cluster": worker_identity(loop.cl), "outer": loop.outer.state_dict(),
+        "feedback": {i: fb.state_dict() for i, fb in loop.feedback.items()},
+        "local_momentum": {i: m.state_dict() for i, m in loop.local_mom.items()},
+        "workers": {i: w.state_dict() for i, w in loop.workers.items()},
+        "planner_speed": dict(ctx.planner.speed), "planner_fit": ctx.planner.fit.state_dict(),
+        "plan": loop.plan,
+        "clock": loop.clock.state_dict() if loop.clock is not None else None,
+        "stats": loop.stats.state_dict(), "rng": torch.get_rng_state(), "history": loop.history,
+        "guard": loop.guard.state_dict(), "lr_scale": loop.lr_scales.state_dict(),
+        "eager": loop.eager.state_dict() if loop.eager is not None else None,
+        "schedules": loop.saved_schedules(step),
+    }
+
+
+def resume(loop, st: dict) -> None:
+    """Continue ``loop`` from a :func:`checkpoint_state` (``checkpoint.load``).
+
+    Raises:
+        CheckpointError: another method, cluster, worker set, error-feedback or
+            compress_update setting, or no rounds left (each names the fix).
+    """
+    ctx, g = loop.ctx, loop.g
+    if st["method"] != ctx.method:
+        raise CheckpointError(f"checkpoint is from method {st['method']}, not {ctx.method}; "
+                              f"resume it with geomesh.method={st['method']}")
+    check_workers(st, loop.cl)  # before any per-worker state is matched by position
+    if set(st["workers"]) != set(loop.workers) or set(st["feedback"]) != set(loop.feedback) or \
+            set(st.get("local_momentum", {})) != set(loop.local_mom):
+        raise CheckpointError(
+            f"checkpoint holds workers {sorted(st['workers'])} with error feedback "
+            f"{'on' if st['feedback'] else 'off'} and compress_update "
+            f"{'on' if st.get('local_momentum') else 'off'}; this run has workers "
+            f"{sorted(loop.workers)} with them {'on' if loop.feedback else 'off'} and "
+            f"{'on' if loop.local_mom else 'off'}: resume with the cluster file, "
+            "geomesh.error_feedback and geomesh.compress_update it was saved with"
+        )
+    if st["round"] >= g.outer_steps:
+        raise CheckpointError(
+            f"checkpoint is at outer step {st['round']}, geomesh.outer_steps={g.outer_steps}: "
+            "nothing left to run; raise geomesh.outer_steps"
+        )
+    loop.outer.load_state_dict(st["outer"])  # copies into θ_global
+    for i, fb in loop.feedback.items():
+        fb.load_state_dict(st["feedback"][i])
+    for i, lm in loop.local_mom.items():
+        lm.load_state_dict(st["local_momentum"][i])
+    if "schedules" in st:  # the schedules as re-plans resized them, a pending one included
+        loop.schedules = [(int(n), int(w)) for n, w in st["schedules"]]
+        loop.lr_scales.set_schedules(loop.schedules)
+    for i, w in loop.workers.items():
+        w.load_state_dict(st["workers"][i])  # megatron takes the saved scheduler's lengths:
+        w.set_schedule(*loop.schedules[i])  # a re-plan pending at the save is not in them
+    ctx.planner.speed = dict(st["planner_speed"])
+    ctx.planner.fit.load_state_dict(st.get("planner_fit", {}))
+    ctx.planner.current = loop.plan = st["plan"]
+    loop.steps = proxy_steps_for(ctx, loop.plan)
+    if loop.clock is not None:
+        loop.clock.load_state_dict(st["clock"])
+    loop.stats.load_state_dict(st["stats"])
+    loop.position, loop.start, loop.replans = st["position"], st["round"], st["replans"]
+    loop.history = st["history"]
+    loop.guard.load_state_dict(st.get("guard", {}))
+    if loop.eager is not None and st.get("eager") is not None:
+        loop.eager.load_state_dict(st["eager"])
+    if "lr_scale" in st:
+        loop.lr_scales.load_state_dict(st["lr_scale"])
+    else:  # saved before it existed: the same position on every rank
+        loop.lr_scales.done = [loop.start * s.inner_steps for s in loop.steps]
+    torch.set_rng_state(st["rng"])
+    log.info("resumed %s at outer step %d", ctx.method, loop.start)
+
+
+def heal_state(loop) -> dict:
+    """What a live worker hands one that (re)joins (:mod:`geomesh.region` makes its
+    outer tensors canonical, so any layout can load it)."""
+    ctx = loop.ctx
+    return {"round": loop.r, "position": loop.position, "replans": loop.replans,
+            "members": loop.members, "plan": loop.plan.to_dict(),
+            "speed": dict(ctx.planner.speed), "fit": ctx.planner.fit.state_dict(),
+            "schedules": loop.saved_schedules(loop.r), "outer": loop.outer.state_dict(),
+            "guard": loop.guard.state_dict(), "lr_scale": loop.lr_scales.state_dict()}
+
+
+def load_heal(loop, st: dict) -> None:
+    """Take a live worker's :func:`heal_state`: the round, data position, plan, outer
+    state, and each inner LR schedule where the others' is."""
+    from geomesh.membership_plan import plan_from_dict
+
+    ctx = loop.ctx
+    loop.r, loop.position, loop.replans = int(st["round"]), int(st["position"]), int(st["replans"])
+    if "schedules" in st:
+        loop.set_schedules([(int(n), int(w)) for n, w in st["schedules"]])
+    loop.members = [int(k) for k in st["members"]]
+    loop.outer.load_state_dict(st["outer"])
+    loop.guard.load_state_dict(st["guard"])
+    loop.lr_scales.load_state_dict(
+        st.get("lr_scale", {"done": [loop.r * s.inner_steps for s in loop.steps]}))
+    ctx.planner.speed = {k: float(v) for k, v in st["speed"].items()}
+    ctx.planner.fit.load_state_dict(st.get("fit", {}))
+    loop.plan = plan_from_dict(st["plan"], ctx.planner.tolerance)
+    loop.steps, loop.next_steps, loop.history = proxy_steps_for(ctx, loop.plan), None, {}
+    for w in loop.workers.values():  # the inner LR schedule where the others' is
+        at = loop.r * loop.steps[w.index].inner_steps
+        w.trainer.scheduler.step(increment=max(at - w.trainer.step, 0))
+        w.trainer.step = max(w.trainer.step, at)
+    log.info("healed from a live peer: round %d", loop.r)
+
+
+def proxy_steps_for(ctx, plan) -> list:
+    """Each worker's proxy steps of ``plan`` (:func:`geomesh.worker.proxy_steps`)."""
+    from geomesh.worker import proxy_steps
+
+    return proxy_steps(plan, ctx.scale, round_samples=ctx.round_samples,
+                       dp_in=ctx.placement.dp_in, max_micro_batch=ctx.cfg.parallel.micro_batch_size)

@@ -5,12 +5,16 @@ balancing and compression):
 
 1. every worker ``i`` sets ``θ_i ← θ_global`` and runs ``H_i`` inner AdamW
    steps of ``b_i`` sequences (:class:`geomesh.worker.InnerWorker`);
-2. ``Δ_i = θ_global − θ_i`` (fp32) is encoded — GeoMesh: sign bits + an fp32
-   scale per row (``sign_row``) or per tensor (``sign``), error feedback
-   optional (:class:`geomesh.codec.SignCodec`); DiLoCo: fp32
-   (:class:`geomesh.codec.DenseCodec`) — with the worker's token count ``n_i``;
-3. the messages are all-gathered (:mod:`geomesh.transport`), decoded and
-   aggregated, ``Δ = Σ (n_i/N) D(msg_i)``;
+2. ``Δ_i = θ_global − θ_i`` (fp32) is encoded in canonical form, whatever the
+   worker's TP/PP/DP layout (:class:`geomesh.canonical_codec.CanonicalCodec`) —
+   GeoMesh: ``geomesh.compression`` (top-k, or sign bits + an fp32 scale per
+   global row), error feedback optional; DiLoCo: fp32 — with the worker's token
+   count ``n_i``; a worker's ranks join their parts into its message
+   (:meth:`geomesh.deploy.Placement.collect`);
+3. the messages are all-gathered (:mod:`geomesh.transport`, or the region
+   leaders' torchft exchange, :mod:`geomesh.region`); every rank decodes the
+   part of each message that overlaps its own shard and aggregates,
+   ``Δ = Σ (n_i/N) D(msg_i)``;
 4. the outer Nesterov step updates ``θ_global`` (:class:`geomesh.outer.OuterNesterov`);
    every worker applies it to the same messages, so all copies stay equal.
 
@@ -44,27 +48,9 @@ start is kept in host memory.  Real mode runs the all-gather in a background
 thread (it uses only the transport's process groups); the emulated clock
 charges the wait at step ``τ_i`` (:class:`geomesh.clock.EmulatedClock`).
 
-Measured choices (emulated four-region cluster, GPT-3 1.3B target, tiny_gpt
-proxy at sequence 64, ``G_p = 16``, ``H = 8``, validation perplexity after 12
-outer steps = 98k tokens, all at the same plan; ``bench/geomesh_ttp.py
---quick``; the README's ablation table has the final numbers):
-
-* one scale per *tensor* diverged at outer lr 0.7 (embedding rows of tokens
-  unseen in a round received the magnitude of the seen rows); one scale per
-  *row* (``sign_row``, 31.6x instead of 32.0x on the target) fixed it;
-* error feedback: see :mod:`geomesh.feedback` for why it seemed to give
-  nothing (the plan changed with it) and where the residual goes;
-* balancing by steps beat balancing by batch (784 vs 819 without the
-  momentum ramp); ramping the outer momentum in removed a loss spike around
-  round 4 (GeoMesh 819 → 671, DiLoCo 895 → 765);
-* overlap: the exchange (0.4-1.3 s) needs only the fewest steps that cover
-  it: ``f = 0.1`` gives ``τ_i`` = 3, 1, 1, 1 on the four-region plan (the
-  H100's step takes 0.5 s, the others' ≥ 1.3 s); with the eager update of
-  :mod:`geomesh.eager` at outer lr 0.5 it ends at 497.9 vs 500.2 blocking,
-  the target at 66.3 vs 68.0 s, sync share 0.97 %; ``f = 0.25`` (``τ_i`` =
-  7, 3, 1, 1) runs more steps from the estimate than the exchange needs
-  (542.4).  The previous eager start (the worker's own dense ``Δ_i`` alone)
-  cost +8.7 % on the 100-round run (README).
+The measured choices behind the defaults (one scale per row, balancing by
+steps, the outer-momentum ramp, overlap 0.1 with the eager update) are in the
+README's ablation tables and ``bench/geomesh_ttp.py --ablation``.
 
 Time.  Emulated: worker ``i``'s compute is the GPU-profile time of its plan on
 the target model (:func:`geomesh.clock.inner_step_time_s`) times any injected
@@ -93,28 +79,26 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 
-from jobruntime.checkpoint import CheckpointError
 from jobruntime.faults import fault_point
-from jobruntime.metrics import perplexity
 
-from .canonical import CanonicalSchema, canonical_digest, layout_map, main_pieces
+from .canonical import CanonicalSchema, layout_map
 from .canonical_codec import CanonicalCodec
 from .clock import EmulatedClock, inner_step_time_s
 from .compression import ErrorFeedback
 from .context import RunContext, target_canonical_schema
 from .eager import EagerStart
 from .feedback import LocalMomentum
+from .figures import RoundFigures
 from .guard import Guard
-from .membership_plan import plan_for_members, plan_from_dict
+from .membership_plan import plan_for_members
 from .outer import OuterNesterov
-from .planner import Plan
 from .region import RegionMembership
 from .report import RunStats, memory_overhead
-from .state import check_workers, load_state, save_state, worker_identity
+from .state import checkpoint_state, heal_state, load_heal, load_state, resume, save_state
+from .state import proxy_steps_for as _proxy
 from .transport import InProcessTransport
-from .worker import InnerWorker, LrScale, ProxyStep, follow_replan, proxy_steps
+from .worker import InnerWorker, LrScale, ProxyStep, follow_replan
 
 log = logging.getLogger(__name__)
 
@@ -125,32 +109,6 @@ def _true_step_s(ctx: RunContext, k: int, step: ProxyStep, round_: int) -> float
     t = inner_step_time_s(w, ctx.target.model, step.target.micro_batch_size,
                           step.target.grad_accum, seq_length=step.target.seq_length)
     return t * ctx.cluster.slowdown_factor(w.name, round_)
-
-
-def _proxy(ctx: RunContext, plan: Plan) -> list[ProxyStep]:
-    return proxy_steps(plan, ctx.scale, round_samples=ctx.round_samples,
-                       dp_in=ctx.placement.dp_in, max_micro_batch=ctx.cfg.parallel.micro_batch_size)
-
-
-def _weights_digest(pl, layout, schema: CanonicalSchema, theta: dict) -> str | None:
-    """SHA-256 of ``θ_global`` in canonical form (:func:`geomesh.canonical.canonical_digest`):
-    the same in every region after the same round, whatever their layouts.  The
-    worker's main shards are gathered to its leader (``None`` on the other ranks)."""
-    mine = [(k, o, t.cpu()) for k, o, t in main_pieces(layout, theta)] if pl.dp_in_rank == 0 else []
-    if pl.worker_group is None or dist.get_world_size(pl.worker_group) == 1:
-        return canonical_digest(schema, mine)
-    lead = dist.get_rank() == pl.leader_rank
-    parts: list | None = [None] * dist.get_world_size(pl.worker_group) if lead else None
-    dist.gather_object(mine, parts, dst=pl.leader_rank, group=pl.worker_group)
-    return canonical_digest(schema, [x for part in parts for x in part]) if lead else None
-
-
-def _wire_bytes(pl, transport) -> dict:
-    """This job's exchange bytes as its transport counted them (emulated: the proxy's
-    real messages, not the target's charged bytes): ``bytes_sent``, ``bytes_received``."""
-    counter = (transport or pl.transport or pl.ft_leader)
-    wire = getattr(counter, "wire", None)
-    return {"bytes_sent": wire.sent, "bytes_received": wire.received} if wire is not None else {}
 
 
 def _codec_kind(ctx: RunContext) -> str:
@@ -185,467 +143,386 @@ class _Round:
     wait_s: float = 0.0  # real mode: wall seconds spent waiting for the exchange
 
 
-def run_sync(ctx: RunContext) -> dict:
-    """Train ``geomesh.outer_steps`` rounds; return the summary (also written to disk)."""
-    cfg, g, cl, pl = ctx.cfg, ctx.cfg.geomesh, ctx.cluster, ctx.placement
-    geomesh = ctx.method == "geomesh"
-    K = len(cl.workers)
-    plan = ctx.planner.plan() if geomesh else ctx.planner.uniform(ctx.uniform_batch)
-    steps = _proxy(ctx, plan)
-    # each worker's LR schedule: its own length, warmup scaled by H_i / H; a re-plan
-    # resizes the rest of it (follow_replan), a resume and a heal restore it
-    schedules = [(g.outer_steps * s.inner_steps,
-                  round(cfg.train.warmup_iters * s.inner_steps / g.inner_steps)) for s in steps]
-    workers: dict[int, InnerWorker] = {}
-    for i in pl.workers:
-        workers[i] = InnerWorker(ctx.layout_cfg, i, ctx.train_ds, inner_iters=schedules[i][0],
-                                 warmup_iters=schedules[i][1], reference_batch=ctx.reference_batch,
-                                 dp_group=pl.dp_group, dp_in=pl.dp_in,
-                                 dp_in_rank=pl.dp_in_rank)
-    lr_scales = LrScale(ctx.layout_cfg, schedules, ctx.reference_batch, g.inner_lr_scaling)
-    first = workers[pl.workers[0]]
-    theta = first.trainer.get_params()  # θ_global, fp32, this rank's shard
-    layout = layout_map(first.trainer.module)  # this rank's shards in canonical coordinates
-    cschema = CanonicalSchema.gather(layout, pl.mp_group)
-    kind = _codec_kind(ctx) if geomesh else "fp32"
-    predictive = kind == "sign_pred"  # the outer momentum predicts Δ_i
-    codec = CanonicalCodec(kind, layout, cschema, tp_group=pl.tp_group, mp_group=pl.mp_group,
-                           k=g.topk_k, bits=g.topk_bits)
-    lossy = codec.kind != "fp32"
-    canon_numel = sum(math.prod(shape) for _, shape in cschema.entries)
-    outer = OuterNesterov(theta, lr=g.outer_lr, momentum=g.outer_momentum,
-                          momentum_warmup=g.outer_momentum_warmup)
-    pred = {"predictor": outer.momentum_buffer} if predictive else {}
-    feedback = ({i: ErrorFeedback(g.error_feedback_decay) for i in pl.workers}
-                if lossy and g.error_feedback else {})
-    # compress_update: each worker's own momentum, the workers send Δ_i + μ v_i (feedback.py)
-    local_mom = {i: LocalMomentum() for i in pl.workers} if geomesh and g.compress_update else {}
-    overlap = g.overlap if geomesh else None  # the baselines never overlap
-    guard = Guard.from_config(g, cl)  # checks every message before aggregation
-    if pl.per_region:  # the region's ranks follow its leader's torchft membership
-        pl.membership = RegionMembership(pl.ft_leader, layout, contributes=pl.dp_in_rank == 0,
-                                         cluster=cl, worker=pl.workers[0],
-                                         policy=g.on_worker_loss)
-    ft = pl.membership  # one job per region: torchft quorum, healing (geomesh.membership)
-    if ft is not None and overlap is not None:  # _validate refuses it; a guard for direct callers
-        raise ValueError("geomesh.overlap does not combine with one job per region")
-    clock = transport = None
-    if ctx.emulated:
-        clock = EmulatedClock(cl, overlap=overlap is not None)
-        charged = codec.message_bytes(target_canonical_schema(ctx.target))
-        transport = InProcessTransport(cl, clock=clock, charged_bytes=charged)
-    pool = ThreadPoolExecutor(1) if overlap is not None and not ctx.emulated else None
-    eager = EagerStart() if overlap is not None else None  # host: the last aggregate
-    val = ctx.val_batches(dp=pl.dp_in, dp_rank=pl.dp_in_rank)
-    stats = RunStats.for_cluster(cl, cfg.train.target_ppl)
-    position, start, replans = 0, 0, 0
-    history: dict[str, list[float]] = {}  # measured seconds per inner step since the last plan
-    if cfg.checkpoint.load:
-        st = load_state(cfg.checkpoint.load, rank=pl.rank)
-        if st["method"] != ctx.method:
-            raise CheckpointError(f"checkpoint is from method {st['method']}, not {ctx.method}; "
-                                  f"resume it with geomesh.method={st['method']}")
-        check_workers(st, cl)  # before any per-worker state is matched by position
-        if set(st["workers"]) != set(workers) or set(st["feedback"]) != set(feedback) or \
-                set(st.get("local_momentum", {})) != set(local_mom):
-            raise CheckpointError(
-                f"checkpoint holds workers {sorted(st['workers'])} with error feedback "
-                f"{'on' if st['feedback'] else 'off'} and compress_update "
-                f"{'on' if st.get('local_momentum') else 'off'}; this run has workers "
-                f"{sorted(workers)} with them {'on' if feedback else 'off'} and "
-                f"{'on' if local_mom else 'off'}: resume with the cluster file, "
-                "geomesh.error_feedback and geomesh.compress_update it was saved with"
-            )
-        if st["round"] >= g.outer_steps:
-            raise CheckpointError(
-                f"checkpoint is at outer step {st['round']}, geomesh.outer_steps={g.outer_steps}: "
-                "nothing left to run; raise geomesh.outer_steps"
-            )
-        outer.load_state_dict(st["outer"])  # copies into theta
-        for i, fb in feedback.items():
-            fb.load_state_dict(st["feedback"][i])
-        for i, lm in local_mom.items():
-            lm.load_state_dict(st["local_momentum"][i])
-        if "schedules" in st:  # the schedules as re-plans resized them, a pending one included
-            schedules = [(int(n), int(w)) for n, w in st["schedules"]]
-            lr_scales.set_schedules(schedules)
-        for i, w in workers.items():
-            w.load_state_dict(st["workers"][i])  # megatron takes the saved scheduler's lengths:
-            w.set_schedule(*schedules[i])  # a re-plan pending at the save is not in them
-        ctx.planner.speed = dict(st["planner_speed"])
-        ctx.planner.fit.load_state_dict(st.get("planner_fit", {}))
-        ctx.planner.current = plan = st["plan"]
-        steps = _proxy(ctx, plan)
-        if clock is not None:
-            clock.load_state_dict(st["clock"])
-        stats.load_state_dict(st["stats"])
-        position, start, replans = st["position"], st["round"], st["replans"]
-        history = st["history"]
-        guard.load_state_dict(st.get("guard", {}))
-        if eager is not None and st.get("eager") is not None:
-            eager.load_state_dict(st["eager"])
-        if "lr_scale" in st:
-            lr_scales.load_state_dict(st["lr_scale"])
-        else:  # saved before it existed: the same position on every rank
-            lr_scales.done = [start * s.inner_steps for s in steps]
-        torch.set_rng_state(st["rng"])
-        log.info("resumed %s at outer step %d", ctx.method, start)
-    t0 = time.perf_counter() - stats.time_s
-    wall0 = time.perf_counter()
-    overhead = None
-    snapshots: dict[int, dict[str, torch.Tensor]] = {}  # overlap: weights whose Δ_i was sent
-    next_steps: list[ProxyStep] | None = None  # overlap: a re-plan for the next round
+class OuterLoop(RoundFigures):
+    """One run of the synchronous outer loop: its state, and the phases of a round.
 
-    r, joining, members = start, False, list(range(K))
+    A round (:meth:`run`) is :meth:`train` (each local worker's ``H_i`` inner
+    steps from ``θ_global``, the first ``τ_i`` of them behind the previous
+    exchange when overlapped, each ``Δ_i`` encoded in canonical form and joined
+    over the worker's ranks: :meth:`encode`), :meth:`exchange` (the emulated
+    transport, the region leaders' torchft exchange, or the one-world
+    all-gather, in the background when overlapped) and :meth:`finish`:
+    :meth:`receive`, :meth:`aggregate` (guard, ``Δ``, outer step),
+    :meth:`figures` (compute, idle and bytes per worker: from the emulated
+    clock, or from wall time), :meth:`record` (metrics, evaluation),
+    :meth:`replan`, :meth:`checkpoint` and :meth:`follow_members`.  The
+    emulated and the real clock run the same methods; only where time and
+    bytes come from differs.  What is saved, resumed and healed:
+    :mod:`geomesh.state`.
+    """
 
-    def saved_schedules(rnd: int) -> list[list[int]]:
-        """The LR schedules that go with the saved ``plan``: a re-plan not yet
-        adopted (it starts at round ``rnd``) is followed here, as adopt() will."""
-        if next_steps is None:
-            return [list(x) for x in schedules]
-        return [list(x) for x in follow_replan(schedules, steps, next_steps, rnd, g.outer_steps)]
-    if ft is not None:
-        def save_heal() -> dict:
-            return {"round": r, "position": position, "replans": replans, "members": members,
-                    "plan": plan.to_dict(), "speed": dict(ctx.planner.speed),
-                    "fit": ctx.planner.fit.state_dict(),
-                    "schedules": saved_schedules(r),
-                    "outer": outer.state_dict(), "guard": guard.state_dict(),
-                    "lr_scale": lr_scales.state_dict()}
-
-        def load_heal(st: dict) -> None:
-            nonlocal r, position, replans, plan, steps, next_steps, history, members, schedules
-            r, position, replans = int(st["round"]), int(st["position"]), int(st["replans"])
-            if "schedules" in st:
-                schedules = [(int(n), int(w)) for n, w in st["schedules"]]
-                lr_scales.set_schedules(schedules)
-                for w in workers.values():
-                    w.set_schedule(*schedules[w.index])
-            members = [int(k) for k in st["members"]]
-            outer.load_state_dict(st["outer"])
-            guard.load_state_dict(st["guard"])
-            lr_scales.load_state_dict(st.get("lr_scale", {"done": [r * s.inner_steps for s in steps]}))
-            ctx.planner.speed = {k: float(v) for k, v in st["speed"].items()}
-            ctx.planner.fit.load_state_dict(st.get("fit", {}))
-            plan = plan_from_dict(st["plan"], ctx.planner.tolerance)
-            steps, next_steps, history = _proxy(ctx, plan), None, {}
-            for w in workers.values():  # the inner LR schedule where the others' is
-                w.trainer.scheduler.step(increment=max(r * steps[w.index].inner_steps
-                                                       - w.trainer.step, 0))
-                w.trainer.step = max(w.trainer.step, r * steps[w.index].inner_steps)
-            log.info("healed from a live peer: round %d", r)
-
-        ft.set_state_fns(save_heal, load_heal)
-        joining = ft.join(start)
-        if not joining:  # else the healed state says who trained this round
-            members = list(ft.members)
-
-    def finish(rnd: _Round) -> bool:
-        """Check and aggregate round ``rnd``, take the outer step, record, re-plan,
-        checkpoint.  Returns whether the run should stop (target reached with
-        ``stop_at_target``)."""
-        nonlocal plan, next_steps, replans, history, overhead, members
-        step, rsteps = rnd.r + 1, rnd.steps
-        per: dict[str, dict] = {}
+    def __init__(self, ctx: RunContext) -> None:
+        self.ctx, self.cfg, self.g = ctx, ctx.cfg, ctx.cfg.geomesh
+        self.cl, self.pl = ctx.cluster, ctx.placement
+        cfg, g, pl = self.cfg, self.g, self.pl
+        self.geomesh = ctx.method == "geomesh"
+        self.K = len(self.cl.workers)
+        self.plan = ctx.planner.plan() if self.geomesh else ctx.planner.uniform(ctx.uniform_batch)
+        self.steps = _proxy(ctx, self.plan)
+        # each worker's LR schedule: its own length, warmup scaled by H_i / H; a re-plan
+        # resizes the rest of it (follow_replan), a resume and a heal restore it
+        self.schedules = [(g.outer_steps * s.inner_steps,
+                           round(cfg.train.warmup_iters * s.inner_steps / g.inner_steps))
+                          for s in self.steps]
+        self.workers = {i: InnerWorker(ctx.layout_cfg, i, ctx.train_ds,
+                                       inner_iters=self.schedules[i][0],
+                                       warmup_iters=self.schedules[i][1],
+                                       reference_batch=ctx.reference_batch, dp_group=pl.dp_group,
+                                       dp_in=pl.dp_in, dp_in_rank=pl.dp_in_rank)
+                        for i in pl.workers}
+        self.lr_scales = LrScale(ctx.layout_cfg, self.schedules, ctx.reference_batch,
+                                 g.inner_lr_scaling)
+        self.first = self.workers[pl.workers[0]]
+        self.theta = self.first.trainer.get_params()  # θ_global, fp32, this rank's shard
+        self.layout = layout_map(self.first.trainer.module)  # this rank's shards, canonical
+        self.cschema = CanonicalSchema.gather(self.layout, pl.mp_group)
+        kind = _codec_kind(ctx) if self.geomesh else "fp32"
+        self.codec = CanonicalCodec(kind, self.layout, self.cschema, tp_group=pl.tp_group,
+                                    mp_group=pl.mp_group, k=g.topk_k, bits=g.topk_bits)
+        self.canon_numel = sum(math.prod(shape) for _, shape in self.cschema.entries)
+        self.outer = OuterNesterov(self.theta, lr=g.outer_lr, momentum=g.outer_momentum,
+                                   momentum_warmup=g.outer_momentum_warmup)
+        # sign_pred: the outer momentum predicts Δ_i
+        self.pred = {"predictor": self.outer.momentum_buffer} if kind == "sign_pred" else {}
+        self.feedback = ({i: ErrorFeedback(g.error_feedback_decay) for i in pl.workers}
+                         if kind != "fp32" and g.error_feedback else {})
+        # compress_update: each worker's own momentum, workers send Δ_i + μ v_i (feedback.py)
+        self.local_mom = ({i: LocalMomentum() for i in pl.workers}
+                          if self.geomesh and g.compress_update else {})
+        self.overlap = g.overlap if self.geomesh else None  # the baselines never overlap
+        self.guard = Guard.from_config(g, self.cl)  # checks every message before aggregation
+        if pl.per_region:  # the region's ranks follow its leader's torchft membership
+            pl.membership = RegionMembership(pl.ft_leader, self.layout,
+                                             contributes=pl.dp_in_rank == 0, cluster=self.cl,
+                                             worker=pl.workers[0], policy=g.on_worker_loss)
+        self.ft = pl.membership  # one job per region: quorum, healing (geomesh.region)
+        if self.ft is not None and self.overlap is not None:  # _validate refuses it
+            raise ValueError("geomesh.overlap does not combine with one job per region")
+        self.clock = self.transport = None
+        self.charged = 0
         if ctx.emulated:
-            received = rnd.received
-            if overlap is not None:  # each worker waits for the messages now
-                for k, w in enumerate(cl.workers):
-                    strag, wan = clock.wait(w.name)
-                    per[w.name] = dict(compute_s=rnd.compute[k], straggler_idle_s=strag,
-                                       wan_idle_s=wan, sent_bytes=charged)
-        elif rnd.shared:
-            received = rnd.received
-        else:
-            x0 = time.perf_counter()
-            received = pl.share(rnd.future.result() if rnd.future is not None else rnd.received)
-            rnd.wait_s += time.perf_counter() - x0
-        if ft is not None:  # a worker that joined healed its schedule to at least r·H_i
-            for i in members:
-                lr_scales.done[i] = max(lr_scales.done[i], rnd.r * rsteps[i].inner_steps)
-        guard.expect({i: rsteps[i].samples * cfg.model.seq_length for i in range(K)},
-                     {i: lr_scales.round(i, rsteps[i]) for i in range(K)})
-        agg, tokens = codec.aggregate(received, guard=guard, round=rnd.r, **pred)
-        for i in members:  # the round's workers trained its inner steps
-            lr_scales.advance(i, rsteps[i])
-        if ft is not None and guard.last_rejected:  # like lost workers (fail: stop, named)
-            ft.lost(rnd.r, sorted(guard.last_rejected), "message rejected by the checks")
-        if agg is not None:
-            if eager is not None:
-                eager.remember(agg)
-            if local_mom:
-                outer.apply_update(agg)
-            else:
-                outer.step(agg)
-        if overhead is None and rnd.msgs:  # every outer buffer exists after the first step
-            i0 = pl.workers[0]
-            overhead = memory_overhead(
-                theta, local_mom[i0].buffers if local_mom else outer.momentum_buffer,
-                [fb.residuals for fb in feedback.values()],
-                [len(rnd.msgs[i]) for i in pl.workers],
-                target_params=ctx.target_schema.numel if ctx.emulated else None,
-                snapshots=[s for s in snapshots.values()],
-                eager_bytes=eager.nbytes() if eager is not None else 0)
-        if ctx.emulated:
-            if overlap is None:
-                for w in cl.workers:
-                    t = transport.last_schedule.workers[w.name]
-                    per[w.name] = dict(compute_s=t.compute_s, straggler_idle_s=t.straggler_idle_s,
-                                       wan_idle_s=t.wan_idle_s, sent_bytes=t.sent_bytes)
-            losses = {i: rnd.losses[i] for i in rnd.losses}
-            present = counted = list(range(K))
-            round_bytes = charged * K
-            round_fp32 = 4 * ctx.target_schema.numel * K
-            stats.time_s = clock.last_exchange_end_s  # when θ_global of this round exists
-        else:
-            me = pl.workers[0]
-            sent = len(rnd.msgs[me]) if pl.transport is not None and me in rnd.msgs else 0
-            rows = pl.gather_rows([me, rnd.losses.get(me, 0.0), rnd.compute.get(me, 0.0),
-                                   rnd.wait_s, sent, 4 * canon_numel if sent else 0],
-                                  4 * canon_numel)
-            present = sorted({int(x[0]) for x in rows})
-            compute = {k: max(x[2] for x in rows if int(x[0]) == k) for k in present}
-            # the loss and compute seconds a worker reports steer the log, the idle
-            # statistics and re-planning: out-of-bounds ones are left out (Guard.screen_figures)
-            counted = guard.screen_figures(
-                present, [next(x[1] for x in rows if int(x[0]) == k) for k in present],
-                [compute[k] for k in present])
-            slowest = max((compute[k] for k in counted), default=0.0)
-            losses = {}
-            for k in counted:
-                w = cl.workers[k]
-                mine = [x for x in rows if int(x[0]) == k]
-                waited = max(x[3] for x in mine)
-                straggler = slowest - compute[k]
-                if overlap is not None:  # only the waiting after compute is idle
-                    straggler = min(straggler, waited)
-                losses[k] = mine[0][1]
-                per[w.name] = dict(compute_s=compute[k], straggler_idle_s=straggler,
-                                   wan_idle_s=max(waited - straggler, 0.0),
-                                   sent_bytes=int(sum(x[4] for x in mine)))
-            round_bytes = int(sum(x[4] for x in rows))
-            round_fp32 = int(sum(x[5] for x in rows))
-            stats.time_s = time.perf_counter() - t0
-        for k in counted:
-            stats.add_worker(cl.workers[k].name, tokens=tokens[k], **per[cl.workers[k].name])
-        ntok = sum(tokens)
-        weighed = sum(tokens[k] for k in losses)
-        # token-weighted over the accepted figures; with none, this job's own (local) loss
-        loss = sum(tokens[k] * losses[k] for k in losses) / weighed if weighed else \
-            sum(rnd.losses.values()) / max(len(rnd.losses), 1)
-        stats.tokens += ntok
-        stats.outer_steps = step
-        stats.bytes_total += round_bytes
-        stats.fp32_bytes_total += round_fp32
-        times = [per[cl.workers[k].name]["compute_s"] for k in counted] or [0.0]
-        record = dict(
-            step=step, tokens=stats.tokens, time_s=stats.time_s, loss=loss,
-            compute_s=max(times), imbalance=(max(times) - min(times)) / max(max(times), 1e-12),
-            straggler_idle_s=sum(p["straggler_idle_s"] for p in per.values()),
-            wan_idle_s=sum(p["wan_idle_s"] for p in per.values()), bytes=round_bytes,
-            batch_sizes=[s.batch_size for s in rsteps],
-            target_batch_sizes=[s.target.batch_size for s in rsteps],
-            inner_steps=[s.target.inner_steps for s in rsteps],
-            proxy_samples=[s.samples for s in rsteps],
-        )
-        if len(present) < K or guard.last_rejected:
-            record["workers_present"] = [cl.workers[k].name for k in present
-                                         if k not in guard.last_rejected]
-        if ctx.is_eval_step(step):
-            keep = first.trainer.get_params() if overlap is not None else None
-            first.trainer.set_params(theta)
-            first.trainer.set_batch_size(cfg.parallel.global_batch_size,
-                                         cfg.parallel.micro_batch_size)
-            val_loss = first.trainer.evaluate(val)
-            if keep is not None:  # overlapped rounds continue from the local weights
-                first.trainer.set_params(keep)
-            record.update(val_loss=val_loss, val_ppl=perplexity(val_loss))
-            if stats.evaluated(val_loss, record["val_ppl"], step):
-                log.info("target perplexity %s reached at outer step %d (%.1f s, %s clock)",
-                         cfg.train.target_ppl, step, stats.time_s, ctx.clock_name)
-        # -- re-plan on drift (GeoMesh) ------------------------------------------
-        # Emulated measurements are exact: the last one is used.  Wall-clock
-        # ones are noisy: real mode averages the last two rounds since the plan
-        # last changed (and waits for two).  Overlapped rounds: a new plan
-        # starts with the round after the one already under way.
-        for k in counted:
-            history.setdefault(cl.workers[k].name, []).append(
-                per[cl.workers[k].name]["compute_s"] / rsteps[k].target.inner_steps)
-        need = 1 if ctx.emulated else 2
-        full = len(members) == K and len(counted) == K  # drift re-plans need everyone measured
-        if geomesh and g.replan and full and step < g.outer_steps and history and \
-                min(len(v) for v in history.values()) >= need:
-            measured = {n: sum(v[-need:]) / need for n, v in history.items()}
-            new = ctx.planner.replan(measured)
-            if new is not plan:
-                plan, next_steps, replans, history = new, _proxy(ctx, new), replans + 1, {}
-                record["replanned"] = True
-                log.info("outer step %d: re-planned b_i=%s H_i=%s", step,
-                         [s.target.batch_size for s in next_steps],
-                         [s.target.inner_steps for s in next_steps])
-        ctx.log_outer_step(record)
-        reached_stop = cfg.train.stop_at_target and stats.ttp.reached
-        if save_round(step) or reached_stop:
-            state = {
-                "method": ctx.method, "round": step, "position": position, "replans": replans,
-                "cluster": worker_identity(cl), "outer": outer.state_dict(),
-                "feedback": {i: fb.state_dict() for i, fb in feedback.items()},
-                "local_momentum": {i: m.state_dict() for i, m in local_mom.items()},
-                "workers": {i: w.state_dict() for i, w in workers.items()},
-                "planner_speed": dict(ctx.planner.speed), "planner_fit": ctx.planner.fit.state_dict(),
-                "plan": plan,
-                "clock": clock.state_dict() if clock is not None else None,
-                "stats": stats.state_dict(), "rng": torch.get_rng_state(), "history": history,
-                "guard": guard.state_dict(), "lr_scale": lr_scales.state_dict(),
-                "eager": eager.state_dict() if eager is not None else None,
-                "schedules": saved_schedules(step),
-            }
-            save_state(ctx.run_dir / "checkpoints", step, state, rank=pl.rank,
-                       job_leader=pl.is_logging_rank, keep_last=cfg.checkpoint.keep_last)
-        if not reached_stop and ft is not None and members != ft.members:
-            # re-plan for the next round's workers (lost or joined)
-            members = list(ft.members)
-            plan = plan_for_members(ctx.planner, plan, [cl.workers[k].name for k in members])
-            next_steps, history = _proxy(ctx, plan), {}
-            log.info("outer step %d: %d worker(s), re-planned b_i=%s H_i=%s", step, len(members),
-                     [next_steps[k].target.batch_size for k in members],
-                     [next_steps[k].target.inner_steps for k in members])
-        return reached_stop
+            self.clock = EmulatedClock(self.cl, overlap=self.overlap is not None)
+            self.charged = self.codec.message_bytes(target_canonical_schema(ctx.target))
+            self.transport = InProcessTransport(self.cl, clock=self.clock,
+                                                charged_bytes=self.charged)
+        overlapped = self.overlap is not None
+        self.pool = ThreadPoolExecutor(1) if overlapped and not ctx.emulated else None
+        self.eager = EagerStart() if overlapped else None  # host: the last aggregate
+        self.val = ctx.val_batches(dp=pl.dp_in, dp_rank=pl.dp_in_rank)
+        self.stats = RunStats.for_cluster(self.cl, cfg.train.target_ppl)
+        self.position = self.start = self.replans = 0
+        self.history: dict[str, list[float]] = {}  # seconds per inner step since the last plan
+        self.next_steps: list[ProxyStep] | None = None  # a re-plan for the next round
+        self.snapshots: dict[int, dict[str, torch.Tensor]] = {}  # overlap: weights Δ_i left
+        self.overhead = None
+        if cfg.checkpoint.load:
+            resume(self, load_state(cfg.checkpoint.load, rank=pl.rank))
+        self.t0 = time.perf_counter() - self.stats.time_s
+        self.wall0 = time.perf_counter()
+        self.r, self.joining, self.members = self.start, False, list(range(self.K))
+        if self.ft is not None:
+            self.ft.set_state_fns(lambda: heal_state(self), lambda st: load_heal(self, st))
+            self.joining = self.ft.join(self.start)
+            if not self.joining:  # else the healed state says who trained this round
+                self.members = list(self.ft.members)
 
-    def save_round(step: int) -> bool:
-        every = cfg.checkpoint.save_interval
-        return bool(every) and (step % every == 0 or step == g.outer_steps)
+    # -- helpers -----------------------------------------------------------------------
+    def save_round(self, step: int) -> bool:
+        every = self.cfg.checkpoint.save_interval
+        return bool(every) and (step % every == 0 or step == self.g.outer_steps)
 
-    def charge(k: int, rnd: _Round, seconds: float, wall0: float) -> None:
+    def saved_schedules(self, rnd: int) -> list[list[int]]:
+        """The LR schedules that go with the current ``plan``: a re-plan not yet
+        adopted (it starts at round ``rnd``) is followed here, as :meth:`adopt` will."""
+        if self.next_steps is None:
+            return [list(x) for x in self.schedules]
+        return [list(x) for x in follow_replan(self.schedules, self.steps, self.next_steps, rnd,
+                                               self.g.outer_steps)]
+
+    def adopt(self, rnd: int) -> None:
+        """The pending re-plan's steps from round ``rnd`` on; every LR schedule follows it."""
+        self.set_schedules(follow_replan(self.schedules, self.steps, self.next_steps, rnd,
+                                         self.g.outer_steps))
+        self.steps, self.next_steps = self.next_steps, None
+
+    def set_schedules(self, schedules: list[tuple[int, int]]) -> None:
+        self.schedules = schedules
+        self.lr_scales.set_schedules(schedules)
+        for w in self.workers.values():
+            w.set_schedule(*schedules[w.index])
+
+    def charge(self, k: int, rnd: _Round, seconds: float, wall0: float) -> None:
         """Compute time of worker ``k``: emulated profile seconds, or wall seconds
         since ``wall0`` (with an injected slowdown slept off)."""
-        name = cl.workers[k].name
-        if ctx.emulated:
-            clock.compute(name, seconds)
+        name = self.cl.workers[k].name
+        if self.ctx.emulated:
+            self.clock.compute(name, seconds)
         else:
             wall = time.perf_counter() - wall0
-            factor = cl.slowdown_factor(name, rnd.r)
+            factor = self.cl.slowdown_factor(name, rnd.r)
             if factor != 1.0:  # injected slowdown: sleep the extra time
                 time.sleep((factor - 1.0) * wall)
             seconds = wall * factor
         rnd.compute[k] = rnd.compute.get(k, 0.0) + seconds
 
-    def adopt(new: list[ProxyStep], rnd: int) -> list[ProxyStep]:
-        """A new plan's steps from round ``rnd`` on; every LR schedule follows it."""
-        nonlocal schedules
-        schedules = follow_replan(schedules, steps, new, rnd, g.outer_steps)
-        lr_scales.set_schedules(schedules)
-        for w in workers.values():
-            w.set_schedule(*schedules[w.index])
-        return new
+    def offsets(self) -> list[int]:
+        """Each worker's place in the token stream: after the round's members before it."""
+        return [sum(self.steps[j].samples for j in self.members if j < i)
+                for i in range(self.K + 1)]
 
-    inflight: _Round | None = None
-    stop = False
-    while r < g.outer_steps:
-        if next_steps is not None:  # a re-plan: from this round on
-            steps, next_steps = adopt(next_steps, r), None
-        rnd = _Round(r=r, steps=steps)
-        # Overlapped: the first τ_i = ⌈overlap · H_i⌉ steps run while round r−1's messages travel.
-        taus = {i: math.ceil(overlap * steps[i].inner_steps) if inflight is not None else 0
-                for i in pl.workers}
-        losses: dict[int, list] = {i: [] for i in pl.workers}  # StepResults of round r
-        # each worker's place in the token stream: after the members before it
-        offsets = [sum(steps[j].samples for j in members if j < i) for i in range(K + 1)]
-        if any(taus.values()):
-            for i in pl.workers:
-                w0 = time.perf_counter()
-                losses[i] = workers[i].train_steps(steps[i], position + offsets[i], 0, taus[i])
-                frac = taus[i] / steps[i].inner_steps
-                charge(i, rnd, _true_step_s(ctx, i, steps[i], r) * steps[i].target.inner_steps
-                       * frac if ctx.emulated else 0.0, w0)
-        if inflight is not None:
-            stop = finish(inflight)
-            inflight = None
-            if next_steps is not None and not any(taus.values()):  # nothing of round r ran yet
-                steps, next_steps = adopt(next_steps, r), None
-                rnd.steps = steps
-                offsets = [sum(steps[j].samples for j in members if j < i) for i in range(K + 1)]
-            if stop:
-                break
-            for i in pl.workers:  # onto the new θ_global, keeping the progress since the snapshot
-                workers[i].rebase(theta, snapshots[i])
-        elif overlap is not None:
-            for i in pl.workers:
-                workers[i].trainer.set_params(theta)
-        round_tokens = sum(steps[j].samples for j in members) * cfg.model.seq_length
-        shares: dict[int, float] = {}  # each local worker's token share w_i of the round
-        for i in ([] if joining else pl.workers):  # a joining worker heals instead of training
-            w0 = time.perf_counter()
-            s = steps[i]
-            if overlap is None:
-                res = workers[i].train_round(theta, s, position + offsets[i])
+    # -- a round -----------------------------------------------------------------------
+    def run(self) -> dict:
+        """Train ``geomesh.outer_steps`` rounds; return the summary."""
+        pl, overlap = self.pl, self.overlap
+        inflight: _Round | None = None
+        stop = False
+        while self.r < self.g.outer_steps:
+            if self.next_steps is not None:  # a re-plan: from this round on
+                self.adopt(self.r)
+            rnd = _Round(r=self.r, steps=self.steps)
+            # Overlapped: the first τ_i = ⌈overlap · H_i⌉ steps run while round r−1's
+            # messages travel.
+            taus = {i: math.ceil(overlap * self.steps[i].inner_steps) if inflight is not None
+                    else 0 for i in pl.workers}
+            done: dict[int, list] = {i: [] for i in pl.workers}  # StepResults of round r
+            offsets = self.offsets()
+            if any(taus.values()):
+                for i in pl.workers:
+                    s, w0 = self.steps[i], time.perf_counter()
+                    done[i] = self.workers[i].train_steps(s, self.position + offsets[i], 0, taus[i])
+                    self.charge(i, rnd, self._true_s(i, s) * taus[i] / s.inner_steps, w0)
+            if inflight is not None:
+                stop = self.finish(inflight)
+                inflight = None
+                if self.next_steps is not None and not any(taus.values()):  # none of r ran yet
+                    self.adopt(self.r)
+                    rnd.steps, offsets = self.steps, self.offsets()
+                if stop:
+                    break
+                for i in pl.workers:  # onto the new θ_global, keeping the progress since
+                    self.workers[i].rebase(self.theta, self.snapshots[i])  # the snapshot
+            elif overlap is not None:
+                for i in pl.workers:
+                    self.workers[i].trainer.set_params(self.theta)
+            shares = self.train(rnd, taus, done, offsets)
+            drain = overlap is None or self.r + 1 == self.g.outer_steps or \
+                self.save_round(self.r + 1)
+            rnd = self.exchange(rnd, drain)
+            if not drain:
+                self.eager_start(rnd, shares)
+            # the token stream moves on by what the round's members trained (after a
+            # heal: from the healed round's position, with its plan)
+            self.position += sum(rnd.steps[j].samples for j in self.members)
+            if drain:
+                stop = self.finish(rnd)
+                if stop:
+                    break
             else:
-                losses[i] += workers[i].train_steps(s, position + offsets[i], taus[i], s.inner_steps)
-                res = workers[i].result(theta, s, losses[i])
-            fault_point("train", r)
-            total = _true_step_s(ctx, i, s, r) * s.target.inner_steps if ctx.emulated else 0.0
-            charge(i, rnd, total - rnd.compute.get(i, 0.0) if ctx.emulated else 0.0, w0)
-            delta = local_mom[i].update(res.delta, outer.current_momentum) if local_mom \
-                else res.delta
-            part = codec.encode(delta, res.tokens, worker=i, round=r,
-                                feedback=feedback.get(i), **pred)
-            # the worker's message: its ranks' canonical parts (a DP replica's repeat DP rank 0's)
-            rnd.msgs[i] = pl.collect(part if pl.dp_in_rank == 0 else None)
+                inflight = rnd
+            self.r += 1
+        if inflight is not None and not stop:
+            self.finish(inflight)
+        if self.pool is not None:
+            self.pool.shutdown()
+        if self.ft is not None:
+            self.ft.close()
+        return self.summary()
+
+    def _true_s(self, i: int, s: ProxyStep) -> float:
+        """Emulated: the profile seconds of worker ``i``'s round; real: 0 (wall time)."""
+        return _true_step_s(self.ctx, i, s, self.r) * s.target.inner_steps \
+            if self.ctx.emulated else 0.0
+
+    def train(self, rnd: _Round, taus: dict[int, int], done: dict[int, list],
+              offsets: list[int]) -> dict[int, float]:
+        """Each local worker's (rest of its) ``H_i`` steps and its message; returns each
+        worker's token share ``w_i`` of the round.  A joining worker heals instead."""
+        round_tokens = sum(self.steps[j].samples for j in self.members) * self.cfg.model.seq_length
+        shares: dict[int, float] = {}
+        for i in ([] if self.joining else self.pl.workers):
+            w0, s = time.perf_counter(), self.steps[i]
+            start = self.position + offsets[i]
+            if self.overlap is None:
+                res = self.workers[i].train_round(self.theta, s, start)
+            else:
+                done[i] += self.workers[i].train_steps(s, start, taus[i], s.inner_steps)
+                res = self.workers[i].result(self.theta, s, done[i])
+            fault_point("train", self.r)
+            self.charge(i, rnd, self._true_s(i, s) - rnd.compute.get(i, 0.0)
+                        if self.ctx.emulated else 0.0, w0)
+            rnd.msgs[i] = self.encode(i, res)
             rnd.losses[i] = res.loss
             shares[i] = res.tokens / round_tokens
-        drain = overlap is None or r + 1 == g.outer_steps or save_round(r + 1)
-        if ctx.emulated:
-            rnd.received = transport.exchange(rnd.msgs)
-        elif ft is not None:  # one job per region: torchft quorum, then the all-gather
+        return shares
+
+    def encode(self, i: int, res) -> bytes:
+        """Worker ``i``'s message: ``Δ_i`` (+ μ v_i with compress_update) in canonical form;
+        its ranks' parts joined (a DP replica's repeat DP rank 0's and are left out)."""
+        delta = self.local_mom[i].update(res.delta, self.outer.current_momentum) \
+            if self.local_mom else res.delta
+        part = self.codec.encode(delta, res.tokens, worker=i, round=self.r,
+                                 feedback=self.feedback.get(i), **self.pred)
+        return self.pl.collect(part if self.pl.dp_in_rank == 0 else None)
+
+    def exchange(self, rnd: _Round, drain: bool) -> _Round:
+        """Start or run round ``rnd``'s exchange; returns the round (after a heal: the
+        others' round, at the healed position, with nothing of this worker's in it)."""
+        pl = self.pl
+        if self.ctx.emulated:
+            rnd.received = self.transport.exchange(rnd.msgs)
+        elif self.ft is not None:  # one job per region: torchft quorum, then the all-gather
             me = pl.workers[0]
             x0 = time.perf_counter()
-            rnd.received = pl.exchange(rnd.msgs.get(me, b""), quorum_done=joining,
+            rnd.received = pl.exchange(rnd.msgs.get(me, b""), quorum_done=self.joining,
                                        stats=(rnd.losses[me], rnd.compute[me])
                                        if me in rnd.msgs else (0.0, 0.0))
             rnd.wait_s, rnd.shared = time.perf_counter() - x0, True
-            if pl.healed or joining:  # sent nothing: the others' round r, from their state
-                rnd = dataclasses.replace(rnd, r=r, steps=steps, msgs={}, losses={}, compute={})
-                joining = False
-        elif pool is not None and not drain:
-            rnd.future = pool.submit(pl.gather, rnd.msgs)
+            if pl.healed or self.joining:  # sent nothing: the others' round r, from their state
+                rnd = dataclasses.replace(rnd, r=self.r, steps=self.steps, msgs={}, losses={},
+                                          compute={})
+                self.joining = False
+        elif self.pool is not None and not drain:
+            rnd.future = self.pool.submit(pl.gather, rnd.msgs)
         else:
             x0 = time.perf_counter()
             rnd.received = pl.gather(rnd.msgs)
             rnd.wait_s = time.perf_counter() - x0
-        if not drain:  # until round r's aggregate arrives: the eager start (geomesh.eager),
-            for i, w_i in shares.items():  # after the send so that it overlaps the exchange
-                own, _ = codec.aggregate([rnd.msgs[i]], senders=[i], **pred)  # D(msg_i), as the others decode it
-                start = eager.start(outer, own, w_i, corrected=bool(local_mom))
-                workers[i].trainer.set_params(start)
-                snapshots[i] = {k: v.cpu() for k, v in start.items()}
-        # the token stream moves on by what the round's members trained (after a heal:
-        # from the healed round's position, with its plan)
-        position += sum(rnd.steps[j].samples for j in members)
-        if drain:
-            stop = finish(rnd)
-            if stop:
-                break
-        else:
-            inflight = rnd
-        r += 1
-    if inflight is not None and not stop:
-        finish(inflight)
-    if pool is not None:
-        pool.shutdown()
-    if ft is not None:
-        ft.close()
-    info = {w.name: {"batch_size": s.target.batch_size, "inner_steps": s.target.inner_steps,
-                     "proxy_batches": list(s.batches)}
-            for w, s in zip(cl.workers, steps)}
-    tp, pp, dp = pl.layout_shape
-    names = {"sign_row": "sign-row", "sign_pred": "sign-pred-row"}  # the summaries' names
-    extra = {"codec": names.get(codec.kind, codec.kind), "error_feedback": bool(feedback),
-             "layout": {"tp": tp, "pp": pp, "dp": dp}, **_wire_bytes(pl, transport),
-             "global_weights_sha256": _weights_digest(pl, layout, cschema, theta),
-             "compress_update": bool(local_mom), "overlap": overlap, "replans": replans,
-             "plan": plan.to_dict(), "wall_s": time.perf_counter() - wall0,
-             "world_size": pl.world, "inner_steps": g.inner_steps, "memory_overhead": overhead,
-             "outer_device": next(iter(theta.values())).device.type}  # where θ_global lives
-    return stats.summary(method=ctx.method, clock=ctx.clock_name, cluster=cl,
-                         model=first.trainer.module, extra=extra,
-                         worker_info=info)
+        return rnd
+
+    def eager_start(self, rnd: _Round, shares: dict[int, float]) -> None:
+        """Until round ``rnd``'s aggregate arrives: the eager start (:mod:`geomesh.eager`),
+        after the send so that it overlaps the exchange."""
+        for i, w_i in shares.items():  # D(msg_i), as the others decode it
+            own, _ = self.codec.aggregate([rnd.msgs[i]], senders=[i], **self.pred)
+            start = self.eager.start(self.outer, own, w_i, corrected=bool(self.local_mom))
+            self.workers[i].trainer.set_params(start)
+            self.snapshots[i] = {k: v.cpu() for k, v in start.items()}
+
+    def finish(self, rnd: _Round) -> bool:
+        """Check and aggregate round ``rnd``, take the outer step, record, re-plan,
+        checkpoint.  Returns whether the run should stop (target reached with
+        ``stop_at_target``)."""
+        step = rnd.r + 1
+        received, per = self.receive(rnd)
+        tokens = self.aggregate(rnd, received)
+        present, counted, losses, nbytes = self.figures(rnd, per)
+        record = self.record(rnd, per, tokens, present, counted, losses, nbytes)
+        self.replan(record, per, counted, rnd.steps)
+        self.ctx.log_outer_step(record)
+        reached = self.cfg.train.stop_at_target and self.stats.ttp.reached
+        if self.save_round(step) or reached:
+            save_state(self.ctx.run_dir / "checkpoints", step, checkpoint_state(self, step),
+                       rank=self.pl.rank, job_leader=self.pl.is_logging_rank,
+                       keep_last=self.cfg.checkpoint.keep_last)
+        if not reached:
+            self.follow_members(step)
+        return reached
+
+    def receive(self, rnd: _Round) -> tuple[list, dict[str, dict]]:
+        """The round's messages (waited for, and shared with this worker's ranks);
+        overlapped emulated rounds: each worker's idle while it waits for them."""
+        per: dict[str, dict] = {}
+        if self.ctx.emulated:
+            if self.overlap is not None:  # each worker waits for the messages now
+                for k, w in enumerate(self.cl.workers):
+                    strag, wan = self.clock.wait(w.name)
+                    per[w.name] = dict(compute_s=rnd.compute[k], straggler_idle_s=strag,
+                                       wan_idle_s=wan, sent_bytes=self.charged)
+            return rnd.received, per
+        if rnd.shared:
+            return rnd.received, per
+        x0 = time.perf_counter()
+        received = self.pl.share(rnd.future.result() if rnd.future is not None else rnd.received)
+        rnd.wait_s += time.perf_counter() - x0
+        return received, per
+
+    def aggregate(self, rnd: _Round, received: list) -> list[int]:
+        """Guard, decode and aggregate ``Δ`` on this rank's shards, take the outer step;
+        returns each worker's accepted tokens (0: absent or rejected)."""
+        rsteps, lr = rnd.steps, self.lr_scales
+        if self.ft is not None:  # a worker that joined healed its schedule to at least r·H_i
+            for i in self.members:
+                lr.done[i] = max(lr.done[i], rnd.r * rsteps[i].inner_steps)
+        self.guard.expect({i: rsteps[i].samples * self.cfg.model.seq_length
+                           for i in range(self.K)},
+                          {i: lr.round(i, rsteps[i]) for i in range(self.K)})
+        agg, tokens = self.codec.aggregate(received, guard=self.guard, round=rnd.r, **self.pred)
+        for i in self.members:  # the round's workers trained its inner steps
+            lr.advance(i, rsteps[i])
+        if self.ft is not None and self.guard.last_rejected:  # like lost workers
+            self.ft.lost(rnd.r, sorted(self.guard.last_rejected), "message rejected by the checks")
+        if agg is not None:
+            if self.eager is not None:
+                self.eager.remember(agg)
+            if self.local_mom:
+                self.outer.apply_update(agg)
+            else:
+                self.outer.step(agg)
+        if self.overhead is None and rnd.msgs:  # every outer buffer exists after the first step
+            i0 = self.pl.workers[0]
+            self.overhead = memory_overhead(
+                self.theta,
+                self.local_mom[i0].buffers if self.local_mom else self.outer.momentum_buffer,
+                [fb.residuals for fb in self.feedback.values()],
+                [len(rnd.msgs[i]) for i in self.pl.workers],
+                target_params=self.ctx.target_schema.numel if self.ctx.emulated else None,
+                snapshots=list(self.snapshots.values()),
+                eager_bytes=self.eager.nbytes() if self.eager is not None else 0)
+        return tokens
+
+    def replan(self, record: dict, per: dict[str, dict], counted: list[int],
+               rsteps: list[ProxyStep]) -> None:
+        """GeoMesh: re-plan on drift of the measured seconds per inner step.
+
+        Emulated measurements are exact: the last one is used.  Wall-clock ones
+        are noisy: real mode re-plans after the first round measured since the
+        plan last changed and then averages the last two (the planner's
+        hysteresis, :meth:`Planner.replan <geomesh.planner.Planner.replan>`,
+        absorbs the rest).  Overlapped rounds: a new plan starts with the round
+        after the one already under way.
+        """
+        cl, g, step = self.cl, self.g, record["step"]
+        for k in counted:
+            self.history.setdefault(cl.workers[k].name, []).append(
+                per[cl.workers[k].name]["compute_s"] / rsteps[k].target.inner_steps)
+        window = 1 if self.ctx.emulated else 2
+        full = len(self.members) == self.K and len(counted) == self.K  # everyone measured
+        if not (self.geomesh and g.replan and full and step < g.outer_steps and self.history):
+            return
+        measured = {n: sum(v[-window:]) / len(v[-window:]) for n, v in self.history.items()}
+        new = self.ctx.planner.replan(measured)
+        if new is not self.plan:
+            self.plan, self.next_steps = new, _proxy(self.ctx, new)
+            self.replans, self.history = self.replans + 1, {}
+            record["replanned"] = True
+            log.info("outer step %d: re-planned b_i=%s H_i=%s", step,
+                     [s.target.batch_size for s in self.next_steps],
+                     [s.target.inner_steps for s in self.next_steps])
+
+    def follow_members(self, step: int) -> None:
+        """One job per region: re-plan for the next round's workers (lost or joined)."""
+        if self.ft is None or self.members == self.ft.members:
+            return
+        self.members = list(self.ft.members)
+        self.plan = plan_for_members(self.ctx.planner, self.plan,
+                                     [self.cl.workers[k].name for k in self.members])
+        self.next_steps, self.history = _proxy(self.ctx, self.plan), {}
+        log.info("outer step %d: %d worker(s), re-planned b_i=%s H_i=%s", step, len(self.members),
+                 [self.next_steps[k].target.batch_size for k in self.members],
+                 [self.next_steps[k].target.inner_steps for k in self.members])
+
+
+
+def run_sync(ctx: RunContext) -> dict:
+    """Train ``geomesh.outer_steps`` rounds (:class:`OuterLoop`); return the summary."""
+    return OuterLoop(ctx).run()

@@ -165,7 +165,7 @@ class InProcessTransport(Transport):
         clock: charged for each exchange (:meth:`EmulatedClock.exchange`) if given.
         charged_bytes: bytes charged per message; ``None`` = actual lengths.  In
             emulated mode pass the *target* model's message size
-            (``TensorSchema.encoded_bytes()`` of the target), since the proxy
+            (:meth:`CanonicalCodec.message_bytes` of the target), since the proxy
             model's messages are much smaller.
     """
 

@@ -25,15 +25,17 @@ import yaml
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+from geomesh.canonical import CanonicalSchema
+from geomesh.canonical_codec import HEADER
 from geomesh.cluster import ClusterError, cluster_from_dict
-from geomesh.codec import DenseCodec, SignCodec
-from geomesh.compression import MessageError, TensorSchema, decode_message
+from geomesh.compression import MessageError
 from geomesh.context import _validate
 from geomesh.envelope import DATA, EnvelopeError, Opener, Sealer
 from geomesh.guard import Guard
 from geomesh.state import load_state
 from jobruntime.checkpoint import CheckpointError, find_checkpoint
 from jobruntime.config import ConfigError, JobConfig, load_config
+from tests.test_geomesh_trust import _codec, _named
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLES = [pytest.param(30, id="fast"), pytest.param(400, id="slow", marks=pytest.mark.slow)]
@@ -169,25 +171,34 @@ def test_fuzz_cluster_files(n, tmp_path_factory):
     run()
 
 
-def _named(seed: int) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return {"emb": torch.randn(6, 8, generator=g), "b": torch.randn(7, generator=g)}
+FUZZ_KINDS = ("sign", "sign_row", "fp32")
+"""Kinds of the exchange's codec whose every number an independent reader can check."""
 
 
-def _reference_decode(kind: str, data: bytes, schema: TensorSchema
+def _pieces_at(data: bytes) -> int:
+    """Offset of a part's first piece: header, then its zlib'd schema."""
+    return HEADER.size + struct.unpack_from("<I", data, 36)[0]
+
+
+def _reference_decode(kind: str, data: bytes, schema: CanonicalSchema
                       ) -> tuple[dict[str, np.ndarray], int, list[float]]:
-    """An independent reading of a message whose header and length are valid (numpy,
-    the formats of geomesh.compression and geomesh.codec): ``(values, tokens, scales)``
-    with values in fp64; ``scales`` are the sign codec's scales (empty for fp32)."""
-    tokens = struct.unpack_from("<Q", data, 16)[0]
-    off, out, scales = 36, {}, []
-    for name, shape in schema.entries:
+    """An independent reading (numpy, the wire format of :mod:`geomesh.canonical_codec`)
+    of a one-process part holding every tensor whole, whose header is valid:
+    ``(values, tokens, scales)`` with values in fp64; ``scales`` are the sign
+    kinds' scales (empty for fp32)."""
+    tokens = struct.unpack_from("<Q", data, 20)[0]
+    off, out, scales = _pieces_at(data), {}, []
+    for i, (name, shape) in enumerate(schema.entries):
+        nd = len(shape)
+        box = struct.unpack_from(f"<I{2 * nd}I", data, off)
+        assert box == (i, *(0,) * nd, *shape), f"accepted a moved piece {box} of '{name}'"
+        off += 4 + 8 * nd
         n = math.prod(shape)
         if kind == "fp32":
             out[name] = np.frombuffer(data, "<f4", n, off).astype(np.float64).reshape(shape)
             off += 4 * n
             continue
-        rows = shape[0] if schema.row_scales and len(shape) >= 2 else 1
+        rows = shape[0] if kind == "sign_row" and nd >= 2 else 1
         m = np.frombuffer(data, "<f4", rows, off).astype(np.float64)
         scales += m.tolist()
         off += 4 * rows
@@ -197,12 +208,13 @@ def _reference_decode(kind: str, data: bytes, schema: TensorSchema
     return out, tokens, scales
 
 
-def _scale_offsets(kind: str, schema: TensorSchema) -> list[int]:
-    """Byte offsets of every fp32 number (sign scales or fp32 values) in a message."""
-    offs, off = [], 36
+def _number_offsets(kind: str, data: bytes, schema: CanonicalSchema) -> list[int]:
+    """Byte offsets of every fp32 number (sign scales or fp32 values) in a part."""
+    offs, off = [], _pieces_at(data)
     for _, shape in schema.entries:
+        off += 4 + 8 * len(shape)
         n = math.prod(shape)
-        k = n if kind == "fp32" else schema.num_scales(shape)
+        k = n if kind == "fp32" else shape[0] if kind == "sign_row" and len(shape) >= 2 else 1
         offs += [off + 4 * i for i in range(k)]
         off += 4 * k + (0 if kind == "fp32" else (n + 7) // 8)
     return offs
@@ -212,49 +224,52 @@ def _scale_offsets(kind: str, schema: TensorSchema) -> list[int]:
 def test_fuzz_wire_decoder_never_changes_theta(n):
     """Catches decoder crashes on hostile bytes and hostile bodies that move θ.
 
-    Worker 2 is an insider: its mutated message (random byte flips, fp32 numbers
-    — NaN, ±inf, negative, huge — written over scales or values, any token
-    count) carries a valid CRC-32 and is sealed in a valid envelope, so it
+    Worker 2 is an insider: its mutated part of the exchange's canonical codec
+    (random byte flips in header, schema, piece boxes, scales, signs and values;
+    fp32 numbers — NaN, ±inf, negative, huge — written over scales or values; any
+    token count) carries a valid CRC-32 and is sealed in a valid envelope, so it
     reaches the body parser (an outsider's copy of the same bytes never opens,
     EnvelopeError).  Then either the guard rejects it and the aggregate equals
     the honest two workers' exactly, or it is accepted and an independent
-    reading of its bytes (:func:`_reference_decode`) finds finite values and
-    non-negative scales — what an honest encoder can send — and the aggregate
-    equals ``Σ n_i D(msg_i) / Σ n_i`` of the three independent readings (fp64
-    reference, fp32 arithmetic: rtol 1e-5).  Decoded alone without the guard
-    it is a one-line MessageError or exactly its independent reading.  At least
-    half the examples must get past the CRC (the old test's got none)."""
-    schema = dataclasses.replace(TensorSchema.from_tensors(_named(0)), row_scales=True)
-    codecs = {"sign": SignCodec(schema), "fp32": DenseCodec(schema)}
+    reading of its bytes (:func:`_reference_decode`) finds its pieces where an
+    honest part puts them, finite values and non-negative scales — what an
+    honest encoder can send — and the aggregate equals ``Σ n_i D(msg_i) / Σ n_i``
+    of the three independent readings (fp64 reference, fp32 arithmetic: rtol
+    1e-5).  Decoded alone without the guard it is a one-line MessageError or
+    exactly its independent reading.  At least half the examples must get past
+    the CRC and the header."""
+    codecs = {k: _codec(k) for k in FUZZ_KINDS}
+    schema = codecs["fp32"].schema
     honest = {k: [c.encode(_named(i), 100, worker=i, round=0) for i in range(2)]
               for k, c in codecs.items()}
     good = {k: c.encode(_named(2), 100, worker=2, round=0) for k, c in codecs.items()}
-    offsets = {k: _scale_offsets(k, schema) for k in codecs}
+    offsets = {k: _number_offsets(k, good[k], schema) for k in codecs}
     sealer = Sealer(b"s" * 32, 7)
     seen = {"examples": 0, "past_crc": 0, "accepted": 0, "values_rejected": 0}
     numbers = st.floats(width=32, allow_nan=True, allow_infinity=True)
+    head = HEADER.size
 
     flip = st.tuples(st.integers(0, 10**6), st.integers(1, 255))
 
     @_settings(n)
-    @given(st.sampled_from(["sign", "fp32"]), st.tuples(st.integers(0, 3), flip),
+    @given(st.sampled_from(FUZZ_KINDS), st.tuples(st.integers(0, 3), flip),
            st.lists(flip, max_size=3), st.lists(st.tuples(st.floats(0, 1), numbers),
                                                max_size=2),
            st.one_of(st.none(), st.integers(0, 2**64 - 1), st.integers(90, 110)))
     @example("sign", (0, (0, 1)), [], [(0.99, math.nan)], None)  # a tensor scale: NaN
-    @example("sign", (0, (0, 1)), [], [(0.0, -0.5)], None)  # a row scale: negative
+    @example("sign_row", (0, (0, 1)), [], [(0.5, -0.5)], None)  # a row scale: negative
     def run(kind, head_flip, flips, writes, tokens):
         codec, raw = codecs[kind], bytearray(good[kind])
         body = len(raw) - 4
-        if head_flip[0] == 3:  # about one example in four: a flip in the 36-byte header
-            raw[head_flip[1][0] % 36] ^= head_flip[1][1]
-        for at, x in flips:  # scales, signs, values
-            raw[36 + at % (body - 36)] ^= x
+        if head_flip[0] == 3:  # about one example in four: a flip in the 44-byte header
+            raw[head_flip[1][0] % head] ^= head_flip[1][1]
+        for at, x in flips:  # schema, boxes, scales, signs, values
+            raw[head + at % (body - head)] ^= x
         for at, v in writes:
-            where = offsets[kind]  # at: where among the message's fp32 numbers
+            where = offsets[kind]  # at: where among the part's fp32 numbers
             struct.pack_into("<f", raw, where[min(int(at * len(where)), len(where) - 1)], v)
         if tokens is not None:
-            struct.pack_into("<Q", raw, 16, tokens)
+            struct.pack_into("<Q", raw, 20, tokens)
         struct.pack_into("<I", raw, body, zlib.crc32(raw[:body]))  # an insider's valid CRC
         data = bytes(raw)
         opener = Opener(b"s" * 32, 7)
@@ -263,8 +278,8 @@ def test_fuzz_wire_decoder_never_changes_theta(n):
         data = opener.open(sealer.seal(data, kind=DATA, round=0, worker=2), round=0,
                            sender=2).body
         seen["examples"] += 1
-        # magic, version, flags, schema digest, tensor count intact: the body gets parsed
-        seen["past_crc"] += data[:8] == good[kind][:8] and data[24:36] == good[kind][24:36]
+        # magic, version, codec, top-k setting, digest, schema length, piece count intact
+        seen["past_crc"] += data[:12] == good[kind][:12] and data[28:head] == good[kind][28:head]
         guard = Guard(["a", "b", "c"], ["A", "B", "C"])
         guard.expect({0: 100, 1: 100, 2: 100})
         agg, tokens_out = codec.aggregate([*honest[kind], data], guard=guard)
@@ -301,7 +316,7 @@ def test_fuzz_wire_decoder_never_changes_theta(n):
     assert seen["past_crc"] >= seen["examples"] / 2, seen
     assert seen["accepted"] and seen["values_rejected"], seen
     with pytest.raises(MessageError):
-        decode_message(b"", schema)
+        codecs["sign"].decode([b""])
 
 
 @pytest.mark.parametrize("n", EXAMPLES)

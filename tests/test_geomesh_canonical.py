@@ -10,18 +10,16 @@ no reduction), checked against the closed form in the single-process tests.
 
 from __future__ import annotations
 
-import dataclasses
+import math
+import struct
 import zlib
 
 import pytest
 import torch
 
-from geomesh.canonical import CanonicalSchema, whole_layout
-from geomesh.canonical_codec import HEADER, CanonicalCodec
-from geomesh.codec import DenseCodec, SignCodec
-from geomesh.compression import ErrorFeedback, MessageError, TensorSchema
-from geomesh.predict import PredictiveSignCodec
-from geomesh.sparse import TopKCodec
+from geomesh.canonical import CanonicalSchema, Shard, assemble, whole_layout
+from geomesh.canonical_codec import HEADER, CanonicalCodec, join_parts
+from geomesh.compression import ErrorFeedback, MessageError
 from tests.dist_utils import launch
 
 KINDS = ("fp32", "sign", "sign_row", "sign_pred", "topk")
@@ -67,11 +65,12 @@ def _worker(layouts):
     from megatron.core import parallel_state
 
     from geomesh.canonical import layout_map
+    from geomesh.deploy import Placement
     from jobruntime.config import load_config
     from jobruntime.model import build_model
     from jobruntime.parallel import initialize_layout, set_seed
 
-    messages, report = {}, {"digests": [], "checks": 0, "bad": [], "main": []}
+    messages, report = {}, {"digests": [], "checks": 0, "bad": [], "main": [], "repeated": 0}
     for tp, pp in layouts:
         name = f"tp{tp}pp{pp}"
         cfg = load_config("tiny_gpt", [*OVERRIDES, f"parallel.tp={tp}", f"parallel.pp={pp}"])
@@ -79,8 +78,6 @@ def _worker(layouts):
         set_seed(0)
         module = build_model(cfg.model, cfg.parallel)
         layout = layout_map(module)
-        split = {n: int(p.partition_dim) for n, p in module.named_parameters()
-                 if getattr(p, "tensor_model_parallel", False)}
         schema = CanonicalSchema.gather(layout, parallel_state.get_model_parallel_group())
         report["digests"].append(schema.digest)
         report["main"].append((name, topo.dp_rank, {s.key: s.box for s in layout.values() if s.main}))
@@ -92,22 +89,19 @@ def _worker(layouts):
             part = codec.encode(deltas, 100, worker=0, round=3, predictor=v)
             parts = [None] * dist.get_world_size()
             dist.all_gather_object(parts, (topo.dp_rank, part))
-            messages.setdefault((name, kind), [p for d, p in parts if d == 0])
+            # the worker's message as the running exchange joins it: the DP replicas of
+            # this layout are one worker's replicas (DP2-in-region), DP rank 0's parts go
+            joined = Placement(mode="real", workers=[0], dp_in_rank=topo.dp_rank,
+                               worker_group=dist.group.WORLD).collect(
+                part if topo.dp_rank == 0 else None)
+            messages.setdefault((name, kind), joined)
+            if topo.dp_rank == 0 and topo.dp > 1:  # every replica's parts: repeated
+                try:
+                    codec.decode(join_parts([p for _, p in parts]), predictor=v)
+                    report["bad"].append(f"{kind} on {name}: replicas' parts accepted twice")
+                except MessageError as e:
+                    report["repeated"] += "repeated" in str(e)
             ref = _reference(kind, mine)
-            # the local-shard codecs of the running exchange send the same values
-            # (top-k: only without TP, as the running exchange allows it)
-            local = TensorSchema.from_tensors(deltas)
-            same = DenseCodec(local) if kind == "fp32" else TopKCodec(local, **TOPK) \
-                if kind == "topk" else (PredictiveSignCodec if kind == "sign_pred" else SignCodec)(
-                    dataclasses.replace(local, row_scales=kind != "sign"),
-                    tp_group=parallel_state.get_tensor_model_parallel_group(), tp_partition=split)
-            pred = {"predictor": v} if kind == "sign_pred" else {}
-            if kind != "topk" or tp == 1:
-                agg, _ = same.aggregate([same.encode(deltas, 100, worker=0, round=3, **pred)],
-                                        **pred)
-                for n, s in layout.items():
-                    if not torch.equal(agg[n], ref[s.key][s.box]):
-                        report["bad"].append(f"{kind} local-shard codec on {name}: {s.key}")
             for (sender, k), msg in messages.items():
                 if k != kind:
                     continue
@@ -146,12 +140,17 @@ def test_every_layout_decodes_every_layouts_message_bit_identically(reports):
     (a TP-split row), pieces placed at local instead of global coordinates, and
     PP layer numbers that are not global: a message sent at TP1, TP2, PP2 or
     TP2·PP2 decodes, on every rank of every layout, to bit for bit the values of
-    one process holding the tensors whole.  The local-shard codecs (SignCodec,
-    DenseCodec: one layout per run) decode their own messages to the same values."""
+    one process holding the tensors whole; the worker's message is joined as the
+    running exchange joins it (DP rank 0's parts, :meth:`Placement.collect`), and
+    one holding every DP replica's parts is refused as repeated."""
     for r in reports:
         assert r["bad"] == [], r["bad"][:5]
     # every (layout, sender, codec, local tensor) pair was checked on every rank
     assert all(r["checks"] > 100 for r in reports)
+    # DP2-in-region: a message holding every replica's parts is refused as repeated,
+    # for every codec on each DP-rank-0 process (tp·pp of them) of a layout with replicas
+    assert sum(r["repeated"] for r in reports) == len(KINDS) * sum(
+        tp * pp for tp, pp in LAYOUTS if 4 // (tp * pp) > 1)
 
 
 def test_message_of_other_vocabulary_padding_is_refused_naming_the_embedding(reports):
@@ -198,7 +197,8 @@ SHAPES = [("embedding.word_embeddings.weight", (1024, 64)), ("decoder.layers.0.f
 def test_whole_layout_is_the_codecs_closed_form():
     """Catches a canonical codec that does not send m·sign(x) with m = mean|x| over the
     tensor (sign) or each row (sign_row), sign_pred that does not send γ v + m·sign(y)
-    with y = x − γ v, γ = ⟨x, v⟩/‖v‖² per row, top-k that differs from TopKCodec, lost
+    with y = x − γ v, γ = ⟨x, v⟩/‖v‖² per row, top-k that does not keep the k largest
+    |x| of each chunk at ±(the mean of the upper or lower half of its row's kept |x|), lost
     fp32 bits, and error feedback that does not keep x − D(C(x))."""
     schema = CanonicalSchema.from_shapes(SHAPES)
     xs = {k: canonical_delta(k, s) for k, s in schema.entries}
@@ -218,10 +218,9 @@ def test_whole_layout_is_the_codecs_closed_form():
                 y = xr - gamma * v
                 expect = (gamma * v + y.abs().mean(dim=1, keepdim=True) * y.sign()).reshape(x.shape)
                 assert gamma.abs().mean() > 0.2  # the predictor matters
-            elif kind == "topk":  # the local-shard top-k codec on the whole tensor
-                one = TopKCodec(TensorSchema.from_tensors({k: x}), **TOPK)
-                expect = one.aggregate([one.encode({k: x}, 1, worker=0, round=0)])[0][k]
-                assert torch.equal(out[k], expect), k
+            elif kind == "topk":
+                expect = _topk_reference(x, TOPK["chunk"], TOPK["k"])
+                assert torch.allclose(out[k], expect, rtol=1e-6, atol=0), k
             elif kind == "fp32":
                 expect = x
             elif kind == "sign_row" and x.dim() == 2:
@@ -232,6 +231,64 @@ def test_whole_layout_is_the_codecs_closed_form():
             assert torch.allclose(out[k], expect, rtol=1e-6, atol=tol), (kind, k)
             if kind != "fp32":
                 assert torch.allclose(out[k] + fb.residuals[k], x, atol=1e-6), (kind, k)
+
+
+def _topk_reference(x: torch.Tensor, chunk: int, k: int) -> torch.Tensor:
+    """Top-k with 2 bits, written out (matrices; vectors go as fp32): in each chunk
+    of ``chunk`` columns of a row the ``k`` largest |x| are kept; a kept value
+    whose |x| is above the median of its row's kept |x| decodes to ±(the mean of
+    those above), the others to ±(the mean of the rest)."""
+    if x.dim() < 2:
+        return x
+    rows = x.reshape(x.shape[0], -1)
+    out = torch.zeros_like(rows)
+    for r in range(rows.shape[0]):
+        kept = []
+        for c0 in range(0, rows.shape[1], chunk):
+            block = rows[r, c0:c0 + chunk].abs().tolist()
+            kept += [c0 + j for j in sorted(range(len(block)), key=lambda j: -block[j])[:k]]
+        mag = rows[r, kept].abs()
+        hi = mag > mag.sort().values[(len(kept) - 1) // 2]  # the lower median
+        m_hi, m_lo = mag[hi].mean() if hi.any() else 0.0, mag[~hi].mean()
+        for j, h in zip(kept, hi.tolist()):
+            out[r, j] = math.copysign(float(m_hi if h else m_lo), float(rows[r, j]))
+    return out.reshape(x.shape)
+
+
+def test_assemble_refuses_pieces_that_overlap_and_leave_a_gap():
+    """Catches a coverage check that counts elements: two pieces of a 6-row tensor
+    (rows 0-3 and 2-3) hold 6 rows' worth of elements but leave rows 4-5 at zero;
+    a healing state cut from them is refused, naming the tensor; a true tiling
+    (rows 0-3 and 4-5) is assembled exactly."""
+    x = torch.arange(48.0).reshape(6, 8)
+    layout = {"w": Shard("w", (6, 8), (0, 0), (6, 8))}
+    with pytest.raises(ValueError, match="cover 48 of the 48 elements of 'w' held here with "
+                                         "overlaps"):
+        assemble(layout, [("w", (0, 0), x[:4]), ("w", (2, 0), x[2:4])], what="healing state")
+    got = assemble(layout, [("w", (0, 0), x[:4]), ("w", (4, 0), x[4:])])["w"]
+    assert torch.equal(got, x)
+
+
+def test_a_rank_decodes_only_the_pieces_it_holds():
+    """Catches a decoder that builds the dense values of every tensor of a message
+    (the whole model on every rank, e.g. every layer on each PP stage): a rank
+    that does not hold the embedding skips its payload unread — a NaN planted
+    there does not reach it — while a rank holding it refuses the message."""
+    schema = CanonicalSchema.from_shapes(SHAPES)
+    codec = CanonicalCodec("fp32", whole_layout(schema), schema)
+    data = bytearray(codec.encode({k: canonical_delta(k, s) for k, s in schema.entries}, 5,
+                                  worker=0, round=0))
+    emb, fc2 = SHAPES[0], SHAPES[1]
+    assert schema.entries[-1][0] == emb[0]  # the last piece: its last value ends the payload
+    at = len(data) - 4 - 4
+    data[at:at + 4] = struct.pack("<f", float("nan"))
+    data[-4:] = struct.pack("<I", zlib.crc32(bytes(data[:-4])))  # an insider's valid CRC
+    stage = {n: Shard(k, s, (0,) * len(s), s) for n, (k, s) in (("w", fc2), ("e", emb))}
+    other = CanonicalCodec("fp32", {"w": stage["w"]}, schema)
+    out = other.decode(bytes(data))[0]["w"]
+    assert torch.equal(out, canonical_delta(*fc2))
+    with pytest.raises(MessageError, match="NaN"):
+        CanonicalCodec("fp32", {"e": stage["e"]}, schema).decode(bytes(data))
 
 
 def test_topk_refuses_a_tp_shard_that_splits_a_chunk():

@@ -1,15 +1,17 @@
-"""Codecs of the training loop: sign with row scales (GeoMesh) and fp32 (DiLoCo)."""
+"""Codecs of the training loop: the exchange's sign codec with row scales (GeoMesh)
+and the async baseline's fp32 codec."""
 
 from __future__ import annotations
-
-import dataclasses
 
 import pytest
 import torch
 
-from geomesh.codec import DenseCodec, SignCodec
+from geomesh.canonical import CanonicalSchema, whole_layout
+from geomesh.canonical_codec import CanonicalCodec
+from geomesh.codec import DenseCodec
 from geomesh.compression import ErrorFeedback, MessageError, TensorSchema
 from geomesh.worker import proxy_steps
+from tests.test_geomesh_trust import _codec, encode
 
 
 def _tensors(seed: int = 0) -> dict[str, torch.Tensor]:
@@ -24,12 +26,10 @@ def test_row_scales_are_row_means_and_feedback_is_exact():
     error-feedback residual that is not x − D(C(x)): each row of a matrix is sent
     as mean|row| · sign(row), vectors keep one scale, and Δ + e_old = D(msg) + e_new."""
     named = _tensors()
-    schema = dataclasses.replace(TensorSchema.from_tensors(named), row_scales=True)
-    codec, fb = SignCodec(schema), ErrorFeedback()
+    codec, fb = _codec("sign_row", named), ErrorFeedback()
     fb.residuals = {k: torch.full_like(v, 0.01) for k, v in named.items()}
     old = {k: v.clone() for k, v in fb.residuals.items()}
     data = codec.encode(named, 100, worker=0, round=0, feedback=fb)
-    assert len(data) == schema.encoded_bytes()
     agg, tokens = codec.aggregate([data])
     assert tokens == [100]
     for k, v in named.items():
@@ -47,21 +47,21 @@ def test_row_scales_are_row_means_and_feedback_is_exact():
 
 def test_row_scales_cost_about_one_percent_on_gpt3_sized_matrices():
     """Catches a wire format that sends more than one scale per row: for matrices
-    of GPT-3 1.3B's widths (2048 or 8192 columns) the compression ratio stays
-    above 31 (32 at most: one bit per fp32 element)."""
+    of GPT-3 1.3B's widths (2048 or 8192 columns) the compression ratio of a
+    whole-model message stays above 31 (32 at most: one bit per fp32 element)."""
     shapes = [("emb", (50304, 2048)), ("qkv", (6144, 2048)), ("fc2", (2048, 8192)), ("ln", (2048,))]
-    schema = TensorSchema.from_shapes(shapes)
-    rows = dataclasses.replace(schema, row_scales=True)
-    assert rows.digest != schema.digest  # peers with the other setting are rejected
-    assert 31 < SignCodec.compression_ratio(rows) < SignCodec.compression_ratio(schema) <= 32
+    schema = CanonicalSchema.from_shapes(shapes)
+    fp32 = 4 * sum(torch.Size(s).numel() for _, s in shapes)
+    ratio = {kind: fp32 / CanonicalCodec(kind, whole_layout(schema), schema).message_bytes()
+             for kind in ("sign", "sign_row")}
+    assert 31 < ratio["sign_row"] < ratio["sign"] <= 32
 
 
 def test_aggregate_weights_by_tokens_and_dense_roundtrip():
-    """Catches a dense codec that loses precision or ignores n_i, and a sign
-    aggregate that is not Σ (n_i/N) m_i sign(Δ_i) with row scales."""
+    """Catches the async baseline's fp32 codec losing precision or ignoring n_i, and
+    a sign aggregate that is not Σ (n_i/N) m_i sign(Δ_i) with row scales."""
     a, b = _tensors(1), _tensors(2)
-    schema = TensorSchema.from_tensors(a)
-    dense = DenseCodec(schema)
+    dense = DenseCodec(TensorSchema.from_tensors(a))
     agg, tokens = dense.aggregate([dense.encode(a, 1, worker=0, round=3),
                                    dense.encode(b, 3, worker=1, round=3)])
     assert tokens == [1, 3]
@@ -69,9 +69,8 @@ def test_aggregate_weights_by_tokens_and_dense_roundtrip():
         assert torch.allclose(agg[k], 0.25 * a[k] + 0.75 * b[k], atol=1e-7)
     with pytest.raises(MessageError):
         dense.aggregate([dense.encode(a, 1, worker=0, round=0)[:-1]])
-    rows = dataclasses.replace(schema, row_scales=True)
-    sign = SignCodec(rows)
-    msgs = [sign.encode(a, 1, worker=0, round=0), sign.encode(b, 3, worker=1, round=0)]
+    sign = _codec("sign_row", a)
+    msgs = [encode(sign, a, 1, worker=0), encode(sign, b, 3, worker=1)]
     agg, _ = sign.aggregate(msgs)
     one_a, _ = sign.aggregate(msgs[:1])
     one_b, _ = sign.aggregate(msgs[1:])

@@ -3,17 +3,16 @@ the compression error goes relative to the outer momentum (pure logic)."""
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import pytest
 import torch
 
-from geomesh.codec import DenseCodec, SignCodec
-from geomesh.compression import ErrorFeedback, TensorSchema
+from geomesh.canonical_codec import join_parts
+from geomesh.compression import ErrorFeedback
 from geomesh.feedback import LocalMomentum
 from geomesh.outer import OuterNesterov
-from geomesh.sparse import TopKCodec
+from tests.test_geomesh_trust import KINDS, _codec
 
 
 def _decode(codec, named, feedback=None):
@@ -36,16 +35,14 @@ def test_sign_codec_error_and_bias_match_gaussian_theory():
     g = torch.Generator().manual_seed(0)
     sigma = torch.tensor([0.01, 1.0, 30.0]).unsqueeze(1)
     x = torch.randn(3, 200_000, generator=g) * sigma
-    schema = dataclasses.replace(TensorSchema.from_tensors({"w": x}), row_scales=True)
-    d = _decode(SignCodec(schema), {"w": x})["w"]
+    d = _decode(_codec("sign_row", {"w": x}), {"w": x})["w"]
     scale = d.abs()[:, 0]
     assert torch.allclose(scale, sigma.squeeze(1) * math.sqrt(2 / math.pi), rtol=0.01)
     err = ((x - d) ** 2).sum(dim=1) / (x**2).sum(dim=1)
     assert torch.allclose(err, torch.full((3,), 1 - 2 / math.pi), atol=0.005)
     c, s, K = 0.5, 1.0, 64
     workers = [{"w": c + s * torch.randn(1, 20_000, generator=g)} for _ in range(K)]
-    schema = dataclasses.replace(TensorSchema.from_tensors(workers[0]), row_scales=True)
-    codec = SignCodec(schema)
+    codec = _codec("sign_row", workers[0])
     agg, _ = codec.aggregate([codec.encode(w, 1, worker=i, round=0) for i, w in enumerate(workers)])
     z = c / s
     e_abs = s * math.sqrt(2 / math.pi) * math.exp(-z * z / 2) + c * (2 * _phi(z) - 1)
@@ -64,9 +61,7 @@ def test_error_feedback_residual_stays_bounded_over_many_rounds(make):
     = 5.7‖Δ‖ for top-8 of 256 (each element waits ~chunk/k rounds)."""
     g = torch.Generator().manual_seed(1)
     shape = (8, 512)
-    schema = TensorSchema.from_shapes([("w", shape)])
-    codec = SignCodec(dataclasses.replace(schema, row_scales=True)) if make == "sign_row" \
-        else TopKCodec(schema)
+    codec = _codec(make, {"w": torch.zeros(shape)}, chunk=256, k=8)
     fb, norms, dnorm = ErrorFeedback(), [], math.sqrt(math.prod(shape))
     for t in range(1000):
         codec.encode({"w": torch.randn(shape, generator=g)}, 1, worker=0, round=t, feedback=fb)
@@ -90,15 +85,14 @@ def test_compressing_the_update_bounds_the_parameter_error_by_the_residual():
     tokens = [1, 2, 3]
     w = [n / sum(tokens) for n in tokens]
     base = {"w": torch.zeros(shape)}
-    schema = dataclasses.replace(TensorSchema.from_tensors(base), row_scales=True)
-    codec = SignCodec(schema)
+    codec = _codec("sign_row", base)
     ref = OuterNesterov({"w": base["w"].clone()}, lr=lr, momentum=0.9, momentum_warmup=True)
     upd = OuterNesterov({"w": base["w"].clone()}, lr=lr, momentum=0.9, momentum_warmup=True)
     dlt = OuterNesterov({"w": base["w"].clone()}, lr=lr, momentum=0.9, momentum_warmup=True)
     fb_u = [ErrorFeedback() for _ in range(K)]
     fb_d = [ErrorFeedback() for _ in range(K)]
     mom = [LocalMomentum() for _ in range(K)]
-    dense = DenseCodec(TensorSchema.from_tensors(base))
+    dense = _codec("fp32", base)
     drift = torch.randn(shape, generator=g)
     for t in range(T):
         deltas = [{"w": 0.1 * drift + torch.randn(shape, generator=g) / (1 + t)} for _ in range(K)]
@@ -119,21 +113,19 @@ def test_compressing_the_update_bounds_the_parameter_error_by_the_residual():
     assert err_dlt > 3 * lr * resid_d
 
 
-@pytest.mark.parametrize("kind", ["sign", "sign_row", "topk", "fp32"])
-def test_compression_ratio_is_counted_from_the_encoded_bytes(kind):
-    """Catches a ratio from a formula that drifts from the wire format (framing,
-    padding of odd sizes, scales): for shapes of odd sizes, the encoded message is
-    exactly ``encoded_bytes`` long and ``compression_ratio`` = 4·numel / len."""
+@pytest.mark.parametrize("kind", KINDS)
+def test_message_bytes_are_the_encoded_bytes(kind):
+    """Catches a size formula that drifts from the wire format (framing, padding of
+    odd sizes, scales, coefficients, top-k chunks), which the emulated clock charges
+    for the target model: for shapes of odd sizes (a 0-dim and an empty tensor
+    among them), one worker's message is exactly ``message_bytes`` long and
+    decodes to every tensor."""
     shapes = [("emb", (37, 300)), ("w", (5, 3, 7)), ("b", (9,)), ("s", ()), ("z", (0, 4))]
     g = torch.Generator().manual_seed(3)
     named = {k: torch.randn(s, generator=g) for k, s in shapes}
-    schema = TensorSchema.from_shapes(shapes)
-    if kind == "sign_row":
-        schema = dataclasses.replace(schema, row_scales=True)
-    codec = DenseCodec(schema) if kind == "fp32" else TopKCodec(schema) if kind == "topk" \
-        else SignCodec(schema)
-    msg = codec.encode(named, 5, worker=0, round=0)
-    assert len(msg) == codec.encoded_bytes(schema)
-    assert codec.compression_ratio(schema) == pytest.approx(4 * schema.numel / len(msg), rel=1e-12)
-    agg, tokens = codec.aggregate([msg])
+    codec = _codec(kind, named, chunk=256, k=8)
+    v = {k: torch.randn(s, generator=g) for k, s in shapes}
+    msg = join_parts([codec.encode(named, 5, worker=0, round=0, predictor=v)])
+    assert len(msg) == codec.message_bytes()
+    agg, tokens = codec.aggregate([msg], predictor=v)
     assert tokens == [5] and set(agg) == set(named)

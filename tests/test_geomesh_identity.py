@@ -2,7 +2,7 @@
 
 Pure logic, no processes.  An insider holds the run's secret, so its envelope
 opens in its own slot (:mod:`geomesh.envelope` binds slot, run and round); what
-it writes *inside* — the codec header's worker id, round, version, tensor
+it writes *inside* — the codec header's worker id, round, version, piece
 count, token count, the values, and the loss and compute seconds riding along —
 is checked here, one test per kind (issue 25, "a self-reported identity is
 trusted").  The hostile messages are shared with ``bench/faults.py``
@@ -11,38 +11,18 @@ trusted").  The hostile messages are shared with ``bench/faults.py``
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import struct
-import zlib
 
 import pytest
 import torch
 
-from geomesh.codec import DenseCodec, SignCodec
-from geomesh.compression import MessageError, TensorSchema
+from geomesh.compression import MessageError
 from geomesh.envelope import DATA, Opener, Sealer
 from geomesh.guard import Guard
-from geomesh.predict import PredictiveSignCodec
-from geomesh.sparse import TopKCodec
+from tests.test_geomesh_trust import KINDS, V, _codec, _crc, _named, aggregate, encode
 
 SECRET, RUN = b"i" * 32, 77
-KINDS = ["sign", "fp32", "topk", "sign_pred"]
-
-
-def _named(seed: int, scale: float = 1.0) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return {"emb": torch.randn(6, 8, generator=g) * scale, "b": torch.randn(7, generator=g) * scale}
-
-
-def _codec(kind: str, named=None):
-    schema = dataclasses.replace(TensorSchema.from_tensors(named or _named(0)),
-                                 row_scales=kind in ("sign", "sign_pred"))
-    if kind == "topk":
-        return TopKCodec(schema, chunk=4, k=2)
-    if kind == "sign_pred":
-        return PredictiveSignCodec(schema)
-    return SignCodec(schema) if kind == "sign" else DenseCodec(schema)
 
 
 def _guard(k: int = 3) -> Guard:
@@ -66,11 +46,11 @@ def forged_cases(codec, round: int = 5) -> dict[str, list[bytes]]:
     and honest values, a header of round ``round - 1`` (a message of the last
     round replayed inside a fresh envelope).
     """
-    honest = [codec.encode(_named(k), 100, worker=k, round=round) for k in range(2)]
+    honest = [encode(codec, _named(k), 100, worker=k, round=round) for k in range(2)]
     cases = {
-        "claims_999": codec.encode(_named(2), 10**12, worker=999, round=round),
-        "borrows_0": codec.encode(_named(2, 1e6), 100, worker=0, round=round),
-        "other_round": codec.encode(_named(2), 100, worker=2, round=round - 1),
+        "claims_999": encode(codec, _named(2), 10**12, worker=999, round=round),
+        "borrows_0": encode(codec, _named(2, 1e6), 100, worker=0, round=round),
+        "other_round": encode(codec, _named(2), 100, worker=2, round=round - 1),
     }
     return {k: [*honest, v] for k, v in cases.items()}
 
@@ -86,8 +66,8 @@ def test_forged_header_identity_is_dropped_and_blames_its_slot(kind):
     codec = _codec(kind)
     for name, msgs in forged_cases(codec).items():
         guard = _guard()
-        agg, tokens = codec.aggregate(_through_envelope(msgs), guard=guard, round=5)
-        ref, _ = codec.aggregate(msgs[:2])
+        agg, tokens = aggregate(codec, _through_envelope(msgs), guard=guard, round=5)
+        ref, _ = aggregate(codec, msgs[:2])
         assert tokens == [100, 100, 0], name
         assert guard.last_rejected == {2: "identity"}, (name, guard.last_rejected)
         for k in ref:
@@ -103,22 +83,22 @@ def test_worker_without_planned_tokens_has_no_weight():
     assert guard.last_rejected == {7: "tokens"}
 
 
-@pytest.mark.parametrize("kind", ["fp32", "topk"])
-@pytest.mark.parametrize("field", ["version", "count"])
-def test_fp32_and_topk_decoders_check_version_and_tensor_count(kind, field):
-    """Catches the fp32 and top-k decoders ignoring the header's version and
-    tensor-count fields (the sign decoder checked them): a message of wire
-    version 2, or announcing one tensor more, with a valid CRC, is a
-    ``MessageError`` naming the field, not decoded as version 1."""
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("field", ["version", "more_pieces", "fewer_pieces"])
+def test_decoder_checks_version_and_piece_count(kind, field):
+    """Catches a decoder that ignores the header's version or piece count: a part
+    of wire version 2, or announcing one piece more or fewer than it carries, with
+    a valid CRC, is a ``MessageError`` naming the problem, not decoded as version 1
+    or cut short."""
     codec = _codec(kind)
-    raw = bytearray(codec.encode(_named(0), 100, worker=0, round=0))
+    raw = bytearray(codec.encode(_named(0), 100, worker=0, round=0, predictor=V))
     if field == "version":
         struct.pack_into("<H", raw, 4, 2)
     else:
-        struct.pack_into("<I", raw, 32, len(codec.schema.entries) + 1)
-    struct.pack_into("<I", raw, len(raw) - 4, zlib.crc32(raw[:-4]))
-    with pytest.raises(MessageError, match="version 2" if field == "version" else "tensors"):
-        codec.aggregate([bytes(raw)])
+        struct.pack_into("<I", raw, 40, 2 + (1 if field == "more_pieces" else -1))
+    want = {"version": "version 2", "more_pieces": "truncated", "fewer_pieces": "overlong"}
+    with pytest.raises(MessageError, match=want[field]):
+        aggregate(codec, [_crc(raw)])
 
 
 def _big(seed: int) -> dict[str, torch.Tensor]:
@@ -142,7 +122,7 @@ def spike(named: dict[str, torch.Tensor], name: str) -> dict[str, torch.Tensor]:
     return out
 
 
-@pytest.mark.parametrize("kind", ["sign", "fp32", "topk"])
+@pytest.mark.parametrize("kind", ["sign_row", "fp32", "topk"])
 def test_one_element_cannot_carry_a_workers_whole_norm(kind):
     """Catches a worker putting its whole permitted norm into one element (one row
     with row scales: every element of a row decodes to the row's mean): the
@@ -151,18 +131,17 @@ def test_one_element_cannot_carry_a_workers_whole_norm(kind):
     256 here) exceeds MAX_PEAK_RATIO = 64: dropped, reason ``element``; honest
     workers' crest factors (< 6 measured) pass and the aggregate is theirs."""
     named = [_big(k) for k in range(3)]
-    schema = dataclasses.replace(TensorSchema.from_tensors(named[0]), row_scales=kind == "sign")
-    codec = {"sign": SignCodec, "fp32": DenseCodec}.get(kind, TopKCodec)(schema)
-    target = "e" if kind == "sign" else "w"
-    msgs = [codec.encode(named[k], 100, worker=k, round=0) for k in range(2)]
-    msgs.append(codec.encode(spike(named[2], target), 100, worker=2, round=0))
+    codec = _codec(kind, named[0])
+    target = "e" if kind == "sign_row" else "w"
+    msgs = [encode(codec, named[k], 100, worker=k) for k in range(2)]
+    msgs.append(encode(codec, spike(named[2], target), 100, worker=2))
     guard = _guard()
-    agg, tokens = codec.aggregate(msgs, guard=guard)
-    ref, _ = codec.aggregate(msgs[:2])
+    agg, tokens = aggregate(codec, msgs, guard=guard)
+    ref, _ = aggregate(codec, msgs[:2])
     assert tokens == [100, 100, 0] and guard.last_rejected == {2: "element"}, guard.last_rejected
     assert all(torch.equal(agg[k], ref[k]) for k in ref)
     honest = _guard()  # the same round with worker 2 honest: nobody is dropped
-    codec.aggregate([*msgs[:2], codec.encode(named[2], 100, worker=2, round=0)], guard=honest)
+    aggregate(codec, [*msgs[:2], encode(codec, named[2], 100, worker=2)], guard=honest)
     assert not honest.rejected and honest.max_peak_ratio == 64.0
 
 

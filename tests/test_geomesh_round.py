@@ -11,16 +11,12 @@ import json
 import pytest
 import torch
 
+from geomesh.canonical import CanonicalSchema, whole_layout
+from geomesh.canonical_codec import CanonicalCodec, join_parts
 from geomesh.clock import EmulatedClock
 from geomesh.cluster import load_cluster
-from geomesh.compression import (
-    ErrorFeedback,
-    TensorSchema,
-    compress_message,
-    decode_message,
-    encode_message,
-)
-from geomesh.outer import OuterNesterov, aggregate_messages
+from geomesh.compression import ErrorFeedback
+from geomesh.outer import OuterNesterov
 from geomesh.planner import Planner
 from geomesh.transport import InProcessTransport
 from jobruntime.config import load_config
@@ -42,13 +38,14 @@ def test_emulated_rounds_train_and_charge_time():
     planner = Planner.from_job_config(cfg, cluster)
     plan = planner.plan()
     json.dumps(plan.to_dict())  # loggable
-    target_bytes = 163_000_000  # ~GPT-3 1.3B message (see test_geomesh_compression)
+    target_bytes = 163_000_000  # ~GPT-3 1.3B sign message (see test_geomesh_compression)
 
     w_true = torch.randn(8, 1)
     data_x = torch.randn(512, 8)
     data_y = data_x @ w_true
     theta = {"w": torch.zeros(8, 1), "b": torch.zeros(1)}
-    schema = TensorSchema.from_tensors(theta)
+    schema = CanonicalSchema.from_shapes((k, v.shape) for k, v in theta.items())
+    codec = CanonicalCodec("sign", whole_layout(schema), schema)  # one scale per tensor
     outer = OuterNesterov(theta, lr=0.7, momentum=0.9)
     feedback = [ErrorFeedback() for _ in cluster.workers]
     clock = EmulatedClock(cluster)
@@ -79,11 +76,11 @@ def test_emulated_rounds_train_and_charge_time():
                 c = x.abs().mean() * torch.where(x >= 0, 1.0, -1.0)
                 residual[i][k] = x - c
                 reference[k] += wp.tokens / plan.total_tokens * c
-            msg = compress_message(delta, wp.tokens, worker=i, round=rnd, feedback=feedback[i])
-            messages[i] = encode_message(msg, schema)
-        received = [decode_message(b, schema) for b in transport.exchange(messages)]
-        agg = aggregate_messages(received)
-        assert [m.num_tokens for m in received] == [wp.tokens for wp in plan.workers]
+            messages[i] = join_parts([codec.encode(delta, wp.tokens, worker=i, round=rnd,
+                                                   feedback=feedback[i])])
+        agg, tokens = codec.aggregate(transport.exchange(messages), round=rnd,
+                                      senders=range(len(plan.workers)))
+        assert tokens == [wp.tokens for wp in plan.workers]
         for k in theta:
             torch.testing.assert_close(agg[k], reference[k], rtol=1e-6, atol=1e-7)
         outer.step(agg)

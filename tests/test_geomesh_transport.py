@@ -18,9 +18,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from geomesh.canonical import CanonicalSchema, whole_layout
+from geomesh.canonical_codec import CanonicalCodec
 from geomesh.clock import EmulatedClock, geomesh_round
 from geomesh.cluster import cluster_from_dict
-from geomesh.compression import TensorSchema, compress_message, encode_message
 from geomesh.transport import (
     InProcessTransport,
     RegionTimeoutError,
@@ -46,14 +47,11 @@ def _payloads() -> list[list[bytes]]:
     """Round 0: real GeoMesh messages; round 1: odd lengths, one empty."""
     g = torch.Generator().manual_seed(0)
     named = {"a": torch.randn(33, 5, generator=g), "b": torch.randn(7, generator=g)}
-    schema = TensorSchema.from_tensors(named)
+    schema = CanonicalSchema.from_shapes((k, v.shape) for k, v in named.items())
+    codec = CanonicalCodec("sign_row", whole_layout(schema), schema)
     round0 = [
-        encode_message(
-            compress_message(
-                {k: v * (i + 1) - i for k, v in named.items()}, 100 * (i + 1), worker=i, round=0
-            ),
-            schema,
-        )
+        codec.encode({k: v * (i + 1) - i for k, v in named.items()}, 100 * (i + 1), worker=i,
+                     round=0)
         for i in range(WORLD)
     ]
     round1 = [bytes(i % 251 for i in range(n)) for n in (1001, 0, 17)]

@@ -1,0 +1,196 @@
+"""Render result tables in the README and docs/ from committed bench JSON.
+
+A table in a Markdown page sits between two markers naming its result file
+(``docs/results/<name>.json``)::
+
+    <!-- results: four_shape_cpu -->
+    ...generated table...
+    <!-- /results -->
+
+``python tools/render_results.py`` rewrites every such block from its JSON;
+``--check`` changes nothing and exits 1 naming each stale block (the test
+suite runs it), so a number in the docs is always one a committed bench
+output holds.  Each result file has one renderer here (``RENDERERS``); a block
+naming a file without one, or a missing file, is an error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+RESULTS = REPO / "docs" / "results"
+PAGES = ("README.md", "docs/*.md")
+BLOCK = re.compile(r"(<!-- results: (?P<name>[\w.-]+) -->\n)(?P<body>.*?)(<!-- /results -->)", re.S)
+
+
+def _mb(n: float) -> str:
+    return f"{n / 1e6:.1f} MB"
+
+
+def _source(r: dict, name: str) -> str:
+    """The provenance line under a table: date, commit, machine, command, file."""
+    return (f"*Measured {r['date'][:10]} at `{r['commit']}` on {r['machine']}: "
+            f"`{r['command']}` (`docs/results/{name}.json`).*")
+
+
+def four_shape_cpu(r: dict) -> str:
+    """Per region: layout, final plan, wall time, bytes, idle; then real vs emulated."""
+    m, e = r["measured"], r["equality"]
+    lines = ["| region (GPU profile) | tp/pp/dp | b_i | H_i | rounds, wall s | compute s | "
+             "straggler idle s | WAN idle s | sent | received | final val ppl |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for x in m["regions"]:
+        lay = x["layout"]
+        lines.append(f"| {x['region']} ({x['gpu']}) | {lay['tp']}/{lay['pp']}/{lay['dp']} | "
+                     f"{x['batch_size']} | {x['inner_steps']} | {x['rounds_wall_s']:.1f} | "
+                     f"{x['compute_s']:.1f} | {x['straggler_idle_s']:.1f} | "
+                     f"{x['wan_idle_s']:.1f} | {_mb(x['bytes_sent'])} | "
+                     f"{_mb(x['bytes_received'])} | {x['final_val_ppl']:.2f} |")
+    digest = m["regions"][0]["global_weights_sha256"][:12]
+    same = "the same in every region" if m["same_digest"] else "NOT the same in every region"
+    replans = m["regions"][0]["replans"]
+    lines += ["", f"{len(m['regions'])} regions, {m['distinct_layouts']} distinct layouts, "
+              f"{len(m.get('rounds', [])) or '?'} rounds, {replans} re-plan(s) from measured step "
+              f"times; θ_global's canonical SHA-256 `{digest}…` {same}.  With re-planning off, "
+              f"the same cluster emulated (one TP1 process per worker, same plan and data) "
+              f"differs from every region by at most {e['max_abs_val_loss_diff']:.1e} nats in "
+              f"validation loss and {e['max_abs_loss_diff']:.1e} in training loss over "
+              f"{e['rounds']} rounds (TP/PP summation order; the clocks differ).",
+              "", _source(r, "four_shape_cpu")]
+    return "\n".join(lines) + "\n"
+
+
+# What each fault scenario of bench/faults.py injects and what surviving means (text);
+# every number in the table comes from the scenario's record.
+FAULTS = {
+    "worker_killed_in_train": ("worker killed after its inner steps", "SIGKILL"),
+    "worker_killed_at_exchange": ("worker killed after the quorum, before the all-gather",
+                                  "SIGKILL"),
+    "worker_killed_before_commit": ("worker killed after the all-gather, before commit",
+                                    "SIGKILL"),
+    "worker_killed_in_checkpoint_save": ("worker killed inside a checkpoint save", "SIGKILL"),
+    "store_host_killed": ("store host (worker 0, torchft's quorum store) killed", "SIGKILL"),
+    "late_join": ("late join: worker killed, restarted, healed from a live peer", "SIGKILL"),
+    "network_stall": ("network stall 2 x heartbeat", "SIGSTOP"),
+    "worker_lost_fail_policy": ("worker lost, `on_worker_loss=fail`", "SIGKILL"),
+    "store_host_lost_fail_policy": ("store host lost, `on_worker_loss=fail`", "SIGKILL"),
+    "lighthouse_restart": ("lighthouse killed, restarted on its address", "SIGKILL"),
+    "lighthouse_lost": ("lighthouse killed for good", "SIGKILL"),
+    "straggler_replan": ("a 10x straggler, re-planning on", "slowdown"),
+    "cona_switch_killed": ("CONA: rank 1 killed inside a layout switch", "SIGKILL"),
+    "cona_resume_old_layout": ("CONA: resume the last checkpoint at the old layout", "resume"),
+    "cona_resume_new_layout": ("CONA: resume the last checkpoint at the new layout", "resume"),
+}
+
+
+def _fault_result(x: dict) -> str:
+    """The measured part of a scenario's row: detection, stall, re-plans, digests."""
+    out = []
+    if "detect_s" in x:
+        out.append(f"stopped {x['detect_s']:.1f} s after the death"
+                   + (f" (bound {x['bound_s']:.1f} s)" if "bound_s" in x else ""))
+    if "stall_s" in x:
+        out.append(f"restarted after {x['restart_after_s']:.1f} s; {x['rounds_lost']} round(s) "
+                   f"lost; longest round {x['stall_s']:.1f} s over the median "
+                   f"({x['median_round_s']:.1f} s)")
+    if "replans" in x:
+        dev = x["max_token_deviation"]
+        out.append(f"{x['replans']} re-plans; round tokens {min(x['round_tokens']):,}-"
+                   f"{max(x['round_tokens']):,} against a budget of {x['token_budget']:,} "
+                   f"(max deviation {100 * dev:.1f} %)")
+    if "seconds" in x:
+        out.append(f"survivor stopped in {x['seconds']:.1f} s, checkpoints kept")
+    if "same_digest" in x:
+        out.append("θ_global digests " + ("equal" if x["same_digest"] else "DIFFER"))
+    if "layouts" in x:
+        out.append("layouts " + ", ".join(x["layouts"]))
+    return "; ".join(out)
+
+
+def faults_quick(r: dict) -> str:
+    """The fault table: every scenario survived or not, with its measured figures."""
+    sm = r["summary"]
+    lines = ["| fault (real processes) | injected | survived | result | exit codes | bytes lost |",
+             "|---|---|---|---|---|---:|"]
+    for x in r["scenarios"]:
+        what, how = FAULTS.get(x["scenario"], (x["scenario"].replace("_", " "), ""))
+        codes = ", ".join("killed" if c == -9 else str(c) for c in x.get("exit_codes", []))
+        lines.append(f"| {what} | {how} | {'yes' if x['survived'] else '**no**'} | "
+                     f"{_fault_result(x)} | {codes} | {x['bytes_lost']} |")
+    kinds = {k["kind"]: k for k in sm.get("hostile_kinds", [])}
+    lines += ["", f"{sm['faults_survived']} of {sm['faults_injected']} faults survived, "
+              f"{sm['hostile_rejected']} of {sm['hostile_tried']} hostile messages rejected"
+              + (f" ({kinds['forged_identity']['rejected']} forged identities, "
+                 f"{kinds['lying_statistics']['rejected']} lying statistics among them; honest "
+                 "workers blamed: "
+                 f"{kinds['forged_identity']['honest_blamed']})" if len(kinds) == 2 else "")
+              + f", {sm['clean_errors']} of {sm['bad_inputs_tried']} bad inputs a one-line "
+              f"error, {sm['bytes_lost']} bytes lost; {sm['wall_s']:.0f} s wall.",
+              "", _source(r, "faults_quick")]
+    return "\n".join(lines) + "\n"
+
+
+RENDERERS: dict[str, Callable[[dict], str]] = {"four_shape_cpu": four_shape_cpu,
+                                               "faults_quick": faults_quick}
+
+
+def render(text: str) -> tuple[str, list[str]]:
+    """``text`` with every result block regenerated, and the names of the blocks.
+
+    Raises:
+        ValueError: a block names a result without a renderer or a JSON file.
+    """
+    names = []
+
+    def one(m: re.Match) -> str:
+        name = m["name"]
+        if name not in RENDERERS:
+            raise ValueError(f"results block '{name}': no renderer in tools/render_results.py")
+        path = RESULTS / f"{name}.json"
+        if not path.is_file():
+            raise ValueError(f"results block '{name}': docs/results/{path.name} is missing")
+        names.append(name)
+        return m.group(1) + RENDERERS[name](json.loads(path.read_text())) + m.group(4)
+
+    return BLOCK.sub(one, text), names
+
+
+def pages() -> list[Path]:
+    return [p for pattern in PAGES for p in sorted(REPO.glob(pattern))]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--check", action="store_true", help="exit 1 if a page is stale")
+    args = ap.parse_args(argv)
+    stale = []
+    for page in pages():
+        text = page.read_text()
+        try:
+            new, names = render(text)
+        except ValueError as e:
+            print(f"error: {page.relative_to(REPO)}: {e}", file=sys.stderr)
+            return 2
+        if new != text:
+            stale.append(f"{page.relative_to(REPO)} ({', '.join(names)})")
+            if not args.check:
+                tmp = page.with_suffix(page.suffix + ".tmp")
+                tmp.write_text(new)
+                tmp.replace(page)
+    if args.check and stale:
+        print("error: stale result tables in " + "; ".join(stale)
+              + ": run python tools/render_results.py", file=sys.stderr)
+        return 1
+    for s in stale:
+        print(f"rendered {s}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
