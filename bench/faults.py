@@ -188,7 +188,7 @@ def geomesh(root: Path, cache: str, name: str, rounds: int, *, fault: tuple[int,
     ``act(jobs, lighthouse)``, if given, runs once the victim has finished round 2
     and returns the lighthouse the run goes on with (the same, or a new one).
     With ``continue``, survived also means that every job alive at the end holds
-    the same ``global_weights_sha256`` (``digests_equal``).
+    the same ``global_weights_sha256`` (``same_digest``); ``layouts`` when ``shapes`` is given.
     """
     shapes = shapes if shapes is not None else [{}, {}]
     slowdown = slowdown or [SLOWDOWN] * len(shapes)
@@ -269,10 +269,11 @@ def geomesh(root: Path, cache: str, name: str, rounds: int, *, fault: tuple[int,
         ok = ok and None not in digests and len(set(digests)) == 1
         detect = None
     return {"scenario": name, "survived": bool(ok), "exit_codes": rcs, "bytes_lost": lost,
-            "layouts": [f"tp{w.get('tp', 1)}/pp{w.get('pp', 1)}/{w['num_gpus']}proc"
-                        for w in workers], "seconds": round(seconds, 1),
+            "wall_s": round(seconds, 1),
+            **({"layouts": [f"tp{w.get('tp', 1)}/pp{w.get('pp', 1)}/{w['num_gpus']}proc"
+                            for w in workers]} if any(shapes) else {}),
             **({"detect_s": round(detect, 1)} if detect is not None else {}),
-            **({"digests_equal": len(set(digests)) == 1 and None not in digests}
+            **({"same_digest": len(set(digests)) == 1 and None not in digests}
                if digests is not None else {})}
 
 

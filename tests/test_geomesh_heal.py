@@ -103,7 +103,7 @@ def test_late_join_heals_across_layouts(scenario, cache_dir, tmp_path):
     res = geomesh(tmp_path, cache_dir, scenario, 12, **SCENARIOS[scenario])
     print(json.dumps(res))  # the bench's record (pytest -s shows it)
     assert res["exit_codes"][0] == 0 and res["exit_codes"][-1] == 0, res
-    assert res["digests_equal"] and res["survived"] and res["bytes_lost"] == 0, res
+    assert res["same_digest"] and res["survived"] and res["bytes_lost"] == 0, res
     healed = (tmp_path / scenario / "re1.log").read_text(errors="replace")
     assert "healed from a live peer" in healed, healed[-3000:]
 
@@ -120,4 +120,4 @@ def test_lost_region_in_a_mixed_shape_cluster(cache_dir, tmp_path):
     res = geomesh(tmp_path, cache_dir, name, 6, **SCENARIOS[name])
     print(json.dumps(res))
     assert res["exit_codes"][:2] == [0, 0] and res["exit_codes"][2] != 0, res
-    assert res["digests_equal"] and res["survived"] and res["bytes_lost"] == 0, res
+    assert res["same_digest"] and res["survived"] and res["bytes_lost"] == 0, res
