@@ -297,7 +297,6 @@ SCENARIOS: dict[str, dict] = {
     # a TP2 job serves (its follower rank answers its leader's state request) a TP1 one,
     # with the outer momentum kept by the workers (geomesh.compress_update): none to heal
     "late_join_compress_update": dict(fault=(1, "train@1"), rejoin=True, shapes=[TP2, {}],
-                                      slowdown=[25.0, SLOWDOWN],
                                       overrides=("geomesh.compress_update=true",)),
     # a lost region in a mixed-shape cluster: rank 1 (not the torchft leader) of the PP2 job
     "region_lost_mixed_shapes": dict(fault=(2, "train@2/1"),
