@@ -4,16 +4,20 @@ Usage::
 
     python bench/faults.py --quick --out runs/faults      # ~20 min on 2 idle cores
 
-Each GeoMesh scenario runs a torchft lighthouse (``python -m geomesh.lighthouse``)
-and two region jobs (``train.py ... geomesh.region=...``, one process each,
-gloo) of ``tiny_gpt`` at test size, and injects one fault with
-``GEOCONA_FAULT`` (SIGKILL at a named point: :mod:`jobruntime.faults`) or with
-SIGSTOP/SIGCONT from here (a network stall):
+Each GeoMesh scenario (:data:`SCENARIOS`) runs a torchft lighthouse (``python -m
+geomesh.lighthouse``) and one job per region (``train.py ... geomesh.region=...``,
+gloo; two regions of one process each unless the scenario gives region shapes, a
+job of several processes under ``torchrun``) of ``tiny_gpt`` at test size, and
+injects one fault with ``GEOCONA_FAULT`` (SIGKILL at a named point:
+:mod:`jobruntime.faults`) or with SIGSTOP/SIGCONT from here (a network stall):
 
 * a worker killed after its inner steps (``train``), after the round's quorum
   (``exchange``), after the all-gather (``commit``), inside a checkpoint save
   (``save``); the store host (worker 0: torchft's quorum store is the lowest
-  replica's) killed; a late join (worker 1 killed, restarted, heals); a stall
+  replica's) killed; a late join (worker 1 killed, restarted, heals); the same
+  across layouts (a TP2 job healed by a TP1 one, a PP2 job by a DP2 one, a TP1 job
+  by a TP2 one with ``geomesh.compress_update``); a
+  region of a TP1/TP2/PP2 cluster lost (a rank of its PP2 job killed); a stall
   of twice the heartbeat; the same loss with ``on_worker_loss=fail``; the
   lighthouse killed and restarted on its address 3.6 s later, or killed for good;
 * a 10x straggler that triggers a re-plan (one ``torchrun`` of 2 ranks playing
@@ -23,7 +27,8 @@ SIGSTOP/SIGCONT from here (a network stall):
   switch, then the last checkpoint resumed at the old and at the new layout.
 
 *Survived* means: ``continue`` — every job alive at the end exits 0 after all
-rounds (a rejoined worker with the survivors' final loss); ``fail`` and the
+rounds with the same ``global_weights_sha256`` in its ``summary.json`` (θ_global
+bit-identical; a rejoined worker also with the survivors' final loss); ``fail`` and the
 CONA switch — every surviving process exits within the detection time with
 exactly one ``error:`` line naming the lost region (or the switch) and no
 traceback, and the resumes exit 0.  *Bytes lost*: run files (metrics,
@@ -68,7 +73,7 @@ SMALL = ["model.num_layers=2", "model.hidden_size=64", "model.num_attention_head
          "logging.progress=on"]
 HEARTBEAT_S = 5.0
 SLOWDOWN = 8.0  # each round sleeps 7x its compute time (geomesh/fleet/cluster.py ``slowdown``)
-REGIONS = ["East US", "West Europe"]
+REGIONS = ["East US", "West Europe", "Japan East", "Australia East"]
 
 
 def _port() -> int:
@@ -149,25 +154,56 @@ def _clean_exit(text: str, name: str) -> bool:
     return len(errors) == 1 and name in errors[0] and "Traceback" not in text
 
 
+def _job_cmd(nproc: int) -> list[str]:
+    """The command that starts a region's ``train.py``: itself for one process,
+    ``torchrun --standalone --nproc-per-node N`` for more (as ``geomesh.launch_local``)."""
+    if nproc == 1:
+        return [sys.executable, "train.py"]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+            str(nproc), "train.py"]
+
+
+def _digest(run_dir: Path) -> str | None:
+    """``global_weights_sha256`` of a region job's ``summary.json`` (``None``: none written)."""
+    try:
+        return json.loads((run_dir / "summary.json").read_text()).get("global_weights_sha256")
+    except (OSError, ValueError):
+        return None
+
+
 def geomesh(root: Path, cache: str, name: str, rounds: int, *, fault: tuple[int, str] | None = None,
             policy: str = "continue", rejoin: bool = False, stall: bool = False,
-            act: Callable[[list[Run], Run], Run] | None = None) -> dict:
+            act: Callable[[list[Run], Run], Run] | None = None,
+            shapes: list[dict] | None = None, slowdown: list[float] | None = None,
+            overrides: tuple[str, ...] = ()) -> dict:
     """One GeoMesh scenario (module docstring); returns its result record.
 
+    ``shapes``: one dict per region of worker fields over one process at TP1
+    (e.g. ``{"num_gpus": 2, "tp": 2}``); default two regions of one process.  A
+    region of ``N > 1`` processes runs under ``torchrun --nproc-per-node N``, and
+    ``fault``'s spec kills its job rank ``/<rank>`` (default 0, the torchft leader).
+    ``slowdown``: each region's factor (default :data:`SLOWDOWN`): a survivor slower
+    than the victim is still running when a restarted multi-process job is back.
+    ``overrides``: more ``section.key=value`` for every job.
     ``act(jobs, lighthouse)``, if given, runs once the victim has finished round 2
     and returns the lighthouse the run goes on with (the same, or a new one).
+    With ``continue``, survived also means that every job alive at the end holds
+    the same ``global_weights_sha256`` (``same_digest``); ``layouts`` when ``shapes`` is given.
     """
+    shapes = shapes if shapes is not None else [{}, {}]
+    slowdown = slowdown or [SLOWDOWN] * len(shapes)
+    regions = REGIONS[:len(shapes)]
     d = root / name
     d.mkdir(parents=True, exist_ok=True)
     port, secret = _port(), os.urandom(16).hex()
     cluster = d / "cluster.yaml"
+    workers = [{"name": f"w{i}", "gpu": "A100-80GB", "num_gpus": 1, "region": r, **shapes[i]}
+               for i, r in enumerate(regions)]
     cluster.write_text(json.dumps({
         "name": name, "mode": "real", "rendezvous": f"127.0.0.1:{port}",
-        "regions": [{"name": r, "id": i} for i, r in enumerate(REGIONS)],
-        "workers": [{"name": f"w{i}", "gpu": "A100-80GB", "num_gpus": 1, "region": r}
-                    for i, r in enumerate(REGIONS)],
+        "regions": [{"name": r, "id": i} for i, r in enumerate(regions)], "workers": workers,
         # rounds of seconds, not a fraction of one: a restart or a stall lands mid-run
-        "slowdown": [{"worker": f"w{i}", "factor": SLOWDOWN} for i in range(2)]}))
+        "slowdown": [{"worker": w["name"], "factor": f} for w, f in zip(workers, slowdown)]}))
     lh = Run([sys.executable, "-m", "geomesh.lighthouse", "--bind", f"127.0.0.1:{port}",
               "--heartbeat-s", str(HEARTBEAT_S), "--join-timeout-s", "120"], d / "lighthouse.log",
              _env(secret))
@@ -175,16 +211,18 @@ def geomesh(root: Path, cache: str, name: str, rounds: int, *, fault: tuple[int,
               "geomesh.method=geomesh", "geomesh.inner_steps=2", f"geomesh.outer_steps={rounds}",
               "geomesh.replan=false", f"geomesh.heartbeat_s={HEARTBEAT_S}", "geomesh.timeout_s=120",
               f"geomesh.on_worker_loss={policy}", "checkpoint.save_interval=1",
-              "checkpoint.keep_last=0"]
+              "checkpoint.keep_last=0", *overrides]
 
     def job(k: int, tag: str, fault_spec: str | None) -> Run:
-        return Run([sys.executable, "train.py", "--config", "tiny_gpt", "--run-dir",
-                    str(d / f"{tag}{k}"), *common, f"geomesh.region={REGIONS[k]}"],
+        return Run([*_job_cmd(workers[k]["num_gpus"]), "--config", "tiny_gpt", "--run-dir",
+                    str(d / f"{tag}{k}"), *common, f"geomesh.region={regions[k]}"],
                    d / f"{tag}{k}.log", _env(secret, fault_spec))
 
-    jobs = [job(k, "w", fault[1] if fault and fault[0] == k else None) for k in range(2)]
-    watch = Watch([d / "w0", d / "w1", d / "re1"])
+    t0 = time.monotonic()
+    n = len(regions)
+    jobs = [job(k, "w", fault[1] if fault and fault[0] == k else None) for k in range(n)]
     victim = fault[0] if fault else 1
+    watch = Watch([*(d / f"w{k}" for k in range(n)), d / f"re{victim}"])
     extra: list[Run] = []
     if stall or rejoin or act:  # wait for round 2 of the victim (its metrics), then act
         deadline = time.monotonic() + 600
@@ -203,29 +241,74 @@ def geomesh(root: Path, cache: str, name: str, rounds: int, *, fault: tuple[int,
         time.sleep(2)
         extra.append(job(victim, "re", None))
     rcs = [j.wait(1200) for j in jobs] + [j.wait(1200) for j in extra]
+    seconds = time.monotonic() - t0
     lh.p.terminate()
     lh.wait(30)
     lost = watch.lost()
     texts = [j.text() for j in jobs + extra]
-    survivors = [i for i in range(2) if not (fault and fault[0] == i and not stall)]
+    survivors = [i for i in range(n) if not (fault and fault[0] == i and not stall)]
+    digests = None
     if policy == "fail":
-        lost_region = REGIONS[victim]
-        # the victim must have died of its fault (-9): a survivor that stopped first saw a
-        # loss that was not there (a false detection), which is not surviving
-        ok = rcs[victim] == -signal.SIGKILL and all(
+        lost_region = regions[victim]
+        # the victim must have died of its fault (-9; a torchrun job: 1, its rank killed):
+        # a survivor that stopped first saw a loss that was not there (a false detection)
+        killed = -signal.SIGKILL if workers[victim]["num_gpus"] == 1 else 1
+        ok = rcs[victim] == killed and all(
             rcs[i] == 3 and _clean_exit(texts[i], lost_region) for i in survivors)
         # detection: from the lost worker's death to the last survivor's exit
         detect = max((jobs[i].t_exit or time.monotonic()) for i in survivors) - (
             jobs[victim].t_exit or time.monotonic())
     else:
-        alive = survivors + ([2] if extra else [])
+        alive = survivors + ([n] if extra else [])
         ok = all(rcs[i] == 0 and f"outer step {rounds}/{rounds}" in texts[i] for i in alive)
         if extra:  # the rejoined worker ends with the survivors' model
             finals = [texts[i].rsplit("final val ppl", 1)[-1].split(",")[0] for i in alive]
             ok = ok and len(set(finals)) == 1
+        # θ_global in canonical form: bit-identical in every job alive at the end
+        digests = [_digest(d / (f"w{i}" if i < n else f"re{victim}")) for i in alive]
+        ok = ok and None not in digests and len(set(digests)) == 1
         detect = None
     return {"scenario": name, "survived": bool(ok), "exit_codes": rcs, "bytes_lost": lost,
-            **({"detect_s": round(detect, 1)} if detect is not None else {})}
+            "wall_s": round(seconds, 1),
+            **({"layouts": [f"tp{w.get('tp', 1)}/pp{w.get('pp', 1)}/{w['num_gpus']}proc"
+                            for w in workers]} if any(shapes) else {}),
+            **({"detect_s": round(detect, 1)} if detect is not None else {}),
+            **({"same_digest": len(set(digests)) == 1 and None not in digests}
+               if digests is not None else {})}
+
+
+TP2 = {"num_gpus": 2, "tp": 2}
+SCENARIOS: dict[str, dict] = {
+    "worker_killed_in_train": dict(fault=(1, "train@2")),
+    "worker_killed_at_exchange": dict(fault=(1, "exchange@2")),
+    "worker_killed_before_commit": dict(fault=(1, "commit@2")),
+    "worker_killed_in_checkpoint_save": dict(fault=(1, "save@2")),
+    "store_host_killed": dict(fault=(0, "train@2")),
+    "late_join": dict(fault=(1, "train@1"), rejoin=True),
+    # healing across layouts: the TP1 region serves a TP2 job, a DP2 job (its replica
+    # sends nothing) serves a PP2 one (its last stage cuts the tied output layer);
+    # the survivor is slower than the victim so that it still runs when the restarted
+    # torchrun of two processes is back (about a minute on two loaded cores)
+    "late_join_across_layouts": dict(fault=(1, "train@1"), rejoin=True, shapes=[{}, TP2],
+                                     slowdown=[50.0, SLOWDOWN]),
+    "late_join_dp2_serves_pp2": dict(fault=(1, "train@1"), rejoin=True,
+                                     shapes=[{"num_gpus": 2}, {"num_gpus": 2, "pp": 2}],
+                                     slowdown=[25.0, SLOWDOWN]),
+    # a TP2 job serves (its follower rank answers its leader's state request) a TP1 one,
+    # with the outer momentum kept by the workers (geomesh.compress_update): none to heal
+    "late_join_compress_update": dict(fault=(1, "train@1"), rejoin=True, shapes=[TP2, {}],
+                                      overrides=("geomesh.compress_update=true",)),
+    # a lost region in a mixed-shape cluster: rank 1 (not the torchft leader) of the PP2 job
+    "region_lost_mixed_shapes": dict(fault=(2, "train@2/1"),
+                                     shapes=[{}, TP2, {"num_gpus": 2, "pp": 2}]),
+    "network_stall": dict(stall=True),
+    "worker_lost_fail_policy": dict(fault=(1, "train@2"), policy="fail"),
+    "store_host_lost_fail_policy": dict(fault=(0, "train@2"), policy="fail"),
+}
+"""The :func:`geomesh` scenarios of the bench, by name: ``geomesh()``'s keyword arguments."""
+ROUNDS_SCALE = {"late_join": 3, "late_join_across_layouts": 2, "late_join_dp2_serves_pp2": 2,
+                "late_join_compress_update": 2}
+"""Rounds of a scenario in units of the bench's: a restarted job must find the run going."""
 
 
 RESTART_AFTER_S = 3.6  # the gap between a lighthouse's SIGKILL and its restart (issue 25)
@@ -347,9 +430,9 @@ def straggler_replan(root: Path, cache: str, rounds: int) -> dict:
     cluster = d / "cluster.yaml"
     cluster.write_text(json.dumps({
         "name": "straggler", "mode": "real", "rendezvous": f"127.0.0.1:{_port()}",
-        "regions": [{"name": r, "id": i} for i, r in enumerate(REGIONS)],
+        "regions": [{"name": r, "id": i} for i, r in enumerate(REGIONS[:2])],
         "workers": [{"name": f"w{i}", "gpu": "A100-80GB", "num_gpus": 1, "region": r}
-                    for i, r in enumerate(REGIONS)],
+                    for i, r in enumerate(REGIONS[:2])],
         "slowdown": [{"worker": "w1", "factor": 10.0, "from_round": 1}]}))
     inner, batch, seq, tol = 4, 8, 32, 0.05  # SMALL's batch and sequence; the planner's tolerance
     run = d / "run"
@@ -577,20 +660,8 @@ def main(argv=None) -> int:
     rounds = 6 if args.quick else 12
     t0 = time.monotonic()
     results = []
-    plan = [
-        ("worker_killed_in_train", dict(fault=(1, "train@2"))),
-        ("worker_killed_at_exchange", dict(fault=(1, "exchange@2"))),
-        ("worker_killed_before_commit", dict(fault=(1, "commit@2"))),
-        ("worker_killed_in_checkpoint_save", dict(fault=(1, "save@2"))),
-        ("store_host_killed", dict(fault=(0, "train@2"))),
-        ("late_join", dict(fault=(1, "train@1"), rejoin=True)),
-        ("network_stall", dict(stall=True)),
-        ("worker_lost_fail_policy", dict(fault=(1, "train@2"), policy="fail")),
-        ("store_host_lost_fail_policy", dict(fault=(0, "train@2"), policy="fail")),
-    ]
-    for name, kw in plan:
-        res = geomesh(root, args.cache_dir, name, rounds if name != "late_join" else 3 * rounds,
-                      **kw)
+    for name, kw in SCENARIOS.items():
+        res = geomesh(root, args.cache_dir, name, rounds * ROUNDS_SCALE.get(name, 1), **kw)
         results.append(res)
         print(json.dumps(res), flush=True)
     for kind in (lighthouse_restart, lighthouse_lost, straggler_replan):

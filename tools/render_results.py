@@ -77,6 +77,14 @@ FAULTS = {
     "worker_killed_in_checkpoint_save": ("worker killed inside a checkpoint save", "SIGKILL"),
     "store_host_killed": ("store host (worker 0, torchft's quorum store) killed", "SIGKILL"),
     "late_join": ("late join: worker killed, restarted, healed from a live peer", "SIGKILL"),
+    "late_join_across_layouts": ("late join across layouts: a TP2 job (2 processes) killed, "
+                                 "restarted, healed from the TP1 region", "SIGKILL"),
+    "late_join_dp2_serves_pp2": ("late join across layouts: a PP2 job killed, restarted, "
+                                 "healed from a DP2 region", "SIGKILL"),
+    "late_join_compress_update": ("late join, `compress_update=true` (no outer momentum): a "
+                                  "TP1 job healed from a TP2 region", "SIGKILL"),
+    "region_lost_mixed_shapes": ("region lost in a TP1/TP2/PP2 cluster: a rank of the PP2 "
+                                 "job killed", "SIGKILL"),
     "network_stall": ("network stall 2 x heartbeat", "SIGSTOP"),
     "worker_lost_fail_policy": ("worker lost, `on_worker_loss=fail`", "SIGKILL"),
     "store_host_lost_fail_policy": ("store host lost, `on_worker_loss=fail`", "SIGKILL"),

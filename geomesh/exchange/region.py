@@ -60,16 +60,21 @@ def _parse_piece(name: str) -> tuple[str, tuple[int, ...]]:
 
 
 def to_canonical(state: dict, layout: Mapping[str, Shard]) -> dict:
-    """A heal state's outer-optimizer tensors as ``{"key@offsets": tensor}`` main pieces."""
+    """A heal state's outer-optimizer tensors as ``{"key@offsets": tensor}`` main pieces.
+
+    An empty part stays empty: the outer momentum does not exist before the first
+    outer step, nor ever with ``geomesh.compress_update`` (the workers keep it).
+    """
     outer = dict(state["outer"])
     for part in _TENSOR_STATE:
         outer[part] = {_piece_name(k, o): t.detach().cpu()
-                       for k, o, t in main_pieces(layout, outer[part])}
+                       for k, o, t in main_pieces(layout, outer[part])} if outer[part] else {}
     return {**state, "outer": outer}
 
 
 def from_canonical(state: dict, layout: Mapping[str, Shard]) -> dict:
-    """Inverse of :func:`to_canonical` for this rank's layout (any other layout's pieces).
+    """Inverse of :func:`to_canonical` for this rank's layout (any other layout's pieces);
+    an empty part stays empty.
 
     Raises:
         ValueError: the pieces do not cover this rank's shards exactly once.
@@ -77,7 +82,7 @@ def from_canonical(state: dict, layout: Mapping[str, Shard]) -> dict:
     outer = dict(state["outer"])
     for part in _TENSOR_STATE:
         pieces = [(*_parse_piece(n), t) for n, t in outer[part].items()]
-        outer[part] = assemble(layout, pieces, what=f"healing state ({part})")
+        outer[part] = assemble(layout, pieces, what=f"healing state ({part})") if pieces else {}
     return {**state, "outer": outer}
 
 

@@ -1,0 +1,123 @@
+"""Healing across layouts: a region that (re)joins is healed from a live peer of another layout.
+
+In process: the healing state of a TP2 worker (two ranks) in canonical form
+(:func:`geomesh.exchange.region.to_canonical`) is cut into a TP1 worker's and a PP2
+worker's shards (:func:`geomesh.exchange.region.from_canonical`); reference: the whole
+tensors.  End to end (``slow``): ``bench/faults.py``'s late-join scenarios
+across layouts and a lost region of a mixed-shape cluster, real processes.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from geomesh.exchange.region import from_canonical, to_canonical
+from geomesh.wire.canonical import Shard
+
+# two canonical tensors: a column-split weight (TP dim 0) and a replicated layer norm
+WHOLE = {"w": torch.arange(24.0).view(6, 4), "ln": torch.tensor([1.0, 2.0, 3.0, 4.0])}
+
+
+def _tp2(rank: int) -> dict[str, Shard]:
+    """Rank ``rank`` of a TP2 worker: half the rows of ``w``; ``ln`` replicated (tp = rank)."""
+    return {"lw": Shard("w", (6, 4), (3 * rank, 0), (3, 4)),
+            "lln": Shard("ln", (4,), (0,), (4,), (0, rank, 0))}
+
+
+def _state(layout: dict[str, Shard], momentum: bool) -> dict:
+    """A save_heal-like state of one rank: the outer state by local name, the rest shared."""
+    mine = {n: WHOLE[s.key][s.box].clone() for n, s in layout.items()}
+    return {"round": 3, "outer": {"lr": 0.7, "step": 3, "params": mine,
+                                  "momentum_buffer": {n: -t for n, t in mine.items()} if momentum
+                                  else {}}}
+
+
+def _served(momentum: bool) -> dict:
+    """What a serving TP2 leader sends: both ranks' canonical pieces merged (region._serve)."""
+    states = [to_canonical(_state(_tp2(r), momentum), _tp2(r)) for r in range(2)]
+    out = states[0]
+    for part in ("params", "momentum_buffer"):
+        out["outer"][part].update(states[1]["outer"][part])
+    return out
+
+
+def test_tp2_state_heals_a_tp1_and_a_pp_worker_exactly():
+    """Catches pieces addressed by local name or local offsets (a TP1 joiner would get
+    half a weight) and a replicated tensor sent twice: the TP1 joiner's shards equal
+    the whole tensors, a joiner holding only ``ln`` gets exactly it, and the
+    non-tensor state passes unchanged."""
+    served = _served(momentum=True)
+    assert sorted(served["outer"]["params"]) == ["ln@0", "w@0,0", "w@3,0"]
+    tp1 = {"w_local": Shard("w", (6, 4), (0, 0), (6, 4)), "ln_local": Shard("ln", (4,), (0,), (4,))}
+    got = from_canonical(served, tp1)
+    assert torch.equal(got["outer"]["params"]["w_local"], WHOLE["w"])
+    assert torch.equal(got["outer"]["momentum_buffer"]["ln_local"], -WHOLE["ln"])
+    assert got["round"] == 3 and got["outer"]["lr"] == 0.7 and got["outer"]["step"] == 3
+    stage = from_canonical(served, {"x": Shard("ln", (4,), (0,), (4,))})  # a PP stage: ln only
+    assert list(stage["outer"]["params"]) == ["x"]
+    assert torch.equal(stage["outer"]["params"]["x"], WHOLE["ln"])
+
+
+def test_state_without_outer_momentum_heals():
+    """Catches a heal that needs outer momentum buffers (``compress_update=true``
+    keeps the momentum in the workers, so the outer optimizer has none; the old
+    code raised KeyError in the server's torchft quorum thread, and ValueError in
+    the joiner): the empty buffers go through both ways as empty."""
+    served = _served(momentum=False)
+    assert served["outer"]["momentum_buffer"] == {}
+    got = from_canonical(served, {"w_local": Shard("w", (6, 4), (0, 0), (6, 4))})
+    assert got["outer"]["momentum_buffer"] == {}
+    assert torch.equal(got["outer"]["params"]["w_local"], WHOLE["w"])
+
+
+def test_pieces_that_miss_a_shard_are_refused():
+    """Catches a heal that loads zeros where a piece is missing: one TP2 rank's
+    pieces alone do not cover a TP1 shard; refused naming the tensor."""
+    half = to_canonical(_state(_tp2(0), True), _tp2(0))
+    with pytest.raises(ValueError, match="'w'"):
+        from_canonical(half, {"w_local": Shard("w", (6, 4), (0, 0), (6, 4))})
+
+
+# -- end to end: bench/faults.py's scenarios ---------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scenario", ["late_join_across_layouts", "late_join_dp2_serves_pp2",
+                                      "late_join_compress_update"])
+def test_late_join_heals_across_layouts(scenario, cache_dir, tmp_path):
+    """Catches a joiner that cannot load a peer's healing state of another layout
+    (local names, local shards), a serving job whose other ranks do not answer
+    its leader's state request (a hang), and a healed region whose outer state
+    differs (its later outer steps drift): the region killed after round 1 and
+    restarted heals from the live region of another layout (TP1 serves a TP2
+    job; a DP2 job serves a PP2 job; a TP2 job serves a TP1 one with
+    ``compress_update``, whose outer optimizer holds no momentum: the old code
+    raised KeyError in the server's quorum thread), and every job ends with the same
+    ``global_weights_sha256`` (bit-identical θ_global; the independent reference
+    is the survivor, which never healed) after all rounds, exit 0."""
+    from bench.faults import SCENARIOS, geomesh
+
+    res = geomesh(tmp_path, cache_dir, scenario, 12, **SCENARIOS[scenario])
+    print(json.dumps(res))  # the bench's record (pytest -s shows it)
+    assert res["exit_codes"][0] == 0 and res["exit_codes"][-1] == 0, res
+    assert res["same_digest"] and res["survived"] and res["bytes_lost"] == 0, res
+    healed = (tmp_path / scenario / "re1.log").read_text(errors="replace")
+    assert "healed from a live peer" in healed, healed[-3000:]
+
+
+@pytest.mark.slow
+def test_lost_region_in_a_mixed_shape_cluster(cache_dir, tmp_path):
+    """Catches survivors that stop or drift apart when a multi-process region dies
+    (a rank of the PP2 job killed, its torchrun tears the job down): with
+    ``on_worker_loss=continue`` the TP1 and TP2 regions finish every round, exit 0,
+    and hold the same ``global_weights_sha256``."""
+    from bench.faults import SCENARIOS, geomesh
+
+    name = "region_lost_mixed_shapes"
+    res = geomesh(tmp_path, cache_dir, name, 6, **SCENARIOS[name])
+    print(json.dumps(res))
+    assert res["exit_codes"][:2] == [0, 0] and res["exit_codes"][2] != 0, res
+    assert res["same_digest"] and res["survived"] and res["bytes_lost"] == 0, res
