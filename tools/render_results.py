@@ -114,7 +114,8 @@ def _fault_result(x: dict) -> str:
                    f"(max deviation {100 * dev:.1f} %)")
     if "seconds" in x:
         out.append(f"survivor stopped in {x['seconds']:.1f} s, checkpoints kept")
-    if "same_digest" in x:
+    if "same_digest" in x and (x["same_digest"] or not x["survived"]):
+        # (jobs that stop by design, e.g. a lighthouse lost for good, leave no final digest)
         out.append("θ_global digests " + ("equal" if x["same_digest"] else "DIFFER"))
     if "layouts" in x:
         out.append("layouts " + ", ".join(x["layouts"]))
