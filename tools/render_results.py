@@ -57,7 +57,9 @@ def four_shape_cpu(r: dict) -> str:
     replans = m["regions"][0]["replans"]
     lines += ["", f"{len(m['regions'])} regions, {m['distinct_layouts']} distinct layouts, "
               f"{len(m.get('rounds', [])) or '?'} rounds, {replans} re-plan(s) from measured step "
-              f"times; θ_global's canonical SHA-256 `{digest}…` {same}.  With re-planning off, "
+              f"times (imbalance of the rounds' compute times: "
+              f"{', '.join(f'{x:.2f}' for x in (r['imbalance'] for r in m.get('rounds', [])))}); "
+              f"θ_global's canonical SHA-256 `{digest}…` {same}.  With re-planning off, "
               f"the same cluster emulated (one TP1 process per worker, same plan and data) "
               f"differs from every region by at most {e['max_abs_val_loss_diff']:.1e} nats in "
               f"validation loss and {e['max_abs_loss_diff']:.1e} in training loss over "
