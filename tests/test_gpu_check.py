@@ -90,7 +90,9 @@ def test_tests_part_stopped_at_its_limit_still_leaves_a_junit_report(tmp_path):
     proc = _script(tmp_path / "out", "tests", GPU_CHECK_TESTS_S="1")
     assert proc.returncode == 1, (proc.stdout, proc.stderr)
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert summary["tests"] == {"passed": 0, "failed": ["tests_part_stopped"], "skipped": 0}, summary
+    # (how many GPU tests pytest skipped on this CPU before the stop depends on the load)
+    assert summary["tests"]["passed"] == 0, summary
+    assert summary["tests"]["failed"] == ["tests_part_stopped"], summary
     assert not summary["complete"] and "part tests: stopped at its 1 s limit" in summary["problems"]
     assert (tmp_path / "out" / "gpu_tests.xml").is_file()
     assert json.loads((tmp_path / "out" / "summary.json").read_text()) == summary

@@ -516,9 +516,8 @@ class CanonicalCodec:
 
     def _agree(self, positions: Sequence[int], n: int) -> list[int]:
         """The positions decoded on every rank of ``mp_group`` (a MIN all-reduce)."""
-        ok = torch.zeros(n, dtype=torch.int32)  # gloo / NCCL: on the group's device below
+        ok = torch.zeros(n, dtype=torch.int32, device=self._device())
         ok[list(positions)] = 1
-        ok = ok.to(self._device())
         dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=self.mp_group)
         return [j for j in range(n) if int(ok[j])]
 
