@@ -202,17 +202,21 @@ def test_missing_region_fails_with_its_name(runs, cache_dir):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("scenario", ["late_join", "store_host_lost_fail_policy"])
+@pytest.mark.parametrize("scenario", ["late_join", "store_host_lost_fail_policy",
+                                      "network_stall"])
 def test_lost_worker_scenarios(scenario, cache_dir, tmp_path):
     """Catches a run that dies with a lost worker, a restarted worker that does
-    not heal to the survivors' model, or a fail policy that hangs or prints a
-    traceback: bench/faults.py's scenarios, asserted (late join: both jobs
-    finish with the same final perplexity; fail: the survivor exits 3 with one
+    not heal to the survivors' model, a fail policy that hangs or prints a
+    traceback, and a stalled worker that comes back into a quorum of its own
+    (the run split in two, each finishing with its own θ_global):
+    bench/faults.py's scenarios, asserted (late join and stall: both jobs
+    finish with the same θ_global digest; fail: the survivor exits 3 with one
     line naming the lost region, within the heartbeat plus a round)."""
     from bench.faults import geomesh
 
     kw = {"late_join": dict(fault=(1, "train@1"), rejoin=True),
-          "store_host_lost_fail_policy": dict(fault=(0, "train@2"), policy="fail")}[scenario]
+          "store_host_lost_fail_policy": dict(fault=(0, "train@2"), policy="fail"),
+          "network_stall": dict(stall=True)}[scenario]
     res = geomesh(tmp_path, cache_dir, scenario, 10, **kw)
     assert res["survived"], res
     assert res["bytes_lost"] == 0
