@@ -307,8 +307,10 @@ SCENARIOS: dict[str, dict] = {
 }
 """The :func:`geomesh` scenarios of the bench, by name: ``geomesh()``'s keyword arguments."""
 ROUNDS_SCALE = {"late_join": 3, "late_join_across_layouts": 2, "late_join_dp2_serves_pp2": 2,
-                "late_join_compress_update": 2}
-"""Rounds of a scenario in units of the bench's: a restarted job must find the run going."""
+                "late_join_compress_update": 2, "network_stall": 3}
+"""Rounds of a scenario in units of the bench's: a restarted or stalled job must find the
+run going (at 6 rounds the survivor of a 10 s stall finished before the stalled one came
+back, which then trained alone: the digests differ, a scenario too short, not a split)."""
 
 
 RESTART_AFTER_S = 3.6  # the gap between a lighthouse's SIGKILL and its restart (issue 25)

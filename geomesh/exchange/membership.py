@@ -324,20 +324,14 @@ class Membership:
         waiter = threading.Thread(target=self._waiting, args=(r, done), daemon=True)
         waiter.start()
         try:
-            attempt, wait_until, said = 0, time.monotonic() + self.timeout_s, False
-            while True:
+            for attempt in range(MAX_ATTEMPTS):
                 self._healed = None
                 try:
                     self.manager.start_quorum(allow_heal=True)
                 except Exception as e:  # noqa: BLE001 - quorum RPC errors (lighthouse gone)
                     raise PeerLostError(self._no_lighthouse(e)) from None
-                # A quorum without a member of the last one that is alive splits the run
-                # (a stalled worker back, or a restarted lighthouse that has not heard
-                # everyone): refuse it and ask again until that member arrives.
-                left_out = self._left_out_alive(r, said)
-                if left_out:
-                    said = True
-                    self.manager.report_error(RuntimeError("a quorum without a live member"))
+                if self._outages != self._outages_at_quorum and self._left_out_alive(r):
+                    self.manager.report_error(RuntimeError("a partial quorum after a restart"))
                 err = self.manager.errored()
                 if err is None:
                     self._outages_at_quorum = self._outages
@@ -346,16 +340,13 @@ class Membership:
                 # heal that failed: tell torchft this step failed, and ask again.
                 why = str(err.original_exception).splitlines()[0][:160]
                 self.manager.should_commit()
-                if left_out and time.monotonic() < wait_until:
-                    time.sleep(min(1.0, self.heartbeat_s / 4))
-                    continue  # not a failed attempt: the live member is on its way
-                attempt += 1
                 if self.report:
-                    log.warning("GeoMesh round %d: quorum attempt %d failed (%s)", r, attempt, why)
-                if attempt >= MAX_ATTEMPTS:
-                    raise PeerLostError(f"GeoMesh round {r}: no working quorum after "
-                                        f"{MAX_ATTEMPTS} attempts (last: {why}); restart the "
-                                        "regions from the last checkpoint (checkpoint.load)")
+                    log.warning("GeoMesh round %d: quorum attempt %d failed (%s)", r,
+                                attempt + 1, why)
+            else:
+                raise PeerLostError(f"GeoMesh round {r}: no working quorum after "
+                                    f"{MAX_ATTEMPTS} attempts (last: {why}); restart the "
+                                    "regions from the last checkpoint (checkpoint.load)")
         finally:
             done.set()
         new = list(self.pg.members)
@@ -473,17 +464,13 @@ class Membership:
                         "(geomesh.heartbeat_s) for it to come back", self.lighthouse,
                         self.heartbeat_s)
 
-    def _left_out_alive(self, r: int, said: bool = False) -> list[int]:
-        """Workers of the last quorum missing from this one although alive.
+    def _left_out_alive(self, r: int) -> list[int]:
+        """Workers of the last quorum missing from this one although alive, after an outage.
 
-        A worker back from a stall (its process stopped for longer than the
-        heartbeat) may be handed a quorum of itself while the others, who went
-        on without it, are training: accepting it would split the run into two
-        that never meet again.  A restarted lighthouse likewise forms a quorum of
-        whoever asks before it has heard the others.  A member the lighthouse
-        hears (a heartbeat within ``heartbeat_s``) was left out, not lost; one it
-        has not heard of yet (a restarted lighthouse) is waited for up to
-        ``heartbeat_s``; one it last heard longer ago is lost.
+        A restarted lighthouse forms a quorum of whoever asks before it has heard
+        the others' heartbeats.  Waits up to ``heartbeat_s`` for the lighthouse to
+        hear them (torchft reconnects with a backoff); one it hears was left out,
+        not lost.
         """
         missing = [k for k in self.members if k not in self.pg.members]
         deadline = time.monotonic() + self.heartbeat_s
@@ -494,12 +481,11 @@ class Membership:
                 beats = {}
             alive = [k for k in missing if beats.get(k, float("inf")) <= self.heartbeat_s]
             if alive:
-                if self.report and not said:
-                    log.warning("GeoMesh round %d: the lighthouse formed a quorum without %s, "
-                                "which is alive; waiting for it", r,
+                if self.report:
+                    log.warning("GeoMesh round %d: the restarted lighthouse formed a quorum "
+                                "without %s, which is alive; asking again", r,
                                 ", ".join(self.name(k) for k in alive))
                 return alive
-            missing = [k for k in missing if k not in beats]  # heard long ago: lost
             time.sleep(min(0.5, self.heartbeat_s / 10))
         return []
 
