@@ -144,17 +144,21 @@ class CanonicalCodec:
         blob = len(zlib.compress(schema.to_text().encode()))
         size = HEADER.size + blob + _CRC.size + 16  # + the bundle's count and one length
         for _, shape in schema.entries:
-            n, nd = math.prod(shape), len(shape)
-            lay = chunk_layout(shape, self.topk.chunk) if self.topk is not None else None
-            if lay is not None:
-                body = self.topk.matrix_size(*lay)
-            elif self.kind in ("fp32", "topk"):
-                body = 4 * n
-            else:
-                ns = shape[0] if self.kind in _ROWS and nd >= 2 else 1
-                body = (8 if self.kind == "sign_pred" else 4) * ns + packed_size(n)
-            size += 4 + 8 * nd + body
+            size += 4 + 8 * len(shape) + self._payload(shape)[0]
         return size
+
+    def _payload(self, lens: Sequence[int]) -> tuple[int, int, int, tuple | None]:
+        """Wire size of a piece's payload for a box of ``lens``: ``(bytes, scales,
+        sign_pred coefficient bytes, top-k chunk layout or None)``."""
+        n, nd = math.prod(lens), len(lens)
+        lay = chunk_layout(lens, self.topk.chunk) if self.topk is not None else None
+        if lay is not None:
+            return self.topk.matrix_size(*lay), 0, 0, lay
+        if self.kind in ("fp32", "topk"):
+            return 4 * n, 0, 0, None
+        ns = lens[0] if self.kind in _ROWS and nd >= 2 else 1
+        pred = 4 * ns if self.kind == "sign_pred" else 0
+        return pred + 4 * ns + packed_size(n), ns, pred, None
 
     # -- scales -------------------------------------------------------------
 
@@ -395,16 +399,7 @@ class CanonicalCodec:
                 raise MessageError(f"canonical message from worker {worker}: box {offs}+{lens} "
                                    f"outside '{key}' {gshape}")
             n = math.prod(lens)
-            lay = chunk_layout(lens, self.topk.chunk) if self.topk is not None else None
-            pred = 0  # bytes of sign_pred's coefficients in this piece
-            if lay is not None:
-                need = self.topk.matrix_size(*lay)
-            elif self.kind in ("fp32", "topk"):
-                need = 4 * n
-            else:
-                ns = lens[0] if self.kind in _ROWS and nd >= 2 else 1
-                pred = 4 * ns if self.kind == "sign_pred" else 0
-                need = pred + 4 * ns + packed_size(n)
+            need, ns, pred, lay = self._payload(lens)  # pred: sign_pred's coefficient bytes
             if off + need > end:
                 raise MessageError(f"canonical message from worker {worker} truncated in '{key}'")
             if not any(overlap(s, offs, lens) is not None for s in self._held.get(key, ())):
