@@ -1,0 +1,152 @@
+"""The commands in the README and docs/ work as written (parsed, not run).
+
+Every ``bash`` block of README.md and docs/*.md is split into commands.  A
+``train.py`` command (``python`` or ``torchrun``) must parse with train.py's own
+argument parser, load its preset with its overrides, pass the section checks and
+the layout check for the launched world size, and, for GeoMesh, the method checks
+and its cluster file.  A tool, bench or ``python -m geomesh.*`` command may use only
+options that the script defines.  Nothing is trained.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+FENCE = re.compile(r"```bash\n(.*?)```", re.S)
+# Placeholders a reader replaces with their own files (said so next to the command).
+PLACEHOLDERS = ("FILE.yaml", "ckpt/llama1b/config.yaml")
+
+
+def _commands(page: Path) -> list[list[str]]:
+    """Each shell command of the page's bash blocks, as argv (continuations joined,
+    comments dropped, split at ``&&``, ``;``, ``&``, ``|`` and redirections)."""
+    out = []
+    for block in FENCE.findall(page.read_text()):
+        text = block.replace("\\\n", " ")
+        for line in text.splitlines():
+            lex = shlex.shlex(line, posix=True, punctuation_chars=True)
+            lex.whitespace_split, lex.commenters = True, "#"
+            argv: list[str] = []
+            for tok in list(lex) + [";"]:
+                if tok in ("&&", ";", "&", "|", "||", ">", ">>"):
+                    if argv:
+                        out.append(argv)
+                    argv = [] if tok not in (">", ">>") else ["<redirect>"]
+                elif argv[:1] != ["<redirect>"]:
+                    argv.append(tok)
+                else:
+                    argv = []
+    return out
+
+
+def _script(argv: list[str]) -> tuple[str | None, list[str], int]:
+    """(script path or ``-m`` module, its arguments, world size) of a python/torchrun
+    command; ``(None, [], 0)`` for anything else."""
+    if not argv:
+        return None, [], 0
+    if argv[0] == "python" and argv[1:2] == ["-m"]:
+        return argv[2], argv[3:], 1
+    if argv[0] == "python" and len(argv) > 1 and argv[1].endswith(".py"):
+        return argv[1], argv[2:], 1
+    if argv[0] in ("torchrun", "srun"):
+        i = argv.index("torchrun") + 1 if argv[0] == "srun" else 1
+        world, nodes = 1, 1
+        while i < len(argv) and not argv[i].endswith(".py"):
+            if argv[i] == "--nproc-per-node":
+                world = int(argv[i + 1])
+            if argv[i] == "--nnodes" and argv[i + 1].isdigit():
+                nodes = int(argv[i + 1])
+            i += 1
+        return (argv[i], argv[i + 1:], world * nodes) if i < len(argv) else (None, [], 0)
+    return None, [], 0
+
+
+def _all() -> list[tuple[str, list[str]]]:
+    return [(p.relative_to(REPO).as_posix(), argv) for p in PAGES for argv in _commands(p)]
+
+
+def test_the_pages_have_commands():
+    """Catches a splitter that finds nothing (and so checks nothing)."""
+    scripts = {_script(argv)[0] for _, argv in _all()}
+    assert {"train.py", "tools/convert_checkpoint.py", "tools/zero_shot.py",
+            "geomesh.launch_local", "bench/geomesh_ttp.py"} <= scripts
+
+
+def _geomesh_checks(cfg) -> None:
+    """What ``geomesh.context.build_context`` checks before any process group: the
+    method's settings, the cluster file, the regions' shapes and ``cona.schedule``."""
+    import dataclasses
+
+    from geomesh.context import _validate
+    from geomesh.fleet.cluster import load_cluster
+    from geomesh.fleet.planner import MemoryModel
+    from geomesh.fleet.shapes import check_region_shapes
+    from geomesh.layout_switch import check_schedule
+    from jobruntime.config import load_config
+
+    _validate(cfg)
+    g = cfg.geomesh
+    cluster = load_cluster(g.cluster, wan_bandwidth_scale=g.wan_bandwidth_scale)
+    cluster = dataclasses.replace(cluster, mode=g.mode or cluster.mode)
+    emulated = cluster.mode == "emulated"
+    target = load_config(g.target_model) if emulated and g.target_model else cfg
+    memory = MemoryModel(model=target.model, seq_length=target.model.seq_length,
+                         extra_bytes_per_param=8.25)
+    check_region_shapes(cluster, target.model, memory, model_name=target.name)
+    check_schedule(cfg, cluster, memory, model_name=cfg.name)
+    assert g.region is None or g.region in {w.region for w in cluster.workers}, g.region
+
+
+def test_train_commands_load_and_validate():
+    """Catches a documented train.py or launcher command with a renamed or mistyped key,
+    a value out of range, a layout that does not fit its world size (a converted TP=2
+    config on one process), an unknown cluster or region, a region shape or layout
+    schedule the run would refuse, or a GeoMesh setting the method refuses."""
+    import train
+    from jobruntime.config import load_config
+
+    checked = 0
+    for page, argv in _all():
+        script, args, world = _script(argv)
+        if any(p in " ".join(args) for p in PLACEHOLDERS):
+            continue
+        if script == "train.py":
+            ns = train.parse_args(args)
+            cfg = load_config(ns.config, ns.overrides)
+        elif script == "geomesh.launch_local":  # every region's train.py gets the overrides
+            cluster = args[args.index("--cluster") + 1]
+            overrides = [a for a in args if "=" in a and not a.startswith("--")]
+            cfg = load_config("tiny_gpt", ["geomesh.method=geomesh", f"geomesh.cluster={cluster}",
+                                           "geomesh.region=West Europe", *overrides])
+        else:
+            continue
+        try:
+            cfg.validate_sections()
+            if cfg.geomesh.method == "none":
+                cfg.validate(world)
+            else:
+                _geomesh_checks(cfg)
+        except Exception as e:  # name the page and the command
+            raise AssertionError(f"{page}: {' '.join(argv)}: {e}") from e
+        checked += 1
+    assert checked >= 10
+
+
+@pytest.mark.parametrize("page,argv", [x for x in _all() if _script(x[1])[0] not in
+                                       (None, "train.py", "pytest")],
+                         ids=lambda x: x if isinstance(x, str) else " ".join(x)[:60])
+def test_tool_commands_use_existing_options(page, argv):
+    """Catches a documented tool, bench or launcher command with an option the script
+    does not define (renamed or never existed), or a script that does not exist."""
+    script, args, _ = _script(argv)
+    path = REPO / (script.replace(".", "/") + ".py" if not script.endswith(".py") else script)
+    assert path.is_file(), (page, script)
+    source = path.read_text()
+    for opt in (a.split("=")[0] for a in args if a.startswith("--")):
+        assert f'"{opt}"' in source, (page, script, opt)
