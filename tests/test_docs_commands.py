@@ -116,17 +116,18 @@ def test_train_commands_load_and_validate():
         script, args, world = _script(argv)
         if any(p in " ".join(args) for p in PLACEHOLDERS):
             continue
-        if script == "train.py":
-            ns = train.parse_args(args)
-            cfg = load_config(ns.config, ns.overrides)
-        elif script == "geomesh.launch_local":  # every region's train.py gets the overrides
-            cluster = args[args.index("--cluster") + 1]
-            overrides = [a for a in args if "=" in a and not a.startswith("--")]
-            cfg = load_config("tiny_gpt", ["geomesh.method=geomesh", f"geomesh.cluster={cluster}",
-                                           "geomesh.region=West Europe", *overrides])
-        else:
+        if script not in ("train.py", "geomesh.launch_local"):
             continue
         try:
+            if script == "train.py":
+                ns = train.parse_args(args)
+                cfg = load_config(ns.config, ns.overrides)
+            else:  # the launcher gives its overrides to every region's train.py
+                cluster = args[args.index("--cluster") + 1]
+                overrides = [a for a in args if "=" in a and not a.startswith("--")]
+                cfg = load_config("tiny_gpt", [
+                    "geomesh.method=geomesh", f"geomesh.cluster={cluster}",
+                    "geomesh.region=West Europe", *overrides])
             cfg.validate_sections()
             if cfg.geomesh.method == "none":
                 cfg.validate(world)
