@@ -52,3 +52,22 @@ def test_configuration_reference_is_current_and_complete():
             for f in dataclasses.fields(value):
                 assert f"| `{f.name}` |" in page and f"`{getattr(value, f.name)!r}`" in page, \
                     (section.name, f.name)
+
+
+def test_h200_and_bert_data_tables_come_from_their_json():
+    """Catches the H200 table and the BERT padding table going back to hand-copied
+    numbers: both render from their committed JSON, the ratios are computed from the
+    tokens/s it holds (ours 55,072 over the peer's 42,833 = 1.29x), a ratio below 1 is
+    marked, and the provenance says the H200 numbers were transcribed."""
+    h200 = json.loads((render_results.RESULTS / "h200_2026-11-30.json").read_text())
+    out = render_results.h200(h200)
+    assert "| GPT-3 1.3B | 4 / 16, 2048 | 55,072 | 0.505 | 38.0 | 42,833 | 0.393 | 41.8 | 1.29x |" \
+        in out
+    assert "BERT-Large **0.59x** the eager 130,700" in out and "transcribed" in out
+    h200["presets"][0]["hf_eager"]["tokens_per_s"] = 55072 * 2
+    assert "| **0.50x** |" in render_results.h200(h200)
+    bert = json.loads((render_results.RESULTS / "bert_data.json").read_text())
+    assert "| train | 97.61 % | 83.20 % | 1.14 |" in render_results.bert_data(bert)
+    text, names = render_results.render("<!-- results: h200_2026-11-30 -->\n<!-- /results -->\n"
+                                        "<!-- results: bert_data -->\n<!-- /results -->\n")
+    assert names == ["h200_2026-11-30", "bert_data"] and "55,072" in text and "97.61 %" in text

@@ -147,8 +147,59 @@ def faults_quick(r: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _ratio(x: float) -> str:
+    """A speed ratio, in bold where ours is the slower one."""
+    return f"{x:.2f}x" if x >= 1 else f"**{x:.2f}x**"
+
+
+def h200(r: dict) -> str:
+    """One H200: ours against the Hugging Face peer, the reference peer, the memory model."""
+    lines = ["| preset | micro / global batch, seq | ours tokens/s | MFU | peak GiB | "
+             "HF eager peer tokens/s | MFU | peak GiB | ours / peer |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for x in r["presets"]:
+        o, p = x["ours"], x["hf_eager"]
+        peer = (f"{p['tokens_per_s']:,} | {p['mfu']:.3f} | {p['peak_gib']:.1f} | "
+                f"{_ratio(o['tokens_per_s'] / p['tokens_per_s'])}") if p else "not run | | |"
+        lines.append(f"| {x['name']} | {x['micro_batch_size']} / {x['global_batch_size']}, "
+                     f"{x['seq_length']} | {o['tokens_per_s']:,} | {o['mfu']:.3f} | "
+                     f"{o['peak_gib']:.1f} | {peer} |")
+    ref, names = r["reference_peer"]["tokens_per_s"], {x["preset"]: x for x in r["presets"]}
+    against = "; ".join(
+        f"{names[k]['name']} " + " and ".join(
+            f"{_ratio(names[k]['ours']['tokens_per_s'] / v)} the {kind} {v:,}"
+            for kind, v in peers.items()) for k, peers in ref.items())
+    lines += ["", f"MFU: {r['mfu_definition']}, {r['peak_tflops_bf16']} TFLOP/s; peak: "
+              f"`{r['peak_memory_definition']}`.  Ours against the reference peer tokens/s of "
+              f"the same GPU type measured by the issue's author (not in this run): "
+              f"{against}.", "",
+              "| preset | memory model (GiB) | measured peak (GiB) | error |",
+              "|---|---:|---:|---:|"]
+    for x in r["presets"]:
+        m = x["memory_model"]
+        lines.append(f"| {x['name']} | {m['estimated_gib']:.1f} | {x['ours']['peak_gib']:.1f} | "
+                     f"{m['relative_error_pct']:+.1f} % |")
+    lines += ["", f"Memory model: {r['memory_model_note']}.  Not measured: {r['not_measured']}.",
+              "", f"*Measured {r['date']} on {r['machine']}, {r['software']}: `{r['command']}`; "
+              f"{r['provenance']} (`docs/results/h200_2026-11-30.json`).*"]
+    return "\n".join(lines) + "\n"
+
+
+def bert_data(r: dict) -> str:
+    """How often BERT samples and micro-batches are free of padding, per split."""
+    lines = [f"| {r['preset']}, sequence {r['seq_length']} | samples without padding | "
+             f"micro-batches of {r['micro_batch_size']} without padding | mean padding tokens "
+             "per sample |", "|---|---:|---:|---:|"]
+    for split, x in r["splits"].items():
+        lines.append(f"| {split} | {100 * x['samples_unpadded']:.2f} % | "
+                     f"{100 * x['microbatches_unpadded']:.2f} % | {x['mean_padding_tokens']:.2f} |")
+    return "\n".join(lines + ["", _source(r, "bert_data")]) + "\n"
+
+
 RENDERERS: dict[str, Callable[[dict], str]] = {"four_shape_cpu": four_shape_cpu,
-                                               "faults_quick": faults_quick}
+                                               "faults_quick": faults_quick,
+                                               "h200_2026-11-30": h200,
+                                               "bert_data": bert_data}
 
 
 def render(text: str) -> tuple[str, list[str]]:
