@@ -1,4 +1,4 @@
-"""Train a model with megatron-core: an ordinary job, GeoMesh or CONA.
+r"""Train a model with megatron-core: an ordinary job, GeoMesh or CONA.
 
 Usage::
 
@@ -6,12 +6,12 @@ Usage::
     python train.py
 
     # a preset, with overrides (section.key=value, type-checked)
-    python train.py --config model_configs/tiny_gpt.yaml train.iters=100 parallel.tp=2
+    python train.py --config model_configs/tiny_gpt.yaml train.iters=100 train.lr=1e-3
 
     # several processes on one machine (gloo on CPU, NCCL on GPU)
     torchrun --nproc-per-node 4 train.py --config tiny_llama parallel.tp=2 parallel.pp=2
 
-    # several nodes (run on each node; see README for a SLURM script)
+    # several nodes (run on each node; see docs/gpu.md for a SLURM script)
     torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d \
         --rdzv-endpoint $HEAD_NODE:29500 train.py --config gpt3_1.3b parallel.tp=8
 

@@ -23,11 +23,20 @@ FENCE = re.compile(r"```bash\n(.*?)```", re.S)
 PLACEHOLDERS = ("FILE.yaml", "ckpt/llama1b/config.yaml")
 
 
+def _blocks(page: Path) -> list[str]:
+    """The page's bash blocks; for ``train.py``, the usage part of the docstring that
+    ``--help`` prints."""
+    if page.suffix == ".py":
+        text = page.read_text()
+        return [text[text.index("Usage::"):text.index("Exit codes")]]
+    return FENCE.findall(page.read_text())
+
+
 def _commands(page: Path) -> list[list[str]]:
     """Each shell command of the page's bash blocks, as argv (continuations joined,
     comments dropped, split at ``&&``, ``;``, ``&``, ``|`` and redirections)."""
     out = []
-    for block in FENCE.findall(page.read_text()):
+    for block in _blocks(page):
         text = block.replace("\\\n", " ")
         for line in text.splitlines():
             lex = shlex.shlex(line, posix=True, punctuation_chars=True)
@@ -68,7 +77,17 @@ def _script(argv: list[str]) -> tuple[str | None, list[str], int]:
 
 
 def _all() -> list[tuple[str, list[str]]]:
-    return [(p.relative_to(REPO).as_posix(), argv) for p in PAGES for argv in _commands(p)]
+    return [(p.relative_to(REPO).as_posix(), argv) for p in [*PAGES, REPO / "train.py"]
+            for argv in _commands(p)]
+
+
+def test_train_help_keeps_its_line_breaks():
+    """Catches ``train.py --help`` printing a continued command as one broken line: in
+    a plain (not raw) docstring a backslash before a newline joins the lines."""
+    import train
+
+    assert train.__doc__.count("\\\n") >= 1
+    assert max(len(line) for line in train.__doc__.splitlines()) <= 100
 
 
 def test_the_pages_have_commands():
@@ -151,3 +170,27 @@ def test_tool_commands_use_existing_options(page, argv):
     source = path.read_text()
     for opt in (a.split("=")[0] for a in args if a.startswith("--")):
         assert f'"{opt}"' in source, (page, script, opt)
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor of a Markdown heading: lower case, punctuation dropped, spaces to -."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_links_between_pages_resolve():
+    """Catches a link in the README or docs/ to a file that does not exist or to a
+    section (``#anchor``) that no heading of the target page makes, e.g. after a
+    heading is renamed."""
+    link = re.compile(r"\]\(([^)\s]+)\)")
+    for page in PAGES:
+        text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
+        for target in link.findall(text):
+            if re.match(r"[a-z]+://", target):
+                continue
+            path, _, anchor = target.partition("#")
+            dest = (page.parent / path).resolve() if path else page
+            assert dest.exists(), (page.name, target)
+            if anchor:
+                prose = re.sub(r"```.*?```", "", dest.read_text(), flags=re.S)
+                heads = {_slug(h) for h in re.findall(r"^#+ (.*)$", prose, re.M)}
+                assert anchor in heads, (page.name, target, sorted(heads))

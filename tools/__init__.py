@@ -1,2 +1,2 @@
 """Command-line tools around the job runtime: checkpoint conversion, data
-preparation, run comparison and zero-shot evaluation (see ``tools/README.md``)."""
+preparation, run comparison and zero-shot evaluation (see ``docs/tools.md``)."""

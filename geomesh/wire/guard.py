@@ -72,7 +72,8 @@ values pass the checks but point the wrong way:
   unweighted; Yin et al. 2018, "Byzantine-Robust Distributed Learning",
   Def. 2).
 
-Their perplexity cost is measured in the README (GeoMesh, faults).
+Their perplexity cost is not yet measured on the current code (``bench/geomesh_ttp.py
+--set geomesh.robust_aggregation=...`` measures it; docs/geomesh.md).
 """
 
 from __future__ import annotations
