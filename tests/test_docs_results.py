@@ -71,3 +71,8 @@ def test_h200_and_bert_data_tables_come_from_their_json():
     text, names = render_results.render("<!-- results: h200_2026-11-30 -->\n<!-- /results -->\n"
                                         "<!-- results: bert_data -->\n<!-- /results -->\n")
     assert names == ["h200_2026-11-30", "bert_data"] and "55,072" in text and "97.61 %" in text
+    short, _ = render_results.render("<!-- results: h200_2026-11-30 headline -->\nold\n"
+                                     "<!-- /results -->\n")
+    assert "| 1.29x |" in short and "memory model (GiB)" not in short and "old" not in short
+    with pytest.raises(ValueError, match="no renderer"):
+        render_results.render("<!-- results: bert_data headline -->\n<!-- /results -->\n")

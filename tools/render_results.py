@@ -1,7 +1,8 @@
 """Render result tables in the README and docs/ from committed bench JSON.
 
 A table in a Markdown page sits between two markers naming its result file
-(``docs/results/<name>.json``)::
+(``docs/results/<name>.json``), and optionally a view of it (``headline``: the
+short form the README shows, where a result has one)::
 
     <!-- results: four_shape_cpu -->
     ...generated table...
@@ -10,8 +11,9 @@ A table in a Markdown page sits between two markers naming its result file
 ``python tools/render_results.py`` rewrites every such block from its JSON;
 ``--check`` changes nothing and exits 1 naming each stale block (the test
 suite runs it), so a number in the docs is always one a committed bench
-output holds.  Each result file has one renderer here (``RENDERERS``); a block
-naming a file without one, or a missing file, is an error.
+output holds.  Each result file has one renderer here (``RENDERERS``) and may
+have more views (``VIEWS``); a block naming a file or view without one, or a
+missing file, is an error.
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "docs" / "results"
 PAGES = ("README.md", "docs/*.md")
-BLOCK = re.compile(r"(<!-- results: (?P<name>[\w.-]+) -->\n)(?P<body>.*?)(<!-- /results -->)", re.S)
+BLOCK = re.compile(r"(?P<open><!-- results: (?P<name>[\w.-]+)(?: (?P<view>[\w-]+))? -->\n)"
+                   r"(?P<body>.*?)(?P<close><!-- /results -->)", re.S)
 
 
 def _mb(n: float) -> str:
@@ -152,8 +155,8 @@ def _ratio(x: float) -> str:
     return f"{x:.2f}x" if x >= 1 else f"**{x:.2f}x**"
 
 
-def h200(r: dict) -> str:
-    """One H200: ours against the Hugging Face peer, the reference peer, the memory model."""
+def _h200_table(r: dict) -> list[str]:
+    """Ours against the Hugging Face eager peer of the same run, per preset."""
     lines = ["| preset | micro / global batch, seq | ours tokens/s | MFU | peak GiB | "
              "HF eager peer tokens/s | MFU | peak GiB | ours / peer |",
              "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
@@ -164,17 +167,25 @@ def h200(r: dict) -> str:
         lines.append(f"| {x['name']} | {x['micro_batch_size']} / {x['global_batch_size']}, "
                      f"{x['seq_length']} | {o['tokens_per_s']:,} | {o['mfu']:.3f} | "
                      f"{o['peak_gib']:.1f} | {peer} |")
+    return lines
+
+
+def _h200_against(r: dict) -> str:
+    """Ours against the reference peers the issue's author measured on the same GPU type."""
     ref, names = r["reference_peer"]["tokens_per_s"], {x["preset"]: x for x in r["presets"]}
-    against = "; ".join(
-        f"{names[k]['name']} " + " and ".join(
-            f"{_ratio(names[k]['ours']['tokens_per_s'] / v)} the {kind} {v:,}"
-            for kind, v in peers.items()) for k, peers in ref.items())
-    lines += ["", f"MFU: {r['mfu_definition']}, {r['peak_tflops_bf16']} TFLOP/s; peak: "
-              f"`{r['peak_memory_definition']}`.  Ours against the reference peer tokens/s of "
-              f"the same GPU type measured by the issue's author (not in this run): "
-              f"{against}.", "",
-              "| preset | memory model (GiB) | measured peak (GiB) | error |",
-              "|---|---:|---:|---:|"]
+    return ("Ours against the reference peer tokens/s of the same GPU type measured by the "
+            "issue's author (not in this run): " + "; ".join(
+                f"{names[k]['name']} " + " and ".join(
+                    f"{_ratio(names[k]['ours']['tokens_per_s'] / v)} the {kind} {v:,}"
+                    for kind, v in peers.items()) for k, peers in ref.items()) + ".")
+
+
+def h200(r: dict) -> str:
+    """One H200: ours against the Hugging Face peer, the reference peer, the memory model."""
+    lines = _h200_table(r) + [
+        "", f"MFU: {r['mfu_definition']}, {r['peak_tflops_bf16']} TFLOP/s; peak: "
+        f"`{r['peak_memory_definition']}`.  {_h200_against(r)}", "",
+        "| preset | memory model (GiB) | measured peak (GiB) | error |", "|---|---:|---:|---:|"]
     for x in r["presets"]:
         m = x["memory_model"]
         lines.append(f"| {x['name']} | {m['estimated_gib']:.1f} | {x['ours']['peak_gib']:.1f} | "
@@ -183,6 +194,16 @@ def h200(r: dict) -> str:
               "", f"*Measured {r['date']} on {r['machine']}, {r['software']}: `{r['command']}`; "
               f"{r['provenance']} (`docs/results/h200_2026-11-30.json`).*"]
     return "\n".join(lines) + "\n"
+
+
+def h200_headline(r: dict) -> str:
+    """The README's short form of :func:`h200`: the throughput table, the reference peers
+    and the source."""
+    return "\n".join(_h200_table(r) + [
+        "", _h200_against(r), "",
+        f"*Measured {r['date']} on {r['machine']}, {r['software']}; transcribed from the run's "
+        "printed output (`docs/results/h200_2026-11-30.json`; MFU, the memory model and what "
+        "was not measured: [docs/gpu.md](docs/gpu.md#measured-on-one-nvidia-h200)).*"]) + "\n"
 
 
 def bert_data(r: dict) -> str:
@@ -200,6 +221,8 @@ RENDERERS: dict[str, Callable[[dict], str]] = {"four_shape_cpu": four_shape_cpu,
                                                "faults_quick": faults_quick,
                                                "h200_2026-11-30": h200,
                                                "bert_data": bert_data}
+VIEWS: dict[tuple[str, str], Callable[[dict], str]] = {
+    ("h200_2026-11-30", "headline"): h200_headline}
 
 
 def render(text: str) -> tuple[str, list[str]]:
@@ -211,14 +234,16 @@ def render(text: str) -> tuple[str, list[str]]:
     names = []
 
     def one(m: re.Match) -> str:
-        name = m["name"]
-        if name not in RENDERERS:
-            raise ValueError(f"results block '{name}': no renderer in tools/render_results.py")
+        name, view = m["name"], m["view"]
+        renderer = VIEWS.get((name, view)) if view else RENDERERS.get(name)
+        if renderer is None:
+            raise ValueError(f"results block '{name}{' ' + view if view else ''}': no renderer "
+                             "in tools/render_results.py")
         path = RESULTS / f"{name}.json"
         if not path.is_file():
             raise ValueError(f"results block '{name}': docs/results/{path.name} is missing")
         names.append(name)
-        return m.group(1) + RENDERERS[name](json.loads(path.read_text())) + m.group(4)
+        return m["open"] + renderer(json.loads(path.read_text())) + m["close"]
 
     return BLOCK.sub(one, text), names
 
