@@ -137,6 +137,7 @@ def test_start_decision_after_a_short_probe(caplog):
                            16 * 64, [small, big])
     with caplog.at_level(logging.INFO, logger="cona"):
         loop.run(until=lambda: job.trainer.step >= 5)
+    assert ctl.decisions, "no decision in the first 5 steps"
     first = ctl.decisions[0]
     assert (first["step"], first["start"], first["switch"], first["best"]) == \
         (3, True, True, big.label)
@@ -150,6 +151,35 @@ def test_start_decision_after_a_short_probe(caplog):
                            64 * 64, [small, big])
     loop.run(until=lambda: job.trainer.step >= 20)
     assert [d["step"] for d in ctl.decisions] == [20]
+
+
+def test_loop_tells_the_controller_when_no_estimate_is_possible(caplog):
+    """Catches issue 26's silent dp=1 run: where the probe can measure no noise scale at
+    the current layout (:func:`cona.probe.no_estimate_reason`: one process, one
+    micro-batch per step; the fix named), the loop must pass that to the controller, which
+    ignores the estimator's value (here a stale 10^4, at which batch 512 would win) and
+    stays at its global batch by the stated fallback rule, logging what it did and why."""
+    import logging
+    from types import SimpleNamespace
+
+    from cona.probe import no_estimate_reason
+    from cona.strategy import Strategy
+
+    why = no_estimate_reason(1, 1, 1)
+    assert "parallel.global_batch_size >= 2 x parallel.micro_batch_size" in why
+    assert "data-parallel" in why and "pp=2" in no_estimate_reason(1, 2, 4)
+    assert no_estimate_reason(2, 1, 1) is None and no_estimate_reason(1, 1, 2) is None
+    small, big = Strategy(8, 1, 1, 1, 64), Strategy(8, 1, 1, 4, 512)
+    job = _FakeJob(small, phi=1e4)
+    job.probe = SimpleNamespace(no_estimate=why)
+    loop, ctl = _fake_loop(job, ["cona.start_probe_updates=3", "cona.decision_interval=20"],
+                           16 * 64, [small, big])
+    with caplog.at_level(logging.INFO, logger="cona"):
+        loop.run(until=lambda: job.trainer.step >= 5)
+    (d,) = ctl.decisions
+    assert not d["switch"] and big.label not in d["scores"] and d["no_estimate"] == why
+    line = next(r.getMessage() for r in caplog.records if "decision at step 3" in r.getMessage())
+    assert f"stay on {small.label}" in line and "fallback rule: only global batch 64" in line
 
 
 def test_lr_ramps_after_a_batch_increase():
