@@ -51,9 +51,29 @@ the bar for switching back, instead of flapping on optimistic predictions.
 Learning rate follows the global batch ``B`` from the reference batch ``B_ref``
 (where ``base_lr`` was tuned): ``lr = base_lr * (B/B_ref)^k`` with ``k = 0.5``
 (``sqrt``, Krizhevsky 2014 / Hoffer et al. 2017, matched to Adam by Malladi et
-al. 2022), ``1`` (``linear``, Goyal et al. 2017) or ``0`` (``none``).
+al. 2022), ``1`` (``linear``, Goyal et al. 2017) or ``0`` (``none``).  After a
+switch that *raises* it, the LR ramps linearly to the new value over
+``cona.lr_ramp_steps`` optimizer steps (:func:`ramp_lr`; Goyal et al. 2017,
+Sec. 2.2, "gradual warmup": a jump to the scaled LR destabilises the first
+steps, while the optimizer's moments still describe the smaller batch); a
+lower LR applies at once.
 
-Every decision is logged as a dict in :attr:`Controller.decisions`.
+Start probe: the first decision comes as soon as the noise-scale estimator
+holds ``cona.start_probe_updates`` updates (the training steps before it are
+the probe: real steps at the start strategy, on the clock), so the start
+strategy is ranked at a measured noise scale after a few steps instead of
+being kept for a whole decision interval (:meth:`Controller.wants_start_decision`).
+
+No estimate: where the noise scale cannot be measured at the current strategy
+(:func:`cona.probe.no_estimate_reason`, e.g. one process with one micro-batch
+per step) the caller says so (``decide(no_estimate=...)``); the controller then
+ignores any estimate left from an earlier strategy and falls back to the stated
+rule: only strategies of the current global batch, ranked by throughput.  The
+decision's reason says so.
+
+Every decision is logged as a dict in :attr:`Controller.decisions`; its one-line
+form (:meth:`Decision.describe`: what it does, the scores of the chosen and the
+current strategy, and why) goes to the ``cona`` logger.
 """
 
 from __future__ import annotations
@@ -85,6 +105,27 @@ def scale_lr(base_lr: float, batch: float, reference_batch: float, rule: str) ->
     if batch <= 0 or reference_batch <= 0:
         raise ValueError(f"batch sizes must be positive, got {batch}, {reference_batch}")
     return base_lr * (batch / reference_batch) ** LR_EXPONENTS[rule]
+
+
+def ramp_lr(old: float, new: float, steps: int, ramp_steps: int) -> float:
+    """The learning rate ``steps`` optimizer steps after a switch moved the scaled LR
+    from ``old`` to ``new``: linear from ``old`` to ``new`` over ``ramp_steps`` steps
+    when ``new > old`` (step ``k`` trains at ``old + (new - old) k / ramp_steps``),
+    ``new`` at once when it is lower or ``ramp_steps`` is 0.
+
+    Source: Goyal et al. 2017, "Accurate, Large Minibatch SGD", Sec. 2.2 (gradual
+    warmup from the small-batch LR to the scaled one); Smith et al. 2018 ("Don't
+    decay the learning rate, increase the batch size") raise the batch mid-run
+    with the LR scaled the same way.
+
+    Raises:
+        ValueError: ``steps`` or ``ramp_steps`` negative.
+    """
+    if steps < 0 or ramp_steps < 0:
+        raise ValueError(f"steps and ramp_steps must be >= 0, got {steps}, {ramp_steps}")
+    if new <= old or steps >= ramp_steps:
+        return new
+    return old + (new - old) * steps / ramp_steps
 
 
 def switch_kind(a: Strategy, b: Strategy) -> str:
@@ -209,6 +250,18 @@ class Decision:
     switch_cost_s: float
     lr: float
     extra: dict[str, Any] = field(default_factory=dict)
+
+    def describe(self) -> str:
+        """One line: what the decision does, the scores (reference-batch samples/s) of the
+        chosen and the current strategy, the noise scale and the reason."""
+        what = (f"switch {self.current.label} -> {self.best.label}" if self.switch
+                else f"stay on {self.current.label}")
+        phi = "none" if self.noise_scale is None else f"{self.noise_scale:.4g}"
+        head = "start decision" if self.extra.get("start") else "decision"
+        return (f"CONA {head} at step {self.step}: {what}; best {self.best.label} scores "
+                f"{self.scores.get(self.best.label, float('nan')):.4g} against current "
+                f"{self.scores.get(self.current.label, float('nan')):.4g} (noise scale {phi}): "
+                f"{self.reason}")
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -356,10 +409,19 @@ class Controller:
         """True at steps ``K, 2K, ...`` (never at step 0: no statistics yet)."""
         return step > 0 and step % self.cfg.decision_interval == 0
 
-    def rank(self) -> list[Score]:
+    def wants_start_decision(self, step: int, num_updates: int) -> bool:
+        """True for the start decision: no decision taken yet, a regular one not due at
+        ``step``, and the estimator holds ``cona.start_probe_updates`` (> 0) updates
+        and a positive estimate."""
+        n = self.cfg.start_probe_updates
+        return (n > 0 and not self.decisions and num_updates >= n
+                and self.gns.noise_scale is not None and not self.should_decide(step))
+
+    def rank(self, *, use_noise_scale: bool = True) -> list[Score]:
         """Current ranking (candidates + current strategy), best first; scores are
-        discounted by the prediction error of their calibration source."""
-        phi = self.gns.noise_scale
+        discounted by the prediction error of their calibration source.
+        ``use_noise_scale=False`` ranks as without an estimate (same global batch only)."""
+        phi = self.gns.noise_scale if use_noise_scale else None
         pool = list(dict.fromkeys([*self.candidates, self.current]))
         if phi is None:
             pool = [s for s in pool if s.global_batch_size == self.current.global_batch_size]
@@ -374,16 +436,20 @@ class Controller:
             out.append(replace(sc, score=sc.score * math.exp(-err)) if err else sc)
         return sorted(out, key=lambda x: (-x.score, x.strategy.label))
 
-    def decide(self, step: int, remaining_samples: float | None = None) -> Decision:
+    def decide(self, step: int, remaining_samples: float | None = None, *,
+               no_estimate: str | None = None, start: bool = False) -> Decision:
         """Rank, and switch to the qualifying candidate with the largest net saving
         (module docstring, rules 1-3); the decision is appended to :attr:`decisions`.
 
         Args:
             remaining_samples: samples (the strategies' units) left in the budget;
                 the repay horizon is at most their time at the current rate.
+            no_estimate: why the noise scale cannot be measured at the current
+                strategy (``None``: it can); then the fallback rule (module docstring).
+            start: the start decision after the probe (logged as such).
         """
-        phi = self.gns.noise_scale
-        ranked = self.rank()
+        phi = None if no_estimate else self.gns.noise_scale
+        ranked = self.rank(use_noise_scale=not no_estimate)
         by_strategy = {sc.strategy: sc for sc in ranked}
         cur = by_strategy[self.current]
         horizon_s = self.cfg.horizon_steps * cur.iter_s
@@ -421,9 +487,16 @@ class Controller:
                 True,
                 (f"gain {gain:.3f}; saves {time_saved:.1f} s > switch cost {cost:.1f} s"),
             )
-        if phi is None:
-            reason += " (no positive noise-scale estimate now: same global batch only)"
-        extra: dict[str, Any] = {}
+        gb = self.current.global_batch_size
+        if no_estimate:
+            reason += (f" (no noise-scale estimate at {self.current.label}: {no_estimate}; "
+                       f"fallback rule: only global batch {gb}, ranked by throughput)")
+        elif phi is None:
+            reason += (" (no positive noise-scale estimate yet: only global batch "
+                       f"{gb}, ranked by throughput)")
+        extra: dict[str, Any] = {"start": True} if start else {}
+        if no_estimate:
+            extra["no_estimate"] = no_estimate
         if ranked[0].strategy != best.strategy:  # a cheaper switch won on net time saved
             extra["top_ranked"] = ranked[0].strategy.label
         if self._pred_errors:

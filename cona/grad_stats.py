@@ -111,6 +111,12 @@ class GradientNoiseScale:
         self.num_updates = 0
         self.num_skipped = 0
 
+    @classmethod
+    def from_config(cls, cona_cfg) -> GradientNoiseScale:
+        """The estimator a CONA job uses: averaging by ``cona.gns_average``
+        (:class:`jobruntime.config.ConaConfig`), the other settings at their defaults."""
+        return cls(normalize=cona_cfg.gns_average == "scale_free")
+
     def update(
         self,
         small_sq_norms: Sequence[float] | float,

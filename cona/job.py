@@ -111,7 +111,7 @@ class Job:
     def __init__(self, ctx: ConaContext):
         self.ctx, self.cfg, self.data = ctx, ctx.cfg, ctx.data
         self.reference_batch = ctx.cfg.parallel.global_batch_size
-        self.gns = GradientNoiseScale(normalize=ctx.cfg.cona.gns_average == "scale_free")
+        self.gns = GradientNoiseScale.from_config(ctx.cfg.cona)
         self.probe = GNSProbe(self.gns, preconditioned=ctx.cfg.cona.gns_preconditioned)
 
     # -- helpers ------------------------------------------------------------

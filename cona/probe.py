@@ -76,6 +76,22 @@ def _grad(param) -> torch.Tensor | None:
     return getattr(param, "main_grad", None) if hasattr(param, "main_grad") else param.grad
 
 
+def no_estimate_reason(dp: int, pp: int, num_microbatches: int) -> str | None:
+    """Why no noise-scale estimate is possible at a layout, with the fix; ``None`` if one is.
+
+    An estimate needs two gradients of different batch sizes from the step itself
+    (module docstring): DP replicas (``dp > 1``), or ``>= 2`` micro-batches read between
+    backward passes, which 1F1B does not allow with ``pp > 1``.
+    """
+    if dp > 1 or (num_microbatches >= 2 and pp == 1):
+        return None
+    why = (f"dp=1 with pp={pp} (1F1B runs forwards ahead of backwards)" if pp > 1
+           else "dp=1 with 1 micro-batch per step")
+    return (f"{why}; for one, run >= 2 data-parallel processes"
+            + ("" if pp > 1 else " or set parallel.global_batch_size >= 2 x "
+               "parallel.micro_batch_size"))
+
+
 class GNSProbe:
     """Updates a :class:`GradientNoiseScale` after every training step of a trainer.
 
@@ -85,6 +101,8 @@ class GNSProbe:
 
     Attributes:
         mode: ``"replica"``, ``"microbatch"`` or ``None`` (no estimate possible).
+        no_estimate: why no estimate is possible at the attached layout, with the fix
+            (:func:`no_estimate_reason`); ``None`` if one is.
         last: the last step's ``(small_sq, small_batch, big_sq, big_batch)``.
     """
 
@@ -93,6 +111,7 @@ class GNSProbe:
         self._weight: dict[int, torch.Tensor] | None = None  # id(param) -> P this step
         self.trainer: Trainer | None = None
         self.mode: str | None = None
+        self.no_estimate: str | None = None
         self.last: tuple | None = None
         self._orig = None
         self._prev: list | None = None
@@ -106,13 +125,16 @@ class GNSProbe:
         p = trainer.cfg.parallel
         dp = dist.get_world_size(trainer.grad_dp_group)
         m = p.global_batch_size // (p.micro_batch_size * dp)
+        self.no_estimate = no_estimate_reason(dp, p.pp, m)
         if dp > 1:
             self.mode = "replica"
-        elif m >= 2 and p.pp == 1:
+        elif self.no_estimate is None:
             self.mode = "microbatch"
         else:
             self.mode = None
-            log.info("GNS probe: no estimate at dp=1, pp=%d, %d micro-batch(es)", p.pp, m)
+            log.warning("GNS probe: no noise-scale estimate at this layout: %s; CONA then "
+                        "ranks only strategies of the current global batch, by throughput",
+                        self.no_estimate)
         self.trainer, self._dp = trainer, dp
         self._orig = trainer.tcfg.finalize_model_grads_func
         trainer.tcfg.finalize_model_grads_func = self._finalize

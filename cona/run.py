@@ -17,7 +17,14 @@ ranks; emulated: the target's modelled step time) and the gradient noise scale
 :class:`cona.controller.Controller` ranks the candidates (goodput = calibrated
 throughput x Pollux efficiency) and, if the best one repays its switch cost,
 the job switches (:meth:`cona.job.Job.apply`); the LR follows the global batch
-(``cona.lr_scaling``) and the decision with its reasons is logged.
+(``cona.lr_scaling``, ramped up over ``cona.lr_ramp_steps`` steps after a switch
+that raises it, :func:`cona.controller.ramp_lr`) and every decision is logged
+(``metrics.jsonl`` and one line on the ``cona`` logger: what it does, the scores
+of the chosen and the current strategy, why).  A start decision comes as soon
+as the noise scale has ``cona.start_probe_updates`` estimates (the steps before
+it are the probe, on the clock); where the current layout allows no estimate,
+the controller is told why (:attr:`cona.probe.GNSProbe.no_estimate`) and falls
+back to ranking the current global batch by throughput.
 
 Budget and schedule are in (proxy) samples (the strategies' global batches
 differ): ``train.iters * B_ref`` samples with ``B_ref = parallel.global_batch_size``;
@@ -55,8 +62,9 @@ from jobruntime.metrics import MetricsWriter, TTPTracker, perplexity
 from jobruntime.parallel import same_run_dir
 
 from .context import build_context
-from .controller import Controller
+from .controller import Controller, ramp_lr
 from .job import Job, RealJob
+from .state import set_peak_lr
 
 log = logging.getLogger("cona")
 
@@ -73,6 +81,11 @@ class Progress:
     records: list = field(default_factory=list)
     last_val_ppl: float | None = None
     nan: bool = False
+    # LR ramp after a switch (cona.lr_ramp_steps): the strategy whose LR is in effect,
+    # the (peak, final) LR the last step trained at, and the ramp (from, to, steps done)
+    lr_strategy: str | None = None
+    lr_now: tuple | None = None
+    lr_ramp: tuple | None = None
 
 
 class Loop:
@@ -129,6 +142,33 @@ class Loop:
         return self.job.ctx.mapping.target_noise_scale(self.job.gns.noise_scale)
 
     # -- one step -----------------------------------------------------------
+    def follow_lr(self) -> None:
+        """Before a step: set the (peak, final) LR of the job's strategy, ramped after a
+        switch that raised it (:func:`cona.controller.ramp_lr`).  Whoever switched (the
+        controller, or the oracle through :meth:`EmulatedJob.set_strategy`), the ramp
+        is the same; its state lives in :attr:`progress` (copied with a branch)."""
+        job, p = self.job, self.progress
+        sched = getattr(job.trainer, "scheduler", None)
+        if sched is None:  # a job without a sample schedule (test doubles)
+            return
+        label, target = job.strategy.label, tuple(job.lr_for(job.strategy))
+        if p.lr_strategy != label:
+            if p.lr_strategy is not None and p.lr_now is not None and target[0] > p.lr_now[0]:
+                p.lr_ramp = (p.lr_now, target, 0)
+            else:
+                p.lr_ramp = None
+            p.lr_strategy = label
+        lr = target
+        if p.lr_ramp is not None:
+            old, new, done = p.lr_ramp
+            done += 1
+            n = self.cfg.cona.lr_ramp_steps
+            lr = tuple(ramp_lr(a, b, done, n) for a, b in zip(old, new))
+            p.lr_ramp = (old, new, done) if done < n else None
+        if (sched.max_lr, sched.min_lr) != lr:
+            set_peak_lr(job.trainer, sched, *lr)
+        p.lr_now = lr
+
     def evaluate(self) -> float:
         """Evaluate now, record it (and TTP); return the validation perplexity."""
         job, p = self.job, self.progress
@@ -152,6 +192,7 @@ class Loop:
     def step(self) -> None:
         job, p = self.job, self.progress
         fresh = getattr(job, "fresh", False)
+        self.follow_lr()
         result, step_s = job.train_step()
         if self.controller is not None and not fresh:
             self.controller.record_iteration(step_s, job.strategy)
@@ -192,16 +233,24 @@ class Loop:
         # sides in proxy samples: the budget and consumed samples are proxy
         # sequences, and one interval is ``decision_interval`` steps of the proxy
         # batch (the strategy's global batch is in target sequences, r x larger).
+        ctl = self.controller
+        if ctl is None:
+            return
         left = self.budget_samples - job.consumed_samples
-        interval = self.controller.cfg.decision_interval if self.controller is not None else 0
-        if (self.controller is not None and self.controller.should_decide(job.trainer.step)
-                and left >= interval * job.proxy_batch(job.strategy)):
+        step = job.trainer.step
+        if ctl.wants_start_decision(step, job.gns.num_updates):
+            self.decide(start=True)  # the probe is over: rank the start strategy
+        elif (ctl.should_decide(step)
+                and left >= ctl.cfg.decision_interval * job.proxy_batch(job.strategy)):
             self.decide()
 
-    def decide(self) -> None:
+    def decide(self, start: bool = False) -> None:
         job, ctl = self.job, self.controller
         left = job.ctx.mapping.target_samples(self.budget_samples - job.consumed_samples)
-        d = ctl.decide(job.trainer.step, remaining_samples=left)
+        probe = getattr(job, "probe", None)
+        d = ctl.decide(job.trainer.step, remaining_samples=left, start=start,
+                       no_estimate=getattr(probe, "no_estimate", None))
+        log.info("%s", d.describe())
         target = d.best if d.switch else None
         if dist.is_initialized() and dist.get_world_size() > 1:  # one decision for all ranks
             obj = [target]

@@ -7,10 +7,30 @@ for Goodput-Optimized Deep Learning", OSDI 2021, Sec. 3.1, eq. 5)::
 
 with ``M`` the global batch size, ``M0`` the reference batch size (the one the
 learning rate was tuned for; ``E(M0) = 1``) and ``phi`` the gradient noise
-scale (Pollux uses the preconditioned GNS; we use ``B_simple`` from
-:mod:`cona.grad_stats`, McCandlish et al. 2018).  It follows from
-McCandlish's ``E_examples = E_min (1 + B/B_noise)``: a sample trained at batch
-``M`` is worth ``E(M)`` samples at batch ``M0``.
+scale.  It follows from McCandlish's ``E_examples = E_min (1 + B/B_noise)``: a
+sample trained at batch ``M`` is worth ``E(M)`` samples at batch ``M0``.
+
+Which noise scale, for Adam.  On a locally quadratic loss (Hessian ``H``,
+per-sample gradient covariance ``Sigma``, true gradient ``G``), a step
+``-eps P g_B`` with a fixed preconditioner ``P`` (Adam: ``1/(sqrt(v_hat)+eps)``)
+lowers the loss in expectation by ``eps G'PG - eps^2/2 (G'PHPG + tr(PHP Sigma)/B)``;
+at the best ``eps`` that is ``dL_max / (1 + B_noise/B)`` with
+``B_noise = tr(PHP Sigma) / (G'PHPG)`` (McCandlish et al. 2018, eq. 2.7-2.8,
+for the preconditioned step), so ``phi = B_noise`` makes ``E(M)`` exact.  It
+needs the curvature, which the probe does not measure; two estimators each
+assume one:
+
+- ``B_simple = tr(Sigma)/|G|^2`` (:mod:`cona.grad_stats`) is exact when
+  ``PHP ~ I``, i.e. when Adam's ``v`` follows the curvature (``v ~ diag
+  Fisher ~ diag H``, the Gauss-Newton view of cross-entropy once gradient
+  noise dominates ``v``);
+- Pollux's ``tr(P Sigma P)/|PG|^2`` (Qiao et al. 2021, Sec. 3.1;
+  ``cona.gns_preconditioned``) is exact when the raw Hessian is isotropic
+  (``H ~ I``).
+
+The default is ``B_simple``, the first case being Adam's own premise
+(``tests/test_cona_controller.py`` checks both cases on a quadratic where the
+efficiency is computed from the best step size at each batch).
 
 Score (Pollux's GOODPUT, eq. 4)::
 

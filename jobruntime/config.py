@@ -573,21 +573,39 @@ class ConaConfig:
     """Steps over which a switch must repay its measured cost."""
     lr_scaling: Literal["sqrt", "linear", "none"] = "sqrt"
     """How the learning rate follows the global batch size when it changes."""
-    gns_average: Literal["plain", "scale_free"] = "plain"
-    """How the noise-scale estimator averages steps (``cona/grad_stats.py``): ``plain`` is
-    McCandlish's ratio of EMAs, which reads a rising noise scale low (~20 steps behind
-    early in training); ``scale_free`` divides each step's estimates by its
-    ``|G_big|^2`` and tracks it closer (tiny_bert: 113 against 125 measured directly,
-    plain 44).  ``plain`` is the default because CONA ranked better with it (GPT-3 bench:
-    44.13 s against 47.90 s; Llama and BERT equal): Pollux's efficiency on ``B_simple``
-    overrates larger batches there and the lag offsets part of that (README)."""
+    gns_average: Literal["plain", "scale_free"] = "scale_free"
+    """How the noise-scale estimator averages steps (``cona/grad_stats.py``): ``scale_free``
+    divides each step's estimates by its ``|G_big|^2`` before the EMAs, so the average is
+    free of the gradient's scale; ``plain`` is McCandlish's ratio of EMAs, which weights
+    each step by ``|G|^2`` and therefore reads a rising noise scale low while ``|G|^2``
+    falls within the EMA's window (tiny_bert: 44 against 125 measured directly,
+    scale-free 113; on least squares with a known answer 0.66 of the truth against 0.85,
+    ``tests/test_cona_grad_stats.py``).  The default follows that mechanism, the same for
+    every model."""
     gns_preconditioned: bool = False
     """Estimate the noise scale of Adam-preconditioned gradients, ``tr(P Sigma P)/|P G|^2``
     with ``P = 1/(sqrt(v_hat)+eps)``, as Pollux does for adaptive optimizers (Qiao et al.
-    OSDI'21, Sec. 3.1; ``cona/probe.py``), instead of ``B_simple``; use it with
-    ``gns_average=scale_free`` (``|P G|^2`` falls by orders of magnitude early on).  Off by
-    default: on the CONA bench CONA ranked worse with it on all three families (GPT-3 and
-    Llama missed the target, BERT 2.07 s against 1.79 s; README)."""
+    OSDI'21, Sec. 3.1; ``cona/probe.py``), instead of ``B_simple``.  Off by default: for
+    Adam's step ``P g`` the noise scale that sets the efficiency is ``tr(P H P Sigma) /
+    (G^T P H P G)`` (McCandlish et al. 2018, eq. 2.7-2.8, for the preconditioned step;
+    ``cona/surrogate.py``), which is ``B_simple`` where Adam's ``v`` follows the curvature
+    (``v ~ diag Fisher ~ diag H``, ``P H P ~ I``) and Pollux's formula only where the raw
+    Hessian is isotropic (tested on a quadratic with known efficiency,
+    ``tests/test_cona_controller.py``).  Use it with ``gns_average=scale_free``."""
+    start_probe_updates: int = 4
+    """The start decision comes as soon as the noise-scale estimator holds this many
+    updates (the steps before it are the probe: real training steps at the start strategy,
+    on the clock), instead of at the first ``decision_interval``; 0 = no start decision.
+    4 updates of the micro-batch or replica estimate average at least 8 small-batch
+    gradients, the same as one step at ``dp=8``; ``min_gain`` absorbs the rest of its
+    error."""
+    lr_ramp_steps: int = 10
+    """After a switch that raises the learning rate (a larger global batch under
+    ``lr_scaling``), ramp it linearly from the old to the new value over this many
+    optimizer steps (Goyal et al. 2017, Sec. 2.2, gradual warmup); a lower LR applies at
+    once; 0 = jump.  10 = ``1/(1 - beta1)`` for Adam's ``beta1 = 0.9``, the steps its first
+    moment takes to forget the smaller batch's gradients, and half the default
+    ``decision_interval``, so the next decision sees the new strategy at its full LR."""
     start_slack: float = 0.02
     """Emulated mode: the start layout may be this fraction slower than the fastest at the
     start batch if it runs the next larger batch faster (``cona.controller.start_strategy``:
@@ -618,6 +636,9 @@ class ConaConfig:
         for key in ("decision_interval", "horizon_steps"):
             if getattr(self, key) <= 0:
                 raise ConfigError(f"cona.{key}={getattr(self, key)} must be positive")
+        for key in ("start_probe_updates", "lr_ramp_steps"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"cona.{key}={getattr(self, key)} must be >= 0 (0 = off)")
         if not 0 <= self.min_gain < float("inf"):
             raise ConfigError(f"cona.min_gain={self.min_gain} must be >= 0 (0.05 = switch for a "
                               "5 % better score)")
