@@ -38,8 +38,15 @@ baseline) runs on until ``unpruned_factor`` times the bound (its time to
 target, or a lower bound on it).  Since every static chain is in the searched
 set, ``oracle <= best static`` holds by construction; :meth:`OracleSearch.run`
 checks it.  The bound is the only cut, so the search stays exact whatever the
-problem; how much it saves is measured (``tests/test_cona_oracle.py``:
-window-runs trained against brute force).
+problem.  It cuts late: the time at a node's latest evaluation is about
+``d / D`` of a chain's time to target at depth ``d``, so nearly every prefix
+of the first ``D - 2`` windows is trained and the savings come from the last
+windows (measured on random synthetic problems with 6 windows and moves of
+up to two steps: 6.8 % of the window-runs of brute force, 4-42x the samples
+of the static chains alone; ``tests/test_cona_oracle.py``).  Where that is
+too dear, ``max_changes`` makes the set smaller (still exact over it) and
+``max_windows`` stops the search (then ``exact`` is False); :meth:`summary`
+reports the costs next to the findings.
 
 The search talks to training only through a :class:`Branch` (snapshot,
 restore, run a window) and to time through a :class:`TimeModel`, so it can be
