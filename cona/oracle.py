@@ -449,7 +449,8 @@ class OracleSearch:
         time.  The least time wins (ties: the current batch, then the smaller), the
         chain continues from that window's end state, and so on until the target.  A
         candidate without an evaluation in the window is not scored; when none has
-        one, the chain keeps its batch (the smallest in window 0) at its fastest layout.
+        one, the chain keeps its batch (the smallest in window 0) at its fastest layout;
+        a non-finite perplexity counts as no evaluation.
 
         It is the best progress per second with the hindsight of one window, never
         of the windows after it.  Its batch sequence is in the searched set (same
@@ -485,24 +486,27 @@ class OracleSearch:
         """The (batch, layout) of :meth:`greedy`'s rule among the window ``runs`` per batch."""
         tm = self.tm
         current = parent.batches[-1] if parent is not None else self.batches[0]
-        ppls = {b: [e["val_ppl"] for e in run.evals] for b, run in runs.items() if run.eval_steps}
-        if not ppls:  # nothing to compare: keep the batch, at its fastest layout
+        points = {b: [(k, e["val_ppl"]) for k, e in zip(run.eval_steps, run.evals)
+                      if math.isfinite(e["val_ppl"])] for b, run in runs.items()}
+        points = {b: pts for b, pts in points.items() if pts}  # NaN: no measurement
+        if not points:  # nothing to compare: keep the batch, at its fastest layout
             run = runs[current]
             lay = min(tm.layouts(current),
                       key=lambda x: _entry(parent, x, tm)[0] + run.steps * tm.iter_s(x))
             return current, lay
-        common = max(min(p) for p in ppls.values())
+        common = max(min(p for _, p in pts) for pts in points.values())
 
         def steps_to_common(b: int) -> float:
-            p, at = ppls[b], runs[b].eval_steps
-            i = next(j for j, v in enumerate(p) if v <= common)
+            pts = points[b]
+            i = next(j for j, (_, p) in enumerate(pts) if p <= common)
             if i == 0:
-                return at[0]
-            return at[i - 1] + crossing_fraction(p[i - 1], p[i], common) * (at[i] - at[i - 1])
+                return pts[0][0]
+            (k0, p0), (k1, p1) = pts[i - 1], pts[i]
+            return k0 + crossing_fraction(p0, p1, common) * (k1 - k0)
 
         options = [(_entry(parent, lay, tm)[0] + steps_to_common(b) * tm.iter_s(lay),
                     b != current, b, i, lay)
-                   for b in ppls for i, lay in enumerate(tm.layouts(b))]
+                   for b in points for i, lay in enumerate(tm.layouts(b))]
         best = min(options, key=lambda o: o[:4])
         return best[2], best[4]
 
