@@ -398,7 +398,7 @@ class OracleSearch:
                      self.static[b]["ttp_s"], self.windows_trained)
         if self.with_greedy:  # phase 2: the greedy reference (a chain of the set: a bound)
             self.branch.restore(root)
-            self.greedy()
+            self.greedy({node.batches: (node.run, snap) for node, snap, _ in prefixes})
         for node, snap, depth in prefixes:  # phase 3: leave the constant chain once
             for b_next in self._children(node.batches)[1:]:
                 if not self._worth(node):  # the bound only falls: no later move can pass
@@ -431,7 +431,7 @@ class OracleSearch:
                 break
             self._dfs(node, state, b, depth + 1, D)
 
-    def greedy(self) -> ChainResult | None:
+    def greedy(self, known: dict | None = None) -> ChainResult | None:
         """The greedy reference: "the strategy sequence that selects the best strategy at
         each iteration" (the CONA paper's reference sequence, quoted in issue 23; the
         paper reports CONA within 2.6 % of it), made precise on the window grid.
@@ -457,15 +457,25 @@ class OracleSearch:
         moves), so ``oracle_chain <= greedy`` by construction.  The branch must be
         at its initial state.
 
+        Args:
+            known: batch sequence -> (its last window's run, the state after it) of
+                windows already trained (the static chains' prefixes); a window run in
+                full is reused instead of trained again.
+
         Returns:
             The greedy chain, on its own layouts and clock (``None``: the budget ended
             first); also kept as ``greedy_chain``.  Its window-runs are counted in
             ``greedy_windows`` and ``windows_trained``.
         """
+        known = known or {}
         parent, state, chain = None, self.branch.snapshot(), None
         for depth in range(len(self.boundaries) + 1):
             trials = {}
             for b in self.batches if parent is None else self._children(parent.batches):
+                seq = (*(parent.batches if parent else ()), b)
+                if seq in known and not known[seq][0].stopped:  # a full window already trained
+                    trials[b] = known[seq]
+                    continue
                 self.branch.restore(state)
                 trials[b] = (self._train(b, depth, lambda steps: False), self.branch.snapshot())
                 self.greedy_windows += 1
