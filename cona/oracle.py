@@ -500,6 +500,9 @@ class OracleSearch:
                       if math.isfinite(e["val_ppl"])] for b, run in runs.items()}
         points = {b: pts for b, pts in points.items() if pts}  # NaN: no measurement
         if not points:  # nothing to compare: keep the batch, at its fastest layout
+            log.warning("oracle: greedy window %d holds no evaluation: it keeps batch %s "
+                        "(make windows span evaluations)", len(parent.batches) if parent else 0,
+                        current)
             run = runs[current]
             lay = min(tm.layouts(current),
                       key=lambda x: _entry(parent, x, tm)[0] + run.steps * tm.iter_s(x))
