@@ -135,15 +135,19 @@ class ClusterTime:
         return self.cluster.switch_s(old, new)
 
 
-def run_search(ctx: ConaContext, boundaries: list[int]) -> dict:
+def run_search(ctx: ConaContext, boundaries: list[int], **options) -> dict:
     """Static baselines and the oracle chain from one search (module docstring).
 
     Args:
         boundaries: the oracle's window ends, in proxy samples.
+        options: passed to :class:`cona.oracle.OracleSearch` (``moves``, ``max_changes``,
+            ``max_windows``, ``greedy``).
 
     Returns:
-        ``{"static_throughput", "static_oracle", "oracle_chain": method records,
-        "per_batch": {batch: {ttp_s, cut}}, "search": counters}``.
+        ``{"static_throughput", "static_oracle", "oracle_chain", "oracle_greedy": method
+        records, "per_batch": {batch: {ttp_s, cut}}, "search": boundaries and
+        :meth:`cona.oracle.OracleSearch.summary` (oracle_changes, chain_over_static,
+        greedy_over_oracle, costs)}``.
     """
     job = ctx.make_job(min(ctx.candidates, key=lambda s: s.global_batch_size))
     loop = Loop(job, ctx.cfg, budget_samples=ctx.budget_samples, eval_samples=ctx.eval_samples,
@@ -152,7 +156,7 @@ def run_search(ctx: ConaContext, boundaries: list[int]) -> dict:
     time_model = ClusterTime(ctx)
     batches = sorted(time_model._by_batch)
     search = OracleSearch(ProxyBranch(ctx, job, loop), time_model, batches, boundaries,
-                          unpruned=fastest.global_batch_size, unpruned_factor=2.0)
+                          unpruned=fastest.global_batch_size, unpruned_factor=2.0, **options)
     best = search.run()
 
     def record(chain) -> dict:
@@ -177,7 +181,7 @@ def run_search(ctx: ConaContext, boundaries: list[int]) -> dict:
         "static_throughput": throughput,
         "static_oracle": oracle,
         "oracle_chain": record(best),
+        "oracle_greedy": record(search.greedy_chain),
         "per_batch": per_batch,
-        "search": {"boundaries": boundaries, "windows_trained": search.windows_trained,
-                   "nodes_cut": search.nodes_cut},
+        "search": {"boundaries": boundaries, **search.summary()},
     }
