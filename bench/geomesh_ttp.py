@@ -65,6 +65,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 METHODS = ("ddp", "diloco", "async", "geomesh")
+# selectable with --methods, not in the default set (bench/geomesh_peers.py runs them)
+EXTRA_METHODS = ("streaming_diloco",)
 KEYS = ("ttp_s", "final_val_ppl", "tokens", "straggler_idle_frac", "wan_idle_frac",
         "sync_share", "bytes_per_outer_step", "compression_ratio")
 
@@ -72,7 +74,7 @@ KEYS = ("ttp_s", "final_val_ppl", "tokens", "straggler_idle_frac", "wan_idle_fra
 SETTINGS = {
     "quick": dict(seq_length=64, global_batch=16, micro_batch=4, inner_steps=8, outer_steps=12,
                   eval_iters=4, eval_interval=1),
-    "full": dict(seq_length=64, global_batch=16, micro_batch=4, inner_steps=8, outer_steps=100,
+    "full": dict(seq_length=64, global_batch=16, micro_batch=4, inner_steps=8, outer_steps=104,
                  eval_iters=8, eval_interval=2),
 }
 TARGET_PPL = {"quick": 800.0, "full": 400.0}
@@ -82,7 +84,9 @@ TARGET_PPL = {"quick": 800.0, "full": 400.0}
 # its default codec after the guard fix (2026-12-01), the best of {0.25, 0.35,
 # 0.5}: quick 619/582/500 (and 503/549 at 0.7/1.0, measured later), and on
 # the full run 0.5 beat 0.35 too (218.9 vs 222.3).  DDP has no outer optimizer.
-OUTER_LR = {"diloco": 0.15, "async": 0.15, "geomesh": 0.5}
+OUTER_LR = {"diloco": 0.15, "async": 0.15, "geomesh": 0.5,
+            # DiLoCo's tuned value until bench/geomesh_peers.py --tune-lr measures its own
+            "streaming_diloco": 0.15}
 # GeoMesh variants of --ablation: (name, overrides); every row has the same
 # plan (the codecs' state lives in host memory, see geomesh/wire/compression.py).
 # Codec rows run without overlap, so that only the codec differs.
@@ -146,11 +150,14 @@ def overrides(mode: str, method: str, wandb: str, group: str) -> list[str]:
 GEOMESH_ONLY = ("compression", "error_feedback", "error_feedback_decay", "compress_update",
                 "topk_k", "topk_bits", "overlap", "plan_tolerance", "balance", "inner_lr_scaling",
                 "replan")
+# Settings only streaming_diloco reads (added after runs of the other methods were saved
+# without them: a saved run that lacks them is still the same run).
+STREAMING_ONLY = ("fragments", "fragment_sync_delay", "fragment_update_alpha", "fragment_bits")
 
 
 def _reused(cfg, folder: Path) -> dict | None:
-    """``folder``'s summary if it finished with exactly ``cfg`` (logging aside, and for
-    the baselines the GeoMesh-only settings)."""
+    """``folder``'s summary if it finished with exactly ``cfg`` (logging aside, and the
+    settings its method does not read: GeoMesh-only, streaming-only)."""
     import yaml
 
     done, saved = folder / "summary.json", folder / "config.yaml"
@@ -159,8 +166,10 @@ def _reused(cfg, folder: Path) -> dict | None:
 
     def key(d: dict) -> dict:
         d = {k: v for k, v in d.items() if k != "logging"}
-        if d["geomesh"]["method"] != "geomesh":
-            d["geomesh"] = {k: v for k, v in d["geomesh"].items() if k not in GEOMESH_ONLY}
+        method = d["geomesh"]["method"]
+        unread = (GEOMESH_ONLY if method != "geomesh" else ()) + \
+            (STREAMING_ONLY if method != "streaming_diloco" else ())
+        d["geomesh"] = {k: v for k, v in d["geomesh"].items() if k not in unread}
         return d
 
     mine = cfg.to_dict()  # a run records its padded vocabulary as resolved at the start
@@ -173,7 +182,8 @@ def _row(s: dict, wall: float) -> dict:
     row = {k: s.get(k) for k in KEYS}
     row.update(time_s=s.get("time_s"), ttp_tokens=s.get("ttp_tokens"),
                outer_steps=s.get("outer_steps"), wall_s=wall)
-    for k in ("codec", "error_feedback", "compress_update", "overlap", "memory_overhead"):
+    for k in ("codec", "error_feedback", "compress_update", "overlap", "memory_overhead",
+              "fragments", "fragment_sync_delay", "fragment_update_alpha", "fragment_bits"):
         if s.get(k) is not None:
             row[k] = s[k]
     return row
@@ -181,7 +191,8 @@ def _row(s: dict, wall: float) -> dict:
 
 def _selected(args) -> list[tuple[str, str, list[str]]]:
     runs = ([(name, "geomesh", extra) for name, extra in ABLATION] if args.ablation
-            else [(m, m, []) for m in METHODS])
+            else [(m, m, []) for m in (*METHODS, *EXTRA_METHODS)
+                  if m in METHODS or m in (args.methods or ())])
     return [r for r in runs if not args.methods or r[0] in args.methods]
 
 
@@ -217,13 +228,14 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     size = p.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true", help="12 outer steps")
-    size.add_argument("--full", action="store_true", help="100 outer steps (default)")
+    size.add_argument("--full", action="store_true", help="104 outer steps (default)")
     p.add_argument("--ablation", action="store_true",
                    help="GeoMesh's codec/overlap variants instead of the four methods")
     p.add_argument("--out", default=None, help="run folder (default runs/geomesh_ttp-<time>)")
     p.add_argument("--wandb", default="offline", choices=["offline", "online", "disabled"])
     p.add_argument("--methods", nargs="+", default=None,
-                   help=f"subset of {list(METHODS)} (or, with --ablation, of the variant names)")
+                   help=f"subset of {[*METHODS, *EXTRA_METHODS]} (default: {list(METHODS)}; "
+                        "with --ablation, of the variant names)")
     p.add_argument("--threads", type=int, default=1,
                    help="torch intra-op threads (default 1: on a shared 2-core machine more "
                         "threads spin against other jobs and run ~10x slower)")
@@ -251,7 +263,7 @@ def main(argv=None) -> int:
     from jobruntime.parallel import shutdown
 
     mode = "quick" if args.quick else "full"
-    every = [n for n, _ in ABLATION] if args.ablation else list(METHODS)
+    every = [n for n, _ in ABLATION] if args.ablation else [*METHODS, *EXTRA_METHODS]
     unknown = set(args.methods or ()) - set(every)
     if unknown:
         p.error(f"unknown --methods {sorted(unknown)}; choose from {every}")

@@ -35,7 +35,7 @@ from .wire.compression import TensorSchema
 
 log = logging.getLogger(__name__)
 
-METHODS = ("geomesh", "diloco", "ddp", "async")
+METHODS = ("geomesh", "diloco", "streaming_diloco", "ddp", "async")
 
 
 @dataclass
@@ -172,9 +172,27 @@ def _validate(cfg: JobConfig) -> None:
     if g.wan_bandwidth_scale is not None and not 0 < g.wan_bandwidth_scale < float("inf"):
         raise ConfigError(f"geomesh.wan_bandwidth_scale={g.wan_bandwidth_scale} must be a "
                           "positive number (or null: the cluster file's)")
+    if g.method == "streaming_diloco":
+        _validate_streaming(g)
     if not 0 <= g.token_tolerance < 1:
         raise ConfigError(f"geomesh.token_tolerance={g.token_tolerance} must be in [0, 1) "
                           "(default 0.05)")
+
+
+def _validate_streaming(g) -> None:
+    """torchft's constraints on the fragment schedule (``torchft.local_sgd.DiLoCo``)."""
+    P, H, tau = g.fragments, g.inner_steps, g.fragment_sync_delay
+    if P < 1 or H % P:
+        raise ConfigError(f"geomesh.fragments={P} must be >= 1 and divide geomesh.inner_steps={H} "
+                          "(one fragment is synchronised every inner_steps/fragments steps)")
+    if not 0 <= tau < H // P:
+        raise ConfigError(f"geomesh.fragment_sync_delay={tau} must be in [0, inner_steps/fragments"
+                          f" = {H // P}) (a fragment is synchronised before it is sent again)")
+    if not 0 <= g.fragment_update_alpha <= 1:
+        raise ConfigError(f"geomesh.fragment_update_alpha={g.fragment_update_alpha} must be in "
+                          "[0, 1]")
+    if g.fragment_bits not in (32, 8, 4):
+        raise ConfigError(f"geomesh.fragment_bits={g.fragment_bits}: use 32, 8 or 4")
 
 
 def target_schema(target: JobConfig) -> TensorSchema:
@@ -230,8 +248,9 @@ def build_context(cfg: JobConfig, run_dir: Path) -> RunContext:
         check.parallel.micro_batch_size = check.parallel.global_batch_size = 1
         placement.topology = initialize_layout(check)
     else:
-        if g.method == "async":
-            raise ConfigError("geomesh.method=async runs in emulated mode only; set geomesh.mode=emulated")
+        if g.method in ("async", "streaming_diloco"):
+            raise ConfigError(f"geomesh.method={g.method} runs in emulated mode only; set "
+                              "geomesh.mode=emulated")
         placement, layout_cfg = place_real(cfg, cluster)
         per = cfg.parallel.micro_batch_size * placement.dp_in
         if cfg.parallel.global_batch_size % per:

@@ -105,11 +105,11 @@ class RoundFigures:
                                          if k not in self.guard.last_rejected]
         if self.ctx.is_eval_step(step):
             trainer, p = self.first.trainer, self.cfg.parallel
-            keep = trainer.get_params() if self.overlap is not None else None
+            keep = trainer.get_params() if self.keeps_local_weights else None
             trainer.set_params(self.theta)
             trainer.set_batch_size(p.global_batch_size, p.micro_batch_size)
             val_loss = trainer.evaluate(self.val)
-            if keep is not None:  # overlapped rounds continue from the local weights
+            if keep is not None:  # overlapped/streaming rounds continue from the local weights
                 trainer.set_params(keep)
             record.update(val_loss=val_loss, val_ppl=perplexity(val_loss))
             if stats.evaluated(val_loss, record["val_ppl"], step):

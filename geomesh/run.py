@@ -18,7 +18,8 @@ Methods (``geomesh.method``): ``geomesh`` (planner-balanced ``b_i, H_i``,
 sign compression with a scale per row, optional error feedback, outer
 Nesterov; :mod:`geomesh.sync`),
 ``diloco`` (uniform ``b, H``, fp32 pseudo-gradients; :mod:`geomesh.sync`),
-``ddp`` and ``async`` (:mod:`geomesh.baselines`).  Outputs under ``run_dir``:
+``streaming_diloco`` (fragments synchronised in turn, overlapped; emulated;
+:mod:`geomesh.streaming`), ``ddp`` and ``async`` (:mod:`geomesh.baselines`).  Outputs under ``run_dir``:
 ``metrics.jsonl`` (one record per outer step: ``step, tokens, time_s, loss,
 val_loss, val_ppl``, idle time, bytes, batch sizes), ``summary.json``
 (:meth:`geomesh.report.RunStats.summary`), ``config.yaml``, ``wandb/`` (group
@@ -57,6 +58,8 @@ def run(cfg, run_dir: Path) -> dict:
     try:
         if ctx.method in ("geomesh", "diloco"):
             from .sync import run_sync as fn
+        elif ctx.method == "streaming_diloco":
+            from .streaming import run_streaming as fn
         elif ctx.method == "ddp":
             from .baselines import run_ddp as fn
         else:

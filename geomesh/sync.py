@@ -239,6 +239,12 @@ class OuterLoop(RoundFigures):
                 self.members = list(self.ft.members)
 
     # -- helpers -----------------------------------------------------------------------
+    @property
+    def keeps_local_weights(self) -> bool:
+        """Whether workers go on from local weights that differ from ``θ_global`` after a
+        round (overlapped rounds), so that evaluating ``θ_global`` must restore them."""
+        return self.overlap is not None
+
     def save_round(self, step: int) -> bool:
         every = self.cfg.checkpoint.save_interval
         return bool(every) and (step % every == 0 or step == self.g.outer_steps)

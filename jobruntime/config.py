@@ -424,8 +424,9 @@ class LoggingConfig:
 class GeoMeshConfig:
     """GeoMesh: geo-distributed synchronous training (see ``geomesh/``)."""
 
-    method: Literal["none", "geomesh", "diloco", "ddp", "async"] = "none"
-    """``none`` trains one ordinary job; others run the named method."""
+    method: Literal["none", "geomesh", "diloco", "streaming_diloco", "ddp", "async"] = "none"
+    """``none`` trains one ordinary job; others run the named method
+    (``streaming_diloco``: emulated mode only, ``geomesh/streaming.py``)."""
     cluster: str | None = None
     """Cluster description YAML (workers, GPUs, regions, WAN, mode)."""
     outer_steps: int = 10
@@ -504,6 +505,29 @@ class GeoMeshConfig:
     topk_bits: int = 2
     """``compression=topk``: bits per kept value, 1 (sign, one magnitude per
     row) or 2 (sign and a level bit, two magnitudes per row)."""
+    fragments: int = 2
+    """``method=streaming_diloco``: fragments ``P`` the model is split into (transformer
+    layers strided, layer ``l`` in fragment ``l mod P``, embeddings with the first,
+    final norm and output layer with the last; Douillard et al. 2025, "Streaming
+    DiLoCo", strided pattern).  One fragment is synchronised every ``H/P`` inner
+    steps, each every ``H`` (torchft's ``DiLoCo(model_fragments=...)``).  2:
+    torchtitan's torchft DiLoCo example (``num_fragments=2``).  Must divide
+    ``inner_steps``."""
+    fragment_sync_delay: int = 1
+    """``method=streaming_diloco``: ``τ``, inner steps a fragment's exchange overlaps
+    before the worker blocks on it (torchft's ``fragment_sync_delay``; the paper's
+    τ, of which 1 step cost it no loss; torchft's default 0 = no overlap).  Must
+    be below ``inner_steps / fragments``."""
+    fragment_update_alpha: float = 0.5
+    """``method=streaming_diloco``: ``α`` of the merge ``θ_i ← (1−α)·θ_global + α·θ_i``
+    of a synchronised fragment with the worker's τ steps of local progress
+    (torchft's ``fragment_update_alpha``, ``lerp``; the paper's mixing factor 0.5;
+    torchft's default 0 keeps only θ_global).  In [0, 1]."""
+    fragment_bits: int = 32
+    """``method=streaming_diloco``: bits per element of the fragments' pseudo-gradients
+    on the wire: 32 (fp32), 8 (fp8 e4m3 with one fp32 scale per row: torchft's
+    ``should_quantize`` format) or 4 (E3M0: sign and 3 exponent bits, one fp32
+    scale per row: the paper's 4-bit messages); emulated (``geomesh/streaming.py``)."""
     target_model: str | None = None
     """Emulated mode: preset whose FLOPs and bytes set time and traffic."""
     timeout_s: float = 600.0
