@@ -76,3 +76,42 @@ def test_h200_and_bert_data_tables_come_from_their_json():
     assert "| 1.29x |" in short and "memory model (GiB)" not in short and "old" not in short
     with pytest.raises(ValueError, match="no renderer"):
         render_results.render("<!-- results: bert_data headline -->\n<!-- /results -->\n")
+
+
+def test_geomesh_peers_table_from_a_synthetic_result():
+    """Catches a peers table that misstates the JSON it renders: TTP mean ± half the
+    seeds' range over the seeds that reached the target (a missed seed counted as
+    not reached, not as 0), the ratio to GeoMesh's mean TTP, a row that missed on
+    every seed, bytes per round in MB and idle fractions in percent — each against
+    values worked out by hand for this small synthetic JSON."""
+    def row(name, method, H, ttp, ppl, nbytes, strag, wan, codec="fp32", lr=0.15, ramp=True):
+        hit = [t for t in ttp if t is not None]
+        return {"row": name, "method": method, "H": H, "outer_lr": lr, "ramp": ramp,
+                "codec": codec, "seeds": [1234, 1235, 1236], "ttp_s_by_seed": ttp,
+                "reached": len(hit), "ttp_s_mean": sum(hit) / len(hit) if hit else None,
+                "ttp_s_min": min(hit) if hit else None, "ttp_s_max": max(hit) if hit else None,
+                "final_val_ppl_mean": ppl, "bytes_per_outer_step": nbytes,
+                "straggler_idle_frac": strag, "wan_idle_frac": wan}
+
+    data = {"rows": [row("geomesh", "geomesh", 8, [90.0, 100.0, 110.0], 210.0, 6.4e8, 0.01,
+                         0.002, codec="topk", lr=0.5),
+                     row("diloco_h32_lr0.7_const", "diloco", 32, [300.0, None, 500.0], 216.3,
+                         2.1e10, 0.57, 0.2, lr=0.7, ramp=False),
+                     row("streaming_diloco_4bit", "streaming_diloco", 8, [None] * 3, 250.0,
+                         2.7e9, 0.5, None, codec="4bit")],
+            "settings": {"cluster": "four_region", "target_model": "gpt3_1.3b",
+                         "proxy": "tiny_gpt", "mode": "full", "inner_steps_per_run": 832,
+                         "eval_every_inner_steps": 16, "seeds": [1234, 1235, 1236]},
+            "date": "2026-12-02T04:00:00Z", "commit": "abc1234", "machine": "2 CPU cores",
+            "command": "python bench/geomesh_peers.py --full"}
+    out = render_results.geomesh_peers(data)
+    lines = {line.split("|")[1].strip(): line for line in out.splitlines() if line.startswith("| ")}
+    g = lines["geomesh (`geomesh`)"]
+    assert "100 ± 10 s (3/3)" in g and "1.00x" in g and "210.0" in g and "640.0 MB" in g
+    assert "1.0 %" in g and "0.2 %" in g and "| ramp | topk |" in g
+    d = lines["diloco (`diloco_h32_lr0.7_const`)"]
+    assert "400 ± 100 s (2/3)" in d and "4.00x" in d and "| 32 | 0.7 | constant |" in d
+    assert "21000.0 MB" in d and "57.0 %" in d and "20.0 %" in d
+    s = lines["streaming_diloco (`streaming_diloco_4bit`)"]
+    assert "missed (0/3)" in s and "| — |" in s and "2700.0 MB" in s
+    assert "`abc1234`" in out and "docs/results/geomesh_peers.json" in out and "832 inner" in out

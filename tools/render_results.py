@@ -217,10 +217,54 @@ def bert_data(r: dict) -> str:
     return "\n".join(lines + ["", _source(r, "bert_data")]) + "\n"
 
 
+def _ttp(row: dict) -> str:
+    """``mean ± half-range s (n/m)``: the seeds that reached the target, of those run."""
+    n, m = row["reached"], len(row["seeds"])
+    if not n:
+        return f"missed (0/{m})"
+    spread = (row["ttp_s_max"] - row["ttp_s_min"]) / 2
+    return f"{row['ttp_s_mean']:,.0f} ± {spread:,.0f} s ({n}/{m})"
+
+
+def _pct(x: float | None) -> str:
+    return "—" if x is None else f"{100 * x:.1f} %"
+
+
+def geomesh_peers(r: dict) -> str:
+    """GeoMesh against each peer row (bench/geomesh_peers.py): TTP mean ± half the
+    seeds' range, its ratio to GeoMesh's, final val ppl at equal tokens, bytes per
+    round, straggler and WAN idle."""
+    rows = r["rows"]
+    ref = next((x for x in rows if x["row"] == "geomesh"), None)
+    lines = ["| method (row) | H | outer lr | momentum | codec | TTP (seeds reached) | "
+             "TTP / GeoMesh's | final val ppl | bytes per round | straggler idle | WAN idle |",
+             "|---|---:|---:|---|---|---:|---:|---:|---:|---:|---:|"]
+    for x in rows:
+        ratio = "—"
+        if ref is not None and ref["ttp_s_mean"] and x["ttp_s_mean"]:
+            ratio = f"{x['ttp_s_mean'] / ref['ttp_s_mean']:.2f}x"
+        lines.append(
+            f"| {x['method']} (`{x['row']}`) | {x['H']} | {x['outer_lr']:g} | "
+            f"{'ramp' if x['ramp'] else 'constant'} | {x['codec']} | {_ttp(x)} | {ratio} | "
+            f"{x['final_val_ppl_mean']:.1f} | {_mb(x['bytes_per_outer_step'])} | "
+            f"{_pct(x['straggler_idle_frac'])} | {_pct(x['wan_idle_frac'])} |")
+    s = r["settings"]
+    lines += ["", f"Emulated {s['cluster']} cluster, time and bytes of {s['target_model']}, "
+              f"convergence of {s['proxy']}; {s['mode']} run: {s['inner_steps_per_run']} inner "
+              f"steps per run whatever H (equal tokens), evaluated every "
+              f"{s['eval_every_inner_steps']} inner steps (or every round when H is larger); "
+              f"seeds {', '.join(map(str, s['seeds']))}; TTP interpolated at the crossing of the "
+              "target, mean ± half the range over the seeds that reached it; bytes per round "
+              "(H inner steps) summed over the workers.",
+              "", _source(r, "geomesh_peers")]
+    return "\n".join(lines) + "\n"
+
+
 RENDERERS: dict[str, Callable[[dict], str]] = {"four_shape_cpu": four_shape_cpu,
                                                "faults_quick": faults_quick,
                                                "h200_2026-11-30": h200,
-                                               "bert_data": bert_data}
+                                               "bert_data": bert_data,
+                                               "geomesh_peers": geomesh_peers}
 VIEWS: dict[tuple[str, str], Callable[[dict], str]] = {
     ("h200_2026-11-30", "headline"): h200_headline}
 
