@@ -224,6 +224,11 @@ def build_context(cfg: JobConfig, run_dir: Path) -> RunContext:
     cluster = dataclasses.replace(cluster, mode=g.mode or cluster.mode)
     K = len(cluster.workers)
     emulated = cluster.mode == "emulated"
+    if not emulated and g.method in ("async", "streaming_diloco"):
+        raise ConfigError(f"geomesh.method={g.method} runs in emulated mode only; set "
+                          "geomesh.mode=emulated (real mode: torchft.local_sgd.DiLoCo)"
+                          if g.method == "streaming_diloco" else
+                          "geomesh.method=async runs in emulated mode only; set geomesh.mode=emulated")
     target = load_config(g.target_model) if emulated and g.target_model else cfg
     s_t = target.model.seq_length
     # θ_global and the outer momentum (fp32, 8 bytes/param) and the packed
@@ -248,9 +253,6 @@ def build_context(cfg: JobConfig, run_dir: Path) -> RunContext:
         check.parallel.micro_batch_size = check.parallel.global_batch_size = 1
         placement.topology = initialize_layout(check)
     else:
-        if g.method in ("async", "streaming_diloco"):
-            raise ConfigError(f"geomesh.method={g.method} runs in emulated mode only; set "
-                              "geomesh.mode=emulated")
         placement, layout_cfg = place_real(cfg, cluster)
         per = cfg.parallel.micro_batch_size * placement.dp_in
         if cfg.parallel.global_batch_size % per:
