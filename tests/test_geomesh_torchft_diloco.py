@@ -35,13 +35,13 @@ machine.
 from __future__ import annotations
 
 import os
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import yaml
 
 from tests.dist_utils import free_port, launch, launch_jobs
+from tests.torchft_utils import max_abs_diff
 
 ROUNDS = 3
 OVERRIDES = [
@@ -88,59 +88,36 @@ def _ours(cache_dir: str, cluster: str, root: str) -> dict | None:
 
 def _torchft(job: int, cache_dir: str, cluster: str, root: str, lighthouses: dict[str, str]) -> dict:
     """Replica group ``job``: worker ``job``'s inner loop under torchft's DiLoCo."""
-    import logging
-
     import torch
-    from torch.distributed import TCPStore
 
     torch.set_num_threads(1)
-    os.environ.setdefault("RUST_LOG", "error")  # torchft's Rust side logs every quorum at info
-    from torchft import Manager, ProcessGroupGloo
     from torchft.local_sgd import DiLoCo
 
-    from geomesh.context import build_context
-    from geomesh.worker import InnerWorker, proxy_steps
+    from tests import torchft_utils as tu
 
-    for name in ("torchft", "torchft_quorums", "torchft_commits"):
-        logging.getLogger(name).setLevel(logging.WARNING)
+    tu.quiet_torchft()
     out = {}
     for name, warmup in VARIANTS.items():
         cfg = _cfg(cache_dir, cluster, warmup)
         cfg.geomesh.mode = "emulated"  # the same plan and data; the job holds one worker only
         g = cfg.geomesh
-        ctx = build_context(cfg, Path(root) / f"torchft-{name}-{job}")
-        # the uniform plan and its proxy batches, as geomesh.sync derives them for diloco
-        steps = proxy_steps(ctx.planner.uniform(ctx.uniform_batch), ctx.scale,
-                            round_samples=ctx.round_samples,
-                            max_micro_batch=cfg.parallel.micro_batch_size)
+        ctx, steps, worker = tu.uniform_worker(cfg, Path(root) / f"torchft-{name}-{job}", job)
         step, H = steps[job], steps[job].inner_steps
-        worker = InnerWorker(ctx.layout_cfg, job, ctx.train_ds, inner_iters=g.outer_steps * H,
-                             warmup_iters=round(cfg.train.warmup_iters * H / g.inner_steps),
-                             reference_batch=ctx.reference_batch)
         model = worker.trainer.module
         inner = worker.trainer.optimizer.optimizer  # torch AdamW inside megatron's FP32Optimizer
         assert isinstance(inner, torch.optim.AdamW), type(inner)
-        store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-        tout = timedelta(seconds=300)
-        manager = Manager(pg=ProcessGroupGloo(timeout=tout), load_state_dict=None,
-                          state_dict=None, min_replica_size=2, use_async_quorum=False,
-                          timeout=tout, quorum_timeout=tout, connect_timeout=tout, rank=0,
-                          world_size=1, store_addr="127.0.0.1", store_port=store.port,
-                          lighthouse_addr=lighthouses[name], replica_id=f"torchft_{name}_{job}",
-                          init_sync=False)  # same seed: identical initial weights
+        # same seed: identical initial weights
+        manager = tu.replica_manager(lighthouses[name], f"torchft_{name}_{job}")
         outer = torch.optim.SGD(model.parameters(), lr=g.outer_lr, momentum=g.outer_momentum,
                                 nesterov=True)
-        offset = sum(s.samples for s in steps[:job])  # after the workers before it
-        position, thetas = 0, []
+        thetas = []
         try:
             with DiLoCo(manager, [model], inner, outer, sync_every=H):
                 for r in range(g.outer_steps):
                     if warmup:  # our ramp, set on torch's SGD before the round's outer step
-                        outer.param_groups[0]["momentum"] = min(g.outer_momentum,
-                                                                1 - 3 / (r + 1 + 5))
-                    worker.train_steps(step, position + offset, 0, H)  # the H-th step syncs
+                        tu.ramped([outer], g.outer_momentum, r)
+                    tu.train_round(worker, steps, job, r)  # the H-th step syncs
                     thetas.append(worker.trainer.get_params())
-                    position += sum(s.samples for s in steps)
             assert manager.current_step() == g.outer_steps, manager.current_step()
         finally:
             manager.shutdown(wait=False)
@@ -151,8 +128,7 @@ def _torchft(job: int, cache_dir: str, cluster: str, root: str, lighthouses: dic
 
 @pytest.fixture(scope="module")
 def results(cache_dir, tmp_path_factory):
-    os.environ.setdefault("RUST_LOG", "error")
-    from torchft.coordination import LighthouseServer
+    from tests.torchft_utils import lighthouses
 
     root = tmp_path_factory.mktemp("torchft_diloco")
     cluster = root / "two_workers.yaml"  # one torchrun, one rank per worker, gloo
@@ -162,19 +138,9 @@ def results(cache_dir, tmp_path_factory):
         "workers": [{"name": f"w{k}", "gpu": "A100-80GB", "region": region}
                     for k, region in enumerate(("East US", "West Europe"))]}))
     ours, _ = launch(_ours, 2, cache_dir, str(cluster), str(root))
-    lighthouses = {name: LighthouseServer(bind="[::]:0", min_replicas=2) for name in VARIANTS}
-    try:
-        theirs = launch_jobs(_torchft, 2, cache_dir, str(cluster), str(root),
-                             {n: lh.address() for n, lh in lighthouses.items()})
-    finally:
-        for lh in lighthouses.values():
-            lh.shutdown()
+    with lighthouses(VARIANTS) as addresses:
+        theirs = launch_jobs(_torchft, 2, cache_dir, str(cluster), str(root), addresses)
     return ours, theirs
-
-
-def _max_diff(a: dict, b: dict) -> float:
-    assert set(a) == set(b)
-    return max(float((a[k] - b[k]).abs().max()) for k in a)
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -193,10 +159,10 @@ def test_diloco_theta_equals_torchft_each_round(results, variant):
     for r in range(ROUNDS):
         mine = ours[variant]["theta"][r]
         for job in range(2):
-            diffs.append(_max_diff(mine, theirs[job][variant]["theta"][r]))
+            diffs.append(max_abs_diff(mine, theirs[job][variant]["theta"][r]))
     print(f"{variant}: max |θ_ours − θ_torchft| per round and replica: {diffs}")
     assert max(diffs) <= BOUND
-    moved = _max_diff(ours[variant]["theta"][0], ours[variant]["theta"][-1])
+    moved = max_abs_diff(ours[variant]["theta"][0], ours[variant]["theta"][-1])
     assert moved > 1e3 * BOUND
 
 
@@ -207,6 +173,6 @@ def test_default_momentum_ramp_departs_from_the_published_algorithm(results):
     above); its θ leaves the published one from round 1 on (μ_1 = 0.5 instead
     of 0.9), by more than ``100 · BOUND``."""
     ours, _ = results
-    gap = _max_diff(ours["published"]["theta"][0], ours["default"]["theta"][0])
+    gap = max_abs_diff(ours["published"]["theta"][0], ours["default"]["theta"][0])
     print(f"round 1: max |θ_default − θ_published| = {gap:.3g}")
     assert gap > 100 * BOUND

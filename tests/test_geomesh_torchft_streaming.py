@@ -29,13 +29,12 @@ shared 2-core machine (three process launches).
 
 from __future__ import annotations
 
-import os
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
 
 from tests.dist_utils import launch, launch_jobs
+from tests.torchft_utils import max_abs_diff
 
 ROUNDS, H, P, TAU, ALPHA = 3, 4, 2, 1, 0.5
 OVERRIDES = [
@@ -89,36 +88,23 @@ def _ours(cache_dir: str, root: str) -> dict:
 
 def _torchft(job: int, cache_dir: str, root: str, lighthouses: dict[str, str]) -> dict:
     """Replica group ``job``: worker ``job``'s inner loop under torchft's Streaming DiLoCo."""
-    import logging
-
     import torch
     from torch import nn
-    from torch.distributed import TCPStore
 
     torch.set_num_threads(1)
-    os.environ.setdefault("RUST_LOG", "error")
-    from torchft import Manager, ProcessGroupGloo
     from torchft.local_sgd import DiLoCo
 
-    from geomesh.context import build_context
     from geomesh.streaming import fragment_of
     from geomesh.wire.canonical import layout_map
-    from geomesh.worker import InnerWorker, proxy_steps
+    from tests import torchft_utils as tu
 
-    for name in ("torchft", "torchft_quorums", "torchft_commits", "torchft.local_sgd"):
-        logging.getLogger(name).setLevel(logging.WARNING)
+    tu.quiet_torchft()
     out = {}
     for name, warmup in VARIANTS.items():
         cfg = _cfg(cache_dir, warmup)
         g = cfg.geomesh
-        ctx = build_context(cfg, Path(root) / f"torchft-{name}-{job}")
-        steps = proxy_steps(ctx.planner.uniform(ctx.uniform_batch), ctx.scale,
-                            round_samples=ctx.round_samples,
-                            max_micro_batch=cfg.parallel.micro_batch_size)
+        ctx, steps, worker = tu.uniform_worker(cfg, Path(root) / f"torchft-{name}-{job}", job)
         step = steps[job]
-        worker = InnerWorker(ctx.layout_cfg, job, ctx.train_ds, inner_iters=g.outer_steps * H,
-                             warmup_iters=cfg.train.warmup_iters,
-                             reference_batch=ctx.reference_batch)
         model = worker.trainer.module
         params, keys = dict(model.named_parameters()), layout_map(model)
         names = [[n for n in params if fragment_of(keys[n].key, P) == q] for q in range(P)]
@@ -130,32 +116,20 @@ def _torchft(job: int, cache_dir: str, root: str, lighthouses: dict[str, str]) -
         outers = [torch.optim.SGD(f.parameters(), lr=g.outer_lr, momentum=g.outer_momentum,
                                   nesterov=True) for f in fragments]
         inner = worker.trainer.optimizer.optimizer  # torch AdamW inside megatron's FP32Optimizer
-        store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-        tout = timedelta(seconds=300)
-        manager = Manager(pg=ProcessGroupGloo(timeout=tout), load_state_dict=None,
-                          state_dict=None, min_replica_size=2, use_async_quorum=False,
-                          timeout=tout, quorum_timeout=tout, connect_timeout=tout, rank=0,
-                          world_size=1, store_addr="127.0.0.1", store_port=store.port,
-                          lighthouse_addr=lighthouses[name], replica_id=f"sd_{name}_{job}",
-                          init_sync=False)
-        offset = sum(s.samples for s in steps[:job])
-        position, trace = 0, []
+        manager = tu.replica_manager(lighthouses[name], f"sd_{name}_{job}")
+        trace = []
         try:
             with DiLoCo(manager, fragments, inner, outers, sync_every=H,
                         fragment_sync_delay=TAU, fragment_update_alpha=ALPHA) as diloco:
                 for r in range(g.outer_steps):
                     if warmup:  # each fragment takes its (r+1)-th outer step in round r
-                        for opt in outers:
-                            opt.param_groups[0]["momentum"] = min(g.outer_momentum,
-                                                                  1 - 3 / (r + 1 + 5))
-                    worker.train_steps(step, position + offset, 0, H)
-                    glob = {}
+                        tu.ramped(outers, g.outer_momentum, r)
+                    tu.train_round(worker, steps, job, r)
+                    glob = {}  # torchft's θ_global: each fragment's "params.j" copy
                     for q, frag in enumerate(diloco._fragments):
-                        orig = frag.original_parameters  # "params.j" -> torchft's θ_global
-                        glob.update({n: orig[f"params.{j}"].clone()
+                        glob.update({n: frag.original_parameters[f"params.{j}"].clone()
                                      for j, n in enumerate(names[q])})
                     trace.append({"theta": glob, "local": worker.trainer.get_params()})
-                    position += sum(s.samples for s in steps)
             assert manager.current_step() == g.outer_steps * P, manager.current_step()
         finally:
             manager.shutdown(wait=False)
@@ -166,24 +140,13 @@ def _torchft(job: int, cache_dir: str, root: str, lighthouses: dict[str, str]) -
 
 @pytest.fixture(scope="module")
 def results(cache_dir, tmp_path_factory):
-    os.environ.setdefault("RUST_LOG", "error")
-    from torchft.coordination import LighthouseServer
+    from tests.torchft_utils import lighthouses
 
     root = tmp_path_factory.mktemp("torchft_streaming")
     (ours,) = launch(_ours, 1, cache_dir, str(root))
-    lighthouses = {name: LighthouseServer(bind="[::]:0", min_replicas=2) for name in VARIANTS}
-    try:
-        theirs = launch_jobs(_torchft, 2, cache_dir, str(root),
-                             {n: lh.address() for n, lh in lighthouses.items()})
-    finally:
-        for lh in lighthouses.values():
-            lh.shutdown()
+    with lighthouses(VARIANTS) as addresses:
+        theirs = launch_jobs(_torchft, 2, cache_dir, str(root), addresses)
     return ours, theirs
-
-
-def _max_diff(a: dict, b: dict) -> float:
-    assert set(a) == set(b)
-    return max(float((a[k] - b[k]).abs().max()) for k in a)
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -201,11 +164,11 @@ def test_streaming_theta_equals_torchft_each_round(results, variant):
         mine = ours[variant]["trace"][r]
         for job in range(2):
             other = theirs[job][variant]["trace"][r]
-            diffs.append(_max_diff(mine["theta"], other["theta"]))
-            diffs.append(_max_diff(mine["local"][job], other["local"]))
+            diffs.append(max_abs_diff(mine["theta"], other["theta"]))
+            diffs.append(max_abs_diff(mine["local"][job], other["local"]))
     print(f"{variant}: max |θ_ours − θ_torchft| (global, local) per round and replica: {diffs}")
     assert max(diffs) <= BOUND
     trace = ours[variant]["trace"]
-    assert _max_diff(trace[0]["theta"], trace[-1]["theta"]) > 1e3 * BOUND
+    assert max_abs_diff(trace[0]["theta"], trace[-1]["theta"]) > 1e3 * BOUND
     # α = 0.5 keeps half of the τ steps' progress: local ≠ global
-    assert _max_diff(trace[-1]["theta"], trace[-1]["local"][0]) > 1e3 * BOUND
+    assert max_abs_diff(trace[-1]["theta"], trace[-1]["local"][0]) > 1e3 * BOUND
