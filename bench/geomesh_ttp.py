@@ -18,8 +18,10 @@ the outer step of the first evaluation at or below it.
 
 Modes (``SETTINGS``): ``--quick`` 12 outer steps of ``H = 8`` (98k proxy
 tokens; one run 1.5-2.5 min on an idle core, 10-15 min on a busy shared
-machine), ``--full`` 100 outer steps (819k tokens; the four methods in 32 min
-of wall time with the default ``--jobs 2`` on 2 cores, 12-18 min per run).
+machine), ``--full`` 104 outer steps (832 inner steps, 852k tokens; 12-19 min
+per run on 2 cores).  ``--methods streaming_diloco`` adds Streaming DiLoCo
+(``geomesh/streaming.py``; not in the default four); ``bench/geomesh_peers.py``
+runs the peers over ``H`` and seeds at this bench's settings.
 ``--ablation`` runs GeoMesh's codec and overlap variants
 (``ABLATION``: codec x error feedback x scales x what is compressed, and the
 overlap of the exchange with compute) at the mode's settings instead of the
@@ -46,11 +48,15 @@ up to a multiple of 50: 800.  Full: half of that, 400 (the bar of "a target
 slowest method to converge at equal tokens — at outer lr 0.35, which was at
 val ppl 423 after 65 outer steps when it was stopped: 150 outer steps at
 first, then 100 (before any full run) so that the four methods fit 60
-minutes on 2 cores.  Neither is adjusted per method or per run.
+minutes on 2 cores; then 104 (2026-12-02, after the full runs of the four
+methods at 100) so that every ``H`` of the peers' sweep {8, 16, 32, 64}
+divides the run's inner steps and all ``H`` train equal tokens.  Neither is
+adjusted per method or per run.
 
     python bench/geomesh_ttp.py --quick                # the four methods
     python bench/geomesh_ttp.py --quick --ablation     # GeoMesh variants (24 runs)
-    python bench/geomesh_ttp.py --full                 # the four methods, 100 outer steps
+    python bench/geomesh_ttp.py --full                 # the four methods, 104 outer steps
+    python bench/geomesh_ttp.py --quick --methods streaming_diloco
 """
 
 from __future__ import annotations
