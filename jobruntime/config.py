@@ -15,6 +15,7 @@ arguments.
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -42,6 +43,21 @@ class ConfigError(ValueError):
 
     def __init__(self, message: str) -> None:
         super().__init__(message.replace("\r", "\\r").replace("\n", "\\n"))
+
+
+def did_you_mean(word, choices, *, prefix: str = "", also=()) -> str:
+    """``" did you mean 'x'?"`` naming the ``choices`` closest to a misspelt ``word``
+    (``difflib.get_close_matches``: similarity ratio >= 0.6, at most three), else ``""``.
+
+    Args:
+        prefix: put before each suggestion (``"train."`` for a key of that section).
+        also: suggestions to name first (e.g. the same key in another section).
+    """
+    import difflib
+
+    close = [*also, *(prefix + c for c in difflib.get_close_matches(
+        str(word), [str(c) for c in choices], n=3))]
+    return f" did you mean {' or '.join(map(repr, close))}?" if close else ""
 
 
 def _finite(x: float) -> bool:
@@ -256,7 +272,9 @@ class ParallelConfig:
         if world_size % (self.tp * self.pp):
             raise ConfigError(
                 f"world size {world_size} is not divisible by parallel.tp*parallel.pp="
-                f"{self.tp * self.pp}; launch a multiple of tp*pp processes"
+                f"{self.tp * self.pp}; launch a multiple of tp*pp processes, or set a layout "
+                f"that fits {world_size} (e.g. parallel.tp={math.gcd(world_size, self.tp)} "
+                "parallel.pp=1: a checkpoint loads at any layout)"
             )
         dp = world_size // (self.tp * self.pp)
         problems = model.split_problems(self.tp, self.pp)
@@ -380,7 +398,13 @@ class CheckpointConfig:
     """dist_checkpointing save/load."""
 
     save_interval: int = 0
-    """Save every N steps (and at the end when > 0); 0 disables saving."""
+    """Save every N steps (and at the end when > 0); 0 saves no checkpoints during
+    training (see ``save_final``)."""
+    save_final: bool = True
+    """Save a checkpoint after the last step of an ordinary job, also with
+    ``save_interval=0``, so a finished run can be evaluated
+    (``tools/zero_shot.py``), converted or fine-tuned without a rerun; ``false``
+    saves none.  (GeoMesh and CONA save by ``save_interval`` only.)"""
     load: str | None = None
     """Checkpoint directory to resume from (a run's ``checkpoints/`` folder or
     one ``iter_XXXXXXX`` folder inside it)."""
@@ -399,7 +423,7 @@ class CheckpointConfig:
     def validate(self) -> None:
         """Raise :class:`ConfigError` naming the first out-of-range setting."""
         _need(self, "checkpoint", self.save_interval >= 0, "save_interval",
-              "must be >= 0 (0 disables saving)")
+              "must be >= 0 (0: none during training)")
         _need(self, "checkpoint", self.keep_last >= 0, "keep_last", "must be >= 0 (0 keeps all)")
 
 
@@ -646,7 +670,8 @@ class ConaConfig:
         from .hardware import gpu_profiles
 
         if self.gpu.lower() not in {k.lower() for k in gpu_profiles()}:
-            raise ConfigError(f"cona.gpu={self.gpu!r} is unknown; use one of "
+            raise ConfigError(f"cona.gpu={self.gpu!r} is unknown;"
+                              f"{did_you_mean(self.gpu, gpu_profiles())} use one of "
                               f"{sorted(gpu_profiles())} or add it to jobruntime/gpu_profiles.yaml")
 
 
@@ -715,7 +740,8 @@ def _check_type(value: Any, hint: Any, where: str) -> Any:
             words = ("on", "true", "yes") if value else ("off", "false", "no")
             value = next((w for w in words if w in allowed), value)
         if value not in allowed:
-            raise ConfigError(f"{where}={value!r} is not one of {list(allowed)}")
+            raise ConfigError(f"{where}={value!r} is not one of {list(allowed)};"
+                              f"{did_you_mean(value, allowed)}".rstrip(";"))
         return value
     if hint is bool:
         if isinstance(value, bool):
@@ -751,8 +777,13 @@ def _apply(obj: Any, values: dict, where: str) -> None:
     for key, value in values.items():
         path = f"{where}.{key}" if where else key
         if key not in names:
+            # the key of another section, given here (train.save_interval)
+            elsewhere = [f"{f.name}.{key}" for f in dataclasses.fields(JobConfig)
+                         if where and f.name != where and dataclasses.is_dataclass(f.default_factory)
+                         and key in {x.name for x in dataclasses.fields(f.default_factory)}]
+            hint = did_you_mean(key, names, prefix=f"{where}." if where else "", also=elsewhere)
             raise ConfigError(
-                f"unknown config key {path!r}; valid keys here: {', '.join(sorted(names))}"
+                f"unknown config key {path!r};{hint} valid keys here: {', '.join(sorted(names))}"
             )
         current = getattr(obj, key)
         if dataclasses.is_dataclass(current):
@@ -775,7 +806,8 @@ def resolve_preset(name_or_path: str | Path) -> Path:
         if c.is_file():
             return c
     known = sorted(x.stem for x in MODEL_CONFIGS_DIR.glob("*.yaml"))
-    raise ConfigError(f"config {str(name_or_path)!r} not found; use a YAML file or one of {known}")
+    raise ConfigError(f"config {str(name_or_path)!r} not found;{did_you_mean(p.stem, known)} use "
+                      f"a YAML file or one of {known}")
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:
