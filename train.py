@@ -21,10 +21,11 @@ interrupted by a lost process or region (one line on every rank; the run
 folder is kept, and the line says whether a checkpoint was committed to resume
 from with ``checkpoint.load``).
 
-Output: a log line when each phase longer than a moment starts and ends
-(tokenizer training and tokenising, on first use of a corpus; the model build;
-checkpoints; the evaluation after training), then a progress bar on a terminal
-or a log line every 5 % of the steps elsewhere (``logging.progress``).
+Output (stdout): a log line when each phase longer than a moment starts and
+ends (tokenizer training and tokenising, on first use of a corpus; the model
+build; checkpoints; the evaluation after training), a log line every 5 % of the
+steps (on a terminal a progress bar instead, on stderr; ``logging.progress``),
+then the results.  Warnings and errors go to stderr.
 """
 
 from __future__ import annotations
@@ -87,7 +88,7 @@ def main(argv=None) -> int:
     from jobruntime.faults import RunInterrupted, exit_interrupted, note_run_dir, peer_lost
     from jobruntime.logging_utils import phase, setup_logging
 
-    setup_logging()
+    setup_logging(info_stream=sys.stdout)  # progress on stdout, problems on stderr
     if folder is not None:
         note_run_dir(run_dir)  # the other ranks learn rank 0's folder when training starts
     with phase(logging.getLogger("jobruntime"), "loading torch and megatron-core"):

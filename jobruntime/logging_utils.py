@@ -27,8 +27,14 @@ def quiet_expected_warnings() -> None:
         warnings.filterwarnings("ignore", message=f".*{pattern}.*")
 
 
-def setup_logging(level: int = logging.INFO) -> None:
+def setup_logging(level: int = logging.INFO, info_stream=None) -> None:
     """Configure the ``jobruntime``/``geomesh``/``cona`` loggers for this rank.
+
+    Args:
+        info_stream: where records below WARNING go (``train.py`` gives
+            ``sys.stdout``: its phases and progress are output, and stderr keeps
+            its one ``error:`` line for bad input); warnings and errors always go
+            to stderr.  ``None``: everything to stderr (tools whose stdout is data).
 
     (Expected library warnings are already filtered when :mod:`jobruntime` is
     imported, see :func:`quiet_expected_warnings`.)
@@ -36,8 +42,14 @@ def setup_logging(level: int = logging.INFO) -> None:
     rank = int(os.environ.get("RANK", "0"))
     fmt = f"[%(asctime)s r{rank}] %(name)s: %(message)s" if "RANK" in os.environ else \
         "[%(asctime)s] %(name)s: %(message)s"
+    handlers = None
+    if info_stream is not None:
+        info, problems = logging.StreamHandler(info_stream), logging.StreamHandler(sys.stderr)
+        info.addFilter(lambda r: r.levelno < logging.WARNING)
+        problems.setLevel(logging.WARNING)
+        handlers = [info, problems]
     logging.basicConfig(level=level if rank == 0 else logging.WARNING, format=fmt,
-                        datefmt="%H:%M:%S")
+                        datefmt="%H:%M:%S", handlers=handlers)
     for name in ("megatron", "megatron.core"):
         logging.getLogger(name).setLevel(logging.WARNING)
     # torch.distributed.checkpoint logs a traceback (on the root logger) for a

@@ -63,20 +63,21 @@ def test_every_long_phase_logs_its_start_and_end_without_a_terminal(piped_run):
     as a bar on a terminal.  Each phase must log a start line and a ``done in X s``
     line, and the steps a line every 5 % (here every step) and at each evaluation."""
     run_dir, outs = piped_run
-    err = outs[0][1]
+    out = outs[0][0]  # stdout: stderr is for warnings and the one-line errors
     for what in ("loading torch and megatron-core", "training a 512-token SentencePiece "
                  "tokenizer on python-docs", "tokenising python-docs", "preparing the data",
                  "building the gpt model (2 layers, hidden 64, float32)",
                  f"saving checkpoint {run_dir / 'checkpoints' / 'iter_0000004'}",
                  "zero-shot evaluation on piqa_synthetic.jsonl"):
-        start = [i for i, ln in enumerate(err.splitlines()) if what in ln and ln.endswith(" ...")]
-        end = [i for i, ln in enumerate(err.splitlines())
+        start = [i for i, ln in enumerate(out.splitlines()) if what in ln and ln.endswith(" ...")]
+        end = [i for i, ln in enumerate(out.splitlines())
                if what in ln and re.search(r": done in \d+\.\d s", ln)]
-        assert len(start) == 1 and len(end) == 1 and start[0] < end[0], (what, err[-4000:])
-    steps = re.findall(r"step (\d)/4  loss [\d.]+  val ppl (\S+)", err)
-    assert [s for s, _ in steps] == ["1", "2", "3", "4"], err[-4000:]
+        assert len(start) == 1 and len(end) == 1 and start[0] < end[0], (what, out[-4000:])
+    steps = re.findall(r"step (\d)/4  loss [\d.]+  val ppl (\S+)", out)
+    assert [s for s, _ in steps] == ["1", "2", "3", "4"], out[-4000:]
     assert steps[0][1] == "-" and steps[1][1] != "-", steps  # evaluated at step 2
-    assert "checkpoints/" in outs[0][0]  # the results line names the final checkpoint
+    assert "checkpoints/" in out  # the results line names the final checkpoint
+    assert outs[0][1].strip() == "", outs[0][1][-3000:]  # nothing on stderr: no warnings
 
 
 def test_cpu_run_prints_no_cuda_advice_or_common_state_notice(piped_run):
