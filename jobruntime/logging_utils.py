@@ -83,8 +83,8 @@ def phase(logger: logging.Logger, what: str, *args) -> Iterator[dict]:
 class StepProgress:
     """A run's progress: one reporter for every training loop (the plain job's, CONA's).
 
-    On a terminal (``logging.progress=auto`` with stderr a TTY and more than 50
-    units to go, or ``on``) a tqdm bar; otherwise (a file, a pipe, SLURM) a log
+    On a terminal (``logging.progress=auto`` with stdout and stderr TTYs and more
+    than 50 units to go, or ``on``) a tqdm bar on stderr; otherwise (a file, a pipe, SLURM) a log
     line at every evaluation and each time another 5 % of ``total`` is done;
     ``off``: neither.  Only the logging rank reports.
 
@@ -103,7 +103,10 @@ class StepProgress:
         self.total, self.done, self.unit = total, initial, unit
         self.log = logger or logging.getLogger("jobruntime")
         self.bar = None
-        show = mode == "on" or (mode == "auto" and sys.stderr.isatty() and total - initial > 50)
+        # the bar draws on stderr, the log lines go where train.py logs (stdout): a
+        # run whose stdout is a file gets lines there even when stderr is a terminal
+        interactive = sys.stderr.isatty() and sys.stdout.isatty()
+        show = mode == "on" or (mode == "auto" and interactive and total - initial > 50)
         if enabled and show:
             from tqdm import tqdm
 
