@@ -18,13 +18,21 @@ Usage::
 Exit codes: 0 done, 2 bad input (config, data, tokenizer, checkpoint), with a
 one-line message on stderr naming the problem and the fix; 3 the run was
 interrupted by a lost process or region (one line on every rank; the run
-folder is kept: resume with ``checkpoint.load``).
+folder is kept, and the line says whether a checkpoint was committed to resume
+from with ``checkpoint.load``).
+
+Output (stdout): a log line when each phase longer than a moment starts and
+ends (tokenizer training and tokenising, on first use of a corpus; the model
+build; checkpoints; the evaluation after training), a log line every 5 % of the
+steps (on a terminal a progress bar instead, on stderr; ``logging.progress``),
+then the results.  Warnings and errors go to stderr.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import logging
 import os
 import shutil
 import signal
@@ -77,13 +85,16 @@ def main(argv=None) -> int:
             return _error(str(e))
         run_dir, new_run_dir = folder.path, folder.created
 
-    from jobruntime.logging_utils import setup_logging
+    from jobruntime.faults import RunInterrupted, exit_interrupted, note_run_dir, peer_lost
+    from jobruntime.logging_utils import phase, setup_logging
 
-    setup_logging()
-    from jobruntime.checkpoint import CheckpointError
-    from jobruntime.data import DataError
-    from jobruntime.faults import RunInterrupted, exit_interrupted, peer_lost
-    from jobruntime.tokenizer import TokenizerError
+    setup_logging(info_stream=sys.stdout)  # progress on stdout, problems on stderr
+    if folder is not None:
+        note_run_dir(run_dir)  # the other ranks learn rank 0's folder when training starts
+    with phase(logging.getLogger("jobruntime"), "loading torch and megatron-core"):
+        from jobruntime.checkpoint import CheckpointError
+        from jobruntime.data import DataError
+        from jobruntime.tokenizer import TokenizerError
 
     bad_input = (ConfigError, DataError, TokenizerError, CheckpointError)
 
@@ -92,7 +103,7 @@ def main(argv=None) -> int:
     def _terminated(signum, frame):  # torchrun stops the other ranks when one dies
         why = ("the launcher stops every rank when one fails; see that rank's error"
                if launched else "sent by another process, e.g. a scheduler or timeout")
-        raise RunInterrupted(f"stopped by signal {signum} ({why}); resume with checkpoint.load")
+        raise RunInterrupted(f"stopped by signal {signum} ({why})")  # exit_interrupted: how to resume
 
     signal.signal(signal.SIGTERM, _terminated)
     try:
@@ -118,7 +129,7 @@ def main(argv=None) -> int:
         if (why := peer_lost(e)) is None:
             raise
         exit_interrupted(f"[rank {os.environ.get('RANK', '0')}] another process of this job was "
-                         f"lost ({why}); resume from the last checkpoint with checkpoint.load")
+                         f"lost ({why})")
     else:
         error = None
     finally:
@@ -138,6 +149,7 @@ def main(argv=None) -> int:
     if int(os.environ.get("RANK", "0")) == 0:
         ttp = summary.get("ttp_s")
         print(f"results: {run_dir.resolve()}  (metrics.jsonl, summary.json, config.yaml"
+              f"{', checkpoints/' if (run_dir / 'checkpoints').is_dir() else ''}"
               f"{', wandb/' if summary.get('wandb_dir') else ''})")
         ppl = summary.get("final_val_ppl")  # null in summary.json: no evaluation ran
         print(f"final val ppl {f'{ppl:.1f}' if ppl is not None else 'none (no evaluation)'}, target "

@@ -58,6 +58,7 @@ import torch.distributed as dist
 from jobruntime.checkpoint import save_checkpoint
 from jobruntime.config import JobConfig, save_config
 from jobruntime.devices import device_summary
+from jobruntime.logging_utils import StepProgress
 from jobruntime.metrics import MetricsWriter, TTPTracker, perplexity
 from jobruntime.parallel import same_run_dir
 
@@ -119,6 +120,7 @@ class Loop:
         self.progress = Progress(ttp=TTPTracker(cfg.train.target_ppl), next_eval=eval_samples)
         self.progress.chain.append({"strategy": job.strategy.label, "start_step": 0})
         self._wall0 = time.perf_counter()
+        self.reporter: StepProgress | None = None  # run() reports; the oracle's branches do not
 
     def emit(self, record: dict) -> None:
         if self.writer is not None:
@@ -221,6 +223,12 @@ class Loop:
             log.error("loss is NaN at step %d; stopping", job.trainer.step)
             p.nan = True
         self.emit(record)
+        if self.reporter is not None:
+            self.reporter.update(samples, step=job.trainer.step, loss=result.loss,
+                                 val_ppl=p.last_val_ppl, time_s=job.clock_s,
+                                 tokens_per_s=result.tokens / step_s if job.ctx.clock == "wall" else None,
+                                 evaluated="val_loss" in record,
+                                 note=f"{job.strategy.label} ({job.ctx.clock} clock)")
         every = self.cfg.checkpoint.save_interval
         if self.checkpoint_dir is not None and every and job.trainer.step % every == 0:
             # dist_checkpointing: loadable at the old layout or any other (the last one
@@ -348,7 +356,10 @@ def run(cfg: JobConfig, run_dir: Path) -> dict:
     loop = Loop(job, cfg, controller=controller, writer=writer,
                 budget_samples=ctx.budget_samples, eval_samples=ctx.eval_samples,
                 checkpoint_dir=run_dir / "checkpoints" if isinstance(job, RealJob) else None)
+    loop.reporter = StepProgress(cfg.logging.progress, enabled=job.is_logging_rank,
+                                 total=ctx.budget_samples, unit="sample", logger=log)
     loop.run()
+    loop.reporter.close()
     loop.finish()
     summary = loop.summary()
     summary.update(

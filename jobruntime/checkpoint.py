@@ -32,6 +32,7 @@ from torch.distributed.checkpoint.api import CheckpointException  # a BaseExcept
 
 from .config import ModelConfig
 from .faults import fault_point
+from .logging_utils import phase
 
 log = logging.getLogger(__name__)
 
@@ -203,14 +204,21 @@ def save_checkpoint(root: Path, trainer, *, consumed_samples: int, extra: dict |
     Args:
         root: the run's ``checkpoints/`` folder.
         consumed_samples: data position (samples of the training set consumed).
-        extra: more picklable state (e.g. GeoMesh's outer optimizer), stored as
-            common (rank 0) state under ``"extra"``.
+        extra: more picklable state (e.g. the run's clock), stored as common
+            state under ``"extra"``: rank 0's (broadcast to the other ranks).
         keep_last: delete older complete checkpoints beyond this many.
 
     Returns:
         The final checkpoint folder.
     """
     name = f"iter_{trainer.step:07d}"
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        # rank 0's extra is the one saved; every rank holds it, so that megatron's
+        # check that the common state is the same on all ranks does not log a
+        # "common state dict differs" warning for each rank's own clock (time_s)
+        box = [extra]
+        dist.broadcast_object_list(box, src=0)
+        extra = box[0]
     model_sd = trainer.module.sharded_state_dict(prefix="")
     state = {
         "model": model_sd,
@@ -224,7 +232,8 @@ def save_checkpoint(root: Path, trainer, *, consumed_samples: int, extra: dict |
         "format_version": FORMAT_VERSION,
         "extra": extra or {},
     }
-    with committed_folder(root, name, keep_last=keep_last, marker=f"step {trainer.step}") as tmp:
+    with phase(log, "saving checkpoint %s", root / name), \
+            committed_folder(root, name, keep_last=keep_last, marker=f"step {trainer.step}") as tmp:
         dist_checkpointing.save(state, str(tmp))
         fault_point("save", trainer.step)  # test-only: a rank lost before the commit
     return root / name
@@ -290,7 +299,8 @@ def load_checkpoint(path: str | Path, trainer, *, load_optimizer: bool = True) -
     request = {"model": model_sd}
     if load_optimizer:
         request["optimizer"] = trainer.optimizer.sharded_state_dict(model_sd, is_loading=True)
-    with reading(ckpt):
+    with phase(log, "loading checkpoint %s%s", ckpt, "" if load_optimizer else " (weights)"), \
+            reading(ckpt):
         loaded = dist_checkpointing.load(request, str(ckpt))
     trainer.load_weights(loaded["model"])  # also the fp32 main copies of a bf16 optimizer
     if load_optimizer:  # the saved main copies and moments replace those

@@ -16,6 +16,8 @@ mixed-precision optimizer and in gradient clipping.
   argument) name a CPU tensor as its CUDA twin (``torch.cuda.BFloat16Tensor``),
   so megatron's bf16 optimizer and gradient clipping run the same code as on
   GPU;
+* a filter for megatron's ``CUDA_DEVICE_MAX_CONNECTIONS`` advice (no CUDA
+  streams to order);
 * CPU stand-ins for ``torch.cuda.current_device / synchronize / manual_seed /
   get_rng_state / set_rng_state / Stream / stream / current_stream / Event``
   and the default generators used by megatron's RNG tracker.
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import warnings
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -150,6 +153,13 @@ def enable() -> bool:
     mp_random._set_cuda_rng_state = lambda new_state, device=-1, graph_safe=False: (
         torch.set_rng_state(new_state)
     )
+
+    # megatron's TP linear layers warn (once per process) to set
+    # CUDA_DEVICE_MAX_CONNECTIONS=1, which orders CUDA kernel launches so that
+    # the gradient all-reduce overlaps; there are no CUDA streams on CPU, so the
+    # advice does not apply here (on GPU the warning stays).
+    warnings.filterwarnings("ignore", message=".*CUDA_DEVICE_MAX_CONNECTIONS.*",
+                            category=UserWarning)
 
     mode = _CudaToCpuMode()
     mode.__enter__()  # process-wide: stays on the mode stack for the life of the process

@@ -22,6 +22,7 @@ import bz2
 import copy
 import gzip
 import json
+import logging
 import lzma
 import os
 from dataclasses import dataclass
@@ -32,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from .config import REPO_ROOT, DataConfig, ModelConfig
+from .logging_utils import phase
 from .tokenizer import (
     Tokenizer,
     TokenizerError,
@@ -40,6 +42,8 @@ from .tokenizer import (
     load_tokenizer,
     train_sentencepiece,
 )
+
+log = logging.getLogger("jobruntime")
 
 
 class DataError(ValueError):
@@ -271,10 +275,12 @@ def prepare_corpus(data: DataConfig, model: ModelConfig) -> Corpus:
             def build_tokenizer():
                 nonlocal docs
                 if not tok_path.is_file():
-                    docs = read_documents(src, data.text_key, data.max_documents)
-                    held = val_document_mask(len(docs), data.val_every)
-                    train_sentencepiece((d for d, h in zip(docs, held) if not h),
-                                        model.vocab_size, tok_path)
+                    with phase(log, "training a %d-token SentencePiece tokenizer on %s (once; "
+                               "cached in %s)", model.vocab_size, src.name, cache):
+                        docs = read_documents(src, data.text_key, data.max_documents)
+                        held = val_document_mask(len(docs), data.val_every)
+                        train_sentencepiece((d for d, h in zip(docs, held) if not h),
+                                            model.vocab_size, tok_path)
 
             _on_rank0(build_tokenizer)
         else:
@@ -286,11 +292,12 @@ def prepare_corpus(data: DataConfig, model: ModelConfig) -> Corpus:
 
         def build_tokens():
             if not is_indexed_prefix(prefix):
-                corpus_docs = docs if docs is not None else read_documents(
-                    src, data.text_key, data.max_documents)
-                prefix.parent.mkdir(parents=True, exist_ok=True)
-                write_indexed(tokenize_documents(corpus_docs, tokenizer, bert), prefix,
-                              tokenizer.vocab_size)
+                with phase(log, "tokenising %s (once; cached in %s)", src.name, cache):
+                    corpus_docs = docs if docs is not None else read_documents(
+                        src, data.text_key, data.max_documents)
+                    prefix.parent.mkdir(parents=True, exist_ok=True)
+                    write_indexed(tokenize_documents(corpus_docs, tokenizer, bert), prefix,
+                                  tokenizer.vocab_size)
 
         _on_rank0(build_tokens)
     if tokenizer.vocab_size > model.vocab_size:

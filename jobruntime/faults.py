@@ -22,7 +22,9 @@ once per process: it configures a test harness, not the product.
 
 :class:`RunInterrupted` is the error of a run stopped by a lost peer (not by
 bad input): ``train.py`` prints it on one line on every rank and exits with
-code 3, keeping the run folder for ``checkpoint.load``.  A collective that fails
+code 3, keeping the run folder; the line ends with :func:`resume_advice`
+(``checkpoint.load=<folder>`` where the run committed a checkpoint, else that it
+must start again).  A collective that fails
 because a peer process died anywhere else (a checkpoint save, a training step,
 an evaluation) is recognised by :func:`peer_lost` and reported the same way,
 once, in ``train.py``: GeoMesh and CONA map the losses they expect to their own
@@ -36,6 +38,7 @@ import os
 import signal
 import sys
 import threading
+from pathlib import Path
 
 ENV = "GEOCONA_FAULT"
 REGION_ENV = "GEOCONA_FAULT_REGION"
@@ -93,16 +96,49 @@ def peer_lost(e: BaseException) -> str | None:
 
 EXIT_INTERRUPTED = 3
 _EXIT = threading.Lock()
+# This process's run folder (set by note_run_dir): exit_interrupted's advice reads
+# what it holds.  Process-wide because the exit it serves is.
+_run_dir: Path | None = None
+
+
+def note_run_dir(run_dir: str | Path) -> None:
+    """Remember this process's run folder for :func:`exit_interrupted`'s advice
+    (``jobruntime.parallel.same_run_dir`` calls it on every rank)."""
+    global _run_dir
+    _run_dir = Path(run_dir)
+
+
+def resume_advice(run_dir: str | Path) -> str:
+    """What an interrupted run can do next, from what ``run_dir/checkpoints`` holds.
+
+    A complete checkpoint there (an ``iter_*`` or GeoMesh ``outer_*`` folder with
+    its ``COMPLETE`` marker, :mod:`jobruntime.checkpoint`): resume with
+    ``checkpoint.load=<run_dir>/checkpoints``.  None (``checkpoint.save_interval``
+    is 0 by default, and the final checkpoint is written only after the last
+    step): the run starts again, and ``save_interval`` makes the next one
+    resumable.
+    """
+    root = Path(run_dir) / "checkpoints"
+    done = sorted(p.parent.name for p in root.glob("*_*/COMPLETE")
+                  if not p.parent.name.endswith(".tmp")) if root.is_dir() else []
+    if done:
+        return f"resume with checkpoint.load={root} (last complete checkpoint: {done[-1]})"
+    return (f"no checkpoint was committed in {root}, so the run cannot resume: start it again "
+            "(checkpoint.save_interval=N saves every N steps)")
 
 
 def exit_interrupted(message: str) -> None:
-    """Print ``error: <message>`` once per process and exit with :data:`EXIT_INTERRUPTED`.
+    """Print ``error: <message>; <resume advice>`` once per process and exit with
+    :data:`EXIT_INTERRUPTED`.  The advice (:func:`resume_advice`) is added once the
+    run folder is known (:func:`note_run_dir`).
 
     Safe from any thread (a watchdog and the main thread may see the same loss
     at once: the second caller blocks until the process is gone).  No teardown:
     collectives with a lost peer would hang; child processes are killed.
     """
     _EXIT.acquire()
+    if _run_dir is not None:
+        message = f"{message}; {resume_advice(_run_dir)}"
     print(f"error: {message}", file=sys.stderr, flush=True)
     # os._exit skips multiprocessing's exit handlers: child processes (megatron's
     # dist_checkpointing starts a Manager server on the first save) would outlive the

@@ -18,6 +18,7 @@ from .checkpoint import load_checkpoint, save_checkpoint
 from .config import JobConfig, save_config
 from .data import Corpus, GlobalBatchSampler, build_dataset, prepare_corpus
 from .devices import device_summary
+from .logging_utils import StepProgress, phase
 from .metrics import MetricsWriter, TTPTracker, perplexity
 from .parallel import Topology, initialize_layout, same_run_dir, set_seed
 from .tokenizer import save_tokenizer_file
@@ -51,19 +52,6 @@ def build_data(cfg: JobConfig, topo: Topology, consumed_samples: int = 0) -> Dat
     return DataPipes(corpus, train, val_batches)
 
 
-def _progress(cfg: JobConfig, topo: Topology, total: int, initial: int):
-    import sys
-
-    show = cfg.logging.progress == "on" or (
-        cfg.logging.progress == "auto" and sys.stderr.isatty() and total > 50
-    )
-    if not (show and topo.is_logging_rank):
-        return None
-    from tqdm import tqdm
-
-    return tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True)
-
-
 def run(cfg: JobConfig, run_dir: Path,
         end_of_run: Callable[[Trainer, Corpus], dict] | None = None) -> dict:
     """Train ``cfg`` and write metrics, summary and checkpoints under ``run_dir``.
@@ -95,7 +83,8 @@ def run(cfg: JobConfig, run_dir: Path,
         else:
             log.info("loaded weights from %s (optimizer and schedule start fresh)",
                      cfg.checkpoint.load)
-    data = build_data(cfg, topo, consumed)
+    with phase(log, "preparing the data (%s)", cfg.data.path):
+        data = build_data(cfg, topo, consumed)
     t = cfg.train
     writer = MetricsWriter(
         run_dir, clock="wall", mode="single", enabled=topo.is_logging_rank,
@@ -110,11 +99,8 @@ def run(cfg: JobConfig, run_dir: Path,
     # resumed run interpolates its crossing); older checkpoints hold only ttp_s/_tokens/_step
     ttp = TTPTracker.from_state(extra.get("ttp") or {k: extra.get(k) for k in (
         "ttp_s", "ttp_tokens", "ttp_step")}, t.target_ppl)
-    bar = _progress(cfg, topo, t.iters, trainer.step)
-    # Without a progress bar (stderr not a terminal, e.g. piped to a file or
-    # under SLURM), a log line per evaluation and every 5 % of the steps.
-    log_lines = bar is None and cfg.logging.progress != "off" and topo.is_logging_rank
-    log_every = max(t.iters // 20, 1)
+    progress = StepProgress(cfg.logging.progress, enabled=topo.is_logging_rank, total=t.iters,
+                            initial=trainer.step, logger=log)
     t0 = time.perf_counter() - start_time
     last_val_ppl = extra.get("final_val_ppl")
     stop = False
@@ -141,26 +127,19 @@ def run(cfg: JobConfig, run_dir: Path,
                 stop = stop or t.stop_at_target
         if trainer.step % t.log_interval == 0 or "val_loss" in record:
             writer.log(record)
-        if bar is not None:
-            bar.update(1)
-            bar.set_postfix(loss=f"{result.loss:.3f}",
-                            val_ppl=f"{last_val_ppl:.1f}" if last_val_ppl else "-")
-        elif log_lines and ("val_loss" in record or trainer.step % log_every == 0):
-            log.info("step %d/%d  loss %.3f  val ppl %s  %.0f tokens/s  %.0f s", trainer.step,
-                     t.iters, result.loss, f"{last_val_ppl:.1f}" if last_val_ppl else "-",
-                     record["tokens_per_s"], now)
+        progress.update(trainer.step, step=trainer.step, loss=result.loss, val_ppl=last_val_ppl,
+                        tokens_per_s=record["tokens_per_s"], time_s=now,
+                        evaluated="val_loss" in record)
         if math.isnan(result.loss):
             log.error("loss is NaN at step %d; stopping", trainer.step)
             stop = True
-        save_now = cfg.checkpoint.save_interval and (
-            trainer.step % cfg.checkpoint.save_interval == 0 or trainer.step == t.iters or stop)
-        if save_now:
+        end, every = trainer.step == t.iters or stop, cfg.checkpoint.save_interval
+        if (every and (trainer.step % every == 0 or end)) or (end and cfg.checkpoint.save_final):
             save_checkpoint(run_dir / "checkpoints", trainer,
                             consumed_samples=data.train.consumed_samples,
                             keep_last=cfg.checkpoint.keep_last,
                             extra={"time_s": now, "ttp": asdict(ttp), "final_val_ppl": last_val_ppl})
-    if bar is not None:
-        bar.close()
+    progress.close()
     wall = time.perf_counter() - t0
     summary = dict(
         target_ppl=t.target_ppl, **ttp.summary(),

@@ -23,6 +23,7 @@ from megatron.core import parallel_state, tensor_parallel
 from . import cpu_compat
 from .config import JobConfig
 from .devices import install_collective_check
+from .faults import note_run_dir
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -141,15 +142,18 @@ def same_run_dir(run_dir, group: dist.ProcessGroup | None = None, src: int = 0) 
     functions call this right after the process group exists, so all ranks
     use the folder rank 0 chose (one ``broadcast_object_list``).
 
+    Also tells :func:`jobruntime.faults.note_run_dir` the folder.
+
     Args:
         group, src: the ranks of one job and the global rank deciding for
             them (default: the whole world, rank 0).
     """
-    if not dist.is_initialized() or dist.get_world_size(group) == 1:
-        return Path(run_dir)
-    obj = [str(run_dir)]
-    dist.broadcast_object_list(obj, src=src, group=group)
-    return Path(obj[0])
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        obj = [str(run_dir)]
+        dist.broadcast_object_list(obj, src=src, group=group)
+        run_dir = obj[0]
+    note_run_dir(run_dir)  # an interrupted run's message says whether it can resume from it
+    return Path(run_dir)
 
 
 def shutdown() -> None:

@@ -34,6 +34,7 @@ and validation losses are token-weighted the same way.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -58,8 +59,11 @@ from . import cpu_compat
 from .config import JobConfig, TrainConfig
 from .devices import check_module_devices
 from .kernels import install_multi_tensor_ops
+from .logging_utils import phase
 from .memory import check_job_fits
 from .model import build_model
+
+log = logging.getLogger("jobruntime")
 
 
 @dataclass
@@ -205,7 +209,13 @@ class Trainer:
             dp = (dist.get_world_size(dp_group) if dp_group is not None
                   else parallel_state.get_data_parallel_world_size())
             check_job_fits(cfg, dp=dp, device=self.device, dtype_name=str(self.dtype).split(".")[-1])
-        module = model if model is not None else build_model(cfg.model, cfg.parallel, params_dtype=self.dtype)
+        if model is None:
+            m = cfg.model
+            with phase(log, "building the %s model (%d layers, hidden %d, %s)", m.family,
+                       m.num_layers, m.hidden_size, str(self.dtype).split(".")[-1]) as done:
+                model = build_model(cfg.model, cfg.parallel, params_dtype=self.dtype)
+                done["result"] = f"{sum(p.numel() for p in model.parameters()):,} parameters on this rank"
+        module = model
         # build_model builds on the compute device; a model passed in may sit elsewhere
         self.module = module.to(self.device)
         """The unwrapped megatron model chunk (``GPTModel`` / ``BertModel``)."""

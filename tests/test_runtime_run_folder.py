@@ -165,7 +165,8 @@ def test_a_rank_lost_in_a_checkpoint_save_is_one_line_exit_3(tmp_path, cache_dir
     (SIGKILL) inside the checkpoint save of step 2, after writing its shard and before the
     commit; rank 0's next collective fails in gloo ("Connection reset by peer").  Rank 0
     printed that traceback and exited 1; it must print one line and exit 3, like a GeoMesh
-    or CONA job, keeping the run folder and the committed checkpoints only.  The two ranks
+    or CONA job, keeping the run folder and the committed checkpoints only, and say that
+    no checkpoint can be resumed (none was committed).  The two ranks
     are started as torchrun starts its workers (RANK, WORLD_SIZE, MASTER_*), without
     torchrun, whose SIGTERM to the survivor would race the gloo error."""
     run_dir = tmp_path / "run"
@@ -193,6 +194,9 @@ def test_a_rank_lost_in_a_checkpoint_save_is_one_line_exit_3(tmp_path, cache_dir
     lines = [ln for ln in err.splitlines() if ln.strip()]
     errors = [ln for ln in lines if ln.startswith("error:")]
     assert len(errors) == 1 and "[rank 0]" in errors[0] and "lost" in errors[0], err[-3000:]
-    assert "checkpoint.load" in errors[0] and "Traceback" not in err, err[-3000:]
+    # no checkpoint was committed (the save of step 2 was the first): the line must not
+    # send the user to checkpoint.load (it did, "resume from the last checkpoint")
+    assert "no checkpoint was committed" in errors[0] and "checkpoint.load" not in errors[0]
+    assert "Traceback" not in err, err[-3000:]
     assert (run_dir / "metrics.jsonl").is_file()  # the run folder is kept
     assert not (run_dir / "checkpoints" / "iter_0000002").exists()  # never committed

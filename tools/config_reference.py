@@ -3,10 +3,10 @@
 Every section of :class:`jobruntime.config.JobConfig` and every key in it, with
 its type, default, range and docstring, read from the code itself: types from
 the annotations, defaults from a default-constructed config, docstrings from
-the string that follows each field in ``jobruntime/config.py``, and the range
+the string that follows each field in ``jobruntime/config/``, and the range
 from ``Literal`` choices and from the rules the validators state
 (``need(..., "key", "must be ...")`` calls and ``ConfigError`` messages of the
-form ``section.key=... must ...`` in ``jobruntime/config.py`` and
+form ``section.key=... must ...`` in ``jobruntime/config/`` and
 ``geomesh/context.py``).
 
 ``python tools/config_reference.py`` rewrites the page; ``--check`` exits 1
@@ -27,7 +27,8 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, str(REPO))
 PAGE = REPO / "docs" / "configuration.md"
-SOURCES = (REPO / "jobruntime" / "config.py", REPO / "geomesh" / "context.py")
+CONFIG_SOURCES = tuple(sorted((REPO / "jobruntime" / "config").glob("*.py")))  # one per section
+SOURCES = (*CONFIG_SOURCES, REPO / "geomesh" / "context.py")
 _RULE = re.compile(r"\b(model|parallel|train|data|checkpoint|logging|geomesh|cona)\.(\w+|\{\})"
                    r"(?:=\S*)? (must [^;:(]+)")
 
@@ -106,13 +107,13 @@ def render() -> str:
     from jobruntime.config import JobConfig
 
     trees = [ast.parse(p.read_text()) for p in SOURCES]
-    docs = _field_docs(trees[0])
+    docs = {k: v for tree in trees[:len(CONFIG_SOURCES)] for k, v in _field_docs(tree).items()}
     rules = _rules(trees)
     job = JobConfig()
     lines = ["# Configuration reference", "",
              "Every key a job takes, as `section.key=value` on the command line of "
              "`train.py` (or in a preset under `model_configs/`).  Generated from "
-             "`jobruntime/config.py` by `python tools/config_reference.py`; do not edit by "
+             "`jobruntime/config/` by `python tools/config_reference.py`; do not edit by "
              "hand (a test fails when this page is stale).", ""]
     for section in dataclasses.fields(JobConfig):
         value = getattr(job, section.name)

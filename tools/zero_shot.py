@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import re
 import sys
 from dataclasses import dataclass
@@ -266,8 +267,15 @@ def end_of_run_hook(task_files: list[str], family: str = "gpt"):
                           "files in the HellaSwag or PIQA layout")
 
     def hook(trainer, corpus) -> dict:
-        return {"zero_shot": [evaluate_zero_shot(trainer, corpus.tokenizer, f)
-                              for f in task_files]}
+        from jobruntime.logging_utils import phase
+
+        results = []
+        for f in task_files:
+            with phase(logging.getLogger("jobruntime"), "zero-shot evaluation on %s",
+                       Path(f).name) as done:
+                results.append(evaluate_zero_shot(trainer, corpus.tokenizer, f))
+                done["result"] = f"accuracy {results[-1]['accuracy']:.3f}"
+        return {"zero_shot": results}
 
     return hook
 

@@ -1,0 +1,43 @@
+"""The ``checkpoint`` section: dist_checkpointing save and load."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .base import (
+    _need,
+)
+
+
+@dataclass(kw_only=True)
+class CheckpointConfig:
+    """dist_checkpointing save/load."""
+
+    save_interval: int = 0
+    """Save every N steps (and at the end when > 0); 0 saves no checkpoints during
+    training (see ``save_final``)."""
+    save_final: bool = True
+    """Save a checkpoint after the last step of an ordinary job, also with
+    ``save_interval=0``, so a finished run can be evaluated
+    (``tools/zero_shot.py``), converted or fine-tuned without a rerun; ``false``
+    saves none.  (GeoMesh and CONA save by ``save_interval`` only.)"""
+    load: str | None = None
+    """Checkpoint directory to resume from (a run's ``checkpoints/`` folder or
+    one ``iter_XXXXXXX`` folder inside it)."""
+    load_optimizer: bool = True
+    """Resume optimizer, LR schedule, step, data position and clock from
+    ``load``; ``false`` loads only the model weights and starts training afresh
+    (fine-tuning, e.g. from ``tools/convert_checkpoint.py`` output)."""
+    keep_last: int = 2
+    """Number of checkpoints kept; older ones are deleted (0 keeps all)."""
+    load_exact: bool = True
+    """Whether the weights in ``load`` compute the function of the model they came from.
+    ``false`` is written by ``tools/convert_checkpoint.py`` for an HF architecture that
+    megatron-core does not implement (post-LN ``BertForMaskedLM``): the weights are an
+    initialisation to fine-tune, not that model; loading them logs a warning."""
+
+    def validate(self) -> None:
+        """Raise :class:`ConfigError` naming the first out-of-range setting."""
+        _need(self, "checkpoint", self.save_interval >= 0, "save_interval",
+              "must be >= 0 (0: none during training)")
+        _need(self, "checkpoint", self.keep_last >= 0, "keep_last", "must be >= 0 (0 keeps all)")

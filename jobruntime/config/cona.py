@@ -1,0 +1,139 @@
+"""The ``cona`` section: online parallelism switching (``cona/``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from .base import (
+    ConfigError,
+    did_you_mean,
+)
+
+
+@dataclass(kw_only=True)
+class ConaConfig:
+    """CONA: online parallelism-strategy chaining (see ``cona/``)."""
+
+    enabled: bool = False
+    decision_interval: int = 20
+    """Steps between controller decisions (K)."""
+    candidates: list | None = None
+    """Explicit candidates ``[{dp, tp, pp, micro_batch_size, global_batch_size}]``;
+    ``None`` enumerates them."""
+    global_batch_sizes: list | None = None
+    """Global batch sizes (sequences) the enumeration tries; ``None`` =
+    ``parallel.global_batch_size`` times 1, 2, 4 and 8."""
+    gpu: str = "A100-80GB"
+    """Emulated mode: GPU type whose profile times the target model."""
+    num_gpus: int | None = None
+    """Emulated mode: device count; ``None`` = world size."""
+    target_model: str | None = None
+    """Emulated mode: preset that gives FLOPs and memory; ``None`` = this model."""
+    batch_ratio: float = 1.0
+    """Emulated mode: target sequences one proxy sequence stands for (``cona/mapping.py``;
+    ``bench/cona_ttp.py`` calibrates it).  ``cona.global_batch_sizes`` are target sequences."""
+    clock: Literal["wall", "emulated"] = "wall"
+    min_gain: float = 0.05
+    """Switch only if the best candidate scores this fraction above current."""
+    horizon_steps: int = 100
+    """Steps over which a switch must repay its measured cost."""
+    lr_scaling: Literal["sqrt", "linear", "none"] = "sqrt"
+    """How the learning rate follows the global batch size when it changes."""
+    gns_average: Literal["plain", "scale_free"] = "scale_free"
+    """How the noise-scale estimator averages steps (``cona/grad_stats.py``): ``scale_free``
+    divides each step's estimates by its ``|G_big|^2`` before the EMAs, so the average is
+    free of the gradient's scale; ``plain`` is McCandlish's ratio of EMAs, which weights
+    each step by ``|G|^2`` and therefore reads a rising noise scale low while ``|G|^2``
+    falls within the EMA's window (tiny_bert: 44 against 125 measured directly,
+    scale-free 113; on least squares with a known answer 0.66 of the truth against 0.85,
+    ``tests/test_cona_grad_stats.py``).  The default follows that mechanism, the same for
+    every model."""
+    gns_preconditioned: bool = False
+    """Estimate the noise scale of Adam-preconditioned gradients, ``tr(P Sigma P)/|P G|^2``
+    with ``P = 1/(sqrt(v_hat)+eps)``, as Pollux does for adaptive optimizers (Qiao et al.
+    OSDI'21, Sec. 3.1; ``cona/probe.py``), instead of ``B_simple``.  Off by default: for
+    Adam's step ``P g`` the noise scale that sets the efficiency is ``tr(P H P Sigma) /
+    (G^T P H P G)`` (McCandlish et al. 2018, eq. 2.7-2.8, for the preconditioned step;
+    ``cona/surrogate.py``), which is ``B_simple`` where Adam's ``v`` follows the curvature
+    (``v ~ diag Fisher ~ diag H``, ``P H P ~ I``) and Pollux's formula only where the raw
+    Hessian is isotropic (tested on a quadratic with known efficiency,
+    ``tests/test_cona_controller.py``).  Use it with ``gns_average=scale_free``."""
+    start_probe_updates: int = 4
+    """The start decision comes as soon as the noise-scale estimator holds this many
+    updates (the steps before it are the probe: real training steps at the start strategy,
+    on the clock), instead of at the first ``decision_interval``; 0 = no start decision.
+    4 updates of the micro-batch or replica estimate average at least 8 small-batch
+    gradients, the same as one step at ``dp=8``; ``min_gain`` absorbs the rest of its
+    error."""
+    lr_ramp_steps: int = 10
+    """After a switch that raises the learning rate (a larger global batch under
+    ``lr_scaling``), ramp it linearly from the old to the new value over this many
+    optimizer steps (Goyal et al. 2017, Sec. 2.2, gradual warmup); a lower LR applies at
+    once; 0 = jump.  10 = ``1/(1 - beta1)`` for Adam's ``beta1 = 0.9``, the steps its first
+    moment takes to forget the smaller batch's gradients, and half the default
+    ``decision_interval``, so the next decision sees the new strategy at its full LR."""
+    start_slack: float = 0.02
+    """Emulated mode: the start layout may be this fraction slower than the fastest at the
+    start batch if it runs the next larger batch faster (``cona.controller.start_strategy``:
+    a later batch-only switch instead of a layout switch); 0 = the fastest.  If the noise
+    scale never calls for the larger batch, the whole run is this much slower, so keep it
+    at the slowdown you accept in that case (2 %, chosen after a 5 % run lost 5.1 % on
+    Llama, README).  Must be below ``min_gain``, or the controller undoes the start."""
+    switch_timeout_s: float = 600.0
+    """Real mode: a layout switch still running after this many seconds means
+    a rank stalled or was lost; every rank then exits with one line (resume
+    from the last checkpoint at either layout)."""
+    schedule: list | None = None
+    """GeoMesh, one job per region (``geomesh.region``): layout switches at round
+    boundaries, ``[{after_step, region, tp, pp}]`` -- after outer step ``after_step``
+    (the metrics' ``step``) region ``region`` moves to TP=``tp``, PP=``pp`` (DP = its
+    processes / (tp*pp)) with CONA's in-memory switch (``geomesh/layout_switch.py``).
+    Needs ``cona.enabled=true``.  A schedule, because CONA's controller ranks global
+    batches and GeoMesh's planner owns each region's batch: the controller does not
+    drive GeoMesh regions yet."""
+
+    def validate(self) -> None:
+        """Raise :class:`ConfigError` naming the first bad CONA setting."""
+        if self.schedule is not None and not self.enabled:
+            raise ConfigError("cona.schedule switches GeoMesh regions with CONA's switch; set "
+                              "cona.enabled=true (or unset cona.schedule)")
+        if not self.enabled:
+            return
+        for key in ("decision_interval", "horizon_steps"):
+            if getattr(self, key) <= 0:
+                raise ConfigError(f"cona.{key}={getattr(self, key)} must be positive")
+        for key in ("start_probe_updates", "lr_ramp_steps"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"cona.{key}={getattr(self, key)} must be >= 0 (0 = off)")
+        if not 0 <= self.min_gain < float("inf"):
+            raise ConfigError(f"cona.min_gain={self.min_gain} must be >= 0 (0.05 = switch for a "
+                              "5 % better score)")
+        if not 0 <= self.start_slack < 1:
+            raise ConfigError(f"cona.start_slack={self.start_slack} must be in [0, 1) (0.02 = "
+                              "start up to 2 % slower for a cheaper later switch; 0 = fastest)")
+        if self.clock == "emulated" and self.start_slack > 0 and self.start_slack >= self.min_gain:
+            raise ConfigError(f"cona.start_slack={self.start_slack} must be below cona.min_gain="
+                              f"{self.min_gain}: the controller would switch back from the "
+                              "start layout at its first decision; lower start_slack")
+        if not 0 < self.switch_timeout_s < float("inf"):
+            raise ConfigError(f"cona.switch_timeout_s={self.switch_timeout_s} must be a positive "
+                              "number of seconds (default 600)")
+        if self.num_gpus is not None and self.num_gpus <= 0:
+            raise ConfigError(f"cona.num_gpus={self.num_gpus} must be positive (or null: the "
+                              "world size)")
+        if self.candidates is not None and not self.candidates:
+            raise ConfigError("cona.candidates=[] lists no candidate; give some, or null to "
+                              "enumerate them")
+        if not 0 < self.batch_ratio < float("inf"):
+            raise ConfigError(f"cona.batch_ratio={self.batch_ratio} must be a positive number")
+        if self.clock == "wall" and (self.num_gpus is not None or self.target_model is not None
+                                     or self.batch_ratio != 1):
+            raise ConfigError("cona.num_gpus, cona.target_model and cona.batch_ratio apply to the "
+                              "emulated clock; set cona.clock=emulated (or unset them)")
+        from ..hardware import gpu_profiles
+
+        if self.gpu.lower() not in {k.lower() for k in gpu_profiles()}:
+            raise ConfigError(f"cona.gpu={self.gpu!r} is unknown;"
+                              f"{did_you_mean(self.gpu, gpu_profiles())} use one of "
+                              f"{sorted(gpu_profiles())} or add it to jobruntime/gpu_profiles.yaml")

@@ -1,0 +1,52 @@
+"""The whole job: :class:`JobConfig`, one field per section."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from .checkpoint import CheckpointConfig
+from .cona import ConaConfig
+from .data import DataConfig
+from .geomesh import GeoMeshConfig
+from .logging import LoggingConfig
+from .model import ModelConfig
+from .parallel import ParallelConfig
+from .train import TrainConfig
+
+
+@dataclass(kw_only=True)
+class JobConfig:
+    """The whole job.  Sections are documented in their own classes."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    geomesh: GeoMeshConfig = field(default_factory=GeoMeshConfig)
+    cona: ConaConfig = field(default_factory=ConaConfig)
+    name: str = "job"
+    """Preset name (file stem), used in run names."""
+
+    def validate_sections(self) -> None:
+        """Check each section's own settings (everything but the layout, which needs the
+        world size; GeoMesh's section is checked by ``geomesh.context``).
+
+        Raises:
+            ConfigError: the first out-of-range setting, named.
+        """
+        self.model.validate()
+        self.train.validate()
+        self.data.validate()
+        self.checkpoint.validate()
+        self.cona.validate()
+
+    def validate(self, world_size: int = 1) -> int:
+        """Validate every section; return the DP size for ``world_size`` processes."""
+        self.validate_sections()
+        return self.parallel.validate(self.model, world_size)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)

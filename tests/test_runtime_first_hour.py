@@ -1,0 +1,241 @@
+"""What a new user meets in the first hour (issue 26): a run that says what it is
+doing, a final checkpoint, honest resume advice, help text, typo suggestions.
+
+One real 2-rank job (TP=2, gloo, output to pipes, a fresh cache and a 300-document
+corpus so that the tokenizer is trained) is the shared fixture; the rest is pure logic.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import subprocess
+import sys
+import tokenize
+from pathlib import Path
+
+import pytest
+
+from tests.dist_utils import free_port
+
+REPO = Path(__file__).resolve().parent.parent
+PIQA = REPO / "tools" / "samples" / "piqa_synthetic.jsonl"
+SMALL = ["model.num_layers=2", "model.hidden_size=64", "model.num_attention_heads=2",
+         "model.seq_length=32", "model.vocab_size=512", "parallel.global_batch_size=8",
+         "parallel.micro_batch_size=2", "train.warmup_iters=1", "train.eval_iters=1",
+         "train.target_ppl=1e9", "logging.wandb=disabled"]
+
+
+@pytest.fixture(scope="module")
+def piped_run(tmp_path_factory):
+    """``train.py`` on 2 ranks (TP=2) as torchrun starts its workers, stdout and stderr
+    to pipes: 4 steps, an evaluation every 2, zero-shot at the end, default checkpoint
+    settings (``save_interval=0``), a fresh data cache (tokenizer training and
+    tokenising run) on the corpus's first 300 documents."""
+    root = tmp_path_factory.mktemp("first_hour")
+    run_dir, port = root / "run", free_port()
+    cmd = [sys.executable, str(REPO / "train.py"), "--run-dir", str(run_dir), *SMALL,
+           f"data.cache_dir={root / 'cache'}", "data.max_documents=300", "parallel.tp=2",
+           "train.iters=4", "train.eval_interval=2", f"train.zero_shot_tasks=[{PIQA}]"]
+    ranks = [subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, env={**os.environ, "MASTER_ADDR": "127.0.0.1",
+                                              "MASTER_PORT": str(port), "RANK": str(r),
+                                              "LOCAL_RANK": str(r), "WORLD_SIZE": "2",
+                                              "OMP_NUM_THREADS": "1"})
+             for r in range(2)]
+    try:
+        outs = [p.communicate(timeout=600) for p in ranks]
+    finally:
+        for p in ranks:
+            if p.poll() is None:
+                p.kill()
+    for p, (_, err) in zip(ranks, outs):
+        assert p.returncode == 0, err[-3000:]
+    return run_dir, outs
+
+
+def test_every_long_phase_logs_its_start_and_end_without_a_terminal(piped_run):
+    """Catches the silent first minutes: with output to a file, tokenizer training,
+    tokenising, the imports, the model build, the checkpoint save and the end-of-run
+    evaluation printed nothing (2.5-3 min on a fresh clone), and progress showed only
+    as a bar on a terminal.  Each phase must log a start line and a ``done in X s``
+    line, and the steps a line every 5 % (here every step) and at each evaluation."""
+    run_dir, outs = piped_run
+    out = outs[0][0]  # stdout: stderr is for warnings and the one-line errors
+    for what in ("loading torch and megatron-core", "training a 512-token SentencePiece "
+                 "tokenizer on python-docs", "tokenising python-docs", "preparing the data",
+                 "building the gpt model (2 layers, hidden 64, float32)",
+                 f"saving checkpoint {run_dir / 'checkpoints' / 'iter_0000004'}",
+                 "zero-shot evaluation on piqa_synthetic.jsonl"):
+        start = [i for i, ln in enumerate(out.splitlines()) if what in ln and ln.endswith(" ...")]
+        end = [i for i, ln in enumerate(out.splitlines())
+               if what in ln and re.search(r": done in \d+\.\d s", ln)]
+        assert len(start) == 1 and len(end) == 1 and start[0] < end[0], (what, out[-4000:])
+    steps = re.findall(r"step (\d)/4  loss [\d.]+  val ppl (\S+)", out)
+    assert [s for s, _ in steps] == ["1", "2", "3", "4"], out[-4000:]
+    assert steps[0][1] == "-" and steps[1][1] != "-", steps  # evaluated at step 2
+    assert "checkpoints/" in out  # the results line names the final checkpoint
+    assert outs[0][1].strip() == "", outs[0][1][-3000:]  # nothing on stderr: no warnings
+
+
+def test_cpu_run_prints_no_cuda_advice_or_common_state_notice(piped_run):
+    """Catches megatron's noise on every CPU torchrun: the ``CUDA_DEVICE_MAX_CONNECTIONS``
+    advice of its TP layers (no CUDA streams on CPU) on each rank, and rank 1's
+    "common state dict differs from rank 0" warning at each save, caused by each rank
+    saving its own clock (``extra.time_s``) in state that only rank 0 writes."""
+    _, outs = piped_run
+    for _, err in outs:
+        assert "CUDA_DEVICE_MAX_CONNECTIONS" not in err, err[-3000:]
+        assert "common state dict differs" not in err, err[-3000:]
+
+
+def test_a_finished_run_has_a_final_checkpoint_for_zero_shot_at_another_layout(piped_run):
+    """Catches a run that saves nothing by default (``checkpoint.save_interval=0``): the
+    demo's zero-shot evaluation needed a rerun.  The final checkpoint (committed, at
+    step 4) must hold the final weights: ``tools/zero_shot.py`` on it, in one process
+    at ``parallel.tp=1`` (the TP=2 run's config overridden), scores the task as the
+    run's own end-of-run evaluation did."""
+    run_dir, _ = piped_run
+    assert (run_dir / "checkpoints" / "iter_0000004" / "COMPLETE").is_file()
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == "iter_0000004"
+    (ran,) = json.loads((run_dir / "summary.json").read_text())["zero_shot"]
+    proc = subprocess.run([sys.executable, str(REPO / "tools" / "zero_shot.py"), "--config",
+                           str(run_dir / "config.yaml"), "--checkpoint", str(run_dir / "checkpoints"),
+                           "--task", str(PIQA), "parallel.tp=1"], cwd=REPO, capture_output=True,
+                          text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "loading checkpoint" in proc.stderr and ": done in" in proc.stderr
+    tool = json.loads(proc.stdout)
+    assert (tool["n"], tool["accuracy"]) == (ran["n"], ran["accuracy"])
+    assert tool["accuracy_norm"] == pytest.approx(ran["accuracy_norm"])
+
+
+def test_one_process_at_a_tp2_layout_is_told_the_override():
+    """Catches a one-line error that leaves the user to guess: a converted or saved
+    TP=2 config on one process must name ``parallel.tp=1`` (checkpoints load at any
+    layout)."""
+    from jobruntime.config import ConfigError, load_config
+
+    cfg = load_config("tiny_gpt", ["parallel.tp=2"])
+    with pytest.raises(ConfigError, match=r"parallel\.tp=1 parallel\.pp=1"):
+        cfg.validate(world_size=1)
+    cfg = load_config("tiny_gpt", ["parallel.tp=4"])
+    with pytest.raises(ConfigError, match=r"parallel\.tp=2 parallel\.pp=1"):
+        cfg.validate(world_size=2)
+
+
+def test_resume_advice_says_what_the_run_folder_holds(tmp_path):
+    """Catches "resume with checkpoint.load" printed for a run that committed no
+    checkpoint (``save_interval`` is 0 by default; a save cut short leaves only a
+    ``.tmp`` folder): the advice must say the run starts again, and name the folder to
+    load only where a complete checkpoint is there."""
+    from jobruntime.faults import resume_advice
+
+    ckpts = tmp_path / "checkpoints"
+    for holds in ([], ["iter_0000004.tmp"]):
+        for name in holds:
+            (ckpts / name).mkdir(parents=True)
+            (ckpts / name / "COMPLETE").write_text("step 4\n")  # written, not yet renamed
+        advice = resume_advice(tmp_path)
+        assert "cannot resume" in advice and "checkpoint.load" not in advice, advice
+    for name in ("iter_0000002", "iter_0000004", "outer_0000001"):
+        (ckpts / name).mkdir()
+    (ckpts / "iter_0000002" / "COMPLETE").write_text("step 2\n")
+    assert resume_advice(tmp_path) == (f"resume with checkpoint.load={ckpts} "
+                                       "(last complete checkpoint: iter_0000002)")
+
+
+def test_interrupted_exit_adds_the_advice_once_the_run_folder_is_known(tmp_path):
+    """Catches the exit path (exit code 3, one line) not giving the advice."""
+    code = ("from jobruntime.faults import exit_interrupted, note_run_dir; "
+            f"note_run_dir({str(tmp_path)!r}); exit_interrupted('[rank 0] lost a peer')")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 3
+    assert proc.stderr.strip().splitlines() == [
+        f"error: [rank 0] lost a peer; no checkpoint was committed in {tmp_path / 'checkpoints'}, "
+        "so the run cannot resume: start it again (checkpoint.save_interval=N saves every N "
+        "steps)"]
+
+
+def test_progress_lines_without_a_terminal(caplog):
+    """Catches progress that only a terminal sees, and CONA's units: without a TTY,
+    one log line per 5 % of the run (steps, or samples where the batch changes) and
+    one per evaluation; ``off`` says nothing."""
+    from jobruntime.logging_utils import StepProgress
+
+    log = logging.getLogger("test.progress")
+
+    def lines(mode, total, done, unit="step", evaluated=()):
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="test.progress"):
+            p = StepProgress(mode, enabled=True, total=total, unit=unit, logger=log)
+            for i, d in enumerate(done, 1):
+                p.update(d, step=i, loss=1.0, val_ppl=None, tokens_per_s=None, time_s=0.0,
+                         evaluated=i in evaluated)
+            p.close()
+        return [r.getMessage() for r in caplog.records]
+
+    got = lines("auto", 40, range(1, 41), evaluated={5})
+    assert [int(m.split()[1].split("/")[0]) for m in got] == [2, 4, 5, *range(6, 41, 2)]
+    assert got[0] == "step 2/40  loss 1.000  val ppl -  0 s"
+    # CONA: samples, batches of 24 then 48; a line at each 5 % (50 samples) crossed
+    done = [24 * i for i in range(1, 11)] + [240 + 48 * i for i in range(1, 17)]
+    got = lines("auto", 1000, done, unit="sample")
+    crossed = [i for i, (a, b) in enumerate(zip([0, *done], done), 1) if b // 50 > a // 50]
+    assert [int(m.split()[1]) for m in got] == crossed and crossed[:3] == [3, 5, 7]
+    assert got[0] == "step 3 (72/1000 samples)  loss 1.000  val ppl -  0 s"
+    assert got[-1].startswith("step 26 (1008/1000 samples)")
+    assert lines("off", 40, range(1, 41)) == []
+
+
+def test_unknown_key_suggests_the_near_miss():
+    """Catches an unknown-key error that lists every valid key but suggests none: a
+    misspelt key or value, a key given in the wrong section, a misspelt preset name
+    get a "did you mean"; a key like nothing gets none; valid keys are still listed."""
+    from jobruntime.config import ConfigError, load_config
+
+    def error(*overrides, preset="tiny_gpt"):
+        with pytest.raises(ConfigError) as e:
+            load_config(preset, list(overrides)).validate_sections()
+        return str(e.value)
+
+    msg = error("train.itres=3")
+    assert "did you mean 'train.iters'?" in msg and "valid keys here: adam_beta1" in msg
+    assert "did you mean 'checkpoint.save_interval'" in error("train.save_interval=5")
+    assert "did you mean 'train'?" in error("trian.iters=3")
+    assert "did you mean 'logging.progress'?" in error("logging.progres=on")
+    assert "did you mean 'gpt'?" in error("model.family=gtp")
+    assert "did you mean 'tiny_gpt'" in error(preset="tiny_gtp")
+    msg = error("train.foo=1")
+    assert "did you mean" not in msg and "valid keys here:" in msg
+
+
+def test_help_has_no_broken_line_continuation():
+    """Catches ``train.py --help`` printing a shell command joined into one line: the
+    module docstring's ``\\`` at a line end was a Python line continuation (the
+    docstring was not raw), so the help showed ``c10d        --rdzv-endpoint``.  Every
+    backslash in the help must end a line that the next, indented, line continues; and
+    no string literal in the project may end a line with an unescaped backslash."""
+    proc = subprocess.run([sys.executable, str(REPO / "train.py"), "--help"], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.split("positional arguments:")[0].splitlines()  # the description
+    for i, line in enumerate(lines):
+        assert "\\" not in line.rstrip()[:-1], line
+        if line.rstrip().endswith("\\"):
+            assert lines[i + 1].startswith(" " * (len(line) - len(line.lstrip()) + 1)), lines[i + 1]
+        assert not re.search(r"\S {4,}\S", line.strip()), f"a joined line: {line!r}"
+    assert any("--rdzv-backend c10d \\" in ln for ln in lines)
+    for path in [*REPO.glob("*.py"), *REPO.glob("*/**/*.py")]:
+        if path.relative_to(REPO).parts[0] in {".git", "build", ".venv", "runs"}:
+            continue
+        with path.open() as f:
+            for tok in tokenize.generate_tokens(f.readline):
+                body = tok.string.lstrip("rbuRBUfF")
+                if tok.type != tokenize.STRING or "r" in tok.string[:len(tok.string) - len(body)].lower():
+                    continue
+                odd = [m for m in re.finditer(r"(\\+)\n", tok.string) if len(m.group(1)) % 2]
+                assert not odd, f"{path}:{tok.start[0]}: a string ends a line with a backslash"
