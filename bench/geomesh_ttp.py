@@ -171,7 +171,9 @@ def _reused(cfg, folder: Path) -> dict | None:
         return None
 
     def key(d: dict) -> dict:
-        d = {k: v for k, v in d.items() if k != "logging"}
+        # logging, and CONA's section where CONA is off, change nothing a run computes
+        d = {k: v for k, v in d.items()
+             if k != "logging" and not (k == "cona" and not v.get("enabled"))}
         method = d["geomesh"]["method"]
         unread = (GEOMESH_ONLY if method != "geomesh" else ()) + \
             (STREAMING_ONLY if method != "streaming_diloco" else ())
@@ -180,7 +182,13 @@ def _reused(cfg, folder: Path) -> dict | None:
 
     mine = cfg.to_dict()  # a run records its padded vocabulary as resolved at the start
     mine["model"]["padded_vocab_size"] = cfg.model.padded_vocab
-    same = key(mine) == key(yaml.safe_load(saved.read_text()))
+    theirs = yaml.safe_load(saved.read_text())
+    for section, values in mine.items():  # keys added since that run, at their default,
+        fields = getattr(cfg, section, None)  # are what the code did before they existed
+        for k, v in values.items() if isinstance(values, dict) else ():
+            if k not in theirs.get(section, {}) and v == getattr(type(fields)(), k, object()):
+                theirs.setdefault(section, {})[k] = v
+    same = key(mine) == key(theirs)
     return json.loads(done.read_text()) if same else None
 
 

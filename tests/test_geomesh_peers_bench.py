@@ -65,3 +65,34 @@ def test_reuse_ignores_settings_a_method_does_not_read(tmp_path):
     assert ttp._reused(cfg, folder) is None
     cfg, folder = saved("streaming_diloco")
     assert ttp._reused(cfg, folder) is not None
+
+
+def test_reuse_takes_keys_added_since_at_their_default(tmp_path):
+    """Catches a reuse check that re-runs every finished run when a config key is added
+    (``checkpoint.save_final``) or CONA's defaults move while CONA is off, or that reuses a
+    run whose saved value of a key differs from this run's: a saved config without a key
+    this run holds at its default is this run's; one missing a key set off its default,
+    or with another seed, is not; CONA's section is read only where CONA is on."""
+    from jobruntime.config import load_config
+
+    def saved(extra: list[str], edit) -> tuple:
+        cfg = load_config("tiny_gpt", ttp.overrides("full", "geomesh", "disabled", "g") + extra)
+        d = cfg.to_dict()
+        d["model"]["padded_vocab_size"] = cfg.model.padded_vocab
+        edit(d)
+        folder = tmp_path / str(len(list(tmp_path.iterdir())))
+        folder.mkdir()
+        (folder / "config.yaml").write_text(yaml.safe_dump(d))
+        (folder / "summary.json").write_text(json.dumps({"ttp_s": 2.0}))
+        return cfg, folder
+
+    cfg, folder = saved([], lambda d: d["checkpoint"].pop("save_final"))
+    assert ttp._reused(cfg, folder) == {"ttp_s": 2.0}
+    cfg, folder = saved(["checkpoint.save_final=false"], lambda d: d["checkpoint"].pop("save_final"))
+    assert ttp._reused(cfg, folder) is None  # off its default: the old run did otherwise
+    cfg, folder = saved([], lambda d: d["cona"].update(gns_average="plain"))
+    assert ttp._reused(cfg, folder) is not None  # CONA is off: its keys change nothing
+    cfg, folder = saved(["cona.enabled=true"], lambda d: d["cona"].update(gns_average="plain"))
+    assert ttp._reused(cfg, folder) is None
+    cfg, folder = saved([], lambda d: d["train"].update(seed=7))
+    assert ttp._reused(cfg, folder) is None
