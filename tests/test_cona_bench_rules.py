@@ -166,3 +166,59 @@ def test_dilated_clock_charges_steps_not_switches():
     assert dil.switch_s(a, c) == pytest.approx(plain.switch_s(a, c))
     with pytest.raises(ValueError, match="step_dilation"):
         EmulatedCluster(target, "A100-80GB", 64, step_dilation=0.5)
+
+
+def _warm_start(cache_dir, warm_dir):
+    """One process: a warm state of 3 steps at the preset batch, then two jobs at another
+    batch started from it, one measured by a direct noise-scale probe."""
+    import torch
+
+    from cona import state as cstate
+    from cona.baselines import fastest_per_batch
+    from cona.context import build_context
+    from cona.warm import load_or_train_warm
+
+    cfg = load_config("tiny_gpt", [
+        f"data.cache_dir={cache_dir}", "model.seq_length=64", "logging.wandb=disabled",
+        "cona.enabled=true", "cona.clock=emulated", "cona.target_model=gpt3_1.3b",
+        "cona.num_gpus=8", "cona.batch_ratio=8", "cona.global_batch_sizes=[64,128]",
+        "train.iters=16", "train.warmup_iters=3"])
+    ctx = build_context(cfg)
+    ctx.cfg.data.cache_dir = warm_dir  # the warm checkpoint in this test's own folder
+    warm, cached = load_or_train_warm(ctx, 3, lambda job: {"val_loss": job.evaluate()})
+    ctx.warm = warm
+    s128 = fastest_per_batch(ctx.candidates, ctx.cluster.iter_s)[128]
+    a, b = ctx.make_job(s128), ctx.make_job(s128)
+    params = cstate.snapshot(a.trainer)["params"]
+    out = {"cached": (cached, load_or_train_warm(ctx, 3)[1]),
+           "reference": ctx.reference_strategy().global_batch_size,
+           "consumed": (a.consumed_samples, warm["consumed_samples"]),
+           "same_weights": all(torch.equal(p, warm["trainer"]["params"][n])
+                               for n, p in params.items()),
+           "max_lr": (a.trainer.scheduler.max_lr, cfg.train.lr * 2 ** 0.5),
+           "sched": (a.trainer.scheduler.num_steps, warm["trainer"]["sched"][0]),
+           "clock": a.clock_s, "losses": (a.train_step()[0].loss, b.train_step()[0].loss)}
+    before = a.clock_s
+    a.measure_noise_scale(microbatches=4)
+    mb = a.trainer.cfg.parallel.micro_batch_size
+    out["probe_charge"] = (a.clock_s - before, ctx.cluster.target_step_s(s128) * 4 * mb / 16)
+    return out
+
+
+def test_every_method_starts_from_the_warm_state(cache_dir, tmp_path):
+    """Catches a method that starts from the initial weights, at data position 0, with the
+    warm run's LR instead of its own batch's, or at another schedule position; a warm
+    state trained again though cached; and a direct noise-scale probe not charged to the
+    clock.  tiny_gpt, 3 warm steps at the preset batch 8 (24 samples); a job at batch 128
+    (proxy 16) must hold the warm weights, continue at sample 24 with sqrt(2) x the LR,
+    and two such jobs take the same first step; a probe of 4 micro-batches costs the target
+    the forward-backward of 4 x mb proxy sequences (target_step_s x 4 mb / 16)."""
+    from tests.dist_utils import launch
+
+    (out,) = launch(_warm_start, 1, cache_dir, str(tmp_path))
+    assert out["cached"] == (False, True) and out["reference"] == 64
+    assert out["consumed"] == (24, 24) and out["same_weights"]
+    assert out["max_lr"][0] == pytest.approx(out["max_lr"][1])
+    assert out["sched"][0] == out["sched"][1] == 24 and out["clock"] == 0.0
+    assert out["losses"][0] == out["losses"][1]
+    assert out["probe_charge"][0] == pytest.approx(out["probe_charge"][1]) and out["probe_charge"][0] > 0
