@@ -222,3 +222,26 @@ def test_every_method_starts_from_the_warm_state(cache_dir, tmp_path):
     assert out["sched"][0] == out["sched"][1] == 24 and out["clock"] == 0.0
     assert out["losses"][0] == out["losses"][1]
     assert out["probe_charge"][0] == pytest.approx(out["probe_charge"][1]) and out["probe_charge"][0] > 0
+
+
+def test_seeds_aggregate_to_a_mean_with_misses_as_null_and_layout_switches_counted():
+    """Catches a mean that skips a seed that missed the target (a biased ``ttp_s``), a
+    missed seed not reported as null, or batch switches counted as layout switches: seeds
+    at 10 s and 14 s give 12 s; one missed gives ``ttp_s`` null with the miss in
+    ``ttp_s_by_seed``; a chain dp8-tp8 gb64 -> dp8-tp8 gb128 -> dp16-tp4 gb128 has two
+    switches, one of them a layout switch (also the plot's marker kinds)."""
+    from bench.cona_plot import switch_points
+    from bench.cona_ttp import aggregate
+
+    chain = [{"strategy": "dp8-tp8-pp1-mb8-gb64"}, {"strategy": "dp8-tp8-pp1-mb8-gb128"},
+             {"strategy": "dp16-tp4-pp1-mb8-gb128"}]
+    a = {"cona": {"ttp_s": 10.0, "chain": chain, "switches": 2, "switch_times_s": [1.0, 2.0]}}
+    b = {"cona": {"ttp_s": 14.0, "chain": chain[:1], "switches": 0}}
+    miss = {"cona": {"ttp_s": None, "chain": chain[:1], "switches": 0}}
+    out = aggregate([a, b])["cona"]
+    assert out["ttp_s"] == pytest.approx(12.0) and out["ttp_s_by_seed"] == [10.0, 14.0]
+    assert out["layout_switches"] == 1 and out["layout_switches_by_seed"] == [1, 0]
+    assert out["switches"] == 2 and out["switches_by_seed"] == [2, 0]
+    missed = aggregate([a, miss])["cona"]
+    assert missed["ttp_s"] is None and missed["ttp_s_by_seed"] == [10.0, None]
+    assert switch_points(a["cona"]) == [(1.0, "batch"), (2.0, "layout")]
