@@ -15,8 +15,8 @@ Rules fixed before any method runs (per family; none looks at a method's result)
 2. **Warm start.** The proxy trains once through its preset's recipe (its batch,
    LR and full warmup, ``train.warmup_iters`` steps) and is cached on disk
    (:mod:`cona.warm`); every method of every seed starts from its seed's warm state.
-3. **Target.** Half the corpus's unigram perplexity (:mod:`cona.targets`), with the
-   family's tokenizer, computed from the corpus alone.
+3. **Target.** The lower of half the corpus's unigram perplexity (the family's
+   tokenizer) and half the warm state's perplexity (:func:`cona.targets.target_ppl`).
 4. **Time scale.** The reference (the preset batch at its LR, first seed, from the
    warm state to the target) measures the noise scale directly at the warm state
    and at the target; Kaplan et al. 2020's ``B_crit(L)`` and ``L(N, S)`` turn the
@@ -268,7 +268,9 @@ def family_setup(target: str, spec: dict, settings: dict, cache_dir: str | None)
     cfg = family_config(target, spec, settings, cache_dir)
     ctx, _ = seed_context(cfg, cfg.train.warmup_iters)  # rule 2: the preset's full warmup
     unigram = corpus_unigram_perplexity(ctx.data.corpus, cfg.model.vocab_size)
-    cfg.train.target_ppl = ctx.cfg.train.target_ppl = None if quick else target_ppl(unigram)
+    warm_ppl = ctx.warm["extra"]["val_ppl"]
+    cfg.train.target_ppl = ctx.cfg.train.target_ppl = None if quick else target_ppl(unigram,
+                                                                                    warm_ppl)
     ref = reference(ctx, quick)
     if not ref["reached"]:
         raise SystemExit(f"{target}: the reference did not reach the target perplexity "
@@ -305,16 +307,26 @@ def bench_model(target: str, spec: dict, settings: dict, cache_dir: str | None,
         warm.append({"cached": cached_i, **ctx_i.warm["extra"]})
         per_seed.append(seed_methods(ctx_i, settings, boundaries, recipe_batch(target)))
     methods = aggregate(per_seed)
+    from cona.baselines import recipe_strategy
+
+    pick = recipe_strategy(ctx.candidates, ctx.cluster.iter_s, recipe_batch(target))
+    layout_s = [ctx.cluster.switch_s(pick, c) for c in ctx.candidates
+                if (c.dp, c.tp, c.pp) != (pick.dp, pick.tp, pick.pp)]
+    recipe_ttp = methods["static_recipe"]["ttp_s"]
     growth = ref["noise_scale_target_proxy"] / ref["noise_scale_warm_proxy"]
     result = {
         "proxy": spec["proxy"],
         "unigram_ppl": unigram,
         "target_ppl": cfg.train.target_ppl,
         "target_rule": "quick: the reference's perplexity after a short segment" if quick
-        else "0.5 x unigram_ppl (cona/targets.py)",
+        else "0.5 x min(unigram_ppl, warm_ppl) (cona/targets.py)",
         "noise_scale_growth_direct": growth,
         "target_tokens_per_run": ts["target_tokens_per_run"],
         "time_scale": ts,
+        # what a layout switch costs against a run (the issue's bar: a few percent at most)
+        "layout_switch_s_median": statistics.median(layout_s) if layout_s else None,
+        "layout_switch_share_of_recipe_ttp": statistics.median(layout_s) / recipe_ttp
+        if layout_s and recipe_ttp else None,
         "recipe": {"batch": recipe_batch(target), "source": PUBLISHED_BATCH[target][1]},
         "reference": {**ref, "warm_steps": warm_steps, "warm": warm},
         "oracle": oracle_finding(per_seed),

@@ -28,6 +28,7 @@ def test_unigram_perplexity_of_a_hand_computed_corpus(tmp_path):
     want = (0.4 * 0.2 * 0.1) ** (-1 / 3)
     assert unigram_perplexity(train, val) == pytest.approx(want, rel=1e-12)
     assert target_ppl(want) == pytest.approx(want / 2)
+    assert target_ppl(800.0, 348.0) == 174.0 and target_ppl(800.0, 1500.0) == 400.0
     with pytest.raises(ValueError, match="validation tokens"):
         unigram_perplexity(train, np.zeros(5))
 
