@@ -87,11 +87,13 @@ MODELS = {  # the longest first, so that --jobs 2 ends soonest
     "gpt3_1.3b": {"proxy": "tiny_gpt", "seq": 64, "iters": 3000, "eval_interval": 20},
 }
 RECIPE_BUDGET_SCALE = 4  # static_recipe has no cap: it may train this x the budget
-FULL = {"windows": 6, "batches": BATCHES, "seeds": SEEDS, "lr_factors": (0.5, 1.0, 2.0)}
-# CI-sized: one family, one seed, a short warmup and a shallow target (the reference's
-# perplexity after ``quick_segment`` steps: rule 3 needs thousands of steps)
-QUICK = {"windows": 2, "batches": BATCHES[:3], "seeds": 1, "lr_factors": (1.0,),
-         "warm_steps": 20, "quick_segment": 60,
+FULL = {"windows": 6, "batches": BATCHES, "seeds": SEEDS, "lr_factors": (0.5, 1.0, 2.0),
+        "val_sequences": VAL_SEQUENCES}
+# CI-sized: one family, one seed, three batches (with the recipe's 512), 32 validation
+# sequences, a short warmup and a shallow target (the reference's perplexity after
+# ``quick_segment`` steps: rule 3 needs thousands)
+QUICK = {"windows": 2, "batches": [64, 128, 512], "seeds": 1, "lr_factors": (1.0,),
+         "val_sequences": 32, "warm_steps": 20, "quick_segment": 60,
          "models": {"gpt3_1.3b": {"proxy": "tiny_gpt", "seq": 64, "iters": 200,
                                   "eval_interval": 8}}}
 COMMON = [
@@ -106,8 +108,8 @@ COMMON = [
 def family_config(target: str, spec: dict, settings: dict, cache_dir: str | None,
                   seed_index: int = 0):
     """The proxy's config for ``target`` (rules 1, 5): batch ratio, grid, cluster, budget,
-    evaluation every ``eval_interval`` steps on :data:`VAL_SEQUENCES` sequences, the
-    preset's seed + ``seed_index``."""
+    evaluation every ``eval_interval`` steps on ``settings["val_sequences"]`` sequences
+    (:data:`VAL_SEQUENCES` in full runs), the preset's seed + ``seed_index``."""
     from cona.mapping import BATCH_RATIO
     from jobruntime.config import load_config
 
@@ -118,7 +120,7 @@ def family_config(target: str, spec: dict, settings: dict, cache_dir: str | None
     if cache_dir:
         overrides.append(f"data.cache_dir={cache_dir}")
     cfg = load_config(spec["proxy"], overrides)
-    cfg.train.eval_iters = -(-VAL_SEQUENCES // cfg.parallel.global_batch_size)
+    cfg.train.eval_iters = -(-settings["val_sequences"] // cfg.parallel.global_batch_size)
     cfg.train.seed += seed_index
     cfg.cona.global_batch_sizes = list(settings["batches"])
     if "warm_steps" in settings:

@@ -565,7 +565,7 @@ class ConaConfig:
     """Emulated mode: preset that gives FLOPs and memory; ``None`` = this model."""
     batch_ratio: float = 1.0
     """Emulated mode: target sequences one proxy sequence stands for (``cona/mapping.py``;
-    ``bench/cona_ttp.py`` calibrates it).  ``cona.global_batch_sizes`` are target sequences."""
+    ``bench/cona_ttp.py`` fixes it at 8).  ``cona.global_batch_sizes`` are target sequences."""
     step_dilation: float = 1.0
     """Emulated mode: target optimizer steps one proxy step stands for; each proxy step
     charges this many target step times (switch costs unchanged).  ``bench/cona_ttp.py``
