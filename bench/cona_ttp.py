@@ -351,8 +351,9 @@ def bench_model(target: str, spec: dict, settings: dict, cache_dir: str | None,
 
 
 def oracle_finding(per_seed: list[dict]) -> dict:
-    """How often the oracle's best strategy changes and by how much its chain beats the
-    best static at LR 1 (the search's own statics), per seed."""
+    """How often the oracle's best strategy changes (its chain's switches) and its TTP
+    over ``static_oracle``'s (the LR-swept hindsight best static; < 1: the chain is
+    faster), per seed."""
     rows = []
     for s in per_seed:
         oc, so = s["oracle_chain"], s["static_oracle"]

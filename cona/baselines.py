@@ -141,6 +141,8 @@ class ProxyBranch:
     def __init__(self, ctx: ConaContext, job: EmulatedJob, loop: Loop):
         self.ctx, self.job, self.loop = ctx, job, loop
         self.per_batch = fastest_per_batch(ctx.candidates, ctx.cluster.iter_s)
+        # the search counts steps from its root; a job from a warm state starts past 0
+        self.step0 = job.trainer.step
 
     def snapshot(self):
         return self.job.snapshot(), copy.deepcopy(self.loop.progress)
@@ -163,9 +165,14 @@ class ProxyBranch:
             ttp = loop.progress.ttp
             if ttp.reached or stop(steps):
                 return WindowRun(steps, steps if ttp.reached else None, stopped=not ttp.reached,
-                                 evals=copy.deepcopy(evals[first_eval:]), eval_steps=tuple(at),
+                                 evals=self._from_root(evals[first_eval:]), eval_steps=tuple(at),
                                  crossing=ttp.crossing if ttp.reached else 1.0)
-        return WindowRun(steps, evals=copy.deepcopy(evals[first_eval:]), eval_steps=tuple(at))
+        return WindowRun(steps, evals=self._from_root(evals[first_eval:]), eval_steps=tuple(at))
+
+    def _from_root(self, evals: list[dict]) -> list[dict]:
+        """Copies of ``evals`` with ``step`` counted from the search's root (the oracle
+        times an evaluation by its step within the chain)."""
+        return [dict(copy.deepcopy(e), step=e["step"] - self.step0) for e in evals]
 
 
 class ClusterTime:

@@ -246,3 +246,31 @@ def test_seeds_aggregate_to_a_mean_with_misses_as_null_and_layout_switches_count
     missed = aggregate([a, miss])["cona"]
     assert missed["ttp_s"] is None and missed["ttp_s_by_seed"] == [10.0, None]
     assert switch_points(a["cona"]) == [(1.0, "batch"), (2.0, "layout")]
+
+
+def test_oracle_windows_count_steps_from_the_search_root_after_a_warm_start():
+    """Catches evaluation steps passed to the oracle as the trainer's absolute step: from a
+    warm state at step 200 the oracle timed every evaluation 200 steps late (its chain's
+    curve started 200 x iter_s after its own clock's zero).  A window of 4 steps evaluated
+    at steps 2 and 4 from a job at trainer step 200 must report steps 2 and 4."""
+    from types import SimpleNamespace
+
+    from cona.baselines import ProxyBranch
+    from cona.strategy import Strategy
+
+    s = Strategy(8, 8, 1, 8, 64)
+    job = SimpleNamespace(trainer=SimpleNamespace(step=200), consumed_samples=1600,
+                          set_strategy=lambda strategy: None)
+    ttp = SimpleNamespace(reached=False, crossing=None)
+    progress = SimpleNamespace(evals=[], ttp=ttp)
+
+    def step():
+        job.trainer.step += 1
+        job.consumed_samples += 8
+        if job.trainer.step % 2 == 0:
+            progress.evals = [*progress.evals, {"step": job.trainer.step, "val_ppl": 9.0}]
+
+    loop = SimpleNamespace(done=False, progress=progress, step=step)
+    ctx = SimpleNamespace(candidates=[s], cluster=SimpleNamespace(iter_s=lambda c: 1.0))
+    run = ProxyBranch(ctx, job, loop).run_window(64, 1600 + 4 * 8, stop=lambda steps: False)
+    assert run.steps == 4 and [e["step"] for e in run.evals] == [2, 4]
