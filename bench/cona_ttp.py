@@ -129,13 +129,17 @@ def family_config(target: str, spec: dict, settings: dict, cache_dir: str | None
 
 
 def seed_context(cfg, warm_steps: int, data=None):
-    """``(ctx, warm)``: the context of ``cfg`` (its seed's data, the budget's 4x for
-    static_recipe) started from its cached warm state (rule 2)."""
+    """``(ctx, cached)``: the context of ``cfg`` (its seed's data, the budget's 4x for
+    static_recipe, evaluations charged: rule 5) started from its cached warm state
+    (rule 2); ``cached``: the warm state was read from disk."""
     from cona.context import build_context
+    from cona.emulated import eval_steps_per_step
     from cona.warm import load_or_train_warm
 
     budget = cfg.train.iters * cfg.parallel.global_batch_size
     ctx = build_context(cfg, data=data, min_train_samples=RECIPE_BUDGET_SCALE * budget)
+    # rule 5: evaluations charged to every method, the oracle's clock included
+    ctx.cluster.eval_steps = eval_steps_per_step(ctx.data.val_samples, ctx.eval_samples)
 
     def measure(job):
         from jobruntime.metrics import perplexity

@@ -32,7 +32,7 @@ from jobruntime.parallel import init_distributed
 from .candidates import build_candidates
 from .controller import Controller, start_strategy
 from .cost_model import CostModel
-from .emulated import EmulatedCluster, eval_steps_per_step
+from .emulated import EmulatedCluster
 from .job import (
     Datasets,
     EmulatedJob,
@@ -154,7 +154,7 @@ def _emulated(cfg: JobConfig, world: int):
     c = cfg.cona
     target = load_config(c.target_model).model if c.target_model else cfg.model
     mapping = ProxyMapping(c.batch_ratio, cfg.model.seq_length, target.seq_length)
-    cluster = EmulatedCluster(target, c.gpu, c.num_gpus or world, c.step_dilation)  # + eval share below
+    cluster = EmulatedCluster(target, c.gpu, c.num_gpus or world, c.step_dilation)
     cands = build_candidates(
         cfg, target, cluster.num_gpus, mapping=mapping, memory_limit_bytes=cluster.memory_limit_bytes
     )
@@ -214,8 +214,6 @@ def build_context(
             cfg, train_samples=train, val_samples=val_set_size(cfg, val_units, ref)
         )
     eval_samples = max(cfg.train.eval_interval, 1) * ref
-    if cluster is not None:  # evaluations charged to every method (cona/emulated.py)
-        cluster.eval_steps = eval_steps_per_step(data.val_samples, eval_samples)
     return ConaContext(
         cfg=cfg,
         target=target,

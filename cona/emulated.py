@@ -12,7 +12,8 @@ few thousand steps the loss range the target covers in many more, so each proxy
 step is charged ``step_dilation`` target step times.  Switch costs are real
 seconds of the target's cluster and are not dilated.
 
-Evaluations are charged to every method, amortised per step: validating ``V``
+Evaluations (``eval_steps``; 0 by default, ``bench/cona_ttp.py`` sets it so that
+they are charged to every method it compares) are amortised per step: validating ``V``
 proxy sequences every ``E`` proxy samples costs the forward pass of ``r * V``
 target sequences (a third of a training step's FLOPs per token: ``2N`` of
 ``6N``, Kaplan et al. 2020, Sec. 2.1) every ``E / B_p`` proxy steps, i.e.
