@@ -90,13 +90,15 @@ def static_run(ctx, strategy, measure_every: int | None = None):
 
 def efficiency_family(target: str, spec: dict, batches: list[int], every: int,
                       cache_dir: str | None, threads: int) -> dict:
-    ttp.worker_setup(spec["proxy"], threads)
+    ttp.worker_setup(spec["proxy"])
     from cona.baselines import fastest_per_batch
     from cona.context import build_context
 
     t0 = time.perf_counter()
-    cfg, ref, data, setup = ttp.family_config(target, spec, batches, cache_dir)
-    ctx = build_context(cfg, data=data)
+    settings = dict(ttp.FULL, batches=batches, gpu="A100-80GB", num_gpus=64)
+    cfg, ctx0, ref, setup, _ = ttp.family_setup(target, spec, settings, cache_dir)
+    ctx = build_context(cfg, data=ctx0.data)
+    ctx.warm = ctx0.warm
     per = fastest_per_batch(ctx.candidates, ctx.cluster.iter_s)
     m0, r = ctx.reference_batch, ctx.mapping.ratio
     if m0 not in per:

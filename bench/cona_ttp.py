@@ -1,220 +1,397 @@
-"""CONA benchmark: time to target perplexity on an emulated 64x A100 cluster.
+"""CONA benchmark: time to target perplexity on an emulated GPU cluster, deep in training.
 
 For each timing target (GPT-3 1.3B, BERT-Large, Llama-3.2-1B) its tiny twin
-(tiny_gpt, tiny_bert, tiny_llama) really trains on the bundled corpus in one
-process, at sequence 64 (128 for tiny_bert); the clock comes from the cost
-model of the target at its own shape (sequence 2048, BERT 512) on 64 A100s
-(8 nodes of 8; ``cona.clock=emulated``, ``cona/emulated.py``), at target global
-batches of 64 to 1024 sequences.  Methods (``cona/baselines.py``), all from the
-same initial weights, data order, LR rule (sqrt of the global batch) and
-sample-based schedule; every method's TTP (the oracle's too) is interpolated
-(log-perplexity) at the crossing of the target between the evaluations either
-side (``jobruntime.metrics.TTPTracker``):
+(tiny_gpt, tiny_llama at sequence 64, tiny_bert at 128) really trains on the
+bundled corpus in one process (one torch thread: results do not depend on the
+machine's core count); the clock comes from the cost model of the target at its
+own shape on ``--num-gpus`` x ``--gpu`` (default 64 A100s; ``cona/emulated.py``),
+at target global batches of 64 to 1024 sequences.
 
+Rules fixed before any method runs (per family; none looks at a method's result):
+
+1. **Batches.** One proxy sequence stands for ``r = 8`` target sequences, every
+   family (:data:`cona.mapping.BATCH_RATIO`, a constant: no measured quantity is
+   rounded on the way to the table).
+2. **Warm start.** The proxy trains once through its preset's recipe (its batch,
+   LR and full warmup, ``train.warmup_iters`` steps) and is cached on disk
+   (:mod:`cona.warm`); every method of every seed starts from its seed's warm state.
+3. **Target.** The lower of half the corpus's unigram perplexity (the family's
+   tokenizer) and half the warm state's perplexity (:func:`cona.targets.target_ppl`).
+4. **Time scale.** The reference (the preset batch at its LR, first seed, from the
+   warm state to the target) measures the noise scale directly at the warm state
+   and at the target; Kaplan et al. 2020's ``B_crit(L)`` and ``L(N, S)`` turn the
+   range ``r x [phi_0, phi_1]`` into the span of the target's training one run
+   stands for (``target_tokens_per_run``) and so the step dilation ``k``
+   (``cona.step_dilation``): one proxy step is charged ``k`` target steps
+   (:func:`cona.targets.time_scale`).  Switch costs stay real seconds.
+5. **Charged work.** Evaluations (``VAL_SEQUENCES`` validation sequences) are
+   charged to every method (``cona/emulated.py``); a direct noise-scale probe to the
+   method that runs it (``cona/job.py``).
+6. **Oracle grid.** Window ends at 1/D, ..., (D-1)/D of the reference's segment.
+
+Methods (``cona/baselines.py``), 3 seeds each (data order and initialisation; the
+warm state is per seed), TTP interpolated at the crossing of the target:
+
+- ``static_recipe``: the target's published batch (GPT-3 1.3B 512 x 2048, BERT-Large
+  256 x 512, Llama-3.2-1B 1024 x 2048 from TinyLlama's recipe) at the layout with
+  the lowest modelled per-iteration time, run to the target without a cap;
 - ``static_throughput``: the candidate with the highest modelled tokens/s;
-- ``static_oracle``: the best TTP over all static candidates;
-- ``cona``: the online controller (starts at the reference batch, which rule 1
-  puts at the grid's smallest, in the layout chosen one switch ahead,
-  ``cona.controller.start_strategy``; decides every K steps);
-- ``oracle_chain``: exact branch-and-bound search over chains on a window grid
-  (``cona/oracle.py``); asserted ``<= static_oracle``.
-
-Full runs add rows outside the table's comparison: the same controller on other
-noise-scale estimates (:data:`GNS_ABLATION`: ``cona_scale_free_gns`` with
-``cona.gns_average=scale_free``, ``cona_preconditioned_gns`` with
-``cona.gns_preconditioned=true`` as well, Pollux's estimate for Adam) and, where
-``static_throughput`` misses the target, ``static_throughput_long`` (its TTP given
-4x the budget, own data order; :func:`throughput_long`).
-
-Rules fixed before any method runs (per family):
-
-1. **Reference and target.** The reference is the proxy at its preset global
-   batch ``B_ref`` (where its LR is tuned) with the run's schedule; the target
-   perplexity is its validation perplexity after ``TARGET_FRACTION`` of the
-   budget (``train.iters * B_ref`` samples).  Runs stop at the target or at
-   the budget.  If ``B_ref`` stands for fewer target sequences than the
-   grid's smallest batch (rule 2), the reference is run again at that batch
-   (LR by the run's rule, same sample budget; ``rebase``), so the target is one
-   the grid can reach (tiny_llama and tiny_bert: 8 and 16 proxy sequences
-   stand for 32 target sequences, below 64).
-2. **Proxy -> target batches.** ``cona.batch_ratio`` by
-   :func:`cona.mapping.calibrate_ratio` from the reference's noise scale at
-   that point (the one rule, in ``cona/mapping.py``, with its sources); it is
-   fixed from the preset-batch reference, also when rule 1 moves the reference
-   (``mapping.ratio_from_noise_scale_proxy`` in the output).
-3. **Oracle grid.** Window ends at 1/D, ..., (D-1)/D of the reference's samples
-   to target.
+- ``static_oracle``: every grid batch at its fastest layout and at 0.5, 1 or 2 x the
+  scaling rule's LR, hindsight best (per seed);
+- ``oracle_chain``: the oracle search over chains (``cona/oracle.py``); asserted
+  ``<= static_oracle`` at LR factor 1 (the search's own statics);
+- ``cona``: the online controller.
 
 Usage::
 
     python bench/cona_ttp.py --quick              # tiny_gpt / GPT-3 1.3B, CI-sized
-    python bench/cona_ttp.py --out runs/cona_ttp  # all three families (long)
-    python bench/cona_ttp.py --models bert_large --jobs 1
-    python bench/cona_ttp.py --models llama3.2_1b --budget-scale 2   # a deeper target
+    python bench/cona_ttp.py --out runs/cona_ttp  # all three families
+    python bench/cona_ttp.py --families bert_large --gpu H100-80GB --num-gpus 32
 
-Prints one JSON object: ``{"clock": "emulated", "models": {NAME: {"target_ppl",
-"ratios", "gns_growth", "methods": {METHOD: {"ttp_s", "chain", "switch_times_s",
-"evals", ...}}}}}``; with ``--out`` also a plot per family (perplexity against
-emulated time, switches marked, noise scale beneath; ``bench/cona_plot.py``).
+Prints one JSON object: ``{"clock": "emulated", "date", "commit", "machine",
+"command", "models": {NAME: {"unigram_ppl", "target_ppl", "noise_scale_growth_direct",
+"target_tokens_per_run", "time_scale", "oracle", "methods": {METHOD: {"ttp_s",
+"ttp_s_by_seed", "switches", "layout_switches", "chain", "evals", ...}}}}}``
+(``ttp_s``: mean over seeds, ``None`` if a seed missed); with ``--out`` also a plot
+per family (``bench/cona_plot.py``).
 """
 
 from __future__ import annotations
 
-import argparse
-import concurrent.futures as cf
-import copy
-import json
-import logging
-import multiprocessing as mp
 import os
-import sys
-import time
-from pathlib import Path
+
+for _v in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):  # rule: one thread, before torch loads
+    os.environ[_v] = "1"
+
+import argparse  # noqa: E402
+import concurrent.futures as cf  # noqa: E402
+import copy  # noqa: E402
+import json  # noqa: E402
+import logging  # noqa: E402
+import multiprocessing as mp  # noqa: E402
+import statistics  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-TARGET_FRACTION = 0.5
 BATCHES = [64, 128, 256, 512, 1024]  # target sequences
-# target preset -> proxy preset and run length (budget = iters * the preset's batch)
+SEEDS = 3
+VAL_SEQUENCES = 256
+# target -> proxy preset, sequence, budget (train.iters at the preset's batch, warmup
+# included: the reference must reach the target within it) and evaluation interval
 MODELS = {  # the longest first, so that --jobs 2 ends soonest
-    "bert_large": {"proxy": "tiny_bert", "iters": 188, "seq": 128},
-    "llama3.2_1b": {"proxy": "tiny_llama", "iters": 375, "seq": 64},
-    "gpt3_1.3b": {"proxy": "tiny_gpt", "iters": 375, "seq": 64},
+    "bert_large": {"proxy": "tiny_bert", "seq": 128, "iters": 3000, "eval_interval": 20},
+    "llama3.2_1b": {"proxy": "tiny_llama", "seq": 64, "iters": 3000, "eval_interval": 20},
+    "gpt3_1.3b": {"proxy": "tiny_gpt", "seq": 64, "iters": 3000, "eval_interval": 20},
 }
-# full runs: (method name, cona config overrides) of the noise-scale ablation rows.  The
-# preconditioned estimate runs scale-free: |P G|^2 falls by orders of magnitude once Adam's
-# v_hat averages over steps, so with the plain EMA the first steps pinned it (measured: it
-# moved 1.0-1.1x over a run where the direct measurement grew 4-19x).
-GNS_ABLATION = [("cona_scale_free_gns", {"gns_average": "scale_free"}),
-                ("cona_preconditioned_gns", {"gns_average": "scale_free",
-                                             "gns_preconditioned": True})]
-FULL = {"windows": 3, "batches": BATCHES, "throughput_budget_scale": 4, "gns_ablation": True}
-QUICK = {"windows": 2, "batches": BATCHES[:3], "models": {
-    "gpt3_1.3b": {"proxy": "tiny_gpt", "iters": 150, "seq": 64}}}
+RECIPE_BUDGET_SCALE = 4  # static_recipe has no cap: it may train this x the budget
+# the oracle's moves at a window boundary: up to two grid steps, either way (cona/oracle.py)
+MOVES = (-2, -1, 1, 2)
+FULL = {"windows": 6, "batches": BATCHES, "seeds": SEEDS, "lr_factors": (0.5, 1.0, 2.0),
+        "val_sequences": VAL_SEQUENCES, "moves": MOVES}
+# CI-sized: one family, one seed, three batches (with the recipe's 512), 32 validation
+# sequences, a short warmup and a shallow target (the reference's perplexity after
+# ``quick_segment`` steps: rule 3 needs thousands)
+QUICK = {"windows": 2, "batches": [64, 128, 512], "seeds": 1, "lr_factors": (1.0,), "moves": MOVES,
+         "val_sequences": 32, "warm_steps": 20, "quick_segment": 60,
+         "models": {"gpt3_1.3b": {"proxy": "tiny_gpt", "seq": 64, "iters": 200,
+                                  "eval_interval": 8}}}
 COMMON = [
     "cona.enabled=true",
     "cona.clock=emulated",
-    "cona.gpu=A100-80GB",
-    "cona.num_gpus=64",
     "cona.decision_interval=10",
-    "train.eval_interval=8",
-    "train.eval_iters=4",
     "train.stop_at_target=true",
-    "train.warmup_iters=20",  # what the targets were measured with (the preset's, before 100)
     "logging.wandb=disabled",
 ]
 
 
-def reference(cfg):
-    """Rules 1 and 2: the reference run's target perplexity and its noise scale, measured
-    directly (``Job.measure_noise_scale``, 64 micro-batches, no effect on the run) at
-    the first decision point and at the target point."""
-    from cona.context import build_context
-    from cona.run import Loop
-
-    ref_cfg = copy.deepcopy(cfg)
-    ref_cfg.cona.global_batch_sizes = [cfg.parallel.global_batch_size]
-    ref_cfg.cona.batch_ratio = 1.0
-    ref_cfg.train.target_ppl = None
-    big = max(BATCHES)  # the later context's largest proxy batch is at most this
-    ctx = build_context(ref_cfg, min_train_samples=ctx_budget(cfg) + big)
-    job = ctx.make_job()
-    samples = int(TARGET_FRACTION * ctx.budget_samples)
-    loop = Loop(job, ref_cfg, budget_samples=samples, eval_samples=ctx.eval_samples,
-                keep_records=False)
-    loop.run(until=lambda: job.trainer.step >= cfg.cona.decision_interval)
-    first = job.measure_noise_scale()
-    loop.run()
-    phi = job.measure_noise_scale()
-    return {
-        "target_ppl": round(loop.progress.last_val_ppl, 2),
-        "noise_scale_proxy": phi,
-        "noise_scale_first_decision_proxy": first,
-        "samples": job.consumed_samples,
-    }, ctx.data
-
-
-def rebase(cfg, proxy_batch: int):
-    """Rule 1's reference moved to global batch ``proxy_batch`` (the grid's smallest): the
-    learning rates follow the run's rule (``cona.lr_scaling``) from the preset's batch;
-    ``train.iters``, ``warmup_iters`` and ``lr_decay_iters`` (steps of the reference batch)
-    are rescaled so that the budget, warmup and decay keep their length in samples; the
-    micro-batch is the largest divisor of ``proxy_batch`` not above the preset's."""
-    from cona.controller import scale_lr
-
-    cfg = copy.deepcopy(cfg)
-    p, t = cfg.parallel, cfg.train
-    old = p.global_batch_size
-
-    def steps(n: int) -> int:  # n steps at the old batch, in steps at the new one
-        return max(round(n * old / proxy_batch), 1)
-
-    budget = ctx_budget(cfg)
-    t.lr = scale_lr(t.lr, proxy_batch, old, cfg.cona.lr_scaling)
-    t.min_lr = scale_lr(t.min_lr, proxy_batch, old, cfg.cona.lr_scaling)
-    t.warmup_iters = steps(t.warmup_iters) if t.warmup_iters else 0
-    if t.lr_decay_iters:
-        t.lr_decay_iters = steps(t.lr_decay_iters)
-    p.micro_batch_size = max(m for m in range(1, min(p.micro_batch_size, proxy_batch) + 1)
-                             if proxy_batch % m == 0)
-    p.global_batch_size = proxy_batch
-    t.iters = -(-budget // proxy_batch)
-    return cfg
-
-
-def ctx_budget(cfg) -> int:
-    return max(cfg.train.iters, 1) * cfg.parallel.global_batch_size
-
-
-def family_config(target: str, spec: dict, batches: list[int], cache_dir: str | None):
-    """Rules 1 and 2 for one family: the proxy's config with ``cona.batch_ratio``, the grid
-    and ``train.target_ppl`` set, the reference moved into the grid if needed.
-
-    Returns ``(cfg, ref, data, setup)``: the reference's measurements (:func:`reference`),
-    its dataset (shared by later runs) and the rule's record (ratio, its source, rebase).
-
-    Raises:
-        SystemExit: the calibrated ratio divides none of ``batches``.
-    """
-    from cona.mapping import PUBLISHED_BATCH, calibrate_ratio
+def family_config(target: str, spec: dict, settings: dict, cache_dir: str | None,
+                  seed_index: int = 0):
+    """The proxy's config for ``target`` (rules 1, 5): batch ratio, grid, cluster, budget,
+    evaluation every ``eval_interval`` steps on ``settings["val_sequences"]`` sequences
+    (:data:`VAL_SEQUENCES` in full runs), the preset's seed + ``seed_index``."""
+    from cona.mapping import BATCH_RATIO
     from jobruntime.config import load_config
 
-    log = logging.getLogger("cona")
     overrides = [*COMMON, f"cona.target_model={target}", f"train.iters={spec['iters']}",
-                 f"model.seq_length={spec['seq']}"]
+                 f"model.seq_length={spec['seq']}", f"cona.batch_ratio={BATCH_RATIO}",
+                 f"cona.gpu={settings['gpu']}", f"cona.num_gpus={settings['num_gpus']}",
+                 f"train.eval_interval={spec['eval_interval']}"]
     if cache_dir:
         overrides.append(f"data.cache_dir={cache_dir}")
     cfg = load_config(spec["proxy"], overrides)
-    ref, data = reference(cfg)
-    ratio = calibrate_ratio(ref["noise_scale_proxy"], target)
-    log.info("reference: target ppl %.1f after %d samples, noise scale %.1f proxy seq. -> "
-             "batch ratio %d", ref["target_ppl"], ref["samples"], ref["noise_scale_proxy"], ratio)
-    cfg.cona.batch_ratio = float(ratio)
-    cfg.cona.global_batch_sizes = [b for b in batches if b % ratio == 0]
-    if not cfg.cona.global_batch_sizes:
-        raise SystemExit(f"{target}: batch ratio {ratio} divides none of the grid's batches "
-                         f"{batches}; add multiples of {ratio} to BATCHES")
-    setup = {"ratio": ratio, "ratio_from_noise_scale_proxy": ref["noise_scale_proxy"],
-             "published_batch": PUBLISHED_BATCH[target][0], "source": PUBLISHED_BATCH[target][1],
-             "reference_rebased": None}
-    smallest = min(cfg.cona.global_batch_sizes)
-    if ratio * cfg.parallel.global_batch_size < smallest:  # rule 1: reference inside the grid
-        setup["reference_rebased"] = {"from_proxy_batch": cfg.parallel.global_batch_size,
-                                      "first_target_ppl": ref["target_ppl"]}
-        cfg = rebase(cfg, -(-smallest // ratio))
-        ref, data = reference(cfg)
-        log.info("reference rebased to proxy batch %d (target batch %d): target ppl %.1f after "
-                 "%d samples", cfg.parallel.global_batch_size, smallest, ref["target_ppl"],
-                 ref["samples"])
-    cfg.train.target_ppl = ref["target_ppl"]
-    return cfg, ref, data, setup
+    cfg.train.eval_iters = -(-settings["val_sequences"] // cfg.parallel.global_batch_size)
+    cfg.train.seed += seed_index
+    cfg.cona.global_batch_sizes = list(settings["batches"])
+    if "warm_steps" in settings:
+        cfg.train.warmup_iters = settings["warm_steps"]
+    return cfg
 
 
-def worker_setup(proxy: str, threads: int) -> None:
-    """A family's process: ``threads`` torch threads, log lines tagged with ``proxy``."""
+def seed_context(cfg, warm_steps: int, data=None):
+    """``(ctx, cached)``: the context of ``cfg`` (its seed's data, the budget's 4x for
+    static_recipe, evaluations charged: rule 5) started from its cached warm state
+    (rule 2); ``cached``: the warm state was read from disk."""
+    from cona.context import build_context
+    from cona.emulated import eval_steps_per_step
+    from cona.warm import load_or_train_warm
+
+    budget = cfg.train.iters * cfg.parallel.global_batch_size
+    ctx = build_context(cfg, data=data, min_train_samples=RECIPE_BUDGET_SCALE * budget)
+    # rule 5: evaluations charged to every method, the oracle's clock included
+    ctx.cluster.eval_steps = eval_steps_per_step(ctx.data.val_samples, ctx.eval_samples)
+
+    def measure(job):
+        from jobruntime.metrics import perplexity
+
+        return {"val_ppl": perplexity(job.evaluate()), "noise_scale_proxy":
+                job.measure_noise_scale()}
+
+    warm, cached = load_or_train_warm(ctx, warm_steps, measure)
+    ctx.warm = warm
+    return ctx, cached
+
+
+def reference(ctx, quick_segment: int | None = None) -> dict:
+    """Rule 4's reference: the preset batch (fastest layout, LR 1x) from the warm state to
+    the target (``quick_segment``: for ``quick_segment`` steps, its perplexity there is
+    the target); the noise scale measured directly at the warm state and at the end."""
+    from cona.run import Loop
+
+    job = ctx.make_job(ctx.reference_strategy())
+    loop = Loop(job, ctx.cfg, budget_samples=ctx.budget_samples,
+                eval_samples=ctx.eval_samples, keep_records=False)
+    if quick_segment is None:
+        loop.run()
+    else:
+        loop.run(until=lambda: job.trainer.step >= ctx.warm["steps"] + quick_segment)
+        loop.evaluate()
+    return {"reached": loop.progress.ttp.reached or quick_segment is not None,
+            "val_ppl": loop.progress.last_val_ppl, "samples": job.consumed_samples,
+            "segment_samples": job.consumed_samples - ctx.warm["consumed_samples"],
+            "noise_scale_warm_proxy": ctx.warm["extra"]["noise_scale_proxy"],
+            "noise_scale_target_proxy": job.measure_noise_scale()}
+
+
+def static_loop(ctx, strategy):
+    """``(job, loop)``: a job at ``strategy`` from ``ctx``'s start (its warm state where
+    set) and its loop over ``ctx``'s budget (to the target or the budget's end)."""
+    from cona.run import Loop
+
+    job = ctx.make_job(strategy)
+    return job, Loop(job, ctx.cfg, budget_samples=ctx.budget_samples,
+                     eval_samples=ctx.eval_samples, keep_records=False)
+
+
+def time_scale_for(ctx, ref: dict) -> dict:
+    """Rule 4 (:func:`cona.targets.time_scale`); on a noise scale that did not grow (a
+    too-short quick run) the dilation is 1 and the error is recorded."""
+    from cona.targets import non_embedding_params, time_scale
+
+    try:
+        return time_scale(ref["noise_scale_warm_proxy"], ref["noise_scale_target_proxy"],
+                          ratio=ctx.mapping.ratio, target_seq=ctx.target.seq_length,
+                          params=non_embedding_params(ctx.target),
+                          segment_proxy_samples=ref["segment_samples"])
+    except ValueError as e:
+        return {"step_dilation": 1.0, "target_tokens_per_run": None, "error": str(e)}
+
+
+def seed_methods(ctx, settings: dict, boundaries: list[int], recipe_batch: int) -> dict:
+    """Every method on one seed's context (module docstring)."""
+    from cona.baselines import (
+        fastest_per_batch,
+        recipe_strategy,
+        run_cona,
+        run_search,
+        run_static,
+    )
+
+    log = logging.getLogger("cona")
+    t0 = time.perf_counter()
+    search = run_search(ctx, boundaries, moves=settings["moves"])
+    methods = {k: search[k] for k in ("static_throughput", "oracle_chain", "oracle_greedy")}
+    methods["oracle_chain"]["search"] = search["search"]  # the oracle's findings and cost
+    fastest = fastest_per_batch(ctx.candidates, ctx.cluster.iter_s)
+    statics = {b: search["static_chains"][b] for b in fastest if b in search["static_chains"]}
+    best = min((m["ttp_s"] for m in statics.values() if m["ttp_s"] is not None), default=None)
+    so1 = min((m for m in statics.values() if m["ttp_s"] is not None),
+              key=lambda m: m["ttp_s"], default=None)
+    oc = methods["oracle_chain"]
+    if so1 is not None and oc["ttp_s"] is not None:
+        assert oc["ttp_s"] <= so1["ttp_s"] * (1 + 1e-12), "oracle_chain slower than static_oracle"
+    swept = [dict(m, lr_factor=1.0) for m in statics.values()]
+    for strategy in fastest.values():  # static_oracle's LR choice, cut at 2x the best
+        for f in settings["lr_factors"]:
+            if f != 1.0:
+                swept.append(run_static(ctx, strategy, f, bound_s=2 * best if best else None))
+    reached = [m for m in swept if m["ttp_s"] is not None]
+    methods["static_oracle"] = min(reached, key=lambda m: m["ttp_s"]) if reached else None
+    recipe = statics.get(recipe_batch)
+    if recipe is None or recipe["ttp_s"] is None:  # cut by the search's bound: run it out
+        strategy = recipe_strategy(ctx.candidates, ctx.cluster.iter_s, recipe_batch)
+        recipe = run_static(ctx, strategy, budget_samples=RECIPE_BUDGET_SCALE * ctx.budget_samples)
+    methods["static_recipe"] = recipe
+    t1 = time.perf_counter()
+    methods["cona"], _ = run_cona(ctx)
+    log.info("seed %d: statics and oracle %.0f s, cona %.0f s", ctx.cfg.train.seed, t1 - t0,
+             time.perf_counter() - t1)
+    return methods
+
+
+def aggregate(per_seed: list[dict]) -> dict:
+    """Per method: the first seed's record (chain, evals) with ``ttp_s`` the mean over
+    seeds (``None`` if one missed), ``ttp_s_by_seed``, ``switches`` and
+    ``layout_switches`` (first seed) and their values by seed."""
+    from cona.baselines import layout_switches
+
+    out = {}
+    for name in per_seed[0]:
+        runs = [s[name] or {"ttp_s": None, "chain": [], "switches": 0} for s in per_seed]
+        ttps = [r["ttp_s"] for r in runs]
+        lays = [layout_switches(r.get("chain") or []) for r in runs]
+        out[name] = {**runs[0], "ttp_s": statistics.fmean(ttps) if None not in ttps else None,
+                     "ttp_s_by_seed": ttps, "layout_switches": lays[0],
+                     "layout_switches_by_seed": lays,
+                     "switches_by_seed": [r.get("switches", 0) for r in runs],
+                     "ttp_s_sd": statistics.stdev(ttps) if None not in ttps and len(ttps) > 1
+                     else None}
+    return out
+
+
+def family_setup(target: str, spec: dict, settings: dict, cache_dir: str | None):
+    """Rules 1-5 for one family, on its first seed: ``(cfg, ctx, ref, ts, unigram)`` with
+    ``cfg.train.target_ppl`` and ``cfg.cona.step_dilation`` set, ``ctx`` the first
+    seed's warm context (its data reused), ``ref`` the reference's record and ``ts`` the
+    time scale (:func:`time_scale_for`).
+
+    Raises:
+        SystemExit: the reference does not reach the target within the budget.
+    """
+    from cona.targets import corpus_unigram_perplexity, target_ppl
+
+    log = logging.getLogger("cona")
+    quick = settings.get("quick_segment")
+    cfg = family_config(target, spec, settings, cache_dir)
+    ctx, _ = seed_context(cfg, cfg.train.warmup_iters)  # rule 2: the preset's full warmup
+    unigram = corpus_unigram_perplexity(ctx.data.corpus, cfg.model.vocab_size)
+    warm_ppl = ctx.warm["extra"]["val_ppl"]
+    cfg.train.target_ppl = ctx.cfg.train.target_ppl = None if quick else target_ppl(unigram,
+                                                                                    warm_ppl)
+    ref = reference(ctx, quick)
+    if not ref["reached"]:
+        raise SystemExit(f"{target}: the reference did not reach the target perplexity "
+                         f"{cfg.train.target_ppl:.1f} within train.iters={cfg.train.iters} "
+                         f"(reached {ref['val_ppl']:.1f}); raise iters in MODELS")
+    if quick:
+        cfg.train.target_ppl = ref["val_ppl"]
+    ts = time_scale_for(ctx, ref)
+    cfg.cona.step_dilation = ts["step_dilation"]
+    log.info("unigram ppl %.1f, target %.1f, noise scale %.1f -> %.1f proxy seq., step "
+             "dilation %.1f", unigram, cfg.train.target_ppl, ref["noise_scale_warm_proxy"],
+             ref["noise_scale_target_proxy"], ts["step_dilation"])
+    return cfg, ctx, ref, ts, unigram
+
+
+def bench_model(target: str, spec: dict, settings: dict, cache_dir: str | None,
+                out: str | None) -> dict:
+    worker_setup(spec["proxy"])
+    from cona.mapping import PUBLISHED_BATCH, recipe_batch
+
+    t0, c0 = time.perf_counter(), time.process_time()
+    quick = settings.get("quick_segment")
+    cfg, ctx, ref, ts, unigram = family_setup(target, spec, settings, cache_dir)
+    warm_steps = cfg.train.warmup_iters
+    t1 = time.perf_counter()
+    D = settings["windows"]
+    w0 = ctx.warm["consumed_samples"]
+    boundaries = [w0 + round(ref["segment_samples"] * k / D) for k in range(1, D)]
+    per_seed, warm = [], []
+    for i in range(settings["seeds"]):
+        cfg_i = copy.deepcopy(cfg)
+        cfg_i.train.seed = cfg.train.seed + i
+        ctx_i, cached_i = seed_context(cfg_i, warm_steps, data=ctx.data if i == 0 else None)
+        warm.append({"cached": cached_i, **ctx_i.warm["extra"]})
+        per_seed.append(seed_methods(ctx_i, settings, boundaries, recipe_batch(target)))
+    methods = aggregate(per_seed)
+    from cona.baselines import recipe_strategy
+
+    pick = recipe_strategy(ctx.candidates, ctx.cluster.iter_s, recipe_batch(target))
+    layout_s = [ctx.cluster.switch_s(pick, c) for c in ctx.candidates
+                if (c.dp, c.tp, c.pp) != (pick.dp, pick.tp, pick.pp)]
+    recipe_ttp = methods["static_recipe"]["ttp_s"]
+    growth = ref["noise_scale_target_proxy"] / ref["noise_scale_warm_proxy"]
+    result = {
+        "proxy": spec["proxy"],
+        "unigram_ppl": unigram,
+        "target_ppl": cfg.train.target_ppl,
+        "target_rule": "quick: the reference's perplexity after a short segment" if quick
+        else "0.5 x min(unigram_ppl, warm_ppl) (cona/targets.py)",
+        "noise_scale_growth_direct": growth,
+        "target_tokens_per_run": ts["target_tokens_per_run"],
+        "time_scale": ts,
+        # what a layout switch costs against a run (the issue's bar: a few percent at most)
+        "layout_switch_s_median": statistics.median(layout_s) if layout_s else None,
+        "layout_switch_share_of_recipe_ttp": statistics.median(layout_s) / recipe_ttp
+        if layout_s and recipe_ttp else None,
+        "recipe": {"batch": recipe_batch(target), "source": PUBLISHED_BATCH[target][1]},
+        "reference": {**ref, "warm_steps": warm_steps, "warm": warm},
+        "oracle": oracle_finding(per_seed),
+        "ratios": ratios(methods),
+        "mapping": {**ctx.mapping.to_dict(), "step_dilation": cfg.cona.step_dilation},
+        "candidates": len(ctx.candidates),
+        "methods": methods,
+        "wall_s": {"setup": t1 - t0, "methods": time.perf_counter() - t1},
+        "cpu_s": time.process_time() - c0,
+    }
+    if out is not None:
+        d = Path(out) / target
+        d.mkdir(parents=True, exist_ok=True)
+        from bench.cona_plot import plot_family
+        from jobruntime.metrics import write_json_atomic
+
+        write_json_atomic(d / "result.json", result)
+        plot_family(target, result, d / "ppl_vs_time.png")
+    return result
+
+
+def oracle_finding(per_seed: list[dict]) -> dict:
+    """How often the oracle's best strategy changes (its chain's switches) and its TTP
+    over ``static_oracle``'s (the LR-swept hindsight best static; < 1: the chain is
+    faster), per seed."""
+    rows = []
+    for s in per_seed:
+        oc, so = s["oracle_chain"], s["static_oracle"]
+        found = oc.get("search") or {}
+        rows.append({"switches": oc.get("switches"),
+                     "chain_over_static_oracle": oc["ttp_s"] / so["ttp_s"]
+                     if oc.get("ttp_s") and so and so.get("ttp_s") else None,
+                     **{k: found.get(k) for k in ("oracle_changes", "oracle_batch_changes",
+                                                  "chain_over_static", "greedy_over_oracle",
+                                                  "windows_trained", "brute_force_windows",
+                                                  "exact")}})
+    return {"by_seed": rows}
+
+
+def ratios(methods: dict) -> dict:
+    """Mean-TTP ratios against CONA (> 1: CONA faster)."""
+    c = methods["cona"]["ttp_s"]
+    out = {}
+    for name in ("static_recipe", "static_oracle", "oracle_chain", "oracle_greedy",
+                 "static_throughput"):
+        t = (methods.get(name) or {}).get("ttp_s")
+        out[f"{name}_over_cona"] = t / c if t is not None and c else None
+    return out
+
+
+def worker_setup(proxy: str) -> None:
+    """A family's process: one torch thread (rule: results independent of core count),
+    log lines tagged with ``proxy``."""
     import torch
 
-    torch.set_num_threads(threads)
+    torch.set_num_threads(1)
     from jobruntime.logging_utils import setup_logging
 
     setup_logging(logging.INFO)
@@ -223,209 +400,35 @@ def worker_setup(proxy: str, threads: int) -> None:
     logging.getLogger("jobruntime").setLevel(logging.WARNING)
 
 
-def bench_model(target: str, spec: dict, settings: dict, cache_dir: str | None,
-                out: str | None, threads: int) -> dict:
-    worker_setup(spec["proxy"], threads)
-    log = logging.getLogger("cona")
-    from cona.baselines import run_cona, run_search
-    from cona.context import build_context
-    from cona.grad_stats import noise_scale_growth as growth
-
-    t0, c0 = time.perf_counter(), time.process_time()
-    cfg, ref, data, setup = family_config(target, spec, settings["batches"], cache_dir)
-    ctx = build_context(cfg, data=data)
-    D = settings["windows"]
-    boundaries = [round(ref["samples"] * k / D) for k in range(1, D)]
-    t1 = time.perf_counter()
-    search = run_search(ctx, boundaries)
-    t2 = time.perf_counter()
-    log.info("static + oracle search done in %.0f s: %s", t2 - t1, search["search"])
-    methods = {k: search[k] for k in ("static_throughput", "static_oracle", "oracle_chain")}
-    methods["cona"], loop = run_cona(ctx)
-    if settings.get("gns_ablation"):  # the same controller on other noise-scale estimates
-        for name, overrides in GNS_ABLATION:
-            other = copy.deepcopy(cfg)
-            for field, value in overrides.items():
-                setattr(other.cona, field, value)
-            methods[name], _ = run_cona(build_context(other, data=data))
-    t3 = time.perf_counter()
-    scale = settings.get("throughput_budget_scale")
-    thr = methods["static_throughput"]
-    if thr["ttp_s"] is None and scale:
-        from cona.strategy import Strategy
-
-        batch = Strategy.from_label(thr["chain"][0]["strategy"]).global_batch_size
-        if search["per_batch"][batch]["cut"]:  # stopped by the search's bound: run it out
-            methods["static_throughput_long"] = {**throughput_long(cfg, 1, data), "reason": "cut"}
-        else:  # the budget ended before the target
-            methods["static_throughput_long"] = {**throughput_long(cfg, scale), "reason": "budget"}
-    t4 = time.perf_counter()
-    so, oc = methods["static_oracle"], methods["oracle_chain"]
-    if so is not None and oc["ttp_s"] is not None:
-        assert oc["ttp_s"] <= so["ttp_s"] * (1 + 1e-12), "oracle_chain slower than static_oracle"
-    decided = [d["noise_scale"] for d in methods["cona"]["decisions"]]
-    result = {
-        "proxy": spec["proxy"],
-        "target_ppl": cfg.train.target_ppl,
-        "rule": {"target_fraction": TARGET_FRACTION, "budget_samples": ctx.budget_samples,
-                 "reference_batch_proxy": cfg.parallel.global_batch_size,
-                 "reference_rebased": setup["reference_rebased"], "lr": cfg.train.lr,
-                 "reference_samples_to_target": ref["samples"]},
-        "mapping": {"ratio": setup["ratio"],
-                    "ratio_from_noise_scale_proxy": setup["ratio_from_noise_scale_proxy"],
-                    "noise_scale_ref_proxy": ref["noise_scale_proxy"],
-                    "published_batch": setup["published_batch"], "source": setup["source"],
-                    "proxy_seq": ctx.mapping.proxy_seq, "target_seq": ctx.mapping.target_seq},
-        "candidates": len(ctx.candidates),
-        "batches": sorted({c.global_batch_size for c in ctx.candidates}),
-        "gns_growth": {"cona_first_to_last_decision": growth(decided),
-                       "cona_first_decision": next((v for v in decided if v), None),
-                       "cona_last_decision": next((v for v in reversed(decided) if v), None),
-                       **{f"{name}_first_to_last_decision": growth(
-                           [d["noise_scale"] for d in methods[name]["decisions"]])
-                          for name, _ in GNS_ABLATION if name in methods},
-                       "reference_direct": ref["noise_scale_proxy"]
-                       / ref["noise_scale_first_decision_proxy"]
-                       if ref["noise_scale_first_decision_proxy"] else None},
-        "ratios": ratios(methods),
-        "pollux_model": pollux_model(ctx, ref),
-        "methods": methods,
-        "per_batch": search["per_batch"],
-        "search": search["search"],
-        "wall_s": {"reference": t1 - t0, "static_and_oracle": t2 - t1, "cona": t3 - t2,
-                   "static_throughput_long": t4 - t3},
-        # CPU seconds of this process: the wall time on an idle core (the machine is shared)
-        "cpu_s": time.process_time() - c0,
-    }
-    if out is not None:
-        d = Path(out) / target
-        d.mkdir(parents=True, exist_ok=True)
-        with open(d / "cona_metrics.jsonl", "w") as f:
-            for rec in loop.progress.records:
-                f.write(json.dumps(rec, default=float) + "\n")
-        # this family's result as soon as it is done (the whole report comes at the end)
-        (d / "result.json").write_text(json.dumps(result, indent=2, default=float) + "\n")
-        from bench.cona_plot import plot_family
-
-        plot_family(target, result, d / "ppl_vs_time.png")
-    return result
-
-
-def static_loop(ctx, strategy):
-    """``(job, loop)``: a job at ``strategy`` from the initial weights and its loop over
-    ``ctx``'s budget (to the target or the budget's end)."""
-    from cona.run import Loop
-
-    job = ctx.make_job(strategy)
-    return job, Loop(job, ctx.cfg, budget_samples=ctx.budget_samples,
-                     eval_samples=ctx.eval_samples, keep_records=False)
-
-
-def throughput_long(cfg, scale: float, data=None) -> dict:
-    """``static_throughput`` run out without the search's cut, given ``scale`` times the
-    budget in samples (its LR decay stretched over it, warmup unchanged): its TTP where
-    the table's run ended before the target.  With ``scale`` != 1 the training set is
-    built for the longer run, so its data order is its own (``data_order``; megatron
-    shuffles all epochs together); ``data`` (the table's) is only valid at scale 1.
-    Reported apart from the table's methods."""
-    from cona.context import build_context
-    from cona.controller import best_throughput_strategy
-
-    long = copy.deepcopy(cfg)
-    long.train.iters = max(round(cfg.train.iters * scale), 1)
-    if long.train.lr_decay_iters:
-        long.train.lr_decay_iters = max(round(cfg.train.lr_decay_iters * scale), 1)
-    ctx = build_context(long, data=data if scale == 1 else None)
-    strategy = best_throughput_strategy(ctx.candidates, ctx.cost_model)
-    job, loop = static_loop(ctx, strategy)
-    loop.run()
-    reached = loop.progress.ttp.reached
-    return {"ttp_s": loop.progress.ttp.ttp_s,
-            "ttp_lower_bound_s": None if reached else job.clock_s,
-            "budget_scale": scale, "data_order": "same" if scale == 1 else "own",
-            "strategy": strategy.label, "samples": job.consumed_samples,
-            "budget_samples": ctx.budget_samples, "evals": loop.progress.evals}
-
-
-def pollux_model(ctx, ref: dict) -> dict:
-    """What chaining could gain at most *in the model* the controller uses
-    (:func:`cona.surrogate.chaining_ceiling`): the noise scale growing log-linearly in
-    progress between the reference's two direct measurements, the emulated cluster's
-    fastest layout per batch, no switch costs.  Returns the best static batch and the
-    ideal chain's speed-up over it (a model estimate, not a measurement)."""
-    from cona.baselines import fastest_rates
-    from cona.surrogate import chaining_ceiling
-
-    phi0, phi1 = ref["noise_scale_first_decision_proxy"], ref["noise_scale_proxy"]
-    if not phi0 or not phi1:
-        return {}
-    r = ctx.mapping.ratio
-    speed = fastest_rates(ctx.candidates, ctx.cluster.iter_s)
-    best, ceiling = chaining_ceiling(speed, r * phi0, r * phi1, ctx.reference_batch)
-    return {"best_static_batch": best, "ideal_chain_over_best_static": ceiling,
-            "noise_scale_range_target": [r * phi0, r * phi1]}
-
-
-def ratios(methods: dict) -> dict:
-    """TTP ratios against CONA (> 1: CONA faster); a baseline that never reached the
-    target gives a lower bound from its clock at the budget's end."""
-    c = methods["cona"]["ttp_s"]
-    out = {}
-    for name in ("static_oracle", "oracle_chain", "static_throughput", "static_throughput_long"):
-        if name not in methods:
-            continue
-        m = methods[name] or {}
-        t = m.get("ttp_s")
-        if c is None:
-            out[f"{name}_over_cona"] = None
-        elif t is not None:
-            out[f"{name}_over_cona"] = t / c
-        elif m.get("ttp_lower_bound_s") is not None:
-            out[f"{name}_over_cona_at_least"] = m["ttp_lower_bound_s"] / c
-    best = (methods.get("static_oracle") or {}).get("ttp_s")
-    for name, _ in GNS_ABLATION:
-        other = (methods.get(name) or {}).get("ttp_s")
-        if other and best:
-            out[f"static_oracle_over_{name}"] = best / other
-    return out
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--quick", action="store_true", help="GPT-3 1.3B / tiny_gpt, short, CI-sized")
-    p.add_argument("--models", nargs="*", default=None, choices=sorted(MODELS),
-                   help="subset of the full benchmark's families")
-    p.add_argument("--out", type=Path, default=None, help="folder for JSON, metrics, plots")
-    p.add_argument("--cache-dir", default=None, help="tokenizer/dataset cache (data.cache_dir)")
+    p.add_argument("--families", "--models", nargs="*", default=None, choices=sorted(MODELS),
+                   dest="families", help="subset of the full benchmark's families")
+    p.add_argument("--gpu", default="A100-80GB", help="emulated GPU profile (cona.gpu)")
+    p.add_argument("--num-gpus", type=int, default=64, help="emulated devices (cona.num_gpus)")
+    p.add_argument("--out", type=Path, default=None, help="folder for JSON and plots")
+    p.add_argument("--cache-dir", default=None,
+                   help="tokenizer/dataset/warm-checkpoint cache (data.cache_dir)")
     p.add_argument("--jobs", type=int, default=2,
                    help="families run in parallel processes (default 2: one per core)")
-    p.add_argument("--budget-scale", type=float, default=1.0,
-                   help="multiply every family's training budget (train.iters) by this; "
-                   "the target stays at half the budget, so it moves deeper into training")
-    p.add_argument("--threads", type=int, default=1,
-                   help="torch threads per process (default 1: OpenMP threads that "
-                   "oversubscribe shared cores slow every step down many times)")
     args = p.parse_args(argv)
+    from jobruntime.metrics import provenance
     from jobruntime.outputs import refuse_output_folder
 
     refuse_output_folder(p, args.out)  # before the run, not after it
-    if args.jobs < 1 or args.threads < 1:
-        p.error("--jobs and --threads must be >= 1")
-    if not 0 < args.budget_scale < float("inf"):
-        p.error(f"--budget-scale must be a positive number, got {args.budget_scale}")
-    settings = QUICK if args.quick else FULL
+    if args.jobs < 1 or args.num_gpus < 1:
+        p.error("--jobs and --num-gpus must be >= 1")
+    settings = dict(QUICK if args.quick else FULL, gpu=args.gpu, num_gpus=args.num_gpus)
     models = settings.get("models") or {
-        k: v for k, v in MODELS.items() if args.models is None or k in args.models}
-    models = {k: {**v, "iters": max(round(v["iters"] * args.budget_scale), 1)}
-              for k, v in models.items()}
-    report = {"clock": "emulated", "gpu": "A100-80GB", "num_gpus": 64,
-              "budget_scale": args.budget_scale, "models": {}}
+        k: v for k, v in MODELS.items() if args.families is None or k in args.families}
+    report = {"clock": "emulated", "gpu": args.gpu, "num_gpus": args.num_gpus,
+              "quick": args.quick, **provenance(argv), "models": {}}
     t0 = time.perf_counter()
     out = str(args.out) if args.out is not None else None
-    report["models"] = run_families(bench_model, models, args.jobs, settings, args.cache_dir,
-                                    out, args.threads)
+    report["models"] = run_families(bench_model, models, args.jobs, settings, args.cache_dir, out)
     report["wall_s"] = time.perf_counter() - t0
     report["load_average_1min_at_end"] = os.getloadavg()[0]
     write_report(report, args.out, "cona_ttp.json")

@@ -11,7 +11,13 @@ batch (DP/TP/PP and the micro-batch only change the modelled time), so:
   an offline planner that ignores statistical efficiency picks), run to the
   target, the budget, or 2x the best static time (then its clock there is a
   lower bound on its time to target);
-- **static_oracle**: the best time to target over all static candidates;
+- **static_recipe**: the target's published global batch (:data:`cona.mapping.PUBLISHED_BATCH`)
+  at the layout an offline planner picks for it, the lowest modelled per-iteration time
+  (:func:`recipe_strategy`; Alpa, Galvatron and Megatron's recommended configurations
+  take the batch as given and search the layout), run to the target without a cap;
+- **static_oracle**: the best time to target over all static candidates, each batch at
+  its fastest layout and at the best of ``LR_FACTORS`` x the scaling rule's LR
+  (:func:`run_static`, hindsight);
 - **oracle_chain**: the best chain of the search (every static chain is one of
   its chains, so ``oracle_chain <= static_oracle``);
 - **cona**: the online controller (:func:`run_cona`).
@@ -23,7 +29,7 @@ import copy
 import logging
 
 from .context import ConaContext
-from .controller import best_throughput_strategy
+from .controller import best_throughput_strategy, switch_kind
 from .job import EmulatedJob
 from .oracle import OracleSearch, WindowRun
 from .run import Loop
@@ -76,6 +82,52 @@ def fastest_per_batch(candidates: list[Strategy], iter_s) -> dict[int, Strategy]
     return dict(sorted(best.items()))
 
 
+def recipe_strategy(candidates: list[Strategy], iter_s, batch: int) -> Strategy:
+    """The offline planner's pick for global batch ``batch``: the candidate with the lowest
+    per-iteration time ``iter_s(strategy)`` (seconds) among those at that batch (ties by
+    label).
+
+    Raises:
+        ValueError: no candidate has global batch ``batch``.
+    """
+    at = [c for c in candidates if c.global_batch_size == batch]
+    if not at:
+        have = sorted({c.global_batch_size for c in candidates})
+        raise ValueError(f"no candidate at global batch {batch} (candidates: {have}); add it "
+                         "to cona.global_batch_sizes")
+    return min(at, key=lambda c: (iter_s(c), c.label))
+
+
+def layout_switches(chain: list[dict]) -> int:
+    """Layout switches (DP/TP/PP change) in a ``chain`` of ``{"strategy": label}`` entries."""
+    labels = [Strategy.from_label(c["strategy"]) for c in chain]
+    return sum(switch_kind(a, b) == "layout" for a, b in zip(labels, labels[1:]))
+
+
+LR_FACTORS = (0.5, 1.0, 2.0)  # static_oracle's LR choices, x the scaling rule's LR
+
+
+def run_static(ctx: ConaContext, strategy: Strategy, lr_factor: float = 1.0,
+               budget_samples: int | None = None, bound_s: float | None = None) -> dict:
+    """One static run at ``strategy`` with ``lr_factor`` x the rule's LR, from ``ctx``'s
+    warm state, to the target or ``budget_samples`` (default the context's budget), or
+    stopped once its clock passes ``bound_s`` (emulated seconds; then ``ttp_s`` is
+    ``None`` and ``ttp_lower_bound_s`` its clock there).  Returns a method record
+    (:func:`method_result`) with ``lr_factor``."""
+    job = ctx.make_job(strategy, lr_factor=lr_factor)
+    loop = Loop(job, ctx.cfg, budget_samples=budget_samples or ctx.budget_samples,
+                eval_samples=ctx.eval_samples, keep_records=False)
+    if bound_s is None:
+        loop.run()
+    else:
+        loop.run(until=lambda: job.clock_s > bound_s)
+    out = method_result(loop)
+    out["lr_factor"] = lr_factor
+    if out["ttp_s"] is None:
+        out["ttp_lower_bound_s"] = job.clock_s
+    return out
+
+
 def fastest_rates(candidates: list[Strategy], iter_s) -> dict[int, float]:
     """Sequences per second of :func:`fastest_per_batch`'s candidate at each global batch
     (``iter_s``: seconds per optimizer step of a strategy)."""
@@ -89,6 +141,8 @@ class ProxyBranch:
     def __init__(self, ctx: ConaContext, job: EmulatedJob, loop: Loop):
         self.ctx, self.job, self.loop = ctx, job, loop
         self.per_batch = fastest_per_batch(ctx.candidates, ctx.cluster.iter_s)
+        # the search counts steps from its root; a job from a warm state starts past 0
+        self.step0 = job.trainer.step
 
     def snapshot(self):
         return self.job.snapshot(), copy.deepcopy(self.loop.progress)
@@ -111,9 +165,14 @@ class ProxyBranch:
             ttp = loop.progress.ttp
             if ttp.reached or stop(steps):
                 return WindowRun(steps, steps if ttp.reached else None, stopped=not ttp.reached,
-                                 evals=copy.deepcopy(evals[first_eval:]), eval_steps=tuple(at),
+                                 evals=self._from_root(evals[first_eval:]), eval_steps=tuple(at),
                                  crossing=ttp.crossing if ttp.reached else 1.0)
-        return WindowRun(steps, evals=copy.deepcopy(evals[first_eval:]), eval_steps=tuple(at))
+        return WindowRun(steps, evals=self._from_root(evals[first_eval:]), eval_steps=tuple(at))
+
+    def _from_root(self, evals: list[dict]) -> list[dict]:
+        """Copies of ``evals`` with ``step`` counted from the search's root (the oracle
+        times an evaluation by its step within the chain)."""
+        return [dict(copy.deepcopy(e), step=e["step"] - self.step0) for e in evals]
 
 
 class ClusterTime:
@@ -145,9 +204,9 @@ def run_search(ctx: ConaContext, boundaries: list[int], **options) -> dict:
 
     Returns:
         ``{"static_throughput", "static_oracle", "oracle_chain", "oracle_greedy": method
-        records, "per_batch": {batch: {ttp_s, cut}}, "search": boundaries and
-        :meth:`cona.oracle.OracleSearch.summary` (oracle_changes, chain_over_static,
-        greedy_over_oracle, costs)}``.
+        records, "per_batch": {batch: {ttp_s, cut}}, "static_chains": {batch: method
+        record}, "search": boundaries and :meth:`cona.oracle.OracleSearch.summary`
+        (oracle_changes, chain_over_static, greedy_over_oracle, costs)}``.
     """
     job = ctx.make_job(min(ctx.candidates, key=lambda s: s.global_batch_size))
     loop = Loop(job, ctx.cfg, budget_samples=ctx.budget_samples, eval_samples=ctx.eval_samples,
@@ -169,6 +228,13 @@ def run_search(ctx: ConaContext, boundaries: list[int], **options) -> dict:
 
     per_batch = {b: {"ttp_s": v["ttp_s"], "cut": v.get("cut", False)}
                  for b, v in search.static.items()}
+    layout = fastest_per_batch(ctx.candidates, ctx.cluster.iter_s)
+    static_chains = {  # every batch's constant chain (a lower bound where it was cut)
+        b: record(v["chain"]) if v["ttp_s"] is not None else
+        {"ttp_s": None, "chain": [{"strategy": layout[b].label, "start_step": 0}],
+         "switches": 0, "ttp_lower_bound_s": v.get("clock_s"), "evals": v.get("evals", []),
+         "cut": v.get("cut", False)}
+        for b, v in search.static.items()}
     reached = {b: v for b, v in search.static.items() if v["ttp_s"] is not None}
     thr = search.static[fastest.global_batch_size]
     if thr["ttp_s"] is None:  # not reached within the budget: its clock there bounds its TTP
@@ -183,5 +249,6 @@ def run_search(ctx: ConaContext, boundaries: list[int], **options) -> dict:
         "oracle_chain": record(best),
         "oracle_greedy": record(search.greedy_chain),
         "per_batch": per_batch,
+        "static_chains": static_chains,
         "search": {"boundaries": boundaries, **search.summary()},
     }

@@ -61,6 +61,8 @@ class ConaContext:
         budget_samples: training budget (proxy samples).
         eval_samples: proxy samples between evaluations.
         val_micro_batch: the proxy's validation micro-batch (emulated mode).
+        warm: the warm state every emulated job starts from (:mod:`cona.warm`;
+            ``None``: initial weights, data position 0).
     """
 
     cfg: JobConfig
@@ -73,6 +75,7 @@ class ConaContext:
     budget_samples: int
     eval_samples: int
     val_micro_batch: int
+    warm: dict | None = None
 
     @property
     def emulated(self) -> bool:
@@ -87,6 +90,19 @@ class ConaContext:
     def reference_batch(self) -> int:
         """``M0``: the target batch the base LR was tuned for (``r * parallel.global_batch_size``)."""
         return self.mapping.target_batch(self.cfg.parallel.global_batch_size)
+
+    def reference_strategy(self) -> Strategy:
+        """The fastest candidate at :attr:`reference_batch` (the preset's batch; what the
+        warm checkpoint trains at, :mod:`cona.warm`).
+
+        Raises:
+            ConfigError: no candidate has the reference batch.
+        """
+        at = [s for s in self.candidates if s.global_batch_size == self.reference_batch]
+        if not at:
+            raise ConfigError(f"no candidate at the reference batch {self.reference_batch}; add "
+                              "it to cona.global_batch_sizes")
+        return min(at, key=lambda s: (self.cluster.iter_s(s) if self.emulated else 0, s.label))
 
     def start_strategy(self) -> Strategy:
         """Real mode: ``cfg.parallel``.  Emulated: at the reference batch (else the smallest
@@ -103,11 +119,15 @@ class ConaContext:
                               budget_samples=self.mapping.target_batch(self.budget_samples),
                               switch_s=self.cluster.switch_s)
 
-    def make_job(self, start: Strategy | None = None) -> Job:
-        """A fresh job (initial weights, data position 0, clock 0) at ``start``."""
+    def make_job(self, start: Strategy | None = None, lr_factor: float = 1.0) -> Job:
+        """A fresh job at ``start``, clock 0: from :attr:`warm` where set (emulated mode),
+        else from the initial weights at data position 0; ``lr_factor`` multiplies every
+        strategy's LR (:attr:`cona.job.Job.lr_factor`)."""
         start = start or self.start_strategy()
         if self.emulated:
-            return EmulatedJob(self, start)
+            return EmulatedJob(self, start, lr_factor)
+        if lr_factor != 1.0:
+            raise ConfigError("lr_factor applies to emulated jobs (the bench's LR sweep)")
         return RealJob(self, start)
 
     def make_controller(self, job: Job) -> Controller:
@@ -134,7 +154,7 @@ def _emulated(cfg: JobConfig, world: int):
     c = cfg.cona
     target = load_config(c.target_model).model if c.target_model else cfg.model
     mapping = ProxyMapping(c.batch_ratio, cfg.model.seq_length, target.seq_length)
-    cluster = EmulatedCluster(target, c.gpu, c.num_gpus or world)
+    cluster = EmulatedCluster(target, c.gpu, c.num_gpus or world, c.step_dilation)
     cands = build_candidates(
         cfg, target, cluster.num_gpus, mapping=mapping, memory_limit_bytes=cluster.memory_limit_bytes
     )
@@ -193,6 +213,7 @@ def build_context(
         data = build_datasets(
             cfg, train_samples=train, val_samples=val_set_size(cfg, val_units, ref)
         )
+    eval_samples = max(cfg.train.eval_interval, 1) * ref
     return ConaContext(
         cfg=cfg,
         target=target,
@@ -202,6 +223,6 @@ def build_context(
         cluster=cluster,
         data=data,
         budget_samples=budget,
-        eval_samples=max(cfg.train.eval_interval, 1) * ref,
+        eval_samples=eval_samples,
         val_micro_batch=val_units[0] // world if cluster is not None else 0,
     )

@@ -103,13 +103,16 @@ class Job:
         gns: gradient-noise-scale estimator fed by :attr:`probe` every step
             (proxy sequences).
         reference_batch: proxy global batch the base LR was tuned for (``B_ref``).
+        lr_factor: multiplies the LR of every strategy (1 = the scaling rule's; the
+            bench's ``static_oracle`` tries 0.5 and 2 as well).
     """
 
     strategy: Strategy
     is_logging_rank: bool = True
 
-    def __init__(self, ctx: ConaContext):
+    def __init__(self, ctx: ConaContext, lr_factor: float = 1.0):
         self.ctx, self.cfg, self.data = ctx, ctx.cfg, ctx.data
+        self.lr_factor = lr_factor
         self.reference_batch = ctx.cfg.parallel.global_batch_size
         self.gns = GradientNoiseScale.from_config(ctx.cfg.cona)
         self.probe = GNSProbe(self.gns, preconditioned=ctx.cfg.cona.gns_preconditioned)
@@ -120,12 +123,13 @@ class Job:
         return self.ctx.mapping.proxy_batch(strategy.global_batch_size)
 
     def lr_for(self, strategy: Strategy) -> tuple[float, float]:
-        """(peak, final) LR for ``strategy``'s global batch by ``cona.lr_scaling``."""
+        """(peak, final) LR for ``strategy``'s global batch by ``cona.lr_scaling``, times
+        :attr:`lr_factor`."""
         t, rule = self.cfg.train, self.cfg.cona.lr_scaling
-        gb = self.proxy_batch(strategy)
+        gb, f = self.proxy_batch(strategy), self.lr_factor
         return (
-            scale_lr(t.lr, gb, self.reference_batch, rule),
-            scale_lr(t.min_lr, gb, self.reference_batch, rule),
+            f * scale_lr(t.lr, gb, self.reference_batch, rule),
+            f * scale_lr(t.min_lr, gb, self.reference_batch, rule),
         )
 
     def _sampler(self, topo: Topology, consumed: int) -> GlobalBatchSampler:
@@ -271,8 +275,8 @@ class EmulatedJob(Job):
     mathematics or the clock.
     """
 
-    def __init__(self, ctx: ConaContext, start: Strategy):
-        super().__init__(ctx)
+    def __init__(self, ctx: ConaContext, start: Strategy, lr_factor: float = 1.0):
+        super().__init__(ctx, lr_factor)
         self.cluster = ctx.cluster
         self.strategy = start
         self._clock = 0.0
@@ -282,7 +286,13 @@ class EmulatedJob(Job):
         set_seed(ctx.cfg.train.seed)
         self.trainer = cstate.build_trainer(run_cfg, self.reference_batch)
         consumed = 0
-        if ctx.cfg.checkpoint.load:  # an iter_ checkpoint of any layout (e.g. saved before a switch)
+        if ctx.warm is not None:  # every method from the same warm state (cona/warm.py)
+            cstate.restore(self.trainer, ctx.warm["trainer"])
+            # the warm run's schedule position, at this strategy's peak LR
+            cstate.set_peak_lr(self.trainer, self.trainer.scheduler, run_cfg.train.lr,
+                               run_cfg.train.min_lr)
+            consumed = ctx.warm["consumed_samples"]
+        elif ctx.cfg.checkpoint.load:  # an iter_ checkpoint of any layout (e.g. saved before a switch)
             consumed = load_checkpoint(ctx.cfg.checkpoint.load, self.trainer,
                                        load_optimizer=ctx.cfg.checkpoint.load_optimizer
                                        )["consumed_samples"]
@@ -358,7 +368,9 @@ class EmulatedJob(Job):
         ``microbatches`` fresh micro-batches (:func:`cona.probe.measure_noise_scale`);
         ``preconditioned``: of Adam's preconditioned gradients instead (Pollux; ``None``
         before the first step).  The data position, RNG and training state are left as
-        they were."""
+        they were.  The clock is charged what the probe costs the target: forward and
+        backward over the probe's sequences at the current layout (``target_step_s`` x
+        probe sequences / proxy batch), undilated (it is run once, not per target step)."""
         from .probe import adam_preconditioner, measure_noise_scale
 
         weights = adam_preconditioner(self.trainer) if preconditioned else None
@@ -370,6 +382,9 @@ class EmulatedJob(Job):
         mbs = []
         while len(mbs) < microbatches:
             mbs += self.sampler.next()
+        probe_seqs = sum(len(next(iter(mb.values()))) for mb in mbs[:microbatches])
+        self._clock += (self.cluster.target_step_s(self.strategy) * probe_seqs
+                        / self.proxy_batch(self.strategy))
         try:
             return measure_noise_scale(self.trainer, mbs[:microbatches], weights)
         finally:

@@ -16,24 +16,23 @@ unchanged when ``phi``, ``M`` and ``M0`` are all scaled by ``r``, so the
 proxy's convergence per sample is what the target's would be at ``r`` times
 the batch.
 
-**Calibration of ``r``** (:func:`calibrate_ratio`; ``cona.batch_ratio``
-holds the value).  The proxy's noise scale at a reference point ``phi_ref``
-is matched to the critical batch published for the target,
+**The ratio is fixed** (:data:`BATCH_RATIO` = 8 for every family, a constant
+chosen before any run, not measured): the bench's target grid of 64-1024
+sequences is then proxy batches of 8-128, whose smallest is the preset batch
+of tiny_gpt and tiny_llama (where their LR is tuned) and whose largest still
+trains in seconds per step on one CPU core; tiny_bert's preset batch 16
+stands for 128.  The earlier rule rounded ``B_pub / phi_ref`` (a measured
+noise scale) to a power of two, so a small numeric difference between
+machines or thread counts could move a whole family across a rounding edge.
+Where the proxy's noise scale lands on the target's training is now said by
+the time scale instead (:func:`cona.targets.time_scale`), which is
+continuous in the measurement: ``r * phi_p`` target sequences name, through
+Kaplan et al. 2020's ``B_crit(L)``, the target's loss, and so the span of
+its training one run stands for.
 
-    r = 2 ** round(log2(B_pub / phi_ref)),
-
-rounded to a power of two so that power-of-two proxy batches map to
-power-of-two target batches.  ``B_pub`` (:data:`PUBLISHED_BATCH`, target
-sequences) is the global batch the target's published pre-training ran at for
-most of its steps.  McCandlish et al. 2018 (Sec. 4, Fig. 7) find such tuned
-large-scale batch sizes close to the measured critical batch ``B_crit ~
-B_noise``; Kaplan et al. 2020 (Sec. 5.1, eq. 5.3, ``B_crit(L) = B*/L^(1/alpha_B)``
-with ``B* ~ 2e8`` tokens, ``alpha_B ~ 0.21``) find ``B_crit`` depends on the
-loss only, not on the model size, and reaches ~1M tokens (~500 sequences of
-2048) at the losses ~1B models train at.  ``bench/cona_ttp.py`` takes
-``phi_ref`` where the reference run reaches the target perplexity (the end
-of the part of training the bench emulates), so the proxy's noise-scale range
-over the run ends at the published batch and starts ``growth`` times lower.
+:data:`PUBLISHED_BATCH` holds each target's published global batch (target
+sequences, with its source): the ``static_recipe`` baseline's batch
+(:mod:`cona.baselines`).
 
 In real mode (``cona.clock=wall``) proxy and target are the same model and
 ``r = 1``.
@@ -45,34 +44,29 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-# target preset -> (global batch in target sequences, source)
+BATCH_RATIO = 8  # target sequences per proxy sequence, every family (module docstring)
+
+# target preset -> (published global batch in target sequences, source)
 PUBLISHED_BATCH: dict[str, tuple[int, str]] = {
     "gpt3_1.3b": (512, "Brown et al. 2020, Table 2.1: GPT-3 XL (1.3B), batch 1M tokens = 512 x 2048"),
-    "bert_large": (256, "Devlin et al. 2019, App. A.2: 256 sequences x 512 tokens"),
+    "bert_large": (256, "Devlin et al. 2019, Sec. A.2: 256 sequences x 512 tokens = 128k tokens"),
     "llama3.2_1b": (
-        512,
-        "no batch published for Llama-3.2-1B; Kaplan et al. 2020 Sec. 5.1: B_crit depends on "
-        "the loss, not the size, so GPT-3 1.3B's 1M tokens = 512 x 2048",
+        1024,
+        "Meta's Llama-3.2-1B model card gives no batch; nearest published recipe: TinyLlama "
+        "1.1B (Zhang et al. 2024, Llama-2 architecture, 1.1B), batch 2M tokens = 1024 x 2048",
     ),
 }
 
 
-def calibrate_ratio(phi_ref: float, target: str) -> int:
-    """``r = 2**round(log2(B_pub / phi_ref))`` for ``target`` (module docstring).
-
-    Args:
-        phi_ref: the proxy's noise scale (proxy sequences) at the reference point.
-        target: a key of :data:`PUBLISHED_BATCH`.
+def recipe_batch(target: str) -> int:
+    """The published global batch of ``target`` in target sequences (:data:`PUBLISHED_BATCH`).
 
     Raises:
         KeyError: no published batch for ``target``.
-        ValueError: ``phi_ref`` is not a positive finite number.
     """
     if target not in PUBLISHED_BATCH:
         raise KeyError(f"no published batch for {target!r}; known: {sorted(PUBLISHED_BATCH)}")
-    if not (phi_ref > 0 and math.isfinite(phi_ref)):
-        raise ValueError(f"phi_ref must be a positive finite noise scale, got {phi_ref}")
-    return 2 ** max(0, round(math.log2(PUBLISHED_BATCH[target][0] / phi_ref)))
+    return PUBLISHED_BATCH[target][0]
 
 
 @dataclass(frozen=True)

@@ -1,54 +1,276 @@
-"""Rules of ``bench/cona_ttp.py`` that decide what the TTP table compares."""
+"""Rules of ``bench/cona_ttp.py`` that decide what the TTP table compares: the unigram
+perplexity and the target, the warm-checkpoint cache, the static_recipe layout and the
+time scale."""
 
 from __future__ import annotations
 
+import math
+
+import numpy as np
 import pytest
 
-from bench.cona_ttp import ctx_budget, rebase
 from jobruntime.config import load_config
 
 
-def test_rebased_reference_keeps_the_sample_budget_and_follows_the_lr_rule():
-    """Catches a reference moved into the grid that trains a different number of samples
-    (iters kept instead of samples) or keeps the preset's LR at twice the batch: tiny_llama
-    at batch 8 and 375 iterations moved to batch 16 must train 3,000 samples in 188 steps
-    at sqrt(2) x the LRs with half the warmup steps (same warmup samples), and leave the
-    original config untouched."""
-    cfg = load_config("tiny_llama", ["cona.enabled=true", "cona.clock=emulated",
-                                     "train.iters=375"])
-    moved = rebase(cfg, 16)
-    assert moved.parallel.global_batch_size == 16 and moved.train.iters == 188
-    assert ctx_budget(moved) >= ctx_budget(cfg) == 3000
-    assert ctx_budget(moved) - ctx_budget(cfg) < 16
-    assert moved.train.lr == pytest.approx(cfg.train.lr * 2 ** 0.5)
-    assert moved.train.min_lr == pytest.approx(cfg.train.min_lr * 2 ** 0.5)
-    assert cfg.parallel.global_batch_size == 8 and cfg.train.iters == 375
-    # warmup and decay keep their length in samples (20 steps of 8 = 10 steps of 16)
-    assert moved.train.warmup_iters * 16 == cfg.train.warmup_iters * 8 == 160
-    moved.validate()
+def test_unigram_perplexity_of_a_hand_computed_corpus(tmp_path):
+    """Catches counts taken from the wrong split, an unsmoothed zero for an unseen token
+    (infinite perplexity), or a mean over types instead of tokens.  Training documents
+    [1 2 2] and [2 3] (N = 5, V = 5 ids 0-4): p = (c + 1) / 10, so p(1) = 0.2, p(2) = 0.4,
+    p(4) = 0.1 (unseen).  Validation [2 1 4]: ppl = (0.4 * 0.2 * 0.1)^(-1/3)."""
+    from cona.targets import target_ppl, token_counts, unigram_perplexity
+    from jobruntime.data import write_indexed
+
+    prefix = tmp_path / "tiny"
+    write_indexed([[[1, 2, 2]], [[2, 3]], [[2, 1], [4]]], prefix, vocab_size=5)
+    train = token_counts(prefix, np.array([0, 1]), 5)
+    val = token_counts(prefix, np.array([2]), 5)
+    assert train.tolist() == [0, 1, 3, 1, 0] and val.tolist() == [0, 1, 1, 0, 1]
+    want = (0.4 * 0.2 * 0.1) ** (-1 / 3)
+    assert unigram_perplexity(train, val) == pytest.approx(want, rel=1e-12)
+    assert target_ppl(want) == pytest.approx(want / 2)
+    assert target_ppl(800.0, 348.0) == 174.0 and target_ppl(800.0, 1500.0) == 400.0
+    with pytest.raises(ValueError, match="validation tokens"):
+        unigram_perplexity(train, np.zeros(5))
 
 
-def test_rebased_micro_batch_divides_the_new_batch():
-    """Catches min(micro, batch) when it does not divide the batch: micro-batch 4 at a
-    global batch of 6 must become 3 (a pipeline of 6/4 micro-batches does not exist)."""
-    cfg = load_config("tiny_llama", ["train.iters=300", "train.lr_decay_iters=300"])
-    moved = rebase(cfg, 6)
-    assert moved.parallel.micro_batch_size == 3 and moved.parallel.global_batch_size == 6
-    assert moved.train.lr_decay_iters == 400
-    moved.validate()
+def test_warm_checkpoint_is_reused_invalidated_by_its_key_and_never_half_written(
+        tmp_path, monkeypatch):
+    """Catches a warm checkpoint trained again when cached, reused after a change to what
+    determines it (LR, seed, warm steps, training-set size), invalidated by what does not
+    (evaluation settings), or left half-written by a run killed inside the save (then
+    loaded by the next run)."""
+    import torch
+
+    import cona.warm as warm
+
+    trained = []
+
+    def fake_train(ctx, steps, measure=None):
+        trained.append(steps)
+        return {"trainer": {"w": torch.full((3,), float(len(trained)))},
+                "consumed_samples": 8 * steps, "steps": steps, "extra": {}}
+
+    monkeypatch.setattr(warm, "train_warm", fake_train)
+
+    class Ctx:
+        def __init__(self, *overrides, samples=1000):
+            self.cfg = load_config("tiny_gpt", [f"data.cache_dir={tmp_path}", *overrides])
+            self.data = type("D", (), {"train": range(samples)})()
+
+    state, cached = warm.load_or_train_warm(Ctx(), 20)
+    assert not cached and trained == [20]
+    again, cached = warm.load_or_train_warm(Ctx("train.eval_iters=32", "train.eval_interval=5"),
+                                            20)
+    assert cached and trained == [20] and torch.equal(again["trainer"]["w"], state["trainer"]["w"])
+    for ctx, steps in ((Ctx("train.lr=0.001"), 20), (Ctx("train.seed=7"), 20), (Ctx(), 21),
+                       (Ctx(samples=2000), 20)):
+        _, cached = warm.load_or_train_warm(ctx, steps)
+        assert not cached
+    assert len(trained) == 5 and len(list(tmp_path.glob("cona-warm-*.pt"))) == 5
+
+    def killed(obj, f):
+        f.write(b"half")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(warm.torch, "save", killed)
+    with pytest.raises(KeyboardInterrupt):
+        warm.load_or_train_warm(Ctx("train.lr=0.003"), 20)
+    assert not warm.warm_path(Ctx("train.lr=0.003").cfg, 20, 1000).exists()
+    assert sorted(p.name for p in tmp_path.iterdir() if "cona-warm" in p.name
+                  and not p.name.endswith(".pt")) == []
 
 
-def test_efficiency_bench_prediction_integrates_pollux_over_the_trajectory():
-    """Catches a wrong prediction in ``bench/cona_efficiency.py`` (noise scale left in proxy
-    units, efficiency inverted, an interval dropped): at a constant noise scale the
-    predicted samples at batch M are the reference's times (r phi + M)/(r phi + M0)
-    exactly; an interval without an estimate takes its nearest neighbour's."""
-    from bench.cona_efficiency import predicted_samples
+def test_static_recipe_takes_the_lowest_per_iteration_time_at_the_recipe_batch():
+    """Catches a recipe layout picked by tokens/s over all batches (that is
+    static_throughput), the first layout listed, or another batch: among GPT-3 1.3B's
+    candidates on 64 A100s at the published 512 x 2048, the pick is the layout with the
+    smallest modelled step time, compared here against every candidate at that batch."""
+    from cona.baselines import recipe_strategy
+    from cona.candidates import build_candidates
+    from cona.emulated import EmulatedCluster
+    from cona.mapping import ProxyMapping, recipe_batch
+    from cona.strategy import Strategy
 
-    traj = [{"samples": s, "simple": 50.0, "other": None} for s in (100, 200, 300)]
-    want = 300 * (2 * 50 + 256) / (2 * 50 + 64)
-    assert predicted_samples(traj, 256, 64, 2, "simple") == pytest.approx(want)
-    assert predicted_samples(traj, 64, 64, 2, "simple") == pytest.approx(300)
-    assert predicted_samples(traj, 256, 64, 2, "other") is None
-    traj[0]["simple"], traj[2]["simple"] = None, -1.0  # both take the middle point's 50
-    assert predicted_samples(traj, 256, 64, 2, "simple") == pytest.approx(want)
+    cfg = load_config("tiny_gpt", ["cona.target_model=gpt3_1.3b", "model.seq_length=64",
+                                   "cona.global_batch_sizes=[64,128,256,512,1024]"])
+    target = load_config("gpt3_1.3b").model
+    cluster = EmulatedCluster(target, "A100-80GB", 64)
+    cands = build_candidates(cfg, target, 64, mapping=ProxyMapping(8, 64, 2048),
+                             memory_limit_bytes=cluster.memory_limit_bytes)
+    pick = recipe_strategy(cands, cluster.iter_s, recipe_batch("gpt3_1.3b"))
+    at = [c for c in cands if c.global_batch_size == 512]
+    assert len(at) > 3 and pick in at
+    assert cluster.iter_s(pick) == min(cluster.iter_s(c) for c in at)
+    fake = [Strategy(4, 1, 1, 1, 64), Strategy(2, 2, 1, 1, 64), Strategy(4, 1, 1, 1, 128)]
+    times = {fake[0]: 2.0, fake[1]: 1.0, fake[2]: 0.1}
+    assert recipe_strategy(fake, times.__getitem__, 64) == fake[1]
+    with pytest.raises(ValueError, match="no candidate at global batch 256"):
+        recipe_strategy(fake, times.__getitem__, 256)
+
+
+def test_time_scale_on_known_numbers():
+    """Catches a wrong exponent, a missing factor 2 (training at B_crit takes 2 E_min
+    tokens), the ratio or sequence length left out, or a dilation not continuous in the
+    measurement.  Kaplan et al. 2020: B_crit(L) = 2e8 / L^(1/0.21) tokens, so B = 2e8
+    tokens is L = 1 and L = 2 is 2e8 / 2^4.762 = 7.36e6 tokens; with the noise scale
+    20 -> 80 proxy sequences at r = 8, s_t = 2048: L = 3.846 -> 2.874.  The tokens are
+    checked against an independent integral over S (midpoint rule, linear grid)."""
+    from cona.targets import (
+        critical_batch_tokens,
+        loss_at_critical_batch,
+        steps_to_loss,
+        time_scale,
+    )
+
+    assert loss_at_critical_batch(2e8) == pytest.approx(1.0)
+    assert critical_batch_tokens(2.0) == pytest.approx(2e8 / 2 ** (1 / 0.21))
+    n = 1.21e9
+    ts = time_scale(20, 80, ratio=8, target_seq=2048, params=n, segment_proxy_samples=3000)
+    l0, l1 = ts["target_loss_range"]
+    assert l0 == pytest.approx((2e8 / (8 * 20 * 2048)) ** 0.21) == pytest.approx(3.846, abs=1e-3)
+    assert l1 == pytest.approx(2.874, abs=1e-3)
+    floor = (6.5e13 / n) ** 0.077
+    s0, s1 = steps_to_loss(l0, n), steps_to_loss(l1, n)
+    assert (floor + (2.1e3 / s0) ** 0.76) == pytest.approx(l0)
+    edges = np.linspace(s0, s1, 400_001)
+    mid = (edges[1:] + edges[:-1]) / 2
+    want = 2 * float(np.sum(2e8 / (floor + (2.1e3 / mid) ** 0.76) ** (1 / 0.21))
+                     * (edges[1] - edges[0]))
+    assert ts["target_tokens_per_run"] == pytest.approx(want, rel=1e-4)
+    assert ts["step_dilation"] == pytest.approx(want / (8 * 3000 * 2048), rel=1e-4)
+    near = time_scale(20, 80 * (1 + 1e-6), ratio=8, target_seq=2048, params=n,
+                      segment_proxy_samples=3000)
+    assert near["step_dilation"] == pytest.approx(ts["step_dilation"], rel=1e-4)
+    with pytest.raises(ValueError, match="grow"):
+        time_scale(80, 20, ratio=8, target_seq=2048, params=n, segment_proxy_samples=3000)
+    with pytest.raises(ValueError, match="converged loss"):  # B_crit beyond the model's floor
+        time_scale(20, 2000, ratio=8, target_seq=2048, params=n, segment_proxy_samples=3000)
+    assert math.isfinite(ts["target_tokens_per_run"])
+
+
+def test_dilated_clock_charges_steps_not_switches():
+    """Catches a dilation applied to switch costs (a batch switch is one real target step,
+    a layout switch real seconds) or evaluations left uncharged: with k = 50 and an
+    evaluation share of 256 / (3 x 64) target steps per proxy step, a proxy step costs
+    (50 + 4/3) target steps; a batch switch costs one target step."""
+    from cona.emulated import EmulatedCluster, eval_steps_per_step
+    from cona.strategy import Strategy
+
+    target = load_config("gpt3_1.3b").model
+    plain = EmulatedCluster(target, "A100-80GB", 64)
+    e = eval_steps_per_step(256, 64)
+    assert e == pytest.approx(4 / 3)
+    dil = EmulatedCluster(target, "A100-80GB", 64, step_dilation=50, eval_steps=e)
+    a, b, c = Strategy(16, 4, 1, 4, 64), Strategy(16, 4, 1, 4, 128), Strategy(8, 8, 1, 8, 64)
+    assert dil.iter_s(a) == pytest.approx((50 + 4 / 3) * plain.iter_s(a))
+    assert dil.switch_s(a, b) == pytest.approx(plain.iter_s(b)) == dil.target_step_s(b)
+    assert dil.switch_s(a, c) == pytest.approx(plain.switch_s(a, c))
+    with pytest.raises(ValueError, match="step_dilation"):
+        EmulatedCluster(target, "A100-80GB", 64, step_dilation=0.5)
+
+
+def _warm_start(cache_dir, warm_dir):
+    """One process: a warm state of 3 steps at the preset batch, then two jobs at another
+    batch started from it, one measured by a direct noise-scale probe."""
+    import torch
+
+    from cona import state as cstate
+    from cona.baselines import fastest_per_batch
+    from cona.context import build_context
+    from cona.warm import load_or_train_warm
+
+    cfg = load_config("tiny_gpt", [
+        f"data.cache_dir={cache_dir}", "model.seq_length=64", "logging.wandb=disabled",
+        "cona.enabled=true", "cona.clock=emulated", "cona.target_model=gpt3_1.3b",
+        "cona.num_gpus=8", "cona.batch_ratio=8", "cona.global_batch_sizes=[64,128]",
+        "train.iters=16", "train.warmup_iters=3"])
+    ctx = build_context(cfg)
+    ctx.cfg.data.cache_dir = warm_dir  # the warm checkpoint in this test's own folder
+    warm, cached = load_or_train_warm(ctx, 3, lambda job: {"val_loss": job.evaluate()})
+    ctx.warm = warm
+    s128 = fastest_per_batch(ctx.candidates, ctx.cluster.iter_s)[128]
+    a, b = ctx.make_job(s128), ctx.make_job(s128)
+    params = cstate.snapshot(a.trainer)["params"]
+    out = {"cached": (cached, load_or_train_warm(ctx, 3)[1]),
+           "reference": ctx.reference_strategy().global_batch_size,
+           "consumed": (a.consumed_samples, warm["consumed_samples"]),
+           "same_weights": all(torch.equal(p, warm["trainer"]["params"][n])
+                               for n, p in params.items()),
+           "max_lr": (a.trainer.scheduler.max_lr, cfg.train.lr * 2 ** 0.5),
+           "sched": (a.trainer.scheduler.num_steps, warm["trainer"]["sched"][0]),
+           "clock": a.clock_s, "losses": (a.train_step()[0].loss, b.train_step()[0].loss)}
+    before = a.clock_s
+    a.measure_noise_scale(microbatches=4)
+    mb = a.trainer.cfg.parallel.micro_batch_size
+    out["probe_charge"] = (a.clock_s - before, ctx.cluster.target_step_s(s128) * 4 * mb / 16)
+    return out
+
+
+def test_every_method_starts_from_the_warm_state(cache_dir, tmp_path):
+    """Catches a method that starts from the initial weights, at data position 0, with the
+    warm run's LR instead of its own batch's, or at another schedule position; a warm
+    state trained again though cached; and a direct noise-scale probe not charged to the
+    clock.  tiny_gpt, 3 warm steps at the preset batch 8 (24 samples); a job at batch 128
+    (proxy 16) must hold the warm weights, continue at sample 24 with sqrt(2) x the LR,
+    and two such jobs take the same first step; a probe of 4 micro-batches costs the target
+    the forward-backward of 4 x mb proxy sequences (target_step_s x 4 mb / 16)."""
+    from tests.dist_utils import launch
+
+    (out,) = launch(_warm_start, 1, cache_dir, str(tmp_path))
+    assert out["cached"] == (False, True) and out["reference"] == 64
+    assert out["consumed"] == (24, 24) and out["same_weights"]
+    assert out["max_lr"][0] == pytest.approx(out["max_lr"][1])
+    assert out["sched"][0] == out["sched"][1] == 24 and out["clock"] == 0.0
+    assert out["losses"][0] == out["losses"][1]
+    assert out["probe_charge"][0] == pytest.approx(out["probe_charge"][1]) and out["probe_charge"][0] > 0
+
+
+def test_seeds_aggregate_to_a_mean_with_misses_as_null_and_layout_switches_counted():
+    """Catches a mean that skips a seed that missed the target (a biased ``ttp_s``), a
+    missed seed not reported as null, or batch switches counted as layout switches: seeds
+    at 10 s and 14 s give 12 s; one missed gives ``ttp_s`` null with the miss in
+    ``ttp_s_by_seed``; a chain dp8-tp8 gb64 -> dp8-tp8 gb128 -> dp16-tp4 gb128 has two
+    switches, one of them a layout switch (also the plot's marker kinds)."""
+    from bench.cona_plot import switch_points
+    from bench.cona_ttp import aggregate
+
+    chain = [{"strategy": "dp8-tp8-pp1-mb8-gb64"}, {"strategy": "dp8-tp8-pp1-mb8-gb128"},
+             {"strategy": "dp16-tp4-pp1-mb8-gb128"}]
+    a = {"cona": {"ttp_s": 10.0, "chain": chain, "switches": 2, "switch_times_s": [1.0, 2.0]}}
+    b = {"cona": {"ttp_s": 14.0, "chain": chain[:1], "switches": 0}}
+    miss = {"cona": {"ttp_s": None, "chain": chain[:1], "switches": 0}}
+    out = aggregate([a, b])["cona"]
+    assert out["ttp_s"] == pytest.approx(12.0) and out["ttp_s_by_seed"] == [10.0, 14.0]
+    assert out["layout_switches"] == 1 and out["layout_switches_by_seed"] == [1, 0]
+    assert out["switches"] == 2 and out["switches_by_seed"] == [2, 0]
+    missed = aggregate([a, miss])["cona"]
+    assert missed["ttp_s"] is None and missed["ttp_s_by_seed"] == [10.0, None]
+    assert switch_points(a["cona"]) == [(1.0, "batch"), (2.0, "layout")]
+
+
+def test_oracle_windows_count_steps_from_the_search_root_after_a_warm_start():
+    """Catches evaluation steps passed to the oracle as the trainer's absolute step: from a
+    warm state at step 200 the oracle timed every evaluation 200 steps late (its chain's
+    curve started 200 x iter_s after its own clock's zero).  A window of 4 steps evaluated
+    at steps 2 and 4 from a job at trainer step 200 must report steps 2 and 4."""
+    from types import SimpleNamespace
+
+    from cona.baselines import ProxyBranch
+    from cona.strategy import Strategy
+
+    s = Strategy(8, 8, 1, 8, 64)
+    job = SimpleNamespace(trainer=SimpleNamespace(step=200), consumed_samples=1600,
+                          set_strategy=lambda strategy: None)
+    ttp = SimpleNamespace(reached=False, crossing=None)
+    progress = SimpleNamespace(evals=[], ttp=ttp)
+
+    def step():
+        job.trainer.step += 1
+        job.consumed_samples += 8
+        if job.trainer.step % 2 == 0:
+            progress.evals = [*progress.evals, {"step": job.trainer.step, "val_ppl": 9.0}]
+
+    loop = SimpleNamespace(done=False, progress=progress, step=step)
+    ctx = SimpleNamespace(candidates=[s], cluster=SimpleNamespace(iter_s=lambda c: 1.0))
+    run = ProxyBranch(ctx, job, loop).run_window(64, 1600 + 4 * 8, stop=lambda steps: False)
+    assert run.steps == 4 and [e["step"] for e in run.evals] == [2, 4]

@@ -123,22 +123,19 @@ def test_sample_schedule_and_lr_scaling():
 
 
 def test_proxy_mapping_is_one_rule():
-    """Catches a mapping applied in one direction only or rounded silently: the calibration
-    must land the reference noise scale on the published batch within a factor sqrt(2)
-    (power-of-two rounding), batches must map both ways exactly, a target batch that is not
-    a whole number of proxy sequences must be an error naming cona.batch_ratio, and the
+    """Catches a mapping applied in one direction only or rounded silently, or a batch
+    ratio that depends on a measurement: the ratio is the fixed 8 for every family, the
+    recipe batches are the published ones (GPT-3 XL 1M tokens = 512 x 2048, BERT-Large
+    256 x 512), batches must map both ways exactly, a target batch that is not a whole
+    number of proxy sequences must be an error naming cona.batch_ratio, and the
     controller's noise-scale view must be r times the proxy's."""
     from cona.grad_stats import GradientNoiseScale
-    from cona.mapping import PUBLISHED_BATCH, TargetNoiseScale, calibrate_ratio
+    from cona.mapping import BATCH_RATIO, TargetNoiseScale, recipe_batch
 
-    for phi in (3.0, 40.0, 100.0, 700.0):
-        r = calibrate_ratio(phi, "gpt3_1.3b")
-        assert r >= 1 and r & (r - 1) == 0
-        if r > 1:
-            assert 2**-0.5 <= r * phi / PUBLISHED_BATCH["gpt3_1.3b"][0] <= 2**0.5
-    assert calibrate_ratio(100.0, "gpt3_1.3b") == 4 and calibrate_ratio(100.0, "bert_large") == 2
-    with pytest.raises(ValueError, match="positive"):
-        calibrate_ratio(0.0, "gpt3_1.3b")
+    assert BATCH_RATIO == 8
+    assert recipe_batch("gpt3_1.3b") * 2048 == 2**20 and recipe_batch("bert_large") == 256
+    with pytest.raises(KeyError, match="no published batch"):
+        recipe_batch("gpt2")
     m = ProxyMapping(8, 64, 2048)
     assert m.target_batch(16) == 128 and m.proxy_batch(128) == 16
     with pytest.raises(ValueError, match="cona.batch_ratio"):

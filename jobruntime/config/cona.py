@@ -32,7 +32,11 @@ class ConaConfig:
     """Emulated mode: preset that gives FLOPs and memory; ``None`` = this model."""
     batch_ratio: float = 1.0
     """Emulated mode: target sequences one proxy sequence stands for (``cona/mapping.py``;
-    ``bench/cona_ttp.py`` calibrates it).  ``cona.global_batch_sizes`` are target sequences."""
+    ``bench/cona_ttp.py`` fixes it at 8).  ``cona.global_batch_sizes`` are target sequences."""
+    step_dilation: float = 1.0
+    """Emulated mode: target optimizer steps one proxy step stands for; each proxy step
+    charges this many target step times (switch costs unchanged).  ``bench/cona_ttp.py``
+    sets it from the noise-scale growth (``cona/targets.py``, Kaplan et al. 2020)."""
     clock: Literal["wall", "emulated"] = "wall"
     min_gain: float = 0.05
     """Switch only if the best candidate scores this fraction above current."""
@@ -125,6 +129,9 @@ class ConaConfig:
         if self.candidates is not None and not self.candidates:
             raise ConfigError("cona.candidates=[] lists no candidate; give some, or null to "
                               "enumerate them")
+        if not 1 <= self.step_dilation < float("inf"):
+            raise ConfigError(f"cona.step_dilation={self.step_dilation} must be a number >= 1 "
+                              "(1 = one target step per proxy step)")
         if not 0 < self.batch_ratio < float("inf"):
             raise ConfigError(f"cona.batch_ratio={self.batch_ratio} must be a positive number")
         if self.clock == "wall" and (self.num_gpus is not None or self.target_model is not None

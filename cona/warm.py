@@ -1,0 +1,101 @@
+"""Warm checkpoints: the proxy trained once through its preset's warmup, cached on disk.
+
+Every method of the CONA bench starts from the same warm state, so the evaluated
+segment lies past the warmup, where statistical efficiency and the noise scale
+matter, and no method is charged (or favoured) for the warmup.  The warm run is
+the preset's recipe: its global batch, its LR and min LR, its full warmup
+(``train.warmup_iters`` optimizer steps at ``parallel.global_batch_size``,
+counted in steps) and the cosine decay over ``train.iters`` of the run it warms,
+data order and initialisation from ``train.seed``.
+
+Cache: ``data.cache_dir/cona-warm-<key>.pt``, ``key`` = a hash of everything that
+determines the state (:func:`warm_key`: model, data, recipe, seed, steps, the
+proxy's micro-batch and the torch version); written through a temporary name and
+renamed, so a killed run never leaves a half-written checkpoint that a later
+run would load.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+
+from . import state as cstate
+
+log = logging.getLogger("cona")
+WARM_FORMAT = 1  # bump when the stored fields or their meaning change
+# train.* fields that do not change the warm state (evaluation, stopping, logging)
+_TRAIN_IGNORED = {"eval_interval", "eval_iters", "target_ppl", "stop_at_target", "max_wall_s"}
+
+
+def warm_key(cfg, steps: int, train_samples: int) -> str:
+    """A hex digest over what determines the warm state of ``cfg`` after ``steps`` steps.
+
+    Included: ``cfg.model``, ``cfg.data`` (not its cache folder), ``cfg.train``
+    (not evaluation or stopping settings), the preset's global and micro batch,
+    ``steps``, the training set's size ``train_samples`` (megatron shuffles all
+    epochs of it together, so it sets the data order), :data:`WARM_FORMAT` and the
+    torch version."""
+    data = {k: v for k, v in dataclasses.asdict(cfg.data).items() if k != "cache_dir"}
+    train = {k: v for k, v in dataclasses.asdict(cfg.train).items() if k not in _TRAIN_IGNORED}
+    blob = json.dumps({"model": dataclasses.asdict(cfg.model), "data": data, "train": train,
+                       "global_batch_size": cfg.parallel.global_batch_size,
+                       "micro_batch_size": cfg.parallel.micro_batch_size, "steps": steps,
+                       "train_samples": train_samples,
+                       "format": WARM_FORMAT, "torch": torch.__version__},
+                      sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:20]
+
+
+def warm_path(cfg, steps: int, train_samples: int) -> Path:
+    """Where :func:`warm_key`'s checkpoint lives (``data.cache_dir``, like the data cache)."""
+    cache = Path(cfg.data.cache_dir)
+    if not cache.is_absolute():
+        cache = Path.cwd() / cache
+    return cache / f"cona-warm-{warm_key(cfg, steps, train_samples)}.pt"
+
+
+def save_atomic(obj, path: Path) -> None:
+    """``torch.save`` to a temporary file in ``path``'s folder, then rename onto ``path``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(obj, f)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def train_warm(ctx, steps: int, measure=None) -> dict:
+    """Train a fresh job of ``ctx`` (at the preset's batch) for ``steps`` optimizer steps.
+
+    Returns the warm state: ``{"trainer": cona.state.snapshot, "consumed_samples",
+    "steps", "extra"}``; ``measure(job)`` (optional) returns a dict stored as ``extra``
+    (e.g. the validation perplexity and a direct noise-scale measurement there)."""
+    job = ctx.make_job(ctx.reference_strategy())
+    for _ in range(steps):
+        job.train_step()
+    return {"trainer": cstate.snapshot(job.trainer), "consumed_samples": job.consumed_samples,
+            "steps": steps, "extra": measure(job) if measure is not None else {}}
+
+
+def load_or_train_warm(ctx, steps: int, measure=None) -> tuple[dict, bool]:
+    """The cached warm state of ``ctx.cfg`` after ``steps`` steps, trained and cached if
+    absent.  Returns ``(warm, cached)``; ``cached`` is true when it was read from disk."""
+    path = warm_path(ctx.cfg, steps, len(ctx.data.train))
+    if path.is_file():
+        log.info("warm checkpoint %s (cached)", path.name)
+        return torch.load(path, weights_only=False), True
+    warm = train_warm(ctx, steps, measure)
+    save_atomic(warm, path)
+    log.info("warm checkpoint %s: %d steps trained and cached", path.name, steps)
+    return warm, False
