@@ -137,8 +137,28 @@ def _child(args, spec: dict, seed: int) -> dict:
     return row
 
 
-def summarise(spec: dict, seeds: list[int], rows: list[dict]) -> dict:
-    """A row of the JSON from its runs (one per seed, same order)."""
+def _finished(args, spec: dict, seed: int) -> dict | None:
+    """``--no-train``: the run's row if it finished under ``--runs`` with this run's
+    config (``bench/geomesh_ttp.py``'s reuse rule), else ``None``; trains nothing."""
+    import geomesh_ttp as ttp
+
+    from jobruntime.config import load_config
+
+    cfg = load_config("tiny_gpt", ttp.overrides(args.mode, spec["method"], args.wandb, "peers")
+                      + [*spec["overrides"],
+                         f"geomesh.eval_interval={eval_interval(spec['H'], args.eval_every)}",
+                         f"train.seed={seed}", *args.overrides])
+    folder = Path(args.runs) / args.mode / spec["row"] / f"seed{seed}" / spec["method"]
+    summary = ttp._reused(cfg, folder)
+    return None if summary is None else {**ttp._row(summary, summary.get("wall_s", 0.0)),
+                                         "reused": True}
+
+
+def summarise(spec: dict, seeds: list[int], rows: list[dict | None]) -> dict:
+    """A row of the JSON from its runs (one per seed, same order; ``None``: that seed was
+    not run, ``--no-train``, and is left out)."""
+    seeds = [s for s, r in zip(seeds, rows) if r is not None]
+    rows = [r for r in rows if r is not None]
     ttp = [r["ttp_s"] for r in rows]
     hit = [t for t in ttp if t is not None]
     ppl = [r["final_val_ppl"] for r in rows]
@@ -193,6 +213,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--set", nargs="+", default=[], dest="overrides", metavar="KEY=VALUE",
                    help="extra overrides for every run (after the row's)")
     p.add_argument("--out-json", default=None, help="also write the JSON here (atomically)")
+    p.add_argument("--no-train", action="store_true",
+                   help="report only the runs already finished under --runs (same config); "
+                        "a seed not run is left out of its row, a row with none is dropped")
     args = p.parse_args(argv)
     args.mode = "quick" if args.quick else "full"
     if args.eval_every is None:
@@ -212,12 +235,19 @@ def main(argv: list[str] | None = None) -> int:
     from jobruntime.metrics import provenance, write_json_atomic
 
     work = [(spec, seed) for spec in specs for seed in args.seeds]
-    with ThreadPoolExecutor(args.jobs) as pool:
-        done = list(pool.map(lambda x: _child(args, *x), work))
+    if args.no_train:
+        done = [_finished(args, *x) for x in work]
+    else:
+        with ThreadPoolExecutor(args.jobs) as pool:
+            done = list(pool.map(lambda x: _child(args, *x), work))
     rows, k = [], 0
     for spec in specs:
-        rows.append(summarise(spec, args.seeds, done[k:k + len(args.seeds)]))
+        runs = done[k:k + len(args.seeds)]
         k += len(args.seeds)
+        if any(r is not None for r in runs):
+            rows.append(summarise(spec, args.seeds, runs))
+        else:
+            print(f"{spec['row']}: no finished run, left out", file=sys.stderr)
     report = {"clock": "emulated", "rows": rows,
               "settings": {"mode": args.mode, **SETTINGS[args.mode],
                            "inner_steps_per_run": SETTINGS[args.mode]["inner_steps"]
@@ -225,7 +255,8 @@ def main(argv: list[str] | None = None) -> int:
                            "eval_every_inner_steps": args.eval_every, "seeds": args.seeds,
                            "runs": str(Path(args.runs) / args.mode), "cluster": "four_region",
                            "target_model": "gpt3_1.3b", "proxy": "tiny_gpt",
-                           "extra": args.overrides, "tune_lr": args.tune_lr},
+                           "extra": args.overrides, "tune_lr": args.tune_lr,
+                           "no_train": args.no_train},
               **provenance(None if argv is None else ["bench/geomesh_peers.py", *argv])}
     if args.tune_lr:  # best outer lr per row by mean final val ppl (how OUTER_LR was chosen)
         best: dict[str, dict] = {}

@@ -96,3 +96,26 @@ def test_reuse_takes_keys_added_since_at_their_default(tmp_path):
     assert ttp._reused(cfg, folder) is None
     cfg, folder = saved([], lambda d: d["train"].update(seed=7))
     assert ttp._reused(cfg, folder) is None
+
+
+def test_no_train_reports_only_finished_runs(tmp_path, capsys):
+    """Catches ``--no-train`` launching a run, reporting a seed that was not run, or
+    keeping a row with no finished run: one finished seed of ``diloco_h16`` (saved as
+    bench/geomesh_ttp.py saves it) is the row's only seed; ``geomesh`` is dropped."""
+    from jobruntime.config import load_config
+
+    spec = peers.parse_row("diloco_h16_lr0.15_ramp", "full")
+    cfg = load_config("tiny_gpt", ttp.overrides("full", "diloco", "disabled", "g")
+                      + [*spec["overrides"], "geomesh.eval_interval=1", "train.seed=1235"])
+    d = cfg.to_dict()
+    d["model"]["padded_vocab_size"] = cfg.model.padded_vocab
+    folder = tmp_path / "full" / spec["row"] / "seed1235" / "diloco"
+    folder.mkdir(parents=True)
+    (folder / "config.yaml").write_text(yaml.safe_dump(d))
+    (folder / "summary.json").write_text(json.dumps(
+        {"ttp_s": 5.0, "final_val_ppl": 300.0, "bytes_per_outer_step": 8.0}))
+    assert peers.main(["--full", "--no-train", "--runs", str(tmp_path), "--rows", spec["row"],
+                       "geomesh", "--seeds", "1234", "1235"]) == 0
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    assert [(r["row"], r["seeds"], r["ttp_s_by_seed"]) for r in rows] == \
+        [(spec["row"], [1235], [5.0])]
