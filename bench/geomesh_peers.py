@@ -213,6 +213,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--set", nargs="+", default=[], dest="overrides", metavar="KEY=VALUE",
                    help="extra overrides for every run (after the row's)")
     p.add_argument("--out-json", default=None, help="also write the JSON here (atomically)")
+    p.add_argument("--note", default=None,
+                   help="a sentence stored in the JSON and printed under its table (e.g. the "
+                        "commits the reused runs were made at)")
     p.add_argument("--no-train", action="store_true",
                    help="report only the runs already finished under --runs (same config); "
                         "a seed not run is left out of its row, a row with none is dropped")
@@ -257,6 +260,7 @@ def main(argv: list[str] | None = None) -> int:
                            "target_model": "gpt3_1.3b", "proxy": "tiny_gpt",
                            "extra": args.overrides, "tune_lr": args.tune_lr,
                            "no_train": args.no_train},
+              "note": args.note,
               **provenance(None if argv is None else ["bench/geomesh_peers.py", *argv])}
     if args.tune_lr:  # best outer lr per row by mean final val ppl (how OUTER_LR was chosen)
         best: dict[str, dict] = {}

@@ -172,27 +172,34 @@ def _validate(cfg: JobConfig) -> None:
     if g.wan_bandwidth_scale is not None and not 0 < g.wan_bandwidth_scale < float("inf"):
         raise ConfigError(f"geomesh.wan_bandwidth_scale={g.wan_bandwidth_scale} must be a "
                           "positive number (or null: the cluster file's)")
-    if g.method == "streaming_diloco":
-        _validate_streaming(g)
+    _validate_streaming(g)
     if not 0 <= g.token_tolerance < 1:
         raise ConfigError(f"geomesh.token_tolerance={g.token_tolerance} must be in [0, 1) "
                           "(default 0.05)")
 
 
 def _validate_streaming(g) -> None:
-    """torchft's constraints on the fragment schedule (``torchft.local_sgd.DiLoCo``)."""
+    """torchft's constraints on the fragment schedule (``torchft.local_sgd.DiLoCo``): the
+    ranges for every method (a bad value is refused whatever reads it), the fit with
+    ``inner_steps`` where ``method=streaming_diloco`` runs it."""
     P, H, tau = g.fragments, g.inner_steps, g.fragment_sync_delay
-    if P < 1 or H % P:
-        raise ConfigError(f"geomesh.fragments={P} must be >= 1 and divide geomesh.inner_steps={H} "
-                          "(one fragment is synchronised every inner_steps/fragments steps)")
-    if not 0 <= tau < H // P:
-        raise ConfigError(f"geomesh.fragment_sync_delay={tau} must be in [0, inner_steps/fragments"
-                          f" = {H // P}) (a fragment is synchronised before it is sent again)")
+    if P < 1:
+        raise ConfigError(f"geomesh.fragments={P} must be >= 1 (default 2)")
+    if tau < 0:
+        raise ConfigError(f"geomesh.fragment_sync_delay={tau} must be >= 0 (0 = no overlap)")
     if not 0 <= g.fragment_update_alpha <= 1:
         raise ConfigError(f"geomesh.fragment_update_alpha={g.fragment_update_alpha} must be in "
                           "[0, 1]")
     if g.fragment_bits not in (32, 8, 4):
         raise ConfigError(f"geomesh.fragment_bits={g.fragment_bits}: use 32, 8 or 4")
+    if g.method != "streaming_diloco":
+        return
+    if H % P:
+        raise ConfigError(f"geomesh.fragments={P} must divide geomesh.inner_steps={H} "
+                          "(one fragment is synchronised every inner_steps/fragments steps)")
+    if tau >= H // P:
+        raise ConfigError(f"geomesh.fragment_sync_delay={tau} must be in [0, inner_steps/fragments"
+                          f" = {H // P}) (a fragment is synchronised before it is sent again)")
 
 
 def target_schema(target: JobConfig) -> TensorSchema:

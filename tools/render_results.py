@@ -255,7 +255,8 @@ def geomesh_peers(r: dict) -> str:
               f"{s['eval_every_inner_steps']} inner steps (or every round when H is larger); "
               f"seeds {', '.join(map(str, s['seeds']))}; TTP interpolated at the crossing of the "
               "target, mean ± half the range over the seeds that reached it; bytes per round "
-              "(H inner steps) summed over the workers.",
+              "(H inner steps) summed over the workers." + (f"  {r['note']}" if r.get("note")
+                                                             else ""),
               "", _source(r, "geomesh_peers")]
     return "\n".join(lines) + "\n"
 
