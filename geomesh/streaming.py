@@ -81,7 +81,7 @@ from .wire.guard import Guard
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 # E3M0 magnitudes relative to the row's scale: 0 and 2^-6 .. 2^0 (8 codes + a sign bit)
-_E3M0 = torch.tensor([0.0] + [2.0 ** -e for e in range(6, -1, -1)])
+_E3M0 = torch.tensor([0.0] + [2.0 ** -e for e in range(6, -1, -1)])  # host
 _E3M0_MIDS = (_E3M0[1:] + _E3M0[:-1]) / 2
 CODEC_NAMES = {32: "fp32", 8: "fp8-e4m3-row", 4: "fp4-e3m0-row"}
 
