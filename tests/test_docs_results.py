@@ -115,3 +115,14 @@ def test_geomesh_peers_table_from_a_synthetic_result():
     s = lines["streaming_diloco (`streaming_diloco_4bit`)"]
     assert "missed (0/3)" in s and "| — |" in s and "2700.0 MB" in s
     assert "`abc1234`" in out and "docs/results/geomesh_peers.json" in out and "832 inner" in out
+    # the README's short form: GeoMesh and each other method's fastest row; a row that
+    # missed on every seed ranks below one that reached the target, whatever its number
+    data["rows"] += [row("diloco_h8_lr0.15_ramp", "diloco", 8, [250.0, 350.0, 300.0], 220.0,
+                         2.1e10, 0.55, 0.05),
+                     row("streaming_diloco_fp32", "streaming_diloco", 8, [800.0, None, None],
+                         240.0, 2.1e10, 0.5, 0.01)]
+    head = render_results.geomesh_peers_headline(data)
+    names = [line.split("|")[1].strip() for line in head.splitlines()[2:] if line.startswith("| ")]
+    assert names == ["geomesh (`geomesh`)", "diloco (`diloco_h8_lr0.15_ramp`)",
+                     "streaming_diloco (`streaming_diloco_fp32`)"]
+    assert "3.0x slower" in head and "8.0x slower" in head and "800 s (1/3)" in head
