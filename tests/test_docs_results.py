@@ -126,3 +126,22 @@ def test_geomesh_peers_table_from_a_synthetic_result():
     assert names == ["geomesh (`geomesh`)", "diloco (`diloco_h8_lr0.15_ramp`)",
                      "streaming_diloco (`streaming_diloco_fp32`)"]
     assert "3.0x slower" in head and "8.0x slower" in head and "800 s (1/3)" in head
+
+
+def test_geomesh_peers_tune_table_marks_the_chosen_lr():
+    """Catches a tuning table that marks another outer lr than the one the bench chose
+    (``best_lr``) or shows a missed target as a time."""
+    def row(name, lr, ttp, ppl):
+        return {"row": name, "outer_lr": lr, "ttp_s_mean": ttp, "final_val_ppl_mean": ppl}
+
+    data = {"best_lr": {"diloco_h8": 0.15, "streaming_diloco_fp32": 0.25},
+            "rows": [row("diloco_h8_lr0.15", 0.15, 1072.6, 723.9),
+                     row("diloco_h8_lr0.5", 0.5, None, 848.1),
+                     row("streaming_diloco_lr0.25_fp32", 0.25, 1085.3, 753.3)],
+            "settings": {"mode": "quick", "inner_steps_per_run": 96, "seeds": [1234]},
+            "date": "2026-12-02T05:00:00Z", "commit": "abc1234", "machine": "2 CPU cores",
+            "command": "python bench/geomesh_peers.py --quick --tune-lr"}
+    out = render_results.geomesh_peers_tune(data).splitlines()
+    assert "| `diloco_h8` | **0.15** | 1,073 s | **723.9** |" in out
+    assert "| `diloco_h8` | 0.5 | missed | 848.1 |" in out
+    assert "| `streaming_diloco_fp32` | **0.25** | 1,085 s | **753.3** |" in out

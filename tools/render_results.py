@@ -293,11 +293,31 @@ def geomesh_peers_headline(r: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def geomesh_peers_tune(r: dict) -> str:
+    """A ``--tune-lr`` run of bench/geomesh_peers.py: per row, TTP and final val ppl at
+    each outer lr of the grid, the chosen one (best final val ppl) in bold."""
+    best = r["best_lr"]
+    lines = ["| row | outer lr | TTP, emulated | final val ppl |", "|---|---:|---:|---:|"]
+    for x in r["rows"]:
+        base = re.sub(r"_lr\d+(?:\.\d+)?", "", x["row"])  # as bench/geomesh_peers.py names it
+        mark = "**" if best[base] == x["outer_lr"] else ""
+        ttp = "missed" if x["ttp_s_mean"] is None else f"{x['ttp_s_mean']:,.0f} s"
+        lines.append(f"| `{base}` | {mark}{x['outer_lr']:g}{mark} | {ttp} | "
+                     f"{mark}{x['final_val_ppl_mean']:.1f}{mark} |")
+    s = r["settings"]
+    lines += ["", f"{s['mode']} runs ({s['inner_steps_per_run']} inner steps), seed "
+              f"{', '.join(map(str, s['seeds']))}; {r.get('note') or ''}",
+              "", _source(r, "geomesh_peers_tune")]
+    return "\n".join(lines) + "\n"
+
+
 RENDERERS: dict[str, Callable[[dict], str]] = {"four_shape_cpu": four_shape_cpu,
                                                "faults_quick": faults_quick,
                                                "h200_2026-11-30": h200,
                                                "bert_data": bert_data,
-                                               "geomesh_peers": geomesh_peers}
+                                               "geomesh_peers": geomesh_peers,
+                                               "geomesh_peers_quick": geomesh_peers,
+                                               "geomesh_peers_tune": geomesh_peers_tune}
 VIEWS: dict[tuple[str, str], Callable[[dict], str]] = {
     ("h200_2026-11-30", "headline"): h200_headline,
     ("geomesh_peers", "headline"): geomesh_peers_headline}
