@@ -288,7 +288,8 @@ def geomesh_peers_headline(r: dict) -> str:
     lines += ["", f"Emulated four-region cluster (H100, A100, V100, T4; Azure WAN), GPT-3 1.3B's "
               f"time and bytes, `{s['proxy']}` trained for {s['inner_steps_per_run']} inner steps "
               "per run (equal tokens for every method and H); all rows, the H sweep and the "
-              "low-bit Streaming DiLoCo: [docs/geomesh.md](docs/geomesh.md#geomesh-against-its-peers).",
+              "low-bit Streaming DiLoCo: [docs/geomesh.md](docs/geomesh.md#geomesh-against-its-peers)."
+              + (f"  {r['note']}" if r.get("note") else ""),
               "", _source(r, "geomesh_peers")]
     return "\n".join(lines) + "\n"
 
