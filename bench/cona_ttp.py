@@ -223,10 +223,12 @@ def seed_methods(ctx, settings: dict, boundaries: list[int], recipe_batch: int) 
     if so1 is not None and oc["ttp_s"] is not None:
         assert oc["ttp_s"] <= so1["ttp_s"] * (1 + 1e-12), "oracle_chain slower than static_oracle"
     swept = [dict(m, lr_factor=1.0) for m in statics.values()]
-    for strategy in fastest.values():  # static_oracle's LR choice, cut at 2x the best
+    for strategy in fastest.values():  # static_oracle's LR choice, cut past the best so far
         for f in settings["lr_factors"]:
             if f != 1.0:
-                swept.append(run_static(ctx, strategy, f, bound_s=2 * best if best else None))
+                swept.append(run_static(ctx, strategy, f, bound_s=best))
+                t = swept[-1]["ttp_s"]
+                best = t if best is None or (t is not None and t < best) else best
     reached = [m for m in swept if m["ttp_s"] is not None]
     methods["static_oracle"] = min(reached, key=lambda m: m["ttp_s"]) if reached else None
     recipe = statics.get(recipe_batch)

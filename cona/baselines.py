@@ -107,20 +107,30 @@ def layout_switches(chain: list[dict]) -> int:
 LR_FACTORS = (0.5, 1.0, 2.0)  # static_oracle's LR choices, x the scaling rule's LR
 
 
+def past_bound(evals: list[dict], bound_s: float) -> bool:
+    """Whether a run that has not reached its target yet can stop: its last evaluation
+    (``{"time_s", ...}``, emulated seconds) is past ``bound_s``.  Exact for a minimum:
+    TTP is interpolated between the last evaluation above the target and the first at
+    or below it, so a run whose TTP is below ``bound_s`` has every evaluation before
+    its crossing at a time below ``bound_s`` and is never stopped; one stopped here has
+    its TTP (if any) above ``bound_s``.  (A cut on the clock between evaluations is
+    not exact: the crossing's evaluation may come after the bound although the
+    interpolated TTP lies before it.)"""
+    return bool(evals) and evals[-1]["time_s"] > bound_s
+
+
 def run_static(ctx: ConaContext, strategy: Strategy, lr_factor: float = 1.0,
                budget_samples: int | None = None, bound_s: float | None = None) -> dict:
     """One static run at ``strategy`` with ``lr_factor`` x the rule's LR, from ``ctx``'s
     warm state, to the target or ``budget_samples`` (default the context's budget), or
-    stopped once its clock passes ``bound_s`` (emulated seconds; then ``ttp_s`` is
-    ``None`` and ``ttp_lower_bound_s`` its clock there).  Returns a method record
-    (:func:`method_result`) with ``lr_factor``."""
+    stopped at :func:`past_bound` of ``bound_s`` (emulated seconds; then ``ttp_s`` is
+    ``None`` and ``ttp_lower_bound_s`` its clock there: the run's TTP, had it gone on,
+    exceeds ``bound_s``).  Returns a method record (:func:`method_result`) with
+    ``lr_factor``."""
     job = ctx.make_job(strategy, lr_factor=lr_factor)
     loop = Loop(job, ctx.cfg, budget_samples=budget_samples or ctx.budget_samples,
                 eval_samples=ctx.eval_samples, keep_records=False)
-    if bound_s is None:
-        loop.run()
-    else:
-        loop.run(until=lambda: job.clock_s > bound_s)
+    loop.run(until=None if bound_s is None else lambda: past_bound(loop.progress.evals, bound_s))
     out = method_result(loop)
     out["lr_factor"] = lr_factor
     if out["ttp_s"] is None:

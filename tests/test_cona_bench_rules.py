@@ -274,3 +274,42 @@ def test_oracle_windows_count_steps_from_the_search_root_after_a_warm_start():
     ctx = SimpleNamespace(candidates=[s], cluster=SimpleNamespace(iter_s=lambda c: 1.0))
     run = ProxyBranch(ctx, job, loop).run_window(64, 1600 + 4 * 8, stop=lambda steps: False)
     assert run.steps == 4 and [e["step"] for e in run.evals] == [2, 4]
+
+
+def test_lr_sweep_cut_is_exact_for_the_minimum():
+    """Catches a sweep cut that drops a run which would have beaten the best so far:
+    ``static_oracle`` is a minimum, so a swept run may stop only once its TTP is
+    certain to exceed the bound.  Random perplexity curves evaluated every 10 emulated
+    s, TTP interpolated (:class:`TTPTracker`): a run cut by :func:`past_bound` never
+    has an uncut TTP below the bound, and an uncut TTP below the bound is found
+    unchanged.  The hand-made case is the one a cut on the clock between evaluations
+    gets wrong: TTP 107.1 s < bound 108 s, but the crossing's evaluation is at 110 s."""
+    from cona.baselines import past_bound
+    from jobruntime.metrics import TTPTracker
+
+    def run(ppls, bound, cut):
+        t, evals = TTPTracker(100.0), []
+        for j, ppl in enumerate(ppls):
+            time_s = 10.0 * (j + 1)
+            evals.append({"time_s": time_s, "val_ppl": ppl})
+            if t.update(ppl, time_s, j, j):
+                return t.ttp_s
+            if cut and past_bound(evals, bound):
+                return "cut"
+        return None
+
+    crossing = [400.0] * 9 + [130.0, 90.0]  # above at 100 s, below at 110 s
+    assert run(crossing, 1e9, cut=False) == pytest.approx(100 + 10 * math.log(1.3) / math.log(130 / 90))
+    assert run(crossing, 108.0, cut=True) == run(crossing, 108.0, cut=False) < 108.0
+    rng = np.random.default_rng(0)
+    cuts = 0
+    for _ in range(500):
+        ppls = list(300.0 * np.exp(-np.cumsum(rng.uniform(0.0, 0.3, size=40))))
+        bound = float(rng.uniform(20.0, 200.0))
+        full, cut = run(ppls, bound, cut=False), run(ppls, bound, cut=True)
+        if cut == "cut":
+            cuts += 1
+            assert full is None or full > bound
+        else:
+            assert cut == full
+    assert cuts > 50  # the cut does fire
