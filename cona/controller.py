@@ -17,7 +17,7 @@ Decision rule at a decision step (every ``cfg.decision_interval`` steps):
    switches to the one with the largest net saving ``T (1 - r_c/r_b) - C_b``
    — not simply the top-scored one: a slightly slower candidate that a cheap
    batch-only switch reaches beats the best one behind a layout switch that
-   cannot repay (the oracle chains on the GPT-3 grid move this way, README).
+   cannot repay.
    If none qualifies, it stays, and the decision names the top-ranked
    candidate and the test it fails.
 
@@ -176,7 +176,7 @@ def start_strategy(
     faster one now.  ``slack = 0`` is ``A``.  On the GPT-3 1.3B grid of
     ``bench/cona_ttp.py`` it starts in ``dp16-tp4`` at batch 64 (1.5 % slower
     than ``dp8-tp8``), from which batch 128 is a batch-only switch, as the
-    oracle chain does (README).
+    quick bench's oracle chain does (docs/cona.md#benches).
 
     Raises:
         ValueError: no candidate at ``batch``, or ``slack`` not in ``[0, 1)``.

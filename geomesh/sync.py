@@ -49,8 +49,8 @@ thread (it uses only the transport's process groups); the emulated clock
 charges the wait at step ``τ_i`` (:class:`geomesh.fleet.clock.EmulatedClock`).
 
 The measured choices behind the defaults (one scale per row, balancing by
-steps, the outer-momentum ramp, overlap 0.1 with the eager update) are in the
-README's ablation tables and ``bench/geomesh_ttp.py --ablation``.
+steps, the outer-momentum ramp, overlap 0.1 with the eager update) are measured by
+``bench/geomesh_ttp.py --ablation``.
 
 Time.  Emulated: worker ``i``'s compute is the GPU-profile time of its plan on
 the target model (:func:`geomesh.fleet.clock.inner_step_time_s`) times any injected

@@ -82,8 +82,7 @@ class ConaConfig:
     start batch if it runs the next larger batch faster (``cona.controller.start_strategy``:
     a later batch-only switch instead of a layout switch); 0 = the fastest.  If the noise
     scale never calls for the larger batch, the whole run is this much slower, so keep it
-    at the slowdown you accept in that case (2 %, chosen after a 5 % run lost 5.1 % on
-    Llama, README).  Must be below ``min_gain``, or the controller undoes the start."""
+    at the slowdown you accept in that case.  Must be below ``min_gain``, or the controller undoes the start."""
     switch_timeout_s: float = 600.0
     """Real mode: a layout switch still running after this many seconds means
     a rank stalled or was lost; every rank then exits with one line (resume

@@ -63,7 +63,8 @@ class GeoMeshConfig:
     row of every matrix (``sign_row``, 31.6x), the same for the part the
     outer momentum does not predict plus one coefficient per row
     (``sign_pred``, ``geomesh/wire/predict.py``), one magnitude per tensor
-    (``sign``), or none (``fp32``, an ablation).  Measured: README, ablation."""
+    (``sign``), or none (``fp32``, an ablation).  Measured by
+    ``bench/geomesh_ttp.py --ablation``."""
     compress_update: bool = False
     """GeoMesh: compress each worker's momentum-corrected outer update
     ``Δ_i + μ v_i`` (its own momentum ``v_i``, 1-bit Adam's order; every worker
@@ -78,8 +79,8 @@ class GeoMeshConfig:
     message at its token share, the last aggregate for the others',
     ``geomesh/eager.py``); then it moves onto the new ``θ_global`` keeping that
     progress (1 = a one-round-delayed outer update).  ``0.1`` covers the
-    four-region cluster's exchange (README: WAN idle 275x below DiLoCo's,
-    final perplexity +0.7 ± 1.2 % over four seeds of the longer run).
+    four-region cluster's exchange (its WAN idle and perplexity cost:
+    ``bench/geomesh_ttp.py --ablation``).
     ``null`` (default): blocking rounds.  Checkpoint rounds and the last round
     are not overlapped (``geomesh/sync.py``).  The baselines (DiLoCo, DDP,
     async) never overlap."""
@@ -87,7 +88,8 @@ class GeoMeshConfig:
     """``compression=topk``: elements kept of every 256 of a row (with 2-bit
     values: 24 → 32.8x less than fp32 on GPT-3 1.3B, counted from the encoded
     bytes; 7 → 99.7x, 6 → 110.5x, the sparse mode: run it at a larger
-    ``outer_lr``, 1.0-1.4, its messages make smaller steps; README)."""
+    ``outer_lr``, 1.0-1.4, its messages make smaller steps;
+    ``bench/geomesh_ttp.py --ablation``)."""
     topk_bits: int = 2
     """``compression=topk``: bits per kept value, 1 (sign, one magnitude per
     row) or 2 (sign and a level bit, two magnitudes per row)."""
