@@ -83,3 +83,28 @@ def _interp(x: float, xs: list[float], ys: list[float]) -> float:
         if x <= x1:
             return y0 + (y1 - y0) * (x - x0) / (x1 - x0) if x1 > x0 else y1
     return ys[-1]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Plot every family of a committed ``bench/cona_ttp.py`` JSON: one PNG per family,
+    ``<out>/<json stem>_<family>.png`` (how the docs' plots are made from the same data
+    as their tables)."""
+    import argparse
+    import json
+
+    ap = argparse.ArgumentParser(description=main.__doc__)
+    ap.add_argument("result", type=Path, help="a bench/cona_ttp.py JSON (docs/results/...)")
+    ap.add_argument("--out", type=Path, default=None, help="folder (default: the JSON's)")
+    args = ap.parse_args(argv)
+    report = json.loads(args.result.read_text())
+    out = args.out or args.result.parent
+    for name, result in report["models"].items():
+        print(plot_family(name, result, out / f"{args.result.stem}_{name}.png"))
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script
+    sys.exit(main())

@@ -145,3 +145,42 @@ def test_geomesh_peers_tune_table_marks_the_chosen_lr():
     assert "| `diloco_h8` | **0.15** | 1,073 s | **723.9** |" in out
     assert "| `diloco_h8` | 0.5 | missed | 848.1 |" in out
     assert "| `streaming_diloco_fp32` | **0.25** | 1,085 s | **753.3** |" in out
+
+
+def test_cona_tables_from_a_synthetic_result():
+    """Catches a CONA table that misstates the JSON it renders: the mean TTP ± sd over
+    seeds, a method with a missed seed shown as missed (not as a time), CONA's speed-up
+    as the other method's TTP over CONA's, switches with their layout switches, the
+    chain in order, the quick run labelled as such — against values worked out by hand."""
+    def method(by_seed, chain, switches=0, layout=0):
+        hit = None not in by_seed
+        mean = sum(by_seed) / len(by_seed) if hit else None
+        sd = (sum((t - mean) ** 2 for t in by_seed) / (len(by_seed) - 1)) ** 0.5 if hit else None
+        return {"ttp_s": mean, "ttp_s_by_seed": by_seed, "ttp_s_sd": sd, "switches": switches,
+                "layout_switches": layout, "chain": [{"strategy": s} for s in chain]}
+
+    data = {"quick": False, "gpu": "A100-80GB", "num_gpus": 64, "date": "2026-12-02T07:00:00Z",
+            "commit": "abc1234", "machine": "2 CPU cores", "command": "python bench/cona_ttp.py",
+            "models": {"gpt3_1.3b": {
+                "proxy": "tiny_gpt", "unigram_ppl": 784.9, "target_ppl": 176.7,
+                "noise_scale_growth_direct": 4.5, "target_tokens_per_run": 9.3e9,
+                "layout_switch_share_of_recipe_ttp": 0.004,
+                "methods": {"static_recipe": method([3000.0, 3200.0, 3400.0], ["dp32-tp2-pp1-mb8-gb512"]),
+                            "static_oracle": method([2000.0, 2100.0, 2200.0], ["dp16-tp4-pp1-mb8-gb128"]),
+                            "oracle_chain": method([1900.0, None, 2000.0], ["a", "b"], 1, 1),
+                            "cona": method([1600.0, 1600.0, 1600.0], ["dp16-tp4-pp1-mb4-gb64",
+                                                                      "dp8-tp8-pp1-mb8-gb128"], 1, 1)}}}}
+    head = render_results.cona_ttp_headline(data).splitlines()
+    row = next(line for line in head if line.startswith("| gpt3_1.3b"))
+    assert row == ("| gpt3_1.3b (`tiny_gpt`) | 177 (785) | 3,200 ± 200 s | 2,100 ± 100 s | "
+                   "missed (1/3) | 1,600 s | 2.00x | 1.31x |")
+    assert any(line.startswith("Full run; 3 seed(s)") for line in head)
+    full = render_results.cona_ttp(data)
+    assert "one run stands for 9.30B target tokens" in full and "0.40 % of the recipe" in full
+    assert ("| CONA | 1,600 s | — | 1 (1) | `dp16-tp4-pp1-mb4-gb64` → `dp8-tp8-pp1-mb8-gb128` |"
+            in full.splitlines())
+    assert "| static recipe | 3,200 ± 200 s | 2.00x | 0 (0) |" in full
+    assert "docs/results/cona_ttp.json" in full
+    data["quick"] = True
+    assert "Quick (CI-sized) run" in render_results.cona_ttp(data)
+    assert "docs/results/cona_ttp_quick.json" in render_results.cona_ttp(data)
