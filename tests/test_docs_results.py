@@ -115,6 +115,8 @@ def test_geomesh_peers_table_from_a_synthetic_result():
     s = lines["streaming_diloco (`streaming_diloco_4bit`)"]
     assert "missed (0/3)" in s and "| — |" in s and "2700.0 MB" in s
     assert "`abc1234`" in out and "docs/results/geomesh_peers.json" in out and "832 inner" in out
+    quick = dict(data, settings=dict(data["settings"], mode="quick"))
+    assert "docs/results/geomesh_peers_quick.json" in render_results.geomesh_peers(quick)
     # the README's short form: GeoMesh and each other method's fastest row; a row that
     # missed on every seed ranks below one that reached the target, whatever its number
     data["rows"] += [row("diloco_h8_lr0.15_ramp", "diloco", 8, [250.0, 350.0, 300.0], 220.0,

@@ -259,8 +259,13 @@ def geomesh_peers(r: dict) -> str:
               "target, mean ± half the range over the seeds that reached it; bytes per round "
               "(H inner steps) summed over the workers." + (f"  {r['note']}" if r.get("note")
                                                              else ""),
-              "", _source(r, "geomesh_peers")]
+              "", _source(r, _peers_file(r))]
     return "\n".join(lines) + "\n"
+
+
+def _peers_file(r: dict) -> str:
+    """The committed file a peers result sits in: the quick run's has its own name."""
+    return "geomesh_peers_quick" if r["settings"]["mode"] == "quick" else "geomesh_peers"
 
 
 def geomesh_peers_headline(r: dict) -> str:
@@ -290,7 +295,7 @@ def geomesh_peers_headline(r: dict) -> str:
               "per run (equal tokens for every method and H); all rows, the H sweep and the "
               "low-bit Streaming DiLoCo: [docs/geomesh.md](docs/geomesh.md#geomesh-against-its-peers)."
               + (f"  {r['note']}" if r.get("note") else ""),
-              "", _source(r, "geomesh_peers")]
+              "", _source(r, _peers_file(r))]
     return "\n".join(lines) + "\n"
 
 
