@@ -41,11 +41,16 @@ trained are reused, so it costs no training twice.  Every static chain is
 still searched in full: ``oracle <= best static`` holds by construction; the
 search reports ``exact`` False.
 
-Measured on synthetic problems (``tests/test_cona_oracle.py``: the bench's grid,
-noise scale growing 2-30x): the exact search trains 90-3,700 segment-equivalents
-of samples; ``beam=2`` trains 11-27 (statics alone 5.5-11), found the exact
-optimum in 26 of 27 problems and came within 0.25 % on the other; ``beam=4``
-found it in all, for ~1.5x the training of ``beam=2``.
+Measured on synthetic problems (``tests/test_cona_oracle.py``'s model) on the
+bench's grid, noise scale growing 2-30x, 27 problems: the exact search trains
+90-3,700 segment-equivalents of samples (a segment: what batch 8 needs to the
+target); ``beam=2`` trains 11-29 (the static chains alone 5.5-11), found the
+exact optimum in 26 and came within 0.25 % on the other; ``beam=1`` within
+0.5 % for ~4 segments less; ``beam=4`` found it in all for ~9 more.  On the
+exact tests' problems (noise scale falling or jumping, 2-6 windows, 23
+problems) ``beam=2`` came within 1.1 %, ``beam=4`` found every optimum.  The
+greedy reference's windows are reused: with it the pass trains at most 12
+window-runs more than without.
 
 **Memory.**  Each kept node holds one snapshot of the training state (tens of
 MB for the proxies).  The peak, ``max_snapshots``, is at the start of the
@@ -53,8 +58,9 @@ pass: the constant prefixes of the static phase (at most ``len(batches) * (D -
 1)``) and the greedy reference's windows that go on (at most ``(1 + len(moves))
 * (D - 2)``); then the prefixes of dropped nodes are freed, and the pass holds
 the ``K`` (+1 greedy) nodes of a boundary and their kept children (at most
-``(K + 1) * (1 + len(moves))``).  On the bench's grid: 41 states for ``K <= 2``,
-49 for ``K = 4``, ~270 without a beam (the exact search: ~30).
+``(K + 1) * (1 + len(moves))``).  On the bench's grid: 43 states for ``K <= 2``
+(27 without the greedy reference), 50 for ``K = 4``, ~270 without a beam (the
+exact search: ~30).
 """
 
 from __future__ import annotations
