@@ -210,7 +210,8 @@ def run_search(ctx: ConaContext, boundaries: list[int], **options) -> dict:
     Args:
         boundaries: the oracle's window ends, in proxy samples.
         options: passed to :class:`cona.oracle.OracleSearch` (``moves``, ``max_changes``,
-            ``max_windows``, ``greedy``).
+            ``max_windows``, ``greedy``; ``prune="dominated"`` and ``beam``: the cheap,
+            non-exact search of :mod:`cona.oracle_pruned`; default the exact search).
 
     Returns:
         ``{"static_throughput", "static_oracle", "oracle_chain", "oracle_greedy": method
