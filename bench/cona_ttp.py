@@ -28,6 +28,10 @@ Rules fixed before any method runs (per family; none looks at a method's result)
    charged to every method (``cona/emulated.py``); a direct noise-scale probe to the
    method that runs it (``cona/job.py``).
 6. **Oracle grid.** Window ends at 1/D, ..., (D-1)/D of the reference's segment.
+   The full run searches it with dominance pruning and a beam of 2
+   (``cona/oracle_pruned.py``: the exact search over 6 windows trains 900-2,000 times
+   a static run's samples on synthetic problems of this shape, the pruned one ~17 and
+   found the exact optimum on them); the quick run searches exactly.
 
 Methods (``cona/baselines.py``), 3 seeds each (data order and initialisation; the
 warm state is per seed), TTP interpolated at the crossing of the target:
@@ -38,8 +42,9 @@ warm state is per seed), TTP interpolated at the crossing of the target:
 - ``static_throughput``: the candidate with the highest modelled tokens/s;
 - ``static_oracle``: every grid batch at its fastest layout and at 0.5, 1 or 2 x the
   scaling rule's LR, hindsight best (per seed);
-- ``oracle_chain``: the oracle search over chains (``cona/oracle.py``); asserted
-  ``<= static_oracle`` at LR factor 1 (the search's own statics);
+- ``oracle_chain``: the oracle search over chains (``cona/oracle.py``; in the full run
+  a beam search, ``search.exact`` False); asserted ``<= static_oracle`` at LR factor 1
+  (the search's own statics, run first in either mode);
 - ``cona``: the online controller.
 
 Usage::
@@ -90,7 +95,7 @@ RECIPE_BUDGET_SCALE = 4  # static_recipe has no cap: it may train this x the bud
 # the oracle's moves at a window boundary: up to two grid steps, either way (cona/oracle.py)
 MOVES = (-2, -1, 1, 2)
 FULL = {"windows": 6, "batches": BATCHES, "seeds": SEEDS, "lr_factors": (0.5, 1.0, 2.0),
-        "val_sequences": VAL_SEQUENCES, "moves": MOVES}
+        "val_sequences": VAL_SEQUENCES, "moves": MOVES, "prune": "dominated", "beam": 2}
 # CI-sized: one family, one seed, three batches (with the recipe's 512), 32 validation
 # sequences, a short warmup and a shallow target (the reference's perplexity after
 # ``quick_segment`` steps: rule 3 needs thousands)
@@ -211,7 +216,8 @@ def seed_methods(ctx, settings: dict, boundaries: list[int], recipe_batch: int) 
 
     log = logging.getLogger("cona")
     t0 = time.perf_counter()
-    search = run_search(ctx, boundaries, moves=settings["moves"])
+    search = run_search(ctx, boundaries, moves=settings["moves"],
+                        prune=settings.get("prune"), beam=settings.get("beam"))
     methods = {k: search[k] for k in ("static_throughput", "oracle_chain", "oracle_greedy")}
     methods["oracle_chain"]["search"] = search["search"]  # the oracle's findings and cost
     fastest = fastest_per_batch(ctx.candidates, ctx.cluster.iter_s)
