@@ -109,20 +109,19 @@ def note_run_dir(run_dir: str | Path) -> None:
 
 
 def resume_advice(run_dir: str | Path) -> str:
-    """What an interrupted run can do next, from what ``run_dir/checkpoints`` holds.
+    """What an interrupted run can do next, from what ``run_dir/checkpoints`` holds
+    (:func:`jobruntime.outputs.last_checkpoint`).
 
-    A complete checkpoint there (an ``iter_*`` or GeoMesh ``outer_*`` folder with
-    its ``COMPLETE`` marker, :mod:`jobruntime.checkpoint`): resume with
-    ``checkpoint.load=<run_dir>/checkpoints``.  None (``checkpoint.save_interval``
-    is 0 by default, and the final checkpoint is written only after the last
-    step): the run starts again, and ``save_interval`` makes the next one
-    resumable.
+    A complete checkpoint there: resume with ``checkpoint.load=<run_dir>/checkpoints``.
+    None (``checkpoint.save_interval`` is 0 by default, and the final checkpoint is
+    written only after the last step): the run starts again, and ``save_interval``
+    makes the next one resumable.
     """
+    from .outputs import last_checkpoint
+
     root = Path(run_dir) / "checkpoints"
-    done = sorted(p.parent.name for p in root.glob("*_*/COMPLETE")
-                  if not p.parent.name.endswith(".tmp")) if root.is_dir() else []
-    if done:
-        return f"resume with checkpoint.load={root} (last complete checkpoint: {done[-1]})"
+    if (last := last_checkpoint(run_dir)) is not None:
+        return f"resume with checkpoint.load={root} (last complete checkpoint: {last})"
     return (f"no checkpoint was committed in {root}, so the run cannot resume: start it again "
             "(checkpoint.save_interval=N saves every N steps)")
 

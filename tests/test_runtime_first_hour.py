@@ -239,3 +239,44 @@ def test_help_has_no_broken_line_continuation():
                     continue
                 odd = [m for m in re.finditer(r"(\\+)\n", tok.string) if len(m.group(1)) % 2]
                 assert not odd, f"{path}:{tok.start[0]}: a string ends a line with a backslash"
+
+
+def test_run_folder_refusal_suggests_a_resume_only_from_a_checkpoint(tmp_path):
+    """Catches ``--run-dir`` of an interrupted run without a checkpoint being refused
+    with "resume that run with checkpoint.load=DIR/checkpoints", a folder that does not
+    exist: it must say there is nothing to resume from and to give a new folder; with a
+    complete checkpoint (not a ``.tmp`` one) it names checkpoint.load."""
+    from jobruntime.outputs import RunFolderError, claim_run_folder
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 1}\n')
+    (run / "checkpoints" / "iter_0000004.tmp").mkdir(parents=True)
+    (run / "checkpoints" / "iter_0000004.tmp" / "COMPLETE").write_text("step 4\n")
+    with pytest.raises(RunFolderError) as e:
+        claim_run_folder(run, "unused")
+    assert "nothing to resume from; give a new folder" in str(e.value), e.value
+    assert "checkpoint.load" not in str(e.value)
+    (run / "checkpoints" / "iter_0000002").mkdir()
+    (run / "checkpoints" / "iter_0000002" / "COMPLETE").write_text("step 2\n")
+    with pytest.raises(RunFolderError, match=f"checkpoint.load={run / 'checkpoints'} and"):
+        claim_run_folder(run, "unused")
+
+
+def test_no_message_advises_checkpoint_load_without_looking():
+    """Catches resume advice written into messages ("restart all regions from the last
+    checkpoint (checkpoint.load)", CONA's "resume from the last checkpoint
+    (checkpoint.load) at either layout"): printed whether or not a checkpoint exists,
+    and followed by exit_interrupted's own advice, which may say the opposite.  Only
+    :func:`jobruntime.faults.resume_advice` and the run-folder check may suggest it."""
+    offenders = []
+    for path in [*REPO.glob("*.py"), *REPO.glob("*/**/*.py")]:
+        if path.relative_to(REPO).parts[0] in {"tests", ".git", "build", ".venv", "runs"}:
+            continue
+        with path.open() as f:
+            for tok in tokenize.generate_tokens(f.readline):
+                if tok.type == tokenize.STRING and re.search(r"(last|a) checkpoint \(checkpoint\.load\)|"
+                                                             r"resume from the last checkpoint",
+                                                             tok.string):
+                    offenders.append(f"{path.relative_to(REPO)}:{tok.start[0]}")
+    assert not offenders, offenders
