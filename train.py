@@ -19,7 +19,8 @@ Exit codes: 0 done, 2 bad input (config, data, tokenizer, checkpoint), with a
 one-line message on stderr naming the problem and the fix; 3 the run was
 interrupted by a lost process or region (one line on every rank; the run
 folder is kept, and the line says whether a checkpoint was committed to resume
-from with ``checkpoint.load``).
+from with ``checkpoint.load``); 130 stopped by Ctrl-C (SIGINT): one line on rank 0
+naming the step and the run folder, whose ``summary.json`` says ``"interrupted": true``.
 
 Output (stdout): a log line when each phase longer than a moment starts and
 ends (tokenizer training and tokenising, on first use of a corpus; the model
@@ -67,12 +68,7 @@ def main(argv=None) -> int:
         return _error(str(e))
     default = Path(f"runs/{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}")
     run_dir = Path(args.run_dir) if args.run_dir else default
-    from jobruntime.outputs import (
-        RUN_OUTPUTS,
-        RunFolderError,
-        claim_run_folder,
-        output_folder_error,
-    )
+    from jobruntime.outputs import RunFolderError, claim_run_folder, output_folder_error
 
     if problem := output_folder_error(run_dir, "--run-dir"):
         return _error(problem)
@@ -85,8 +81,58 @@ def main(argv=None) -> int:
             return _error(str(e))
         run_dir, new_run_dir = folder.path, folder.created
 
-    from jobruntime.faults import RunInterrupted, exit_interrupted, note_run_dir, peer_lost
+    from jobruntime.faults import exit_ctrl_c, on_sigint
+
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not where it is ignored
+        signal.signal(signal.SIGINT, on_sigint)  # from here a Ctrl-C is one line, not tracebacks
+    outcome: dict = {}
+    try:
+        return _run(cfg, run_dir, folder, new_run_dir, outcome)
+    except KeyboardInterrupt:  # any phase, any job kind (plain, GeoMesh, CONA): one place
+        exit_ctrl_c(functools.partial(_report_ctrl_c, cfg, run_dir, new_run_dir, outcome)
+                    if folder is not None else None)  # the other ranks exit quietly
+
+
+def _report_ctrl_c(cfg, run_dir: Path, created: bool, outcome: dict) -> None:
+    """Rank 0 after a Ctrl-C: ``summary.json`` with ``"interrupted": true`` and what the
+    records tell (steps, TTP, final val ppl: :func:`jobruntime.metrics.summary_from_records`),
+    and one line.  A folder this run created that holds no training output is removed,
+    as on a bad-input error; a finished run's summary is kept."""
+    from jobruntime.metrics import read_records, summary_from_records, write_json_atomic
+    from jobruntime.outputs import RUN_OUTPUTS, last_checkpoint
+
+    lead = "\n" if sys.stderr.isatty() else ""  # after the progress bar and the terminal's ^C
+    records = read_records(run_dir / "metrics.jsonl")
+    if "summary" not in outcome and not records and not (run_dir / "checkpoints").is_dir():
+        if created:
+            shutil.rmtree(run_dir, ignore_errors=True)
+        print(f"{lead}interrupted before the first step; nothing to keep"
+              f"{f' (removed {run_dir})' if created else ''}", file=sys.stderr)
+        return
+    if "summary" not in outcome:
+        write_json_atomic(run_dir / "summary.json", {
+            "interrupted": True, **summary_from_records(records, cfg.to_dict()), "model": cfg.name})
+    steps = max((r["step"] for r in records if isinstance(r.get("step"), int)), default=0)
+    held = ", ".join(n for n in (*RUN_OUTPUTS, "config.yaml") if (run_dir / n).exists())
+    unit = "outer step" if cfg.geomesh.method != "none" else "step"
+    last = last_checkpoint(run_dir)
+    print(f"{lead}interrupted at {unit} {steps}; partial results in {run_dir} ({held})"
+          + (f"; resume with checkpoint.load={run_dir / 'checkpoints'} (last complete checkpoint:"
+             f" {last})" if last else ""), file=sys.stderr)
+
+
+def _run(cfg, run_dir: Path, folder, new_run_dir: bool, outcome: dict) -> int:
+    """Everything after the run folder is claimed: imports, the job, the results."""
+    from jobruntime.config import ConfigError
+    from jobruntime.faults import (
+        RunInterrupted,
+        ctrl_c_pressed,
+        exit_interrupted,
+        note_run_dir,
+        peer_lost,
+    )
     from jobruntime.logging_utils import phase, setup_logging
+    from jobruntime.outputs import RUN_OUTPUTS
 
     setup_logging(info_stream=sys.stdout)  # progress on stdout, problems on stderr
     if folder is not None:
@@ -120,7 +166,7 @@ def main(argv=None) -> int:
                 run_job = functools.partial(run_job, end_of_run=end_of_run_hook(
                     cfg.train.zero_shot_tasks, cfg.model.family))
         # All ranks use rank 0's run_dir (see jobruntime.parallel.same_run_dir).
-        summary = run_job(cfg, run_dir)
+        summary = outcome["summary"] = run_job(cfg, run_dir)
     except bad_input as e:
         error = str(e)
     except RunInterrupted as e:  # every rank says it: any of them may be the one left
@@ -135,7 +181,8 @@ def main(argv=None) -> int:
     finally:
         from jobruntime.parallel import shutdown
 
-        shutdown()
+        if not ctrl_c_pressed():  # else exit_ctrl_c exits: no teardown with stopped peers
+            shutdown()
         if folder is not None:
             folder.release()
     if error is not None:
