@@ -56,14 +56,33 @@ def _error(message: str) -> int:
     return 2
 
 
+def check_config(cfg, world_size: int) -> None:
+    """Every check that needs only the config and the cluster file, before the heavy imports
+    and the data (they came 40 s late): each section's settings; GeoMesh's section and
+    cluster file (the workers' layouts come from it); otherwise the layout against
+    ``world_size`` processes (CONA's emulated clock lays out the proxy itself).
+
+    Raises:
+        ConfigError: the first problem, named, with the fix (ClusterError included).
+    """
+    cfg.validate_sections()
+    if cfg.geomesh.method != "none":
+        from geomesh.fleet.cluster import load_cluster  # yaml only, no torch
+
+        cfg.geomesh.validate()
+        load_cluster(cfg.geomesh.cluster, wan_bandwidth_scale=cfg.geomesh.wan_bandwidth_scale)
+    elif not (cfg.cona.enabled and cfg.cona.clock == "emulated"):
+        cfg.parallel.validate(cfg.model, world_size)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     from jobruntime.config import ConfigError, load_config
 
-    # Config errors first: they need no megatron import (~10 s).
+    # Config errors first: they need no megatron import (~10 s) and no data.
     try:
         cfg = load_config(args.config, args.overrides)
-        cfg.validate_sections()
+        check_config(cfg, int(os.environ.get("WORLD_SIZE", "1")))
     except ConfigError as e:
         return _error(str(e))
     default = Path(f"runs/{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}")

@@ -280,3 +280,32 @@ def test_no_message_advises_checkpoint_load_without_looking():
                                                              tok.string):
                     offenders.append(f"{path.relative_to(REPO)}:{tok.start[0]}")
     assert not offenders, offenders
+
+
+@pytest.mark.parametrize("cmd, needle", [
+    (["train.py", "parallel.global_batch_size=7"],
+     "error: parallel.global_batch_size=7 is not a multiple of micro_batch_size*dp=4*1"),
+    (["train.py", "geomesh.method=geomesh", "geomesh.cluster=four_regoin"],
+     "error: cluster 'four_regoin' not found; did you mean 'four_region'?"),
+    (["train.py", "geomesh.method=geomesh", "geomesh.cluster=four_region", "geomesh.outer_lr=0"],
+     "error: geomesh.outer_lr must be a positive number"),
+    (["tools/convert_checkpoint.py", "hf-to-mcore", "--model", "llama", "--input", "hf/missing",
+      "--output", "unused"], "error: --input hf/missing does not exist"),
+    (["tools/zero_shot.py", "--config", "tiny_gpt", "--checkpoint", "runs/missing/checkpoints",
+      "--task", str(PIQA)], "error: --checkpoint runs/missing/checkpoints does not exist"),
+])
+def test_config_and_path_errors_come_before_megatron_is_imported(cmd, needle, tmp_path):
+    """Catches errors that need only the config, the cluster file name or a path, told
+    after 40 s of megatron-core import and data preparation: an indivisible global batch,
+    a misspelt cluster (with a "did you mean" as config keys have), a bad GeoMesh
+    setting, a missing conversion input or zero-shot checkpoint.  ``-X importtime``
+    lists every module imported: megatron must not be among them."""
+    run = tmp_path / "run"
+    args = [*cmd, "--run-dir", str(run)] if cmd[0] == "train.py" else cmd
+    proc = subprocess.run([sys.executable, "-X", "importtime", str(REPO / args[0]), *args[1:]],
+                          cwd=REPO, capture_output=True, text=True, timeout=300,
+                          env={k: v for k, v in os.environ.items() if k != "RANK"})
+    errors = [ln for ln in proc.stderr.splitlines() if not ln.startswith("import time:")]
+    assert proc.returncode == 2 and len(errors) == 1 and errors[0].startswith(needle), errors
+    assert " megatron" not in proc.stderr, "megatron-core was imported before the error"
+    assert not run.exists()
