@@ -218,9 +218,11 @@ def _run(cfg, run_dir: Path, folder, new_run_dir: bool, outcome: dict) -> int:
               f"{', checkpoints/' if (run_dir / 'checkpoints').is_dir() else ''}"
               f"{', wandb/' if summary.get('wandb_dir') else ''})")
         ppl = summary.get("final_val_ppl")  # null in summary.json: no evaluation ran
-        print(f"final val ppl {f'{ppl:.1f}' if ppl is not None else 'none (no evaluation)'}, target "
-              f"{summary.get('target_ppl')}, TTP {f'{ttp:.1f} s' if ttp is not None else 'not reached'}"
-              f" ({summary.get('clock', 'wall')} clock), {summary.get('tokens')} tokens")
+        target = summary.get("target_ppl")
+        print(f"final val ppl {f'{ppl:.1f}' if ppl is not None else 'none (no evaluation)'}, "
+              + (f"target {target:g}, TTP {f'{ttp:.1f} s' if ttp is not None else 'not reached'}"
+                 f" ({summary.get('clock', 'wall')} clock)" if target is not None else "no target")
+              + f", {summary.get('tokens')} tokens")
         for zs in summary.get("zero_shot", []):
             print(f"zero-shot {zs['task']}: accuracy {zs['accuracy']:.3f}, "
                   f"accuracy_norm {zs['accuracy_norm']:.3f} (n={zs['n']})")

@@ -309,3 +309,43 @@ def test_config_and_path_errors_come_before_megatron_is_imported(cmd, needle, tm
     assert proc.returncode == 2 and len(errors) == 1 and errors[0].startswith(needle), errors
     assert " megatron" not in proc.stderr, "megatron-core was imported before the error"
     assert not run.exists()
+
+
+def test_progress_lines_show_val_ppl_only_where_it_was_evaluated(caplog):
+    """Catches the every-5 % lines repeating the last validation perplexity on steps that
+    ran no evaluation (steps 25, 30, 35 all showed step 20's value, read as three
+    evaluations): the value appears on the evaluating step's line only."""
+    from jobruntime.logging_utils import StepProgress
+
+    log = logging.getLogger("test.progress")
+    with caplog.at_level(logging.INFO, logger="test.progress"):
+        p = StepProgress("auto", enabled=True, total=40, logger=log)
+        for step in range(1, 41):
+            p.update(step, step=step, loss=1.0, val_ppl=None if step < 5 else 350.6,
+                     tokens_per_s=None, time_s=0.0, evaluated=step == 5)
+    shown = {int(m.split()[1].split("/")[0]): m.split("val ppl ")[1].split()[0]
+             for m in (r.getMessage() for r in caplog.records)}
+    assert shown[5] == "350.6" and {s: v for s, v in shown.items() if v != "-"} == {5: "350.6"}
+    assert {2, 4, 6, 40} <= shown.keys()
+
+
+def test_results_line_of_a_run_without_a_target(monkeypatch, tmp_path, capsys):
+    """Catches ``target None`` (and a TTP "not reached" that no target could be) on the
+    results line of a run without ``train.target_ppl``: it says ``no target``; a run
+    with one keeps ``target 300, TTP ...``."""
+    import signal as signal_module
+
+    import jobruntime.loop
+    import train
+
+    summary = {"final_val_ppl": 350.64, "target_ppl": None, "ttp_s": None, "tokens": 512}
+    monkeypatch.setattr(jobruntime.loop, "run", lambda cfg, run_dir: dict(summary))
+    monkeypatch.setattr(signal_module, "signal", lambda *a: None)  # keep pytest's handlers
+    monkeypatch.delenv("RANK", raising=False)
+    assert train.main(["--run-dir", str(tmp_path / "a")]) == 0
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert line == "final val ppl 350.6, no target, 512 tokens", line
+    summary.update(target_ppl=300.0, ttp_s=12.34, clock="wall")
+    assert train.main(["--run-dir", str(tmp_path / "b")]) == 0
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert line == "final val ppl 350.6, target 300, TTP 12.3 s (wall clock), 512 tokens", line
