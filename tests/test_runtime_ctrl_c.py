@@ -10,14 +10,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-from tests.dist_utils import free_port
+from tests.dist_utils import popen_ranks
 
 REPO = Path(__file__).resolve().parent.parent
 SMALL = ["model.num_layers=2", "model.hidden_size=64", "model.num_attention_heads=2",
@@ -41,16 +39,11 @@ def test_ctrl_c_on_two_ranks_is_one_line_exit_130_and_a_partial_summary(tmp_path
     was saved); rank 1 prints nothing on stderr; no traceback anywhere.  The summary's
     TTP, steps and final perplexity must equal what the records say (the reference is
     computed here from metrics.jsonl, by hand)."""
-    run_dir, port = tmp_path / "run", free_port()
+    run_dir = tmp_path / "run"
     cmd = [sys.executable, str(REPO / "train.py"), "--run-dir", str(run_dir), *SMALL,
            f"data.cache_dir={cache_dir}", "train.iters=100000", "train.eval_interval=2",
            "train.target_ppl=1e9", "checkpoint.save_final=false"]
-    ranks = [subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True, env={**os.environ, "MASTER_ADDR": "127.0.0.1",
-                                              "MASTER_PORT": str(port), "RANK": str(r),
-                                              "LOCAL_RANK": str(r), "WORLD_SIZE": "2",
-                                              "OMP_NUM_THREADS": "1"})
-             for r in range(2)]
+    ranks = popen_ranks(cmd, 2, REPO)
     try:
         deadline = time.monotonic() + 600
         while sum("val_ppl" in r for r in _records(run_dir / "metrics.jsonl")) < 2:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.dist_utils import free_port
+from tests.dist_utils import popen_ranks
 
 REPO = Path(__file__).resolve().parent.parent
 PIQA = REPO / "tools" / "samples" / "piqa_synthetic.jsonl"
@@ -35,16 +35,11 @@ def piped_run(tmp_path_factory):
     settings (``save_interval=0``), a fresh data cache (tokenizer training and
     tokenising run) on the corpus's first 300 documents."""
     root = tmp_path_factory.mktemp("first_hour")
-    run_dir, port = root / "run", free_port()
+    run_dir = root / "run"
     cmd = [sys.executable, str(REPO / "train.py"), "--run-dir", str(run_dir), *SMALL,
            f"data.cache_dir={root / 'cache'}", "data.max_documents=300", "parallel.tp=2",
            "train.iters=4", "train.eval_interval=2", f"train.zero_shot_tasks=[{PIQA}]"]
-    ranks = [subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True, env={**os.environ, "MASTER_ADDR": "127.0.0.1",
-                                              "MASTER_PORT": str(port), "RANK": str(r),
-                                              "LOCAL_RANK": str(r), "WORLD_SIZE": "2",
-                                              "OMP_NUM_THREADS": "1"})
-             for r in range(2)]
+    ranks = popen_ranks(cmd, 2, REPO)
     try:
         outs = [p.communicate(timeout=600) for p in ranks]
     finally:
