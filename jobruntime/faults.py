@@ -187,9 +187,11 @@ def ctrl_c_pressed() -> bool:
 
 def exit_ctrl_c(report: Callable[[], None] | None = None) -> None:
     """Exit with :data:`EXIT_CTRL_C` after a Ctrl-C, once per process: ``report`` (the
-    logging rank's partial summary and its one line) runs first, while other threads
+    partial summary and one line of rank 0, train.py) runs first, while other threads
     that would exit (:func:`exit_interrupted`) wait.  No teardown, as there: peers
     stopped mid-collective would make it hang."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the report
     _ctrl_c.set()
     _EXIT.acquire()
     try:
