@@ -19,7 +19,8 @@ Exit codes: 0 done, 2 bad input (config, data, tokenizer, checkpoint), with a
 one-line message on stderr naming the problem and the fix; 3 the run was
 interrupted by a lost process or region (one line on every rank; the run
 folder is kept, and the line says whether a checkpoint was committed to resume
-from with ``checkpoint.load``).
+from with ``checkpoint.load``); 130 stopped by Ctrl-C (SIGINT): one line on rank 0
+naming the step and the run folder, whose ``summary.json`` says ``"interrupted": true``.
 
 Output (stdout): a log line when each phase longer than a moment starts and
 ends (tokenizer training and tokenising, on first use of a corpus; the model
@@ -55,24 +56,38 @@ def _error(message: str) -> int:
     return 2
 
 
+def check_config(cfg, world_size: int) -> None:
+    """Every check that needs only the config and the cluster file, before the heavy imports
+    and the data (they came 40 s late): each section's settings; GeoMesh's section and
+    cluster file (the workers' layouts come from it); otherwise the layout against
+    ``world_size`` processes (CONA's emulated clock lays out the proxy itself).
+
+    Raises:
+        ConfigError: the first problem, named, with the fix (ClusterError included).
+    """
+    cfg.validate_sections()
+    if cfg.geomesh.method != "none":
+        from geomesh.fleet.cluster import load_cluster  # yaml only, no torch
+
+        cfg.geomesh.validate()
+        load_cluster(cfg.geomesh.cluster, wan_bandwidth_scale=cfg.geomesh.wan_bandwidth_scale)
+    elif not (cfg.cona.enabled and cfg.cona.clock == "emulated"):
+        cfg.parallel.validate(cfg.model, world_size)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     from jobruntime.config import ConfigError, load_config
 
-    # Config errors first: they need no megatron import (~10 s).
+    # Config errors first: they need no megatron import (~10 s) and no data.
     try:
         cfg = load_config(args.config, args.overrides)
-        cfg.validate_sections()
+        check_config(cfg, int(os.environ.get("WORLD_SIZE", "1")))
     except ConfigError as e:
         return _error(str(e))
     default = Path(f"runs/{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}")
     run_dir = Path(args.run_dir) if args.run_dir else default
-    from jobruntime.outputs import (
-        RUN_OUTPUTS,
-        RunFolderError,
-        claim_run_folder,
-        output_folder_error,
-    )
+    from jobruntime.outputs import RunFolderError, claim_run_folder, output_folder_error
 
     if problem := output_folder_error(run_dir, "--run-dir"):
         return _error(problem)
@@ -85,8 +100,58 @@ def main(argv=None) -> int:
             return _error(str(e))
         run_dir, new_run_dir = folder.path, folder.created
 
-    from jobruntime.faults import RunInterrupted, exit_interrupted, note_run_dir, peer_lost
+    from jobruntime.faults import exit_ctrl_c, on_sigint
+
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not where it is ignored
+        signal.signal(signal.SIGINT, on_sigint)  # from here a Ctrl-C is one line, not tracebacks
+    outcome: dict = {}
+    try:
+        return _run(cfg, run_dir, folder, new_run_dir, outcome)
+    except KeyboardInterrupt:  # any phase, any job kind (plain, GeoMesh, CONA): one place
+        exit_ctrl_c(functools.partial(_report_ctrl_c, cfg, run_dir, new_run_dir, outcome)
+                    if folder is not None else None)  # the other ranks exit quietly
+
+
+def _report_ctrl_c(cfg, run_dir: Path, created: bool, outcome: dict) -> None:
+    """Rank 0 after a Ctrl-C: ``summary.json`` with ``"interrupted": true`` and what the
+    records tell (steps, TTP, final val ppl: :func:`jobruntime.metrics.summary_from_records`),
+    and one line.  A folder this run created that holds no training output is removed,
+    as on a bad-input error; a finished run's summary is kept."""
+    from jobruntime.metrics import read_records, summary_from_records, write_json_atomic
+    from jobruntime.outputs import RUN_OUTPUTS, last_checkpoint
+
+    lead = "\n" if sys.stderr.isatty() else ""  # after the progress bar and the terminal's ^C
+    records = read_records(run_dir / "metrics.jsonl")
+    if "summary" not in outcome and not records and not (run_dir / "checkpoints").is_dir():
+        if created:
+            shutil.rmtree(run_dir, ignore_errors=True)
+        print(f"{lead}interrupted before the first step; nothing to keep"
+              f"{f' (removed {run_dir})' if created else ''}", file=sys.stderr)
+        return
+    if "summary" not in outcome:
+        write_json_atomic(run_dir / "summary.json", {
+            "interrupted": True, **summary_from_records(records, cfg.to_dict()), "model": cfg.name})
+    steps = max((r["step"] for r in records if isinstance(r.get("step"), int)), default=0)
+    held = ", ".join(n for n in (*RUN_OUTPUTS, "config.yaml") if (run_dir / n).exists())
+    unit = "outer step" if cfg.geomesh.method != "none" else "step"
+    last = last_checkpoint(run_dir)
+    print(f"{lead}interrupted at {unit} {steps}; partial results in {run_dir} ({held})"
+          + (f"; resume with checkpoint.load={run_dir / 'checkpoints'} (last complete checkpoint:"
+             f" {last})" if last else ""), file=sys.stderr)
+
+
+def _run(cfg, run_dir: Path, folder, new_run_dir: bool, outcome: dict) -> int:
+    """Everything after the run folder is claimed: imports, the job, the results."""
+    from jobruntime.config import ConfigError
+    from jobruntime.faults import (
+        RunInterrupted,
+        ctrl_c_pressed,
+        exit_interrupted,
+        note_run_dir,
+        peer_lost,
+    )
     from jobruntime.logging_utils import phase, setup_logging
+    from jobruntime.outputs import RUN_OUTPUTS
 
     setup_logging(info_stream=sys.stdout)  # progress on stdout, problems on stderr
     if folder is not None:
@@ -120,7 +185,7 @@ def main(argv=None) -> int:
                 run_job = functools.partial(run_job, end_of_run=end_of_run_hook(
                     cfg.train.zero_shot_tasks, cfg.model.family))
         # All ranks use rank 0's run_dir (see jobruntime.parallel.same_run_dir).
-        summary = run_job(cfg, run_dir)
+        summary = outcome["summary"] = run_job(cfg, run_dir)
     except bad_input as e:
         error = str(e)
     except RunInterrupted as e:  # every rank says it: any of them may be the one left
@@ -135,7 +200,8 @@ def main(argv=None) -> int:
     finally:
         from jobruntime.parallel import shutdown
 
-        shutdown()
+        if not ctrl_c_pressed():  # else exit_ctrl_c exits: no teardown with stopped peers
+            shutdown()
         if folder is not None:
             folder.release()
     if error is not None:
@@ -152,9 +218,11 @@ def main(argv=None) -> int:
               f"{', checkpoints/' if (run_dir / 'checkpoints').is_dir() else ''}"
               f"{', wandb/' if summary.get('wandb_dir') else ''})")
         ppl = summary.get("final_val_ppl")  # null in summary.json: no evaluation ran
-        print(f"final val ppl {f'{ppl:.1f}' if ppl is not None else 'none (no evaluation)'}, target "
-              f"{summary.get('target_ppl')}, TTP {f'{ttp:.1f} s' if ttp is not None else 'not reached'}"
-              f" ({summary.get('clock', 'wall')} clock), {summary.get('tokens')} tokens")
+        target = summary.get("target_ppl")
+        print(f"final val ppl {f'{ppl:.1f}' if ppl is not None else 'none (no evaluation)'}, "
+              + (f"target {target:g}, TTP {f'{ttp:.1f} s' if ttp is not None else 'not reached'}"
+                 f" ({summary.get('clock', 'wall')} clock)" if target is not None else "no target")
+              + f", {summary.get('tokens')} tokens")
         for zs in summary.get("zero_shot", []):
             print(f"zero-shot {zs['task']}: accuracy {zs['accuracy']:.3f}, "
                   f"accuracy_norm {zs['accuracy_norm']:.3f} (n={zs['n']})")

@@ -246,8 +246,7 @@ class RealJob(Job):
                 raise SwitchInterrupted(
                     f"CONA switch {old.label} -> {strategy.label} interrupted: "
                     f"{str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__}"
-                    "; a rank was lost; resume from the last checkpoint (checkpoint.load) at "
-                    "either layout") from None
+                    "; a rank was lost") from None  # train.py adds whether it can resume
         else:
             report = switch_batch(self.trainer, new_cfg)
         self.probe.attach(self.trainer)

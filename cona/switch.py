@@ -267,8 +267,7 @@ def _watchdog(seconds: float, what: str):
     def watch():
         if not done.wait(seconds):
             exit_interrupted(f"[rank {dist.get_rank() if dist.is_initialized() else 0}] {what} "
-                             f"did not finish within {seconds:g} s (a rank stalled or was lost); "
-                             "resume from the last checkpoint (checkpoint.load) at either layout")
+                             f"did not finish within {seconds:g} s (a rank stalled or was lost)")
 
     t = threading.Thread(target=watch, daemon=True)
     t.start()

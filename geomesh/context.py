@@ -127,79 +127,12 @@ class RunContext:
 
 
 def _validate(cfg: JobConfig) -> None:
+    """The method, then the section's own checks (:meth:`GeoMeshConfig.validate`, which
+    ``train.py`` runs before its heavy imports)."""
     g = cfg.geomesh
     if g.method not in METHODS:
         raise ConfigError(f"geomesh.method={g.method!r}: use one of {list(METHODS)}")
-    if not g.cluster:
-        raise ConfigError(
-            f"geomesh.method={g.method} needs geomesh.cluster=FILE (a cluster YAML, e.g. "
-            "geomesh/clusters/four_region.yaml)"
-        )
-    for name in ("outer_steps", "inner_steps", "eval_interval"):
-        if getattr(g, name) <= 0:
-            raise ConfigError(f"geomesh.{name} must be positive, got {getattr(g, name)}")
-    if not g.timeout_s > 0:
-        raise ConfigError(f"geomesh.timeout_s must be positive, got {g.timeout_s}")
-    if not 0 < g.outer_lr < float("inf"):
-        raise ConfigError(f"geomesh.outer_lr must be a positive number, got {g.outer_lr} "
-                          "(DiLoCo's default is 0.7)")
-    if g.compression == "sign_pred" and g.compress_update:
-        raise ConfigError("geomesh.compression=sign_pred predicts from the global outer momentum; "
-                          "it needs geomesh.compress_update=false")
-    if not 1 <= g.topk_k <= 256 or g.topk_bits not in (1, 2):
-        raise ConfigError(f"geomesh.topk_k must be in [1, 256] (kept of every 256) and "
-                          f"geomesh.topk_bits 1 or 2, got {g.topk_k} and {g.topk_bits}")
-    if not 0 <= g.error_feedback_decay <= 1:
-        raise ConfigError(f"geomesh.error_feedback_decay must be in [0, 1], got "
-                          f"{g.error_feedback_decay}")
-    if not 0 < g.plan_tolerance < 1:
-        raise ConfigError(f"geomesh.plan_tolerance must be in (0, 1), got {g.plan_tolerance}")
-    if g.overlap is not None and not 0 <= g.overlap <= 1:
-        raise ConfigError(f"geomesh.overlap must be in [0, 1] (the share of a round's inner steps "
-                          f"behind which the previous exchange runs) or null, got {g.overlap}")
-    if g.overlap is not None and g.region:
-        raise ConfigError("geomesh.overlap does not combine with geomesh.region (one torchft job "
-                          "per region: quorum, healing); unset geomesh.overlap")
-    if not 0 <= g.outer_momentum < 1:
-        raise ConfigError(f"geomesh.outer_momentum must be in [0, 1), got {g.outer_momentum} "
-                          "(DiLoCo's default is 0.9)")
-    if not 0 < g.heartbeat_s < float("inf") or (g.region and g.heartbeat_s > g.timeout_s):
-        raise ConfigError(f"geomesh.heartbeat_s={g.heartbeat_s} must be positive and at most "
-                          f"geomesh.timeout_s={g.timeout_s} (default 10 s)")
-    if not 1 < g.max_norm_ratio < float("inf"):
-        raise ConfigError(f"geomesh.max_norm_ratio={g.max_norm_ratio} must be a number above 1 "
-                          "(default 10)")
-    if g.wan_bandwidth_scale is not None and not 0 < g.wan_bandwidth_scale < float("inf"):
-        raise ConfigError(f"geomesh.wan_bandwidth_scale={g.wan_bandwidth_scale} must be a "
-                          "positive number (or null: the cluster file's)")
-    _validate_streaming(g)
-    if not 0 <= g.token_tolerance < 1:
-        raise ConfigError(f"geomesh.token_tolerance={g.token_tolerance} must be in [0, 1) "
-                          "(default 0.05)")
-
-
-def _validate_streaming(g) -> None:
-    """torchft's constraints on the fragment schedule (``torchft.local_sgd.DiLoCo``): the
-    ranges for every method (a bad value is refused whatever reads it), the fit with
-    ``inner_steps`` where ``method=streaming_diloco`` runs it."""
-    P, H, tau = g.fragments, g.inner_steps, g.fragment_sync_delay
-    if P < 1:
-        raise ConfigError(f"geomesh.fragments={P} must be >= 1 (default 2)")
-    if tau < 0:
-        raise ConfigError(f"geomesh.fragment_sync_delay={tau} must be >= 0 (0 = no overlap)")
-    if not 0 <= g.fragment_update_alpha <= 1:
-        raise ConfigError(f"geomesh.fragment_update_alpha={g.fragment_update_alpha} must be in "
-                          "[0, 1]")
-    if g.fragment_bits not in (32, 8, 4):
-        raise ConfigError(f"geomesh.fragment_bits={g.fragment_bits}: use 32, 8 or 4")
-    if g.method != "streaming_diloco":
-        return
-    if H % P:
-        raise ConfigError(f"geomesh.fragments={P} must divide geomesh.inner_steps={H} "
-                          "(one fragment is synchronised every inner_steps/fragments steps)")
-    if tau >= H // P:
-        raise ConfigError(f"geomesh.fragment_sync_delay={tau} must be in [0, inner_steps/fragments"
-                          f" = {H // P}) (a fragment is synchronised before it is sent again)")
+    g.validate()
 
 
 def target_schema(target: JobConfig) -> TensorSchema:

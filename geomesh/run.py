@@ -40,6 +40,8 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+from jobruntime.faults import resume_advice
+
 from .context import build_context
 from .exchange.transport import RegionTimeoutError, TransportError
 from .fleet.cluster import ClusterError
@@ -69,10 +71,8 @@ def run(cfg, run_dir: Path) -> dict:
         except RegionTimeoutError as e:
             raise ClusterError(str(e)) from e
         except TransportError as e:  # a peer's process died mid-exchange
-            raise ClusterError(
-                f"{e}; another region's job stopped (see its log), restart all regions from the "
-                "last checkpoint (checkpoint.load)"
-            ) from e
+            raise ClusterError(f"{e}; another region's job stopped (see its log): restart all "
+                               f"regions; {resume_advice(ctx.run_dir)}") from e
         summary["mode"] = ctx.cluster.mode
         ctx.writer.summary(summary)
         summary["wandb_dir"] = ctx.writer.wandb_dir

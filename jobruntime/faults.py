@@ -29,6 +29,9 @@ because a peer process died anywhere else (a checkpoint save, a training step,
 an evaluation) is recognised by :func:`peer_lost` and reported the same way,
 once, in ``train.py``: GeoMesh and CONA map the losses they expect to their own
 messages first.
+
+A Ctrl-C is not a fault: :func:`on_sigint` notes it, ``train.py`` reports it
+(:func:`exit_ctrl_c`, exit code 130), and a peer lost after it is not reported.
 """
 
 from __future__ import annotations
@@ -38,6 +41,8 @@ import os
 import signal
 import sys
 import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 ENV = "GEOCONA_FAULT"
@@ -109,20 +114,19 @@ def note_run_dir(run_dir: str | Path) -> None:
 
 
 def resume_advice(run_dir: str | Path) -> str:
-    """What an interrupted run can do next, from what ``run_dir/checkpoints`` holds.
+    """What an interrupted run can do next, from what ``run_dir/checkpoints`` holds
+    (:func:`jobruntime.outputs.last_checkpoint`).
 
-    A complete checkpoint there (an ``iter_*`` or GeoMesh ``outer_*`` folder with
-    its ``COMPLETE`` marker, :mod:`jobruntime.checkpoint`): resume with
-    ``checkpoint.load=<run_dir>/checkpoints``.  None (``checkpoint.save_interval``
-    is 0 by default, and the final checkpoint is written only after the last
-    step): the run starts again, and ``save_interval`` makes the next one
-    resumable.
+    A complete checkpoint there: resume with ``checkpoint.load=<run_dir>/checkpoints``.
+    None (``checkpoint.save_interval`` is 0 by default, and the final checkpoint is
+    written only after the last step): the run starts again, and ``save_interval``
+    makes the next one resumable.
     """
+    from .outputs import last_checkpoint
+
     root = Path(run_dir) / "checkpoints"
-    done = sorted(p.parent.name for p in root.glob("*_*/COMPLETE")
-                  if not p.parent.name.endswith(".tmp")) if root.is_dir() else []
-    if done:
-        return f"resume with checkpoint.load={root} (last complete checkpoint: {done[-1]})"
+    if (last := last_checkpoint(run_dir)) is not None:
+        return f"resume with checkpoint.load={root} (last complete checkpoint: {last})"
     return (f"no checkpoint was committed in {root}, so the run cannot resume: start it again "
             "(checkpoint.save_interval=N saves every N steps)")
 
@@ -135,14 +139,64 @@ def exit_interrupted(message: str) -> None:
     Safe from any thread (a watchdog and the main thread may see the same loss
     at once: the second caller blocks until the process is gone).  No teardown:
     collectives with a lost peer would hang; child processes are killed.
+
+    After a Ctrl-C (:func:`on_sigint`) a lost peer is the Ctrl-C's doing, not a
+    fault: the main thread raises :class:`KeyboardInterrupt` (``train.py`` reports
+    it, :func:`exit_ctrl_c`); another thread gives it :data:`CTRL_C_GRACE_S` to do
+    so, then exits quietly with :data:`EXIT_CTRL_C`.
     """
+    if _ctrl_c.is_set():  # the peers stopped with this process: report the Ctrl-C instead
+        if threading.current_thread() is threading.main_thread():
+            raise KeyboardInterrupt  # to train.py's handler (exit_ctrl_c)
+        time.sleep(CTRL_C_GRACE_S)
+        _EXIT.acquire()
+        _exit_now(EXIT_CTRL_C)
     _EXIT.acquire()
     if _run_dir is not None:
         message = f"{message}; {resume_advice(_run_dir)}"
     print(f"error: {message}", file=sys.stderr, flush=True)
+    _exit_now(EXIT_INTERRUPTED)
+
+
+def _exit_now(code: int) -> None:
     # os._exit skips multiprocessing's exit handlers: child processes (megatron's
     # dist_checkpointing starts a Manager server on the first save) would outlive the
     # job, holding its stdout and stderr open, and a launcher reading them would hang.
     for child in multiprocessing.active_children():
         child.kill()
-    os._exit(EXIT_INTERRUPTED)
+    os._exit(code)
+
+
+EXIT_CTRL_C = 130  # the shell's code for a process stopped by SIGINT (128 + 2)
+CTRL_C_GRACE_S = 5.0
+_ctrl_c = threading.Event()
+
+
+def on_sigint(signum, frame) -> None:
+    """SIGINT handler (``train.py``): note that the user stopped the run, then raise
+    :class:`KeyboardInterrupt` as Python's own handler does.  The note tells a
+    collective that fails next (its peers stopped too) from a lost peer."""
+    _ctrl_c.set()
+    raise KeyboardInterrupt
+
+
+def ctrl_c_pressed() -> bool:
+    """Whether this process got a SIGINT through :func:`on_sigint`."""
+    return _ctrl_c.is_set()
+
+
+def exit_ctrl_c(report: Callable[[], None] | None = None) -> None:
+    """Exit with :data:`EXIT_CTRL_C` after a Ctrl-C, once per process: ``report`` (the
+    partial summary and one line of rank 0, train.py) runs first, while other threads
+    that would exit (:func:`exit_interrupted`) wait.  No teardown, as there: peers
+    stopped mid-collective would make it hang."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the report
+    _ctrl_c.set()
+    _EXIT.acquire()
+    try:
+        if report is not None:
+            report()
+    finally:
+        sys.stdout.flush()
+        _exit_now(EXIT_CTRL_C)

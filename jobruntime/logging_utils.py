@@ -122,7 +122,8 @@ class StepProgress:
 
         Args:
             loss: the step's training loss (nats per token).
-            val_ppl: the latest validation perplexity (``None`` before the first).
+            val_ppl: the latest validation perplexity (``None`` before the first); a log
+                line shows it only for the step that ran the evaluation (``-`` otherwise).
             tokens_per_s: the step's throughput (tokens per second); ``None``
                 where it means nothing (an emulated clock times another model).
             time_s: the run's clock (seconds since training started).
@@ -130,10 +131,11 @@ class StepProgress:
             note: appended to the log line (e.g. CONA's current strategy).
         """
         ppl = f"{val_ppl:.1f}" if val_ppl else "-"
-        if self.bar is not None:
+        if self.bar is not None:  # one line, redrawn: the last evaluation's value stays in view
             self.bar.update(done - self.done)
             self.bar.set_postfix(loss=f"{loss:.3f}", val_ppl=ppl)
         elif self.lines and (evaluated or done >= self._next_line or done >= self.total):
+            ppl = ppl if evaluated else "-"  # a line per step: the value on its evaluation's only
             where = (f"step {step}/{self.total}" if self.unit == "step"
                      else f"step {step} ({done}/{self.total} {self.unit}s)")
             speed = f"  {tokens_per_s:.0f} tokens/s" if tokens_per_s is not None else ""

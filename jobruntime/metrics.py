@@ -175,6 +175,72 @@ class TTPTracker:
         return out
 
 
+def run_method(config: dict) -> str:
+    """What kind of run a resolved config (``config.yaml``, ``JobConfig.to_dict()``)
+    describes: the GeoMesh method (``geomesh``, ``diloco``, …), ``cona`` or ``single``
+    (an ordinary job) — the ``method``/``mode`` a finished run's summary names."""
+    method = (config.get("geomesh") or {}).get("method", "none")
+    if method != "none":
+        return method
+    return "cona" if (config.get("cona") or {}).get("enabled") else "single"
+
+
+def read_records(path: Path) -> list[dict]:
+    """The records of a ``metrics.jsonl`` (``[]`` if there is none), skipping a torn
+    last line of a run stopped while writing it."""
+    if not path.is_file():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(rec, dict):
+            out.append(rec)
+    return out
+
+
+def summary_from_records(records: list[dict], config: dict) -> dict:
+    """The ``summary.json`` fields that a run's records and config determine: for a run
+    without a summary (interrupted: ``train.py`` writes this one; ``tools/compare_runs.py``).
+
+    TTP is what the run's :class:`TTPTracker` computes, fed the same evaluations
+    (records with ``val_ppl``: clock ``time_s``, ``tokens`` — the last seen where an
+    evaluation record has none, as CONA's final ``eval`` — and ``step``) against
+    ``train.target_ppl`` of ``config``.
+
+    Args:
+        records: ``metrics.jsonl`` records in order (:func:`read_records`).
+        config: the resolved config (``config.yaml``).
+
+    Returns:
+        ``method``, ``clock``, ``target_ppl``, ``ttp_s``, ``ttp_tokens``, ``ttp_step``,
+        ``ttp_reached_s``, ``final_val_ppl`` (the last evaluation, ``None`` without),
+        ``steps`` (the last recorded step; GeoMesh: outer steps), ``tokens``,
+        ``time_s`` (clock seconds of the last record) and, for CONA, ``switches`` (the
+        number of ``switch`` events) and ``decisions`` (the ``decision`` records).
+    """
+    target = (config.get("train") or {}).get("target_ppl")
+    ttp, tokens, final = TTPTracker(target), None, None
+    for r in records:
+        tokens = r.get("tokens", tokens)
+        if r.get("val_ppl") is not None and r.get("time_s") is not None:
+            final = r["val_ppl"]
+            ttp.update(final, r["time_s"], tokens or 0, r.get("step"))
+    method = run_method(config)
+    out = {"method": method, "clock": records[0].get("clock") if records else None,
+           "target_ppl": target, **ttp.summary(), "final_val_ppl": final,
+           "steps": max((r["step"] for r in records if isinstance(r.get("step"), int)), default=0),
+           "tokens": tokens,
+           "time_s": next((r["time_s"] for r in reversed(records) if "time_s" in r), None)}
+    if method == "cona":
+        out["switches"] = sum(r.get("event") == "switch" for r in records)
+        out["decisions"] = [{k: v for k, v in r.items() if k not in ("event", "clock", "time_s")}
+                            for r in records if r.get("event") == "decision"]
+    return out
+
+
 @dataclass
 class MetricsWriter:
     """Writes metrics of one run to its run directory and (optionally) wandb.

@@ -19,6 +19,24 @@ from pathlib import Path
 RUN_OUTPUTS = ("metrics.jsonl", "summary.json", "checkpoints")
 
 
+def last_checkpoint(run_dir: str | Path) -> str | None:
+    """The newest complete checkpoint in ``run_dir/checkpoints``, else ``None``.
+
+    Complete: an ``iter_*`` (or GeoMesh ``outer_*``) folder holding its ``COMPLETE``
+    marker (:mod:`jobruntime.checkpoint`); a ``.tmp`` folder of a save cut short is not.
+    What every piece of resume advice asks before it suggests ``checkpoint.load``: with
+    ``checkpoint.save_interval=0`` (the default) a run interrupted before its last step
+    has none.
+
+    Returns:
+        The folder's name, e.g. ``"iter_0000020"``.
+    """
+    root = Path(run_dir) / "checkpoints"
+    done = sorted(p.parent.name for p in root.glob("*_*/COMPLETE")
+                  if not p.parent.name.endswith(".tmp")) if root.is_dir() else []
+    return done[-1] if done else None
+
+
 def output_folder_error(path: str | Path, flag: str) -> str | None:
     """Why ``path`` cannot be used (or created) as a folder, else ``None``.
 
@@ -130,6 +148,10 @@ def claim_run_folder(run_dir: str | Path | None, default: str | Path, *,
     resumes = resume_from is not None and Path(resume_from).resolve().is_relative_to(path.resolve())
     if held and not resumes:
         os.close(fd)
+        if last_checkpoint(path) is None:  # an interrupted run that saved nothing
+            raise RunFolderError(
+                f"{flag} {path} already holds a run's results ({', '.join(held)}) but no "
+                "complete checkpoint, so there is nothing to resume from; give a new folder")
         raise RunFolderError(
             f"{flag} {path} already holds a run's results ({', '.join(held)}); give a new "
             f"folder, or resume that run with checkpoint.load={path / 'checkpoints'} and "

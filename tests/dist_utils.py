@@ -23,6 +23,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def popen_ranks(cmd: list[str], world_size: int, cwd: Path, **env: str) -> list:
+    """Start ``cmd`` as ``world_size`` processes with the environment torchrun gives its
+    workers (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, a free ``MASTER_PORT``), stdout and
+    stderr to pipes (text), one thread each; ``env`` is added to every process's."""
+    import subprocess
+
+    port = free_port()
+    return [subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True, env={**os.environ, "MASTER_ADDR": "127.0.0.1",
+                                             "MASTER_PORT": str(port), "RANK": str(r),
+                                             "LOCAL_RANK": str(r), "WORLD_SIZE": str(world_size),
+                                             "OMP_NUM_THREADS": "1", **env})
+            for r in range(world_size)]
+
+
 def _entry(rank, world_size, port, out_dir, fn, args):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.dist_utils import free_port
+from tests.dist_utils import popen_ranks
 
 REPO = Path(__file__).resolve().parent.parent
 PIQA = REPO / "tools" / "samples" / "piqa_synthetic.jsonl"
@@ -35,16 +35,11 @@ def piped_run(tmp_path_factory):
     settings (``save_interval=0``), a fresh data cache (tokenizer training and
     tokenising run) on the corpus's first 300 documents."""
     root = tmp_path_factory.mktemp("first_hour")
-    run_dir, port = root / "run", free_port()
+    run_dir = root / "run"
     cmd = [sys.executable, str(REPO / "train.py"), "--run-dir", str(run_dir), *SMALL,
            f"data.cache_dir={root / 'cache'}", "data.max_documents=300", "parallel.tp=2",
            "train.iters=4", "train.eval_interval=2", f"train.zero_shot_tasks=[{PIQA}]"]
-    ranks = [subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True, env={**os.environ, "MASTER_ADDR": "127.0.0.1",
-                                              "MASTER_PORT": str(port), "RANK": str(r),
-                                              "LOCAL_RANK": str(r), "WORLD_SIZE": "2",
-                                              "OMP_NUM_THREADS": "1"})
-             for r in range(2)]
+    ranks = popen_ranks(cmd, 2, REPO)
     try:
         outs = [p.communicate(timeout=600) for p in ranks]
     finally:
@@ -239,3 +234,113 @@ def test_help_has_no_broken_line_continuation():
                     continue
                 odd = [m for m in re.finditer(r"(\\+)\n", tok.string) if len(m.group(1)) % 2]
                 assert not odd, f"{path}:{tok.start[0]}: a string ends a line with a backslash"
+
+
+def test_run_folder_refusal_suggests_a_resume_only_from_a_checkpoint(tmp_path):
+    """Catches ``--run-dir`` of an interrupted run without a checkpoint being refused
+    with "resume that run with checkpoint.load=DIR/checkpoints", a folder that does not
+    exist: it must say there is nothing to resume from and to give a new folder; with a
+    complete checkpoint (not a ``.tmp`` one) it names checkpoint.load."""
+    from jobruntime.outputs import RunFolderError, claim_run_folder
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 1}\n')
+    (run / "checkpoints" / "iter_0000004.tmp").mkdir(parents=True)
+    (run / "checkpoints" / "iter_0000004.tmp" / "COMPLETE").write_text("step 4\n")
+    with pytest.raises(RunFolderError) as e:
+        claim_run_folder(run, "unused")
+    assert "nothing to resume from; give a new folder" in str(e.value), e.value
+    assert "checkpoint.load" not in str(e.value)
+    (run / "checkpoints" / "iter_0000002").mkdir()
+    (run / "checkpoints" / "iter_0000002" / "COMPLETE").write_text("step 2\n")
+    with pytest.raises(RunFolderError, match=f"checkpoint.load={run / 'checkpoints'} and"):
+        claim_run_folder(run, "unused")
+
+
+def test_no_message_advises_checkpoint_load_without_looking():
+    """Catches resume advice written into messages ("restart all regions from the last
+    checkpoint (checkpoint.load)", CONA's "resume from the last checkpoint
+    (checkpoint.load) at either layout"): printed whether or not a checkpoint exists,
+    and followed by exit_interrupted's own advice, which may say the opposite.  Only
+    :func:`jobruntime.faults.resume_advice` and the run-folder check may suggest it."""
+    offenders = []
+    for path in [*REPO.glob("*.py"), *REPO.glob("*/**/*.py")]:
+        if path.relative_to(REPO).parts[0] in {"tests", ".git", "build", ".venv", "runs"}:
+            continue
+        with path.open() as f:
+            for tok in tokenize.generate_tokens(f.readline):
+                if tok.type == tokenize.STRING and re.search(r"(last|a) checkpoint \(checkpoint\.load\)|"
+                                                             r"resume from the last checkpoint",
+                                                             tok.string):
+                    offenders.append(f"{path.relative_to(REPO)}:{tok.start[0]}")
+    assert not offenders, offenders
+
+
+@pytest.mark.parametrize("cmd, needle", [
+    (["train.py", "parallel.global_batch_size=7"],
+     "error: parallel.global_batch_size=7 is not a multiple of micro_batch_size*dp=4*1"),
+    (["train.py", "geomesh.method=geomesh", "geomesh.cluster=four_regoin"],
+     "error: cluster 'four_regoin' not found; did you mean 'four_region'?"),
+    (["train.py", "geomesh.method=geomesh", "geomesh.cluster=four_region", "geomesh.outer_lr=0"],
+     "error: geomesh.outer_lr must be a positive number"),
+    (["tools/convert_checkpoint.py", "hf-to-mcore", "--model", "llama", "--input", "hf/missing",
+      "--output", "unused"], "error: --input hf/missing does not exist"),
+    (["tools/zero_shot.py", "--config", "tiny_gpt", "--checkpoint", "runs/missing/checkpoints",
+      "--task", str(PIQA)], "error: --checkpoint runs/missing/checkpoints does not exist"),
+])
+def test_config_and_path_errors_come_before_megatron_is_imported(cmd, needle, tmp_path):
+    """Catches errors that need only the config, the cluster file name or a path, told
+    after 40 s of megatron-core import and data preparation: an indivisible global batch,
+    a misspelt cluster (with a "did you mean" as config keys have), a bad GeoMesh
+    setting, a missing conversion input or zero-shot checkpoint.  ``-X importtime``
+    lists every module imported: megatron must not be among them."""
+    run = tmp_path / "run"
+    args = [*cmd, "--run-dir", str(run)] if cmd[0] == "train.py" else cmd
+    proc = subprocess.run([sys.executable, "-X", "importtime", str(REPO / args[0]), *args[1:]],
+                          cwd=REPO, capture_output=True, text=True, timeout=300,
+                          env={k: v for k, v in os.environ.items() if k != "RANK"})
+    errors = [ln for ln in proc.stderr.splitlines() if not ln.startswith("import time:")]
+    assert proc.returncode == 2 and len(errors) == 1 and errors[0].startswith(needle), errors
+    assert " megatron" not in proc.stderr, "megatron-core was imported before the error"
+    assert not run.exists()
+
+
+def test_progress_lines_show_val_ppl_only_where_it_was_evaluated(caplog):
+    """Catches the every-5 % lines repeating the last validation perplexity on steps that
+    ran no evaluation (steps 25, 30, 35 all showed step 20's value, read as three
+    evaluations): the value appears on the evaluating step's line only."""
+    from jobruntime.logging_utils import StepProgress
+
+    log = logging.getLogger("test.progress")
+    with caplog.at_level(logging.INFO, logger="test.progress"):
+        p = StepProgress("auto", enabled=True, total=40, logger=log)
+        for step in range(1, 41):
+            p.update(step, step=step, loss=1.0, val_ppl=None if step < 5 else 350.6,
+                     tokens_per_s=None, time_s=0.0, evaluated=step == 5)
+    shown = {int(m.split()[1].split("/")[0]): m.split("val ppl ")[1].split()[0]
+             for m in (r.getMessage() for r in caplog.records)}
+    assert shown[5] == "350.6" and {s: v for s, v in shown.items() if v != "-"} == {5: "350.6"}
+    assert {2, 4, 6, 40} <= shown.keys()
+
+
+def test_results_line_of_a_run_without_a_target(monkeypatch, tmp_path, capsys):
+    """Catches ``target None`` (and a TTP "not reached" that no target could be) on the
+    results line of a run without ``train.target_ppl``: it says ``no target``; a run
+    with one keeps ``target 300, TTP ...``."""
+    import signal as signal_module
+
+    import jobruntime.loop
+    import train
+
+    summary = {"final_val_ppl": 350.64, "target_ppl": None, "ttp_s": None, "tokens": 512}
+    monkeypatch.setattr(jobruntime.loop, "run", lambda cfg, run_dir: dict(summary))
+    monkeypatch.setattr(signal_module, "signal", lambda *a: None)  # keep pytest's handlers
+    monkeypatch.delenv("RANK", raising=False)
+    assert train.main(["--run-dir", str(tmp_path / "a")]) == 0
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert line == "final val ppl 350.6, no target, 512 tokens", line
+    summary.update(target_ppl=300.0, ttp_s=12.34, clock="wall")
+    assert train.main(["--run-dir", str(tmp_path / "b")]) == 0
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert line == "final val ppl 350.6, target 300, TTP 12.3 s (wall clock), 512 tokens", line

@@ -312,3 +312,39 @@ def test_compare_runs_geomesh_fields_and_wandb_fallback(runs, tmp_path, capsys):
     s = json.loads((root / "run-b" / "summary.json").read_text())
     assert rows["wb-only"]["final ppl"] == f"{s['final_val_ppl']:.2f}"
     assert "different clocks" in captured.err
+
+
+def test_compare_runs_reads_an_interrupted_run_from_its_records(tmp_path, capsys):
+    """Catches an interrupted run (no summary.json) shown with TTP, method and switches
+    empty although config.yaml holds ``train.target_ppl`` and metrics.jsonl the
+    evaluations and CONA's switch events: TTP is interpolated in log perplexity between
+    the evaluations either side of the target (computed here by hand), the method comes
+    from the config, switches from the events.  A folder that does not exist is named
+    as such."""
+    import math
+
+    import yaml
+
+    from tools import compare_runs
+
+    run = tmp_path / "cona-stopped"
+    run.mkdir()
+    (run / "config.yaml").write_text(yaml.safe_dump({
+        "train": {"target_ppl": 300.0}, "cona": {"enabled": True}, "geomesh": {"method": "none"}}))
+    records = [
+        {"clock": "wall", "event": "step", "step": 10, "tokens": 1000, "time_s": 20.0, "val_ppl": 500.0},
+        {"clock": "wall", "event": "decision", "step": 10, "time_s": 20.0, "switch": True},
+        {"clock": "wall", "event": "switch", "step": 10, "time_s": 21.0, "from": "a", "to": "b"},
+        {"clock": "wall", "event": "step", "step": 20, "tokens": 3000, "time_s": 40.0, "val_ppl": 250.0},
+    ]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert compare_runs.main([str(run), "--out", str(tmp_path / "out")]) == 0
+    row = _table(capsys.readouterr().out)["cona-stopped"]
+    f = (math.log(500) - math.log(300)) / (math.log(500) - math.log(250))
+    assert row["TTP (s)"] == f"{20.0 + f * 20.0:.1f}" == "34.7"
+    assert (row["method"], row["switches"], row["final ppl"], row["tokens"]) == (
+        "cona", "1", "250.00", "3000")
+    assert compare_runs.main([str(tmp_path / "no-such-run"), "--out", str(tmp_path / "o")]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"error: {tmp_path / 'no-such-run'}: does not exist; give a run folder "
+        "(runs/<preset>-<time>)")

@@ -3,7 +3,10 @@
 Reads each run directory's ``summary.json`` and ``metrics.jsonl`` (written by
 :class:`jobruntime.metrics.MetricsWriter`).  Where one is missing, the run's
 wandb offline log (``RUN/wandb/offline-run-*/run-*.wandb``) fills in; a path
-may also be an ``offline-run-*`` folder itself.  ``--wandb-project`` adds the
+may also be an ``offline-run-*`` folder itself.  A run without ``summary.json``
+(interrupted) gets TTP, method and switches from its records and
+``config.yaml`` (:func:`jobruntime.metrics.summary_from_records`: TTP interpolated
+at the crossing of ``train.target_ppl``, as the runs compute it).  ``--wandb-project`` adds the
 runs of an online wandb project (needs network access and a login).
 
 Table columns: run, method, clock (``wall`` or ``emulated``), TTP (clock
@@ -32,7 +35,8 @@ from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from jobruntime.outputs import output_folder_error  # noqa: E402  (stdlib only)
+from jobruntime.metrics import summary_from_records  # noqa: E402  (stdlib only)
+from jobruntime.outputs import output_folder_error  # noqa: E402
 
 COLUMNS = ("run", "method", "clock", "TTP (s)", "final ppl", "tokens", "straggler idle",
            "WAN idle", "bytes/outer step", "switches")
@@ -147,6 +151,8 @@ def load_run(path: str | Path) -> Run:
         ValueError: the files are not valid JSON objects (names the folder).
     """
     path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: does not exist; give a run folder (runs/<preset>-<time>)")
     summary_f, metrics_f = path / "summary.json", path / "metrics.jsonl"
     run = Run(name=path.name)
     try:
@@ -170,7 +176,21 @@ def load_run(path: str | Path) -> Run:
             run.records = run.records or wb.records
             run.source = "files+wandb" if (summary_f.is_file() or metrics_f.is_file()) else wb.source
     _check_numbers(path, run)
+    if not summary_f.is_file() and run.records:  # an interrupted run: what its records tell
+        run.summary = {**summary_from_records(run.records, _config(path)), **run.summary}
     return run
+
+
+def _config(path: Path) -> dict:
+    """The run's resolved ``config.yaml`` (``{}`` if absent or unreadable: then no
+    target, and the method is ``single``)."""
+    import yaml
+
+    try:
+        config = yaml.safe_load((path / "config.yaml").read_text())
+    except (OSError, yaml.YAMLError):
+        return {}
+    return config if isinstance(config, dict) else {}
 
 
 # the values the table formats as numbers (summary.json keys; metrics.jsonl: val_ppl, tokens)

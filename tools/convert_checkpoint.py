@@ -58,10 +58,30 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import torch
-import torch.distributed as dist
 
-from jobruntime.checkpoint import (
+def path_problem(input_path: str | None, output_path: str | None) -> str | None:
+    """Why ``--input`` / ``--output`` cannot be used, else ``None`` (stdlib only: checked
+    before the imports below, which take ~30 s with megatron-core)."""
+    from jobruntime.outputs import output_folder_error
+
+    if input_path is not None and not Path(input_path).exists():
+        return (f"--input {input_path} does not exist; give an HF model folder (hf-to-mcore) or "
+                "a run's checkpoints/ folder (mcore-to-hf)")
+    return output_folder_error(output_path, "--output") if output_path is not None else None
+
+
+if __name__ == "__main__":  # a missing folder is told at once, not after the imports
+    _pre = argparse.ArgumentParser(add_help=False)
+    _pre.add_argument("--input")
+    _pre.add_argument("--output")
+    if _problem := path_problem(*vars(_pre.parse_known_args()[0]).values()):
+        print(f"error: {_problem}", file=sys.stderr)
+        sys.exit(2)
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from jobruntime.checkpoint import (  # noqa: E402
     FORMAT_VERSION,
     CheckpointError,
     _arch,
@@ -71,7 +91,7 @@ from jobruntime.checkpoint import (
     find_checkpoint,
     reading,
 )
-from jobruntime.config import (
+from jobruntime.config import (  # noqa: E402
     ConfigError,
     JobConfig,
     ModelConfig,
@@ -79,8 +99,8 @@ from jobruntime.config import (
     load_config,
     save_config,
 )
-from jobruntime.tokenizer import load_tokenizer
-from tools.hf_mapping import (
+from jobruntime.tokenizer import load_tokenizer  # noqa: E402
+from tools.hf_mapping import (  # noqa: E402
     HF_CLASSES,
     NOT_FUNCTION_PRESERVING,
     ConversionError,
@@ -467,15 +487,10 @@ def parse_args(argv):
 def main(argv=None) -> int:
     args = parse_args(argv)
     from jobruntime.logging_utils import setup_logging
-    from jobruntime.outputs import output_folder_error
     from jobruntime.parallel import shutdown
 
     setup_logging()
-    if not Path(args.input).exists():
-        print(f"error: --input {args.input} does not exist; give an HF model folder "
-              "(hf-to-mcore) or a run's checkpoints/ folder (mcore-to-hf)", file=sys.stderr)
-        return 2
-    if problem := output_folder_error(args.output, "--output"):
+    if problem := path_problem(args.input, args.output):
         print(f"error: {problem}", file=sys.stderr)
         return 2
     try:

@@ -303,6 +303,10 @@ def main(argv=None) -> int:
                    help="also print each choice's log-likelihood (nats), in file order")
     p.add_argument("overrides", nargs="*", help="section.key=value (e.g. parallel.tp=2)")
     args = p.parse_args(argv)
+    for flag, path in [("--checkpoint", args.checkpoint), *(("--task", t) for t in args.task)]:
+        if not Path(path).exists():  # told at once, not after megatron's import and the build
+            print(f"error: {flag} {path} does not exist", file=sys.stderr)
+            return 2
     from jobruntime.checkpoint import CheckpointError, load_checkpoint
     from jobruntime.config import ConfigError, load_config
     from jobruntime.logging_utils import setup_logging

@@ -146,8 +146,8 @@ def lost_workers(cluster: ClusterSpec, policy: str, r: int, lost: list[int], why
     if policy == "fail":
         raise PeerLostError(
             f"GeoMesh round {r}: lost region(s) {regions} (worker {names}: {why}); "
-            "geomesh.on_worker_loss=fail stops every job: restart all regions from the last "
-            "checkpoint (checkpoint.load), or use on_worker_loss=continue")
+            "geomesh.on_worker_loss=fail stops every job: restart all regions, or use "
+            "on_worker_loss=continue")  # train.py adds whether a checkpoint can resume
     if report:
         log.warning("GeoMesh round %d: lost %s (%s); continuing with %d worker(s), it may "
                     "rejoin at a round boundary", r, names, why, members)
@@ -346,7 +346,7 @@ class Membership:
             else:
                 raise PeerLostError(f"GeoMesh round {r}: no working quorum after "
                                     f"{MAX_ATTEMPTS} attempts (last: {why}); restart the "
-                                    "regions from the last checkpoint (checkpoint.load)")
+                                    "regions")
         finally:
             done.set()
         new = list(self.pg.members)
@@ -442,7 +442,7 @@ class Membership:
                 self._exit(f"GeoMesh: lost region(s) {regions} (worker "
                            f"{', '.join(self.name(k) for k in lost)}: no heartbeat for "
                            f"{self.heartbeat_s:g} s); geomesh.on_worker_loss=fail stops every "
-                           "job: restart all regions from the last checkpoint (checkpoint.load)")
+                           "job: restart all regions")
 
     def _outage(self) -> None:
         """The lighthouse went silent or restarted: the next quorum rebuilds the process group.
@@ -493,8 +493,7 @@ class Membership:
         return (f"GeoMesh: the lighthouse at {self.lighthouse} has not answered for "
                 f"{self.heartbeat_s:g} s (geomesh.heartbeat_s; a restart within that is "
                 "survived), so no round can form a quorum: start it again with python -m "
-                "geomesh.lighthouse --cluster FILE, then every region from the last checkpoint "
-                "(checkpoint.load)")
+                "geomesh.lighthouse --cluster FILE, then every region")
 
     def _exit(self, message: str) -> None:
         exit_interrupted(message)  # the main thread may sit in a collective only a timeout ends
@@ -569,8 +568,7 @@ class Membership:
                 self.lost(r_now, bad, "message rejected")
             return out, healed_any
         raise PeerLostError(f"GeoMesh round {r}: the exchange failed {MAX_ATTEMPTS} times "
-                            "(workers keep dropping out); restart the regions from the last "
-                            "checkpoint (checkpoint.load)")
+                            "(workers keep dropping out); restart the regions")
 
     def close(self) -> None:
         self._stop.set()

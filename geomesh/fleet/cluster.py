@@ -44,6 +44,7 @@ from typing import Any, Literal
 import yaml
 
 from jobruntime.config import ConfigError
+from jobruntime.config.base import did_you_mean
 from jobruntime.hardware import GPUProfile, get_gpu_profile, gpu_profiles
 
 from .wan import DEFAULT_WAN_CSV, WanLink, WanProfileError, gbps_to_bytes_per_s, load_wan_csv
@@ -470,14 +471,16 @@ def resolve_cluster(name_or_path: str | Path) -> Path:
     """Map ``four_region`` or a path to a cluster YAML file.
 
     Raises:
-        ClusterError: no such file; the message lists the shipped examples.
+        ClusterError: no such file; the message suggests the nearest shipped example
+            ("did you mean", as for config keys) and lists them all.
     """
     p = Path(name_or_path)
     for c in (p, CLUSTERS_DIR / p, CLUSTERS_DIR / f"{p}.yaml"):
         if c.is_file():
             return c
     known = sorted(x.stem for x in CLUSTERS_DIR.glob("*.yaml"))
-    raise ClusterError(f"cluster '{name_or_path}' not found; give a YAML path or one of {known}")
+    raise ClusterError(f"cluster '{name_or_path}' not found;{did_you_mean(p.stem, known)} give a "
+                       f"YAML path or one of {known}")
 
 
 def load_cluster(
