@@ -128,6 +128,7 @@ def test_geomesh_peers_table_from_a_synthetic_result():
     assert names == ["geomesh (`geomesh`)", "diloco (`diloco_h8_lr0.15_ramp`)",
                      "streaming_diloco (`streaming_diloco_fp32`)"]
     assert "3.0x slower" in head and "8.0x slower" in head and "800 s (1/3)" in head
+    assert "| 55.0 % | 5.0 % |" in head  # straggler and WAN idle of the DiLoCo row
 
 
 def test_geomesh_peers_tune_table_marks_the_chosen_lr():

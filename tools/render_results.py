@@ -281,14 +281,14 @@ def geomesh_peers_headline(r: dict) -> str:
         if x["method"] not in best or key < best[x["method"]][0]:
             best[x["method"]] = (key, x)
     lines = ["| method (best row) | H | TTP, emulated (seeds reached) | vs GeoMesh | "
-             "final val ppl | bytes per round | straggler idle |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
+             "final val ppl | bytes per round | straggler idle | WAN idle |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for x in [ref, *(v[1] for v in best.values())]:
         ratio = (f"{x['ttp_s_mean'] / ref['ttp_s_mean']:.1f}x slower" if x is not ref and
                  x["ttp_s_mean"] else "—")
         lines.append(f"| {x['method']} (`{x['row']}`) | {x['H']} | {_ttp(x)} | {ratio} | "
                      f"{x['final_val_ppl_mean']:.1f} | {_mb(x['bytes_per_outer_step'])} | "
-                     f"{_pct(x['straggler_idle_frac'])} |")
+                     f"{_pct(x['straggler_idle_frac'])} | {_pct(x['wan_idle_frac'])} |")
     s = r["settings"]
     lines += ["", f"Emulated four-region cluster (H100, A100, V100, T4; Azure WAN), GPT-3 1.3B's "
               f"time and bytes, `{s['proxy']}` trained for {s['inner_steps_per_run']} inner steps "
