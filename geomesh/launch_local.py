@@ -400,7 +400,11 @@ def main(argv=None) -> int:
     run_dir = jobs[0].run_dir.parent
     lighthouse, roots = None, set()
     become_subreaper()  # a worker whose torchrun died becomes ours to stop
-    signal.signal(signal.SIGTERM, _interrupt)
+    # SIGINT too, explicitly: a launcher started in the background by a shell (``&``
+    # without job control) inherits SIGINT ignored, and Python then installs no
+    # handler, so ``kill -INT`` would leave every region training.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _interrupt)
     try:
         try:
             lighthouse = start_lighthouse(cluster, cluster_file, cfg, run_dir, env)

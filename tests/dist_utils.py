@@ -26,7 +26,10 @@ def free_port() -> int:
 def popen_ranks(cmd: list[str], world_size: int, cwd: Path, **env: str) -> list:
     """Start ``cmd`` as ``world_size`` processes with the environment torchrun gives its
     workers (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, a free ``MASTER_PORT``), stdout and
-    stderr to pipes (text), one thread each; ``env`` is added to every process's."""
+    stderr to pipes (text), one thread each; ``env`` is added to every process's.  SIGINT
+    starts at its default, as in a terminal's foreground job: a test session run in the
+    background (``&``) has it ignored, and ``train.py`` keeps an ignored SIGINT ignored."""
+    import signal
     import subprocess
 
     port = free_port()
@@ -34,7 +37,8 @@ def popen_ranks(cmd: list[str], world_size: int, cwd: Path, **env: str) -> list:
                              text=True, env={**os.environ, "MASTER_ADDR": "127.0.0.1",
                                              "MASTER_PORT": str(port), "RANK": str(r),
                                              "LOCAL_RANK": str(r), "WORLD_SIZE": str(world_size),
-                                             "OMP_NUM_THREADS": "1", **env})
+                                             "OMP_NUM_THREADS": "1", **env},
+                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
             for r in range(world_size)]
 
 

@@ -205,13 +205,16 @@ def test_ctrl_c_stops_every_process(tmp_path, cache_dir):
     (a terminal's Ctrl-C reaches the launcher only), so a launcher that does not stop
     them leaves every region training.  SIGINT once both regions' workers exist (a run
     of 50 rounds): the launcher exits 130 within its stop grace, and no process of the
-    run is left."""
+    run is left.  The launcher starts with SIGINT ignored, as a shell's background job
+    (``&`` without job control) inherits it: it must stop on SIGINT all the same (it
+    finished all 50 rounds and exited 0 when it relied on Python's default handler)."""
     cluster = _cluster(tmp_path, free_port())
     run_dir = tmp_path / "run"
     p = subprocess.Popen(_cmd(cluster, run_dir, f"data.cache_dir={cache_dir}", *SMALL,
                               "geomesh.outer_steps=50"),
                          cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         env=_env())
+                         env=_env(), preexec_fn=lambda: signal.signal(signal.SIGINT,
+                                                                      signal.SIG_IGN))
     try:
         deadline = time.monotonic() + 300
         # the workers' own command lines name their run folders (train.py --run-dir ...)
