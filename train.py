@@ -128,10 +128,11 @@ def _report_ctrl_c(cfg, run_dir: Path, created: bool, outcome: dict) -> None:
         print(f"{lead}interrupted before the first step; nothing to keep"
               f"{f' (removed {run_dir})' if created else ''}", file=sys.stderr)
         return
+    partial = summary_from_records(records, cfg.to_dict())
     if "summary" not in outcome:
-        write_json_atomic(run_dir / "summary.json", {
-            "interrupted": True, **summary_from_records(records, cfg.to_dict()), "model": cfg.name})
-    steps = max((r["step"] for r in records if isinstance(r.get("step"), int)), default=0)
+        write_json_atomic(run_dir / "summary.json",
+                          {"interrupted": True, **partial, "model": cfg.name})
+    steps = partial["steps"]
     held = ", ".join(n for n in (*RUN_OUTPUTS, "config.yaml") if (run_dir / n).exists())
     unit = "outer step" if cfg.geomesh.method != "none" else "step"
     last = last_checkpoint(run_dir)
