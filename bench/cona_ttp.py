@@ -84,18 +84,30 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 BATCHES = [64, 128, 256, 512, 1024]  # target sequences
 SEEDS = 3
 VAL_SEQUENCES = 256
-# target -> proxy preset, sequence, budget (train.iters at the preset's batch, warmup
-# included: the reference must reach the target within it) and evaluation interval
+PROBE_MICROBATCHES = 256  # the reference's direct noise-scale probes (rule 4; quick: 64)
+# the bench proxy (rule 0): the preset's tiny twin narrowed to 2 layers of width 128
+# (same architecture otherwise); per sequence ~3x cheaper to train and ~5x cheaper to
+# evaluate on one thread than the 4 x 256 preset, at a warm perplexity near the preset's
+NARROW = ["model.hidden_size=128", "model.num_layers=2"]
+# target -> proxy preset, its narrowing, sequence, budget (train.iters at the preset's
+# batch, warmup included: the reference must reach the target within it) and evaluation
+# interval (steps at the preset's batch)
 MODELS = {  # the longest first, so that --jobs 2 ends soonest
-    "bert_large": {"proxy": "tiny_bert", "seq": 128, "iters": 3000, "eval_interval": 20},
-    "llama3.2_1b": {"proxy": "tiny_llama", "seq": 64, "iters": 3000, "eval_interval": 20},
-    "gpt3_1.3b": {"proxy": "tiny_gpt", "seq": 64, "iters": 3000, "eval_interval": 20},
+    "bert_large": {"proxy": "tiny_bert", "seq": 128, "iters": 3000, "eval_interval": 20,
+                   "overrides": [*NARROW, "model.num_attention_heads=2",
+                                 "model.ffn_hidden_size=512"]},
+    "llama3.2_1b": {"proxy": "tiny_llama", "seq": 64, "iters": 3000, "eval_interval": 20,
+                    "overrides": [*NARROW, "model.num_attention_heads=4",
+                                  "model.num_query_groups=1", "model.ffn_hidden_size=352"]},
+    "gpt3_1.3b": {"proxy": "tiny_gpt", "seq": 64, "iters": 3000, "eval_interval": 20,
+                  "overrides": [*NARROW, "model.num_attention_heads=2"]},
 }
 RECIPE_BUDGET_SCALE = 4  # static_recipe has no cap: it may train this x the budget
 # the oracle's moves at a window boundary: up to two grid steps, either way (cona/oracle.py)
 MOVES = (-2, -1, 1, 2)
 FULL = {"windows": 6, "batches": BATCHES, "seeds": SEEDS, "lr_factors": (0.5, 1.0, 2.0),
-        "val_sequences": VAL_SEQUENCES, "moves": MOVES, "prune": "dominated", "beam": 2}
+        "val_sequences": VAL_SEQUENCES, "moves": MOVES, "prune": "dominated", "beam": 2,
+        "probe_microbatches": PROBE_MICROBATCHES}
 # CI-sized: one family, one seed, three batches (with the recipe's 512), 32 validation
 # sequences, a short warmup and a shallow target (the reference's perplexity after
 # ``quick_segment`` steps: rule 3 needs thousands)
@@ -120,7 +132,8 @@ def family_config(target: str, spec: dict, settings: dict, cache_dir: str | None
     from cona.mapping import BATCH_RATIO
     from jobruntime.config import load_config
 
-    overrides = [*COMMON, f"cona.target_model={target}", f"train.iters={spec['iters']}",
+    overrides = [*COMMON, *spec.get("overrides", []), f"cona.target_model={target}",
+                 f"train.iters={spec['iters']}",
                  f"model.seq_length={spec['seq']}", f"cona.batch_ratio={BATCH_RATIO}",
                  f"cona.gpu={settings['gpu']}", f"cona.num_gpus={settings['num_gpus']}",
                  f"train.eval_interval={spec['eval_interval']}"]
@@ -135,10 +148,11 @@ def family_config(target: str, spec: dict, settings: dict, cache_dir: str | None
     return cfg
 
 
-def seed_context(cfg, warm_steps: int, data=None):
+def seed_context(cfg, warm_steps: int, data=None, probe_microbatches: int = 64):
     """``(ctx, cached)``: the context of ``cfg`` (its seed's data, the budget's 4x for
     static_recipe, evaluations charged: rule 5) started from its cached warm state
-    (rule 2); ``cached``: the warm state was read from disk."""
+    (rule 2), its perplexity and noise scale (``probe_microbatches`` micro-batches)
+    measured there; ``cached``: the warm state was read from disk."""
     from cona.context import build_context
     from cona.emulated import eval_steps_per_step
     from cona.warm import load_or_train_warm
@@ -152,17 +166,19 @@ def seed_context(cfg, warm_steps: int, data=None):
         from jobruntime.metrics import perplexity
 
         return {"val_ppl": perplexity(job.evaluate()), "noise_scale_proxy":
-                job.measure_noise_scale()}
+                job.measure_noise_scale(probe_microbatches)}
 
-    warm, cached = load_or_train_warm(ctx, warm_steps, measure)
+    tag = "" if probe_microbatches == 64 else f"probe={probe_microbatches}"
+    warm, cached = load_or_train_warm(ctx, warm_steps, measure, measure_tag=tag)
     ctx.warm = warm
     return ctx, cached
 
 
-def reference(ctx, quick_segment: int | None = None) -> dict:
+def reference(ctx, quick_segment: int | None = None, probe_microbatches: int = 64) -> dict:
     """Rule 4's reference: the preset batch (fastest layout, LR 1x) from the warm state to
     the target (``quick_segment``: for ``quick_segment`` steps, its perplexity there is
-    the target); the noise scale measured directly at the warm state and at the end."""
+    the target); the noise scale measured directly (``probe_microbatches``) at the warm
+    state and at the end."""
     from cona.run import Loop
 
     job = ctx.make_job(ctx.reference_strategy())
@@ -177,7 +193,7 @@ def reference(ctx, quick_segment: int | None = None) -> dict:
             "val_ppl": loop.progress.last_val_ppl, "samples": job.consumed_samples,
             "segment_samples": job.consumed_samples - ctx.warm["consumed_samples"],
             "noise_scale_warm_proxy": ctx.warm["extra"]["noise_scale_proxy"],
-            "noise_scale_target_proxy": job.measure_noise_scale()}
+            "noise_scale_target_proxy": job.measure_noise_scale(probe_microbatches)}
 
 
 def static_loop(ctx, strategy):
@@ -283,12 +299,14 @@ def family_setup(target: str, spec: dict, settings: dict, cache_dir: str | None)
     log = logging.getLogger("cona")
     quick = settings.get("quick_segment")
     cfg = family_config(target, spec, settings, cache_dir)
-    ctx, _ = seed_context(cfg, cfg.train.warmup_iters)  # rule 2: the preset's full warmup
+    probe = settings.get("probe_microbatches", 64)
+    # rule 2: the preset's full warmup
+    ctx, _ = seed_context(cfg, cfg.train.warmup_iters, probe_microbatches=probe)
     unigram = corpus_unigram_perplexity(ctx.data.corpus, cfg.model.vocab_size)
     warm_ppl = ctx.warm["extra"]["val_ppl"]
     cfg.train.target_ppl = ctx.cfg.train.target_ppl = None if quick else target_ppl(unigram,
                                                                                     warm_ppl)
-    ref = reference(ctx, quick)
+    ref = reference(ctx, quick, probe)
     if not ref["reached"]:
         raise SystemExit(f"{target}: the reference did not reach the target perplexity "
                          f"{cfg.train.target_ppl:.1f} within train.iters={cfg.train.iters} "
@@ -303,41 +321,65 @@ def family_setup(target: str, spec: dict, settings: dict, cache_dir: str | None)
     return cfg, ctx, ref, ts, unigram
 
 
-def bench_model(target: str, spec: dict, settings: dict, cache_dir: str | None,
-                out: str | None) -> dict:
+def setup_task(target: str, spec: dict, settings: dict, cache_dir: str | None) -> dict:
+    """A family's rules 1-5 (:func:`family_setup`, in a worker): what its seeds need
+    (``cfg`` with target and dilation, the oracle's window ends) and what the report
+    keeps of it."""
     worker_setup(spec["proxy"])
-    from cona.mapping import PUBLISHED_BATCH, recipe_batch
+    from cona.baselines import recipe_strategy
+    from cona.mapping import recipe_batch
 
     t0, c0 = time.perf_counter(), time.process_time()
-    quick = settings.get("quick_segment")
     cfg, ctx, ref, ts, unigram = family_setup(target, spec, settings, cache_dir)
-    warm_steps = cfg.train.warmup_iters
-    t1 = time.perf_counter()
     D = settings["windows"]
     w0 = ctx.warm["consumed_samples"]
-    boundaries = [w0 + round(ref["segment_samples"] * k / D) for k in range(1, D)]
-    per_seed, warm = [], []
-    for i in range(settings["seeds"]):
-        cfg_i = copy.deepcopy(cfg)
-        cfg_i.train.seed = cfg.train.seed + i
-        ctx_i, cached_i = seed_context(cfg_i, warm_steps, data=ctx.data if i == 0 else None)
-        warm.append({"cached": cached_i, **ctx_i.warm["extra"]})
-        per_seed.append(seed_methods(ctx_i, settings, boundaries, recipe_batch(target)))
-    methods = aggregate(per_seed)
-    from cona.baselines import recipe_strategy
-
     pick = recipe_strategy(ctx.candidates, ctx.cluster.iter_s, recipe_batch(target))
     layout_s = [ctx.cluster.switch_s(pick, c) for c in ctx.candidates
                 if (c.dp, c.tp, c.pp) != (pick.dp, pick.tp, pick.pp)]
+    return {"cfg": cfg, "ref": ref, "ts": ts, "unigram": unigram,
+            "boundaries": [w0 + round(ref["segment_samples"] * k / D) for k in range(1, D)],
+            "mapping": ctx.mapping.to_dict(), "candidates": len(ctx.candidates),
+            "layout_s": layout_s, "wall_s": time.perf_counter() - t0,
+            "cpu_s": time.process_time() - c0}
+
+
+def seed_task(target: str, spec: dict, setup: dict, settings: dict, seed_index: int) -> dict:
+    """Every method on seed ``seed_index`` of a set-up family (in a worker): its warm state
+    (trained and cached if absent) and :func:`seed_methods`."""
+    worker_setup(spec["proxy"])
+    from cona.mapping import recipe_batch
+
+    t0, c0 = time.perf_counter(), time.process_time()
+    cfg = copy.deepcopy(setup["cfg"])
+    cfg.train.seed += seed_index
+    ctx, cached = seed_context(cfg, cfg.train.warmup_iters,
+                              probe_microbatches=settings.get("probe_microbatches", 64))
+    methods = seed_methods(ctx, settings, setup["boundaries"], recipe_batch(target))
+    return {"methods": methods, "warm": {"cached": cached, **ctx.warm["extra"]},
+            "wall_s": time.perf_counter() - t0, "cpu_s": time.process_time() - c0}
+
+
+def finish_family(target: str, spec: dict, setup: dict, seeds: list[dict], settings: dict,
+                  out: str | None) -> dict:
+    """A family's report entry from its setup and its seeds' results (module docstring);
+    with ``out`` also ``out/target/result.json`` and its plot."""
+    from cona.mapping import PUBLISHED_BATCH, recipe_batch
+    from cona.targets import TARGET_FRACTION
+
+    cfg, ref, ts, layout_s = setup["cfg"], setup["ref"], setup["ts"], setup["layout_s"]
+    per_seed = [s["methods"] for s in seeds]
+    methods = aggregate(per_seed)
     recipe_ttp = methods["static_recipe"]["ttp_s"]
-    growth = ref["noise_scale_target_proxy"] / ref["noise_scale_warm_proxy"]
     result = {
         "proxy": spec["proxy"],
-        "unigram_ppl": unigram,
+        "proxy_overrides": spec.get("overrides", []),
+        "unigram_ppl": setup["unigram"],
         "target_ppl": cfg.train.target_ppl,
-        "target_rule": "quick: the reference's perplexity after a short segment" if quick
-        else "0.5 x min(unigram_ppl, warm_ppl) (cona/targets.py)",
-        "noise_scale_growth_direct": growth,
+        "target_rule": "quick: the reference's perplexity after a short segment"
+        if settings.get("quick_segment") else
+        f"{TARGET_FRACTION} x min(unigram_ppl, warm_ppl) (cona/targets.py)",
+        "noise_scale_growth_direct": ref["noise_scale_target_proxy"]
+        / ref["noise_scale_warm_proxy"],
         "target_tokens_per_run": ts["target_tokens_per_run"],
         "time_scale": ts,
         # what a layout switch costs against a run (the issue's bar: a few percent at most)
@@ -345,14 +387,16 @@ def bench_model(target: str, spec: dict, settings: dict, cache_dir: str | None,
         "layout_switch_share_of_recipe_ttp": statistics.median(layout_s) / recipe_ttp
         if layout_s and recipe_ttp else None,
         "recipe": {"batch": recipe_batch(target), "source": PUBLISHED_BATCH[target][1]},
-        "reference": {**ref, "warm_steps": warm_steps, "warm": warm},
+        "reference": {**ref, "warm_steps": cfg.train.warmup_iters,
+                      "probe_microbatches": settings.get("probe_microbatches", 64),
+                      "warm": [s["warm"] for s in seeds]},
         "oracle": oracle_finding(per_seed),
         "ratios": ratios(methods),
-        "mapping": {**ctx.mapping.to_dict(), "step_dilation": cfg.cona.step_dilation},
-        "candidates": len(ctx.candidates),
+        "mapping": {**setup["mapping"], "step_dilation": cfg.cona.step_dilation},
+        "candidates": setup["candidates"],
         "methods": methods,
-        "wall_s": {"setup": t1 - t0, "methods": time.perf_counter() - t1},
-        "cpu_s": time.process_time() - c0,
+        "wall_s": {"setup": setup["wall_s"], "seeds": [s["wall_s"] for s in seeds]},
+        "cpu_s": setup["cpu_s"] + sum(s["cpu_s"] for s in seeds),
     }
     if out is not None:
         d = Path(out) / target
@@ -363,6 +407,54 @@ def bench_model(target: str, spec: dict, settings: dict, cache_dir: str | None,
         write_json_atomic(d / "result.json", result)
         plot_family(target, result, d / "ppl_vs_time.png")
     return result
+
+
+def run_bench(models: dict, jobs: int, settings: dict, cache_dir: str | None,
+              out: str | None) -> dict:
+    """Every family's report entry.  Work units are a family's setup, then each of its
+    seeds (``settings["seeds"]``), on ``jobs`` spawned processes (one per core; 1: in
+    this process); a seed starts as soon as its family's setup is done.  With ``out``,
+    each seed's result is also written to ``out/target/seed_K.json`` as it ends."""
+    from jobruntime.metrics import write_json_atomic
+
+    with _executor(jobs) as pool:
+        setups = {pool.submit(setup_task, name, spec, settings, cache_dir): name
+                  for name, spec in models.items()}
+        done_setup, seed_futs = {}, {}
+        for fut in cf.as_completed(setups):
+            name = setups[fut]
+            done_setup[name] = fut.result()
+            seed_futs[name] = [pool.submit(seed_task, name, models[name], done_setup[name],
+                                           settings, i) for i in range(settings["seeds"])]
+        report = {}
+        for name in models:
+            seeds = []
+            for i, f in enumerate(seed_futs[name]):
+                seeds.append(f.result())
+                if out is not None:
+                    (Path(out) / name).mkdir(parents=True, exist_ok=True)
+                    write_json_atomic(Path(out) / name / f"seed_{i}.json", seeds[-1])
+            report[name] = finish_family(name, models[name], done_setup[name], seeds,
+                                         settings, out)
+        return report
+
+
+class _Inline(cf.Executor):
+    """An executor that runs each task when it is submitted (``--jobs 1``: debuggable)."""
+
+    def submit(self, fn, /, *args, **kwargs):
+        fut = cf.Future()
+        try:
+            fut.set_result(fn(*args, **kwargs))
+        except BaseException as e:  # noqa: BLE001 - handed to the caller by result()
+            fut.set_exception(e)
+        return fut
+
+
+def _executor(jobs: int) -> cf.Executor:
+    if jobs == 1:
+        return _Inline()
+    return cf.ProcessPoolExecutor(max_workers=jobs, mp_context=mp.get_context("spawn"))
 
 
 def oracle_finding(per_seed: list[dict]) -> dict:
@@ -436,7 +528,7 @@ def main(argv=None) -> int:
               "quick": args.quick, **provenance(argv), "models": {}}
     t0 = time.perf_counter()
     out = str(args.out) if args.out is not None else None
-    report["models"] = run_families(bench_model, models, args.jobs, settings, args.cache_dir, out)
+    report["models"] = run_bench(models, args.jobs, settings, args.cache_dir, out)
     report["wall_s"] = time.perf_counter() - t0
     report["load_average_1min_at_end"] = os.getloadavg()[0]
     write_report(report, args.out, "cona_ttp.json")

@@ -35,8 +35,10 @@ WARM_FORMAT = 1  # bump when the stored fields or their meaning change
 _TRAIN_IGNORED = {"eval_interval", "eval_iters", "target_ppl", "stop_at_target", "max_wall_s"}
 
 
-def warm_key(cfg, steps: int, train_samples: int) -> str:
-    """A hex digest over what determines the warm state of ``cfg`` after ``steps`` steps.
+def warm_key(cfg, steps: int, train_samples: int, measure_tag: str = "") -> str:
+    """A hex digest over what determines the warm state of ``cfg`` after ``steps`` steps
+    and the measurements stored with it (``measure_tag``: names what ``measure`` of
+    :func:`train_warm` measures, e.g. the noise-scale probe's size).
 
     Included: ``cfg.model``, ``cfg.data`` (not its cache folder), ``cfg.train``
     (not evaluation or stopping settings), the preset's global and micro batch,
@@ -48,18 +50,18 @@ def warm_key(cfg, steps: int, train_samples: int) -> str:
     blob = json.dumps({"model": dataclasses.asdict(cfg.model), "data": data, "train": train,
                        "global_batch_size": cfg.parallel.global_batch_size,
                        "micro_batch_size": cfg.parallel.micro_batch_size, "steps": steps,
-                       "train_samples": train_samples,
+                       "train_samples": train_samples, "measure": measure_tag,
                        "format": WARM_FORMAT, "torch": torch.__version__},
                       sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:20]
 
 
-def warm_path(cfg, steps: int, train_samples: int) -> Path:
+def warm_path(cfg, steps: int, train_samples: int, measure_tag: str = "") -> Path:
     """Where :func:`warm_key`'s checkpoint lives (``data.cache_dir``, like the data cache)."""
     cache = Path(cfg.data.cache_dir)
     if not cache.is_absolute():
         cache = Path.cwd() / cache
-    return cache / f"cona-warm-{warm_key(cfg, steps, train_samples)}.pt"
+    return cache / f"cona-warm-{warm_key(cfg, steps, train_samples, measure_tag)}.pt"
 
 
 def save_atomic(obj, path: Path) -> None:
@@ -88,10 +90,12 @@ def train_warm(ctx, steps: int, measure=None) -> dict:
             "steps": steps, "extra": measure(job) if measure is not None else {}}
 
 
-def load_or_train_warm(ctx, steps: int, measure=None) -> tuple[dict, bool]:
+def load_or_train_warm(ctx, steps: int, measure=None,
+                       measure_tag: str = "") -> tuple[dict, bool]:
     """The cached warm state of ``ctx.cfg`` after ``steps`` steps, trained and cached if
-    absent.  Returns ``(warm, cached)``; ``cached`` is true when it was read from disk."""
-    path = warm_path(ctx.cfg, steps, len(ctx.data.train))
+    absent (``measure``, ``measure_tag``: :func:`train_warm`, :func:`warm_key`).  Returns
+    ``(warm, cached)``; ``cached`` is true when it was read from disk."""
+    path = warm_path(ctx.cfg, steps, len(ctx.data.train), measure_tag)
     if path.is_file():
         log.info("warm checkpoint %s (cached)", path.name)
         return torch.load(path, weights_only=False), True

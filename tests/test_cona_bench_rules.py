@@ -17,7 +17,7 @@ def test_unigram_perplexity_of_a_hand_computed_corpus(tmp_path):
     (infinite perplexity), or a mean over types instead of tokens.  Training documents
     [1 2 2] and [2 3] (N = 5, V = 5 ids 0-4): p = (c + 1) / 10, so p(1) = 0.2, p(2) = 0.4,
     p(4) = 0.1 (unseen).  Validation [2 1 4]: ppl = (0.4 * 0.2 * 0.1)^(-1/3)."""
-    from cona.targets import target_ppl, token_counts, unigram_perplexity
+    from cona.targets import TARGET_FRACTION, target_ppl, token_counts, unigram_perplexity
     from jobruntime.data import write_indexed
 
     prefix = tmp_path / "tiny"
@@ -27,8 +27,11 @@ def test_unigram_perplexity_of_a_hand_computed_corpus(tmp_path):
     assert train.tolist() == [0, 1, 3, 1, 0] and val.tolist() == [0, 1, 1, 0, 1]
     want = (0.4 * 0.2 * 0.1) ** (-1 / 3)
     assert unigram_perplexity(train, val) == pytest.approx(want, rel=1e-12)
-    assert target_ppl(want) == pytest.approx(want / 2)
-    assert target_ppl(800.0, 348.0) == 174.0 and target_ppl(800.0, 1500.0) == 400.0
+    f = TARGET_FRACTION
+    assert 0 < f < 0.5  # below half the unigram perplexity (issue 23's bar)
+    assert target_ppl(want) == pytest.approx(f * want)
+    assert target_ppl(800.0, 348.0) == pytest.approx(f * 348.0)
+    assert target_ppl(800.0, 1500.0) == pytest.approx(f * 800.0)
     with pytest.raises(ValueError, match="validation tokens"):
         unigram_perplexity(train, np.zeros(5))
 
