@@ -1,25 +1,29 @@
 """CONA benchmark: time to target perplexity on an emulated GPU cluster, deep in training.
 
-For each timing target (GPT-3 1.3B, BERT-Large, Llama-3.2-1B) its tiny twin
-(tiny_gpt, tiny_llama at sequence 64, tiny_bert at 128) really trains on the
-bundled corpus in one process (one torch thread: results do not depend on the
-machine's core count); the clock comes from the cost model of the target at its
-own shape on ``--num-gpus`` x ``--gpu`` (default 64 A100s; ``cona/emulated.py``),
-at target global batches of 64 to 1024 sequences.
+For each timing target (GPT-3 1.3B, BERT-Large, Llama-3.2-1B) a narrowed tiny twin
+(the preset tiny_gpt, tiny_llama, tiny_bert at 2 layers of width 128, rule 0;
+sequence 64, 64 and 128) really trains on the bundled corpus in one process (one
+torch thread: results do not depend on the machine's core count); the clock comes
+from the cost model of the target at its own shape on ``--num-gpus`` x ``--gpu``
+(default 64 A100s; ``cona/emulated.py``), at target global batches of 64 to 1024
+sequences.
 
 Rules fixed before any method runs (per family; none looks at a method's result):
 
+0. **Proxy.** The preset's architecture narrowed (:data:`MODELS`' ``overrides``) so that
+   the full bench's many runs fit on 2 cores; the quick run keeps the presets.
 1. **Batches.** One proxy sequence stands for ``r = 8`` target sequences, every
    family (:data:`cona.mapping.BATCH_RATIO`, a constant: no measured quantity is
    rounded on the way to the table).
 2. **Warm start.** The proxy trains once through its preset's recipe (its batch,
    LR and full warmup, ``train.warmup_iters`` steps) and is cached on disk
    (:mod:`cona.warm`); every method of every seed starts from its seed's warm state.
-3. **Target.** The lower of half the corpus's unigram perplexity (the family's
-   tokenizer) and half the warm state's perplexity (:func:`cona.targets.target_ppl`).
+3. **Target.** 0.45 of the lower of the corpus's unigram perplexity (the family's
+   tokenizer) and the warm state's perplexity (:func:`cona.targets.target_ppl`: why
+   0.45).
 4. **Time scale.** The reference (the preset batch at its LR, first seed, from the
    warm state to the target) measures the noise scale directly at the warm state
-   and at the target; Kaplan et al. 2020's ``B_crit(L)`` and ``L(N, S)`` turn the
+   and at the target (:data:`PROBE_MICROBATCHES` micro-batches each); Kaplan et al. 2020's ``B_crit(L)`` and ``L(N, S)`` turn the
    range ``r x [phi_0, phi_1]`` into the span of the target's training one run
    stands for (``target_tokens_per_run``) and so the step dilation ``k``
    (``cona.step_dilation``): one proxy step is charged ``k`` target steps

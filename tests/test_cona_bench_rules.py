@@ -316,3 +316,27 @@ def test_lr_sweep_cut_is_exact_for_the_minimum():
         else:
             assert cut == full
     assert cuts > 50  # the cut does fire
+
+
+def test_bench_runs_each_seed_of_a_family_after_its_setup_and_keeps_every_seed(monkeypatch,
+                                                                             tmp_path):
+    """Catches a scheduler that gives every seed the same seed index, hands a seed another
+    family's setup, drops a seed's result or writes it nowhere: two families of three
+    seeds (in-process executor) must each get seeds 0, 1, 2 with their own setup, and
+    every seed's result must reach its family's report and ``out/NAME/seed_K.json``."""
+    import json
+
+    import bench.cona_ttp as bench
+
+    calls = []
+    monkeypatch.setattr(bench, "setup_task", lambda name, spec, settings, cache: {"of": name})
+    monkeypatch.setattr(bench, "seed_task", lambda name, spec, setup, settings, i:
+                        calls.append((name, setup["of"], i)) or {"seed": i, "of": setup["of"]})
+    monkeypatch.setattr(bench, "finish_family",
+                        lambda name, spec, setup, seeds, settings, out: {"seeds": seeds})
+    models = {"a": {}, "b": {}}
+    report = bench.run_bench(models, 1, {"seeds": 3}, None, str(tmp_path))
+    assert sorted(calls) == [(f, f, i) for f in "ab" for i in range(3)]
+    for f in "ab":
+        assert report[f]["seeds"] == [{"seed": i, "of": f} for i in range(3)]
+        assert json.loads((tmp_path / f / "seed_2.json").read_text()) == {"seed": 2, "of": f}

@@ -187,3 +187,43 @@ def test_cona_tables_from_a_synthetic_result():
     data["quick"] = True
     assert "Quick (CI-sized) run" in render_results.cona_ttp(data)
     assert "docs/results/cona_ttp_quick.json" in render_results.cona_ttp(data)
+
+
+def test_cona_bars_are_measured_against_their_thresholds():
+    """Catches a bar computed on the mean where the issue says every seed, a missing family
+    counted as passing, a layout switch bar that counts batch switches, or a threshold
+    compared the wrong way.  gpt: CONA 1.5x the recipe, its worst seed 0.96x the best
+    static (below 0.97), 0.99x the chain, one layout switch, growth 5x; llama: 1.3x, 1.0x,
+    0.96x, none, 8x; bert not run; wall 80 min."""
+    def fam(recipe, oracle_by_seed, chain, layout, growth):
+        cona = [100.0, 100.0, 100.0]
+        return {"target_ppl": 170.0, "unigram_ppl": 785.0, "noise_scale_growth_direct": growth,
+                "methods": {"cona": {"ttp_s": 100.0, "ttp_s_by_seed": cona,
+                                     "layout_switches_by_seed": [layout, 0, 0]},
+                            "static_recipe": {"ttp_s": recipe},
+                            "static_oracle": {"ttp_s_by_seed": oracle_by_seed},
+                            "oracle_chain": {"ttp_s": chain}}}
+
+    data = {"date": "2026-12-02", "commit": "abc", "machine": "m", "command": "c",
+            "wall_s": 80 * 60.0, "models": {
+                "gpt3_1.3b": fam(150.0, [96.0, 110.0, 120.0], 99.0, 1, 5.0),
+                "llama3.2_1b": fam(130.0, [100.0, 101.0, 102.0], 96.0, 0, 8.0)}}
+    out = render_results.cona_ttp_bars(data)
+    assert "| gpt3_1.3b | 1.50x | 0.96x | 0.99x | 1 | 5.00x | 170 / 785 |" in out
+    assert "| bert_large | not run |" in out
+    bars = dict(line.strip("|").rsplit("|", 1) for line in out.splitlines()
+                if line.startswith("| CONA") or line.startswith("| noise") or
+                line.startswith("| the full"))
+    bars = {k.strip(): v.strip() for k, v in bars.items()}
+    assert bars["CONA >= 1.4x static recipe on >= 2 families"] == "**not met**"  # llama 1.3x
+    assert bars["CONA >= 0.97x best static on every family and seed"] == "**not met**"
+    assert bars["CONA within 5 % of the oracle chain on every family"] == "**not met**"  # bert
+    assert bars["CONA makes a layout switch on >= 1 family"] == "met"
+    assert bars["noise scale grows >= 4x on every family"] == "**not met**"  # bert not run
+    data["models"]["llama3.2_1b"] = fam(140.0, [100.0, 101.0, 102.0], 96.0, 0, 8.0)
+    data["models"]["bert_large"] = fam(100.0, [98.0, 99.0, 97.0], 97.0, 0, 4.5)
+    data["models"]["gpt3_1.3b"]["methods"]["static_oracle"]["ttp_s_by_seed"] = [97.0] * 3
+    bars = {line.strip("|").rsplit("|", 1)[0].strip(): line.rsplit("|", 2)[1].strip()
+            for line in render_results.cona_ttp_bars(data).splitlines()
+            if line.startswith("| CONA") or line.startswith("| noise")}
+    assert set(bars.values()) == {"met"}

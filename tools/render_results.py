@@ -25,6 +25,10 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from render_cona import cona_ttp, cona_ttp_bars, cona_ttp_headline  # noqa: E402
+from results_source import source_line as _source  # noqa: E402
+
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "docs" / "results"
 PAGES = ("README.md", "docs/*.md")
@@ -34,12 +38,6 @@ BLOCK = re.compile(r"(?P<open><!-- results: (?P<name>[\w.-]+)(?: (?P<view>[\w-]+
 
 def _mb(n: float) -> str:
     return f"{n / 1e6:.1f} MB"
-
-
-def _source(r: dict, name: str) -> str:
-    """The provenance line under a table: date, commit, machine, command, file."""
-    return (f"*Measured {r['date'][:10]} at `{r['commit']}` on {r['machine']}: "
-            f"`{r['command']}` (`docs/results/{name}.json`).*")
 
 
 def four_shape_cpu(r: dict) -> str:
@@ -317,91 +315,6 @@ def geomesh_peers_tune(r: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-CONA_METHODS = (("static_recipe", "static recipe"), ("static_throughput", "static throughput"),
-                ("static_oracle", "best static (hindsight)"), ("oracle_greedy", "oracle greedy"),
-                ("oracle_chain", "oracle chain"), ("cona", "CONA"))
-
-
-def _seeds_ttp(m: dict | None) -> str:
-    """``mean ± sd s`` over the seeds (``missed (k/n)`` where a seed missed the target)."""
-    if not m:
-        return "—"
-    by_seed = m.get("ttp_s_by_seed") or [m.get("ttp_s")]
-    if None in by_seed:
-        return f"missed ({by_seed.count(None)}/{len(by_seed)})"
-    sd = m.get("ttp_s_sd")
-    return f"{m['ttp_s']:,.0f} ± {sd:,.0f} s" if sd else f"{m['ttp_s']:,.0f} s"
-
-
-def _speedup(m: dict | None, cona_s: float | None) -> str:
-    """``m``'s mean TTP over CONA's (``—`` where either missed the target)."""
-    t = (m or {}).get("ttp_s")
-    return f"{t / cona_s:.2f}x" if t and cona_s else "—"
-
-
-def _cona_settings(r: dict) -> str:
-    seeds = {len((m["methods"]["cona"] or {}).get("ttp_s_by_seed") or [0])
-             for m in r["models"].values()}
-    mode = ("Quick (CI-sized) run: one family, a short segment, 3 batches, 2 oracle windows"
-            if r.get("quick") else "Full run")
-    return (f"{mode}; {'/'.join(map(str, sorted(seeds)))} seed(s); "
-            f"emulated clock, {r['num_gpus']} x {r['gpu']}; TTP interpolated at the crossing of "
-            "the target, mean ± sd over the seeds.")
-
-
-def cona_ttp(r: dict) -> str:
-    """bench/cona_ttp.py: per family its target (and the corpus's unigram perplexity),
-    what one run stands for, and every method's TTP over the seeds with its switches
-    (all / layout) and its first seed's chain."""
-    lines = []
-    for name, m in r["models"].items():
-        tokens, share = m.get("target_tokens_per_run"), m.get("layout_switch_share_of_recipe_ttp")
-        head = (f"**{name}** timed, `{m['proxy']}` trained: target val ppl {m['target_ppl']:.1f} "
-                f"(unigram {m['unigram_ppl']:.1f}); noise scale grew "
-                f"{m['noise_scale_growth_direct']:.2f}x over the reference's segment")
-        if tokens:
-            head += f"; one run stands for {tokens / 1e9:.2f}B target tokens"
-        if share:
-            head += f"; a layout switch costs {100 * share:.2f} % of the recipe's TTP"
-        lines += [head + ".", "",
-                  "| method | TTP, emulated | CONA's speed-up over it | switches (layout) | "
-                  "chain (first seed) |", "|---|---:|---:|---:|---|"]
-        cona = (m["methods"].get("cona") or {}).get("ttp_s")
-        for key, label in CONA_METHODS:
-            x = m["methods"].get(key)
-            if x is None:
-                continue
-            speed = _speedup(x, cona) if key != "cona" else "—"
-            chain = " → ".join(f"`{c['strategy']}`" for c in x.get("chain") or [])
-            lines.append(f"| {label} | {_seeds_ttp(x)} | {speed} | {x.get('switches', 0)} "
-                         f"({x.get('layout_switches', 0)}) | {chain} |")
-        lines.append("")
-    lines += [_cona_settings(r), "", _source(r, "cona_ttp_quick" if r.get("quick")
-                                             else "cona_ttp")]
-    return "\n".join(lines) + "\n"
-
-
-def cona_ttp_headline(r: dict) -> str:
-    """The README's short form: per family, the target, the static recipe, the hindsight
-    best static, the oracle chain and CONA, and CONA's speed-up over the first two."""
-    lines = ["| timed (trained) | target ppl (unigram) | static recipe | best static "
-             "(hindsight) | oracle chain | CONA | CONA vs recipe | CONA vs best static |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|"]
-    for name, m in r["models"].items():
-        meth = m["methods"]
-        cona = (meth.get("cona") or {}).get("ttp_s")
-        lines.append(f"| {name} (`{m['proxy']}`) | {m['target_ppl']:.0f} ({m['unigram_ppl']:.0f}) "
-                     f"| {_seeds_ttp(meth.get('static_recipe'))} | "
-                     f"{_seeds_ttp(meth.get('static_oracle'))} | "
-                     f"{_seeds_ttp(meth.get('oracle_chain'))} | {_seeds_ttp(meth.get('cona'))} | "
-                     f"{_speedup(meth.get('static_recipe'), cona)} | "
-                     f"{_speedup(meth.get('static_oracle'), cona)} |")
-    lines += ["", _cona_settings(r) + " Above 1x: CONA is faster.  Every method, switch and "
-              "chain: [docs/cona.md](docs/cona.md#results).",
-              "", _source(r, "cona_ttp_quick" if r.get("quick") else "cona_ttp")]
-    return "\n".join(lines) + "\n"
-
-
 RENDERERS: dict[str, Callable[[dict], str]] = {"four_shape_cpu": four_shape_cpu,
                                                "faults_quick": faults_quick,
                                                "h200_2026-11-30": h200,
@@ -415,6 +328,7 @@ VIEWS: dict[tuple[str, str], Callable[[dict], str]] = {
     ("h200_2026-11-30", "headline"): h200_headline,
     ("geomesh_peers", "headline"): geomesh_peers_headline,
     ("cona_ttp", "headline"): cona_ttp_headline,
+    ("cona_ttp", "bars"): cona_ttp_bars,
     ("cona_ttp_quick", "headline"): cona_ttp_headline}
 
 

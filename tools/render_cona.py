@@ -1,0 +1,183 @@
+"""Renderers of ``bench/cona_ttp.py``'s JSON for ``tools/render_results.py``: the full
+table per family, the README's headline and the issue's bars, measured against their
+thresholds."""
+
+from __future__ import annotations
+
+from results_source import source_line as _source
+
+CONA_METHODS = (("static_recipe", "static recipe"), ("static_throughput", "static throughput"),
+                ("static_oracle", "best static (hindsight)"), ("oracle_greedy", "oracle greedy"),
+                ("oracle_chain", "oracle chain"), ("cona", "CONA"))
+
+
+def _seeds_ttp(m: dict | None) -> str:
+    """``mean ± sd s`` over the seeds (``missed (k/n)`` where a seed missed the target)."""
+    if not m:
+        return "—"
+    by_seed = m.get("ttp_s_by_seed") or [m.get("ttp_s")]
+    if None in by_seed:
+        return f"missed ({by_seed.count(None)}/{len(by_seed)})"
+    sd = m.get("ttp_s_sd")
+    return f"{m['ttp_s']:,.0f} ± {sd:,.0f} s" if sd else f"{m['ttp_s']:,.0f} s"
+
+
+def _speedup(m: dict | None, cona_s: float | None) -> str:
+    """``m``'s mean TTP over CONA's (``—`` where either missed the target)."""
+    t = (m or {}).get("ttp_s")
+    return f"{t / cona_s:.2f}x" if t and cona_s else "—"
+
+
+def _cona_settings(r: dict) -> str:
+    seeds = {len((m["methods"]["cona"] or {}).get("ttp_s_by_seed") or [0])
+             for m in r["models"].values()}
+    mode = ("Quick (CI-sized) run: one family, a short segment, 3 batches, 2 oracle windows"
+            if r.get("quick") else "Full run")
+    return (f"{mode}; {'/'.join(map(str, sorted(seeds)))} seed(s); "
+            f"emulated clock, {r['num_gpus']} x {r['gpu']}; TTP interpolated at the crossing of "
+            "the target, mean ± sd over the seeds.")
+
+
+def _oracle_finding(oracle: dict) -> str:
+    """One line: per seed, how often the oracle's best strategy changes and its chain's
+    TTP over the best static's, and whether the search was exact."""
+    rows = oracle.get("by_seed") or []
+    if not rows:
+        return ""
+    per = "; ".join(f"{x.get('switches', 0)} switch(es), "
+                    f"{_fmt(x.get('chain_over_static_oracle'), '.3f')}" for x in rows)
+    exact = "exact search" if all(x.get("exact") for x in rows) else \
+        "pruned search (not exact: dominance + beam)"
+    return (f"Oracle chain per seed (its switches, its TTP over the best static's): {per}; "
+            f"{exact}.")
+
+
+def cona_ttp(r: dict) -> str:
+    """bench/cona_ttp.py: per family its target (and the corpus's unigram perplexity),
+    what one run stands for, and every method's TTP over the seeds with its switches
+    (all / layout) and its first seed's chain."""
+    lines = []
+    for name, m in r["models"].items():
+        tokens, share = m.get("target_tokens_per_run"), m.get("layout_switch_share_of_recipe_ttp")
+        narrowed = ", ".join(o.removeprefix("model.") for o in m.get("proxy_overrides") or [])
+        proxy = f"`{m['proxy']}` ({narrowed})" if narrowed else f"`{m['proxy']}`"
+        head = (f"**{name}** timed, {proxy} trained: target val ppl {m['target_ppl']:.1f} "
+                f"(unigram {m['unigram_ppl']:.1f}); noise scale grew "
+                f"{m['noise_scale_growth_direct']:.2f}x over the reference's segment")
+        if tokens:
+            head += f"; one run stands for {tokens / 1e9:.2f}B target tokens"
+        if share:
+            head += f"; a layout switch costs {100 * share:.2f} % of the recipe's TTP"
+        lines += [head + ".", "",
+                  "| method | TTP, emulated | CONA's speed-up over it | switches (layout) | "
+                  "chain (first seed) |", "|---|---:|---:|---:|---|"]
+        cona = (m["methods"].get("cona") or {}).get("ttp_s")
+        for key, label in CONA_METHODS:
+            x = m["methods"].get(key)
+            if x is None:
+                continue
+            speed = _speedup(x, cona) if key != "cona" else "—"
+            chain = " → ".join(f"`{c['strategy']}`" for c in x.get("chain") or [])
+            lines.append(f"| {label} | {_seeds_ttp(x)} | {speed} | {x.get('switches', 0)} "
+                         f"({x.get('layout_switches', 0)}) | {chain} |")
+        lines += ["", _oracle_finding(m.get("oracle") or {}), ""]
+    lines += [_cona_settings(r), "", _source(r, "cona_ttp_quick" if r.get("quick")
+                                             else "cona_ttp")]
+    return "\n".join(lines) + "\n"
+
+
+def cona_ttp_headline(r: dict) -> str:
+    """The README's short form: per family, the target, the static recipe, the hindsight
+    best static, the oracle chain and CONA, and CONA's speed-up over the first two."""
+    lines = ["| timed (trained) | target ppl (unigram) | static recipe | best static "
+             "(hindsight) | oracle chain | CONA | CONA vs recipe | CONA vs best static |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for name, m in r["models"].items():
+        meth = m["methods"]
+        cona = (meth.get("cona") or {}).get("ttp_s")
+        lines.append(f"| {name} (`{m['proxy']}`) | {m['target_ppl']:.0f} ({m['unigram_ppl']:.0f}) "
+                     f"| {_seeds_ttp(meth.get('static_recipe'))} | "
+                     f"{_seeds_ttp(meth.get('static_oracle'))} | "
+                     f"{_seeds_ttp(meth.get('oracle_chain'))} | {_seeds_ttp(meth.get('cona'))} | "
+                     f"{_speedup(meth.get('static_recipe'), cona)} | "
+                     f"{_speedup(meth.get('static_oracle'), cona)} |")
+    lines += ["", _cona_settings(r) + " Above 1x: CONA is faster.  Every method, switch and "
+              "chain: [docs/cona.md](docs/cona.md#results).",
+              "", _source(r, "cona_ttp_quick" if r.get("quick") else "cona_ttp")]
+    return "\n".join(lines) + "\n"
+
+
+# issue 23's bars (the CONA paper's claims, on the emulated clock)
+RECIPE_BAR, RECIPE_FAMILIES = 1.4, 2  # CONA >= 1.4x static_recipe on >= 2 families
+ORACLE_BAR = 0.97  # CONA >= 0.97x static_oracle, every family and seed
+CHAIN_BAR = 0.95  # CONA within 5 % of the oracle chain, every family
+GROWTH_BAR = 4.0  # the noise scale grows >= 4x over the segment, every family
+WALL_BAR_S = 90 * 60  # the full bench on 2 cores
+
+
+def _ratio(num: float | None, den: float | None) -> float | None:
+    return num / den if num and den else None
+
+
+def _fmt(x: float | None, spec: str = ".2f", unit: str = "x") -> str:
+    return "—" if x is None else f"{x:{spec}}{unit}"
+
+
+def _mark(ok: bool | None) -> str:
+    return {True: "met", False: "**not met**", None: "not measured"}[ok]
+
+
+def cona_ttp_bars(r: dict, families: tuple[str, ...] = ("gpt3_1.3b", "llama3.2_1b",
+                                                         "bert_large")) -> str:
+    """Issue 23's bars against a full run: per family the measured value of each bar,
+    then whether each bar holds over the families (a family not in the run counts as
+    not measured, so a bar over every family is not met without it)."""
+    models = r["models"]
+    rows = ["| family | CONA vs recipe | CONA vs best static, worst seed | CONA vs oracle chain "
+            "| CONA's layout switches | noise-scale growth | target / unigram ppl |",
+            "|---|---:|---:|---:|---:|---:|---:|"]
+    recipe, oracle, chain, layout, growth = {}, {}, {}, {}, {}
+    for f in families:
+        m = models.get(f)
+        if m is None:
+            rows.append(f"| {f} | not run | | | | | |")
+            continue
+        meth = m["methods"]
+        cona = meth["cona"]
+        recipe[f] = _ratio((meth.get("static_recipe") or {}).get("ttp_s"), cona["ttp_s"])
+        so = (meth.get("static_oracle") or {}).get("ttp_s_by_seed") or []
+        per_seed = [_ratio(a, b) for a, b in zip(so, cona.get("ttp_s_by_seed") or [])]
+        oracle[f] = None if not per_seed or None in per_seed else min(per_seed)
+        chain[f] = _ratio((meth.get("oracle_chain") or {}).get("ttp_s"), cona["ttp_s"])
+        layout[f] = sum(cona.get("layout_switches_by_seed") or [cona.get("layout_switches", 0)])
+        growth[f] = m.get("noise_scale_growth_direct")
+        rows.append(f"| {f} | {_fmt(recipe[f])} | {_fmt(oracle[f])} | {_fmt(chain[f])} | "
+                    f"{layout[f]} | {_fmt(growth[f])} | "
+                    f"{m['target_ppl']:.0f} / {m['unigram_ppl']:.0f} |")
+    run = [f for f in families if f in models]
+
+    def every(values: dict, ok) -> bool | None:
+        if any(values.get(f) is None for f in run):
+            return False
+        return all(ok(values[f]) for f in run) if len(run) == len(families) else False
+
+    wall = r.get("wall_s")
+    bars = [
+        (f"CONA >= {RECIPE_BAR}x static recipe on >= {RECIPE_FAMILIES} families",
+         sum((recipe.get(f) or 0) >= RECIPE_BAR for f in run) >= RECIPE_FAMILIES),
+        (f"CONA >= {ORACLE_BAR}x best static on every family and seed",
+         every(oracle, lambda x: x >= ORACLE_BAR)),
+        (f"CONA within {100 * (1 - CHAIN_BAR):.0f} % of the oracle chain on every family",
+         every(chain, lambda x: x >= CHAIN_BAR)),
+        ("CONA makes a layout switch on >= 1 family", any(layout.get(f) for f in run)),
+        (f"noise scale grows >= {GROWTH_BAR:g}x on every family",
+         every(growth, lambda x: x >= GROWTH_BAR)),
+        (f"the full bench takes <= {WALL_BAR_S // 60} min on 2 cores ({len(run)} of "
+         f"{len(families)} families: {_fmt(wall and wall / 60, '.0f', ' min')})",
+         None if wall is None else (wall <= WALL_BAR_S and len(run) == len(families))),
+    ]
+    rows += ["", "| bar | |", "|---|---|"] + [f"| {b} | {_mark(ok)} |" for b, ok in bars]
+    rows += ["", "Ratios: the other method's mean TTP over CONA's (above 1x: CONA is faster); "
+             "best static per seed, its worst seed shown.", "",
+             _source(r, "cona_ttp_quick" if r.get("quick") else "cona_ttp")]
+    return "\n".join(rows) + "\n"
