@@ -401,6 +401,9 @@ def finish_family(target: str, spec: dict, setup: dict, seeds: list[dict], setti
         "methods": methods,
         "wall_s": {"setup": setup["wall_s"], "seeds": [s["wall_s"] for s in seeds]},
         "cpu_s": setup["cpu_s"] + sum(s["cpu_s"] for s in seeds),
+        "seeds_done": len(seeds),
+        "seed_runs": [{k: s.get(k) for k in ("seed_index", "setup_key", "reused", "wall_s",
+                                              "cpu_s")} for s in seeds],
     }
     if out is not None:
         d = Path(out) / target
@@ -413,12 +416,40 @@ def finish_family(target: str, spec: dict, setup: dict, seeds: list[dict], setti
     return result
 
 
+def setup_key(setup: dict, settings: dict, seed_index: int) -> str:
+    """A hex digest over what a seed's result depends on: the family's set-up config
+    (target, step dilation, proxy), the oracle's window ends, the bench settings and the
+    seed.  A seed file is reused only under an equal key."""
+    import dataclasses
+    import hashlib
+
+    blob = json.dumps({"cfg": dataclasses.asdict(setup["cfg"]), "boundaries": setup["boundaries"],
+                       "settings": settings, "seed": seed_index}, sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:20]
+
+
+def _reusable(path: Path, key: str) -> dict | None:
+    """The seed result at ``path`` if it was made under ``key``, else ``None`` (logged)."""
+    if not path.is_file():
+        return None
+    seed = json.loads(path.read_text())
+    if seed.get("setup_key") != key:
+        logging.getLogger("cona").warning(
+            "%s was made under another set-up (key %s, now %s): not reused", path,
+            seed.get("setup_key"), key)
+        return None
+    return seed
+
+
 def run_bench(models: dict, jobs: int, settings: dict, cache_dir: str | None,
-              out: str | None) -> dict:
+              out: str | None, reuse: bool = False, train: bool = True) -> dict:
     """Every family's report entry.  Work units are a family's setup, then each of its
     seeds (``settings["seeds"]``), on ``jobs`` spawned processes (one per core; 1: in
     this process); a seed starts as soon as its family's setup is done.  With ``out``,
-    each seed's result is also written to ``out/target/seed_K.json`` as it ends."""
+    each seed's result is also written to ``out/target/seed_K.json`` as it ends, with its
+    :func:`setup_key`; ``reuse`` reads such a file back instead of running the seed where
+    the key is equal; ``train=False`` runs no seed (a family reports the seeds it has,
+    ``seeds_done``; one with none is left out)."""
     from jobruntime.metrics import write_json_atomic
 
     with _executor(jobs) as pool:
@@ -427,19 +458,30 @@ def run_bench(models: dict, jobs: int, settings: dict, cache_dir: str | None,
         done_setup, seed_futs = {}, {}
         for fut in cf.as_completed(setups):
             name = setups[fut]
-            done_setup[name] = fut.result()
-            seed_futs[name] = [pool.submit(seed_task, name, models[name], done_setup[name],
-                                           settings, i) for i in range(settings["seeds"])]
+            done_setup[name] = setup = fut.result()
+            seed_futs[name] = []
+            for i in range(settings["seeds"]):
+                key = setup_key(setup, settings, i)
+                old = _reusable(Path(out) / name / f"seed_{i}.json", key) if reuse and out else None
+                if old is not None:
+                    f = cf.Future()
+                    f.set_result(dict(old, reused=True))
+                elif train:
+                    f = pool.submit(seed_task, name, models[name], setup, settings, i)
+                else:
+                    continue
+                seed_futs[name].append((i, key, f))
         report = {}
         for name in models:
             seeds = []
-            for i, f in enumerate(seed_futs[name]):
-                seeds.append(f.result())
-                if out is not None:
+            for i, key, f in seed_futs[name]:
+                seeds.append(dict(f.result(), setup_key=key, seed_index=i))
+                if out is not None and not seeds[-1].get("reused"):
                     (Path(out) / name).mkdir(parents=True, exist_ok=True)
                     write_json_atomic(Path(out) / name / f"seed_{i}.json", seeds[-1])
-            report[name] = finish_family(name, models[name], done_setup[name], seeds,
-                                         settings, out)
+            if seeds:
+                report[name] = finish_family(name, models[name], done_setup[name], seeds,
+                                             settings, out)
         return report
 
 
@@ -517,8 +559,15 @@ def main(argv=None) -> int:
     p.add_argument("--cache-dir", default=None,
                    help="tokenizer/dataset/warm-checkpoint cache (data.cache_dir)")
     p.add_argument("--jobs", type=int, default=2,
-                   help="families run in parallel processes (default 2: one per core)")
+                   help="set-ups and seeds run in parallel processes (default 2: one per core)")
+    p.add_argument("--reuse", action="store_true",
+                   help="read back --out's seed results made under the same set-up "
+                   "instead of running them (a killed run goes on where it stopped)")
+    p.add_argument("--no-train", action="store_true",
+                   help="with --reuse: run no seed; report the seeds found (seeds_done)")
     args = p.parse_args(argv)
+    if args.no_train and not (args.reuse and args.out):
+        p.error("--no-train needs --reuse and --out (it reports the seeds found there)")
     from jobruntime.metrics import provenance
     from jobruntime.outputs import refuse_output_folder
 
@@ -532,8 +581,12 @@ def main(argv=None) -> int:
               "quick": args.quick, **provenance(argv), "models": {}}
     t0 = time.perf_counter()
     out = str(args.out) if args.out is not None else None
-    report["models"] = run_bench(models, args.jobs, settings, args.cache_dir, out)
-    report["wall_s"] = time.perf_counter() - t0
+    report["models"] = run_bench(models, args.jobs, settings, args.cache_dir, out,
+                                 reuse=args.reuse, train=not args.no_train)
+    # the bench's own wall time only where it ran every seed itself
+    fresh = all(not w.get("reused") for m in report["models"].values()
+                for w in m["seed_runs"])
+    report["wall_s"] = time.perf_counter() - t0 if fresh else None
     report["load_average_1min_at_end"] = os.getloadavg()[0]
     write_report(report, args.out, "cona_ttp.json")
     return 0

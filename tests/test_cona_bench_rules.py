@@ -318,18 +318,21 @@ def test_lr_sweep_cut_is_exact_for_the_minimum():
     assert cuts > 50  # the cut does fire
 
 
-def test_bench_runs_each_seed_of_a_family_after_its_setup_and_keeps_every_seed(monkeypatch,
-                                                                             tmp_path):
+def test_bench_runs_each_seed_of_a_family_after_its_setup_and_reuses_only_its_own(
+        monkeypatch, tmp_path):
     """Catches a scheduler that gives every seed the same seed index, hands a seed another
-    family's setup, drops a seed's result or writes it nowhere: two families of three
-    seeds (in-process executor) must each get seeds 0, 1, 2 with their own setup, and
-    every seed's result must reach its family's report and ``out/NAME/seed_K.json``."""
+    family's setup, drops a seed's result or writes it nowhere, or a reuse that reads back
+    a seed made under another set-up: two families of three seeds (in-process executor)
+    must each get seeds 0, 1, 2 with their own setup, every seed's result must reach its
+    family's report and ``out/NAME/seed_K.json``; a second run with ``reuse`` and no
+    training reports the same seeds from disk, except one whose set-up key changed."""
     import json
 
     import bench.cona_ttp as bench
 
     calls = []
     monkeypatch.setattr(bench, "setup_task", lambda name, spec, settings, cache: {"of": name})
+    monkeypatch.setattr(bench, "setup_key", lambda setup, settings, i: f"{setup['of']}{i}")
     monkeypatch.setattr(bench, "seed_task", lambda name, spec, setup, settings, i:
                         calls.append((name, setup["of"], i)) or {"seed": i, "of": setup["of"]})
     monkeypatch.setattr(bench, "finish_family",
@@ -338,5 +341,15 @@ def test_bench_runs_each_seed_of_a_family_after_its_setup_and_keeps_every_seed(m
     report = bench.run_bench(models, 1, {"seeds": 3}, None, str(tmp_path))
     assert sorted(calls) == [(f, f, i) for f in "ab" for i in range(3)]
     for f in "ab":
-        assert report[f]["seeds"] == [{"seed": i, "of": f} for i in range(3)]
-        assert json.loads((tmp_path / f / "seed_2.json").read_text()) == {"seed": 2, "of": f}
+        assert [(x["seed"], x["of"], x["seed_index"]) for x in report[f]["seeds"]] == \
+            [(i, f, i) for i in range(3)]
+        assert json.loads((tmp_path / f / "seed_2.json").read_text())["setup_key"] == f"{f}2"
+    monkeypatch.setattr(bench, "setup_key", lambda setup, settings, i:
+                        "changed" if (setup["of"], i) == ("b", 1) else f"{setup['of']}{i}")
+    calls.clear()
+    again = bench.run_bench(models, 1, {"seeds": 3}, None, str(tmp_path), reuse=True,
+                            train=False)
+    assert calls == []
+    assert [x["seed_index"] for x in again["a"]["seeds"]] == [0, 1, 2]
+    assert [x["seed_index"] for x in again["b"]["seeds"]] == [0, 2]
+    assert all(x["reused"] for f in "ab" for x in again[f]["seeds"])
