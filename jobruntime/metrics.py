@@ -37,8 +37,10 @@ def write_text_atomic(path: Path, text: str) -> None:
 def provenance(argv: list[str] | None = None) -> dict[str, Any]:
     """Where a bench result comes from, for the JSON it writes: ``date`` (UTC, ISO),
     ``commit`` (short hash of the repository's HEAD, ``+dirty`` with uncommitted
-    changes; ``None`` outside a git checkout), ``machine`` (CPU count and model,
-    GPU name where CUDA is present) and ``command`` (``argv``, default ``sys.argv``)."""
+    changes; ``None`` outside a git checkout), ``machine`` (CPU count and model, the
+    vector instruction set torch's CPU kernels use, e.g. ``AVX2`` or ``AVX512``: results
+    of the same commit can differ between them; GPU name where CUDA is present) and
+    ``command`` (``argv``, default ``sys.argv``)."""
     import datetime
     import platform
     import subprocess
@@ -60,6 +62,7 @@ def provenance(argv: list[str] | None = None) -> dict[str, Any]:
     try:
         import torch
 
+        machine += f", {torch.backends.cpu.get_cpu_capability()}"
         if torch.cuda.is_available():
             machine += f", {torch.cuda.get_device_name()}"
     except ImportError:
