@@ -271,7 +271,9 @@ def seed_methods(ctx, settings: dict, boundaries: list[int], recipe_batch: int) 
 
 def aggregate(per_seed: list[dict]) -> dict:
     """Per method: the first seed's record (chain, evals) with ``ttp_s`` the mean over
-    seeds (``None`` if one missed), ``ttp_s_by_seed``, ``switches`` and
+    seeds (``None`` if one missed), ``ttp_s_by_seed``, ``ttp_lower_bound_s_by_seed``
+    (where a seed missed: the clock it stopped at, below its TTP had it gone on;
+    ``None`` where it reached or no bound is known), ``switches`` and
     ``layout_switches`` (first seed) and their values by seed."""
     from cona.baselines import layout_switches
 
@@ -282,6 +284,9 @@ def aggregate(per_seed: list[dict]) -> dict:
         lays = [layout_switches(r.get("chain") or []) for r in runs]
         out[name] = {**runs[0], "ttp_s": statistics.fmean(ttps) if None not in ttps else None,
                      "ttp_s_by_seed": ttps, "layout_switches": lays[0],
+                     "ttp_lower_bound_s_by_seed": [r.get("ttp_lower_bound_s")
+                                                   if r["ttp_s"] is None else None
+                                                   for r in runs],
                      "layout_switches_by_seed": lays,
                      "switches_by_seed": [r.get("switches", 0) for r in runs],
                      "ttp_s_sd": statistics.stdev(ttps) if None not in ttps and len(ttps) > 1

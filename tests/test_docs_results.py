@@ -227,3 +227,21 @@ def test_cona_bars_are_measured_against_their_thresholds():
             for line in render_results.cona_ttp_bars(data).splitlines()
             if line.startswith("| CONA") or line.startswith("| noise")}
     assert set(bars.values()) == {"met"}
+
+
+def test_a_recipe_that_missed_the_target_counts_by_its_lower_bound():
+    """Catches a recipe run that missed the target (it stopped at 4x the budget) shown as a
+    plain ratio or dropped from the recipe bar: seeds at 150 s and missed at a clock of
+    180 s give a mean TTP above 165 s, so CONA (100 s) is > 1.65x the recipe."""
+    m = {"ttp_s": None, "ttp_s_by_seed": [150.0, None],
+         "ttp_lower_bound_s_by_seed": [None, 180.0]}
+    cona = {"ttp_s": 100.0, "ttp_s_by_seed": [100.0, 100.0], "layout_switches_by_seed": [0, 0]}
+    fam = {"target_ppl": 1.0, "unigram_ppl": 2.0, "noise_scale_growth_direct": 5.0,
+           "methods": {"cona": cona, "static_recipe": m}}
+    out = render_results.cona_ttp_bars({"date": "2026-12-02", "commit": "c", "machine": "m",
+                                        "command": "c", "models": {"gpt3_1.3b": fam}})
+    assert "| gpt3_1.3b | > 1.65x |" in out
+    assert render_results.cona_ttp_headline.__module__ == "render_cona"
+    from render_cona import _seeds_ttp
+
+    assert _seeds_ttp(m) == "missed (1/2; mean > 165 s)"
