@@ -451,7 +451,8 @@ def run_bench(models: dict, jobs: int, settings: dict, cache_dir: str | None,
     """Every family's report entry.  Work units are a family's setup, then each of its
     seeds (``settings["seeds"]``), on ``jobs`` spawned processes (one per core; 1: in
     this process); a seed starts as soon as its family's setup is done.  With ``out``,
-    each seed's result is also written to ``out/target/seed_K.json`` as it ends, with its
+    each seed's result is also written to ``out/target/seed_K.json`` as soon as it ends
+    (in any order), with its
     :func:`setup_key`; ``reuse`` reads such a file back instead of running the seed where
     the key is equal; ``train=False`` runs no seed (a family reports the seeds it has,
     ``seeds_done``; one with none is left out)."""
@@ -476,14 +477,18 @@ def run_bench(models: dict, jobs: int, settings: dict, cache_dir: str | None,
                 else:
                     continue
                 seed_futs[name].append((i, key, f))
+        # each seed's file as soon as it ends (a stopped run keeps every finished seed)
+        pending = {f: (name, i, key) for name, futs in seed_futs.items() for i, key, f in futs}
+        done = {}
+        for f in cf.as_completed(pending):
+            name, i, key = pending[f]
+            done[name, i] = seed = dict(f.result(), setup_key=key, seed_index=i)
+            if out is not None and not seed.get("reused"):
+                (Path(out) / name).mkdir(parents=True, exist_ok=True)
+                write_json_atomic(Path(out) / name / f"seed_{i}.json", seed)
         report = {}
         for name in models:
-            seeds = []
-            for i, key, f in seed_futs[name]:
-                seeds.append(dict(f.result(), setup_key=key, seed_index=i))
-                if out is not None and not seeds[-1].get("reused"):
-                    (Path(out) / name).mkdir(parents=True, exist_ok=True)
-                    write_json_atomic(Path(out) / name / f"seed_{i}.json", seeds[-1])
+            seeds = [done[name, i] for i, _, _ in seed_futs[name]]
             if seeds:
                 report[name] = finish_family(name, models[name], done_setup[name], seeds,
                                              settings, out)

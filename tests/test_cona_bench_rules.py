@@ -353,3 +353,31 @@ def test_bench_runs_each_seed_of_a_family_after_its_setup_and_reuses_only_its_ow
     assert [x["seed_index"] for x in again["a"]["seeds"]] == [0, 1, 2]
     assert [x["seed_index"] for x in again["b"]["seeds"]] == [0, 2]
     assert all(x["reused"] for f in "ab" for x in again[f]["seeds"])
+
+
+def test_a_seed_file_is_written_as_soon_as_its_seed_ends(monkeypatch, tmp_path):
+    """Catches seed files written in seed order: a run stopped while seed 0 was still
+    training lost seed 1, which had ended an hour earlier.  Seed 0 here ends only after it
+    sees seed 1's file (or after 5 s: then the file was not written in time)."""
+    import concurrent.futures as cf
+    import time
+
+    import bench.cona_ttp as bench
+
+    seen = []
+
+    def seed(name, spec, setup, settings, i):
+        if i == 0:
+            t0 = time.monotonic()
+            while not (tmp_path / name / "seed_1.json").exists() and time.monotonic() - t0 < 5:
+                time.sleep(0.02)
+            seen.append((tmp_path / name / "seed_1.json").exists())
+        return {"seed": i}
+
+    monkeypatch.setattr(bench, "_executor", lambda jobs: cf.ThreadPoolExecutor(max_workers=2))
+    monkeypatch.setattr(bench, "setup_task", lambda name, spec, settings, cache: {"of": name})
+    monkeypatch.setattr(bench, "setup_key", lambda setup, settings, i: f"k{i}")
+    monkeypatch.setattr(bench, "seed_task", seed)
+    monkeypatch.setattr(bench, "finish_family", lambda *a: {})
+    bench.run_bench({"a": {}}, 2, {"seeds": 2}, None, str(tmp_path))
+    assert seen == [True]
