@@ -50,6 +50,17 @@ def _cona_settings(r: dict) -> str:
             "the target, mean ± sd over the seeds.")
 
 
+def _cost(m: dict) -> str:
+    """One line: what the family cost the bench, its set-up and each seed (wall seconds of
+    one process, one torch thread)."""
+    w = m.get("wall_s") or {}
+    seeds = w.get("seeds") or []
+    if not seeds:
+        return ""
+    return (f"Bench cost: set-up {w.get('setup', 0):,.0f} s, seeds "
+            f"{' / '.join(f'{x:,.0f}' for x in seeds)} s (wall, one process each).")
+
+
 def _oracle_finding(oracle: dict) -> str:
     """One line: per seed, how often the oracle's best strategy changes and its chain's
     TTP over the best static's, and whether the search was exact."""
@@ -92,7 +103,7 @@ def cona_ttp(r: dict) -> str:
             chain = " → ".join(f"`{c['strategy']}`" for c in x.get("chain") or [])
             lines.append(f"| {label} | {_seeds_ttp(x)} | {speed} | {x.get('switches', 0)} "
                          f"({x.get('layout_switches', 0)}) | {chain} |")
-        lines += ["", _oracle_finding(m.get("oracle") or {}), ""]
+        lines += ["", *filter(None, [_oracle_finding(m.get("oracle") or {}), _cost(m)]), ""]
     lines += [_cona_settings(r), "", _source(r, "cona_ttp_quick" if r.get("quick")
                                              else "cona_ttp")]
     return "\n".join(lines) + "\n"
