@@ -81,9 +81,11 @@ import multiprocessing as mp  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
+from functools import partial  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.seeded_units import run_units  # noqa: E402
 
 BATCHES = [64, 128, 256, 512, 1024]  # target sequences
 SEEDS = 3
@@ -352,7 +354,7 @@ def setup_task(target: str, spec: dict, settings: dict, cache_dir: str | None) -
             "cpu_s": time.process_time() - c0}
 
 
-def seed_task(target: str, spec: dict, setup: dict, settings: dict, seed_index: int) -> dict:
+def seed_task(target: str, spec: dict, setup: dict, seed_index: int, settings: dict) -> dict:
     """Every method on seed ``seed_index`` of a set-up family (in a worker): its warm state
     (trained and cached if absent) and :func:`seed_methods`."""
     worker_setup(spec["proxy"])
@@ -421,7 +423,7 @@ def finish_family(target: str, spec: dict, setup: dict, seeds: list[dict], setti
     return result
 
 
-def setup_key(setup: dict, settings: dict, seed_index: int) -> str:
+def setup_key(setup: dict, seed_index: int, settings: dict) -> str:
     """A hex digest over what a seed's result depends on: the family's set-up config
     (target, step dilation, proxy), the oracle's window ends, the bench settings and the
     seed.  A seed file is reused only under an equal key."""
@@ -431,86 +433,6 @@ def setup_key(setup: dict, settings: dict, seed_index: int) -> str:
     blob = json.dumps({"cfg": dataclasses.asdict(setup["cfg"]), "boundaries": setup["boundaries"],
                        "settings": settings, "seed": seed_index}, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:20]
-
-
-def _reusable(path: Path, key: str) -> dict | None:
-    """The seed result at ``path`` if it was made under ``key``, else ``None`` (logged)."""
-    if not path.is_file():
-        return None
-    seed = json.loads(path.read_text())
-    if seed.get("setup_key") != key:
-        logging.getLogger("cona").warning(
-            "%s was made under another set-up (key %s, now %s): not reused", path,
-            seed.get("setup_key"), key)
-        return None
-    return seed
-
-
-def run_bench(models: dict, jobs: int, settings: dict, cache_dir: str | None,
-              out: str | None, reuse: bool = False, train: bool = True) -> dict:
-    """Every family's report entry.  Work units are a family's setup, then each of its
-    seeds (``settings["seeds"]``), on ``jobs`` spawned processes (one per core; 1: in
-    this process); a seed starts as soon as its family's setup is done.  With ``out``,
-    each seed's result is also written to ``out/target/seed_K.json`` as soon as it ends
-    (in any order), with its
-    :func:`setup_key`; ``reuse`` reads such a file back instead of running the seed where
-    the key is equal; ``train=False`` runs no seed (a family reports the seeds it has,
-    ``seeds_done``; one with none is left out)."""
-    from jobruntime.metrics import write_json_atomic
-
-    with _executor(jobs) as pool:
-        setups = {pool.submit(setup_task, name, spec, settings, cache_dir): name
-                  for name, spec in models.items()}
-        done_setup, seed_futs = {}, {}
-        for fut in cf.as_completed(setups):
-            name = setups[fut]
-            done_setup[name] = setup = fut.result()
-            seed_futs[name] = []
-            for i in range(settings["seeds"]):
-                key = setup_key(setup, settings, i)
-                old = _reusable(Path(out) / name / f"seed_{i}.json", key) if reuse and out else None
-                if old is not None:
-                    f = cf.Future()
-                    f.set_result(dict(old, reused=True))
-                elif train:
-                    f = pool.submit(seed_task, name, models[name], setup, settings, i)
-                else:
-                    continue
-                seed_futs[name].append((i, key, f))
-        # each seed's file as soon as it ends (a stopped run keeps every finished seed)
-        pending = {f: (name, i, key) for name, futs in seed_futs.items() for i, key, f in futs}
-        done = {}
-        for f in cf.as_completed(pending):
-            name, i, key = pending[f]
-            done[name, i] = seed = dict(f.result(), setup_key=key, seed_index=i)
-            if out is not None and not seed.get("reused"):
-                (Path(out) / name).mkdir(parents=True, exist_ok=True)
-                write_json_atomic(Path(out) / name / f"seed_{i}.json", seed)
-        report = {}
-        for name in models:
-            seeds = [done[name, i] for i, _, _ in seed_futs[name]]
-            if seeds:
-                report[name] = finish_family(name, models[name], done_setup[name], seeds,
-                                             settings, out)
-        return report
-
-
-class _Inline(cf.Executor):
-    """An executor that runs each task when it is submitted (``--jobs 1``: debuggable)."""
-
-    def submit(self, fn, /, *args, **kwargs):
-        fut = cf.Future()
-        try:
-            fut.set_result(fn(*args, **kwargs))
-        except BaseException as e:  # noqa: BLE001 - handed to the caller by result()
-            fut.set_exception(e)
-        return fut
-
-
-def _executor(jobs: int) -> cf.Executor:
-    if jobs == 1:
-        return _Inline()
-    return cf.ProcessPoolExecutor(max_workers=jobs, mp_context=mp.get_context("spawn"))
 
 
 def oracle_finding(per_seed: list[dict]) -> dict:
@@ -591,8 +513,11 @@ def main(argv=None) -> int:
               "quick": args.quick, **provenance(argv), "models": {}}
     t0 = time.perf_counter()
     out = str(args.out) if args.out is not None else None
-    report["models"] = run_bench(models, args.jobs, settings, args.cache_dir, out,
-                                 reuse=args.reuse, train=not args.no_train)
+    report["models"] = run_units(
+        models, args.jobs, settings["seeds"], out, reuse=args.reuse, train=not args.no_train,
+        setup=partial(setup_task, settings=settings, cache_dir=args.cache_dir),
+        seed=partial(seed_task, settings=settings), key=partial(setup_key, settings=settings),
+        finish=partial(finish_family, settings=settings, out=out))
     # the bench's own wall time only where it ran every seed itself
     fresh = all(not w.get("reused") for m in report["models"].values()
                 for w in m["seed_runs"])

@@ -319,7 +319,7 @@ def test_lr_sweep_cut_is_exact_for_the_minimum():
 
 
 def test_bench_runs_each_seed_of_a_family_after_its_setup_and_reuses_only_its_own(
-        monkeypatch, tmp_path):
+        tmp_path):
     """Catches a scheduler that gives every seed the same seed index, hands a seed another
     family's setup, drops a seed's result or writes it nowhere, or a reuse that reads back
     a seed made under another set-up: two families of three seeds (in-process executor)
@@ -328,27 +328,28 @@ def test_bench_runs_each_seed_of_a_family_after_its_setup_and_reuses_only_its_ow
     training reports the same seeds from disk, except one whose set-up key changed."""
     import json
 
-    import bench.cona_ttp as bench
+    from bench.seeded_units import run_units
 
     calls = []
-    monkeypatch.setattr(bench, "setup_task", lambda name, spec, settings, cache: {"of": name})
-    monkeypatch.setattr(bench, "setup_key", lambda setup, settings, i: f"{setup['of']}{i}")
-    monkeypatch.setattr(bench, "seed_task", lambda name, spec, setup, settings, i:
-                        calls.append((name, setup["of"], i)) or {"seed": i, "of": setup["of"]})
-    monkeypatch.setattr(bench, "finish_family",
-                        lambda name, spec, setup, seeds, settings, out: {"seeds": seeds})
+
+    def seed(name, spec, setup, i):
+        calls.append((name, setup["of"], i))
+        return {"seed": i, "of": setup["of"]}
+
+    fns = dict(setup=lambda name, spec: {"of": name}, seed=seed,
+               key=lambda setup, i: f"{setup['of']}{i}",
+               finish=lambda name, spec, setup, seeds: {"seeds": seeds})
     models = {"a": {}, "b": {}}
-    report = bench.run_bench(models, 1, {"seeds": 3}, None, str(tmp_path))
+    report = run_units(models, 1, 3, str(tmp_path), **fns)
     assert sorted(calls) == [(f, f, i) for f in "ab" for i in range(3)]
     for f in "ab":
         assert [(x["seed"], x["of"], x["seed_index"]) for x in report[f]["seeds"]] == \
             [(i, f, i) for i in range(3)]
         assert json.loads((tmp_path / f / "seed_2.json").read_text())["setup_key"] == f"{f}2"
-    monkeypatch.setattr(bench, "setup_key", lambda setup, settings, i:
-                        "changed" if (setup["of"], i) == ("b", 1) else f"{setup['of']}{i}")
+    fns["key"] = lambda setup, i: "changed" if (setup["of"], i) == ("b", 1) else \
+        f"{setup['of']}{i}"
     calls.clear()
-    again = bench.run_bench(models, 1, {"seeds": 3}, None, str(tmp_path), reuse=True,
-                            train=False)
+    again = run_units(models, 1, 3, str(tmp_path), reuse=True, train=False, **fns)
     assert calls == []
     assert [x["seed_index"] for x in again["a"]["seeds"]] == [0, 1, 2]
     assert [x["seed_index"] for x in again["b"]["seeds"]] == [0, 2]
@@ -362,11 +363,11 @@ def test_a_seed_file_is_written_as_soon_as_its_seed_ends(monkeypatch, tmp_path):
     import concurrent.futures as cf
     import time
 
-    import bench.cona_ttp as bench
+    import bench.seeded_units as units
 
     seen = []
 
-    def seed(name, spec, setup, settings, i):
+    def seed(name, spec, setup, i):
         if i == 0:
             t0 = time.monotonic()
             while not (tmp_path / name / "seed_1.json").exists() and time.monotonic() - t0 < 5:
@@ -374,10 +375,7 @@ def test_a_seed_file_is_written_as_soon_as_its_seed_ends(monkeypatch, tmp_path):
             seen.append((tmp_path / name / "seed_1.json").exists())
         return {"seed": i}
 
-    monkeypatch.setattr(bench, "_executor", lambda jobs: cf.ThreadPoolExecutor(max_workers=2))
-    monkeypatch.setattr(bench, "setup_task", lambda name, spec, settings, cache: {"of": name})
-    monkeypatch.setattr(bench, "setup_key", lambda setup, settings, i: f"k{i}")
-    monkeypatch.setattr(bench, "seed_task", seed)
-    monkeypatch.setattr(bench, "finish_family", lambda *a: {})
-    bench.run_bench({"a": {}}, 2, {"seeds": 2}, None, str(tmp_path))
+    monkeypatch.setattr(units, "_executor", lambda jobs: cf.ThreadPoolExecutor(max_workers=2))
+    units.run_units({"a": {}}, 2, 2, str(tmp_path), setup=lambda name, spec: {}, seed=seed,
+                    key=lambda setup, i: f"k{i}", finish=lambda *a: {})
     assert seen == [True]

@@ -1,0 +1,106 @@
+"""A bench's work as resumable units: each family's set-up, then each of its seeds.
+
+``run_units`` spreads the units over ``jobs`` spawned processes (one per core; 1: in this
+process, debuggable); a family's seeds start as soon as its set-up is done, and each
+seed's result is written to ``out/FAMILY/seed_K.json`` as soon as it ends (in any order)
+with the key of the set-up it was made under.  With ``reuse`` a seed whose file holds an
+equal key is read back instead of run, so a stopped multi-hour run goes on where it
+stopped; ``train=False`` runs no seed and reports what is there.  Used by
+``bench/cona_ttp.py``.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import logging
+import multiprocessing as mp
+from collections.abc import Callable
+from pathlib import Path
+
+log = logging.getLogger("bench")
+
+
+def reusable(path: Path, key: str) -> dict | None:
+    """The seed result at ``path`` if it was made under ``key``, else ``None`` (logged)."""
+    if not path.is_file():
+        return None
+    seed = json.loads(path.read_text())
+    if seed.get("setup_key") != key:
+        log.warning("%s was made under another set-up (key %s, now %s): not reused", path,
+                    seed.get("setup_key"), key)
+        return None
+    return seed
+
+
+def run_units(families: dict, jobs: int, seeds: int, out: str | None, *,
+              setup: Callable, seed: Callable, key: Callable, finish: Callable,
+              reuse: bool = False, train: bool = True) -> dict:
+    """``{family: finish(family, spec, set_up, seed_results)}`` (module docstring).
+
+    Args:
+        families: ``{name: spec}``.
+        seeds: seeds per family, indices ``0 .. seeds - 1``.
+        out: folder for the seed files (``None``: none written or reused).
+        setup: ``setup(name, spec) -> set_up`` (picklable, run in a worker).
+        seed: ``seed(name, spec, set_up, index) -> dict`` (picklable, run in a worker;
+            JSON-serialisable result).
+        key: ``key(set_up, index) -> str``, what a seed's result depends on.
+        finish: ``finish(name, spec, set_up, seed_results)``, in this process; a family
+            with no seed result is left out.
+
+    Each seed result gains ``setup_key`` and ``seed_index`` (and ``reused`` if read back).
+    """
+    from jobruntime.metrics import write_json_atomic
+
+    with _executor(jobs) as pool:
+        setups = {pool.submit(setup, name, spec): name for name, spec in families.items()}
+        done_setup, seed_futs = {}, {}
+        for fut in cf.as_completed(setups):
+            name = setups[fut]
+            done_setup[name] = set_up = fut.result()
+            seed_futs[name] = []
+            for i in range(seeds):
+                k = key(set_up, i)
+                old = reusable(Path(out) / name / f"seed_{i}.json", k) if reuse and out else None
+                if old is not None:
+                    f = cf.Future()
+                    f.set_result(dict(old, reused=True))
+                elif train:
+                    f = pool.submit(seed, name, families[name], set_up, i)
+                else:
+                    continue
+                seed_futs[name].append((i, k, f))
+        # each seed's file as soon as it ends (a stopped run keeps every finished seed)
+        pending = {f: (name, i, k) for name, futs in seed_futs.items() for i, k, f in futs}
+        done = {}
+        for f in cf.as_completed(pending):
+            name, i, k = pending[f]
+            done[name, i] = result = dict(f.result(), setup_key=k, seed_index=i)
+            if out is not None and not result.get("reused"):
+                (Path(out) / name).mkdir(parents=True, exist_ok=True)
+                write_json_atomic(Path(out) / name / f"seed_{i}.json", result)
+        report = {}
+        for name, spec in families.items():
+            results = [done[name, i] for i, _, _ in seed_futs[name]]
+            if results:
+                report[name] = finish(name, spec, done_setup[name], results)
+        return report
+
+
+class _Inline(cf.Executor):
+    """An executor that runs each task when it is submitted (``jobs == 1``)."""
+
+    def submit(self, fn, /, *args, **kwargs):
+        fut = cf.Future()
+        try:
+            fut.set_result(fn(*args, **kwargs))
+        except BaseException as e:  # noqa: BLE001 - handed to the caller by result()
+            fut.set_exception(e)
+        return fut
+
+
+def _executor(jobs: int) -> cf.Executor:
+    if jobs == 1:
+        return _Inline()
+    return cf.ProcessPoolExecutor(max_workers=jobs, mp_context=mp.get_context("spawn"))
