@@ -73,11 +73,9 @@ for _v in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):  # rule: one thread, before to
     os.environ[_v] = "1"
 
 import argparse  # noqa: E402
-import concurrent.futures as cf  # noqa: E402
 import copy  # noqa: E402
 import json  # noqa: E402
 import logging  # noqa: E402
-import multiprocessing as mp  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
@@ -541,13 +539,11 @@ def write_report(report: dict, out: Path | None, name: str) -> None:
 def run_families(fn, models: dict, jobs: int, *args) -> dict:
     """``{name: fn(name, spec, *args)}`` over ``models``; ``jobs`` > 1 runs them in that
     many spawned processes (one per core), 1 in this process (easier to debug)."""
-    if jobs == 1:
-        return {name: fn(name, spec, *args) for name, spec in models.items()}
-    with cf.ProcessPoolExecutor(max_workers=min(jobs, len(models)),
-                                mp_context=mp.get_context("spawn")) as pool:
+    from bench.seeded_units import executor
+
+    with executor(min(jobs, len(models))) as pool:
         futures = {name: pool.submit(fn, name, spec, *args) for name, spec in models.items()}
         return {name: fut.result() for name, fut in futures.items()}
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -53,7 +53,7 @@ def run_units(families: dict, jobs: int, seeds: int, out: str | None, *,
     """
     from jobruntime.metrics import write_json_atomic
 
-    with _executor(jobs) as pool:
+    with executor(jobs) as pool:
         setups = {pool.submit(setup, name, spec): name for name, spec in families.items()}
         done_setup, seed_futs = {}, {}
         for fut in cf.as_completed(setups):
@@ -100,7 +100,8 @@ class _Inline(cf.Executor):
         return fut
 
 
-def _executor(jobs: int) -> cf.Executor:
+def executor(jobs: int) -> cf.Executor:
+    """``jobs`` spawned worker processes, or for ``jobs == 1`` this process."""
     if jobs == 1:
         return _Inline()
     return cf.ProcessPoolExecutor(max_workers=jobs, mp_context=mp.get_context("spawn"))

@@ -375,7 +375,7 @@ def test_a_seed_file_is_written_as_soon_as_its_seed_ends(monkeypatch, tmp_path):
             seen.append((tmp_path / name / "seed_1.json").exists())
         return {"seed": i}
 
-    monkeypatch.setattr(units, "_executor", lambda jobs: cf.ThreadPoolExecutor(max_workers=2))
+    monkeypatch.setattr(units, "executor", lambda jobs: cf.ThreadPoolExecutor(max_workers=2))
     units.run_units({"a": {}}, 2, 2, str(tmp_path), setup=lambda name, spec: {}, seed=seed,
                     key=lambda setup, i: f"k{i}", finish=lambda *a: {})
     assert seen == [True]
