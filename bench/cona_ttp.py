@@ -17,7 +17,8 @@ Rules fixed before any method runs (per family; none looks at a method's result)
    rounded on the way to the table).
 2. **Warm start.** The proxy trains once through its preset's recipe (its batch,
    LR and full warmup, ``train.warmup_iters`` steps) and is cached on disk
-   (:mod:`cona.warm`); every method of every seed starts from its seed's warm state.
+   (:mod:`cona.warm`); every method of every seed starts from its seed's warm state,
+   a start above the warm state's LR ramped like a switch (``cona.lr_ramp_steps``).
 3. **Target.** 0.45 of the lower of the corpus's unigram perplexity (the family's
    tokenizer) and the warm state's perplexity (:func:`cona.targets.target_ppl`: why
    0.45).
@@ -42,7 +43,8 @@ warm state is per seed), TTP interpolated at the crossing of the target:
 
 - ``static_recipe``: the target's published batch (GPT-3 1.3B 512 x 2048, BERT-Large
   256 x 512, Llama-3.2-1B 1024 x 2048 from TinyLlama's recipe) at the layout with
-  the lowest modelled per-iteration time, run to the target without a cap;
+  the lowest modelled per-iteration time and the best of the same LR factors as
+  ``static_oracle``, run to the target without a cap;
 - ``static_throughput``: the candidate with the highest modelled tokens/s;
 - ``static_oracle``: every grid batch at its fastest layout and at 0.5, 1 or 2 x the
   scaling rule's LR, hindsight best (per seed);
@@ -224,17 +226,21 @@ def time_scale_for(ctx, ref: dict) -> dict:
         return {"step_dilation": 1.0, "target_tokens_per_run": None, "error": str(e)}
 
 
-def seed_methods(ctx, settings: dict, boundaries: list[int], recipe_batch: int) -> dict:
-    """Every method on one seed's context (module docstring)."""
+def seed_methods(ctx, settings: dict, boundaries: list[int],
+                 recipe_batch: int) -> tuple[dict, dict]:
+    """Every method on one seed's context (module docstring): ``(methods, phase_wall_s)``,
+    the latter each phase's wall seconds (``search``, ``recipe``, ``lr_sweep``, ``cona``)."""
     from cona.baselines import (
         fastest_per_batch,
         recipe_strategy,
         run_cona,
+        run_lr_sweep,
         run_search,
         run_static,
     )
 
     log = logging.getLogger("cona")
+    wall = {}  # each phase's wall seconds (the bench's cost, reported per seed)
     t0 = time.perf_counter()
     search = run_search(ctx, boundaries, moves=settings["moves"],
                         prune=settings.get("prune"), beam=settings.get("beam"))
@@ -248,8 +254,21 @@ def seed_methods(ctx, settings: dict, boundaries: list[int], recipe_batch: int) 
     oc = methods["oracle_chain"]
     if so1 is not None and oc["ttp_s"] is not None:
         assert oc["ttp_s"] <= so1["ttp_s"] * (1 + 1e-12), "oracle_chain slower than static_oracle"
-    swept = [dict(m, lr_factor=1.0) for m in statics.values()]
+    wall["search"] = (t := time.perf_counter()) - t0
+    # static_recipe: its batch at the planner's layout and its best LR, run out (no cap);
+    # the search's own run at LR 1x is reused where it reached the target
+    recipe_at = recipe_strategy(ctx.candidates, ctx.cluster.iter_s, recipe_batch)
+    own = statics.get(recipe_batch)
+    recipe, recipe_runs = run_lr_sweep(
+        ctx, recipe_at, settings["lr_factors"],
+        budget_samples=RECIPE_BUDGET_SCALE * ctx.budget_samples,
+        known={1.0: own} if own is not None and own["ttp_s"] is not None else None)
+    methods["static_recipe"] = recipe
+    wall["recipe"] = (t1 := time.perf_counter()) - t
+    swept = [dict(m, lr_factor=1.0) for m in statics.values()] + recipe_runs
     for strategy in fastest.values():  # static_oracle's LR choice, cut past the best so far
+        if strategy == recipe_at:
+            continue  # swept above, with the same trajectories
         for f in settings["lr_factors"]:
             if f != 1.0:
                 swept.append(run_static(ctx, strategy, f, bound_s=best))
@@ -257,16 +276,12 @@ def seed_methods(ctx, settings: dict, boundaries: list[int], recipe_batch: int) 
                 best = t if best is None or (t is not None and t < best) else best
     reached = [m for m in swept if m["ttp_s"] is not None]
     methods["static_oracle"] = min(reached, key=lambda m: m["ttp_s"]) if reached else None
-    recipe = statics.get(recipe_batch)
-    if recipe is None or recipe["ttp_s"] is None:  # cut by the search's bound: run it out
-        strategy = recipe_strategy(ctx.candidates, ctx.cluster.iter_s, recipe_batch)
-        recipe = run_static(ctx, strategy, budget_samples=RECIPE_BUDGET_SCALE * ctx.budget_samples)
-    methods["static_recipe"] = recipe
-    t1 = time.perf_counter()
+    wall["lr_sweep"] = (t := time.perf_counter()) - t1
     methods["cona"], _ = run_cona(ctx)
-    log.info("seed %d: statics and oracle %.0f s, cona %.0f s", ctx.cfg.train.seed, t1 - t0,
-             time.perf_counter() - t1)
-    return methods
+    wall["cona"] = time.perf_counter() - t
+    log.info("seed %d wall s: %s", ctx.cfg.train.seed,
+             ", ".join(f"{k} {v:.0f}" for k, v in wall.items()))
+    return methods, wall
 
 
 def aggregate(per_seed: list[dict]) -> dict:
@@ -363,9 +378,10 @@ def seed_task(target: str, spec: dict, setup: dict, seed_index: int, settings: d
     cfg.train.seed += seed_index
     ctx, cached = seed_context(cfg, cfg.train.warmup_iters,
                               probe_microbatches=settings.get("probe_microbatches", 64))
-    methods = seed_methods(ctx, settings, setup["boundaries"], recipe_batch(target))
+    methods, phases = seed_methods(ctx, settings, setup["boundaries"], recipe_batch(target))
     return {"methods": methods, "warm": {"cached": cached, **ctx.warm["extra"]},
-            "wall_s": time.perf_counter() - t0, "cpu_s": time.process_time() - c0}
+            "wall_s": time.perf_counter() - t0, "cpu_s": time.process_time() - c0,
+            "phase_wall_s": phases}
 
 
 def finish_family(target: str, spec: dict, setup: dict, seeds: list[dict], settings: dict,
@@ -408,7 +424,7 @@ def finish_family(target: str, spec: dict, setup: dict, seeds: list[dict], setti
         "cpu_s": setup["cpu_s"] + sum(s["cpu_s"] for s in seeds),
         "seeds_done": len(seeds),
         "seed_runs": [{k: s.get(k) for k in ("seed_index", "setup_key", "reused", "wall_s",
-                                              "cpu_s")} for s in seeds],
+                                              "cpu_s", "phase_wall_s")} for s in seeds],
     }
     if out is not None:
         d = Path(out) / target

@@ -14,7 +14,10 @@ batch (DP/TP/PP and the micro-batch only change the modelled time), so:
 - **static_recipe**: the target's published global batch (:data:`cona.mapping.PUBLISHED_BATCH`)
   at the layout an offline planner picks for it, the lowest modelled per-iteration time
   (:func:`recipe_strategy`; Alpa, Galvatron and Megatron's recommended configurations
-  take the batch as given and search the layout), run to the target without a cap;
+  take the batch as given and search the layout), run to the target without a cap, at
+  the best of ``LR_FACTORS`` x the scaling rule's LR (:func:`run_lr_sweep`: a published
+  recipe comes with an LR tuned for its batch; the proxy's is not, so it gets the same
+  choice as ``static_oracle``);
 - **static_oracle**: the best time to target over all static candidates, each batch at
   its fastest layout and at the best of ``LR_FACTORS`` x the scaling rule's LR
   (:func:`run_static`, hindsight);
@@ -136,6 +139,43 @@ def run_static(ctx: ConaContext, strategy: Strategy, lr_factor: float = 1.0,
     if out["ttp_s"] is None:
         out["ttp_lower_bound_s"] = job.clock_s
     return out
+
+
+def run_lr_sweep(ctx: ConaContext, strategy: Strategy, lr_factors, *,
+                 budget_samples: int | None = None,
+                 known: dict[float, dict] | None = None) -> tuple[dict, list[dict]]:
+    """``strategy`` at each of ``lr_factors`` x the scaling rule's LR (:func:`run_static`),
+    each run to the target or ``budget_samples`` and stopped past the best TTP so far
+    (:func:`past_bound`: exact for the minimum).  ``known``: records already run at some
+    factors (reached runs of the same strategy and start: the trajectory is the same).
+
+    Returns:
+        ``(best, runs)``: the record with the lowest ``ttp_s`` (if none reached, the one
+        with the highest ``ttp_lower_bound_s``: the tightest bound on the best TTP is the
+        lowest over factors, kept in ``best["ttp_lower_bound_s"]``), with ``lr_sweep``
+        (``[{lr_factor, ttp_s, ttp_lower_bound_s}]``); and every factor's record.
+
+    Raises:
+        ValueError: ``lr_factors`` empty.
+    """
+    if not lr_factors:
+        raise ValueError("lr_factors must not be empty")
+    known, runs, best_s = known or {}, [], None
+    for f in lr_factors:
+        run = dict(known[f], lr_factor=f) if f in known else run_static(
+            ctx, strategy, f, budget_samples=budget_samples, bound_s=best_s)
+        runs.append(run)
+        if run["ttp_s"] is not None and (best_s is None or run["ttp_s"] < best_s):
+            best_s = run["ttp_s"]
+    reached = [r for r in runs if r["ttp_s"] is not None]
+    if reached:
+        best = dict(min(reached, key=lambda r: r["ttp_s"]))
+    else:
+        best = dict(max(runs, key=lambda r: r.get("ttp_lower_bound_s") or 0.0))
+        best["ttp_lower_bound_s"] = min(r.get("ttp_lower_bound_s") or 0.0 for r in runs)
+    best["lr_sweep"] = [{k: r.get(k) for k in ("lr_factor", "ttp_s", "ttp_lower_bound_s")}
+                        for r in runs]
+    return best, runs
 
 
 def fastest_rates(candidates: list[Strategy], iter_s) -> dict[int, float]:

@@ -105,10 +105,15 @@ class Job:
         reference_batch: proxy global batch the base LR was tuned for (``B_ref``).
         lr_factor: multiplies the LR of every strategy (1 = the scaling rule's; the
             bench's ``static_oracle`` tries 0.5 and 2 as well).
+        start_lr: the (peak, final) LR the state this job started from last trained at
+            (a warm state: the preset's, :mod:`cona.warm`), or ``None`` (fresh weights
+            or an unknown schedule).  A start at a higher LR is a switch that raises it:
+            :class:`cona.run.Loop` ramps from here (``cona.lr_ramp_steps``).
     """
 
     strategy: Strategy
     is_logging_rank: bool = True
+    start_lr: tuple[float, float] | None = None
 
     def __init__(self, ctx: ConaContext, lr_factor: float = 1.0):
         self.ctx, self.cfg, self.data = ctx, ctx.cfg, ctx.data
@@ -291,6 +296,8 @@ class EmulatedJob(Job):
             cstate.set_peak_lr(self.trainer, self.trainer.scheduler, run_cfg.train.lr,
                                run_cfg.train.min_lr)
             consumed = ctx.warm["consumed_samples"]
+            # the warm run trained at the preset's batch and LR (cona/warm.py)
+            self.start_lr = (ctx.cfg.train.lr, ctx.cfg.train.min_lr)
         elif ctx.cfg.checkpoint.load:  # an iter_ checkpoint of any layout (e.g. saved before a switch)
             consumed = load_checkpoint(ctx.cfg.checkpoint.load, self.trainer,
                                        load_optimizer=ctx.cfg.checkpoint.load_optimizer

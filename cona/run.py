@@ -18,7 +18,8 @@ ranks; emulated: the target's modelled step time) and the gradient noise scale
 throughput x Pollux efficiency) and, if the best one repays its switch cost,
 the job switches (:meth:`cona.job.Job.apply`); the LR follows the global batch
 (``cona.lr_scaling``, ramped up over ``cona.lr_ramp_steps`` steps after a switch
-that raises it, :func:`cona.controller.ramp_lr`) and every decision is logged
+that raises it, :func:`cona.controller.ramp_lr`; a start from a warm state above the
+LR it trained at is such a switch, for every method alike) and every decision is logged
 (``metrics.jsonl`` and one line on the ``cona`` logger: what it does, the scores
 of the chosen and the current strategy, why).  A start decision comes as soon
 as the noise scale has ``cona.start_probe_updates`` estimates (the steps before
@@ -119,6 +120,9 @@ class Loop:
         self.budget_samples, self.eval_samples = budget_samples, max(eval_samples, 1)
         self.progress = Progress(ttp=TTPTracker(cfg.train.target_ppl), next_eval=eval_samples)
         self.progress.chain.append({"strategy": job.strategy.label, "start_step": 0})
+        start_lr = getattr(job, "start_lr", None)  # Job.start_lr (test doubles may lack it)
+        if start_lr is not None:  # the start is a switch from the state's own LR
+            self.progress.lr_strategy, self.progress.lr_now = "start", tuple(start_lr)
         self._wall0 = time.perf_counter()
         self.reporter: StepProgress | None = None  # run() reports; the oracle's branches do not
 

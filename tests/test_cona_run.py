@@ -220,6 +220,41 @@ def test_lr_ramps_after_a_batch_increase():
     assert opt.param_groups[0]["lr"] == pytest.approx(lo)  # the optimizer's own LR follows
 
 
+def test_lr_ramps_from_the_warm_state_at_the_start():
+    """Catches a run from a warm state that starts at the scaled LR of a larger batch at
+    once (issue 23: the static recipe at batch 1024 spiked above its warm perplexity): a
+    job whose state last trained at the small batch's LR (``Job.start_lr``) and starts at
+    the large batch ramps over ``cona.lr_ramp_steps`` steps, as a switch would; a job
+    without ``start_lr`` (fresh weights) starts at its own LR."""
+    import torch
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    from cona.state import set_peak_lr
+    from cona.strategy import Strategy
+
+    small, big = Strategy(8, 1, 1, 1, 64), Strategy(8, 1, 1, 4, 512)
+    trained = {}
+    for warm in (True, False):
+        opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=1e-3)
+        sched = OptimizerParamScheduler(opt, init_lr=0.0, max_lr=1e-3, min_lr=1e-4,
+                                        lr_warmup_steps=0, lr_decay_steps=10**9,
+                                        lr_decay_style="constant", start_wd=0.0, end_wd=0.0,
+                                        wd_incr_steps=1, wd_incr_style="constant")
+        job = _FakeJob(big, scheduler=sched)
+        if warm:
+            job.start_lr = job.lr_for(small)
+        set_peak_lr(job.trainer, sched, *job.lr_for(big))  # what the job's build sets
+        loop, _ = _fake_loop(job, ["cona.lr_ramp_steps=4", "cona.decision_interval=1000"],
+                             10**6, [small, big])
+        for _ in range(6):
+            loop.step()
+        trained[warm] = job.trained_lr
+    lo, hi = job.lr_for(small)[0], job.lr_for(big)[0]
+    assert trained[True] == pytest.approx([lo + (hi - lo) * i / 4 for i in (1, 2, 3, 4)]
+                                          + [hi, hi], rel=1e-12)
+    assert trained[False] == pytest.approx([hi] * 6, rel=1e-12)
+
+
 def _real(cache_dir, run_dir):
     import torch
 
