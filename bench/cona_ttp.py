@@ -174,8 +174,7 @@ def seed_context(cfg, warm_steps: int, data=None, probe_microbatches: int = 64):
         return {"val_ppl": perplexity(job.evaluate()), "noise_scale_proxy":
                 job.measure_noise_scale(probe_microbatches)}
 
-    tag = "" if probe_microbatches == 64 else f"probe={probe_microbatches}"
-    warm, cached = load_or_train_warm(ctx, warm_steps, measure, measure_tag=tag)
+    warm, cached = load_or_train_warm(ctx, warm_steps, measure)
     ctx.warm = warm
     return ctx, cached
 

@@ -12,7 +12,11 @@ Cache: ``data.cache_dir/cona-warm-<key>.pt``, ``key`` = a hash of everything tha
 determines the state (:func:`warm_key`: model, data, recipe, seed, steps, the
 proxy's micro-batch and the torch version); written through a temporary name and
 renamed, so a killed run never leaves a half-written checkpoint that a later
-run would load.
+run would load.  Only the state is cached: what is measured at it (perplexity on
+the validation set, a noise-scale probe) is measured again at every load
+(:func:`measure_warm`), so a measurement never comes from an older validation set
+or probe (a cached perplexity on 256 validation sequences was once reported for a
+run on 32).
 """
 
 from __future__ import annotations
@@ -30,15 +34,13 @@ import torch
 from . import state as cstate
 
 log = logging.getLogger("cona")
-WARM_FORMAT = 1  # bump when the stored fields or their meaning change
+WARM_FORMAT = 2  # bump when the stored fields or their meaning change (2: no measurements)
 # train.* fields that do not change the warm state (evaluation, stopping, logging)
 _TRAIN_IGNORED = {"eval_interval", "eval_iters", "target_ppl", "stop_at_target", "max_wall_s"}
 
 
-def warm_key(cfg, steps: int, train_samples: int, measure_tag: str = "") -> str:
-    """A hex digest over what determines the warm state of ``cfg`` after ``steps`` steps
-    and the measurements stored with it (``measure_tag``: names what ``measure`` of
-    :func:`train_warm` measures, e.g. the noise-scale probe's size).
+def warm_key(cfg, steps: int, train_samples: int) -> str:
+    """A hex digest over what determines the warm state of ``cfg`` after ``steps`` steps.
 
     Included: ``cfg.model``, ``cfg.data`` (not its cache folder), ``cfg.train``
     (not evaluation or stopping settings), the preset's global and micro batch,
@@ -50,18 +52,18 @@ def warm_key(cfg, steps: int, train_samples: int, measure_tag: str = "") -> str:
     blob = json.dumps({"model": dataclasses.asdict(cfg.model), "data": data, "train": train,
                        "global_batch_size": cfg.parallel.global_batch_size,
                        "micro_batch_size": cfg.parallel.micro_batch_size, "steps": steps,
-                       "train_samples": train_samples, "measure": measure_tag,
-                       "format": WARM_FORMAT, "torch": torch.__version__},
+                       "train_samples": train_samples, "format": WARM_FORMAT,
+                       "torch": torch.__version__},
                       sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:20]
 
 
-def warm_path(cfg, steps: int, train_samples: int, measure_tag: str = "") -> Path:
+def warm_path(cfg, steps: int, train_samples: int) -> Path:
     """Where :func:`warm_key`'s checkpoint lives (``data.cache_dir``, like the data cache)."""
     cache = Path(cfg.data.cache_dir)
     if not cache.is_absolute():
         cache = Path.cwd() / cache
-    return cache / f"cona-warm-{warm_key(cfg, steps, train_samples, measure_tag)}.pt"
+    return cache / f"cona-warm-{warm_key(cfg, steps, train_samples)}.pt"
 
 
 def save_atomic(obj, path: Path) -> None:
@@ -77,29 +79,41 @@ def save_atomic(obj, path: Path) -> None:
         raise
 
 
-def train_warm(ctx, steps: int, measure=None) -> dict:
+def train_warm(ctx, steps: int) -> dict:
     """Train a fresh job of ``ctx`` (at the preset's batch) for ``steps`` optimizer steps.
 
     Returns the warm state: ``{"trainer": cona.state.snapshot, "consumed_samples",
-    "steps", "extra"}``; ``measure(job)`` (optional) returns a dict stored as ``extra``
-    (e.g. the validation perplexity and a direct noise-scale measurement there)."""
+    "steps"}``."""
     job = ctx.make_job(ctx.reference_strategy())
     for _ in range(steps):
         job.train_step()
     return {"trainer": cstate.snapshot(job.trainer), "consumed_samples": job.consumed_samples,
-            "steps": steps, "extra": measure(job) if measure is not None else {}}
+            "steps": steps}
 
 
-def load_or_train_warm(ctx, steps: int, measure=None,
-                       measure_tag: str = "") -> tuple[dict, bool]:
+def measure_warm(ctx, warm: dict, measure) -> dict:
+    """``measure(job)`` on a job of ``ctx`` at the preset's batch started from ``warm``
+    (e.g. the validation perplexity and a direct noise-scale probe there; the job is
+    then dropped, ``ctx`` is left as it was)."""
+    previous, ctx.warm = ctx.warm, warm
+    try:
+        return measure(ctx.make_job(ctx.reference_strategy()))
+    finally:
+        ctx.warm = previous
+
+
+def load_or_train_warm(ctx, steps: int, measure=None) -> tuple[dict, bool]:
     """The cached warm state of ``ctx.cfg`` after ``steps`` steps, trained and cached if
-    absent (``measure``, ``measure_tag``: :func:`train_warm`, :func:`warm_key`).  Returns
-    ``(warm, cached)``; ``cached`` is true when it was read from disk."""
-    path = warm_path(ctx.cfg, steps, len(ctx.data.train), measure_tag)
+    absent, with ``extra`` = ``measure(job)`` taken at it now (:func:`measure_warm`; ``{}``
+    without ``measure``; never cached).  Returns ``(warm, cached)``; ``cached`` is true
+    when the state was read from disk."""
+    path = warm_path(ctx.cfg, steps, len(ctx.data.train))
     if path.is_file():
         log.info("warm checkpoint %s (cached)", path.name)
-        return torch.load(path, weights_only=False), True
-    warm = train_warm(ctx, steps, measure)
-    save_atomic(warm, path)
-    log.info("warm checkpoint %s: %d steps trained and cached", path.name, steps)
-    return warm, False
+        warm, cached = torch.load(path, weights_only=False), True
+    else:
+        warm, cached = train_warm(ctx, steps), False
+        save_atomic(warm, path)
+        log.info("warm checkpoint %s: %d steps trained and cached", path.name, steps)
+    warm["extra"] = measure_warm(ctx, warm, measure) if measure is not None else {}
+    return warm, cached

@@ -182,19 +182,30 @@ def _warm_start(cache_dir, warm_dir):
     from cona.context import build_context
     from cona.warm import load_or_train_warm
 
-    cfg = load_config("tiny_gpt", [
+    cfg_overrides = [
         f"data.cache_dir={cache_dir}", "model.seq_length=64", "logging.wandb=disabled",
         "cona.enabled=true", "cona.clock=emulated", "cona.target_model=gpt3_1.3b",
         "cona.num_gpus=8", "cona.batch_ratio=8", "cona.global_batch_sizes=[64,128]",
-        "train.iters=16", "train.warmup_iters=3"])
+        "train.iters=16", "train.warmup_iters=3"]
+    cfg = load_config("tiny_gpt", cfg_overrides)
     ctx = build_context(cfg)
     ctx.cfg.data.cache_dir = warm_dir  # the warm checkpoint in this test's own folder
-    warm, cached = load_or_train_warm(ctx, 3, lambda job: {"val_loss": job.evaluate()})
+    own = ctx.make_job(ctx.reference_strategy())  # the warm run's own job, measured directly
+    for _ in range(3):
+        own.train_step()
+    measure = lambda job: {"val_loss": job.evaluate()}  # noqa: E731
+    warm, cached = load_or_train_warm(ctx, 3, measure)
     ctx.warm = warm
+    # the same state loaded for a run with another validation set: measured on that set
+    other = build_context(load_config("tiny_gpt", [*cfg_overrides, "train.eval_iters=2"]))
+    other.cfg.data.cache_dir = warm_dir
+    again, again_cached = load_or_train_warm(other, 3, measure)
     s128 = fastest_per_batch(ctx.candidates, ctx.cluster.iter_s)[128]
     a, b = ctx.make_job(s128), ctx.make_job(s128)
     params = cstate.snapshot(a.trainer)["params"]
-    out = {"cached": (cached, load_or_train_warm(ctx, 3)[1]),
+    out = {"cached": (cached, load_or_train_warm(ctx, 3)[1], again_cached),
+           "val_loss": (warm["extra"]["val_loss"], own.evaluate(), again["extra"]["val_loss"]),
+           "val_samples": (ctx.data.val_samples, other.data.val_samples),
            "reference": ctx.reference_strategy().global_batch_size,
            "consumed": (a.consumed_samples, warm["consumed_samples"]),
            "same_weights": all(torch.equal(p, warm["trainer"]["params"][n])
@@ -212,15 +223,20 @@ def _warm_start(cache_dir, warm_dir):
 def test_every_method_starts_from_the_warm_state(cache_dir, tmp_path):
     """Catches a method that starts from the initial weights, at data position 0, with the
     warm run's LR instead of its own batch's, or at another schedule position; a warm
-    state trained again though cached; and a direct noise-scale probe not charged to the
-    clock.  tiny_gpt, 3 warm steps at the preset batch 8 (24 samples); a job at batch 128
+    state trained again though cached; a measurement at the warm state read from the
+    cache (made on another validation set) instead of taken again; and a direct
+    noise-scale probe not charged to the clock.  tiny_gpt, 3 warm steps at the preset batch 8 (24 samples); a job at batch 128
     (proxy 16) must hold the warm weights, continue at sample 24 with sqrt(2) x the LR,
     and two such jobs take the same first step; a probe of 4 micro-batches costs the target
     the forward-backward of 4 x mb proxy sequences (target_step_s x 4 mb / 16)."""
     from tests.dist_utils import launch
 
     (out,) = launch(_warm_start, 1, cache_dir, str(tmp_path))
-    assert out["cached"] == (False, True) and out["reference"] == 64
+    assert out["cached"] == (False, True, True) and out["reference"] == 64
+    # measured at the state, not read from the cache: the warm run's own job gives the same
+    # loss; a run on another validation set gets that set's loss (a cached one was stale)
+    assert out["val_samples"][0] != out["val_samples"][1]
+    assert out["val_loss"][0] == out["val_loss"][1] != out["val_loss"][2]
     assert out["consumed"] == (24, 24) and out["same_weights"]
     assert out["max_lr"][0] == pytest.approx(out["max_lr"][1])
     assert out["sched"][0] == out["sched"][1] == 24 and out["clock"] == 0.0
