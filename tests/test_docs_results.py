@@ -184,6 +184,13 @@ def test_cona_tables_from_a_synthetic_result():
             in full.splitlines())
     assert "| static recipe | 3,200 ± 200 s | 2.00x | 0 (0) |" in full
     assert "docs/results/cona_ttp.json" in full
+    # the cost line: where the seeds' time went, summed over seeds (by hand: 300 / 600 s)
+    gpt = data["models"]["gpt3_1.3b"]
+    gpt["wall_s"] = {"setup": 50.0, "seeds": [250.0, 350.0]}
+    gpt["seed_runs"] = [{"phase_wall_s": {"search": 100.0, "recipe": 50.0, "cona": 100.0}},
+                        {"phase_wall_s": {"search": 200.0, "recipe": 100.0, "cona": 50.0}}]
+    assert ("Bench cost: set-up 50 s, seeds 250 / 350 s (wall, one process each); of the "
+            "seeds' time: search 50 %, recipe 25 %, cona 25 %.") in render_results.cona_ttp(data)
     data["quick"] = True
     assert "Quick (CI-sized) run" in render_results.cona_ttp(data)
     assert "docs/results/cona_ttp_quick.json" in render_results.cona_ttp(data)

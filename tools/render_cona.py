@@ -57,8 +57,15 @@ def _cost(m: dict) -> str:
     seeds = w.get("seeds") or []
     if not seeds:
         return ""
-    return (f"Bench cost: set-up {w.get('setup', 0):,.0f} s, seeds "
-            f"{' / '.join(f'{x:,.0f}' for x in seeds)} s (wall, one process each).")
+    line = (f"Bench cost: set-up {w.get('setup', 0):,.0f} s, seeds "
+            f"{' / '.join(f'{x:,.0f}' for x in seeds)} s (wall, one process each)")
+    phases = [r.get("phase_wall_s") for r in m.get("seed_runs") or []]
+    if phases and all(phases):  # where each seed's time went, summed over the seeds
+        total = {k: sum(p.get(k, 0.0) for p in phases) for k in phases[0]}
+        line += "; of the seeds' time: " + ", ".join(
+            f"{k.replace('_', ' ')} {100 * v / sum(total.values()):.0f} %"
+            for k, v in total.items())
+    return line + "."
 
 
 def _oracle_finding(oracle: dict) -> str:
