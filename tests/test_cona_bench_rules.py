@@ -334,6 +334,39 @@ def test_lr_sweep_cut_is_exact_for_the_minimum():
     assert cuts > 50  # the cut does fire
 
 
+def test_recipe_lr_sweep_takes_the_best_factor_and_cuts_the_rest_at_it(monkeypatch):
+    """Catches a static_recipe that keeps the scaling rule's LR where another factor of the
+    sweep reaches the target sooner, a later factor run without the bound of the best so
+    far (cost) or with a bound when none reached yet, a known run trained again, and a
+    missed sweep that reports a looser lower bound than its runs give: factors 0.5, 1, 2
+    reach at 300 s, (known) 500 s and never (cut at the bound 300 s)."""
+    import cona.baselines as baselines
+
+    calls = []
+
+    def fake_static(ctx, strategy, f, budget_samples=None, bound_s=None):
+        calls.append((f, bound_s))
+        ttp = {0.5: 300.0, 2.0: None}[f]
+        return {"ttp_s": ttp, "lr_factor": f, **({} if ttp else {"ttp_lower_bound_s": 310.0})}
+
+    monkeypatch.setattr(baselines, "run_static", fake_static)
+    best, runs = baselines.run_lr_sweep(None, "s", (0.5, 1.0, 2.0), budget_samples=10,
+                                        known={1.0: {"ttp_s": 500.0}})
+    assert calls == [(0.5, None), (2.0, 300.0)]
+    assert best["ttp_s"] == 300.0 and best["lr_factor"] == 0.5
+    assert [r["lr_factor"] for r in runs] == [0.5, 1.0, 2.0]
+    assert [x["ttp_s"] for x in best["lr_sweep"]] == [300.0, 500.0, None]
+
+    def missed(ctx, strategy, f, budget_samples=None, bound_s=None):
+        return {"ttp_s": None, "lr_factor": f, "ttp_lower_bound_s": {0.5: 900.0, 1.0: 700.0}[f]}
+
+    monkeypatch.setattr(baselines, "run_static", missed)
+    best, _ = baselines.run_lr_sweep(None, "s", (0.5, 1.0))
+    assert best["ttp_s"] is None and best["ttp_lower_bound_s"] == 700.0
+    with pytest.raises(ValueError, match="lr_factors"):
+        baselines.run_lr_sweep(None, "s", ())
+
+
 def test_bench_runs_each_seed_of_a_family_after_its_setup_and_reuses_only_its_own(
         tmp_path):
     """Catches a scheduler that gives every seed the same seed index, hands a seed another
