@@ -182,6 +182,19 @@ def test_loop_tells_the_controller_when_no_estimate_is_possible(caplog):
     assert f"stay on {small.label}" in line and "fallback rule: only global batch 64" in line
 
 
+def _constant_scheduler():
+    """``(optimizer, scheduler)``: megatron's scheduler at a constant peak LR 1e-3 (final
+    1e-4) over one parameter, what the LR-ramp tests read the trained LR from."""
+    import torch
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=1e-3)
+    return opt, OptimizerParamScheduler(opt, init_lr=0.0, max_lr=1e-3, min_lr=1e-4,
+                                        lr_warmup_steps=0, lr_decay_steps=10**9,
+                                        lr_decay_style="constant", start_wd=0.0, end_wd=0.0,
+                                        wd_incr_steps=1, wd_incr_style="constant")
+
+
 def test_lr_ramps_after_a_batch_increase():
     """Catches a learning rate that jumps to the scaled value when the batch grows (issue
     23; Goyal et al. 2017 Sec. 2.2): a switch from proxy batch 16 to 128 (sqrt rule: peak
@@ -189,18 +202,11 @@ def test_lr_ramps_after_a_batch_increase():
     3/4 and all of the way from the old to the new peak LR (read from the scheduler
     megatron's optimizer uses), then stay there; switching back applies the lower LR at
     once.  The old loop trained the first step after the switch at the new LR."""
-    import torch
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-
     from cona.state import set_peak_lr
     from cona.strategy import Strategy
 
     small, big = Strategy(8, 1, 1, 1, 64), Strategy(8, 1, 1, 4, 512)
-    opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=1e-3)
-    sched = OptimizerParamScheduler(opt, init_lr=0.0, max_lr=1e-3, min_lr=1e-4,
-                                    lr_warmup_steps=0, lr_decay_steps=10**9,
-                                    lr_decay_style="constant", start_wd=0.0, end_wd=0.0,
-                                    wd_incr_steps=1, wd_incr_style="constant")
+    opt, sched = _constant_scheduler()
     job = _FakeJob(small, scheduler=sched)
     set_peak_lr(job.trainer, sched, *job.lr_for(small))
     loop, _ = _fake_loop(job, ["cona.lr_ramp_steps=4", "cona.decision_interval=1000"],
@@ -226,20 +232,13 @@ def test_lr_ramps_from_the_warm_state_at_the_start():
     job whose state last trained at the small batch's LR (``Job.start_lr``) and starts at
     the large batch ramps over ``cona.lr_ramp_steps`` steps, as a switch would; a job
     without ``start_lr`` (fresh weights) starts at its own LR."""
-    import torch
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-
     from cona.state import set_peak_lr
     from cona.strategy import Strategy
 
     small, big = Strategy(8, 1, 1, 1, 64), Strategy(8, 1, 1, 4, 512)
     trained = {}
     for warm in (True, False):
-        opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=1e-3)
-        sched = OptimizerParamScheduler(opt, init_lr=0.0, max_lr=1e-3, min_lr=1e-4,
-                                        lr_warmup_steps=0, lr_decay_steps=10**9,
-                                        lr_decay_style="constant", start_wd=0.0, end_wd=0.0,
-                                        wd_incr_steps=1, wd_incr_style="constant")
+        _, sched = _constant_scheduler()
         job = _FakeJob(big, scheduler=sched)
         if warm:
             job.start_lr = job.lr_for(small)
