@@ -184,8 +184,14 @@ def test_cona_tables_from_a_synthetic_result():
             in full.splitlines())
     assert "| static recipe | 3,200 ± 200 s | 2.00x | 0 (0) |" in full
     assert "docs/results/cona_ttp.json" in full
-    # the cost line: where the seeds' time went, summed over seeds (by hand: 300 / 600 s)
+    # the resolution line: the evaluations bracketing the crossing (target 176.7), by hand
     gpt = data["models"]["gpt3_1.3b"]
+    gpt["methods"]["cona"]["evals"] = [{"time_s": 1000.0, "val_ppl": 300.0},
+                                       {"time_s": 1400.0, "val_ppl": 200.0},
+                                       {"time_s": 1800.0, "val_ppl": 170.0},
+                                       {"time_s": 2200.0, "val_ppl": 150.0}]
+    assert "interpolated between them): CONA 25.0 %." in render_results.cona_ttp(data)
+    # the cost line: where the seeds' time went, summed over seeds (by hand: 300 / 600 s)
     gpt["wall_s"] = {"setup": 50.0, "seeds": [250.0, 350.0]}
     gpt["seed_runs"] = [{"phase_wall_s": {"search": 100.0, "recipe": 50.0, "cona": 100.0}},
                         {"phase_wall_s": {"search": 200.0, "recipe": 100.0, "cona": 50.0}}]

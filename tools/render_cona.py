@@ -50,6 +50,32 @@ def _cona_settings(r: dict) -> str:
             "the target, mean ± sd over the seeds.")
 
 
+def crossing_gap(evals: list[dict], target: float) -> float | None:
+    """Emulated seconds between the two evaluations either side of the first crossing of
+    ``target`` (``evals``: ``{"time_s", "val_ppl"}`` in order), ``None`` if none crosses:
+    how finely an interpolated TTP is pinned down."""
+    for a, b in zip(evals, evals[1:]):
+        if a["val_ppl"] > target >= b["val_ppl"]:
+            return b["time_s"] - a["time_s"]
+    return None
+
+
+def _resolution(m: dict) -> str:
+    """One line: per method (first seed), the evaluation gap at the target's crossing as a
+    share of its TTP."""
+    parts = []
+    for key, label in CONA_METHODS:
+        x = m["methods"].get(key) or {}
+        by_seed = x.get("ttp_s_by_seed") or [x.get("ttp_s")]
+        gap = crossing_gap(x.get("evals") or [], m["target_ppl"])
+        if gap is not None and by_seed[0]:
+            parts.append(f"{label} {100 * gap / by_seed[0]:.1f} %")
+    if not parts:
+        return ""
+    return ("Evaluations either side of the target's crossing lie apart by (first seed, share "
+            "of its TTP; TTP is interpolated between them): " + ", ".join(parts) + ".")
+
+
 def _cost(m: dict) -> str:
     """One line: what the family cost the bench, its set-up and each seed (wall seconds of
     one process, one torch thread)."""
@@ -110,7 +136,8 @@ def cona_ttp(r: dict) -> str:
             chain = " → ".join(f"`{c['strategy']}`" for c in x.get("chain") or [])
             lines.append(f"| {label} | {_seeds_ttp(x)} | {speed} | {x.get('switches', 0)} "
                          f"({x.get('layout_switches', 0)}) | {chain} |")
-        lines += ["", *filter(None, [_oracle_finding(m.get("oracle") or {}), _cost(m)]), ""]
+        lines += ["", *filter(None, [_oracle_finding(m.get("oracle") or {}), _resolution(m),
+                                     _cost(m)]), ""]
     lines += [_cona_settings(r), "", _source(r, "cona_ttp_quick" if r.get("quick")
                                              else "cona_ttp")]
     return "\n".join(lines) + "\n"
