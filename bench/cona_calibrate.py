@@ -58,6 +58,7 @@ def calibrate(family: str, fractions: list[float], cache_dir: str | None) -> dic
     unigram = corpus_unigram_perplexity(ctx.data.corpus, cfg.model.vocab_size)
     warm_ppl, phi0 = ctx.warm["extra"]["val_ppl"], ctx.warm["extra"]["noise_scale_proxy"]
     base = min(unigram, warm_ppl)
+    ctx.cfg.train.target_ppl = None  # the loop runs until every fraction is met (or budget)
     todo = sorted(fractions, reverse=True)  # shallowest first: the order the run meets them
     rows = []
     job = ctx.make_job(ctx.reference_strategy())
