@@ -146,8 +146,9 @@ def run_lr_sweep(ctx: ConaContext, strategy: Strategy, lr_factors, *,
                  known: dict[float, dict] | None = None) -> tuple[dict, list[dict]]:
     """``strategy`` at each of ``lr_factors`` x the scaling rule's LR (:func:`run_static`),
     each run to the target or ``budget_samples`` and stopped past the best TTP so far
-    (:func:`past_bound`: exact for the minimum).  ``known``: records already run at some
-    factors (reached runs of the same strategy and start: the trajectory is the same).
+    (:func:`past_bound`: exact for the minimum; a reached ``known`` run bounds from the
+    start).  ``known``: records already run at some factors (reached runs of the same
+    strategy and start: the trajectory is the same).
 
     Returns:
         ``(best, runs)``: the record with the lowest ``ttp_s`` (if none reached, the one
@@ -160,7 +161,8 @@ def run_lr_sweep(ctx: ConaContext, strategy: Strategy, lr_factors, *,
     """
     if not lr_factors:
         raise ValueError("lr_factors must not be empty")
-    known, runs, best_s = known or {}, [], None
+    known, runs = known or {}, []
+    best_s = min((r["ttp_s"] for r in known.values() if r["ttp_s"] is not None), default=None)
     for f in lr_factors:
         run = dict(known[f], lr_factor=f) if f in known else run_static(
             ctx, strategy, f, budget_samples=budget_samples, bound_s=best_s)

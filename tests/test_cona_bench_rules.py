@@ -211,6 +211,7 @@ def _warm_start(cache_dir, warm_dir):
            "same_weights": all(torch.equal(p, warm["trainer"]["params"][n])
                                for n, p in params.items()),
            "max_lr": (a.trainer.scheduler.max_lr, cfg.train.lr * 2 ** 0.5),
+           "start_lr": (a.start_lr, (cfg.train.lr, cfg.train.min_lr)),
            "sched": (a.trainer.scheduler.num_steps, warm["trainer"]["sched"][0]),
            "clock": a.clock_s, "losses": (a.train_step()[0].loss, b.train_step()[0].loss)}
     before = a.clock_s
@@ -226,8 +227,9 @@ def test_every_method_starts_from_the_warm_state(cache_dir, tmp_path):
     state trained again though cached; a measurement at the warm state read from the
     cache (made on another validation set) instead of taken again; and a direct
     noise-scale probe not charged to the clock.  tiny_gpt, 3 warm steps at the preset batch 8 (24 samples); a job at batch 128
-    (proxy 16) must hold the warm weights, continue at sample 24 with sqrt(2) x the LR,
-    and two such jobs take the same first step; a probe of 4 micro-batches costs the target
+    (proxy 16) must hold the warm weights, continue at sample 24 with sqrt(2) x the LR as
+    its peak (a Loop ramps to it from the warm run's LR, which the job records), and two
+    such jobs take the same first step; a probe of 4 micro-batches costs the target
     the forward-backward of 4 x mb proxy sequences (target_step_s x 4 mb / 16)."""
     from tests.dist_utils import launch
 
@@ -239,6 +241,7 @@ def test_every_method_starts_from_the_warm_state(cache_dir, tmp_path):
     assert out["val_loss"][0] == out["val_loss"][1] != out["val_loss"][2]
     assert out["consumed"] == (24, 24) and out["same_weights"]
     assert out["max_lr"][0] == pytest.approx(out["max_lr"][1])
+    assert out["start_lr"][0] == pytest.approx(out["start_lr"][1])  # the Loop ramps from it
     assert out["sched"][0] == out["sched"][1] == 24 and out["clock"] == 0.0
     assert out["losses"][0] == out["losses"][1]
     assert out["probe_charge"][0] == pytest.approx(out["probe_charge"][1]) and out["probe_charge"][0] > 0
@@ -337,9 +340,10 @@ def test_lr_sweep_cut_is_exact_for_the_minimum():
 def test_recipe_lr_sweep_takes_the_best_factor_and_cuts_the_rest_at_it(monkeypatch):
     """Catches a static_recipe that keeps the scaling rule's LR where another factor of the
     sweep reaches the target sooner, a later factor run without the bound of the best so
-    far (cost) or with a bound when none reached yet, a known run trained again, and a
-    missed sweep that reports a looser lower bound than its runs give: factors 0.5, 1, 2
-    reach at 300 s, (known) 500 s and never (cut at the bound 300 s)."""
+    far or the known run's (cost) or with a bound when none reached yet, a known run
+    trained again, and a missed sweep that reports a bound other than the lowest of its
+    runs' (the only valid one): factors 0.5, 1, 2 reach at 300 s (run under the known
+    run's bound 500 s), (known) 500 s and never (cut at the bound 300 s)."""
     import cona.baselines as baselines
 
     calls = []
@@ -352,7 +356,7 @@ def test_recipe_lr_sweep_takes_the_best_factor_and_cuts_the_rest_at_it(monkeypat
     monkeypatch.setattr(baselines, "run_static", fake_static)
     best, runs = baselines.run_lr_sweep(None, "s", (0.5, 1.0, 2.0), budget_samples=10,
                                         known={1.0: {"ttp_s": 500.0}})
-    assert calls == [(0.5, None), (2.0, 300.0)]
+    assert calls == [(0.5, 500.0), (2.0, 300.0)]
     assert best["ttp_s"] == 300.0 and best["lr_factor"] == 0.5
     assert [r["lr_factor"] for r in runs] == [0.5, 1.0, 2.0]
     assert [x["ttp_s"] for x in best["lr_sweep"]] == [300.0, 500.0, None]
