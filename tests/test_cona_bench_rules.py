@@ -259,12 +259,13 @@ def test_seeds_aggregate_to_a_mean_with_misses_as_null_and_layout_switches_count
     chain = [{"strategy": "dp8-tp8-pp1-mb8-gb64"}, {"strategy": "dp8-tp8-pp1-mb8-gb128"},
              {"strategy": "dp16-tp4-pp1-mb8-gb128"}]
     a = {"cona": {"ttp_s": 10.0, "chain": chain, "switches": 2, "switch_times_s": [1.0, 2.0]}}
-    b = {"cona": {"ttp_s": 14.0, "chain": chain[:1], "switches": 0}}
+    b = {"cona": {"ttp_s": 14.0, "chain": chain[:1], "switches": 0, "lr_factor": 0.5}}
     miss = {"cona": {"ttp_s": None, "chain": chain[:1], "switches": 0}}
     out = aggregate([a, b])["cona"]
     assert out["ttp_s"] == pytest.approx(12.0) and out["ttp_s_by_seed"] == [10.0, 14.0]
     assert out["layout_switches"] == 1 and out["layout_switches_by_seed"] == [1, 0]
     assert out["switches"] == 2 and out["switches_by_seed"] == [2, 0]
+    assert out["lr_factor_by_seed"] == [None, 0.5]  # each seed's own, not the first's
     missed = aggregate([a, miss])["cona"]
     assert missed["ttp_s"] is None and missed["ttp_s_by_seed"] == [10.0, None]
     assert switch_points(a["cona"]) == [(1.0, "batch"), (2.0, "layout")]
