@@ -152,8 +152,8 @@ def run_lr_sweep(ctx: ConaContext, strategy: Strategy, lr_factors, *,
 
     Returns:
         ``(best, runs)``: the record with the lowest ``ttp_s`` (if none reached, the one
-        with the highest ``ttp_lower_bound_s``: the tightest bound on the best TTP is the
-        lowest over factors, kept in ``best["ttp_lower_bound_s"]``), with ``lr_sweep``
+        with the lowest ``ttp_lower_bound_s``: the only bound valid for the best TTP over
+        factors), with ``lr_sweep``
         (``[{lr_factor, ttp_s, ttp_lower_bound_s}]``); and every factor's record.
 
     Raises:
@@ -170,11 +170,8 @@ def run_lr_sweep(ctx: ConaContext, strategy: Strategy, lr_factors, *,
         if run["ttp_s"] is not None and (best_s is None or run["ttp_s"] < best_s):
             best_s = run["ttp_s"]
     reached = [r for r in runs if r["ttp_s"] is not None]
-    if reached:
-        best = dict(min(reached, key=lambda r: r["ttp_s"]))
-    else:
-        best = dict(max(runs, key=lambda r: r.get("ttp_lower_bound_s") or 0.0))
-        best["ttp_lower_bound_s"] = min(r.get("ttp_lower_bound_s") or 0.0 for r in runs)
+    best = dict(min(reached, key=lambda r: r["ttp_s"]) if reached else
+                min(runs, key=lambda r: r.get("ttp_lower_bound_s") or 0.0))
     best["lr_sweep"] = [{k: r.get(k) for k in ("lr_factor", "ttp_s", "ttp_lower_bound_s")}
                         for r in runs]
     return best, runs

@@ -50,7 +50,7 @@ def _cona_settings(r: dict) -> str:
             "the target, mean ± sd over the seeds.")
 
 
-def crossing_gap(evals: list[dict], target: float) -> float | None:
+def _crossing_gap(evals: list[dict], target: float) -> float | None:
     """Emulated seconds between the two evaluations either side of the first crossing of
     ``target`` (``evals``: ``{"time_s", "val_ppl"}`` in order), ``None`` if none crosses:
     how finely an interpolated TTP is pinned down."""
@@ -67,7 +67,7 @@ def _resolution(m: dict) -> str:
     for key, label in CONA_METHODS:
         x = m["methods"].get(key) or {}
         by_seed = x.get("ttp_s_by_seed") or [x.get("ttp_s")]
-        gap = crossing_gap(x.get("evals") or [], m["target_ppl"])
+        gap = _crossing_gap(x.get("evals") or [], m["target_ppl"])
         if gap is not None and by_seed[0]:
             parts.append(f"{label} {100 * gap / by_seed[0]:.1f} %")
     if not parts:
