@@ -126,6 +126,7 @@ COMMON = [
     "cona.clock=emulated",
     "cona.decision_interval=10",
     "train.stop_at_target=true",
+    "cona.ttp_resolution=0.01",  # the TTP crossing bracketed within 1 % of every run
     "logging.wandb=disabled",
 ]
 

@@ -19,7 +19,10 @@ target sequences (a third of a training step's FLOPs per token: ``2N`` of
 ``6N``, Kaplan et al. 2020, Sec. 2.1) every ``E / B_p`` proxy steps, i.e.
 ``eval_steps = V / (3 E)`` target steps per proxy step at any batch
 (:func:`eval_steps_per_step`).  It is added to the dilation, so the static
-runs, the oracle and CONA pay the same evaluation share.
+runs, the oracle and CONA pay the same evaluation share.  The evaluations that
+``cona.ttp_resolution`` adds near the target are not charged: they locate the
+crossing for the measurement, and a run that evaluates at the cadence pays the
+charge above.
 
 Switch costs on the emulated clock (assumptions, not measurements):
 

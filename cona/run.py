@@ -30,7 +30,9 @@ back to ranking the current global batch by throughput.
 Budget and schedule are in (proxy) samples (the strategies' global batches
 differ): ``train.iters * B_ref`` samples with ``B_ref = parallel.global_batch_size``;
 warmup and decay likewise (:mod:`cona.state`).  Validation runs every
-``train.eval_interval * B_ref`` samples on a fixed validation set;
+``train.eval_interval * B_ref`` samples on a fixed validation set, and more
+often as the perplexity nears ``train.target_ppl`` when ``cona.ttp_resolution``
+is set (:func:`jobruntime.metrics.dense_eval_gap`);
 time-to-target-perplexity (TTP) is the clock time at which validation
 perplexity crossed ``train.target_ppl``, interpolated between the evaluations
 either side (:class:`jobruntime.metrics.TTPTracker`).  In real mode the clock is the wall time since
@@ -60,7 +62,7 @@ from jobruntime.checkpoint import save_checkpoint
 from jobruntime.config import JobConfig, save_config
 from jobruntime.devices import device_summary
 from jobruntime.logging_utils import StepProgress
-from jobruntime.metrics import MetricsWriter, TTPTracker, perplexity
+from jobruntime.metrics import MetricsWriter, TTPTracker, dense_eval_gap, perplexity
 from jobruntime.parallel import same_run_dir
 
 from .context import build_context
@@ -119,6 +121,7 @@ class Loop:
         self.keep_records = keep_records
         self.budget_samples, self.eval_samples = budget_samples, max(eval_samples, 1)
         self.progress = Progress(ttp=TTPTracker(cfg.train.target_ppl), next_eval=eval_samples)
+        self.samples0 = job.consumed_samples  # cona.ttp_resolution counts from here
         self.progress.chain.append({"strategy": job.strategy.label, "start_step": 0})
         start_lr = getattr(job, "start_lr", None)  # Job.start_lr (test doubles may lack it)
         if start_lr is not None:  # the start is a switch from the state's own LR
@@ -219,10 +222,14 @@ class Loop:
             "gns_target": self.target_gns,
         }
         if samples >= p.next_eval or samples >= self.budget_samples:
-            while p.next_eval <= samples:
-                p.next_eval += self.eval_samples
+            p.next_eval = (samples // self.eval_samples + 1) * self.eval_samples  # cadence
             val_loss = self.evaluate()
             record.update(val_loss=val_loss, val_ppl=p.last_val_ppl)
+            gap = dense_eval_gap([(e["samples"], e["val_ppl"]) for e in p.evals[-2:]],
+                                 self.cfg.train.target_ppl, self.cfg.cona.ttp_resolution,
+                                 start=self.samples0)
+            if gap is not None:  # near the target: earlier than the fixed cadence
+                p.next_eval = min(p.next_eval, samples + math.ceil(gap))
         if math.isnan(result.loss):
             log.error("loss is NaN at step %d; stopping", job.trainer.step)
             p.nan = True

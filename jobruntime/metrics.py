@@ -101,6 +101,48 @@ def crossing_fraction(ppl_above: float, ppl_at: float, target: float) -> float:
     return min(max((hi - math.log(target)) / (hi - lo), 0.0), 1.0)
 
 
+def dense_eval_gap(evals: list[tuple[float, float]], target: float | None,
+                   resolution: float, start: float = 0.0) -> float | None:
+    """How far ahead to evaluate so that the TTP crossing is bracketed finely.
+
+    The TTP interpolation (:func:`crossing_fraction`) is only as fine as the gap
+    between the two evaluations that bracket the crossing.  Evaluating at a fixed
+    cadence makes that gap a different share of each run's time to target (a run at
+    a large batch crosses within one gap of a few steps); this rule makes it at most
+    ``resolution`` of the samples trained since ``start``.  From the last two
+    evaluations it predicts the samples still to go, ``d = (log p_1 - log target) /
+    (-slope)`` with ``slope`` the change of log perplexity per sample between them,
+    and returns ``max(d / 2, resolution * (s_1 - start))``: the gaps halve as the
+    target nears, down to the resolution.  Log perplexity is convex and falling in
+    samples, so the secant slope overstates the rate ahead and ``d`` errs short
+    (more evaluations, never a coarser bracket).
+
+    Args:
+        evals: ``(samples, perplexity)`` of the evaluations so far, in order (samples
+            in any unit: sequences or tokens; the gap is in the same unit).
+        target: the target perplexity (``None``: no target, no rule).
+        resolution: the finest gap as a fraction of the samples since ``start``
+            (``0``: off).
+        start: the samples at the start of the run (a warm start's count).
+
+    Returns:
+        The gap to the next evaluation (``> 0``), or ``None`` where the rule does not
+        apply (off, fewer than two finite evaluations, the target already reached, or
+        perplexity not falling): the caller keeps its fixed cadence.  The caller
+        should take the earlier of the two, so the rule only adds evaluations.
+    """
+    if resolution <= 0 or target is None or len(evals) < 2:
+        return None
+    (s0, p0), (s1, p1) = evals[-2], evals[-1]
+    if not (math.isfinite(p0) and math.isfinite(p1) and s1 > s0) or p1 <= target:
+        return None
+    slope = (math.log(p1) - math.log(p0)) / (s1 - s0)
+    if slope >= 0:
+        return None
+    to_go = (math.log(p1) - math.log(target)) / -slope
+    return max(to_go / 2, resolution * (s1 - start), 1e-12)
+
+
 @dataclass
 class TTPTracker:
     """Time-to-target-perplexity, interpolated at the crossing of the target.

@@ -254,6 +254,41 @@ def test_lr_ramps_from_the_warm_state_at_the_start():
     assert trained[False] == pytest.approx([hi] * 6, rel=1e-12)
 
 
+def test_evaluations_bracket_the_target_within_the_resolution():
+    """Catches a TTP bracketed only by the fixed cadence (issue 23: 8.5-9.4 % of TTP
+    between the evaluations either side of the crossing, coarser than the bars'
+    margins).  Validation loss ``7 - 0.001 s`` after ``s`` proxy samples (16 a step)
+    crosses the target ``e^5.01`` at 1990 samples.  Every 160 samples the bracket is
+    1920-2080 (8 %); with ``cona.ttp_resolution=0.01`` it must be at most 1 % of the
+    samples plus one step, while every evaluation of the cadence still happens and the
+    interpolated crossing is the same point on this log-linear curve."""
+    import math
+
+    from cona.run import Loop
+    from cona.strategy import Strategy
+    from jobruntime.config import load_config
+
+    evals, ttp = {}, {}
+    for res in (0.0, 0.01):
+        job = _FakeJob(Strategy(8, 1, 1, 2, 64))
+        job.evaluate = lambda job=job: 7 - 0.001 * job.consumed_samples
+        cfg = load_config("tiny_gpt", [f"train.target_ppl={math.exp(5.01)}", "cona.enabled=true",
+                                       f"cona.ttp_resolution={res}"])
+        loop = Loop(job, cfg, budget_samples=2400, eval_samples=160)
+        loop.run()
+        evals[res] = [e["samples"] for e in loop.progress.evals]
+        ttp[res] = loop.progress.ttp.ttp_s
+
+    def bracket(at):
+        return max(s for s in at if s < 1990), min(s for s in at if s >= 1990)
+    assert bracket(evals[0.0]) == (1920, 2080)
+    lo, hi = bracket(evals[0.01])
+    assert hi - lo <= 0.01 * 1990 + 16
+    assert set(evals[0.0]) <= set(evals[0.01])
+    assert len(evals[0.01]) <= len(evals[0.0]) + 8  # a few more, near the target only
+    assert ttp[0.0] == ttp[0.01] == pytest.approx(1990 / 16 * 0.1)  # 0.1 s a step
+
+
 def _real(cache_dir, run_dir):
     import torch
 

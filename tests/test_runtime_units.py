@@ -13,7 +13,7 @@ import pytest
 
 from jobruntime.config import ConfigError, load_config
 from jobruntime.data import DataError, read_documents, val_document_mask
-from jobruntime.metrics import TTPTracker
+from jobruntime.metrics import TTPTracker, dense_eval_gap
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -114,6 +114,26 @@ def test_ttp_is_interpolated_in_log_perplexity_at_the_crossing():
     after_nan = TTPTracker(target_ppl=100.0)
     after_nan.update(math.nan, 5.0, 500, 1)
     assert after_nan.update(90.0, 10.0, 1000, 2) and after_nan.ttp_s == 10.0
+
+
+def test_dense_eval_gap_halves_towards_the_target_down_to_the_resolution():
+    """On a log-linear curve ``log p = 7 - 0.001 s`` (target ``e^5``: 2000 samples) the
+    rule predicts the samples to go exactly and asks for half of them; near the target
+    it stops at ``resolution`` x the samples since the start; off, before two
+    evaluations, once reached or where perplexity rises it leaves the cadence alone."""
+    def at(s):
+        return (s, math.exp(7 - 0.001 * s))
+
+    target = math.exp(5)
+    assert dense_eval_gap([at(0), at(400)], target, 0.01) == pytest.approx(800)
+    assert dense_eval_gap([at(1900), at(1990)], target, 0.01) == pytest.approx(19.9)
+    assert dense_eval_gap([at(1900), at(1990)], target, 0.01, start=1000) == pytest.approx(9.9)
+    assert dense_eval_gap([at(0), at(400)], target, 0.0) is None
+    assert dense_eval_gap([at(400)], target, 0.01) is None
+    assert dense_eval_gap([at(1900), at(2100)], target, 0.01) is None  # reached
+    assert dense_eval_gap([at(0), at(400)], None, 0.01) is None
+    assert dense_eval_gap([(0, 100.0), (10, 120.0)], 50.0, 0.01) is None  # rising
+    assert dense_eval_gap([(0, math.nan), (10, 120.0)], 50.0, 0.01) is None
 
 
 def test_ttp_tracker_state_round_trip_and_old_checkpoints():

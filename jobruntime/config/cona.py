@@ -83,6 +83,15 @@ class ConaConfig:
     a later batch-only switch instead of a layout switch); 0 = the fastest.  If the noise
     scale never calls for the larger batch, the whole run is this much slower, so keep it
     at the slowdown you accept in that case.  Must be below ``min_gain``, or the controller undoes the start."""
+    ttp_resolution: float = 0.0
+    """Evaluate more often as the validation perplexity nears ``train.target_ppl``, so
+    the two evaluations that bracket the TTP crossing are at most this fraction of the
+    run's samples apart (``jobruntime.metrics.dense_eval_gap``: the next evaluation
+    after half the samples the last two evaluations predict to the target, at least
+    this fraction of the samples so far); never later than the ``train.eval_interval``
+    cadence.  0 = that cadence only.  The emulated clock charges the cadence alone
+    (``cona/emulated.py``): the added evaluations measure the crossing.  In real mode
+    they take wall time.  ``bench/cona_ttp.py`` sets 0.01."""
     switch_timeout_s: float = 600.0
     """Real mode: a layout switch still running after this many seconds means
     a rank stalled or was lost; every rank then exits with one line (resume
@@ -119,6 +128,9 @@ class ConaConfig:
             raise ConfigError(f"cona.start_slack={self.start_slack} must be below cona.min_gain="
                               f"{self.min_gain}: the controller would switch back from the "
                               "start layout at its first decision; lower start_slack")
+        if not 0 <= self.ttp_resolution < 1:
+            raise ConfigError(f"cona.ttp_resolution={self.ttp_resolution} must be in [0, 1) "
+                              "(0.01 = bracket the TTP crossing within 1 % of the run; 0 = off)")
         if not 0 < self.switch_timeout_s < float("inf"):
             raise ConfigError(f"cona.switch_timeout_s={self.switch_timeout_s} must be a positive "
                               "number of seconds (default 600)")
