@@ -507,6 +507,7 @@ def bench_grid(growth):
     return make, ref.s, [8, 16, 32, 64, 128], [round(ref.s * k / 6) for k in range(1, 6)]
 
 
+@pytest.mark.slow  # ~100-175 s: the exact search it is compared with
 def test_pruned_search_finds_the_exact_optimum_for_a_fiftieth_of_the_training():
     """Catches a pruned mode that is not cheaper, loses the optimum or holds more training
     states than it reports: on the bench's grid (noise scale growing 2.4, 4 and 10x),

@@ -21,6 +21,9 @@ from tests.dist_utils import free_port
 from tests.test_geomesh_launch import SMALL, _env, _launch
 
 REPO = Path(__file__).resolve().parent.parent
+# ~100-145 s of one module fixture (four real multi-process runs); real = emulated
+# stays in the fast tier (test_geomesh_real.py)
+pytestmark = pytest.mark.slow
 FOUR = REPO / "geomesh" / "clusters" / "four_shape_cpu.yaml"
 SLUGS = ("east-us", "west-europe", "japan-east", "australia-east")
 # sign_row in both modes: top-k falls back to it in real mode, where the TP2 region's

@@ -241,6 +241,7 @@ def test_run_folder_keeps_its_tokenizer_and_exports_to_hf(base_run, tmp_path):
     assert hf["pad_token_id"] == sp.pad_id() and hf["vocab_size"] >= 4096
 
 
+@pytest.mark.slow  # ~80-140 s: 48 steps of the demo preset
 def test_demo_preset_trains_without_loss_spikes(cache_dir, tmp_path):
     """Catches a demo preset at the edge of stability: at lr 2e-3 (warmup 100)
     one ordinary Adam step at step 35 (grad-norm 0.8, every weight moved by

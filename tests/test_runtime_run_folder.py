@@ -17,6 +17,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import yaml
 
 from tests.dist_utils import free_port
@@ -47,6 +48,7 @@ def _region_job(cluster: Path, region: str, run_dir: Path, cache_dir: str) -> su
                             env={**os.environ, **SECRET_ENV})
 
 
+@pytest.mark.slow  # ~70-85 s; a lost region's one line: test_geomesh_launch (fast tier)
 def test_geomesh_job_that_loses_a_region_keeps_its_run_folder(tmp_path, cache_dir):
     """Catches train.py deleting a started run (metrics.jsonl, config.yaml,
     checkpoints/outer_*) because the mid-run loss of a region is reported as a
