@@ -140,7 +140,7 @@ def dense_eval_gap(evals: list[tuple[float, float]], target: float | None,
     if slope >= 0:
         return None
     to_go = (math.log(p1) - math.log(target)) / -slope
-    return max(to_go / 2, resolution * (s1 - start), 1e-12)
+    return max(to_go / 2, resolution * (s1 - start))
 
 
 @dataclass
