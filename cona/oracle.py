@@ -187,6 +187,12 @@ def _entry(parent: Node | None, layout, tm: TimeModel) -> tuple[float, Any]:
                key=lambda x: x[0])
 
 
+def _past(entries: dict, tm: TimeModel, bound: float) -> Callable[[int], bool]:
+    """The stop rule of a window started at ``entries`` (layout -> (entry time, parent
+    layout)): true once its cheapest clock ``steps`` into it reaches ``bound`` seconds."""
+    return lambda steps: min(t + steps * tm.iter_s(lay) for lay, (t, _) in entries.items()) >= bound
+
+
 class OracleSearch:
     """Branch-and-bound search (module docstring).
 
@@ -270,12 +276,8 @@ class OracleSearch:
         ``run``: that window, already trained (by :meth:`greedy`), is not trained again."""
         entries = {lay: _entry(parent, lay, self.tm) for lay in self.tm.layouts(batch)}
         factor = 1.0 if cut else self.unpruned_factor
-
-        def stop(steps: int) -> bool:
-            cheapest = min(t + steps * self.tm.iter_s(lay) for lay, (t, _) in entries.items())
-            return cheapest >= factor * self.bound
-
-        run = run if run is not None else self._train(batch, depth, stop)
+        if run is None:
+            run = self._train(batch, depth, _past(entries, self.tm, factor * self.bound))
         node = self._node(parent, batch, run, entries)
         if node.run.reached_step is not None:
             self._finish(node)
@@ -472,7 +474,10 @@ class OracleSearch:
         chain continues from that window's end state, and so on until the target.  A
         candidate without an evaluation in the window is not scored; when none has
         one, the chain keeps its batch (the smallest in window 0) at its fastest layout;
-        a non-finite perplexity counts as no evaluation.
+        a non-finite perplexity counts as no evaluation.  The last window runs to the
+        target: a candidate whose clock passes the least time to the target of the
+        candidates before it stops there and is not scored (it cannot reach the target
+        first; the rest are scored as above, at a common perplexity at the target).
 
         It is the best progress per second with the hindsight of one window, never
         of the windows after it.  Its batch sequence is in the searched set (same
@@ -490,21 +495,30 @@ class OracleSearch:
             ``greedy_windows`` and ``windows_trained``.
         """
         known = known or {}
+        tm = self.tm
         parent, state, chain = None, self.branch.snapshot(), None
         for depth in range(len(self.boundaries) + 1):
-            trials = {}
+            trials, final, reach = {}, depth == len(self.boundaries), math.inf
             for b in self.batches if parent is None else self._children(parent.batches):
                 seq = (*(parent.batches if parent else ()), b)
+                entries = {lay: _entry(parent, lay, tm) for lay in tm.layouts(b)}
                 if seq in known and not known[seq][0].stopped:  # a full window already trained
                     trials[b] = known[seq]
-                    continue
-                self.branch.restore(state)
-                run = self._train(b, depth, lambda steps: False)
-                ends = depth == len(self.boundaries) or run.reached_step is not None
-                trials[b] = (run, None if ends else self.branch.snapshot())  # state to go on
-                self.greedy_windows += 1
-                if self.prune:  # the pruned pass reuses it
-                    self.greedy_trials[seq] = trials[b]
+                else:
+                    self.branch.restore(state)
+                    # the last window runs to the target: a candidate past the least time
+                    # to it so far cannot win and stops there
+                    run = self._train(b, depth, _past(entries, tm, reach if final else math.inf))
+                    ends = final or run.reached_step is not None
+                    trials[b] = (run, None if ends else self.branch.snapshot())  # to go on
+                    self.greedy_windows += 1
+                    if self.prune and not run.stopped:  # the pruned pass reuses it
+                        self.greedy_trials[seq] = trials[b]
+                if final and trials[b][0].reached_step is not None:
+                    reach = min(reach, min(t for t, _ in self._node(
+                        parent, b, trials[b][0], entries).times.values()))
+            if final and any(not run.stopped for run, _ in trials.values()):
+                trials = {b: v for b, v in trials.items() if not v[0].stopped}
             b, lay = self._greedy_pick(parent, {b: run for b, (run, _) in trials.items()})
             run, state = trials[b]
             parent = self._node(parent, b, run, {lay: _entry(parent, lay, self.tm)})

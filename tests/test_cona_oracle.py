@@ -416,6 +416,47 @@ def test_greedy_reference_is_myopic_and_the_oracle_beats_it():
     assert s["greedy_windows"] == 2  # window 2 at 8 and 4 (window 1: the static chains' own)
 
 
+class StopScripted(Scripted):
+    """:class:`Scripted` that honours ``stop`` at each evaluation, as training does, and
+    records the steps each batch sequence trained (its last run)."""
+
+    def __init__(self, runs):
+        super().__init__(runs)
+        self.trained = {}
+
+    def run_window(self, batch, end, stop):
+        run = super().run_window(batch, end, stop)
+        for i, k in enumerate(run.eval_steps):
+            if k != run.reached_step and stop(k):
+                run = WindowRun(k, stopped=True, eval_steps=run.eval_steps[:i + 1],
+                                evals=run.evals[:i + 1])
+                break
+        self.trained[self.prefix] = run.steps
+        return run
+
+
+def test_greedy_last_window_stops_a_candidate_past_the_least_time_to_target():
+    """Catches the greedy reference's last window run out to the target for every
+    candidate (on the bench, batch 1024 from late in the segment trained thousands of
+    samples to lose): on the myopic problem above the greedy chain is at batch 8 after
+    window 1 (5 s); in window 2, staying at 8 reaches the target after 6 steps (11 s), so
+    batch 4, whose run would reach only after 12 steps (17 s), is stopped at its
+    evaluation at step 6 (5 + 6 = 11 s, not before the least time) and not scored: the
+    greedy chain is unchanged, (8, 8) at 11 s."""
+    def w(steps, ppls, reached=False):
+        at = tuple(steps * (i + 1) // len(ppls) for i in range(len(ppls)))
+        return WindowRun(steps, steps if reached else None, eval_steps=at,
+                         evals=[{"step": k, "val_ppl": p} for k, p in zip(at, ppls)])
+
+    runs = {(4,): w(4, [100.0, 80.0]), (8,): w(5, [90.0, 70.0]),
+            (4, 4): w(2, [60.0, 50.0], True), (4, 8): w(1, [50.0], True),
+            (8, 8): w(6, [60.0, 50.0], True), (8, 4): w(12, [55.0, 50.0], True)}
+    branch = StopScripted(runs)
+    chain = OracleSearch(branch, Linear(1.0, 0.0), [4, 8], [10]).greedy()
+    assert chain.batches == (8, 8) and chain.ttp_s == 11.0
+    assert branch.trained[(8, 8)] == 6 and branch.trained[(8, 4)] == 6
+
+
 def test_layout_switch_cost_is_charged():
     """Catches a chain timed without its layout switch (or a switch charged where there is
     none): batch 4 is fast on "dp" (1 s/step), batch 8 on "tp" (1 s/step; "dp" 3 s, "tp"
