@@ -4,22 +4,23 @@
 directly measured noise scale grows at least 4x over the evaluated segment (issue 23).
 This bench measures that growth as a function of the fraction, on the full bench's proxy
 of one family (``bench/cona_ttp.py``: narrowed preset, warm state, one torch thread): the
-reference (preset batch, the scaling rule's LR) trains from the warm state, and the first
-time its validation perplexity falls below ``f x min(unigram, warm ppl)`` for each ``f``
-in ``--fractions`` the noise scale is measured directly
-(:data:`bench.cona_ttp.PROBE_MICROBATCHES` micro-batches) and divided by the warm
-state's.  No CONA method runs: the calibration uses the reference alone, as the bench's
-rule 3 does.
+bench's own reference (:func:`bench.cona_ttp.reference`: preset batch, the scaling rule's
+LR, the noise scale probed directly at every evaluation of its cadence) trains from the
+warm state to the deepest fraction's target, and for each ``f`` in ``--fractions`` the
+trend of the probes up to the first crossing of ``f x min(unigram, warm ppl)``
+(:func:`bench.cona_ttp.segment_trend`, as the bench reads it) at that target's loss over
+the warm state's own probe gives the growth.  No CONA method runs.
 
 Usage::
 
     python bench/cona_calibrate.py --family gpt3_1.3b --cache-dir C > out.json
 
-Prints one JSON object: ``{"family", "proxy", "unigram_ppl", "warm_ppl",
-"noise_scale_warm_proxy", "rows": [{"fraction", "target_ppl", "reached", "step",
-"val_ppl", "noise_scale_proxy", "growth"}], "date", "commit", "machine", "command"}``
-(``growth``: the noise scale where the reference first crossed the fraction over the
-warm state's; ``reached`` false where it did not within the family's budget).
+Prints one JSON object: ``{"family", "proxy", "unigram_ppl", "warm_ppl", "probes",
+"rows": [{"fraction", "target_ppl", "reached", "samples", "growth", "noise_scale_proxy",
+"probes"}], "date", "commit", "machine", "command"}`` (``growth``: the trend's noise scale
+at the fraction's target over the warm state's; ``samples``: the reference's
+proxy samples from the warm state to the crossing; ``reached`` false where it did not
+cross within the family's budget).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ for _v in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):  # one thread, as the bench (b
     os.environ[_v] = "1"
 
 import argparse  # noqa: E402
+import math  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -37,17 +39,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
 def calibrate(family: str, fractions: list[float], cache_dir: str | None) -> dict:
-    """The growth of the directly measured noise scale at each target ``fractions`` of
-    ``min(unigram, warm ppl)`` along ``family``'s reference run (module docstring)."""
+    """The trend growth of the directly measured noise scale at each target ``fractions``
+    of ``min(unigram, warm ppl)`` along ``family``'s reference run (module docstring)."""
     from bench.cona_ttp import (
         FULL,
         MODELS,
         PROBE_MICROBATCHES,
         family_config,
+        reference,
         seed_context,
+        segment_trend,
         worker_setup,
     )
-    from cona.run import Loop
     from cona.targets import corpus_unigram_perplexity
 
     spec = MODELS[family]
@@ -56,30 +59,25 @@ def calibrate(family: str, fractions: list[float], cache_dir: str | None) -> dic
     cfg = family_config(family, spec, settings, cache_dir)
     ctx, _ = seed_context(cfg, cfg.train.warmup_iters, probe_microbatches=PROBE_MICROBATCHES)
     unigram = corpus_unigram_perplexity(ctx.data.corpus, cfg.model.vocab_size)
-    warm_ppl, phi0 = ctx.warm["extra"]["val_ppl"], ctx.warm["extra"]["noise_scale_proxy"]
+    warm_ppl = ctx.warm["extra"]["val_ppl"]
     base = min(unigram, warm_ppl)
-    ctx.cfg.train.target_ppl = None  # the loop runs until every fraction is met (or budget)
-    todo = sorted(fractions, reverse=True)  # shallowest first: the order the run meets them
+    ctx.cfg.train.target_ppl = min(fractions) * base  # the deepest: every fraction on the way
+    ref = reference(ctx, probe_microbatches=PROBE_MICROBATCHES)
+    probes, w0 = ref["noise_scale_probes"], ctx.warm["consumed_samples"]
+    phi0 = ref["noise_scale_warm_proxy"]
     rows = []
-    job = ctx.make_job(ctx.reference_strategy())
-    loop = Loop(job, ctx.cfg, budget_samples=ctx.budget_samples, eval_samples=ctx.eval_samples,
-                keep_records=False)
-    while todo and not loop.done:
-        n = len(loop.progress.evals)
-        loop.step()
-        if len(loop.progress.evals) == n:
+    for f in sorted(fractions, reverse=True):
+        crossing = next((e["samples"] for e in ref["evals"] if e["val_ppl"] <= f * base), None)
+        if crossing is None:
+            rows.append({"fraction": f, "target_ppl": f * base, "reached": False})
             continue
-        ppl = loop.progress.last_val_ppl
-        while todo and ppl <= todo[0] * base:
-            phi = job.measure_noise_scale(PROBE_MICROBATCHES)
-            rows.append({"fraction": todo[0], "target_ppl": todo[0] * base, "reached": True,
-                         "step": job.trainer.step, "val_ppl": ppl, "noise_scale_proxy": phi,
-                         "growth": phi / phi0})
-            todo.pop(0)
-    rows += [{"fraction": f, "target_ppl": f * base, "reached": False} for f in todo]
+        fit = segment_trend([p for p in probes if p["samples"] <= crossing], math.log(f * base))
+        rows.append({"fraction": f, "target_ppl": f * base, "reached": True,
+                     "samples": crossing - w0, "growth": fit["at"][0] / phi0,
+                     "noise_scale_proxy": fit["at"][0], "probes": fit["points"]})
     return {"family": family, "proxy": spec["proxy"], "proxy_overrides": spec["overrides"],
-            "unigram_ppl": unigram, "warm_ppl": warm_ppl, "noise_scale_warm_proxy": phi0,
-            "probe_microbatches": PROBE_MICROBATCHES, "rows": rows}
+            "unigram_ppl": unigram, "warm_ppl": warm_ppl,
+            "probe_microbatches": PROBE_MICROBATCHES, "probes": probes, "rows": rows}
 
 
 def main(argv=None) -> int:

@@ -1,7 +1,8 @@
 """Plot of one CONA benchmark family: perplexity against emulated time for CONA, the oracle
 chain and the best static strategy (first seed), switch points marked (batch switches
-as circles, layout switches as triangles), the gradient noise scale beneath
-(``bench/cona_ttp.py --out``)."""
+as circles, layout switches as triangles), the gradient noise scale beneath (CONA's
+online estimate against time; the reference's direct probes and their trend against
+perplexity) (``bench/cona_ttp.py --out``)."""
 
 from __future__ import annotations
 
@@ -37,8 +38,11 @@ def plot_family(name: str, result: dict, path: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (top, bottom) = plt.subplots(2, 1, sharex=True, figsize=(8, 7),
-                                      gridspec_kw={"height_ratios": [2, 1]})
+    probes = (result.get("reference") or {}).get("noise_scale_probes")
+    fig = plt.figure(figsize=(8, 10 if probes else 7))
+    grid = fig.add_gridspec(3 if probes else 2, 1, height_ratios=[2, 1, 1.2][:3 if probes else 2])
+    top = fig.add_subplot(grid[0])
+    bottom = fig.add_subplot(grid[1], sharex=top)
     for method, (color, ls, label) in SHOWN.items():
         m = result["methods"].get(method)
         if not m or not m.get("evals"):
@@ -67,12 +71,39 @@ def plot_family(name: str, result: dict, path: Path) -> Path:
                   "markers: switches (triangle: layout, circle: batch)", fontsize=9)
     top.legend(fontsize=8)
     bottom.set_yscale("log")
-    bottom.set_ylabel("noise scale (target seq.)")
+    bottom.set_ylabel("noise scale (target seq.),\nonline estimate")
     bottom.set_xlabel("emulated seconds")
+    if probes:
+        plot_probes(fig.add_subplot(grid[2]), result)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
+
+
+def plot_probes(ax, result: dict) -> None:
+    """The reference's direct noise-scale probes (target sequences: x the batch ratio)
+    against its validation perplexity, the warm state's marked, and the trend the time
+    scale reads at the target (``bench/cona_ttp.py``'s ``segment_trend``)."""
+    import math
+
+    ref, r = result["reference"], result["mapping"]["ratio"]
+    pts = [(math.exp(p["val_loss"]), r * p["grad_trace"] / p["grad_sq"])
+           for p in ref["noise_scale_probes"] if p["grad_sq"] > 0 and p["grad_trace"] > 0]
+    ax.plot(*zip(*pts[1:]), "o", color="tab:purple", ms=3, label="reference, direct probes")
+    ax.plot(*pts[0], "s", color="black", ms=5, label="warm state")
+    fit = ref.get("noise_scale_fit") or {}
+    if "slope" in fit:
+        xs = [pts[0][0], result["target_ppl"]]
+        ax.plot(xs, [r * math.exp(fit["intercept"] + fit["slope"] * math.log(math.log(x)))
+                     for x in xs], color="tab:purple", lw=1, label="trend (Theil-Sen)")
+    ax.axvline(result["target_ppl"], color="black", lw=0.8)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.invert_xaxis()  # training runs to the right
+    ax.set_xlabel("validation perplexity (reference run)")
+    ax.set_ylabel("noise scale (target seq.),\ndirect")
+    ax.legend(fontsize=7)
 
 
 def _interp(x: float, xs: list[float], ys: list[float]) -> float:

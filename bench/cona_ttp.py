@@ -19,19 +19,26 @@ Rules fixed before any method runs (per family; none looks at a method's result)
    LR and full warmup, ``train.warmup_iters`` steps) and is cached on disk
    (:mod:`cona.warm`); every method of every seed starts from its seed's warm state,
    a start above the warm state's LR ramped like a switch (``cona.lr_ramp_steps``).
-3. **Target.** 0.45 of the lower of the corpus's unigram perplexity (the family's
+3. **Target.** 0.5 of the lower of the corpus's unigram perplexity (the family's
    tokenizer) and the warm state's perplexity (:func:`cona.targets.target_ppl`: why
-   0.45).
+   0.5).
 4. **Time scale.** The reference (the preset batch at its LR, first seed, from the
-   warm state to the target) measures the noise scale directly at the warm state
-   and at the target (:data:`PROBE_MICROBATCHES` micro-batches each); Kaplan et al. 2020's ``B_crit(L)`` and ``L(N, S)`` turn the
-   range ``r x [phi_0, phi_1]`` into the span of the target's training one run
+   warm state to the target) measures the noise scale directly at the warm state, at
+   every evaluation of its cadence and at the target (:data:`PROBE_MICROBATCHES`
+   micro-batches each); ``phi_0`` is the warm state's probe, ``phi_1`` the value at
+   the target's loss of a power law in the loss fitted robustly to the segment's probes
+   (:func:`segment_trend`; single probes along a run scatter ~2x).  Kaplan et al. 2020's
+   ``B_crit(L)`` and ``L(N, S)`` turn the range ``r x [phi_0, phi_1]`` into the span of the target's training one run
    stands for (``target_tokens_per_run``) and so the step dilation ``k``
    (``cona.step_dilation``): one proxy step is charged ``k`` target steps
    (:func:`cona.targets.time_scale`).  Switch costs stay real seconds.
-5. **Charged work.** Evaluations (``VAL_SEQUENCES`` validation sequences) are
-   charged to every method (``cona/emulated.py``); a direct noise-scale probe to the
-   method that runs it (``cona/job.py``).
+5. **Evaluations.** Every method is evaluated (``VAL_SEQUENCES`` validation
+   sequences) every ``eval_interval`` step times of the reference strategy on its clock
+   (``cona.eval_clock``: the same times for every batch), more often near the target
+   (``cona.ttp_resolution``), and the oracle at each window's end.  They are charged to
+   every method alike, as a job validating every ``eval_interval`` reference batches
+   pays (``cona/emulated.py``); a direct noise-scale probe to the method that runs it
+   (``cona/job.py``).
 6. **Oracle grid.** Window ends at 1/D, ..., (D-1)/D of the reference's segment.
    The full run searches it with dominance pruning and a beam of 2
    (``cona/oracle_pruned.py``: the exact search over 6 windows trains 900-2,000 times
@@ -78,6 +85,7 @@ import argparse  # noqa: E402
 import copy  # noqa: E402
 import json  # noqa: E402
 import logging  # noqa: E402
+import math  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
@@ -127,6 +135,7 @@ COMMON = [
     "cona.decision_interval=10",
     "train.stop_at_target=true",
     "cona.ttp_resolution=0.01",  # the TTP crossing bracketed within 1 % of every run
+    "cona.eval_clock=true",  # every method evaluated at the same clock times (rule 5)
     "logging.wandb=disabled",
 ]
 
@@ -172,8 +181,9 @@ def seed_context(cfg, warm_steps: int, data=None, probe_microbatches: int = 64):
     def measure(job):
         from jobruntime.metrics import perplexity
 
-        return {"val_ppl": perplexity(job.evaluate()), "noise_scale_proxy":
-                job.measure_noise_scale(probe_microbatches)}
+        g_sq, trace = job.measure_gradient_stats(probe_microbatches)
+        return {"val_ppl": perplexity(job.evaluate()), "grad_sq": g_sq, "grad_trace": trace,
+                "noise_scale_proxy": trace / g_sq if g_sq > 0 else None}
 
     warm, cached = load_or_train_warm(ctx, warm_steps, measure)
     ctx.warm = warm
@@ -183,23 +193,59 @@ def seed_context(cfg, warm_steps: int, data=None, probe_microbatches: int = 64):
 def reference(ctx, quick_segment: int | None = None, probe_microbatches: int = 64) -> dict:
     """Rule 4's reference: the preset batch (fastest layout, LR 1x) from the warm state to
     the target (``quick_segment``: for ``quick_segment`` steps, its perplexity there is
-    the target); the noise scale measured directly (``probe_microbatches``) at the warm
-    state and at the end."""
+    the target), the noise scale measured directly (``probe_microbatches``) at every
+    evaluation of its cadence and at its end.  The segment's ends: the warm state's own
+    probe (one state, common to every method: ``noise_scale_warm_proxy``) and the
+    probes' trend at the target's loss (:func:`segment_trend`: each method reaches the
+    target in its own state, and single probes scatter ~2x along a run:
+    ``noise_scale_target_proxy``)."""
     from cona.run import Loop
 
-    job = ctx.make_job(ctx.reference_strategy())
+    job = ctx.make_job(ctx.reference_strategy(), track_gns=False)  # probed directly instead
     loop = Loop(job, ctx.cfg, budget_samples=ctx.budget_samples,
                 eval_samples=ctx.eval_samples, keep_records=False)
-    if quick_segment is None:
-        loop.run()
-    else:
-        loop.run(until=lambda: job.trainer.step >= ctx.warm["steps"] + quick_segment)
+    evals = loop.progress.evals
+    warm = ctx.warm["extra"]
+    probes = [{"samples": ctx.warm["consumed_samples"], "val_loss": math.log(warm["val_ppl"]),
+               "grad_sq": warm["grad_sq"], "grad_trace": warm["grad_trace"]}]
+
+    def probe() -> None:
+        # not charged: the reference's clock is no result, and its evaluation cadence on
+        # the clock (cona.eval_clock) would jump past the steps a probe is charged
+        g_sq, trace = job.measure_gradient_stats(probe_microbatches, charge=False)
+        probes.append({"samples": job.consumed_samples, "grad_sq": g_sq, "grad_trace": trace,
+                       "val_loss": math.log(loop.progress.last_val_ppl)})
+
+    end = ctx.warm["steps"] + (quick_segment or 0)
+    while not loop.done and not (quick_segment is not None and job.trainer.step >= end):
+        n = len(evals)
+        loop.step()
+        if len(evals) > n and evals[-1]["cadence"] and not loop.done:
+            probe()  # at the cadence's evaluations (not at the dense ones near the target)
+    if quick_segment is not None:
         loop.evaluate()
+    probe()  # at the end: the target's crossing
+    end_loss = math.log(loop.progress.last_val_ppl if quick_segment is not None
+                        else ctx.cfg.train.target_ppl)
+    phi0, fit = warm["noise_scale_proxy"], segment_trend(probes, end_loss)
+    phi1 = fit["at"][0]
     return {"reached": loop.progress.ttp.reached or quick_segment is not None,
             "val_ppl": loop.progress.last_val_ppl, "samples": job.consumed_samples,
             "segment_samples": job.consumed_samples - ctx.warm["consumed_samples"],
-            "noise_scale_warm_proxy": ctx.warm["extra"]["noise_scale_proxy"],
-            "noise_scale_target_proxy": job.measure_noise_scale(probe_microbatches)}
+            "noise_scale_warm_proxy": phi0, "noise_scale_target_proxy": phi1,
+            "noise_scale_fit": fit, "noise_scale_probes": probes,
+            "evals": [{k: e[k] for k in ("samples", "val_ppl")} for e in evals]}
+
+
+def segment_trend(probes: list[dict], loss: float) -> dict:
+    """:func:`cona.targets.fit_noise_scale` over the probes of the segment's states
+    (``probes[1:]``: ``probes[0]`` is the warm state, which every method starts from and
+    which is measured as it is), read at ``loss``."""
+    from cona.targets import fit_noise_scale
+
+    seg = probes[1:]
+    return fit_noise_scale([p["val_loss"] for p in seg], [p["grad_sq"] for p in seg],
+                           [p["grad_trace"] for p in seg], [loss])
 
 
 def static_loop(ctx, strategy):

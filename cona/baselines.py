@@ -130,7 +130,7 @@ def run_static(ctx: ConaContext, strategy: Strategy, lr_factor: float = 1.0,
     ``None`` and ``ttp_lower_bound_s`` its clock there: the run's TTP, had it gone on,
     exceeds ``bound_s``).  Returns a method record (:func:`method_result`) with
     ``lr_factor``."""
-    job = ctx.make_job(strategy, lr_factor=lr_factor)
+    job = ctx.make_job(strategy, lr_factor=lr_factor, track_gns=False)
     loop = Loop(job, ctx.cfg, budget_samples=budget_samples or ctx.budget_samples,
                 eval_samples=ctx.eval_samples, keep_records=False)
     loop.run(until=None if bound_s is None else lambda: past_bound(loop.progress.evals, bound_s))
@@ -204,12 +204,21 @@ class ProxyBranch:
         job, loop = self.job, self.loop
         job.set_strategy(self.per_batch[batch])
         evals, first_eval, steps, at = loop.progress.evals, len(loop.progress.evals), 0, []
-        while not loop.done and not (end_samples is not None and job.consumed_samples >= end_samples):
+
+        def window_ends() -> bool:
+            return end_samples is not None and job.consumed_samples >= end_samples
+
+        while not loop.done and not window_ends():
             n = len(evals)
             loop.step()
             steps += 1
-            if len(evals := loop.progress.evals) == n:
-                continue  # no evaluation at this step
+            if len(evals := loop.progress.evals) == n:  # no evaluation at this step
+                if not window_ends() or loop.done:
+                    continue
+                # a window ends on an evaluation: the greedy rule and the bound read it,
+                # and a large batch's clock cadence may leave a window without one
+                loop.evaluate()
+                evals = loop.progress.evals
             at.append(steps)
             ttp = loop.progress.ttp
             if ttp.reached or stop(steps):
@@ -258,7 +267,7 @@ def run_search(ctx: ConaContext, boundaries: list[int], **options) -> dict:
         record}, "search": boundaries and :meth:`cona.oracle.OracleSearch.summary`
         (oracle_changes, chain_over_static, greedy_over_oracle, costs)}``.
     """
-    job = ctx.make_job(min(ctx.candidates, key=lambda s: s.global_batch_size))
+    job = ctx.make_job(min(ctx.candidates, key=lambda s: s.global_batch_size), track_gns=False)
     loop = Loop(job, ctx.cfg, budget_samples=ctx.budget_samples, eval_samples=ctx.eval_samples,
                 keep_records=False)
     fastest = best_throughput_strategy(ctx.candidates, ctx.cost_model)

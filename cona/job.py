@@ -273,14 +273,18 @@ class RealJob(Job):
 class EmulatedJob(Job):
     """The proxy at the proxy batch the strategy's global batch stands for; modelled clock.
 
+    ``track_gns=False``: no online noise-scale estimate (:meth:`_attach_probe`).
+
     Normally one process.  Launched on ``W`` processes (torchrun), the proxy
     runs data-parallel over them (DP = ``W``, each proxy batch must be a
     multiple of ``W``): only the wall time changes, not the trajectory's
     mathematics or the clock.
     """
 
-    def __init__(self, ctx: ConaContext, start: Strategy, lr_factor: float = 1.0):
+    def __init__(self, ctx: ConaContext, start: Strategy, lr_factor: float = 1.0,
+                 track_gns: bool = True):
         super().__init__(ctx, lr_factor)
+        self.track_gns = track_gns
         self.cluster = ctx.cluster
         self.strategy = start
         self._clock = 0.0
@@ -302,9 +306,16 @@ class EmulatedJob(Job):
             consumed = load_checkpoint(ctx.cfg.checkpoint.load, self.trainer,
                                        load_optimizer=ctx.cfg.checkpoint.load_optimizer
                                        )["consumed_samples"]
-        self.probe.attach(self.trainer)
+        self._attach_probe()
         self.sampler = self._sampler(self.topo, consumed)
         self.val_batches = self._val_batches(self.topo, ctx.val_micro_batch)
+
+    def _attach_probe(self) -> None:
+        """Feed :attr:`gns` from every step, unless ``track_gns`` is off: a run nothing
+        reads the online estimate of (static baselines, the oracle's branches) skips
+        the per-micro-batch gradient copies and norms (~30 % of a proxy step)."""
+        if self.track_gns:
+            self.probe.attach(self.trainer)
 
     def _proxy_cfg(self, strategy: Strategy) -> JobConfig:
         lr, min_lr = self.lr_for(strategy)
@@ -341,7 +352,7 @@ class EmulatedJob(Job):
         consumed = self.consumed_samples
         self.probe.detach()
         switch_batch(self.trainer, self._proxy_cfg(strategy))
-        self.probe.attach(self.trainer)
+        self._attach_probe()
         self.sampler = self._sampler(self.topo, consumed)
         self.strategy = strategy
 
@@ -368,16 +379,18 @@ class EmulatedJob(Job):
             "lr": self.trainer.scheduler.max_lr,
         }
 
-    def measure_noise_scale(self, microbatches: int = 64,
-                            preconditioned: bool = False) -> float | None:
-        """A direct ``B_simple`` measurement (proxy sequences) at the current weights from
-        ``microbatches`` fresh micro-batches (:func:`cona.probe.measure_noise_scale`);
+    def measure_gradient_stats(self, microbatches: int = 64, preconditioned: bool = False,
+                               charge: bool = True) -> tuple[float, float] | None:
+        """Direct ``(|G|^2, tr(Sigma))`` estimates at the current weights from
+        ``microbatches`` fresh micro-batches (:func:`cona.probe.measure_gradient_stats`);
         ``preconditioned``: of Adam's preconditioned gradients instead (Pollux; ``None``
         before the first step).  The data position, RNG and training state are left as
         they were.  The clock is charged what the probe costs the target: forward and
         backward over the probe's sequences at the current layout (``target_step_s`` x
-        probe sequences / proxy batch), undilated (it is run once, not per target step)."""
-        from .probe import adam_preconditioner, measure_noise_scale
+        probe sequences / proxy batch), undilated (it is run once, not per target step);
+        ``charge=False``: not charged (a run whose clock is no result, e.g. the bench's
+        reference, whose evaluation cadence on the clock must not jump past its steps)."""
+        from .probe import adam_preconditioner, measure_gradient_stats
 
         weights = adam_preconditioner(self.trainer) if preconditioned else None
         if preconditioned and weights is None:
@@ -389,14 +402,25 @@ class EmulatedJob(Job):
         while len(mbs) < microbatches:
             mbs += self.sampler.next()
         probe_seqs = sum(len(next(iter(mb.values()))) for mb in mbs[:microbatches])
-        self._clock += (self.cluster.target_step_s(self.strategy) * probe_seqs
-                        / self.proxy_batch(self.strategy))
+        if charge:
+            self._clock += (self.cluster.target_step_s(self.strategy) * probe_seqs
+                            / self.proxy_batch(self.strategy))
         try:
-            return measure_noise_scale(self.trainer, mbs[:microbatches], weights)
+            return measure_gradient_stats(self.trainer, mbs[:microbatches], weights)
         finally:
-            self.probe.attach(self.trainer)
+            self._attach_probe()
             self.sampler = self._sampler(self.topo, consumed)
             cstate.set_rng_state(rng)
+
+    def measure_noise_scale(self, microbatches: int = 64,
+                            preconditioned: bool = False) -> float | None:
+        """A direct ``B_simple`` (proxy sequences) from :meth:`measure_gradient_stats`
+        (same arguments, clock charge and state left as it was); ``None`` before the
+        first step (preconditioned) or where the signal estimate is not positive."""
+        stats = self.measure_gradient_stats(microbatches, preconditioned)
+        if stats is None or stats[0] <= 0:
+            return None
+        return stats[1] / stats[0]
 
     # -- in-memory branching (oracle chain) ---------------------------------
     def snapshot(self) -> dict:
@@ -417,7 +441,7 @@ class EmulatedJob(Job):
             self.strategy = snap["strategy"]
         cstate.restore(self.trainer, snap["trainer"])
         self.trainer.scheduler.global_batch_size = self.proxy_batch(self.strategy)
-        self.probe.attach(self.trainer)
+        self._attach_probe()
         self.sampler = self._sampler(self.topo, snap["consumed"])
         self._clock = snap["clock"]
         self.gns.load_state_dict(snap["gns"])

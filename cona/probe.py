@@ -290,21 +290,23 @@ def adam_preconditioner(trainer: Trainer) -> list[torch.Tensor] | None:
     return weights
 
 
-def measure_noise_scale(trainer: Trainer, microbatches: list,
-                        weights: list[torch.Tensor] | None = None) -> float | None:
-    """``B_simple`` (sequences) at the trainer's current weights from many micro-batches.
+def measure_gradient_stats(trainer: Trainer, microbatches: list,
+                           weights: list[torch.Tensor] | None = None) -> tuple[float, float]:
+    """Unbiased estimates ``(|G|^2, tr(Sigma))`` at the trainer's current weights from many
+    micro-batches (per sequence: ``tr(Sigma)`` of one sequence's gradient).
 
     A direct measurement for calibration, not the per-step estimate: each
     micro-batch's gradient alone (``G_small``, ``B_small`` = its size) and their
     mean (``G_big`` over all of them), McCandlish et al. 2018 App. A.1, with no
     optimizer step; the gradient buffers are left zeroed.  One process with
-    ``dp = pp = 1`` (the emulated proxy).  ``None`` if the signal estimate is not
-    positive.
+    ``dp = pp = 1`` (the emulated proxy).  Their ratio is ``B_simple``
+    (:func:`measure_noise_scale`); kept apart, several measurements pool as a ratio
+    of sums (:func:`cona.targets.fit_noise_scale`).
 
     Args:
         weights: multiply each counted parameter's gradient by this before its norm
             (e.g. :func:`adam_preconditioner`: Pollux's preconditioned noise scale
-            ``tr(P Sigma P) / |P G|^2``); ``None`` measures ``B_simple``.
+            ``tr(P Sigma P) / |P G|^2``); ``None`` measures the plain gradient.
 
     Raises:
         ValueError: fewer than two micro-batches, not ``dp = pp = 1``, or ``weights``
@@ -338,5 +340,12 @@ def measure_noise_scale(trainer: Trainer, microbatches: list,
     n = len(microbatches)
     big = float(sum((acc / n).pow(2).sum() for acc in total))
     b = int(next(iter(microbatches[0].values())).shape[0])
-    g_sq, trace = estimate_from_norms(sum(small) / n, b, big, n * b)
+    return estimate_from_norms(sum(small) / n, b, big, n * b)
+
+
+def measure_noise_scale(trainer: Trainer, microbatches: list,
+                        weights: list[torch.Tensor] | None = None) -> float | None:
+    """``B_simple = tr(Sigma) / |G|^2`` (sequences) of :func:`measure_gradient_stats`
+    (same arguments and errors); ``None`` if the signal estimate is not positive."""
+    g_sq, trace = measure_gradient_stats(trainer, microbatches, weights)
     return trace / g_sq if g_sq > 0 else None

@@ -78,7 +78,8 @@ class Progress:
     """What a run has recorded so far (copied as a whole when the oracle chain branches)."""
 
     ttp: TTPTracker
-    next_eval: int
+    next_eval: float  # samples (the sample cadence, or a dense evaluation near the target)
+    next_eval_s: float | None = None  # clock seconds (the clock cadence, cona.eval_clock)
     chain: list = field(default_factory=list)
     switches: list = field(default_factory=list)
     evals: list = field(default_factory=list)
@@ -120,7 +121,13 @@ class Loop:
         self.checkpoint_dir = checkpoint_dir
         self.keep_records = keep_records
         self.budget_samples, self.eval_samples = budget_samples, max(eval_samples, 1)
-        self.progress = Progress(ttp=TTPTracker(cfg.train.target_ppl), next_eval=eval_samples)
+        # the cadence: every eval_samples samples, or every eval_every_s seconds of the
+        # clock (cona.eval_clock: ConaContext.eval_every_s; test doubles have no context)
+        self.eval_every_s = getattr(getattr(job, "ctx", None), "eval_every_s", None)
+        self.progress = Progress(
+            ttp=TTPTracker(cfg.train.target_ppl),
+            next_eval=math.inf if self.eval_every_s else eval_samples,
+            next_eval_s=self.eval_every_s)
         self.samples0 = job.consumed_samples  # cona.ttp_resolution counts from here
         self.progress.chain.append({"strategy": job.strategy.label, "start_step": 0})
         start_lr = getattr(job, "start_lr", None)  # Job.start_lr (test doubles may lack it)
@@ -178,8 +185,9 @@ class Loop:
             set_peak_lr(job.trainer, sched, *lr)
         p.lr_now = lr
 
-    def evaluate(self) -> float:
-        """Evaluate now, record it (and TTP); return the validation perplexity."""
+    def evaluate(self, cadence: bool = False) -> float:
+        """Evaluate now, record it (and TTP; ``cadence``: an evaluation of the cadence, not
+        a dense one near the target or an extra one); return the validation loss."""
         job, p = self.job, self.progress
         val_loss = job.evaluate()
         ppl = perplexity(val_loss)
@@ -187,7 +195,8 @@ class Loop:
         samples, step = job.consumed_samples, job.trainer.step
         tokens = job.trainer.consumed_tokens
         p.evals.append({"step": step, "samples": samples, "time_s": job.clock_s, "val_ppl": ppl,
-                        "gns": self.target_gns, "global_batch_size": job.strategy.global_batch_size})
+                        "gns": self.target_gns, "global_batch_size": job.strategy.global_batch_size,
+                        "cadence": cadence})
         if p.ttp.update(ppl, job.clock_s, tokens, step):
             log.info(
                 "target perplexity %.1f reached at step %d (%.2f s %s clock)",
@@ -221,9 +230,18 @@ class Loop:
             **job.gns.to_dict(),
             "gns_target": self.target_gns,
         }
-        if samples >= p.next_eval or samples >= self.budget_samples:
-            p.next_eval = (samples // self.eval_samples + 1) * self.eval_samples  # cadence
-            val_loss = self.evaluate()
+        on_clock = p.next_eval_s is not None and job.clock_s >= p.next_eval_s * (1 - 1e-9)
+        if on_clock or samples >= p.next_eval or samples >= self.budget_samples:
+            if self.eval_every_s:  # the next multiple of the clock cadence
+                k = math.floor(job.clock_s / self.eval_every_s + 1e-9)  # cadence points passed
+                p.next_eval_s = (k + 1) * self.eval_every_s
+                p.next_eval = math.inf
+            else:
+                p.next_eval = (samples // self.eval_samples + 1) * self.eval_samples
+            prev = p.evals[-1]["samples"] if p.evals else self.samples0
+            cadence = on_clock if self.eval_every_s else (
+                samples // self.eval_samples > prev // self.eval_samples)  # passed a multiple
+            val_loss = self.evaluate(cadence=cadence)
             record.update(val_loss=val_loss, val_ppl=p.last_val_ppl)
             gap = dense_eval_gap([(e["samples"], e["val_ppl"]) for e in p.evals[-2:]],
                                  self.cfg.train.target_ppl, self.cfg.cona.ttp_resolution,

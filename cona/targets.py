@@ -8,23 +8,36 @@ counted on the training tokens (add-one smoothing: a token absent from training 
 ``1 / (N + V)``, not zero), ``exp(-mean_val log p(w))``.  With the family's tokenizer
 (its vocabulary ``V``).  A language model below it has learned more than frequencies.
 
-**Target** (:func:`target_ppl`): ``TARGET_FRACTION`` (0.45) of the lower of the unigram
+**Target** (:func:`target_ppl`): ``TARGET_FRACTION`` (0.5) of the lower of the unigram
 perplexity and the warm state's perplexity (:mod:`cona.warm`), both fixed before any
-method runs.  Below half the unigram perplexity (the bench's bar, issue 23): the model
-predicts the next token more than twice as well as frequencies alone, which only
-context can give.  Below the warm state's: the evaluated segment spans at least
-``ln(1/0.45) = 0.8`` nats of loss past the warmup, so the target lies deep in training
-even where the warmup alone reaches the unigram bar (tiny_gpt: 348 after its 200 warmup
-steps against a unigram 785).  Why 0.45 and not 0.5: the segment must span a growth of
-the directly measured noise scale of at least 4x (issue 23).  ``bench/cona_calibrate.py``
-measures that growth along the reference at fractions 0.6 to 0.4 on the full bench's
-proxies (``docs/results/cona_calibrate_*.json``): at 0.45 it was 5.0x (GPT-3 1.3B timing)
-and 8.9x (Llama-3.2-1B), at 0.5 2.4x and 3.1x.  The growth is not monotone in the
-fraction (GPT: 4.8x at 0.6, 6.0x at 0.55, 2.4x at 0.5): one direct probe of 256
-micro-batches swings by about 2x between neighbouring points, so "0.5 falls short, 0.45
-does not" is read through that noise, and a probe averaged over several points is the
-next step.  The bench reports the growth it measured per family
-(``noise_scale_growth_direct``).  The fraction is the same for every family.
+method runs.  At most half the unigram perplexity (the bench's bar, issue 23: the model
+predicts the next token at least twice as well as frequencies alone, which only context
+can give) for any warm state: 0.5 is the largest fraction that holds for every family
+by construction, and the shallowest (the cheapest segment).  Below the warm state's:
+the evaluated segment spans at least ``ln 2 = 0.69`` nats of loss past the warmup, so
+the target lies deep in training even where the warmup alone reaches the unigram bar
+(tiny_gpt: 381 after its 200 warmup steps against a unigram 785).  The segment must
+also span a growth of the directly measured noise scale of at least 4x (issue 23);
+``bench/cona_calibrate.py`` measures it along the reference at fractions 0.6 to 0.4 on
+the full bench's proxies (``docs/results/cona_calibrate_*.json``), as the bench reads it
+(the warm state's probe against the trend at the target, below).  The fraction is the
+same for every family, and the bench reports the growth it measured per family
+(``noise_scale_growth_direct``).
+
+**Noise scale along the segment** (:func:`fit_noise_scale`).  The time scale below is
+steep in the noise scale at the target (twice the noise scale there gives ~6x the step
+dilation), and along a run the noise scale is not smooth: a probe is precise within one
+state, but in a loss spike the per-sequence gradient variance rose 50-250x for a few
+hundred samples (the Llama proxy after its warmup), and one probe a few steps from
+another reads 2x different.  So the segment's ends are not read from single probes: the
+reference is probed at every evaluation of its cadence, and a power law in the loss,
+``log phi = a + c log L`` (the form of Kaplan et al.'s ``B_crit(L)``, eq. 5.3; McCandlish
+et al. 2018, Fig. 4: the noise scale rises as the loss falls), is fitted through all the
+probes by Theil-Sen regression (robust to the spike's points).  The segment's ends are
+the warm state's own probe ``phi_0`` (one state, the start of every method; 8 probes
+there read 6.0-6.5 on the Llama proxy) and the trend's value at the target's loss
+``phi_1`` (fixed by the rule above; each method reaches it in a state of its own), as
+``bench/cona_ttp.py``'s ``segment_trend`` reads them.
 
 **Time scale** (:func:`time_scale`).  The proxy's gradient noise scale ``phi_p`` (proxy
 sequences) stands for ``r * phi_p`` target sequences (:mod:`cona.mapping`), i.e. a
@@ -60,7 +73,7 @@ import math
 
 import numpy as np
 
-TARGET_FRACTION = 0.45  # of the lower of the unigram and the warm state's perplexity
+TARGET_FRACTION = 0.5  # of the lower of the unigram and the warm state's perplexity
 # Kaplan et al. 2020: eq. 5.3 (critical batch) and Table 3 / eq. 5.6 (L(N, S_min))
 B_STAR_TOKENS = 2.0e8
 ALPHA_B = 0.21
@@ -173,13 +186,65 @@ def target_tokens(phi0_tokens: float, phi1_tokens: float, params: float,
     return float(2.0 * np.trapezoid(b, s))
 
 
+def fit_noise_scale(losses, grad_sq, trace, at) -> dict:
+    """The noise scale's trend along a run from direct probes: the power law
+    ``log phi = a + c log L`` fitted by Theil-Sen regression (module docstring), evaluated
+    at the losses ``at``.
+
+    Each probe ``i`` gives unbiased estimates ``|G|^2_i`` and ``tr(Sigma)_i``
+    (:func:`cona.probe.measure_gradient_stats`; McCandlish et al. 2018, App. A.1) and so
+    ``phi_i = tr_i / |G|^2_i``.  Within one state a probe of 256 micro-batches is precise
+    (8 probes at the Llama proxy's warm state: 6.0-6.5), but along a run the noise scale
+    itself jumps: in a loss spike after the warmup ``tr(Sigma)`` rose 50-250x and
+    ``phi`` 15-30x for a few hundred samples.  Least squares would follow such points
+    (in ``log phi``, or in the sums of ``tr`` and ``|G|^2``, where they dominate), so the
+    slope is the median of the pairwise slopes and the intercept the median of ``log
+    phi_i - c log L_i`` (Theil 1950, Sen 1968: robust to up to 29 % of the points, and
+    continuous in the data).
+
+    Args:
+        losses: validation loss at each probe (nats per token), shape ``[n]``.
+        grad_sq, trace: the probes' ``|G|^2`` and ``tr(Sigma)`` estimates, shape ``[n]``; a
+            probe without a positive pair (no signal or no noise measured) is dropped.
+        at: losses (nats per token) to evaluate the trend at.
+
+    Returns:
+        ``{"at": the trend's noise scale at ``at`` (the probes' units: sequences),
+        "slope": c, "intercept": a, "points": probes used, "log_mad": the median absolute
+        deviation of ``log phi_i`` from the trend (how far single probes scatter)}``.
+
+    Raises:
+        ValueError: fewer than three usable probes, a non-positive loss, or all losses
+            equal.
+    """
+    pts = [(float(x), float(t) / float(g)) for x, g, t in zip(losses, grad_sq, trace)
+           if g > 0 and t > 0]
+    if len(pts) < 3:
+        raise ValueError(f"need at least 3 noise-scale probes with |G|^2 > 0 and tr > 0, got "
+                         f"{len(pts)}: probe more often along the segment")
+    if any(x <= 0 for x, _ in pts):
+        raise ValueError(f"losses must be positive, got {[x for x, _ in pts]}")
+    x = np.log([p[0] for p in pts])
+    y = np.log([p[1] for p in pts])
+    i, j = np.triu_indices(len(x), 1)
+    keep = x[j] != x[i]
+    if not keep.any():
+        raise ValueError("all probes at the same loss: no slope to fit")
+    c = float(np.median((y[j] - y[i])[keep] / (x[j] - x[i])[keep]))
+    a = float(np.median(y - c * x))
+    return {"at": [float(math.exp(a + c * math.log(v))) for v in at], "slope": c,
+            "intercept": a, "points": len(pts),
+            "log_mad": float(np.median(np.abs(y - a - c * x)))}
+
+
 def time_scale(phi0_proxy: float, phi1_proxy: float, *, ratio: float, target_seq: int,
                params: float, segment_proxy_samples: float) -> dict:
     """The step dilation ``k`` and what one run stands for (module docstring).
 
     Args:
         phi0_proxy, phi1_proxy: the reference's noise scale (proxy sequences) at the
-            segment's start (warm checkpoint) and at the target.
+            segment's start (warm checkpoint) and at the target (the bench passes
+            :func:`fit_noise_scale`'s values at their losses).
         ratio: ``r``, target sequences per proxy sequence.
         target_seq: the target's sequence length ``s_t`` (tokens).
         params: the target's non-embedding parameters ``N``.

@@ -84,7 +84,7 @@ def train_warm(ctx, steps: int) -> dict:
 
     Returns the warm state: ``{"trainer": cona.state.snapshot, "consumed_samples",
     "steps"}``."""
-    job = ctx.make_job(ctx.reference_strategy())
+    job = ctx.make_job(ctx.reference_strategy(), track_gns=False)
     for _ in range(steps):
         job.train_step()
     return {"trainer": cstate.snapshot(job.trainer), "consumed_samples": job.consumed_samples,
@@ -97,7 +97,7 @@ def measure_warm(ctx, warm: dict, measure) -> dict:
     then dropped, ``ctx`` is left as it was)."""
     previous, ctx.warm = ctx.warm, warm
     try:
-        return measure(ctx.make_job(ctx.reference_strategy()))
+        return measure(ctx.make_job(ctx.reference_strategy(), track_gns=False))
     finally:
         ctx.warm = previous
 

@@ -289,6 +289,36 @@ def test_evaluations_bracket_the_target_within_the_resolution():
     assert ttp[0.0] == ttp[0.01] == pytest.approx(1990 / 16 * 0.1)  # 0.1 s a step
 
 
+def test_clock_cadence_evaluates_every_strategy_at_the_same_times():
+    """Catches a cadence left in samples under ``cona.eval_clock`` (a batch of 128 proxy
+    sequences evaluated every 1.25 steps: on the bench, half of a seed's wall time went
+    to evaluations, most at large batches) or one that drifts with the clock's rounding
+    (ten steps of 0.1 s sum to 0.9999999999999999 s: the evaluation is due at step 10, not
+    11).  Both batches step in 0.1 s; with a cadence of 1 s each is evaluated at 1, 2, ...
+    s, i.e. every 10 steps whatever its batch, every evaluation marked as the cadence's;
+    without it, every 160 samples."""
+    from types import SimpleNamespace
+
+    from cona.run import Loop
+    from cona.strategy import Strategy
+    from jobruntime.config import load_config
+
+    cfg = load_config("tiny_gpt", ["train.target_ppl=null", "cona.enabled=true"])
+    for gb in (64, 512):  # 16 and 128 proxy sequences a step
+        steps = {}
+        for every in (1.0, None):
+            job = _FakeJob(Strategy(8, 1, 1, 2, gb))
+            job.ctx = SimpleNamespace(**vars(job.ctx), eval_every_s=every)
+            loop = Loop(job, cfg, budget_samples=40 * job.proxy_batch(job.strategy),
+                        eval_samples=160)
+            loop.run()
+            steps[every] = [e["step"] for e in loop.progress.evals]
+            assert all(e["cadence"] for e in loop.progress.evals)
+        assert steps[1.0] == [10, 20, 30, 40]
+        per = job.proxy_batch(job.strategy)
+        assert steps[None] == sorted({-(-160 * k // per) for k in range(1, 40 * per // 160 + 1)})
+
+
 def _real(cache_dir, run_dir):
     import torch
 

@@ -92,6 +92,15 @@ class ConaConfig:
     cadence.  0 = that cadence only.  The emulated clock charges the cadence alone
     (``cona/emulated.py``): the added evaluations measure the crossing.  In real mode
     they take wall time.  ``bench/cona_ttp.py`` sets 0.01."""
+    eval_clock: bool = False
+    """Emulated mode: the evaluation cadence in clock time, not in samples: every strategy
+    is evaluated every ``train.eval_interval`` step times of the reference strategy (the
+    preset's batch at its fastest layout), so every run is observed at the same times
+    (TTP is a time) and a large batch, which covers many samples per second, evaluates
+    less often per sample.  The clock still charges evaluations as a job validating every
+    ``train.eval_interval`` reference batches pays (``cona/emulated.py``); ``False``: the
+    cadence is ``train.eval_interval`` x ``parallel.global_batch_size`` samples.
+    ``bench/cona_ttp.py`` sets it."""
     switch_timeout_s: float = 600.0
     """Real mode: a layout switch still running after this many seconds means
     a rank stalled or was lost; every rank then exits with one line (resume
@@ -143,6 +152,9 @@ class ConaConfig:
         if not 1 <= self.step_dilation < float("inf"):
             raise ConfigError(f"cona.step_dilation={self.step_dilation} must be a number >= 1 "
                               "(1 = one target step per proxy step)")
+        if self.eval_clock and self.clock != "emulated":
+            raise ConfigError("cona.eval_clock=true applies to the emulated clock; set "
+                              "cona.clock=emulated (or unset it)")
         if not 0 < self.batch_ratio < float("inf"):
             raise ConfigError(f"cona.batch_ratio={self.batch_ratio} must be a positive number")
         if self.clock == "wall" and (self.num_gpus is not None or self.target_model is not None
