@@ -71,6 +71,15 @@ ignores any estimate left from an earlier strategy and falls back to the stated
 rule: only strategies of the current global batch, ranked by throughput.  The
 decision's reason says so.
 
+Transients: decisions rank at the median of the noise-scale estimates of the last
+``cona.gns_decision_window`` decisions (default 5, with the default interval the last
+50 steps, half the repay horizon), not at the latest alone.  A switch is worth its
+cost only if the noise scale that motivates it persists over the horizon; in a loss
+spike it does not (measured on the Llama proxy: ``tr(Sigma)`` 50-250x and the online
+estimate 6-8x its level for ~30 steps, after which CONA had moved to 4x its batch and
+back).  The median ignores a transient seen by fewer than half the window's decisions
+and follows a sustained change after half the window.
+
 Every decision is logged as a dict in :attr:`Controller.decisions`; its one-line
 form (:meth:`Decision.describe`: what it does, the scores of the chosen and the
 current strategy, and why) goes to the ``cona`` logger.
@@ -79,6 +88,7 @@ current strategy, and why) goes to the ``cona`` logger.
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -338,6 +348,7 @@ class Controller:
         self._switch_costs: dict[str, list[float]] = {"layout": [], "batch": []}
         self._pred_errors: dict[str, list[float]] = {}
         self._pending: tuple[Strategy, float, str] | None = None
+        self._phi_history: list[float] = []  # the estimator's value at each decision
         self.decisions: list[dict[str, Any]] = []
 
     # -- inputs from the training loop --------------------------------------
@@ -417,11 +428,21 @@ class Controller:
         return (n > 0 and not self.decisions and num_updates >= n
                 and self.gns.noise_scale is not None and not self.should_decide(step))
 
+    def decision_noise_scale(self) -> float | None:
+        """The noise scale decisions rank at: the median of the estimator's values at the
+        last ``cona.gns_decision_window`` decisions, this one included (module docstring,
+        "Transients"); ``None`` while the estimator has none."""
+        now = self.gns.noise_scale
+        if now is None:
+            return None
+        seen = [*self._phi_history, now][-self.cfg.gns_decision_window:]
+        return statistics.median(seen)
+
     def rank(self, *, use_noise_scale: bool = True) -> list[Score]:
         """Current ranking (candidates + current strategy), best first; scores are
         discounted by the prediction error of their calibration source.
         ``use_noise_scale=False`` ranks as without an estimate (same global batch only)."""
-        phi = self.gns.noise_scale if use_noise_scale else None
+        phi = self.decision_noise_scale() if use_noise_scale else None
         pool = list(dict.fromkeys([*self.candidates, self.current]))
         if phi is None:
             pool = [s for s in pool if s.global_batch_size == self.current.global_batch_size]
@@ -448,8 +469,10 @@ class Controller:
                 strategy (``None``: it can); then the fallback rule (module docstring).
             start: the start decision after the probe (logged as such).
         """
-        phi = None if no_estimate else self.gns.noise_scale
+        phi = None if no_estimate else self.decision_noise_scale()
         ranked = self.rank(use_noise_scale=not no_estimate)
+        if not no_estimate and self.gns.noise_scale is not None:
+            self._phi_history.append(self.gns.noise_scale)
         by_strategy = {sc.strategy: sc for sc in ranked}
         cur = by_strategy[self.current]
         horizon_s = self.cfg.horizon_steps * cur.iter_s
@@ -531,6 +554,7 @@ class Controller:
             "switch_costs": {k: list(v) for k, v in self._switch_costs.items()},
             "prediction_errors": {k: list(v) for k, v in self._pred_errors.items()},
             "decisions": list(self.decisions),
+            "noise_scale_history": list(self._phi_history),
             "gns": self.gns.state_dict(),
             "cost_model": self.cost_model.state_dict(),
         }
@@ -540,5 +564,6 @@ class Controller:
         self._switch_costs = {k: list(v) for k, v in state["switch_costs"].items()}
         self._pred_errors = {k: list(v) for k, v in state.get("prediction_errors", {}).items()}
         self.decisions = list(state["decisions"])
+        self._phi_history = list(state.get("noise_scale_history", []))
         self.gns.load_state_dict(state["gns"])
         self.cost_model.load_state_dict(state["cost_model"])

@@ -77,6 +77,27 @@ def test_noise_scale_decides_batch_size():
     assert d.switch and d.best == BIG_GB
 
 
+def test_a_transient_noise_scale_does_not_switch_a_sustained_one_does():
+    """Catches decisions that follow a loss spike's noise scale (on the Llama proxy the
+    online estimate rose 6-8x for ~30 steps; CONA moved to 4x its batch and back, 25 %
+    slower than staying): at 10 samples the 64-batch wins, at 10^4 the 512-batch.  With
+    the default window of 5 decisions, two decisions in a spike to 10^4 leave it at 64
+    (median 10); a rise that lasts switches at its third decision (median 10^4).  With a
+    window of 1 (the latest estimate alone) the spike's first decision switches."""
+    def run(levels, window):
+        ctrl = _controller([SMALL_GB, BIG_GB], SMALL_GB, gns_decision_window=window)
+        for k, phi in enumerate(levels, 1):
+            ctrl.gns = _gns(phi)
+            if ctrl.decide(10 * k).switch:
+                return k
+        return None
+
+    spike = [10.0, 10.0, 10.0, 1e4, 1e4, 10.0, 10.0, 10.0]
+    assert run(spike, 5) is None
+    assert run([10.0, 10.0, 10.0, 1e4, 1e4, 1e4, 1e4], 5) == 6
+    assert run(spike, 1) == 4
+
+
 def test_switches_when_clearly_better_candidate_appears():
     """Catches a controller that never switches, or ranks on the model while ignoring
     measurements.  (1) Start on SLOW: FAST scores ~2x and saves ~110 s over 100 steps,

@@ -63,6 +63,13 @@ class ConaConfig:
     (``v ~ diag Fisher ~ diag H``, ``P H P ~ I``) and Pollux's formula only where the raw
     Hessian is isotropic (tested on a quadratic with known efficiency,
     ``tests/test_cona_controller.py``).  Use it with ``gns_average=scale_free``."""
+    gns_decision_window: int = 5
+    """Decisions rank candidates at the median of the noise-scale estimates of the last
+    this many decisions, the current one included (``cona/controller.py``,
+    "Transients"): a switch must repay over ``horizon_steps``, so it should follow a
+    noise scale that persists, not a loss spike's (measured on the Llama proxy: 6-8x its
+    level for ~30 steps).  5 decisions at the default interval are 50 steps, half the
+    horizon; 1 = the latest estimate alone."""
     start_probe_updates: int = 4
     """The start decision comes as soon as the noise-scale estimator holds this many
     updates (the steps before it are the probe: real training steps at the start strategy,
@@ -121,7 +128,7 @@ class ConaConfig:
                               "cona.enabled=true (or unset cona.schedule)")
         if not self.enabled:
             return
-        for key in ("decision_interval", "horizon_steps"):
+        for key in ("decision_interval", "horizon_steps", "gns_decision_window"):
             if getattr(self, key) <= 0:
                 raise ConfigError(f"cona.{key}={getattr(self, key)} must be positive")
         for key in ("start_probe_updates", "lr_ramp_steps"):
