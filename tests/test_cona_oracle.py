@@ -385,6 +385,19 @@ def test_oracle_finds_a_chain_that_goes_down_in_batch():
     assert best.ttp_s < 0.95 * monotone
 
 
+def _myopic_runs() -> dict:
+    """The windows of the myopic problem (:func:`test_greedy_reference_is_myopic_and_the_
+    oracle_beats_it`): window-runs per batch sequence, evaluations evenly spread."""
+    def w(steps, ppls, reached=False):
+        at = tuple(steps * (i + 1) // len(ppls) for i in range(len(ppls)))
+        return WindowRun(steps, steps if reached else None, eval_steps=at,
+                         evals=[{"step": k, "val_ppl": p} for k, p in zip(at, ppls)])
+
+    return {(4,): w(4, [100.0, 80.0]), (8,): w(5, [90.0, 70.0]),
+            (4, 4): w(2, [60.0, 50.0], True), (4, 8): w(1, [50.0], True),
+            (8, 8): w(6, [60.0, 50.0], True), (8, 4): w(12, [55.0, 50.0], True)}
+
+
 def test_greedy_reference_is_myopic_and_the_oracle_beats_it():
     """Catches a greedy reference that looks past its window or scores something else than
     the time to the window's common perplexity, and an oracle no better than it.  Window 1
@@ -397,14 +410,7 @@ def test_greedy_reference_is_myopic_and_the_oracle_beats_it():
     12): greedy TTP 5 + 6 = 11 s.  Starting at batch 4 (4 s) and taking batch 8 (1 step)
     reaches at 5 s; the best static, (4, 4), at 6 s.  By hand: oracle 5 s with one change,
     6/5 = 1.2x the best static; the greedy 11/5 = 2.2x the oracle."""
-    def w(steps, ppls, reached=False):
-        at = tuple(steps * (i + 1) // len(ppls) for i in range(len(ppls)))
-        return WindowRun(steps, steps if reached else None, eval_steps=at,
-                         evals=[{"step": k, "val_ppl": p} for k, p in zip(at, ppls)])
-
-    runs = {(4,): w(4, [100.0, 80.0]), (8,): w(5, [90.0, 70.0]),
-            (4, 4): w(2, [60.0, 50.0], True), (4, 8): w(1, [50.0], True),
-            (8, 8): w(6, [60.0, 50.0], True), (8, 4): w(12, [55.0, 50.0], True)}
+    runs = _myopic_runs()
     search = OracleSearch(Scripted(runs), Linear(1.0, 0.0), [4, 8], [10])
     best = search.run()
     assert search.greedy_chain.batches == (8, 8) and search.greedy_chain.ttp_s == 11.0
@@ -443,14 +449,7 @@ def test_greedy_last_window_stops_a_candidate_past_the_least_time_to_target():
     batch 4, whose run would reach only after 12 steps (17 s), is stopped at its
     evaluation at step 6 (5 + 6 = 11 s, not before the least time) and not scored: the
     greedy chain is unchanged, (8, 8) at 11 s."""
-    def w(steps, ppls, reached=False):
-        at = tuple(steps * (i + 1) // len(ppls) for i in range(len(ppls)))
-        return WindowRun(steps, steps if reached else None, eval_steps=at,
-                         evals=[{"step": k, "val_ppl": p} for k, p in zip(at, ppls)])
-
-    runs = {(4,): w(4, [100.0, 80.0]), (8,): w(5, [90.0, 70.0]),
-            (4, 4): w(2, [60.0, 50.0], True), (4, 8): w(1, [50.0], True),
-            (8, 8): w(6, [60.0, 50.0], True), (8, 4): w(12, [55.0, 50.0], True)}
+    runs = _myopic_runs()
     branch = StopScripted(runs)
     chain = OracleSearch(branch, Linear(1.0, 0.0), [4, 8], [10]).greedy()
     assert chain.batches == (8, 8) and chain.ttp_s == 11.0
