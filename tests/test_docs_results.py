@@ -258,3 +258,20 @@ def test_a_recipe_that_missed_the_target_counts_by_its_lower_bound():
     from render_cona import _seeds_ttp
 
     assert _seeds_ttp(m) == "missed (1/2; mean > 165 s)"
+
+
+def test_a_resumed_bench_reports_its_wall_as_an_estimate_from_its_units():
+    """Catches a resumed run (``--reuse``: no wall of its own) whose 90-minute bar reads
+    "not measured" though its work units were timed, or an estimate that ignores the
+    jobs they shared the cores with: set-ups 100 + 200 s and seeds 2,000 + 3,100 s over
+    ``--jobs 3`` are 1,800 s = 30 min, and a run in one piece keeps its own wall."""
+    from render_cona import _bench_wall
+
+    r = {"command": "python bench/cona_ttp.py --reuse --jobs 3", "wall_s": None,
+         "models": {"a": {"wall_s": {"setup": 100.0, "seeds": [2000.0]}},
+                    "b": {"wall_s": {"setup": 200.0, "seeds": [3100.0]}}}}
+    wall, note = _bench_wall(r)
+    assert wall == 1800.0 and "estimated" in note and "3 jobs" in note
+    assert _bench_wall({**r, "wall_s": 4000.0}) == (4000.0, "")
+    r["models"]["b"]["wall_s"]["seeds"].append(None)
+    assert _bench_wall(r) == (None, "")
