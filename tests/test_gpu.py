@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -82,8 +83,9 @@ def test_zero_shot_tool_on_gpu(demo):
 def _train_tokenizer(kind: str, vocab_size: int, cache: Path) -> Path:
     """A tokenizer.json of the preset's kind trained on the bundled corpus:
     byte-level BPE (GPT-2, Llama-3) or WordPiece with BERT's specials at 0..4.
-    Kept in the test cache (``GEOCONA_TEST_CACHE``): training one takes minutes
-    on 2 cores."""
+    Kept in ``cache``: the GPU check carries them (the three take ~10 s on 2
+    cores), and pytest-xdist workers share them (written under a name of the
+    process's own, then renamed)."""
     path = cache / "tokenizers" / f"{kind}-{vocab_size}.json"
     if path.is_file():
         return path
@@ -107,7 +109,7 @@ def _train_tokenizer(kind: str, vocab_size: int, cache: Path) -> Path:
         trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=special,
                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(docs, trainer=trainer)
-    tmp = path.with_suffix(".tmp")
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
     tok.save(str(tmp))
     tmp.rename(path)
     return path
@@ -120,7 +122,8 @@ def test_full_size_preset_trains_on_gpu(preset, tmp_path, cache_dir):
     model guesses uniformly; 1.5 nats of slack for init noise) and falls."""
     cfg = yaml.safe_load((REPO / "model_configs" / f"{preset}.yaml").read_text())
     family, vocab = cfg["model"]["family"], cfg["model"]["vocab_size"]
-    tok = _train_tokenizer(family, vocab, Path(cache_dir))
+    # the tokenizers are shared by the workers (the data cache is per worker: conftest.py)
+    tok = _train_tokenizer(family, vocab, Path(os.environ.get("GEOCONA_TEST_CACHE") or cache_dir))
     run_dir = tmp_path / "run"
     mbs = 16 if family == "bert" else 4
     _run(["train.py", "--config", preset, "--run-dir", str(run_dir), f"data.tokenizer={tok}",

@@ -136,6 +136,22 @@ def test_dense_eval_gap_halves_towards_the_target_down_to_the_resolution():
     assert dense_eval_gap([(0, math.nan), (10, 120.0)], 50.0, 0.01) is None
 
 
+def test_provenance_outside_git_takes_the_commit_it_is_given(monkeypatch):
+    """Catches a GPU-machine result without its commit: the tree travels there without
+    ``.git``, so git answers nothing and the summary said ``commit: null``.  Without git,
+    ``GEOCONA_COMMIT`` names it; without either, None (never a made-up value)."""
+    from jobruntime.metrics import provenance
+
+    def no_git(*args, **kwargs):
+        raise OSError("no git here")
+
+    monkeypatch.setattr(subprocess, "run", no_git)
+    monkeypatch.delenv("GEOCONA_COMMIT", raising=False)
+    assert provenance([])["commit"] is None
+    monkeypatch.setenv("GEOCONA_COMMIT", "abc1234")
+    assert provenance([])["commit"] == "abc1234"
+
+
 def test_ttp_tracker_state_round_trip_and_old_checkpoints():
     """Catches a resumed run that loses the last evaluation above the target (it would
     take the next crossing without interpolation) and checkpoints written before
