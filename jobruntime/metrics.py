@@ -37,9 +37,10 @@ def write_text_atomic(path: Path, text: str) -> None:
 def provenance(argv: list[str] | None = None) -> dict[str, Any]:
     """Where a bench result comes from, for the JSON it writes: ``date`` (UTC, ISO),
     ``commit`` (short hash of the repository's HEAD, ``+dirty`` with uncommitted
-    changes; outside a git checkout the ``GEOCONA_COMMIT`` environment variable, which a
-    copy of the tree without ``.git``, such as the GPU machine's, is given by whoever made
-    the copy, else ``None``), ``machine`` (CPU count and model, the
+    changes; ``None`` outside a git checkout; the ``GEOCONA_COMMIT`` environment variable
+    instead where set: a copy of the tree sent to another machine, such as the GPU
+    machine's, may carry no ``.git`` or a stale one, and whoever sent it knows the commit),
+    ``machine`` (CPU count and model, the
     vector instruction set torch's CPU kernels use, e.g. ``AVX2`` or ``AVX512``: results
     of the same commit can differ between them; GPU name where CUDA is present) and
     ``command`` (``argv``, default ``sys.argv``)."""
@@ -57,10 +58,10 @@ def provenance(argv: list[str] | None = None) -> dict[str, Any]:
         except (OSError, subprocess.SubprocessError):
             return ""
 
-    commit = git("rev-parse", "--short", "HEAD") or None
-    if commit and git("status", "--porcelain", "--untracked-files=no"):
+    commit = os.environ.get("GEOCONA_COMMIT") or git("rev-parse", "--short", "HEAD") or None
+    if commit and "GEOCONA_COMMIT" not in os.environ and git("status", "--porcelain",
+                                                            "--untracked-files=no"):
         commit += "+dirty"
-    commit = commit or os.environ.get("GEOCONA_COMMIT") or None
     machine = f"{os.cpu_count()} CPU cores, {platform.processor() or platform.machine()}"
     try:
         import torch

@@ -21,7 +21,9 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "bench" / "gpu_check.sh"
-EIGHT_MINUTES_S = 480
+# The bound of the default parts: with a machine's start (1-2 minutes) it must leave at least
+# the 4 minutes a second start needs of a session's 15 minutes of device time.
+NINE_MINUTES_S = 540
 
 
 def _hide_megatron(root: Path) -> Path:
@@ -56,13 +58,14 @@ def _script(out: Path, *parts: str, timeout: int = 120, **env: str) -> subproces
                           env={**base, "GPU_CHECK_DEVICE": "cpu", **env})
 
 
-def test_without_megatron_or_wheel_it_stops_in_one_line_and_fits_eight_minutes(tmp_path):
+def test_without_megatron_or_wheel_it_stops_in_one_line_and_fits_nine_minutes(tmp_path):
     """Catches the shipped script's failure on a bare GPU machine (every part dying
     on ModuleNotFoundError): with megatron-core not importable and an empty wheel
     folder, it must stop after the install part with exit 2 and one line naming
     the folder to carry and the command that fills it, before any other part
     runs.  The first line states the bound of the default parts at the default
-    limits: their sum must stay under 8 minutes (it was 550 s)."""
+    limits: their sum must stay within 9 minutes (it was 550 s; 475 s stopped two parts on
+    the H200, 2026-12-04)."""
     shadow = _hide_megatron(tmp_path / "shadow")
     (tmp_path / "wheels").mkdir()
     proc = _script(tmp_path / "out", GPU_CHECK_WHEELS=str(tmp_path / "wheels"),
@@ -70,10 +73,10 @@ def test_without_megatron_or_wheel_it_stops_in_one_line_and_fits_eight_minutes(t
                    PYTHONPATH=f"{shadow}:{os.environ.get('PYTHONPATH', '')}")
     assert proc.returncode == 2, (proc.stdout, proc.stderr)
     first = proc.stdout.splitlines()[0]  # 2 shared cores need a longer install limit
-    assert "bound 745 s" in first, first  # the default bound, its install limit 30 s -> 300 s
+    assert "bound 795 s" in first, first  # the default bound, its install limit 45 s -> 300 s
     bound = int(first.split("part limits; ")[1].split()[0])
     assert "install tests bench:gpt3_1.3b bench:llama3.2_1b bench:bert_large" in first, first
-    assert bound < EIGHT_MINUTES_S, first
+    assert bound <= NINE_MINUTES_S, first
     errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("gpu_check:")]
     assert len(errors) == 1, proc.stderr
     assert "megatron-core not importable" in errors[0] and f"carry {tmp_path / 'wheels'}/" in errors[0]

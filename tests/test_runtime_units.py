@@ -136,10 +136,11 @@ def test_dense_eval_gap_halves_towards_the_target_down_to_the_resolution():
     assert dense_eval_gap([(0, math.nan), (10, 120.0)], 50.0, 0.01) is None
 
 
-def test_provenance_outside_git_takes_the_commit_it_is_given(monkeypatch):
-    """Catches a GPU-machine result without its commit: the tree travels there without
-    ``.git``, so git answers nothing and the summary said ``commit: null``.  Without git,
-    ``GEOCONA_COMMIT`` names it; without either, None (never a made-up value)."""
+def test_provenance_takes_the_commit_it_is_given(monkeypatch):
+    """Catches a GPU-machine result with the wrong commit: the tree travelled there with
+    the session's first ``.git``, and the H200 summary of 2026-12-04 said
+    ``c932ec4+dirty`` for code at babdd60.  ``GEOCONA_COMMIT`` wins where set; without it
+    and without git, None (never a made-up value)."""
     from jobruntime.metrics import provenance
 
     def no_git(*args, **kwargs):
@@ -148,6 +149,9 @@ def test_provenance_outside_git_takes_the_commit_it_is_given(monkeypatch):
     monkeypatch.setattr(subprocess, "run", no_git)
     monkeypatch.delenv("GEOCONA_COMMIT", raising=False)
     assert provenance([])["commit"] is None
+    monkeypatch.setenv("GEOCONA_COMMIT", "abc1234")
+    assert provenance([])["commit"] == "abc1234"
+    monkeypatch.undo()  # git answers again: the variable still wins
     monkeypatch.setenv("GEOCONA_COMMIT", "abc1234")
     assert provenance([])["commit"] == "abc1234"
 
