@@ -169,3 +169,60 @@ def test_gpu_check_runs_end_to_end_on_the_cpu_stand_in(tmp_path):
     assert [s["micro_batch_size"] for s in sweep] == [1, 4], sweep
     # every part imported megatron-core from the installed wheel, not the hidden one
     assert "hidden by the test" not in (out / "throughput.log").read_text()
+
+
+def _gpu_folder(root: Path, *, gpu: str | None = "NVIDIA H200") -> Path:
+    """A GPU check output folder with hand-made numbers: one preset, both peers, a
+    two-point sweep, a JUnit file with a pass, a failure and the stop marker."""
+    root.mkdir()
+    side = {"tokens_per_s": 1000.0, "mfu": 0.3, "peak_memory_gib": 10.0}
+    summary = {"complete": False, "problems": ["part tests: stopped at its 1 s limit"],
+               "wall_s": 5.0, "bound_s": 9.0, "commit": "stale+dirty", "gpu": gpu,
+               "environment": {"python": "3.12", "versions": {"torch": "2.11", "megatron-core": "0.16.1",
+                                                             "transformers": "5"}},
+               "parts": [{"part": "tests", "exit": 124, "elapsed_s": 1, "limit_s": 1}],
+               "throughput": {"tiny_gpt": {
+                   "micro_batch_size": 2, "global_batch_size": 4, "seq_length": 64,
+                   "ours": side, "peer": {**side, "tokens_per_s": 800.0}, "ratio_vs_peer": 1.25,
+                   "peer_compiled": None,
+                   "mbs_sweep": [{"micro_batch_size": 1, "tokens_per_micro_batch": 2048, "mfu": 0.3},
+                                 {"micro_batch_size": 2, "tokens_per_micro_batch": 6144, "mfu": 0.3}],
+                   "efficiency_fit": {"mfu_max": 0.4, "half_sat_tokens": 1000.0}}}}
+    (root / "summary.json").write_text(json.dumps(summary))
+    (root / "gpu_tests.xml").write_text(
+        '<testsuites><testsuite><testcase name="test_a" time="2.0"/>'
+        '<testcase name="test_b" time="3.0"><failure message="x"/></testcase>'
+        '<testcase classname="tests.test_gpu" name="tests_part_stopped"><error message="s"/>'
+        '</testcase></testsuite></testsuites>')
+    return root
+
+
+def test_gpu_results_compare_measured_with_the_models_and_render(tmp_path):
+    """Catches a results JSON that misstates the run or the models: the H200 profile
+    (mfu_max 0.5, half_sat 2048) predicts 0.25 at 2,048 tokens and 0.375 at 6,144, so
+    a measured 0.3 is 1.2x and 0.8x of it; the memory error is (model - peak) / peak;
+    the summary's stale commit is kept apart from the one given; a peer that did not
+    run renders as "not run", a ratio below 1 in bold, the failed test by name."""
+    import bench.gpu_results as gr
+    from tools import render_gpu
+
+    r = gr.build(_gpu_folder(tmp_path / "run"), commit="abc1234", date="2026-12-04", note="n",
+                 profile="H200")
+    assert r["commit"] == "abc1234" and r["commit_recorded_by_the_run"] == "stale+dirty"
+    pts = r["efficiency_sweeps"]["tiny_gpt"]["points"]
+    assert [p["mfu_profile"] for p in pts] == [0.25, 0.375]
+    assert [p["measured_over_profile"] for p in pts] == [1.2, 0.8]
+    (row,) = r["presets"]
+    est = gr.memory_estimate_gib("tiny_gpt", 2, 4)
+    assert row["memory_model"]["relative_error_pct"] == round(100 * (est - 10.0) / 10.0, 1)
+    assert row["hf_compiled"] is None and row["ours_over_hf_eager"] == 1.25
+    assert [t["outcome"] for t in r["tests"]] == ["passed", "failed", "failed"]
+    r["file"] = "x.json"
+    out = render_gpu.h200_check(r)
+    assert "| tiny_gpt | 2 / 4, 64 | 1,000 | 0.300 | 10.0 | 800 | 1.25x | not run | — |" in out
+    assert "| 2 | 6,144 | 0.300 | 0.375 | 0.80x |" in out
+    assert "1 passed (`test_a`), failed: `test_b`; the part stopped" in out
+    row["ours_over_hf_eager"] = 0.9
+    assert "| **0.90x** |" in render_gpu.h200_check_headline(r)
+    with pytest.raises(ValueError, match="names no GPU"):
+        gr.build(_gpu_folder(tmp_path / "cpu", gpu=None), commit="a", date="d", note="", profile="H200")

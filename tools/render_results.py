@@ -27,6 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from render_cona import cona_ttp, cona_ttp_bars, cona_ttp_headline  # noqa: E402
+from render_gpu import h200_check, h200_check_headline  # noqa: E402
 from results_source import source_line as _source  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
@@ -318,6 +319,7 @@ def geomesh_peers_tune(r: dict) -> str:
 RENDERERS: dict[str, Callable[[dict], str]] = {"four_shape_cpu": four_shape_cpu,
                                                "faults_quick": faults_quick,
                                                "h200_2026-11-30": h200,
+                                               "h200_2026-12-04": h200_check,
                                                "bert_data": bert_data,
                                                "geomesh_peers": geomesh_peers,
                                                "geomesh_peers_quick": geomesh_peers,
@@ -326,6 +328,7 @@ RENDERERS: dict[str, Callable[[dict], str]] = {"four_shape_cpu": four_shape_cpu,
                                                "cona_ttp_quick": cona_ttp}
 VIEWS: dict[tuple[str, str], Callable[[dict], str]] = {
     ("h200_2026-11-30", "headline"): h200_headline,
+    ("h200_2026-12-04", "headline"): h200_check_headline,
     ("geomesh_peers", "headline"): geomesh_peers_headline,
     ("cona_ttp", "headline"): cona_ttp_headline,
     ("cona_ttp", "bars"): cona_ttp_bars,
