@@ -28,6 +28,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from render_cona import cona_ttp, cona_ttp_bars, cona_ttp_headline  # noqa: E402
 from render_gpu import h200_check, h200_check_headline  # noqa: E402
+from render_gpu import ratio as _ratio  # noqa: E402
 from results_source import source_line as _source  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
@@ -147,11 +148,6 @@ def faults_quick(r: dict) -> str:
               f"error, {sm['bytes_lost']} bytes lost; {sm['wall_s']:.0f} s wall.",
               "", _source(r, "faults_quick")]
     return "\n".join(lines) + "\n"
-
-
-def _ratio(x: float) -> str:
-    """A speed ratio, in bold where ours is the slower one."""
-    return f"{x:.2f}x" if x >= 1 else f"**{x:.2f}x**"
 
 
 def _h200_table(r: dict) -> list[str]:
