@@ -8,9 +8,10 @@ batch ratio ``r``, grid, sqrt LR rule, schedule in samples):
 
 1. **Trajectory.**  The reference run (batch ``M0``) again, stopping every ``--every``
    steps to measure the noise scale directly from 64 micro-batches (no effect on the
-   run): ``B_simple`` (McCandlish et al. 2018, what the controller uses) and the
-   noise scale of Adam-preconditioned gradients (``tr(P Sigma P)/|P G|^2``, P =
-   ``1/(sqrt(v_hat) + eps)``: what Pollux uses for adaptive optimizers, Sec. 3.1), and
+   run), in each definition of ``cona.gns_definition`` (:data:`cona.probe.DEFINITIONS`):
+   ``simple`` (``B_simple``, McCandlish et al. 2018), ``newton`` (``tr(P Sigma)/(G' P
+   G)``) and ``pollux`` (``tr(P Sigma P)/|P G|^2``, what Pollux uses for adaptive
+   optimizers, Sec. 3.1), P = ``1/(sqrt(v_hat) + eps)`` Adam's preconditioner, and
    the controller's own in-run estimates (:class:`cona.grad_stats.GradientNoiseScale`,
    ``cona.gns_average`` plain and scale-free).
 2. **Measured.**  Every other grid batch trained static in its fastest layout until the
@@ -23,17 +24,20 @@ batch ratio ``r``, grid, sqrt LR rule, schedule in samples):
 
 Usage::
 
-    python bench/cona_efficiency.py                       # all three families (~15 min)
-    python bench/cona_efficiency.py --models bert_large --jobs 1
+    python bench/cona_efficiency.py --models gpt3_1.3b llama3.2_1b --every 20  # ~25 min
+    python bench/cona_efficiency.py --models bert_large --jobs 1   # hours: its proxy is slow
 
-Prints one JSON object ``{"models": {NAME: {"trajectory": [...], "batches": {M:
-{"measured", "predicted"}}}}}``.  Measured on the proxy (emulated mode's trained
-model); no clock is involved.
+Prints one JSON object ``{"date", "commit", "machine", "command", "every", "models":
+{NAME: {"prediction_error": {definition: error}, "trajectory": [...], "batches": {M:
+{"measured", "predicted"}}}}}`` (``prediction_error``: :func:`prediction_error`).
+Measured on the proxy (emulated mode's trained model); no clock is involved.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
+import math
 import sys
 import time
 from pathlib import Path
@@ -42,7 +46,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import bench.cona_ttp as ttp  # noqa: E402
 
-DEFINITIONS = ("simple", "preconditioned", "in_run_plain", "in_run_scale_free")
+DIRECT = ("simple", "newton", "pollux")  # cona.probe.DEFINITIONS, measured directly
+DEFINITIONS = (*DIRECT, "in_run_plain", "in_run_scale_free")
 
 
 def predicted_samples(trajectory: list[dict], batch: float, reference_batch: float,
@@ -64,6 +69,23 @@ def predicted_samples(trajectory: list[dict], batch: float, reference_batch: flo
     return total
 
 
+def prediction_error(batches: dict) -> dict:
+    """Per definition, how far its predicted efficiencies are from the measured ones where
+    the controller uses them: in ratios between two batches (a ranking compares candidates'
+    ``E(M)`` at one moment; ``M0`` cancels), the mean over every pair of batches that
+    reached the target of ``|ln(pred ratio / measured ratio)|`` (0: exact; 0.1: ratios off
+    by ~10 %); ``None`` for a definition without a prediction at two of them."""
+    out = {}
+    for key in DEFINITIONS:
+        eff = {b: (x["predicted"][key]["efficiency"], x["measured"]["efficiency"])
+               for b, x in batches.items()
+               if "efficiency" in x["measured"] and x["predicted"][key] is not None}
+        errs = [abs(math.log(eff[a][0] / eff[b][0]) - math.log(eff[a][1] / eff[b][1]))
+                for a, b in itertools.combinations(sorted(eff), 2)]
+        out[key] = sum(errs) / len(errs) if errs else None
+    return out
+
+
 def static_run(ctx, strategy, measure_every: int | None = None):
     """Train ``strategy`` from the initial weights until the target or the budget.
 
@@ -75,8 +97,7 @@ def static_run(ctx, strategy, measure_every: int | None = None):
         nxt = job.trainer.step + measure_every
         loop.run(until=lambda nxt=nxt: job.trainer.step >= nxt)
         trajectory.append({"step": job.trainer.step, "samples": job.consumed_samples,
-                           "simple": job.measure_noise_scale(),
-                           "preconditioned": job.measure_noise_scale(preconditioned=True),
+                           **{d: job.measure_noise_scale(definition=d) for d in DIRECT},
                            "in_run_plain": job.gns.noise_scale_plain,
                            "in_run_scale_free": job.gns.noise_scale_scale_free})
     loop.run()
@@ -121,6 +142,7 @@ def efficiency_family(target: str, spec: dict, batches: list[int], every: int,
                   "predicted": {key: None if s is None else {"samples": s, "efficiency": s0 / s}
                                 for key, s in predicted.items()}}
     return {"proxy": spec["proxy"], "target_ppl": cfg.train.target_ppl, "ratio": r,
+            "prediction_error": prediction_error(out),
             "reference_batch": m0, "lr": cfg.train.lr, "setup": setup,
             "trajectory": trajectory, "batches": out, "wall_s": time.perf_counter() - t0}
 
@@ -143,9 +165,12 @@ def main(argv=None) -> int:
     if args.jobs < 1 or args.threads < 1 or args.every < 1:
         p.error("--jobs, --threads and --every must be >= 1")
     models = {k: v for k, v in ttp.MODELS.items() if args.models is None or k in args.models}
+    from jobruntime.metrics import provenance
+
     t0 = time.perf_counter()
-    report = {"models": ttp.run_families(efficiency_family, models, args.jobs, ttp.BATCHES,
-                                     args.every, args.cache_dir, args.threads)}
+    report = {**provenance(argv), "every": args.every,
+              "models": ttp.run_families(efficiency_family, models, args.jobs, ttp.BATCHES,
+                                         args.every, args.cache_dir, args.threads)}
     report["wall_s"] = time.perf_counter() - t0
     ttp.write_report(report, args.out, "cona_efficiency.json")
     return 0

@@ -119,9 +119,12 @@ MODELS = {  # the longest first, so that --jobs 2 ends soonest
 RECIPE_BUDGET_SCALE = 4  # static_recipe has no cap: it may train this x the budget
 # the oracle's moves at a window boundary: up to two grid steps, either way (cona/oracle.py)
 MOVES = (-2, -1, 1, 2)
+# CONA again with each other noise-scale definition (cona.gns_definition; rows
+# cona_gns_<definition>): which the controller ranks by is an ablation, side by side
+GNS_ABLATIONS = ("simple", "newton", "pollux")
 FULL = {"windows": 6, "batches": BATCHES, "seeds": SEEDS, "lr_factors": (0.5, 1.0, 2.0),
         "val_sequences": VAL_SEQUENCES, "moves": MOVES, "prune": "dominated", "beam": 2,
-        "probe_microbatches": PROBE_MICROBATCHES}
+        "probe_microbatches": PROBE_MICROBATCHES, "gns_ablations": GNS_ABLATIONS}
 # CI-sized: one family, one seed, three batches (with the recipe's 512), 32 validation
 # sequences, a short warmup and a shallow target (the reference's perplexity after
 # ``quick_segment`` steps: rule 3 needs thousands)
@@ -324,6 +327,9 @@ def seed_methods(ctx, settings: dict, boundaries: list[int],
     methods["static_oracle"] = min(reached, key=lambda m: m["ttp_s"]) if reached else None
     wall["lr_sweep"] = (t := time.perf_counter()) - t1
     methods["cona"], _ = run_cona(ctx)
+    for d in settings.get("gns_ablations", ()):
+        if d != ctx.cfg.cona.gns_definition:  # the default's row is "cona"
+            methods[f"cona_gns_{d}"], _ = run_cona(ctx, gns_definition=d)
     wall["cona"] = time.perf_counter() - t
     log.info("seed %d wall s: %s", ctx.cfg.train.seed,
              ", ".join(f"{k} {v:.0f}" for k, v in wall.items()))
@@ -448,6 +454,7 @@ def finish_family(target: str, spec: dict, setup: dict, seeds: list[dict], setti
         "proxy_overrides": spec.get("overrides", []),
         "unigram_ppl": setup["unigram"],
         "target_ppl": cfg.train.target_ppl,
+        "cona_gns_definition": cfg.cona.gns_definition,
         "target_rule": "quick: the reference's perplexity after a short segment"
         if settings.get("quick_segment") else
         f"{TARGET_FRACTION} x min(unigram_ppl, warm_ppl) (cona/targets.py)",

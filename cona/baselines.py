@@ -29,6 +29,7 @@ batch (DP/TP/PP and the micro-batch only change the modelled time), so:
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 
 from .context import ConaContext
@@ -58,14 +59,21 @@ def method_result(loop: Loop) -> dict:
     }
 
 
-def run_cona(ctx: ConaContext) -> tuple[dict, Loop]:
-    """CONA itself, records buffered in the loop (``loop.progress.records``)."""
-    job = ctx.make_job()
-    controller = ctx.make_controller(job)
-    loop = Loop(job, ctx.cfg, controller=controller, budget_samples=ctx.budget_samples,
-                eval_samples=ctx.eval_samples)
-    loop.run()
-    loop.finish()
+def run_cona(ctx: ConaContext, **cona_overrides) -> tuple[dict, Loop]:
+    """CONA itself, records buffered in the loop (``loop.progress.records``);
+    ``cona_overrides``: ``cona.*`` settings for this run only (an ablation, e.g.
+    ``gns_definition="simple"``), ``ctx.cfg`` left as it was."""
+    saved = ctx.cfg.cona
+    ctx.cfg.cona = dataclasses.replace(saved, **cona_overrides)
+    try:
+        job = ctx.make_job()
+        controller = ctx.make_controller(job)
+        loop = Loop(job, ctx.cfg, controller=controller, budget_samples=ctx.budget_samples,
+                    eval_samples=ctx.eval_samples)
+        loop.run()
+        loop.finish()
+    finally:
+        ctx.cfg.cona = saved
     out = method_result(loop)
     out["decisions"] = [
         {k: d[k] for k in ("step", "current", "best", "switch", "reason", "noise_scale",

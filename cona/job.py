@@ -120,7 +120,7 @@ class Job:
         self.lr_factor = lr_factor
         self.reference_batch = ctx.cfg.parallel.global_batch_size
         self.gns = GradientNoiseScale.from_config(ctx.cfg.cona)
-        self.probe = GNSProbe(self.gns, preconditioned=ctx.cfg.cona.gns_preconditioned)
+        self.probe = GNSProbe(self.gns, definition=ctx.cfg.cona.gns_definition)
 
     # -- helpers ------------------------------------------------------------
     def proxy_batch(self, strategy: Strategy) -> int:
@@ -379,21 +379,22 @@ class EmulatedJob(Job):
             "lr": self.trainer.scheduler.max_lr,
         }
 
-    def measure_gradient_stats(self, microbatches: int = 64, preconditioned: bool = False,
+    def measure_gradient_stats(self, microbatches: int = 64, definition: str = "simple",
                                charge: bool = True) -> tuple[float, float] | None:
         """Direct ``(|G|^2, tr(Sigma))`` estimates at the current weights from
         ``microbatches`` fresh micro-batches (:func:`cona.probe.measure_gradient_stats`);
-        ``preconditioned``: of Adam's preconditioned gradients instead (Pollux; ``None``
-        before the first step).  The data position, RNG and training state are left as
+        ``definition`` other than ``simple``: of gradients times a power of Adam's
+        preconditioner (:data:`cona.probe.DEFINITIONS`; ``None`` before the first step).  The data position, RNG and training state are left as
         they were.  The clock is charged what the probe costs the target: forward and
         backward over the probe's sequences at the current layout (``target_step_s`` x
         probe sequences / proxy batch), undilated (it is run once, not per target step);
         ``charge=False``: not charged (a run whose clock is no result, e.g. the bench's
         reference, whose evaluation cadence on the clock must not jump past its steps)."""
-        from .probe import adam_preconditioner, measure_gradient_stats
+        from .probe import adam_preconditioner, measure_gradient_stats, preconditioner_power
 
-        weights = adam_preconditioner(self.trainer) if preconditioned else None
-        if preconditioned and weights is None:
+        power = preconditioner_power(definition)
+        weights = adam_preconditioner(self.trainer, power) if power > 0 else None
+        if power > 0 and weights is None:
             return None
 
         consumed, rng = self.consumed_samples, cstate.rng_state()
@@ -413,11 +414,11 @@ class EmulatedJob(Job):
             cstate.set_rng_state(rng)
 
     def measure_noise_scale(self, microbatches: int = 64,
-                            preconditioned: bool = False) -> float | None:
-        """A direct ``B_simple`` (proxy sequences) from :meth:`measure_gradient_stats`
+                            definition: str = "simple") -> float | None:
+        """A direct noise scale (proxy sequences) from :meth:`measure_gradient_stats`
         (same arguments, clock charge and state left as it was); ``None`` before the
         first step (preconditioned) or where the signal estimate is not positive."""
-        stats = self.measure_gradient_stats(microbatches, preconditioned)
+        stats = self.measure_gradient_stats(microbatches, definition)
         if stats is None or stats[0] <= 0:
             return None
         return stats[1] / stats[0]

@@ -33,12 +33,15 @@ gradient lacks the output-layer part (megatron adds it inside
 The replica norms are averaged over DP.  All results are identical on every
 rank.  Cost: two passes over the gradients and a few scalar all-reduces per step.
 
-Preconditioned (``preconditioned=True``; ``cona.gns_preconditioned``): every
-gradient is multiplied by Adam's preconditioner ``P = 1/(sqrt(v_hat) + eps)``
-(:func:`adam_preconditioner`, the state before this step's update) before its
-norm, so the estimate is Pollux's ``tr(P Sigma P) / |P G|^2`` (Qiao et al.,
-OSDI'21, Sec. 3.1) instead of ``B_simple``.  No estimate on the first step (no
-optimizer state yet).  Cost: one more pass over the optimizer state per step.
+Definitions (``cona.gns_definition``; :data:`DEFINITIONS`): every gradient is
+multiplied by a power ``a`` of Adam's preconditioner ``P = 1/(sqrt(v_hat) + eps)``
+(:func:`adam_preconditioner`, the state before this step's update) before its norm,
+so the estimate is ``tr(P^a Sigma P^a) / |P^a G|^2``: ``simple`` (``a = 0``,
+``B_simple``), ``newton`` (``a = 1/2``: ``tr(P Sigma) / (G' P G)``) and ``pollux``
+(``a = 1``, Qiao et al., OSDI'21, Sec. 3.1).  Which one makes Pollux's efficiency
+exact depends on the curvature (:mod:`cona.surrogate`).  No estimate on the first step
+of a preconditioned definition (no optimizer state yet).  Cost: one more pass over
+the optimizer state per step.
 """
 
 from __future__ import annotations
@@ -54,6 +57,22 @@ from jobruntime.trainer import Trainer
 from .grad_stats import GradientNoiseScale
 
 log = logging.getLogger("cona")
+
+# noise-scale definition -> the power of Adam's preconditioner P applied to each gradient
+# before its norm (module docstring; cona/surrogate.py: which curvature makes each exact)
+DEFINITIONS = {"simple": 0.0, "newton": 0.5, "pollux": 1.0}
+
+
+def preconditioner_power(definition: str) -> float:
+    """The power of Adam's preconditioner of a noise-scale ``definition``.
+
+    Raises:
+        ValueError: unknown definition (the message lists the known ones).
+    """
+    if definition not in DEFINITIONS:
+        raise ValueError(f"noise-scale definition {definition!r} is not one of "
+                         f"{sorted(DEFINITIONS)}")
+    return DEFINITIONS[definition]
 
 
 def _is_counted(param: torch.nn.Parameter) -> bool:
@@ -97,7 +116,8 @@ class GNSProbe:
 
     Args:
         estimator: the estimator the controller reads.
-        preconditioned: norms of Adam-preconditioned gradients (module docstring).
+        definition: ``simple``, ``newton`` or ``pollux`` (:data:`DEFINITIONS`): the norms
+            of the gradients or of Adam-preconditioned ones (module docstring).
 
     Attributes:
         mode: ``"replica"``, ``"microbatch"`` or ``None`` (no estimate possible).
@@ -106,8 +126,9 @@ class GNSProbe:
         last: the last step's ``(small_sq, small_batch, big_sq, big_batch)``.
     """
 
-    def __init__(self, estimator: GradientNoiseScale, preconditioned: bool = False):
-        self.estimator, self.preconditioned = estimator, preconditioned
+    def __init__(self, estimator: GradientNoiseScale, definition: str = "simple"):
+        self.estimator, self.power = estimator, preconditioner_power(definition)
+        self.preconditioned = self.power > 0
         self._weight: dict[int, torch.Tensor] | None = None  # id(param) -> P this step
         self.trainer: Trainer | None = None
         self.mode: str | None = None
@@ -176,7 +197,7 @@ class GNSProbe:
         return float(total[0])
 
     def _weighted(self, param, g: torch.Tensor) -> torch.Tensor:
-        """``P g`` when preconditioned (fp64, like the norms), else ``g``."""
+        """``P^a g`` when preconditioned (fp64, like the norms), else ``g``."""
         return g if self._weight is None else g.detach().double() * self._weight[id(param)]
 
     def _ready(self) -> bool:
@@ -186,7 +207,7 @@ class GNSProbe:
     def _load_weights(self) -> bool:
         """Fetch this step's preconditioner (when preconditioned); :meth:`_ready` after."""
         if self.preconditioned:
-            weights = adam_preconditioner(self.trainer)
+            weights = adam_preconditioner(self.trainer, self.power)
             counted = [p for p in self.trainer.module.parameters() if _is_counted(p)]
             self._weight = None if weights is None else {
                 id(p): w for p, w in zip(counted, weights, strict=True)}
@@ -257,9 +278,10 @@ class GNSProbe:
         return out
 
 
-def adam_preconditioner(trainer: Trainer) -> list[torch.Tensor] | None:
-    """Adam's preconditioner ``P = 1/(sqrt(v_hat) + eps)``, one tensor per counted
-    parameter of ``trainer.module`` (the order of :func:`measure_noise_scale`).
+def adam_preconditioner(trainer: Trainer, power: float = 1.0) -> list[torch.Tensor] | None:
+    """Adam's preconditioner ``P = 1/(sqrt(v_hat) + eps)`` to the ``power`` (1: ``P``;
+    1/2: its square root, the ``newton`` definition), one tensor per counted parameter
+    of ``trainer.module`` (the order of :func:`measure_noise_scale`).
 
     ``v_hat = exp_avg_sq / (1 - beta2^step)`` is Adam's bias-corrected second moment
     (the optimizer state of :func:`cona.state.optimizer_state_by_name`: with bf16 that
@@ -286,7 +308,7 @@ def adam_preconditioner(trainer: Trainer) -> list[torch.Tensor] | None:
         beta2, eps = group["betas"][1], group["eps"]
         correction = 1 - beta2**step if group.get("bias_correction", True) else 1.0
         v_hat = ps.state["exp_avg_sq"].double() / correction
-        weights.append(1.0 / (v_hat.sqrt() + eps))
+        weights.append((v_hat.sqrt() + eps) ** -power)
     return weights
 
 

@@ -471,3 +471,27 @@ def test_a_seed_file_is_written_as_soon_as_its_seed_ends(monkeypatch, tmp_path):
     units.run_units({"a": {}}, 2, 2, str(tmp_path), setup=lambda name, spec: {}, seed=seed,
                     key=lambda setup, i: f"k{i}", finish=lambda *a: {})
     assert seen == [True]
+
+
+def test_efficiency_prediction_error_is_in_ratios_between_batches():
+    """Catches an error measure anchored at the reference batch (a definition that predicts
+    every batch at 1 would look good where the reference's LR makes batch 128 measure above
+    1): the error is the mean over pairs of batches that reached of |ln(predicted ratio /
+    measured ratio)|.  By hand: measured 1.0, 1.2, 0.6 at 64, 128, 256 (the 512 run missed);
+    a prediction of 1.0, 0.9, 0.5 is off by ln(1.2/0.9) = 0.288 on 64/128, ln(0.6/0.5) =
+    0.182 on 64/256 and |ln(0.5/0.9) - ln(0.6/1.2)| = 0.105 on 128/256: mean 0.192."""
+    from bench.cona_efficiency import DEFINITIONS, prediction_error
+
+    def row(measured, predicted, reached=True):
+        label = "efficiency" if reached else "efficiency_at_most"
+        return {"measured": {label: measured},
+                "predicted": {k: {"efficiency": predicted} for k in DEFINITIONS}}
+
+    batches = {64: row(1.0, 1.0), 128: row(1.2, 0.9), 256: row(0.6, 0.5),
+               512: row(0.1, 0.4, reached=False)}
+    err = prediction_error(batches)
+    want = (math.log(1.2 / 0.9) + math.log(0.6 / 0.5) + abs(math.log(0.5 / 0.9) - math.log(0.5))) / 3
+    assert err["simple"] == pytest.approx(want) and want == pytest.approx(0.192, abs=1e-3)
+    batches[128]["predicted"]["newton"] = None
+    batches[256]["predicted"]["newton"] = None
+    assert prediction_error(batches)["newton"] is None  # one batch left: no pair

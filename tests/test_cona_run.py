@@ -438,20 +438,20 @@ def _probe_by_hand(cfg):
 
 
 def _preconditioned_probe_by_hand(trainer, mbs):
-    """The preconditioned probe over two steps from fresh optimizer state, and its second
-    step's norms recomputed by hand: each micro-batch's gradient times ``P`` (taken before
-    that step) alone, and of all four together."""
+    """The ``newton`` probe (``P^(1/2) g``) over two steps from fresh optimizer state, and
+    its second step's norms recomputed by hand: each micro-batch's gradient times
+    ``P^(1/2)`` (taken before that step) alone, and of all four together."""
     import torch
 
     from cona.grad_stats import GradientNoiseScale
     from cona.probe import GNSProbe, _grad, _is_counted, adam_preconditioner
     from cona.state import restore, snapshot
 
-    probe = GNSProbe(GradientNoiseScale(), preconditioned=True)
+    probe = GNSProbe(GradientNoiseScale(), definition="newton")
     probe.attach(trainer)
     trainer.train_step(mbs)
     first = probe.last  # no optimizer state before the first step: no estimate
-    weights = adam_preconditioner(trainer)
+    weights = adam_preconditioner(trainer, 0.5)
     state = snapshot(trainer)
     trainer.train_step(mbs)
     probe.detach()
@@ -480,6 +480,8 @@ def _preconditioner_checks(trainer, mbs):
     from cona.probe import _grad, _is_counted, adam_preconditioner, measure_noise_scale
 
     weights = adam_preconditioner(trainer)
+    root = adam_preconditioner(trainer, 0.5)  # the newton definition's P^(1/2)
+    root_err = max(float((r * r / w - 1).abs().max()) for r, w in zip(root, weights))
     grads = [_grad(p).detach().double().abs()
              for p in trainer.module.parameters() if _is_counted(p)]
     prod = torch.cat([(w * g)[g > 1e-6] for w, g in zip(weights, grads)])
@@ -518,7 +520,7 @@ def _preconditioner_checks(trainer, mbs):
     return {"min": float(prod.min()), "max": float(prod.max()), "count": prod.numel(),
             "plain": plain, "twice": twice, "with_p": with_p, "mixed": mixed, "short": short,
             "with_p2": with_p2, "with_p2_by_hand": trace / g_sq if g_sq > 0 else None,
-            "with_p2_g_sq": g_sq}
+            "with_p2_g_sq": g_sq, "root_err": root_err}
 
 
 @pytest.fixture(scope="module")
@@ -656,13 +658,15 @@ def test_adam_preconditioner_and_preconditioned_noise_scale(emulated):
     assert p["with_p2"] == pytest.approx(p["with_p2_by_hand"], rel=1e-6)
     assert p["mixed"] != pytest.approx(p["plain"], rel=1e-3)  # the weights are applied
     assert p["short"] is not None and "weights for" in p["short"]
+    assert p["root_err"] < 1e-9  # newton's P^(1/2), squared, is P
 
 
 def test_gns_probe_preconditioned_norms_match_direct_computation(emulated):
-    """Catches a preconditioned probe (``cona.gns_preconditioned``, Pollux's ``P g``) that
-    skips the weights, weights one micro-batch and not another, or makes up an estimate
-    before Adam has state: no estimate on the first step; on the second, its squared norms
-    equal those of ``P`` times each micro-batch's separate gradient and of all four's."""
+    """Catches a preconditioned probe (``cona.gns_definition=newton``: ``P^(1/2) g``; the
+    same path as ``pollux``'s ``P g`` at another power) that skips the weights, weights
+    one micro-batch and not another, or makes up an estimate before Adam has state: no
+    estimate on the first step; on the second, its squared norms equal those of
+    ``P^(1/2)`` times each micro-batch's separate gradient and of all four's."""
     _, probe, _ = emulated
     p = probe["online_precond"]
     assert p["first"] is None
@@ -670,5 +674,5 @@ def test_gns_probe_preconditioned_norms_match_direct_computation(emulated):
     assert (small_b, big_b) == (2, 8)
     assert small == pytest.approx(p["small"], rel=1e-4)
     assert big == pytest.approx(p["big"], rel=1e-4)
-    # P is ~1/|g| after the first step: the weighted norms are nowhere near the raw ones
+    # P^(1/2) is ~1/sqrt|g| after the first step: the weighted norms are far from the raw ones
     assert small != pytest.approx(probe["small"], rel=0.1)

@@ -31,6 +31,18 @@ def test_overrides_are_type_checked_and_unknown_keys_rejected():
         load_config("no_such_preset")
 
 
+def test_a_renamed_key_of_a_saved_config_still_loads(tmp_path):
+    """Catches a run folder's config.yaml that no longer loads after a key was renamed
+    (``cona.gns_preconditioned`` became ``cona.gns_definition``): the old key, in a YAML
+    file or an override, sets the new one to its meaning; a bad value still fails."""
+    old = tmp_path / "config.yaml"
+    old.write_text("cona:\n  gns_preconditioned: true\n")
+    assert load_config(str(old)).cona.gns_definition == "pollux"
+    assert load_config("tiny_gpt", ["cona.gns_preconditioned=false"]).cona.gns_definition == "simple"
+    with pytest.raises(ConfigError, match="gns_definition"):
+        load_config("tiny_gpt", ["cona.gns_preconditioned=3"])
+
+
 def test_layout_validation_names_the_field():
     """Catches layouts megatron would reject later with an assertion."""
     cfg = load_config("tiny_gpt", ["parallel.tp=3"])

@@ -13,6 +13,16 @@ CONA_METHODS = (("static_recipe", "static recipe"), ("static_throughput", "stati
                 ("oracle_chain", "oracle chain"), ("cona", "CONA"))
 
 
+def _methods(m: dict) -> list[tuple[str, str]]:
+    """A family's method rows: :data:`CONA_METHODS`, then CONA with each other noise-scale
+    definition where the run made that ablation (``cona_gns_<definition>``)."""
+    own = m.get("cona_gns_definition")
+    rows = [(k, f"CONA (`{own}` noise scale)" if k == "cona" and own else label)
+            for k, label in CONA_METHODS]
+    return rows + [(k, f"CONA, `{k.removeprefix('cona_gns_')}` noise scale (ablation)")
+                   for k in m["methods"] if k.startswith("cona_gns_")]
+
+
 def _mean_lower_bound(m: dict) -> float | None:
     """A lower bound on a method's mean TTP where a seed missed the target: the mean of
     each seed's TTP or, where it missed, the clock it stopped at (``None`` where a missed
@@ -66,7 +76,7 @@ def _resolution(m: dict) -> str:
     """One line: per method (first seed), the evaluation gap at the target's crossing as a
     share of its TTP."""
     parts = []
-    for key, label in CONA_METHODS:
+    for key, label in _methods(m):
         x = m["methods"].get(key) or {}
         by_seed = x.get("ttp_s_by_seed") or [x.get("ttp_s")]
         gap = _crossing_gap(x.get("evals") or [], m["target_ppl"])
@@ -130,7 +140,7 @@ def cona_ttp(r: dict) -> str:
                   "| method | TTP, emulated | CONA's speed-up over it | switches (layout) | "
                   "chain (first seed) |", "|---|---:|---:|---:|---|"]
         cona = (m["methods"].get("cona") or {}).get("ttp_s")
-        for key, label in CONA_METHODS:
+        for key, label in _methods(m):
             x = m["methods"].get(key)
             if x is None:
                 continue

@@ -53,16 +53,19 @@ class ConaConfig:
     scale-free 113; on least squares with a known answer 0.66 of the truth against 0.85,
     ``tests/test_cona_grad_stats.py``).  The default follows that mechanism, the same for
     every model."""
-    gns_preconditioned: bool = False
-    """Estimate the noise scale of Adam-preconditioned gradients, ``tr(P Sigma P)/|P G|^2``
-    with ``P = 1/(sqrt(v_hat)+eps)``, as Pollux does for adaptive optimizers (Qiao et al.
-    OSDI'21, Sec. 3.1; ``cona/probe.py``), instead of ``B_simple``.  Off by default: for
-    Adam's step ``P g`` the noise scale that sets the efficiency is ``tr(P H P Sigma) /
-    (G^T P H P G)`` (McCandlish et al. 2018, eq. 2.7-2.8, for the preconditioned step;
-    ``cona/surrogate.py``), which is ``B_simple`` where Adam's ``v`` follows the curvature
-    (``v ~ diag Fisher ~ diag H``, ``P H P ~ I``) and Pollux's formula only where the raw
-    Hessian is isotropic (tested on a quadratic with known efficiency,
-    ``tests/test_cona_controller.py``).  Use it with ``gns_average=scale_free``."""
+    gns_definition: Literal["simple", "newton", "pollux"] = "simple"
+    """Which noise scale ranks the global batches: that of the gradients times a power of
+    Adam's preconditioner ``P = 1/(sqrt(v_hat)+eps)`` (``cona/probe.py``): ``simple``
+    (``B_simple = tr(Sigma)/|G|^2``), ``newton`` (``tr(P Sigma)/(G^T P G)``) or ``pollux``
+    (``tr(P Sigma P)/|P G|^2``, what Pollux uses for adaptive optimizers, Qiao et al.
+    OSDI'21, Sec. 3.1).  For Adam's step ``P g`` the noise scale that makes the efficiency
+    exact is ``tr(P H P Sigma) / (G^T P H P G)`` (McCandlish et al. 2018, eq. 2.7-2.8, for
+    the preconditioned step; ``cona/surrogate.py``): ``simple`` where the curvature follows
+    Adam's ``v`` (``H ~ P^-2``), ``newton`` where ``P`` is the inverse curvature (``H ~
+    P^-1``, the premise under which Adam's step is a diagonal Newton step), ``pollux``
+    where the Hessian is isotropic (each tested on a quadratic with known efficiency,
+    ``tests/test_cona_controller.py``).  (Was ``gns_preconditioned``: ``true`` =
+    ``pollux``.)"""
     gns_decision_window: int = 5
     """Decisions rank candidates at the median of the noise-scale estimates of the last
     this many decisions, the current one included (``cona/controller.py``,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import types
 import typing
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
@@ -77,11 +78,21 @@ def _check_type(value: Any, hint: Any, where: str) -> Any:
     return value
 
 
+# keys renamed since a config was saved: old path -> (new key in the same section, the
+# old value's new form); a saved config.yaml or an old override keeps working
+RENAMED: dict[str, tuple[str, Callable[[Any], Any]]] = {
+    "cona.gns_preconditioned": ("gns_definition", lambda v: {True: "pollux", False: "simple"}.get(v, v)),
+}
+
+
 def _apply(obj: Any, values: dict, where: str) -> None:
     hints = typing.get_type_hints(type(obj))
     names = {f.name for f in dataclasses.fields(obj)}
     for key, value in values.items():
         path = f"{where}.{key}" if where else key
+        if path in RENAMED:
+            key, value = RENAMED[path][0], RENAMED[path][1](value)
+            path = f"{where}.{key}" if where else key
         if key not in names:
             # the key of another section, given here (train.save_interval)
             elsewhere = [f"{f.name}.{key}" for f in dataclasses.fields(JobConfig)
