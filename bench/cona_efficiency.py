@@ -97,7 +97,10 @@ def static_run(ctx, strategy, measure_every: int | None = None):
         nxt = job.trainer.step + measure_every
         loop.run(until=lambda nxt=nxt: job.trainer.step >= nxt)
         trajectory.append({"step": job.trainer.step, "samples": job.consumed_samples,
-                           **{d: job.measure_noise_scale(definition=d) for d in DIRECT},
+                           # not charged: the clock times the evaluations (cona.eval_clock),
+                           # and the reference's must fall where an unprobed run's do
+                           **{d: job.measure_noise_scale(definition=d, charge=False)
+                              for d in DIRECT},
                            "in_run_plain": job.gns.noise_scale_plain,
                            "in_run_scale_free": job.gns.noise_scale_scale_free})
     loop.run()

@@ -413,12 +413,12 @@ class EmulatedJob(Job):
             self.sampler = self._sampler(self.topo, consumed)
             cstate.set_rng_state(rng)
 
-    def measure_noise_scale(self, microbatches: int = 64,
-                            definition: str = "simple") -> float | None:
+    def measure_noise_scale(self, microbatches: int = 64, definition: str = "simple",
+                            charge: bool = True) -> float | None:
         """A direct noise scale (proxy sequences) from :meth:`measure_gradient_stats`
         (same arguments, clock charge and state left as it was); ``None`` before the
         first step (preconditioned) or where the signal estimate is not positive."""
-        stats = self.measure_gradient_stats(microbatches, definition)
+        stats = self.measure_gradient_stats(microbatches, definition, charge)
         if stats is None or stats[0] <= 0:
             return None
         return stats[1] / stats[0]

@@ -17,20 +17,23 @@ lowers the loss in expectation by ``eps G'PG - eps^2/2 (G'PHPG + tr(PHP Sigma)/B
 at the best ``eps`` that is ``dL_max / (1 + B_noise/B)`` with
 ``B_noise = tr(PHP Sigma) / (G'PHPG)`` (McCandlish et al. 2018, eq. 2.7-2.8,
 for the preconditioned step), so ``phi = B_noise`` makes ``E(M)`` exact.  It
-needs the curvature, which the probe does not measure; two estimators each
+needs the curvature, which the probe does not measure; the three definitions of
+``cona.gns_definition`` (:data:`cona.probe.DEFINITIONS`: the norms of ``P^a g``) each
 assume one:
 
-- ``B_simple = tr(Sigma)/|G|^2`` (:mod:`cona.grad_stats`) is exact when
-  ``PHP ~ I``, i.e. when Adam's ``v`` follows the curvature (``v ~ diag
-  Fisher ~ diag H``, the Gauss-Newton view of cross-entropy once gradient
-  noise dominates ``v``);
-- Pollux's ``tr(P Sigma P)/|PG|^2`` (Qiao et al. 2021, Sec. 3.1;
-  ``cona.gns_preconditioned``) is exact when the raw Hessian is isotropic
-  (``H ~ I``).
+- ``simple``, ``B_simple = tr(Sigma)/|G|^2`` (:mod:`cona.grad_stats`), is exact when
+  ``PHP ~ I``, i.e. when Adam's ``v`` follows the curvature (``v ~ diag Fisher ~ diag
+  H``, the Gauss-Newton view of cross-entropy once gradient noise dominates ``v``);
+- ``newton``, ``tr(P Sigma)/(G'PG)``, is exact when ``P ~ H^-1``: Adam's step is then a
+  diagonal Newton step, the premise of a preconditioner;
+- ``pollux``, ``tr(P Sigma P)/|PG|^2`` (Qiao et al. 2021, Sec. 3.1), is exact when the
+  raw Hessian is isotropic (``H ~ I``).
 
-The default is ``B_simple``, the first case being Adam's own premise
-(``tests/test_cona_controller.py`` checks both cases on a quadratic where the
-efficiency is computed from the best step size at each batch).
+``tests/test_cona_controller.py`` checks each on a quadratic where the efficiency is
+computed from the best step size at each batch.  Which holds for a model is measured:
+``bench/cona_efficiency.py`` trains every grid batch to the target and compares the
+efficiency each definition predicts with the measured one (docs/cona.md, "Which noise
+scale"); the default is the definition with the lowest error over the families measured.
 
 Score (Pollux's GOODPUT, eq. 4)::
 

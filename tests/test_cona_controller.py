@@ -389,6 +389,24 @@ def test_each_noise_scale_definition_is_exact_for_its_curvature_on_a_quadratic()
     assert statistical_efficiency(512, est["pollux"], 32) > 1.1 * newton[512]
 
 
+def test_default_noise_scale_definition_is_the_measured_best():
+    """Catches a default noise scale chosen by assumption or by a TTP win: the quadratic
+    above shows each definition exact for one curvature, so the default must be the one
+    whose predicted efficiencies are closest to the measured ones over the families
+    (``docs/results/cona_efficiency.json``, ``bench/cona_efficiency.py``)."""
+    import json
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    sys.path.insert(0, str(root / "tools"))
+    from render_cona import best_gns_definition
+
+    measured = json.loads((root / "docs" / "results" / "cona_efficiency.json").read_text())
+    assert len(measured["models"]) >= 2
+    assert ConaConfig().gns_definition == best_gns_definition(measured)
+
+
 def test_default_noise_scale_average_is_scale_free():
     """Catches a default chosen on a bench rather than by mechanism: the estimator a CONA
     job builds from the default config must average scale-free (the plain ratio of EMAs

@@ -275,3 +275,34 @@ def test_a_resumed_bench_reports_its_wall_as_an_estimate_from_its_units():
     assert _bench_wall({**r, "wall_s": 4000.0}) == (4000.0, "")
     r["models"]["b"]["wall_s"]["seeds"].append(None)
     assert _bench_wall(r) == (None, "")
+
+
+def test_cona_efficiency_table_and_the_best_definition_from_a_synthetic_result():
+    """Catches an efficiency table that misstates its JSON or picks the best definition
+    from one family: rows in batch order (``"1024"`` after ``"128"``), a missed batch as an
+    upper bound, each definition's error as given, and the lowest *mean* over the families
+    (here ``newton``: 0.25 against ``simple``'s 0.30, though ``simple`` is lower on one)."""
+    from render_cona import best_gns_definition, cona_efficiency
+
+    def fam(errors):
+        pred = {d: {"efficiency": 0.9} for d in ("simple", "newton", "pollux")}
+        return {"proxy": "tiny_x", "reference_batch": 64, "target_ppl": 100.0,
+                "trajectory": [{"simple": 10.0, "newton": 100.0, "pollux": 1000.0}],
+                "prediction_error": errors,
+                "batches": {"64": {"measured": {"samples": 1000, "efficiency": 1.0}, "predicted": pred},
+                            "1024": {"measured": {"samples": 4000, "efficiency_at_most": 0.25},
+                                     "predicted": pred},
+                            "128": {"measured": {"samples": 1250, "efficiency": 0.8}, "predicted": pred}}}
+
+    r = {"models": {"a": fam({"simple": 0.1, "newton": 0.3, "pollux": 0.4}),
+                    "b": fam({"simple": 0.5, "newton": 0.2, "pollux": 0.6})},
+         "date": "2026-12-04T00:00:00Z", "commit": "abc", "machine": "m", "command": "c"}
+    assert best_gns_definition(r) == "newton"
+    out = cona_efficiency(r)
+    rows = [ln for ln in out.splitlines() if ln.startswith("| 64 ") or ln.startswith("| 128 ")
+            or ln.startswith("| 1024 ")]
+    assert [x.split("|")[1].strip() for x in rows[:3]] == ["64", "128", "1024"]
+    assert "| 1024 | 4,000 | ≤ 0.25 (missed) | 0.90 | 0.90 | 0.90 |" in out
+    assert "`simple` 0.30, `newton` 0.25, `pollux` 0.50; lowest: `newton`" in out
+    r["models"]["b"]["prediction_error"]["newton"] = None
+    assert best_gns_definition(r) == "simple"  # newton not measured on every family

@@ -8,6 +8,7 @@ import re
 
 from results_source import source_line as _source
 
+GNS_DEFINITIONS = ("simple", "newton", "pollux")  # cona.probe.DEFINITIONS
 CONA_METHODS = (("static_recipe", "static recipe"), ("static_throughput", "static throughput"),
                 ("static_oracle", "best static (hindsight)"), ("oracle_greedy", "oracle greedy"),
                 ("oracle_chain", "oracle chain"), ("cona", "CONA"))
@@ -272,3 +273,54 @@ def cona_ttp_bars(r: dict, families: tuple[str, ...] = ("gpt3_1.3b", "llama3.2_1
              "on a seed within 4x the budget, its clock there is a lower bound.", "",
              _source(r, "cona_ttp_quick" if r.get("quick") else "cona_ttp")]
     return "\n".join(rows) + "\n"
+
+
+def cona_efficiency(r: dict) -> str:
+    """bench/cona_efficiency.py: per family, each grid batch's measured efficiency (proxy
+    samples to the target at the reference batch over at this batch, the scaling rule's
+    LR) against what Pollux's ``E(M)`` predicts with each noise-scale definition measured
+    directly along the reference, then each definition's error in ratios between batches
+    and the one that ranks best over the families."""
+    defs = GNS_DEFINITIONS
+    lines = []
+    for name, m in r["models"].items():
+        med = {d: sorted(t[d] for t in m["trajectory"] if t.get(d)) for d in defs}
+        medians = ", ".join(f"`{d}` {v[len(v) // 2]:,.0f}" for d, v in med.items() if v)
+        lines += [f"**{name}** (`{m['proxy']}`, reference batch {m['reference_batch']} target "
+                  f"sequences, target val ppl {m['target_ppl']:.1f}); median noise scale along "
+                  f"the reference, proxy sequences: {medians}.", "",
+                  "| global batch | proxy samples to target | measured efficiency | "
+                  + " | ".join(f"`{d}` predicts" for d in defs) + " |",
+                  "|---:|---:|---:|" + "---:|" * len(defs)]
+        for b, x in sorted(m["batches"].items(), key=lambda kv: int(kv[0])):
+            meas = x["measured"]
+            eff = (f"{meas['efficiency']:.2f}" if "efficiency" in meas
+                   else f"≤ {meas['efficiency_at_most']:.2f} (missed)")
+            pred = " | ".join(_fmt((x["predicted"].get(d) or {}).get("efficiency"), ".2f", "")
+                              for d in defs)
+            lines.append(f"| {b} | {meas['samples']:,} | {eff} | {pred} |")
+        err = m.get("prediction_error") or {}
+        lines += ["", "Error in ratios between batches (mean |ln(predicted / measured)| over "
+                  "pairs of batches): " + ", ".join(f"`{d}` {_fmt(err.get(d), '.2f', '')}"
+                                                    for d in defs) + ".", ""]
+    mean = _mean_errors(r)
+    if mean:
+        lines += ["Mean over the families: " + ", ".join(
+            f"`{d}` {v:.2f}" for d, v in mean.items()) + f"; lowest: `{best_gns_definition(r)}`.",
+            ""]
+    lines.append(_source(r, "cona_efficiency"))
+    return "\n".join(lines) + "\n"
+
+
+def _mean_errors(r: dict) -> dict[str, float]:
+    """Per noise-scale definition measured on every family, its mean error over them."""
+    errs = {d: [(m.get("prediction_error") or {}).get(d) for m in r["models"].values()]
+            for d in GNS_DEFINITIONS}
+    return {d: sum(v) / len(v) for d, v in errs.items() if v and None not in v}
+
+
+def best_gns_definition(r: dict) -> str | None:
+    """The noise-scale definition with the lowest mean error over the families of a
+    ``bench/cona_efficiency.py`` result (``None`` where none was measured on every one)."""
+    mean = _mean_errors(r)
+    return min(mean, key=mean.get) if mean else None

@@ -26,7 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from render_cona import cona_ttp, cona_ttp_bars, cona_ttp_headline  # noqa: E402
+from render_cona import cona_efficiency, cona_ttp, cona_ttp_bars, cona_ttp_headline  # noqa: E402
 from render_gpu import h200_check, h200_check_headline  # noqa: E402
 from render_gpu import ratio as _ratio  # noqa: E402
 from results_source import source_line as _source  # noqa: E402
@@ -321,6 +321,7 @@ RENDERERS: dict[str, Callable[[dict], str]] = {"four_shape_cpu": four_shape_cpu,
                                                "geomesh_peers_quick": geomesh_peers,
                                                "geomesh_peers_tune": geomesh_peers_tune,
                                                "cona_ttp": cona_ttp,
+                                               "cona_efficiency": cona_efficiency,
                                                "cona_ttp_quick": cona_ttp}
 VIEWS: dict[tuple[str, str], Callable[[dict], str]] = {
     ("h200_2026-11-30", "headline"): h200_headline,
