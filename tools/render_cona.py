@@ -121,7 +121,12 @@ def _oracle_finding(oracle: dict) -> str:
             f"{exact}.")
 
 
-def cona_ttp(r: dict) -> str:
+def _file(r: dict, name: str | None) -> str:
+    """The result file's name: ``name`` where given, else the bench's own default."""
+    return name or ("cona_ttp_quick" if r.get("quick") else "cona_ttp")
+
+
+def cona_ttp(r: dict, name: str | None = None) -> str:
     """bench/cona_ttp.py: per family its target (and the corpus's unigram perplexity),
     what one run stands for, and every method's TTP over the seeds with its switches
     (all / layout) and its first seed's chain."""
@@ -151,8 +156,7 @@ def cona_ttp(r: dict) -> str:
                          f"({x.get('layout_switches', 0)}) | {chain} |")
         lines += ["", *filter(None, [_oracle_finding(m.get("oracle") or {}), _resolution(m),
                                      _cost(m)]), ""]
-    lines += [_cona_settings(r), "", _source(r, "cona_ttp_quick" if r.get("quick")
-                                             else "cona_ttp")]
+    lines += [_cona_settings(r), "", _source(r, _file(r, name))]
     return "\n".join(lines) + "\n"
 
 
@@ -173,7 +177,7 @@ def cona_ttp_headline(r: dict) -> str:
                      f"{_speedup(meth.get('static_oracle'), cona)} |")
     lines += ["", _cona_settings(r) + " Above 1x: CONA is faster.  Every method, switch and "
               "chain: [docs/cona.md](docs/cona.md#results).",
-              "", _source(r, "cona_ttp_quick" if r.get("quick") else "cona_ttp")]
+              "", _source(r, _file(r, None))]
     return "\n".join(lines) + "\n"
 
 
@@ -271,7 +275,7 @@ def cona_ttp_bars(r: dict, families: tuple[str, ...] = ("gpt3_1.3b", "llama3.2_1
     rows += ["", "Ratios: the other method's mean TTP over CONA's (above 1x: CONA is faster); "
              "best static per seed, its worst seed shown; `>`: the recipe missed the target "
              "on a seed within 4x the budget, its clock there is a lower bound.", "",
-             _source(r, "cona_ttp_quick" if r.get("quick") else "cona_ttp")]
+             _source(r, _file(r, None))]
     return "\n".join(rows) + "\n"
 
 
