@@ -121,12 +121,12 @@ def _oracle_finding(oracle: dict) -> str:
             f"{exact}.")
 
 
-def _file(r: dict, name: str | None) -> str:
-    """The result file's name: ``name`` where given, else the bench's own default."""
-    return name or ("cona_ttp_quick" if r.get("quick") else "cona_ttp")
+def _file(r: dict, file: str | None) -> str:
+    """The result file's name: ``file`` where given, else the bench's own default."""
+    return file or ("cona_ttp_quick" if r.get("quick") else "cona_ttp")
 
 
-def cona_ttp(r: dict, name: str | None = None) -> str:
+def cona_ttp(r: dict, file: str | None = None) -> str:
     """bench/cona_ttp.py: per family its target (and the corpus's unigram perplexity),
     what one run stands for, and every method's TTP over the seeds with its switches
     (all / layout) and its first seed's chain."""
@@ -156,7 +156,7 @@ def cona_ttp(r: dict, name: str | None = None) -> str:
                          f"({x.get('layout_switches', 0)}) | {chain} |")
         lines += ["", *filter(None, [_oracle_finding(m.get("oracle") or {}), _resolution(m),
                                      _cost(m)]), ""]
-    lines += [_cona_settings(r), "", _source(r, _file(r, name))]
+    lines += [_cona_settings(r), "", _source(r, _file(r, file))]
     return "\n".join(lines) + "\n"
 
 
