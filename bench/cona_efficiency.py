@@ -24,13 +24,15 @@ batch ratio ``r``, grid, sqrt LR rule, schedule in samples):
 
 Usage::
 
-    python bench/cona_efficiency.py --models gpt3_1.3b llama3.2_1b --every 20  # ~25 min
+    python bench/cona_efficiency.py --models gpt3_1.3b llama3.2_1b --every 20  # ~35 min
     python bench/cona_efficiency.py --models bert_large --jobs 1   # hours: its proxy is slow
 
 Prints one JSON object ``{"date", "commit", "machine", "command", "every", "models":
 {NAME: {"prediction_error": {definition: error}, "trajectory": [...], "batches": {M:
 {"measured", "predicted"}}}}}`` (``prediction_error``: :func:`prediction_error`).
-Measured on the proxy (emulated mode's trained model); no clock is involved.
+Measured on the proxy (emulated mode's trained model) in samples; the emulated clock
+only times the evaluations (``cona.eval_clock``), and the direct probes are not charged
+to it.
 """
 
 from __future__ import annotations

@@ -278,7 +278,8 @@ def time_scale_for(ctx, ref: dict) -> dict:
 def seed_methods(ctx, settings: dict, boundaries: list[int],
                  recipe_batch: int) -> tuple[dict, dict]:
     """Every method on one seed's context (module docstring): ``(methods, phase_wall_s)``,
-    the latter each phase's wall seconds (``search``, ``recipe``, ``lr_sweep``, ``cona``)."""
+    the latter each phase's wall seconds (``search``, ``recipe``, ``lr_sweep``, ``cona``
+    and, where ``settings["gns_ablations"]`` asks for them, ``cona_ablations``)."""
     from cona.baselines import (
         fastest_per_batch,
         recipe_strategy,
@@ -327,10 +328,13 @@ def seed_methods(ctx, settings: dict, boundaries: list[int],
     methods["static_oracle"] = min(reached, key=lambda m: m["ttp_s"]) if reached else None
     wall["lr_sweep"] = (t := time.perf_counter()) - t1
     methods["cona"], _ = run_cona(ctx)
-    for d in settings.get("gns_ablations", ()):
-        if d != ctx.cfg.cona.gns_definition:  # the default's row is "cona"
-            methods[f"cona_gns_{d}"], _ = run_cona(ctx, gns_definition=d)
-    wall["cona"] = time.perf_counter() - t
+    wall["cona"] = (t1 := time.perf_counter()) - t
+    ablations = [d for d in settings.get("gns_ablations", ())
+                 if d != ctx.cfg.cona.gns_definition]  # the default's row is "cona"
+    for d in ablations:
+        methods[f"cona_gns_{d}"], _ = run_cona(ctx, gns_definition=d)
+    if ablations:
+        wall["cona_ablations"] = time.perf_counter() - t1
     log.info("seed %d wall s: %s", ctx.cfg.train.seed,
              ", ".join(f"{k} {v:.0f}" for k, v in wall.items()))
     return methods, wall

@@ -16,7 +16,9 @@
 # does not import or a wheel is not there yet, or stops in one line saying what to carry.  Its other hard dependencies
 # (torch, numpy, packaging) come with torch and transformers; wandb, datasets, torchft, TE
 # and apex are not needed here.  Tokenizers trained by the tests are kept in .whl/test-cache
-# (GEOCONA_TEST_CACHE), so a carried or second run skips their training.
+# (GEOCONA_TEST_CACHE), so a carried or second run skips their training.  Where the tree
+# arrived as a copy with a stale or no .git, GEOCONA_COMMIT=<hash> names its commit in
+# summary.json (jobruntime.metrics.provenance).
 #
 # PARTs (default: all): install; tests (tests/test_gpu.py: demo to target, the three
 # full-size presets with tokenizer.json files of their kind, GeoMesh and CONA real mode,

@@ -50,7 +50,8 @@ def test_outcomes(xml: Path) -> list[dict]:
         failed = case.find("failure") is not None or case.find("error") is not None
         outcome = "failed" if failed else "skipped" if case.find("skipped") is not None else "passed"
         seconds = case.get("time")
-        out.append({"name": case.get("name"), "outcome": outcome,
+        out.append({"name": case.get("name").split("@")[0],  # without an xdist group
+                    "outcome": outcome,
                     "seconds": round(float(seconds), 1) if seconds else None})
     return out
 

@@ -58,9 +58,9 @@ def provenance(argv: list[str] | None = None) -> dict[str, Any]:
         except (OSError, subprocess.SubprocessError):
             return ""
 
-    commit = os.environ.get("GEOCONA_COMMIT") or git("rev-parse", "--short", "HEAD") or None
-    if commit and "GEOCONA_COMMIT" not in os.environ and git("status", "--porcelain",
-                                                            "--untracked-files=no"):
+    given = os.environ.get("GEOCONA_COMMIT")
+    commit = given or git("rev-parse", "--short", "HEAD") or None
+    if commit and not given and git("status", "--porcelain", "--untracked-files=no"):
         commit += "+dirty"
     machine = f"{os.cpu_count()} CPU cores, {platform.processor() or platform.machine()}"
     try:

@@ -495,3 +495,37 @@ def test_efficiency_prediction_error_is_in_ratios_between_batches():
     batches[128]["predicted"]["newton"] = None
     batches[256]["predicted"]["newton"] = None
     assert prediction_error(batches)["newton"] is None  # one batch left: no pair
+
+
+def test_cona_ablation_runs_with_its_override_and_leaves_the_config_as_it_was():
+    """Catches an ablation row that runs the default controller (the override not seen by
+    the job it builds) or leaks into the runs after it (ctx.cfg left changed, also when
+    the run fails); and the table's rows: the default's row names its definition, each
+    ablation row its own."""
+    import dataclasses
+    import sys
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from cona.baselines import run_cona
+
+    cfg = load_config("tiny_gpt")
+    seen = []
+
+    def make_job():
+        seen.append(ctx.cfg.cona.gns_definition)
+        raise RuntimeError("stop here")
+
+    ctx = SimpleNamespace(cfg=cfg, make_job=make_job)
+    before = dataclasses.asdict(cfg.cona)
+    with pytest.raises(RuntimeError, match="stop here"):
+        run_cona(ctx, gns_definition="newton")
+    assert seen == ["newton"] and dataclasses.asdict(cfg.cona) == before
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
+    from render_cona import _methods
+
+    rows = dict(_methods({"cona_gns_definition": "simple",
+                          "methods": {"cona": {}, "cona_gns_newton": {}, "static_recipe": {}}}))
+    assert rows["cona"] == "CONA (`simple` noise scale)"
+    assert rows["cona_gns_newton"] == "CONA, `newton` noise scale (ablation)"

@@ -90,8 +90,7 @@ def test_zero_shot_tool_on_gpu(demo):
 def _train_tokenizer(kind: str, vocab_size: int, cache: Path) -> Path:
     """A tokenizer.json of the preset's kind trained on the bundled corpus:
     byte-level BPE (GPT-2, Llama-3) or WordPiece with BERT's specials at 0..4.
-    Kept in ``cache``: the GPU check carries them (the three take ~10 s on 2
-    cores), and pytest-xdist workers share them (written under a name of the
+    Kept in ``cache``: the GPU check can carry them, and pytest-xdist workers share them (written under a name of the
     process's own, then renamed)."""
     path = cache / "tokenizers" / f"{kind}-{vocab_size}.json"
     if path.is_file():

@@ -23,6 +23,7 @@ import json
 import re
 import sys
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -321,6 +322,7 @@ RENDERERS: dict[str, Callable[[dict], str]] = {"four_shape_cpu": four_shape_cpu,
                                                "geomesh_peers_quick": geomesh_peers,
                                                "geomesh_peers_tune": geomesh_peers_tune,
                                                "cona_ttp": cona_ttp,
+                                               "cona_ttp_gns": partial(cona_ttp, file="cona_ttp_gns"),
                                                "cona_efficiency": cona_efficiency,
                                                "cona_ttp_quick": cona_ttp}
 VIEWS: dict[tuple[str, str], Callable[[dict], str]] = {
