@@ -31,7 +31,11 @@ Rules fixed before any method runs (per family; none looks at a method's result)
    ``B_crit(L)`` and ``L(N, S)`` turn the range ``r x [phi_0, phi_1]`` into the span of the target's training one run
    stands for (``target_tokens_per_run``) and so the step dilation ``k``
    (``cona.step_dilation``): one proxy step is charged ``k`` target steps
-   (:func:`cona.targets.time_scale`).  Switch costs stay real seconds.
+   (:func:`cona.targets.time_scale`).  Switch costs stay real seconds.  The end of the
+   range is read along a run whose trajectory differs between machines, and the
+   dilation is steep in it, so the dilation charged is the one measured once for the
+   set-up and committed (``bench/cona_time_scale.py``; ``--time-scale measured``: this
+   run's own, which is always reported beside it).
 5. **Evaluations.** Every method is evaluated (``VAL_SEQUENCES`` validation
    sequences) every ``eval_interval`` step times of the reference strategy on its clock
    (``cona.eval_clock``: the same times for every batch), more often near the target
@@ -376,6 +380,7 @@ def family_setup(target: str, spec: dict, settings: dict, cache_dir: str | None)
     Raises:
         SystemExit: the reference does not reach the target within the budget.
     """
+    from bench.cona_time_scale import choose_time_scale, setup_digest
     from cona.targets import corpus_unigram_perplexity, target_ppl
 
     log = logging.getLogger("cona")
@@ -396,10 +401,13 @@ def family_setup(target: str, spec: dict, settings: dict, cache_dir: str | None)
     if quick:
         cfg.train.target_ppl = ref["val_ppl"]
     ts = time_scale_for(ctx, ref)
+    if settings.get("time_scale", "calibrated") == "calibrated" and not quick:
+        ts = choose_time_scale(target, setup_digest(target, cfg, settings), ts)
     cfg.cona.step_dilation = ts["step_dilation"]
     log.info("unigram ppl %.1f, target %.1f, noise scale %.1f -> %.1f proxy seq., step "
-             "dilation %.1f", unigram, cfg.train.target_ppl, ref["noise_scale_warm_proxy"],
-             ref["noise_scale_target_proxy"], ts["step_dilation"])
+             "dilation %.1f (%s)", unigram, cfg.train.target_ppl,
+             ref["noise_scale_warm_proxy"], ref["noise_scale_target_proxy"],
+             ts["step_dilation"], "calibrated" if ts.get("calibration") else "measured")
     return cfg, ctx, ref, ts, unigram
 
 
@@ -570,6 +578,12 @@ def main(argv=None) -> int:
                    "instead of running them (a killed run goes on where it stopped)")
     p.add_argument("--no-train", action="store_true",
                    help="with --reuse: run no seed; report the seeds found (seeds_done)")
+    p.add_argument("--time-scale", choices=("calibrated", "measured"), default="calibrated",
+                   help="the step dilation charged: the committed calibration of the family's "
+                   "set-up (default; measured where it has none) or this run's measurement "
+                   "(bench/cona_time_scale.py)")
+    p.add_argument("--no-ablations", action="store_true",
+                   help="skip CONA's runs with the other noise-scale definitions")
     args = p.parse_args(argv)
     if args.no_train and not (args.reuse and args.out):
         p.error("--no-train needs --reuse and --out (it reports the seeds found there)")
@@ -579,7 +593,10 @@ def main(argv=None) -> int:
     refuse_output_folder(p, args.out)  # before the run, not after it
     if args.jobs < 1 or args.num_gpus < 1:
         p.error("--jobs and --num-gpus must be >= 1")
-    settings = dict(QUICK if args.quick else FULL, gpu=args.gpu, num_gpus=args.num_gpus)
+    settings = dict(QUICK if args.quick else FULL, gpu=args.gpu, num_gpus=args.num_gpus,
+                    time_scale=args.time_scale)
+    if args.no_ablations:
+        settings["gns_ablations"] = ()
     models = settings.get("models") or {
         k: v for k, v in MODELS.items() if args.families is None or k in args.families}
     report = {"clock": "emulated", "gpu": args.gpu, "num_gpus": args.num_gpus,
