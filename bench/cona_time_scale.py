@@ -141,7 +141,8 @@ def calibration_from(result: dict, result_file: str, settings: dict) -> dict:
     families = {}
     for name, m in result["models"].items():
         ts = m.get("time_scale") or {}
-        if "error" in ts or not ts.get("target_tokens_per_run"):
+        measured = ts.get("measured", ts)  # a calibrated run keeps its own beside
+        if "error" in measured or not measured.get("target_tokens_per_run"):
             continue
         spec, ref = MODELS[name], m["reference"]
         recorded = {"proxy": (m["proxy"], spec["proxy"]),
@@ -156,7 +157,6 @@ def calibration_from(result: dict, result_file: str, settings: dict) -> dict:
                 raise ValueError(f"{result_file}: {name}'s {field} was {then!r}, today's "
                                  f"set-up has {now!r}; run the bench again and calibrate "
                                  "from that run")
-        measured = ts.get("measured", ts)  # a calibrated run keeps its own beside
         families[name] = {
             "setup_digest": setup_digest(name, cfg, settings),
             **{k: measured[k] for k in ("step_dilation", "target_tokens_per_run",

@@ -121,6 +121,52 @@ def _oracle_finding(oracle: dict) -> str:
             f"{exact}.")
 
 
+def _time_scale_origin(ts: dict) -> str:
+    """Where a family's step dilation came from: the committed calibration (and what this
+    run measured beside it) or this run's own measurement (``bench/cona_time_scale.py``);
+    empty for results made before the calibration existed."""
+    cal, own = ts.get("calibration"), (ts.get("measured") or {}).get("step_dilation")
+    if cal:
+        return (f" (step dilation {ts['step_dilation']:.1f}, calibrated at "
+                f"`{cal['from']['commit']}`; this run measured {_fmt(own, '.1f', '')})")
+    if "calibration_miss" in ts:
+        return f" (step dilation {ts['step_dilation']:.1f}, measured in this run)"
+    return ""
+
+
+def cona_repro(r: dict, file: str = "cona_repro") -> str:
+    """bench/cona_repro.py: per family the dilation each run charged and measured, and per
+    method both runs' TTP (mean ± sd over seeds), their ratio, the ratio at equal
+    dilation, and whether the difference lies within the larger seed sd."""
+    a, b = r["a"], r["b"]
+    lines = [f"Run a: `{a['commit']}` on {a['machine']} (`{a['file']}`); run b: "
+             f"`{b['commit']}` on {b['machine']} (`{b['file']}`).", ""]
+    for name, m in r["models"].items():
+        k, km = m["step_dilation"], m["step_dilation_measured"]
+        lines += [f"**{name}**: step dilation charged {_fmt(k['a'], '.1f', '')} / "
+                  f"{_fmt(k['b'], '.1f', '')} (a / b), measured {_fmt(km['a'], '.1f', '')} / "
+                  f"{_fmt(km['b'], '.1f', '')}.", "",
+                  "| method | TTP a, emulated | TTP b, emulated | b / a | b / a at a's "
+                  "dilation | difference / larger seed sd | within the seed spread |",
+                  "|---|---:|---:|---:|---:|---:|---|"]
+        labels = dict(_methods({"methods": m["methods"]}))
+        for key, x in m["methods"].items():
+            ta, tb = x["ttp_s"]["a"], x["ttp_s"]["b"]
+            sa, sb = x["sd_s"]["a"], x["sd_s"]["b"]
+            cell = [f"{t:,.0f} ± {sd or 0:,.0f} s" if t else "missed"
+                    for t, sd in ((ta, sa), (tb, sb))]
+            lines.append(f"| {labels.get(key, key)} | {cell[0]} | {cell[1]} | "
+                         f"{_fmt(x['b_over_a'], '.3f')} | "
+                         f"{_fmt(x['b_over_a_at_equal_dilation'], '.3f')} | "
+                         f"{_fmt(x['diff_over_spread'], '.1f', '')} | "
+                         f"{ {True: 'yes', False: '**no**', None: '—'}[x['within_seed_spread']]} |")
+        lines.append("")
+    w = r["within_seed_spread"]
+    lines += [f"Within the seed spread: {w['methods']} of {w['of']} methods.", "",
+              _source(r, file)]
+    return "\n".join(lines) + "\n"
+
+
 def _file(r: dict, file: str | None) -> str:
     """The result file's name: ``file`` where given, else the bench's own default."""
     return file or ("cona_ttp_quick" if r.get("quick") else "cona_ttp")
@@ -140,6 +186,7 @@ def cona_ttp(r: dict, file: str | None = None) -> str:
                 f"{m['noise_scale_growth_direct']:.2f}x over the reference's segment")
         if tokens:
             head += f"; one run stands for {tokens / 1e9:.2f}B target tokens"
+            head += _time_scale_origin(m.get("time_scale") or {})
         if share:
             head += f"; a layout switch costs {100 * share:.2f} % of the recipe's TTP"
         lines += [head + ".", "",

@@ -27,7 +27,13 @@ from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from render_cona import cona_efficiency, cona_ttp, cona_ttp_bars, cona_ttp_headline  # noqa: E402
+from render_cona import (  # noqa: E402
+    cona_efficiency,
+    cona_repro,
+    cona_ttp,
+    cona_ttp_bars,
+    cona_ttp_headline,
+)
 from render_gpu import h200_check, h200_check_headline  # noqa: E402
 from render_gpu import ratio as _ratio  # noqa: E402
 from results_source import source_line as _source  # noqa: E402
@@ -324,6 +330,9 @@ RENDERERS: dict[str, Callable[[dict], str]] = {"four_shape_cpu": four_shape_cpu,
                                                "cona_ttp": cona_ttp,
                                                "cona_ttp_gns": partial(cona_ttp, file="cona_ttp_gns"),
                                                "cona_efficiency": cona_efficiency,
+                                               "cona_repro": cona_repro,
+                                               "cona_repro_before": partial(
+                                                   cona_repro, file="cona_repro_before"),
                                                "cona_ttp_quick": cona_ttp}
 VIEWS: dict[tuple[str, str], Callable[[dict], str]] = {
     ("h200_2026-11-30", "headline"): h200_headline,

@@ -1,0 +1,214 @@
+"""The CONA bench's committed time scale (``bench/cona_time_scale.py``): the same
+dilation on every machine for a set-up that has one, its own measurement otherwise,
+and a calibration that names the set-up it holds for."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+
+
+def _settings():
+    from bench.cona_ttp import FULL
+
+    return dict(FULL, gpu="A100-80GB", num_gpus=64, time_scale="calibrated")
+
+
+def _cfg(family="gpt3_1.3b", settings=None, cache_dir=None):
+    from bench.cona_ttp import MODELS, family_config
+
+    return family_config(family, MODELS[family], settings or _settings(), cache_dir)
+
+
+def _calibration(digest, dilation=40.0):
+    return {"families": {"gpt3_1.3b": {
+        "setup_digest": digest, "step_dilation": dilation, "target_tokens_per_run": 2e9,
+        "target_loss_range": [4.2, 3.0], "critical_batch_tokens_range": [2e5, 1e6],
+        "source": "Kaplan"}},
+        "from": {"file": "r.json", "date": "d", "commit": "abc", "machine": "m",
+                 "command": "c"}}
+
+
+def test_a_calibrated_set_up_charges_the_committed_dilation_whatever_this_run_measured():
+    """Catches the old rule (the dilation re-measured on every machine: 65.8 on one 2-core
+    machine, 49.1 on another for the same commit): two runs measuring different ranges
+    get the same dilation, and each keeps its own measurement beside it."""
+    from bench.cona_time_scale import choose_time_scale, setup_digest
+
+    s = _settings()
+    digest = setup_digest("gpt3_1.3b", _cfg(settings=s), s)
+    cal = _calibration(digest)
+    a = choose_time_scale("gpt3_1.3b", digest, {"step_dilation": 65.8}, cal)
+    b = choose_time_scale("gpt3_1.3b", digest, {"step_dilation": 49.1}, cal)
+    assert a["step_dilation"] == b["step_dilation"] == 40.0
+    assert a["target_tokens_per_run"] == 2e9
+    assert (a["measured"]["step_dilation"], b["measured"]["step_dilation"]) == (65.8, 49.1)
+    assert a["calibration"]["from"]["commit"] == "abc"
+
+
+def test_a_set_up_without_a_matching_entry_is_measured_and_says_why():
+    from bench.cona_time_scale import choose_time_scale
+
+    cal = _calibration("0" * 20)
+    other = choose_time_scale("gpt3_1.3b", "1" * 20, {"step_dilation": 7.0}, cal)
+    assert other["step_dilation"] == 7.0 and other["calibration"] is None
+    assert "another set-up" in other["calibration_miss"]
+    none = choose_time_scale("bert_large", "1" * 20, {"step_dilation": 3.0}, cal)
+    assert none["step_dilation"] == 3.0 and "no entry for bert_large" in none["calibration_miss"]
+
+
+def test_set_up_digest_names_what_the_reference_depends_on_and_nothing_else():
+    """The cache folder, the emulated cluster and the controller's settings do not move
+    the reference's run, so they keep the digest; the proxy's width, its LR, the batch
+    ratio, the probe count or the family do."""
+    from bench.cona_time_scale import setup_digest
+
+    s = _settings()
+    base = _cfg(settings=s)
+    d0 = setup_digest("gpt3_1.3b", base, s)
+    same = copy.deepcopy(base)
+    same.data.cache_dir = "/elsewhere"
+    same.train.target_ppl = 123.0
+    same.cona.gpu, same.cona.num_gpus = "H100-80GB", 8
+    same.cona.decision_interval += 5
+    same.cona.step_dilation = 99.0
+    assert setup_digest("gpt3_1.3b", same, dict(s, gpu="H100-80GB", num_gpus=8,
+                                                 gns_ablations=())) == d0
+    for change in ("model.hidden_size", "train.lr", "cona.batch_ratio"):
+        c = copy.deepcopy(base)
+        sec, key = change.split(".")
+        setattr(getattr(c, sec), key, getattr(getattr(c, sec), key) * 2)
+        assert setup_digest("gpt3_1.3b", c, s) != d0, change
+    assert setup_digest("gpt3_1.3b", base, dict(s, probe_microbatches=64)) != d0
+    assert setup_digest("llama3.2_1b", base, s) != d0
+
+
+def test_calibration_from_a_result_checks_its_recorded_set_up(tmp_path):
+    from bench.cona_time_scale import calibration_from, setup_digest
+    from cona.mapping import BATCH_RATIO
+
+    s = _settings()
+    cfg = _cfg(settings=s)
+    model = {"proxy": "tiny_gpt", "proxy_overrides": _spec()["overrides"],
+             "mapping": {"ratio": BATCH_RATIO},
+             "time_scale": {"step_dilation": 50.0, "target_tokens_per_run": 3e9,
+                            "target_loss_range": [4, 3], "critical_batch_tokens_range": [1, 2],
+                            "source": "Kaplan"},
+             "reference": {"probe_microbatches": s["probe_microbatches"],
+                           "warm_steps": cfg.train.warmup_iters,
+                           "noise_scale_warm_proxy": 13.0, "noise_scale_target_proxy": 60.0,
+                           "segment_samples": 3456, "noise_scale_probes": [{}] * 5}}
+    result = {"quick": False, "commit": "abc", "models": {"gpt3_1.3b": model}}
+    cal = calibration_from(result, "r.json", s)
+    entry = cal["families"]["gpt3_1.3b"]
+    assert entry["setup_digest"] == setup_digest("gpt3_1.3b", cfg, s)
+    assert entry["step_dilation"] == 50.0 and entry["probes"] == 5
+    assert cal["from"]["commit"] == "abc"
+    # a calibrated run's own measurement is what a new calibration takes
+    calibrated = copy.deepcopy(result)
+    calibrated["models"]["gpt3_1.3b"]["time_scale"] = {
+        "step_dilation": 65.8, "measured": model["time_scale"]}
+    assert calibration_from(calibrated, "r.json", s)["families"]["gpt3_1.3b"][
+        "step_dilation"] == 50.0
+    wrong = copy.deepcopy(result)
+    wrong["models"]["gpt3_1.3b"]["reference"]["probe_microbatches"] = 64
+    with pytest.raises(ValueError, match="probe_microbatches was 64"):
+        calibration_from(wrong, "r.json", s)
+    with pytest.raises(ValueError, match="--quick"):
+        calibration_from(dict(result, quick=True), "r.json", s)
+
+
+def _spec():
+    from bench.cona_ttp import MODELS
+
+    return MODELS["gpt3_1.3b"]
+
+
+def test_committed_calibration_holds_for_todays_set_up():
+    """The committed calibration names today's set-up for each family it holds: a change
+    to a proxy, its recipe or the bench's rules without a new calibration (and a new
+    full run) fails here rather than charging a stale time scale."""
+    from bench.cona_time_scale import CALIBRATION, load_calibration, setup_digest
+
+    cal = load_calibration()
+    assert cal["families"], f"{CALIBRATION} holds no family"
+    s = _settings()
+    for family, entry in cal["families"].items():
+        assert entry["setup_digest"] == setup_digest(family, _cfg(family, s), s), family
+        assert entry["step_dilation"] > 1 and entry["target_tokens_per_run"] > 0
+
+
+def test_a_calibration_file_that_is_not_one_is_refused(tmp_path):
+    from bench.cona_time_scale import load_calibration
+
+    bad = tmp_path / "cal.json"
+    bad.write_text(json.dumps({"gpt3_1.3b": 3}))
+    with pytest.raises(ValueError, match="not a CONA time-scale calibration"):
+        load_calibration(bad)
+    assert load_calibration(tmp_path / "absent.json") == {"families": {}}
+
+
+def _run(ttp: dict, dilation: float, measured: float | None = None, quick=False):
+    ts = {"step_dilation": dilation}
+    if measured is not None:
+        ts["measured"] = {"step_dilation": measured}
+    return {"quick": quick, "date": "2026-12-04T00:00:00Z", "commit": "c", "machine": "m",
+            "command": "python bench/cona_ttp.py",
+            "models": {"gpt3_1.3b": {"time_scale": ts, "target_ppl": 190.0, "ratios": {},
+                                     "methods": {k: {"ttp_s": t, "ttp_s_sd": sd}
+                                                 for k, (t, sd) in ttp.items()}}}}
+
+
+def test_repro_compares_methods_within_the_larger_seed_sd_and_at_equal_dilation():
+    """A run that charged a smaller dilation has every TTP scaled by it: outside the seed
+    spread, and at equal dilation the same; a run at the same dilation whose means differ
+    by less than the larger sd is within it; a missed method is not counted."""
+    import sys
+    from pathlib import Path
+
+    from bench.cona_repro import compare
+
+    a = _run({"cona": (4000.0, 300.0), "static_recipe": (3000.0, 30.0),
+              "oracle_chain": (None, None)}, 65.8)
+    scaled = _run({"cona": (4000.0 * 0.75, 225.0), "static_recipe": (2250.0, 20.0),
+                   "oracle_chain": (2000.0, 10.0)}, 65.8 * 0.75)
+    r = compare(a, scaled)
+    m = r["models"]["gpt3_1.3b"]["methods"]
+    assert m["cona"]["within_seed_spread"] is False
+    assert m["cona"]["b_over_a_at_equal_dilation"] == pytest.approx(1.0)
+    assert m["oracle_chain"]["within_seed_spread"] is None
+    assert r["within_seed_spread"] == {"methods": 0, "of": 2}
+    same = compare(a, _run({"cona": (4250.0, 200.0), "static_recipe": (3040.0, 25.0)}, 65.8,
+                           measured=49.1))
+    assert same["within_seed_spread"] == {"methods": 1, "of": 2}  # recipe: 40 s > 30 s sd
+    assert same["models"]["gpt3_1.3b"]["step_dilation_measured"] == {"a": 65.8, "b": 49.1}
+    with pytest.raises(ValueError, match="--quick"):
+        compare(a, _run({}, 1.0, quick=True))
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
+    from render_cona import cona_repro
+
+    same.update(a={"file": "x.json", "commit": "c1", "machine": "m"},
+                b={"file": "y.json", "commit": "c2", "machine": "m"},
+                date="2026-12-04T00:00:00Z", commit="c3", machine="m", command="cmd")
+    out = cona_repro(same)
+    assert "| CONA | 4,000 ± 300 s | 4,250 ± 200 s | 1.062x |" in out
+    assert "Within the seed spread: 1 of 2 methods." in out
+    assert "measured 65.8 / 49.1" in out and "docs/results/cona_repro.json" in out
+
+
+def test_the_table_says_where_its_time_scale_came_from():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
+    from render_cona import _time_scale_origin
+
+    cal = {"step_dilation": 33.1, "calibration": {"from": {"commit": "bd2e672"}},
+           "measured": {"step_dilation": 8.2}}
+    assert _time_scale_origin(cal) == (" (step dilation 33.1, calibrated at `bd2e672`; "
+                                       "this run measured 8.2)")
+    assert "measured in this run" in _time_scale_origin(
+        {"step_dilation": 3.0, "calibration": None, "calibration_miss": "no entry"})
+    assert _time_scale_origin({"step_dilation": 65.8}) == ""  # made before calibrations
