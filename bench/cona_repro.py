@@ -7,7 +7,8 @@ reports both runs' mean TTP over their seeds, their difference and the larger of
 two runs' seed standard deviations (the spread the table shows): ``within_seed_spread``
 is ``|mean_b - mean_a| <= max(sd_a, sd_b)``.  Also the step dilation each run charged
 and measured (``bench/cona_time_scale.py``): a run that measured its own scales every
-TTP with it, and CONA's ratios to the other methods, which do not depend on it.
+TTP with it (switch costs, which are not dilated, aside), and CONA's ratios to the other
+methods, which move with it only through the switch costs.
 
 Usage::
 
@@ -16,7 +17,8 @@ Usage::
 Prints one JSON object: ``{"a": {"file", "date", "commit", "machine"}, "b": {...},
 "models": {NAME: {"step_dilation": {"a", "b"}, "step_dilation_measured": {"a", "b"},
 "methods": {METHOD: {"ttp_s": {"a", "b"}, "sd_s": {"a", "b"}, "b_over_a",
-"b_over_a_at_equal_dilation", "diff_over_spread", "within_seed_spread"}}, "cona_ratios": {"a": {...}, "b": {...}}}},
+"b_over_a_at_equal_dilation", "diff_over_spread", "within_seed_spread"}},
+"cona_ratios": {"a": {...}, "b": {...}}}},
 "within_seed_spread": {"methods", "of"}, "date", "commit", "machine", "command"}``.
 """
 
@@ -47,12 +49,13 @@ def compare_method(a: dict | None, b: dict | None, dilation_a_over_b: float | No
     sa, sb = (a or {}).get("ttp_s_sd"), (b or {}).get("ttp_s_sd")
     spread = max((s for s in (sa, sb) if s is not None), default=None)
     both = ta is not None and tb is not None
+    known = both and spread is not None  # one seed per run: no spread to judge by
     return {"ttp_s": {"a": ta, "b": tb}, "sd_s": {"a": sa, "b": sb},
             "b_over_a": tb / ta if both else None,
             "b_over_a_at_equal_dilation": tb / ta * dilation_a_over_b
             if both and dilation_a_over_b else None,
-            "diff_over_spread": abs(tb - ta) / spread if both and spread else None,
-            "within_seed_spread": abs(tb - ta) <= spread if both and spread else None}
+            "diff_over_spread": abs(tb - ta) / spread if known and spread > 0 else None,
+            "within_seed_spread": abs(tb - ta) <= spread if known else None}
 
 
 def compare(a: dict, b: dict) -> dict:
@@ -60,7 +63,9 @@ def compare(a: dict, b: dict) -> dict:
     (module docstring).
 
     Raises:
-        ValueError: the runs share no family, or one is a quick run and the other not.
+        ValueError: the runs share no family, one is a quick run and the other not, or a
+            family's recorded set-up digests differ (``time_scale.setup_digest``, in
+            results made since it exists: another proxy, recipe or rule).
     """
     if bool(a.get("quick")) != bool(b.get("quick")):
         raise ValueError("one run is --quick and the other is not: compare like with like")
@@ -70,6 +75,10 @@ def compare(a: dict, b: dict) -> dict:
     models, inside, total = {}, 0, 0
     for f in common:
         ma, mb = a["models"][f], b["models"][f]
+        da, db = ((m.get("time_scale") or {}).get("setup_digest") for m in (ma, mb))
+        if da and db and da != db:
+            raise ValueError(f"{f}: the runs were made on different set-ups (digests {da} "
+                             f"and {db}): compare like with like")
         (ka, kma), (kb, kmb) = _dilations(ma), _dilations(mb)
         methods = {}
         for name in ma["methods"]:
@@ -100,7 +109,10 @@ def main(argv=None) -> int:
     try:
         ra, rb = (json.loads(x.read_text()) for x in (args.a, args.b))
         report = compare(ra, rb)
-    except (OSError, ValueError, KeyError) as e:
+    except KeyError as e:
+        p.error(f"cannot compare {args.a} and {args.b}: a result lacks the key {e} "
+                "(is each a bench/cona_ttp.py JSON?)")
+    except (OSError, ValueError) as e:
         p.error(f"cannot compare {args.a} and {args.b}: {e}")
     for key, path, r in (("a", args.a, ra), ("b", args.b, rb)):
         report[key] = {"file": str(path), **{k: r.get(k) for k in ("date", "commit", "machine",

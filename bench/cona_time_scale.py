@@ -55,57 +55,82 @@ SETUP_SECTIONS = ("model", "train", "data", "parallel")
 SETUP_CONA = ("batch_ratio", "target_model", "eval_clock", "ttp_resolution")
 SETUP_SETTINGS = ("probe_microbatches", "val_sequences", "quick_segment", "warm_steps")
 NOT_SETUP = {("data", "cache_dir"), ("train", "target_ppl")}
+# an entry's keys (cona.targets.time_scale's record: step_dilation in target steps per
+# proxy step, target_tokens_per_run in tokens, the ranges in nats/token and tokens)
+ENTRY_KEYS = ("setup_digest", "step_dilation", "target_tokens_per_run", "target_loss_range",
+              "critical_batch_tokens_range", "source")
+FROM_KEYS = ("file", "date", "commit", "machine", "command")
 
 
 def setup_digest(family: str, cfg, settings: dict) -> str:
     """A hex digest of what ``family``'s time scale depends on: its config's
     :data:`SETUP_SECTIONS` (less :data:`NOT_SETUP`), the cona keys :data:`SETUP_CONA`,
-    the bench settings :data:`SETUP_SETTINGS` and the target fraction
-    (:data:`cona.targets.TARGET_FRACTION`).  ``cfg``: the family's config before rule 3
-    sets its target (``bench.cona_ttp.family_config``)."""
-    from cona.targets import TARGET_FRACTION
+    the target model's config (its parameters and sequence length enter the rule), the
+    bench settings :data:`SETUP_SETTINGS`, the target fraction and the rule's version
+    (:data:`cona.targets.TARGET_FRACTION`, :data:`cona.targets.TIME_SCALE_RULE`).
+    ``cfg``: the family's config (``bench.cona_ttp.family_config``); its target and
+    dilation do not enter."""
+    from cona.targets import TARGET_FRACTION, TIME_SCALE_RULE
+    from jobruntime.config import load_config
 
     conf = dataclasses.asdict(cfg)
     blob = {s: {k: v for k, v in conf[s].items() if (s, k) not in NOT_SETUP}
             for s in SETUP_SECTIONS}
     blob["cona"] = {k: conf["cona"][k] for k in SETUP_CONA}
+    target = cfg.cona.target_model
+    blob["target"] = dataclasses.asdict(load_config(target).model) if target else None
     blob["settings"] = {k: settings.get(k) for k in SETUP_SETTINGS}
     blob["family"], blob["target_fraction"] = family, TARGET_FRACTION
+    blob["rule"] = TIME_SCALE_RULE
     text = json.dumps(blob, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:20]
 
 
 def load_calibration(path: Path = CALIBRATION) -> dict:
-    """The committed calibration (module docstring); ``{"families": {}}`` where the file
-    does not exist.
+    """The committed calibration at ``path`` (module docstring); ``{"families": {}}``
+    where the file does not exist.
 
     Raises:
-        ValueError: the file is not a calibration (no ``families`` object); the message
-            names the file and how to write it anew.
+        ValueError: the file is not JSON, not a calibration (no ``families`` object), or
+            an entry or its ``from`` lacks a key (:data:`ENTRY_KEYS`,
+            :data:`FROM_KEYS`); the message names the file and how to write it anew.
     """
     if not path.exists():
         return {"families": {}}
-    data = json.loads(path.read_text())
+    fix = "write it anew: python bench/cona_time_scale.py --from RESULT.json"
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: cannot read a CONA time-scale calibration ({e}); {fix}") \
+            from e
     if not isinstance(data, dict) or not isinstance(data.get("families"), dict):
-        raise ValueError(f"{path} is not a CONA time-scale calibration (no 'families'); "
-                         "write it anew: python bench/cona_time_scale.py --from RESULT.json")
+        raise ValueError(f"{path} is not a CONA time-scale calibration (no 'families'); {fix}")
+    missing = [k for k in FROM_KEYS if k not in (data.get("from") or {})]
+    missing += [f"{name}.{k}" for name, e in data["families"].items() for k in ENTRY_KEYS
+                if not isinstance(e, dict) or k not in e]
+    if missing:
+        raise ValueError(f"{path}: the calibration lacks {', '.join(missing)}; {fix}")
     return data
 
 
 def choose_time_scale(family: str, digest: str, measured: dict,
-                      calibration: dict | None = None) -> dict:
+                      calibration: dict | None = None, path: Path = CALIBRATION) -> dict:
     """The time scale ``family``'s run charges: the calibration's where it holds an entry
     for set-up ``digest``, else ``measured`` (this run's :func:`cona.targets.time_scale`).
+
+    Args:
+        calibration: the calibration (default: :func:`load_calibration` of ``path``).
+        path: the file it was read from, which the result names.
 
     Returns:
         the calibrated entry's ``step_dilation``, ``target_tokens_per_run``,
         ``target_loss_range``, ``critical_batch_tokens_range`` and ``source``, with
         ``calibration`` (``file`` and ``from``: the run it was measured in, its date,
-        commit, machine and command) and
-        ``measured`` (this run's own, for comparison); or ``measured`` with
-        ``calibration`` ``None`` and ``calibration_miss`` (why).
+        commit, machine and command) and ``measured`` (this run's own, for comparison);
+        or ``measured`` with ``calibration`` ``None`` and ``calibration_miss`` (why).
+        Both with ``setup_digest``.
     """
-    cal = load_calibration() if calibration is None else calibration
+    cal = load_calibration(path) if calibration is None else calibration
     entry = cal["families"].get(family)
     if entry is None or entry.get("setup_digest") != digest:
         why = (f"no entry for {family}" if entry is None else
@@ -114,24 +139,40 @@ def choose_time_scale(family: str, digest: str, measured: dict,
         logging.getLogger("cona").warning(
             "time scale measured in this run, not calibrated: %s; it moves between machines "
             "(bench/cona_time_scale.py)", why)
-        return {**measured, "calibration": None, "calibration_miss": why}
-    keep = ("step_dilation", "target_tokens_per_run", "target_loss_range",
-            "critical_batch_tokens_range", "source")
-    return {**{k: entry[k] for k in keep},
-            "calibration": {"file": str(CALIBRATION.relative_to(ROOT)), "from": cal["from"]},
-            "measured": measured}
+        return {**measured, "setup_digest": digest, "calibration": None,
+                "calibration_miss": why}
+    rel = path.resolve().relative_to(ROOT) if path.resolve().is_relative_to(ROOT) else path
+    return {**{k: entry[k] for k in ENTRY_KEYS}, "setup_digest": digest,
+            "calibration": {"file": str(rel), "from": cal["from"]}, "measured": measured}
+
+
+def pick_time_scale(family: str, cfg, settings: dict, measured: dict) -> dict:
+    """What ``bench/cona_ttp.py``'s rule 4 charges for ``family``: ``measured`` in a
+    quick run (its shallow segment is no set-up a calibration holds) or under
+    ``settings["time_scale"] == "measured"`` (both labelled in ``calibration_miss``),
+    else :func:`choose_time_scale` at :func:`setup_digest`."""
+    digest = setup_digest(family, cfg, settings)
+    if settings.get("quick_segment"):
+        return {**measured, "setup_digest": digest, "calibration": None,
+                "calibration_miss": "a quick run measures its own"}
+    if settings.get("time_scale", "calibrated") == "measured":
+        return {**measured, "setup_digest": digest, "calibration": None,
+                "calibration_miss": "--time-scale measured"}
+    return choose_time_scale(family, digest, measured)
 
 
 def calibration_from(result: dict, result_file: str, settings: dict) -> dict:
     """A calibration from a full ``bench/cona_ttp.py`` result: per family with a measured
     time scale, that time scale and the reference's noise-scale range, keyed by the
-    set-up digest of today's config for the family (the result's recorded set-up -- proxy,
-    overrides, warm steps, probes, batch ratio -- must equal it).
+    set-up digest of today's config for the family.  The result's set-up must be today's:
+    its recorded digest (``time_scale.setup_digest``, in results made since the digest
+    exists) must equal it; an older result's recorded proxy, overrides, warm steps,
+    probes and batch ratio must.
 
     Raises:
         ValueError: the result is a quick run, holds no family with a measured time
-            scale, or a family's recorded set-up differs from today's config (the message
-            names the field).
+            scale, or a family's recorded set-up differs from today's (the message names
+            the field).
     """
     from bench.cona_ttp import MODELS, family_config
     from cona.mapping import BATCH_RATIO
@@ -151,17 +192,17 @@ def calibration_from(result: dict, result_file: str, settings: dict) -> dict:
                                            settings["probe_microbatches"]),
                     "batch_ratio": (m["mapping"]["ratio"], BATCH_RATIO)}
         cfg = family_config(name, spec, settings, None)
+        digest = setup_digest(name, cfg, settings)
         recorded["warm_steps"] = (ref["warm_steps"], cfg.train.warmup_iters)
+        if "setup_digest" in ts:
+            recorded["setup_digest"] = (ts["setup_digest"], digest)
         for field, (then, now) in recorded.items():
             if then != now:
                 raise ValueError(f"{result_file}: {name}'s {field} was {then!r}, today's "
                                  f"set-up has {now!r}; run the bench again and calibrate "
                                  "from that run")
         families[name] = {
-            "setup_digest": setup_digest(name, cfg, settings),
-            **{k: measured[k] for k in ("step_dilation", "target_tokens_per_run",
-                                        "target_loss_range", "critical_batch_tokens_range",
-                                        "source")},
+            "setup_digest": digest, **{k: measured[k] for k in ENTRY_KEYS[1:]},
             "noise_scale_warm_proxy": ref["noise_scale_warm_proxy"],
             "noise_scale_target_proxy": ref["noise_scale_target_proxy"],
             "segment_samples": ref["segment_samples"],

@@ -380,7 +380,7 @@ def family_setup(target: str, spec: dict, settings: dict, cache_dir: str | None)
     Raises:
         SystemExit: the reference does not reach the target within the budget.
     """
-    from bench.cona_time_scale import choose_time_scale, setup_digest
+    from bench.cona_time_scale import pick_time_scale
     from cona.targets import corpus_unigram_perplexity, target_ppl
 
     log = logging.getLogger("cona")
@@ -400,9 +400,7 @@ def family_setup(target: str, spec: dict, settings: dict, cache_dir: str | None)
                          f"(reached {ref['val_ppl']:.1f}); raise iters in MODELS")
     if quick:
         cfg.train.target_ppl = ref["val_ppl"]
-    ts = time_scale_for(ctx, ref)
-    if settings.get("time_scale", "calibrated") == "calibrated" and not quick:
-        ts = choose_time_scale(target, setup_digest(target, cfg, settings), ts)
+    ts = pick_time_scale(target, cfg, settings, time_scale_for(ctx, ref))
     cfg.cona.step_dilation = ts["step_dilation"]
     log.info("unigram ppl %.1f, target %.1f, noise scale %.1f -> %.1f proxy seq., step "
              "dilation %.1f (%s)", unigram, cfg.train.target_ppl,
@@ -511,8 +509,9 @@ def setup_key(setup: dict, seed_index: int, settings: dict) -> str:
     import dataclasses
     import hashlib
 
+    kept = {k: v for k, v in settings.items() if k != "time_scale"}  # cfg holds the dilation
     blob = json.dumps({"cfg": dataclasses.asdict(setup["cfg"]), "boundaries": setup["boundaries"],
-                       "settings": settings, "seed": seed_index}, sort_keys=True, default=str)
+                       "settings": kept, "seed": seed_index}, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:20]
 
 
@@ -591,6 +590,13 @@ def main(argv=None) -> int:
     from jobruntime.outputs import refuse_output_folder
 
     refuse_output_folder(p, args.out)  # before the run, not after it
+    if args.time_scale == "calibrated" and not args.quick:
+        from bench.cona_time_scale import load_calibration
+
+        try:  # a bad file is named now, not after hours of set-up
+            load_calibration()
+        except ValueError as e:
+            p.error(str(e))
     if args.jobs < 1 or args.num_gpus < 1:
         p.error("--jobs and --num-gpus must be >= 1")
     settings = dict(QUICK if args.quick else FULL, gpu=args.gpu, num_gpus=args.num_gpus,

@@ -74,6 +74,10 @@ import math
 import numpy as np
 
 TARGET_FRACTION = 0.5  # of the lower of the unigram and the warm state's perplexity
+# the version of the time-scale rule (fit_noise_scale, time_scale and the bench's probes
+# along its reference): raise it with any change to what a set-up measures, so that a
+# committed calibration of the old rule (bench/cona_time_scale.py) no longer applies
+TIME_SCALE_RULE = 1
 # Kaplan et al. 2020: eq. 5.3 (critical batch) and Table 3 / eq. 5.6 (L(N, S_min))
 B_STAR_TOKENS = 2.0e8
 ALPHA_B = 0.21

@@ -140,14 +140,55 @@ def test_committed_calibration_holds_for_todays_set_up():
         assert entry["step_dilation"] > 1 and entry["target_tokens_per_run"] > 0
 
 
-def test_a_calibration_file_that_is_not_one_is_refused(tmp_path):
+def test_a_calibration_file_that_is_not_one_is_refused_with_its_name(tmp_path):
     from bench.cona_time_scale import load_calibration
 
     bad = tmp_path / "cal.json"
     bad.write_text(json.dumps({"gpt3_1.3b": 3}))
     with pytest.raises(ValueError, match="not a CONA time-scale calibration"):
         load_calibration(bad)
+    bad.write_text('{"families": {')
+    with pytest.raises(ValueError, match=r"cal\.json: cannot read"):
+        load_calibration(bad)
+    cal = _calibration("0" * 20)
+    del cal["families"]["gpt3_1.3b"]["step_dilation"], cal["from"]["commit"]
+    bad.write_text(json.dumps(cal))
+    with pytest.raises(ValueError, match=r"lacks commit, gpt3_1\.3b\.step_dilation"):
+        load_calibration(bad)
     assert load_calibration(tmp_path / "absent.json") == {"families": {}}
+
+
+def test_family_setup_charges_the_committed_dilation_and_keeps_its_own_beside(monkeypatch):
+    """The bench's wiring (rule 4): with the reference's measurement stubbed to another
+    machine's (49.1), the set-up charges the committed dilation; with ``--time-scale
+    measured`` and in a quick run, its own, labelled."""
+    from types import SimpleNamespace
+
+    import bench.cona_ttp as ttp
+    import cona.targets
+    from bench.cona_time_scale import load_calibration
+
+    ctx = SimpleNamespace(warm={"extra": {"val_ppl": 400.0}}, data=SimpleNamespace(corpus=None),
+                          cfg=SimpleNamespace(train=SimpleNamespace(target_ppl=None)))
+    monkeypatch.setattr(ttp, "seed_context", lambda cfg, steps, probe_microbatches: (ctx, True))
+    monkeypatch.setattr(cona.targets, "corpus_unigram_perplexity", lambda corpus, v: 800.0)
+    monkeypatch.setattr(ttp, "reference", lambda ctx, quick, probe: {
+        "reached": True, "val_ppl": 199.0, "noise_scale_warm_proxy": 13.0,
+        "noise_scale_target_proxy": 60.0})
+    monkeypatch.setattr(ttp, "time_scale_for", lambda ctx, ref: {
+        "step_dilation": 49.1, "target_tokens_per_run": 1e9})
+    spec, s = ttp.MODELS["gpt3_1.3b"], _settings()
+    committed = load_calibration()["families"]["gpt3_1.3b"]["step_dilation"]
+    cfg, _, _, ts, _ = ttp.family_setup("gpt3_1.3b", spec, s, None)
+    assert cfg.cona.step_dilation == ts["step_dilation"] == committed != 49.1
+    assert ts["measured"]["step_dilation"] == 49.1 and ts["calibration"]["from"]["commit"]
+    cfg, _, _, ts, _ = ttp.family_setup("gpt3_1.3b", spec, dict(s, time_scale="measured"),
+                                        None)
+    assert cfg.cona.step_dilation == 49.1
+    assert ts["calibration"] is None and ts["calibration_miss"] == "--time-scale measured"
+    quick = dict(ttp.QUICK, gpu="A100-80GB", num_gpus=64, time_scale="calibrated")
+    cfg, _, _, ts, _ = ttp.family_setup("gpt3_1.3b", quick["models"]["gpt3_1.3b"], quick, None)
+    assert cfg.cona.step_dilation == 49.1 and "quick" in ts["calibration_miss"]
 
 
 def _run(ttp: dict, dilation: float, measured: float | None = None, quick=False):
@@ -186,6 +227,15 @@ def test_repro_compares_methods_within_the_larger_seed_sd_and_at_equal_dilation(
     assert same["models"]["gpt3_1.3b"]["step_dilation_measured"] == {"a": 65.8, "b": 49.1}
     with pytest.raises(ValueError, match="--quick"):
         compare(a, _run({}, 1.0, quick=True))
+    one_seed = compare(_run({"cona": (4000.0, None)}, 65.8), _run({"cona": (4100.0, None)}, 65.8))
+    assert one_seed["within_seed_spread"] == {"methods": 0, "of": 0}  # no spread to judge by
+    exact = compare(_run({"cona": (4000.0, 0.0)}, 65.8), _run({"cona": (4000.0, 0.0)}, 65.8))
+    assert exact["within_seed_spread"] == {"methods": 1, "of": 1}
+    x, y = _run({"cona": (1.0, 1.0)}, 65.8), _run({"cona": (1.0, 1.0)}, 65.8)
+    x["models"]["gpt3_1.3b"]["time_scale"]["setup_digest"] = "a" * 20
+    y["models"]["gpt3_1.3b"]["time_scale"]["setup_digest"] = "b" * 20
+    with pytest.raises(ValueError, match="different set-ups"):
+        compare(x, y)
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
     from render_cona import cona_repro
 

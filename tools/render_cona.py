@@ -134,6 +134,9 @@ def _time_scale_origin(ts: dict) -> str:
     return ""
 
 
+WITHIN = {True: "yes", False: "**no**", None: "—"}  # None: a run missed, or no seed spread
+
+
 def cona_repro(r: dict, file: str = "cona_repro") -> str:
     """bench/cona_repro.py: per family the dilation each run charged and measured, and per
     method both runs' TTP (mean ± sd over seeds), their ratio, the ratio at equal
@@ -159,7 +162,7 @@ def cona_repro(r: dict, file: str = "cona_repro") -> str:
                          f"{_fmt(x['b_over_a'], '.3f')} | "
                          f"{_fmt(x['b_over_a_at_equal_dilation'], '.3f')} | "
                          f"{_fmt(x['diff_over_spread'], '.1f', '')} | "
-                         f"{ {True: 'yes', False: '**no**', None: '—'}[x['within_seed_spread']]} |")
+                         f"{WITHIN[x['within_seed_spread']]} |")
         lines.append("")
     w = r["within_seed_spread"]
     lines += [f"Within the seed spread: {w['methods']} of {w['of']} methods.", "",
