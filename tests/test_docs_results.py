@@ -178,6 +178,8 @@ def test_cona_tables_from_a_synthetic_result():
     assert row == ("| gpt3_1.3b (`tiny_gpt`) | 177 (785) | 3,200 ± 200 s | 2,100 ± 100 s | "
                    "missed (1/3) | 1,600 s | 2.00x | 1.31x |")
     assert any(line.startswith("Full run; 3 seed(s)") for line in head)
+    assert ("One run stands for 9.30B tokens of gpt3_1.3b's training, 0.9 h of its recipe "
+            "(emulated hours, on 64 x A100-80GB).") in head
     full = render_results.cona_ttp(data)
     assert "one run stands for 9.30B target tokens" in full and "0.40 % of the recipe" in full
     assert ("| CONA | 1,600 s | — | 1 (1) | `dp16-tp4-pp1-mb4-gb64` → `dp8-tp8-pp1-mb8-gb128` |"

@@ -226,9 +226,26 @@ def cona_ttp_headline(r: dict) -> str:
                      f"{_speedup(meth.get('static_recipe'), cona)} | "
                      f"{_speedup(meth.get('static_oracle'), cona)} |")
     lines += ["", _cona_settings(r) + " Above 1x: CONA is faster.  Every method, switch and "
-              "chain: [docs/cona.md](docs/cona.md#results).",
+              "chain: [docs/cona.md](docs/cona.md#results).", *_stands_for(r),
               "", _source(r, _file(r, None))]
     return "\n".join(lines) + "\n"
+
+
+def _stands_for(r: dict) -> list[str]:
+    """One sentence: the span of the target's training one run stands for, per family:
+    target tokens (the time scale, ``target_tokens_per_run``) and hours (the static
+    recipe's mean TTP on the emulated clock)."""
+    parts = []
+    for name, m in r["models"].items():
+        tokens = m.get("target_tokens_per_run")
+        recipe = (m["methods"].get("static_recipe") or {}).get("ttp_s")
+        if tokens and recipe:
+            parts.append(f"{tokens / 1e9:.2f}B tokens of {name}'s training, "
+                         f"{recipe / 3600:.1f} h of its recipe")
+    if not parts:
+        return []
+    return ["", f"One run stands for {'; '.join(parts)} (emulated hours, on "
+                f"{r['num_gpus']} x {r['gpu']})."]
 
 
 # issue 23's bars (the CONA paper's claims, on the emulated clock)
