@@ -349,7 +349,8 @@ def aggregate(per_seed: list[dict]) -> dict:
     seeds (``None`` if one missed), ``ttp_s_by_seed``, ``ttp_lower_bound_s_by_seed``
     (where a seed missed: the clock it stopped at, below its TTP had it gone on;
     ``None`` where it reached or no bound is known), ``switches`` and
-    ``layout_switches`` (first seed) and their values by seed, and ``lr_factor_by_seed``
+    ``layout_switches`` (first seed) and their values by seed, ``chain_by_seed`` (each
+    seed's strategies in order, labels), and ``lr_factor_by_seed``
     (the LR factor each seed's run trained at, ``None`` where a method has none)."""
     from cona.baselines import layout_switches
 
@@ -365,6 +366,8 @@ def aggregate(per_seed: list[dict]) -> dict:
                                                    for r in runs],
                      "layout_switches_by_seed": lays,
                      "switches_by_seed": [r.get("switches", 0) for r in runs],
+                     "chain_by_seed": [[c["strategy"] for c in r.get("chain") or []]
+                                       for r in runs],
                      "lr_factor_by_seed": [r.get("lr_factor") for r in runs],
                      "ttp_s_sd": statistics.stdev(ttps) if None not in ttps and len(ttps) > 1
                      else None}

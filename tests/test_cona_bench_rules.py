@@ -296,6 +296,7 @@ def test_seeds_aggregate_to_a_mean_with_misses_as_null_and_layout_switches_count
     assert out["layout_switches"] == 1 and out["layout_switches_by_seed"] == [1, 0]
     assert out["switches"] == 2 and out["switches_by_seed"] == [2, 0]
     assert out["lr_factor_by_seed"] == [None, 0.5]  # each seed's own, not the first's
+    assert out["chain_by_seed"] == [[c["strategy"] for c in chain], [chain[0]["strategy"]]]
     missed = aggregate([a, miss])["cona"]
     assert missed["ttp_s"] is None and missed["ttp_s_by_seed"] == [10.0, None]
     assert switch_points(a["cona"]) == [(1.0, "batch"), (2.0, "layout")]

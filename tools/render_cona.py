@@ -335,7 +335,7 @@ def cona_ttp_bars(r: dict, families: tuple[str, ...] = ("gpt3_1.3b", "llama3.2_1
         (f"noise scale grows >= {GROWTH_BAR:g}x on every family",
          every(growth, lambda x: x >= GROWTH_BAR)),
         (f"the full bench takes <= {WALL_BAR_S // 60} min on 2 cores ({len(run)} of "
-         f"{len(families)} families: {_fmt(wall and wall / 60, '.0f', ' min')}{wall_note})",
+         f"{len(families)} families took {_fmt(wall and wall / 60, '.0f', ' min')}{wall_note})",
          None if wall is None else (wall <= WALL_BAR_S and len(run) == len(families))),
     ]
     rows += ["", "| bar | |", "|---|---|"] + [f"| {b} | {_mark(ok)} |" for b, ok in bars]
