@@ -3,19 +3,19 @@
 Rule 4 of ``bench/cona_ttp.py`` turns the reference's directly measured noise-scale range
 into the span of the target's training one run stands for, and so into the step dilation
 (:func:`cona.targets.time_scale`).  The rule is continuous, but steep in the range's end
-(twice the noise scale there gives ~6x the dilation), and that end is read along a run
+(below: 11 % more noise scale there gave 34 % more dilation), and that end is read along a run
 whose trajectory is not the same on two machines: float sums in another order drift
 apart over hundreds of steps.  Measured on two 2-core machines at the same set-up:
 
-- GPT-3 1.3B's proxy: the reference's first 22 probes agreed within 1 %, its last (at
+- GPT-3 1.3B's proxy: the reference's first 22 probes agreed within 2 %, its last (at
   the target's crossing, one evaluation later on one machine) read 69.4 and 32.6, and
   the dilation came out 65.8 and 49.1;
 - Llama-3.2-1B's proxy, whose loss spikes after its warmup: the runs parted in the
   spike, and the dilation came out 33.1 and 8.2.
 
 Every TTP on the emulated clock scales with the dilation, so the bench's table moved
-with the machine although no method's ranking did (CONA's ratios on GPT-3 agreed to two
-digits).  A time scale is a unit, not a result, so it is measured once, on a recorded
+with the machine (CONA's ratios to the recipe and the best static on GPT-3 agreed to
+two digits).  A time scale is a unit, not a result, so it is measured once, on a recorded
 commit and machine, and committed (:data:`CALIBRATION`, written from a full bench run by
 ``python bench/cona_time_scale.py --from RESULT.json``); the bench then charges that
 dilation on every machine, and still measures its own and reports it beside the one it
@@ -113,6 +113,17 @@ def load_calibration(path: Path = CALIBRATION) -> dict:
     return data
 
 
+def _repo_path(path: Path) -> str:
+    """``path`` relative to the repository where it lies inside it (what a result records)."""
+    path = path.resolve()
+    return str(path.relative_to(ROOT) if path.is_relative_to(ROOT) else path)
+
+
+def _own(measured: dict, digest: str, why: str) -> dict:
+    """This run's own time scale ``measured``, labelled: not calibrated, and ``why``."""
+    return {**measured, "setup_digest": digest, "calibration": None, "calibration_miss": why}
+
+
 def choose_time_scale(family: str, digest: str, measured: dict,
                       calibration: dict | None = None, path: Path = CALIBRATION) -> dict:
     """The time scale ``family``'s run charges: the calibration's where it holds an entry
@@ -139,11 +150,10 @@ def choose_time_scale(family: str, digest: str, measured: dict,
         logging.getLogger("cona").warning(
             "time scale measured in this run, not calibrated: %s; it moves between machines "
             "(bench/cona_time_scale.py)", why)
-        return {**measured, "setup_digest": digest, "calibration": None,
-                "calibration_miss": why}
-    rel = path.resolve().relative_to(ROOT) if path.resolve().is_relative_to(ROOT) else path
+        return _own(measured, digest, why)
     return {**{k: entry[k] for k in ENTRY_KEYS}, "setup_digest": digest,
-            "calibration": {"file": str(rel), "from": cal["from"]}, "measured": measured}
+            "calibration": {"file": _repo_path(path), "from": cal["from"]},
+            "measured": measured}
 
 
 def pick_time_scale(family: str, cfg, settings: dict, measured: dict) -> dict:
@@ -153,11 +163,9 @@ def pick_time_scale(family: str, cfg, settings: dict, measured: dict) -> dict:
     else :func:`choose_time_scale` at :func:`setup_digest`."""
     digest = setup_digest(family, cfg, settings)
     if settings.get("quick_segment"):
-        return {**measured, "setup_digest": digest, "calibration": None,
-                "calibration_miss": "a quick run measures its own"}
+        return _own(measured, digest, "a quick run measures its own")
     if settings.get("time_scale", "calibrated") == "measured":
-        return {**measured, "setup_digest": digest, "calibration": None,
-                "calibration_miss": "--time-scale measured"}
+        return _own(measured, digest, "--time-scale measured")
     return choose_time_scale(family, digest, measured)
 
 
@@ -226,9 +234,8 @@ def main(argv=None) -> int:
 
     try:
         result = json.loads(args.source.read_text())
-        rel = str(args.source.resolve().relative_to(ROOT)) \
-            if args.source.resolve().is_relative_to(ROOT) else str(args.source)
-        cal = calibration_from(result, rel, dict(FULL, gpu="A100-80GB", num_gpus=64))
+        cal = calibration_from(result, _repo_path(args.source),
+                               dict(FULL, gpu="A100-80GB", num_gpus=64))
     except (OSError, ValueError, KeyError) as e:
         p.error(f"cannot calibrate from {args.source}: {e}")
     cal.update(provenance(argv))
