@@ -183,7 +183,8 @@ def geomesh(root: Path, cache: str, name: str, rounds: int, *, fault: tuple[int,
     region of ``N > 1`` processes runs under ``torchrun --nproc-per-node N``, and
     ``fault``'s spec kills its job rank ``/<rank>`` (default 0, the torchft leader).
     ``slowdown``: each region's factor (default :data:`SLOWDOWN`): a survivor slower
-    than the victim is still running when a restarted multi-process job is back.
+    than the victim is still running when a restarted multi-process job is back
+    (with ``stall``, the victim's is 1: its stall is not slept off again).
     ``overrides``: more ``section.key=value`` for every job.
     ``act(jobs, lighthouse)``, if given, runs once the victim has finished round 2
     and returns the lighthouse the run goes on with (the same, or a new one).
@@ -191,7 +192,12 @@ def geomesh(root: Path, cache: str, name: str, rounds: int, *, fault: tuple[int,
     the same ``global_weights_sha256`` (``same_digest``); ``layouts`` when ``shapes`` is given.
     """
     shapes = shapes if shapes is not None else [{}, {}]
-    slowdown = slowdown or [SLOWDOWN] * len(shapes)
+    slowdown = list(slowdown or [SLOWDOWN] * len(shapes))
+    if stall:
+        # the injected slowdown sleeps (factor - 1) times a round's compute wall time: a
+        # SIGSTOP landing in the victim's compute would be slept off 7 times over (a
+        # 10 s stall became 80 s, the survivor had finished, the digests differed)
+        slowdown[fault[0] if fault else 1] = 1.0
     regions = REGIONS[:len(shapes)]
     d = root / name
     d.mkdir(parents=True, exist_ok=True)
