@@ -205,10 +205,15 @@ class RealJob(Job):
         batch_s = switch_batch(self.trainer, run_cfg).seconds
         self.measured_costs = {"layout": build_s, "batch": batch_s}
         consumed = 0
+        # a resume's CONA state (:meth:`cona.run.Loop.state_dict`, saved under the
+        # checkpoint's ``extra["cona"]``); empty on a fresh start or a fine-tune
+        self.resume_state: dict = {}
         if cfg.checkpoint.load:  # an iter_ checkpoint of any layout (e.g. saved before a switch)
-            consumed = load_checkpoint(cfg.checkpoint.load, self.trainer,
-                                       load_optimizer=cfg.checkpoint.load_optimizer
-                                       )["consumed_samples"]
+            state = load_checkpoint(cfg.checkpoint.load, self.trainer,
+                                    load_optimizer=cfg.checkpoint.load_optimizer)
+            consumed = state["consumed_samples"]
+            if cfg.checkpoint.load_optimizer:
+                self.resume_state = state["extra"].get("cona") or {}
         self.probe.attach(self.trainer)
         self.sampler = self._sampler(self.topo, consumed)
         self.val_batches = self._val_batches(self.topo, start.micro_batch_size)
@@ -222,6 +227,11 @@ class RealJob(Job):
     @property
     def clock_s(self) -> float:
         return time.perf_counter() - self._t0
+
+    def resume_clock(self, seconds: float) -> None:
+        """Go on from a resumed run's clock: ``clock_s`` reads ``seconds`` now (the
+        restart itself is not counted, as in :func:`jobruntime.loop.train`)."""
+        self._t0 = time.perf_counter() - seconds
 
     def train_step(self) -> tuple[StepResult, float]:
         t0 = time.perf_counter()

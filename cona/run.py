@@ -44,7 +44,9 @@ Outputs (logging rank): ``metrics.jsonl`` (``event``: ``step``, ``decision``,
 start_step}]``), ``switch_log`` (with the time and cost of each switch),
 ``evals`` (perplexity and noise-scale trace), ``ttp_s``, ``final_val_ppl``,
 ``clock``, ``device``/``precision`` (read from the model's parameters;
-emulated mode's ``gpu`` is the emulated profile), and wandb.
+emulated mode's ``gpu`` is the emulated profile), and wandb.  Real mode also saves a
+checkpoint every ``checkpoint.save_interval`` steps, with :meth:`Loop.state_dict`; a run
+resumed from it (``checkpoint.load``) goes on with its clock, progress and controller.
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ import copy
 import logging
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch.distributed as dist
@@ -71,6 +73,10 @@ from .job import Job, RealJob
 from .state import set_peak_lr
 
 log = logging.getLogger("cona")
+_RESUMED = ("next_eval", "next_eval_s", "chain", "switches", "evals", "last_val_ppl",
+            "lr_strategy", "lr_now", "lr_ramp")
+"""The :class:`Progress` fields a resumed run goes on from (with ``ttp``; ``records``
+are the in-memory buffer of a run without a writer, ``nan`` ends a run)."""
 
 
 @dataclass
@@ -141,6 +147,52 @@ class Loop:
             self.writer.log(record)
         elif self.keep_records:
             self.progress.records.append(record)
+
+    # -- resuming -----------------------------------------------------------
+    def state_dict(self) -> dict:
+        """What a resumed run goes on from (real mode saves it in every checkpoint,
+        ``extra["cona"]``): the clock (seconds), the progress (TTP tracker, evaluations,
+        chain, switches, the next evaluation, the LR ramp) and the controller's state
+        (noise-scale estimator, calibrated cost model, measured switch costs, decisions;
+        :meth:`cona.controller.Controller.state_dict`).  Plain Python values only."""
+        p = self.progress
+        progress = {k: copy.deepcopy(getattr(p, k)) for k in _RESUMED}
+        progress["ttp"] = asdict(p.ttp)
+        return {"clock_s": self.job.clock_s, "samples0": self.samples0, "progress": progress,
+                "controller": None if self.controller is None else self.controller.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Go on from :meth:`state_dict` of the run that saved the checkpoint the job
+        loaded.  The job may have resumed at another layout than the one saved (the
+        launch layout is the user's): the controller's current strategy is the job's, the
+        chain records the change at the resume step, and the learning rate follows it as
+        after a switch (:meth:`follow_lr`).
+
+        Raises:
+            CheckpointError: ``state`` is not a CONA state (names the missing part).
+        """
+        from jobruntime.checkpoint import CheckpointError
+
+        job, p = self.job, self.progress
+        missing = [k for k in ("clock_s", "samples0", "progress", "controller")
+                   if k not in state] + [k for k in ("ttp", *_RESUMED)
+                                         if k not in state.get("progress", {})]
+        if missing:
+            raise CheckpointError(
+                f"the checkpoint's CONA state lacks {', '.join(missing)}: it was not saved "
+                f"by this version of CONA; resume with checkpoint.load_optimizer=false to "
+                f"start CONA afresh from its weights")
+        for k in _RESUMED:
+            setattr(p, k, copy.deepcopy(state["progress"][k]))
+        p.ttp = TTPTracker.from_state(state["progress"]["ttp"], self.cfg.train.target_ppl)
+        self.samples0 = state["samples0"]
+        job.resume_clock(state["clock_s"])
+        if self.controller is not None and state["controller"] is not None:
+            self.controller.load_state_dict(state["controller"])
+            self.controller.current = job.strategy
+        if p.chain and p.chain[-1]["strategy"] != job.strategy.label:
+            p.chain.append({"strategy": job.strategy.label, "start_step": job.trainer.step,
+                            "resumed": True})
 
     # -- stopping -----------------------------------------------------------
     @property
@@ -261,9 +313,11 @@ class Loop:
         every = self.cfg.checkpoint.save_interval
         if self.checkpoint_dir is not None and every and job.trainer.step % every == 0:
             # dist_checkpointing: loadable at the old layout or any other (the last one
-            # before an interrupted switch resumes at either)
+            # before an interrupted switch resumes at either); "cona": what the run goes on
+            # from (load_state_dict)
             save_checkpoint(self.checkpoint_dir, job.trainer, consumed_samples=samples,
-                            extra={"strategy": job.strategy.label},
+                            extra={"strategy": job.strategy.label, "time_s": job.clock_s,
+                                   "cona": self.state_dict()},
                             keep_last=self.cfg.checkpoint.keep_last)
         # No decision when less than one decision interval of training remains:
         # a switch could not run (let alone repay its cost) before the end.  Both
@@ -385,8 +439,17 @@ def run(cfg: JobConfig, run_dir: Path) -> dict:
     loop = Loop(job, cfg, controller=controller, writer=writer,
                 budget_samples=ctx.budget_samples, eval_samples=ctx.eval_samples,
                 checkpoint_dir=run_dir / "checkpoints" if isinstance(job, RealJob) else None)
+    if getattr(job, "resume_state", None):
+        loop.load_state_dict(job.resume_state)
+        log.info("resumed CONA at step %d: clock %.1f s, %d decisions, %d switches, at %s",
+                 job.trainer.step, job.clock_s, len(controller.decisions),
+                 len(loop.progress.switches), job.strategy.label)
+    elif cfg.checkpoint.load and cfg.checkpoint.load_optimizer and isinstance(job, RealJob):
+        log.warning("%s holds no CONA state (saved without CONA): the clock, the evaluations "
+                    "and the controller start afresh", cfg.checkpoint.load)
     loop.reporter = StepProgress(cfg.logging.progress, enabled=job.is_logging_rank,
-                                 total=ctx.budget_samples, unit="sample", logger=log)
+                                 total=ctx.budget_samples, unit="sample", logger=log,
+                                 initial=job.consumed_samples)
     loop.run()
     loop.reporter.close()
     loop.finish()

@@ -1,0 +1,141 @@
+"""A CONA run resumed from its checkpoint goes on where it stopped (a run lasts hours).
+
+Real mode saves, with every checkpoint, the clock, the progress (TTP tracker,
+evaluations, chain, switches, the LR ramp) and the controller's state (noise-scale
+estimator, calibrated cost model, measured switch costs, decisions): ``Loop.state_dict``.
+The old checkpoint held the strategy's label only, so a resumed run restarted its clock
+at 0 (a wrong TTP), ranked with a cold cost model and estimator, re-ran the start
+probe, and jumped to the new learning rate in the middle of a ramp.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.dist_utils import launch
+from tests.test_cona_run import _constant_scheduler, _fake_loop, _FakeJob
+
+PP2, DP2 = "dp1-tp1-pp2-mb2-gb16", "dp2-tp1-pp1-mb2-gb16"
+
+
+def _real(cache_dir, run_dir, iters, load):
+    import torch
+
+    torch.set_num_threads(1)
+    from cona.run import run
+    from jobruntime.config import load_config
+
+    cands = ("[{dp: 2, tp: 1, pp: 1, micro_batch_size: 2, global_batch_size: 16},"
+             " {dp: 1, tp: 2, pp: 1, micro_batch_size: 2, global_batch_size: 16}]")
+    cfg = load_config("tiny_gpt", [
+        f"data.cache_dir={cache_dir}", "model.seq_length=64", "logging.wandb=disabled",
+        "cona.enabled=true", "train.warmup_iters=2", "parallel.pp=2",
+        "parallel.micro_batch_size=2", "parallel.global_batch_size=16",
+        f"train.iters={iters}", "train.eval_interval=4", "cona.decision_interval=4",
+        "cona.horizon_steps=1000", f"cona.candidates={cands}",
+        f"checkpoint.save_interval={8 if load is None else 0}",
+        *([f"checkpoint.load={load}"] if load else [])])
+    return run(cfg, Path(run_dir))
+
+
+def _steps(run_dir: Path) -> list[dict]:
+    return [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+            if r.get("event") == "step"]
+
+
+@pytest.fixture(scope="module")
+def resumed(cache_dir, tmp_path_factory):
+    """Run 1: 8 steps at PP2 launch, switched to DP2 at step 4, checkpoint at step 8.
+    Run 2: resumed from it at the launch layout (PP2), to step 32 (its switch back at step
+    12 repays over the 20 steps left, whatever the machine's timings)."""
+    first, second = tmp_path_factory.mktemp("cona_first"), tmp_path_factory.mktemp("cona_resumed")
+    a = launch(_real, 2, cache_dir, str(first), 8, None)
+    b = launch(_real, 2, cache_dir, str(second), 32, str(first / "checkpoints" / "iter_0000008"))
+    return a[0], b, first, second
+
+
+def test_resumed_run_goes_on_from_its_checkpoint(resumed):
+    """Catches a resumed CONA run that forgets its run: its clock must go on from the
+    saved one (TTP counts the time before the stop), its chain, evaluations, decisions and
+    measured switch costs must start with the first run's, the noise-scale estimator must
+    hold the first run's updates, no second start decision may come, the layout it was
+    resumed at (the launch one, not the one saved) is recorded in the chain, and the
+    controller, which measured DP2 before the stop, switches back to it at the first
+    decision that repays it, weighing the switch at the cost it measured then (not
+    the start-up prior)."""
+    a, bs, first, second = resumed
+    b = bs[0]
+    assert a["chain"] == [{"strategy": PP2, "start_step": 0}, {"strategy": DP2, "start_step": 4}]
+    assert all(x["chain"] == b["chain"] for x in bs)  # every rank holds the same
+    assert b["chain"][:2] == a["chain"]
+    assert b["chain"][2] == {"strategy": PP2, "start_step": 8, "resumed": True}
+    back = b["chain"][3]  # the first decision that repays the switch (timings vary)
+    assert back["strategy"] == DP2 and back["start_step"] % 4 == 0 and len(b["chain"]) == 4
+    assert b["decisions"][:len(a["decisions"])] == a["decisions"]
+    assert sum(bool(d.get("start")) for d in b["decisions"]) <= 1  # one start decision, ever
+    assert b["evals"][:len(a["evals"])] == a["evals"]
+    steps_a, steps_b = _steps(first), _steps(second)
+    # the clock goes on from the one saved with step 8 (its save itself is not counted)
+    assert steps_b[0]["step"] == 9 and steps_b[0]["time_s"] > steps_a[-1]["time_s"] > 0
+    assert steps_b[0]["time_s"] - steps_a[-1]["time_s"] < steps_a[-1]["time_s"]
+    # the estimator holds the first run's updates (none can be made at DP1-PP2)
+    assert steps_a[-1]["gns_updates"] > 0
+    assert steps_b[0]["gns_updates"] == steps_a[-1]["gns_updates"]
+    layout = a["switch_costs_charged"]["layout"]
+    assert b["switch_costs_charged"]["layout"][:len(layout)] == layout
+    again = next(d for d in b["decisions"] if d["step"] == back["start_step"])
+    assert again["switch"] and again["switch_cost_s"] == pytest.approx(sum(layout) / len(layout))
+
+
+def test_lr_ramp_goes_on_across_a_resume():
+    """Catches a resume in the middle of an LR ramp that jumps to the new rate (the old
+    known limit): a run that switched from proxy batch 16 to 128 with a 4-step ramp and
+    stopped 2 steps into it must, resumed from ``Loop.state_dict``, train the last two
+    ramp steps at 3/4 and all of the way, as the run without a stop did; its clock goes on
+    from the saved one."""
+    from cona.state import set_peak_lr
+    from cona.strategy import Strategy
+
+    small, big = Strategy(8, 1, 1, 1, 64), Strategy(8, 1, 1, 4, 512)
+    over = ["cona.lr_ramp_steps=4", "cona.decision_interval=1000"]
+
+    def start(strategy):
+        _, sched = _constant_scheduler()
+        job = _FakeJob(strategy, scheduler=sched)
+        job.resume_clock = lambda s: setattr(job, "clock_s", s)
+        set_peak_lr(job.trainer, sched, *job.lr_for(strategy))
+        return job, _fake_loop(job, over, 10**6, [small, big])[0]
+
+    trained = {}
+    for stop in (False, True):
+        job, loop = start(small)
+        for k in range(6):
+            if k == 2:
+                job.apply(big)
+                set_peak_lr(job.trainer, job.trainer.scheduler, *job.lr_for(big))
+            if stop and k == 4:  # stop here; resume at the strategy it was at
+                state, clock = loop.state_dict(), job.clock_s
+                trained_before, job, loop = job.trained_lr, *start(big)
+                job.trained_lr, job.trainer.step = trained_before, 4
+                loop.load_state_dict(state)
+                assert job.clock_s == clock
+            loop.step()
+        trained[stop] = job.trained_lr
+    lo, hi = _FakeJob(small).lr_for(small)[0], _FakeJob(big).lr_for(big)[0]
+    assert trained[False] == pytest.approx([lo, lo] + [lo + (hi - lo) * i / 4 for i in (1, 2, 3, 4)])
+    assert trained[True] == pytest.approx(trained[False], rel=1e-12)
+
+
+def test_state_from_another_version_is_refused():
+    """Catches a half-read resume: a checkpoint's CONA state without its progress must be
+    refused with an error naming what it lacks and the fix."""
+    from cona.strategy import Strategy
+    from jobruntime.checkpoint import CheckpointError
+
+    job = _FakeJob(Strategy(8, 1, 1, 1, 64))
+    loop, _ = _fake_loop(job, [], 10**6, [job.strategy])
+    with pytest.raises(CheckpointError, match="lacks progress.*load_optimizer=false"):
+        loop.load_state_dict({"clock_s": 1.0, "samples0": 0, "controller": None})
