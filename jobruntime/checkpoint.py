@@ -27,7 +27,8 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
-from megatron.core import dist_checkpointing
+from megatron.core import dist_checkpointing, tensor_parallel
+from megatron.core.dist_checkpointing import ShardedObject
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 
 from .config import ModelConfig
@@ -179,12 +180,27 @@ def arch_mismatch(ckpt: Path, diff: dict) -> str:
     return f"checkpoint '{ckpt}' is from another model ({desc}); {fix}"
 
 
+def _world() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def _rng_object(state: dict | None, world: int) -> ShardedObject:
+    """This rank's RNG state as its own shard of ``rng_state`` (one per global rank): each
+    rank's generators differ (a PP stage advances past the earlier stages' draws at build,
+    a layout switch draws on some ranks only), and common state holds rank 0's alone."""
+    return ShardedObject("rng_state", state, (world,), (_rank(),), replica_id=0)
+
+
 def _rng_state() -> dict:
+    """This rank's generators: Python's, NumPy's, torch's (CPU and the current CUDA
+    device's) and megatron's model-parallel tracker (its named states: TP-region dropout,
+    e.g. attention's), as Megatron-LM's ``get_rng_state`` keeps them."""
     return {
         "python": random.getstate(),
         "numpy": np.random.get_state(),
         "torch": torch.get_rng_state(),
         "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+        "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
     }
 
 
@@ -194,6 +210,8 @@ def _set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     if state.get("cuda") is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
+    if state.get("tracker"):  # older checkpoints: none saved
+        tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
 
 
 def save_checkpoint(root: Path, trainer, *, consumed_samples: int, extra: dict | None = None,
@@ -227,7 +245,8 @@ def save_checkpoint(root: Path, trainer, *, consumed_samples: int, extra: dict |
         "step": trainer.step,
         "consumed_samples": consumed_samples,
         "consumed_tokens": trainer.consumed_tokens,
-        "rng": _rng_state(),
+        "rng": _rng_object(_rng_state(), _world()),
+        "world_size": _world(),
         "arch": _arch(trainer.cfg.model),
         "format_version": FORMAT_VERSION,
         "extra": extra or {},
@@ -299,6 +318,8 @@ def load_checkpoint(path: str | Path, trainer, *, load_optimizer: bool = True) -
     request = {"model": model_sd}
     if load_optimizer:
         request["optimizer"] = trainer.optimizer.sharded_state_dict(model_sd, is_loading=True)
+        if common.get("world_size") == _world():  # each rank's own generators
+            request["rng"] = _rng_object(None, _world())
     with phase(log, "loading checkpoint %s%s", ckpt, "" if load_optimizer else " (weights)"), \
             reading(ckpt):
         loaded = dist_checkpointing.load(request, str(ckpt))
@@ -316,7 +337,14 @@ def load_checkpoint(path: str | Path, trainer, *, load_optimizer: bool = True) -
     if load_optimizer:
         trainer.step = int(common["step"])
         trainer.consumed_tokens = int(tokens)
-        _set_rng_state(common["rng"])
+        if "rng" in loaded:
+            _set_rng_state(loaded["rng"])
+        elif "rng" in common:  # saved before each rank's was: rank 0's, on every rank
+            _set_rng_state(common["rng"])
+        elif _rank() == 0:  # another world size: no rank's generators carry over
+            log.info("%s was saved by %d processes, resumed by %d: each keeps the generators "
+                     "seeded at start (dropout draws differ from an uninterrupted run)",
+                     ckpt, common.get("world_size"), _world())
     return {
         "step": int(common["step"]),
         "consumed_samples": samples,
