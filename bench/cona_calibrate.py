@@ -4,11 +4,11 @@
 directly measured noise scale grows at least 4x over the evaluated segment (issue 23).
 This bench measures that growth as a function of the fraction, on the full bench's proxy
 of one family (``bench/cona_ttp.py``: narrowed preset, warm state, one torch thread): the
-bench's own reference (:func:`bench.cona_ttp.reference`: preset batch, the scaling rule's
+bench's own reference (:func:`bench.cona_reference.reference`: preset batch, the scaling rule's
 LR, the noise scale probed directly at every evaluation of its cadence) trains from the
 warm state to the deepest fraction's target, and for each ``f`` in ``--fractions`` the
 trend of the probes up to the first crossing of ``f x min(unigram, warm ppl)``
-(:func:`bench.cona_ttp.segment_trend`, as the bench reads it) at that target's loss over
+(:func:`bench.cona_reference.segment_trend`, as the bench reads it) at that target's loss over
 the warm state's own probe gives the growth.  No CONA method runs.
 
 Usage::
@@ -41,14 +41,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 def calibrate(family: str, fractions: list[float], cache_dir: str | None) -> dict:
     """The trend growth of the directly measured noise scale at each target ``fractions``
     of ``min(unigram, warm ppl)`` along ``family``'s reference run (module docstring)."""
+    from bench.cona_reference import reference, seed_context, segment_trend
     from bench.cona_ttp import (
         FULL,
         MODELS,
         PROBE_MICROBATCHES,
         family_config,
-        reference,
-        seed_context,
-        segment_trend,
         worker_setup,
     )
     from cona.targets import corpus_unigram_perplexity

@@ -47,6 +47,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import bench.cona_ttp as ttp  # noqa: E402
+from bench.cona_reference import static_loop  # noqa: E402
 
 DIRECT = ("simple", "newton", "pollux")  # cona.probe.DEFINITIONS, measured directly
 DEFINITIONS = (*DIRECT, "in_run_plain", "in_run_scale_free")
@@ -93,7 +94,7 @@ def static_run(ctx, strategy, measure_every: int | None = None):
 
     With ``measure_every`` (steps) the noise scale is measured directly along the way
     (trajectory points; the last at the stop).  Returns ``(record, trajectory)``."""
-    job, loop = ttp.static_loop(ctx, strategy)
+    job, loop = static_loop(ctx, strategy)
     trajectory = []
     while measure_every and not loop.done:
         nxt = job.trainer.step + measure_every

@@ -27,7 +27,7 @@ Rules fixed before any method runs (per family; none looks at a method's result)
    every evaluation of its cadence and at the target (:data:`PROBE_MICROBATCHES`
    micro-batches each); ``phi_0`` is the warm state's probe, ``phi_1`` the value at
    the target's loss of a power law in the loss fitted robustly to the segment's probes
-   (:func:`segment_trend`; single probes along a run scatter ~2x).  Kaplan et al. 2020's
+   (:func:`bench.cona_reference.segment_trend`; single probes along a run scatter ~2x).  Kaplan et al. 2020's
    ``B_crit(L)`` and ``L(N, S)`` turn the range ``r x [phi_0, phi_1]`` into the span of the target's training one run
    stands for (``target_tokens_per_run``) and so the step dilation ``k``
    (``cona.step_dilation``): one proxy step is charged ``k`` target steps
@@ -89,7 +89,6 @@ import argparse  # noqa: E402
 import copy  # noqa: E402
 import json  # noqa: E402
 import logging  # noqa: E402
-import math  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
@@ -97,6 +96,13 @@ from functools import partial  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.cona_aggregate import aggregate, oracle_finding, ratios  # noqa: E402
+from bench.cona_reference import (  # noqa: E402
+    RECIPE_BUDGET_SCALE,
+    reference,
+    seed_context,
+    time_scale_for,
+)
 from bench.seeded_units import run_units  # noqa: E402
 
 BATCHES = [64, 128, 256, 512, 1024]  # target sequences
@@ -120,7 +126,6 @@ MODELS = {  # the longest first, so that --jobs 2 ends soonest
     "gpt3_1.3b": {"proxy": "tiny_gpt", "seq": 64, "iters": 3000, "eval_interval": 20,
                   "overrides": [*NARROW, "model.num_attention_heads=2"]},
 }
-RECIPE_BUDGET_SCALE = 4  # static_recipe has no cap: it may train this x the budget
 # the oracle's moves at a window boundary: up to two grid steps, either way (cona/oracle.py)
 MOVES = (-2, -1, 1, 2)
 # CONA again with each other noise-scale definition (cona.gns_definition; rows
@@ -169,114 +174,6 @@ def family_config(target: str, spec: dict, settings: dict, cache_dir: str | None
     if "warm_steps" in settings:
         cfg.train.warmup_iters = settings["warm_steps"]
     return cfg
-
-
-def seed_context(cfg, warm_steps: int, data=None, probe_microbatches: int = 64):
-    """``(ctx, cached)``: the context of ``cfg`` (its seed's data, the budget's 4x for
-    static_recipe, evaluations charged: rule 5) started from its cached warm state
-    (rule 2), its perplexity and noise scale (``probe_microbatches`` micro-batches)
-    measured there; ``cached``: the warm state was read from disk."""
-    from cona.context import build_context
-    from cona.emulated import eval_steps_per_step
-    from cona.warm import load_or_train_warm
-
-    budget = cfg.train.iters * cfg.parallel.global_batch_size
-    ctx = build_context(cfg, data=data, min_train_samples=RECIPE_BUDGET_SCALE * budget)
-    # rule 5: evaluations charged to every method, the oracle's clock included
-    ctx.cluster.eval_steps = eval_steps_per_step(ctx.data.val_samples, ctx.eval_samples)
-
-    def measure(job):
-        from jobruntime.metrics import perplexity
-
-        g_sq, trace = job.measure_gradient_stats(probe_microbatches)
-        return {"val_ppl": perplexity(job.evaluate()), "grad_sq": g_sq, "grad_trace": trace,
-                "noise_scale_proxy": trace / g_sq if g_sq > 0 else None}
-
-    warm, cached = load_or_train_warm(ctx, warm_steps, measure)
-    ctx.warm = warm
-    return ctx, cached
-
-
-def reference(ctx, quick_segment: int | None = None, probe_microbatches: int = 64) -> dict:
-    """Rule 4's reference: the preset batch (fastest layout, LR 1x) from the warm state to
-    the target (``quick_segment``: for ``quick_segment`` steps, its perplexity there is
-    the target), the noise scale measured directly (``probe_microbatches``) at every
-    evaluation of its cadence and at its end.  The segment's ends: the warm state's own
-    probe (one state, common to every method: ``noise_scale_warm_proxy``) and the
-    probes' trend at the target's loss (:func:`segment_trend`: each method reaches the
-    target in its own state, and single probes scatter ~2x along a run:
-    ``noise_scale_target_proxy``)."""
-    from cona.run import Loop
-
-    job = ctx.make_job(ctx.reference_strategy(), track_gns=False)  # probed directly instead
-    loop = Loop(job, ctx.cfg, budget_samples=ctx.budget_samples,
-                eval_samples=ctx.eval_samples, keep_records=False)
-    evals = loop.progress.evals
-    warm = ctx.warm["extra"]
-    probes = [{"samples": ctx.warm["consumed_samples"], "val_loss": math.log(warm["val_ppl"]),
-               "grad_sq": warm["grad_sq"], "grad_trace": warm["grad_trace"]}]
-
-    def probe() -> None:
-        # not charged: the reference's clock is no result, and its evaluation cadence on
-        # the clock (cona.eval_clock) would jump past the steps a probe is charged
-        g_sq, trace = job.measure_gradient_stats(probe_microbatches, charge=False)
-        probes.append({"samples": job.consumed_samples, "grad_sq": g_sq, "grad_trace": trace,
-                       "val_loss": math.log(loop.progress.last_val_ppl)})
-
-    end = ctx.warm["steps"] + (quick_segment or 0)
-    while not loop.done and not (quick_segment is not None and job.trainer.step >= end):
-        n = len(evals)
-        loop.step()
-        if len(evals) > n and evals[-1]["cadence"] and not loop.done:
-            probe()  # at the cadence's evaluations (not at the dense ones near the target)
-    if quick_segment is not None:
-        loop.evaluate()
-    probe()  # at the end: the target's crossing
-    end_loss = math.log(loop.progress.last_val_ppl if quick_segment is not None
-                        else ctx.cfg.train.target_ppl)
-    phi0, fit = warm["noise_scale_proxy"], segment_trend(probes, end_loss)
-    phi1 = fit["at"][0]
-    return {"reached": loop.progress.ttp.reached or quick_segment is not None,
-            "val_ppl": loop.progress.last_val_ppl, "samples": job.consumed_samples,
-            "segment_samples": job.consumed_samples - ctx.warm["consumed_samples"],
-            "noise_scale_warm_proxy": phi0, "noise_scale_target_proxy": phi1,
-            "noise_scale_fit": fit, "noise_scale_probes": probes,
-            "evals": [{k: e[k] for k in ("samples", "val_ppl")} for e in evals]}
-
-
-def segment_trend(probes: list[dict], loss: float) -> dict:
-    """:func:`cona.targets.fit_noise_scale` over the probes of the segment's states
-    (``probes[1:]``: ``probes[0]`` is the warm state, which every method starts from and
-    which is measured as it is), read at ``loss``."""
-    from cona.targets import fit_noise_scale
-
-    seg = probes[1:]
-    return fit_noise_scale([p["val_loss"] for p in seg], [p["grad_sq"] for p in seg],
-                           [p["grad_trace"] for p in seg], [loss])
-
-
-def static_loop(ctx, strategy):
-    """``(job, loop)``: a job at ``strategy`` from ``ctx``'s start (its warm state where
-    set) and its loop over ``ctx``'s budget (to the target or the budget's end)."""
-    from cona.run import Loop
-
-    job = ctx.make_job(strategy)
-    return job, Loop(job, ctx.cfg, budget_samples=ctx.budget_samples,
-                     eval_samples=ctx.eval_samples, keep_records=False)
-
-
-def time_scale_for(ctx, ref: dict) -> dict:
-    """Rule 4 (:func:`cona.targets.time_scale`); on a noise scale that did not grow (a
-    too-short quick run) the dilation is 1 and the error is recorded."""
-    from cona.targets import non_embedding_params, time_scale
-
-    try:
-        return time_scale(ref["noise_scale_warm_proxy"], ref["noise_scale_target_proxy"],
-                          ratio=ctx.mapping.ratio, target_seq=ctx.target.seq_length,
-                          params=non_embedding_params(ctx.target),
-                          segment_proxy_samples=ref["segment_samples"])
-    except ValueError as e:
-        return {"step_dilation": 1.0, "target_tokens_per_run": None, "error": str(e)}
 
 
 def seed_methods(ctx, settings: dict, boundaries: list[int],
@@ -344,41 +241,11 @@ def seed_methods(ctx, settings: dict, boundaries: list[int],
     return methods, wall
 
 
-def aggregate(per_seed: list[dict]) -> dict:
-    """Per method: the first seed's record (chain, evals) with ``ttp_s`` the mean over
-    seeds (``None`` if one missed), ``ttp_s_by_seed``, ``ttp_lower_bound_s_by_seed``
-    (where a seed missed: the clock it stopped at, below its TTP had it gone on;
-    ``None`` where it reached or no bound is known), ``switches`` and
-    ``layout_switches`` (first seed) and their values by seed, ``chain_by_seed`` (each
-    seed's strategies in order, labels), and ``lr_factor_by_seed``
-    (the LR factor each seed's run trained at, ``None`` where a method has none)."""
-    from cona.baselines import layout_switches
-
-    out = {}
-    for name in per_seed[0]:
-        runs = [s[name] or {"ttp_s": None, "chain": [], "switches": 0} for s in per_seed]
-        ttps = [r["ttp_s"] for r in runs]
-        lays = [layout_switches(r.get("chain") or []) for r in runs]
-        out[name] = {**runs[0], "ttp_s": statistics.fmean(ttps) if None not in ttps else None,
-                     "ttp_s_by_seed": ttps, "layout_switches": lays[0],
-                     "ttp_lower_bound_s_by_seed": [r.get("ttp_lower_bound_s")
-                                                   if r["ttp_s"] is None else None
-                                                   for r in runs],
-                     "layout_switches_by_seed": lays,
-                     "switches_by_seed": [r.get("switches", 0) for r in runs],
-                     "chain_by_seed": [[c["strategy"] for c in r.get("chain") or []]
-                                       for r in runs],
-                     "lr_factor_by_seed": [r.get("lr_factor") for r in runs],
-                     "ttp_s_sd": statistics.stdev(ttps) if None not in ttps and len(ttps) > 1
-                     else None}
-    return out
-
-
 def family_setup(target: str, spec: dict, settings: dict, cache_dir: str | None):
     """Rules 1-5 for one family, on its first seed: ``(cfg, ctx, ref, ts, unigram)`` with
     ``cfg.train.target_ppl`` and ``cfg.cona.step_dilation`` set, ``ctx`` the first
     seed's warm context (its data reused), ``ref`` the reference's record and ``ts`` the
-    time scale (:func:`time_scale_for`).
+    time scale (:func:`bench.cona_reference.time_scale_for`).
 
     Raises:
         SystemExit: the reference does not reach the target within the budget.
@@ -516,35 +383,6 @@ def setup_key(setup: dict, seed_index: int, settings: dict) -> str:
     blob = json.dumps({"cfg": dataclasses.asdict(setup["cfg"]), "boundaries": setup["boundaries"],
                        "settings": kept, "seed": seed_index}, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:20]
-
-
-def oracle_finding(per_seed: list[dict]) -> dict:
-    """How often the oracle's best strategy changes (its chain's switches) and its TTP
-    over ``static_oracle``'s (the LR-swept hindsight best static; < 1: the chain is
-    faster), per seed."""
-    rows = []
-    for s in per_seed:
-        oc, so = s["oracle_chain"], s["static_oracle"]
-        found = oc.get("search") or {}
-        rows.append({"switches": oc.get("switches"),
-                     "chain_over_static_oracle": oc["ttp_s"] / so["ttp_s"]
-                     if oc.get("ttp_s") and so and so.get("ttp_s") else None,
-                     **{k: found.get(k) for k in ("oracle_changes", "oracle_batch_changes",
-                                                  "chain_over_static", "greedy_over_oracle",
-                                                  "windows_trained", "brute_force_windows",
-                                                  "exact")}})
-    return {"by_seed": rows}
-
-
-def ratios(methods: dict) -> dict:
-    """Mean-TTP ratios against CONA (> 1: CONA faster)."""
-    c = methods["cona"]["ttp_s"]
-    out = {}
-    for name in ("static_recipe", "static_oracle", "oracle_chain", "oracle_greedy",
-                 "static_throughput"):
-        t = (methods.get(name) or {}).get("ttp_s")
-        out[f"{name}_over_cona"] = t / c if t is not None and c else None
-    return out
 
 
 def worker_setup(proxy: str) -> None:

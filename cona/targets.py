@@ -37,7 +37,7 @@ probes by Theil-Sen regression (robust to the spike's points).  The segment's en
 the warm state's own probe ``phi_0`` (one state, the start of every method; 8 probes
 there read 6.0-6.5 on the Llama proxy) and the trend's value at the target's loss
 ``phi_1`` (fixed by the rule above; each method reaches it in a state of its own), as
-``bench/cona_ttp.py``'s ``segment_trend`` reads them.
+``bench/cona_reference.py``'s ``segment_trend`` reads them.
 
 **Time scale** (:func:`time_scale`).  The proxy's gradient noise scale ``phi_p`` (proxy
 sequences) stands for ``r * phi_p`` target sequences (:mod:`cona.mapping`), i.e. a

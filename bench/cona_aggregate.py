@@ -1,0 +1,68 @@
+"""The CONA bench's per-family summary of its seeds (:mod:`bench.cona_ttp`): every
+method's mean time to target and per-seed record, the oracle's findings and the ratios
+against CONA."""
+
+from __future__ import annotations
+
+import statistics
+
+
+def aggregate(per_seed: list[dict]) -> dict:
+    """Per method: the first seed's record (chain, evals) with ``ttp_s`` the mean over
+    seeds (``None`` if one missed), ``ttp_s_by_seed``, ``ttp_lower_bound_s_by_seed``
+    (where a seed missed: the clock it stopped at, below its TTP had it gone on;
+    ``None`` where it reached or no bound is known), ``switches`` and
+    ``layout_switches`` (first seed) and their values by seed, ``chain_by_seed`` (each
+    seed's strategies in order, labels), and ``lr_factor_by_seed``
+    (the LR factor each seed's run trained at, ``None`` where a method has none)."""
+    from cona.baselines import layout_switches
+
+    out = {}
+    for name in per_seed[0]:
+        runs = [s[name] or {"ttp_s": None, "chain": [], "switches": 0} for s in per_seed]
+        ttps = [r["ttp_s"] for r in runs]
+        lays = [layout_switches(r.get("chain") or []) for r in runs]
+        out[name] = {**runs[0], "ttp_s": statistics.fmean(ttps) if None not in ttps else None,
+                     "ttp_s_by_seed": ttps, "layout_switches": lays[0],
+                     "ttp_lower_bound_s_by_seed": [r.get("ttp_lower_bound_s")
+                                                   if r["ttp_s"] is None else None
+                                                   for r in runs],
+                     "layout_switches_by_seed": lays,
+                     "switches_by_seed": [r.get("switches", 0) for r in runs],
+                     "chain_by_seed": [[c["strategy"] for c in r.get("chain") or []]
+                                       for r in runs],
+                     "lr_factor_by_seed": [r.get("lr_factor") for r in runs],
+                     "ttp_s_sd": statistics.stdev(ttps) if None not in ttps and len(ttps) > 1
+                     else None}
+    return out
+
+
+
+def oracle_finding(per_seed: list[dict]) -> dict:
+    """How often the oracle's best strategy changes (its chain's switches) and its TTP
+    over ``static_oracle``'s (the LR-swept hindsight best static; < 1: the chain is
+    faster), per seed."""
+    rows = []
+    for s in per_seed:
+        oc, so = s["oracle_chain"], s["static_oracle"]
+        found = oc.get("search") or {}
+        rows.append({"switches": oc.get("switches"),
+                     "chain_over_static_oracle": oc["ttp_s"] / so["ttp_s"]
+                     if oc.get("ttp_s") and so and so.get("ttp_s") else None,
+                     **{k: found.get(k) for k in ("oracle_changes", "oracle_batch_changes",
+                                                  "chain_over_static", "greedy_over_oracle",
+                                                  "windows_trained", "brute_force_windows",
+                                                  "exact")}})
+    return {"by_seed": rows}
+
+
+
+def ratios(methods: dict) -> dict:
+    """Mean-TTP ratios against CONA (> 1: CONA faster)."""
+    c = methods["cona"]["ttp_s"]
+    out = {}
+    for name in ("static_recipe", "static_oracle", "oracle_chain", "oracle_greedy",
+                 "static_throughput"):
+        t = (methods.get(name) or {}).get("ttp_s")
+        out[f"{name}_over_cona"] = t / c if t is not None and c else None
+    return out

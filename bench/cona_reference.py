@@ -1,0 +1,126 @@
+"""The CONA bench's seed contexts and its reference run (rules 2, 4 and 5 of
+:mod:`bench.cona_ttp`): a seed's context started from its cached warm state, the
+reference from there to the target with the noise scale probed directly along it, the
+probes' trend at the target's loss, and the time scale it gives.
+
+Used by :mod:`bench.cona_ttp`, :mod:`bench.cona_calibrate` and
+:mod:`bench.cona_efficiency`; nothing here looks at a method's result.
+"""
+
+from __future__ import annotations
+
+import math
+
+RECIPE_BUDGET_SCALE = 4  # static_recipe has no cap: it may train this x the budget
+
+
+def seed_context(cfg, warm_steps: int, data=None, probe_microbatches: int = 64):
+    """``(ctx, cached)``: the context of ``cfg`` (its seed's data, the budget's 4x for
+    static_recipe, evaluations charged: rule 5) started from its cached warm state
+    (rule 2), its perplexity and noise scale (``probe_microbatches`` micro-batches)
+    measured there; ``cached``: the warm state was read from disk."""
+    from cona.context import build_context
+    from cona.emulated import eval_steps_per_step
+    from cona.warm import load_or_train_warm
+
+    budget = cfg.train.iters * cfg.parallel.global_batch_size
+    ctx = build_context(cfg, data=data, min_train_samples=RECIPE_BUDGET_SCALE * budget)
+    # rule 5: evaluations charged to every method, the oracle's clock included
+    ctx.cluster.eval_steps = eval_steps_per_step(ctx.data.val_samples, ctx.eval_samples)
+
+    def measure(job):
+        from jobruntime.metrics import perplexity
+
+        g_sq, trace = job.measure_gradient_stats(probe_microbatches)
+        return {"val_ppl": perplexity(job.evaluate()), "grad_sq": g_sq, "grad_trace": trace,
+                "noise_scale_proxy": trace / g_sq if g_sq > 0 else None}
+
+    warm, cached = load_or_train_warm(ctx, warm_steps, measure)
+    ctx.warm = warm
+    return ctx, cached
+
+
+
+def reference(ctx, quick_segment: int | None = None, probe_microbatches: int = 64) -> dict:
+    """Rule 4's reference: the preset batch (fastest layout, LR 1x) from the warm state to
+    the target (``quick_segment``: for ``quick_segment`` steps, its perplexity there is
+    the target), the noise scale measured directly (``probe_microbatches``) at every
+    evaluation of its cadence and at its end.  The segment's ends: the warm state's own
+    probe (one state, common to every method: ``noise_scale_warm_proxy``) and the
+    probes' trend at the target's loss (:func:`segment_trend`: each method reaches the
+    target in its own state, and single probes scatter ~2x along a run:
+    ``noise_scale_target_proxy``)."""
+    from cona.run import Loop
+
+    job = ctx.make_job(ctx.reference_strategy(), track_gns=False)  # probed directly instead
+    loop = Loop(job, ctx.cfg, budget_samples=ctx.budget_samples,
+                eval_samples=ctx.eval_samples, keep_records=False)
+    evals = loop.progress.evals
+    warm = ctx.warm["extra"]
+    probes = [{"samples": ctx.warm["consumed_samples"], "val_loss": math.log(warm["val_ppl"]),
+               "grad_sq": warm["grad_sq"], "grad_trace": warm["grad_trace"]}]
+
+    def probe() -> None:
+        # not charged: the reference's clock is no result, and its evaluation cadence on
+        # the clock (cona.eval_clock) would jump past the steps a probe is charged
+        g_sq, trace = job.measure_gradient_stats(probe_microbatches, charge=False)
+        probes.append({"samples": job.consumed_samples, "grad_sq": g_sq, "grad_trace": trace,
+                       "val_loss": math.log(loop.progress.last_val_ppl)})
+
+    end = ctx.warm["steps"] + (quick_segment or 0)
+    while not loop.done and not (quick_segment is not None and job.trainer.step >= end):
+        n = len(evals)
+        loop.step()
+        if len(evals) > n and evals[-1]["cadence"] and not loop.done:
+            probe()  # at the cadence's evaluations (not at the dense ones near the target)
+    if quick_segment is not None:
+        loop.evaluate()
+    probe()  # at the end: the target's crossing
+    end_loss = math.log(loop.progress.last_val_ppl if quick_segment is not None
+                        else ctx.cfg.train.target_ppl)
+    phi0, fit = warm["noise_scale_proxy"], segment_trend(probes, end_loss)
+    phi1 = fit["at"][0]
+    return {"reached": loop.progress.ttp.reached or quick_segment is not None,
+            "val_ppl": loop.progress.last_val_ppl, "samples": job.consumed_samples,
+            "segment_samples": job.consumed_samples - ctx.warm["consumed_samples"],
+            "noise_scale_warm_proxy": phi0, "noise_scale_target_proxy": phi1,
+            "noise_scale_fit": fit, "noise_scale_probes": probes,
+            "evals": [{k: e[k] for k in ("samples", "val_ppl")} for e in evals]}
+
+
+
+def segment_trend(probes: list[dict], loss: float) -> dict:
+    """:func:`cona.targets.fit_noise_scale` over the probes of the segment's states
+    (``probes[1:]``: ``probes[0]`` is the warm state, which every method starts from and
+    which is measured as it is), read at ``loss``."""
+    from cona.targets import fit_noise_scale
+
+    seg = probes[1:]
+    return fit_noise_scale([p["val_loss"] for p in seg], [p["grad_sq"] for p in seg],
+                           [p["grad_trace"] for p in seg], [loss])
+
+
+
+def static_loop(ctx, strategy):
+    """``(job, loop)``: a job at ``strategy`` from ``ctx``'s start (its warm state where
+    set) and its loop over ``ctx``'s budget (to the target or the budget's end)."""
+    from cona.run import Loop
+
+    job = ctx.make_job(strategy)
+    return job, Loop(job, ctx.cfg, budget_samples=ctx.budget_samples,
+                     eval_samples=ctx.eval_samples, keep_records=False)
+
+
+
+def time_scale_for(ctx, ref: dict) -> dict:
+    """Rule 4 (:func:`cona.targets.time_scale`); on a noise scale that did not grow (a
+    too-short quick run) the dilation is 1 and the error is recorded."""
+    from cona.targets import non_embedding_params, time_scale
+
+    try:
+        return time_scale(ref["noise_scale_warm_proxy"], ref["noise_scale_target_proxy"],
+                          ratio=ctx.mapping.ratio, target_seq=ctx.target.seq_length,
+                          params=non_embedding_params(ctx.target),
+                          segment_proxy_samples=ref["segment_samples"])
+    except ValueError as e:
+        return {"step_dilation": 1.0, "target_tokens_per_run": None, "error": str(e)}
