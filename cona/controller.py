@@ -350,6 +350,8 @@ class Controller:
         self._pending: tuple[Strategy, float, str] | None = None
         self._phi_history: list[float] = []  # the estimator's value at each decision
         self.decisions: list[dict[str, Any]] = []
+        # decisions of the run before a resume (their records are in its metrics.jsonl)
+        self.decisions_before = 0
 
     # -- inputs from the training loop --------------------------------------
 
@@ -425,7 +427,7 @@ class Controller:
         ``step``, and the estimator holds ``cona.start_probe_updates`` (> 0) updates
         and a positive estimate."""
         n = self.cfg.start_probe_updates
-        return (n > 0 and not self.decisions and num_updates >= n
+        return (n > 0 and not self.decisions and not self.decisions_before and num_updates >= n
                 and self.gns.noise_scale is not None and not self.should_decide(step))
 
     def decision_noise_scale(self) -> float | None:
@@ -549,21 +551,29 @@ class Controller:
     # -- checkpointing ------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
+        """What the controller decides from (for checkpoints): the current strategy,
+        measured switch costs and prediction errors, the number of decisions and the
+        noise scales of the last ``cona.gns_decision_window`` ones, the estimator's and
+        the cost model's state.  Not the decision records: a run of hours makes thousands
+        (each with every candidate's score), and ``metrics.jsonl`` holds them."""
+        window = self.cfg.gns_decision_window
         return {
             "current": self.current.label,
             "switch_costs": {k: list(v) for k, v in self._switch_costs.items()},
             "prediction_errors": {k: list(v) for k, v in self._pred_errors.items()},
-            "decisions": list(self.decisions),
-            "noise_scale_history": list(self._phi_history),
+            "num_decisions": self.decisions_before + len(self.decisions),
+            "noise_scale_history": self._phi_history[-window:],
             "gns": self.gns.state_dict(),
             "cost_model": self.cost_model.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Go on from :meth:`state_dict`; :attr:`decisions` then holds this run's only
+        (:attr:`decisions_before` counts the earlier ones)."""
         self.current = Strategy.from_label(state["current"])
         self._switch_costs = {k: list(v) for k, v in state["switch_costs"].items()}
         self._pred_errors = {k: list(v) for k, v in state.get("prediction_errors", {}).items()}
-        self.decisions = list(state["decisions"])
+        self.decisions, self.decisions_before = [], int(state["num_decisions"])
         self._phi_history = list(state.get("noise_scale_history", []))
         self.gns.load_state_dict(state["gns"])
         self.cost_model.load_state_dict(state["cost_model"])

@@ -153,8 +153,9 @@ class Loop:
         """What a resumed run goes on from (real mode saves it in every checkpoint,
         ``extra["cona"]``): the clock (seconds), the progress (TTP tracker, evaluations,
         chain, switches, the next evaluation, the LR ramp) and the controller's state
-        (noise-scale estimator, calibrated cost model, measured switch costs, decisions;
-        :meth:`cona.controller.Controller.state_dict`).  Plain Python values only."""
+        (noise-scale estimator, calibrated cost model, measured switch costs, the number
+        of decisions; :meth:`cona.controller.Controller.state_dict`).  Plain Python
+        values only; its size does not grow with the decisions made."""
         p = self.progress
         progress = {k: copy.deepcopy(getattr(p, k)) for k in _RESUMED}
         progress["ttp"] = asdict(p.ttp)
@@ -442,7 +443,7 @@ def run(cfg: JobConfig, run_dir: Path) -> dict:
     if getattr(job, "resume_state", None):
         loop.load_state_dict(job.resume_state)
         log.info("resumed CONA at step %d: clock %.1f s, %d decisions, %d switches, at %s",
-                 job.trainer.step, job.clock_s, len(controller.decisions),
+                 job.trainer.step, job.clock_s, controller.decisions_before,
                  len(loop.progress.switches), job.strategy.label)
     elif cfg.checkpoint.load and cfg.checkpoint.load_optimizer and isinstance(job, RealJob):
         log.warning("%s holds no CONA state (saved without CONA): the clock, the evaluations "
@@ -457,7 +458,8 @@ def run(cfg: JobConfig, run_dir: Path) -> dict:
     summary.update(
         model=cfg.name,
         candidates=len(ctx.candidates),
-        decisions=controller.decisions,
+        decisions=controller.decisions,  # this run's (the earlier ones: their metrics.jsonl)
+        decisions_before_resume=controller.decisions_before,
         switch_costs_charged=controller.switch_costs,
         switch_costs_at_start=getattr(job, "measured_costs", None),
         world_size=dist.get_world_size(),

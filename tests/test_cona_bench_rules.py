@@ -283,8 +283,8 @@ def test_seeds_aggregate_to_a_mean_with_misses_as_null_and_layout_switches_count
     at 10 s and 14 s give 12 s; one missed gives ``ttp_s`` null with the miss in
     ``ttp_s_by_seed``; a chain dp8-tp8 gb64 -> dp8-tp8 gb128 -> dp16-tp4 gb128 has two
     switches, one of them a layout switch (also the plot's marker kinds)."""
-    from bench.cona_plot import switch_points
     from bench.cona_aggregate import aggregate
+    from bench.cona_plot import switch_points
 
     chain = [{"strategy": "dp8-tp8-pp1-mb8-gb64"}, {"strategy": "dp8-tp8-pp1-mb8-gb128"},
              {"strategy": "dp16-tp4-pp1-mb8-gb128"}]
