@@ -203,7 +203,12 @@ class Loop:
             return True
         if t.stop_at_target and p.ttp.reached:
             return True
-        return t.max_wall_s is not None and time.perf_counter() - self._wall0 >= t.max_wall_s
+        if t.max_wall_s is None:
+            return False
+        # the wall clock of a real run goes on across a resume (as train.py's loop); an
+        # emulated run's clock is no wall time, so its limit counts this process's
+        wall = self.job.clock_s if self.job.ctx.clock == "wall" else time.perf_counter() - self._wall0
+        return wall >= t.max_wall_s
 
     @property
     def target_gns(self) -> float | None:
@@ -445,9 +450,11 @@ def run(cfg: JobConfig, run_dir: Path) -> dict:
         log.info("resumed CONA at step %d: clock %.1f s, %d decisions, %d switches, at %s",
                  job.trainer.step, job.clock_s, controller.decisions_before,
                  len(loop.progress.switches), job.strategy.label)
-    elif cfg.checkpoint.load and cfg.checkpoint.load_optimizer and isinstance(job, RealJob):
-        log.warning("%s holds no CONA state (saved without CONA): the clock, the evaluations "
-                    "and the controller start afresh", cfg.checkpoint.load)
+    elif (cfg.checkpoint.load and cfg.checkpoint.load_optimizer and isinstance(job, RealJob)
+          and job.is_logging_rank):
+        log.warning("%s holds no CONA state (saved without CONA, or by a version that did "
+                    "not save it): the clock, the evaluations and the controller start "
+                    "afresh", cfg.checkpoint.load)
     loop.reporter = StepProgress(cfg.logging.progress, enabled=job.is_logging_rank,
                                  total=ctx.budget_samples, unit="sample", logger=log,
                                  initial=job.consumed_samples)

@@ -60,7 +60,7 @@ from jobruntime import cpu_compat
 from jobruntime.config import JobConfig
 from jobruntime.faults import RunInterrupted, exit_interrupted, fault_point
 from jobruntime.model import build_model
-from jobruntime.parallel import Topology, initialize_layout
+from jobruntime.parallel import Topology, initialize_layout, share_tp_generators
 from jobruntime.trainer import Trainer
 
 from .state import build_trainer, optimizer_state_by_name, rng_state, set_peak_lr, set_rng_state
@@ -329,6 +329,7 @@ def switch_layout(
         _reshard(owner.trainer, new)
         new.step, new.consumed_tokens = owner.trainer.step, owner.trainer.consumed_tokens
         set_rng_state(rng)
+        share_tp_generators()  # TP peers that were other PP stages drew apart
         owner.trainer = new
         del module, new
         gc.collect()  # the old model, DDP buffers and optimizer state go here

@@ -184,6 +184,16 @@ def _world() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
 
 
+def _layout() -> list[int]:
+    """``[tp, pp, dp]`` of the model-parallel state (``[1, 1, world]`` without one)."""
+    from megatron.core import parallel_state as ps
+
+    if not ps.model_parallel_is_initialized():
+        return [1, 1, _world()]
+    return [ps.get_tensor_model_parallel_world_size(),
+            ps.get_pipeline_model_parallel_world_size(), ps.get_data_parallel_world_size()]
+
+
 def _rng_object(state: dict | None, world: int) -> ShardedObject:
     """This rank's RNG state as its own shard of ``rng_state`` (one per global rank): each
     rank's generators differ (a PP stage advances past the earlier stages' draws at build,
@@ -247,6 +257,7 @@ def save_checkpoint(root: Path, trainer, *, consumed_samples: int, extra: dict |
         "consumed_tokens": trainer.consumed_tokens,
         "rng": _rng_object(_rng_state(), _world()),
         "world_size": _world(),
+        "rng_layout": _layout(),  # each rank's generators fit this layout only
         "arch": _arch(trainer.cfg.model),
         "format_version": FORMAT_VERSION,
         "extra": extra or {},
@@ -318,7 +329,7 @@ def load_checkpoint(path: str | Path, trainer, *, load_optimizer: bool = True) -
     request = {"model": model_sd}
     if load_optimizer:
         request["optimizer"] = trainer.optimizer.sharded_state_dict(model_sd, is_loading=True)
-        if common.get("world_size") == _world():  # each rank's own generators
+        if common.get("rng_layout") == _layout():  # each rank's own generators
             request["rng"] = _rng_object(None, _world())
     with phase(log, "loading checkpoint %s%s", ckpt, "" if load_optimizer else " (weights)"), \
             reading(ckpt):
@@ -341,10 +352,10 @@ def load_checkpoint(path: str | Path, trainer, *, load_optimizer: bool = True) -
             _set_rng_state(loaded["rng"])
         elif "rng" in common:  # saved before each rank's was: rank 0's, on every rank
             _set_rng_state(common["rng"])
-        elif _rank() == 0:  # another world size: no rank's generators carry over
-            log.info("%s was saved by %d processes, resumed by %d: each keeps the generators "
-                     "seeded at start (dropout draws differ from an uninterrupted run)",
-                     ckpt, common.get("world_size"), _world())
+        elif _rank() == 0:  # another layout: a rank's generators fit its old place only
+            log.info("%s was saved at TP/PP/DP %s, resumed at %s: each rank keeps the "
+                     "generators seeded at start (dropout draws differ from an "
+                     "uninterrupted run)", ckpt, common.get("rng_layout"), _layout())
     return {
         "step": int(common["step"]),
         "consumed_samples": samples,

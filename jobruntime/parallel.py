@@ -133,6 +133,31 @@ def set_seed(seed: int) -> None:
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
+def share_tp_generators() -> None:
+    """Give every rank of each tensor-parallel group its first rank's default generators
+    (Python's, NumPy's, torch's CPU and CUDA ones).  Megatron-core's default generator
+    draws dropout outside TP regions on activations every TP rank holds whole, so it is
+    "the same among a set of model parallel GPUs" (``model_parallel_cuda_manual_seed``);
+    a rank that brings its own state from another layout (a PP stage advanced past the
+    earlier stages' draws) would draw other masks than its TP peers, and their replicated
+    parameters would drift apart.  The TP-region tracker states are left as they are
+    (they differ per TP rank by design).  No-op at TP = 1."""
+    group = parallel_state.get_tensor_model_parallel_group()
+    if dist.get_world_size(group) == 1:
+        return
+    src = dist.get_global_rank(group, 0)
+    box = [{"python": random.getstate(), "numpy": np.random.get_state(),
+            "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
+           if dist.get_rank() == src else None]
+    dist.broadcast_object_list(box, src=src, group=group)
+    random.setstate(box[0]["python"])
+    np.random.set_state(box[0]["numpy"])
+    torch.set_rng_state(box[0]["torch"])
+    if box[0]["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(box[0]["cuda"])
+
+
 def same_run_dir(run_dir, group: dist.ProcessGroup | None = None, src: int = 0) -> Path:
     """Rank 0's ``run_dir`` on every rank of the default process group.
 

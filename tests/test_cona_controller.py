@@ -192,6 +192,7 @@ def test_state_dict_roundtrip():
     other.load_state_dict(ctrl.state_dict())
     assert other.current == FAST and other.gns.noise_scale == pytest.approx(50.0)
     assert other.cost_model.iteration_time(SLOW) == pytest.approx(5.0)
+    assert other.switch_cost_s(SLOW) == 7.0  # a layout switch, priced as measured
     # the decision count and the window of noise scales carry over, not the records
     assert other.decisions == [] and other.decisions_before == len(ctrl.decisions) == 1
     assert other.decision_noise_scale() == ctrl.decision_noise_scale()
