@@ -18,14 +18,11 @@ TP/PP/DP layout loads into any other (resharding on load).
 from __future__ import annotations
 
 import logging
-import random
 import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-import numpy as np
-import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing, tensor_parallel
 from megatron.core.dist_checkpointing import ShardedObject
@@ -34,6 +31,7 @@ from torch.distributed.checkpoint.api import CheckpointException  # a BaseExcept
 from .config import ModelConfig
 from .faults import fault_point
 from .logging_utils import phase
+from .parallel import default_generators, set_default_generators
 
 log = logging.getLogger(__name__)
 
@@ -205,21 +203,11 @@ def _rng_state() -> dict:
     """This rank's generators: Python's, NumPy's, torch's (CPU and the current CUDA
     device's) and megatron's model-parallel tracker (its named states: TP-region dropout,
     e.g. attention's), as Megatron-LM's ``get_rng_state`` keeps them."""
-    return {
-        "python": random.getstate(),
-        "numpy": np.random.get_state(),
-        "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
-        "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
-    }
+    return {**default_generators(), "tracker": tensor_parallel.get_cuda_rng_tracker().get_states()}
 
 
 def _set_rng_state(state: dict) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if state.get("cuda") is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
+    set_default_generators(state)
     if state.get("tracker"):  # older checkpoints: none saved
         tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
 

@@ -146,16 +146,26 @@ def share_tp_generators() -> None:
     if dist.get_world_size(group) == 1:
         return
     src = dist.get_global_rank(group, 0)
-    box = [{"python": random.getstate(), "numpy": np.random.get_state(),
+    box = [default_generators() if dist.get_rank() == src else None]
+    dist.broadcast_object_list(box, src=src, group=group)
+    set_default_generators(box[0])
+
+
+def default_generators() -> dict:
+    """This process's default generators: Python's, NumPy's, torch's CPU one and the
+    current CUDA device's (``None`` without CUDA)."""
+    return {"python": random.getstate(), "numpy": np.random.get_state(),
             "torch": torch.get_rng_state(),
             "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
-           if dist.get_rank() == src else None]
-    dist.broadcast_object_list(box, src=src, group=group)
-    random.setstate(box[0]["python"])
-    np.random.set_state(box[0]["numpy"])
-    torch.set_rng_state(box[0]["torch"])
-    if box[0]["cuda"] is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state(box[0]["cuda"])
+
+
+def set_default_generators(state: dict) -> None:
+    """Set what :func:`default_generators` returned (its CUDA state only with CUDA)."""
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if state.get("cuda") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
 
 
 def same_run_dir(run_dir, group: dist.ProcessGroup | None = None, src: int = 0) -> Path:
