@@ -31,7 +31,13 @@ import torch.distributed as dist
 from jobruntime.checkpoint import load_checkpoint
 from jobruntime.config import JobConfig
 from jobruntime.data import Corpus, GlobalBatchSampler, build_dataset, prepare_corpus
-from jobruntime.parallel import Topology, initialize_layout, set_seed
+from jobruntime.parallel import (
+    Topology,
+    default_generators,
+    initialize_layout,
+    set_default_generators,
+    set_seed,
+)
 from jobruntime.trainer import StepResult
 
 from . import state as cstate
@@ -407,7 +413,7 @@ class EmulatedJob(Job):
         if power > 0 and weights is None:
             return None
 
-        consumed, rng = self.consumed_samples, cstate.rng_state()
+        consumed, rng = self.consumed_samples, default_generators()
         self.probe.detach()
         mbs = []
         while len(mbs) < microbatches:
@@ -421,7 +427,7 @@ class EmulatedJob(Job):
         finally:
             self._attach_probe()
             self.sampler = self._sampler(self.topo, consumed)
-            cstate.set_rng_state(rng)
+            set_default_generators(rng)
 
     def measure_noise_scale(self, microbatches: int = 64, definition: str = "simple",
                             charge: bool = True) -> float | None:

@@ -17,14 +17,13 @@ bf16) keyed by the model's parameter names, which is what resharding
 from __future__ import annotations
 
 import copy
-import random
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from jobruntime.config import JobConfig
+from jobruntime.parallel import default_generators, set_default_generators
 from jobruntime.trainer import Trainer
 
 from .strategy import Strategy
@@ -177,27 +176,6 @@ def optimizer_state_by_name(trainer: Trainer) -> dict[str, ParamState]:
 # ---------------------------------------------------------------------------
 
 
-def rng_state() -> dict:
-    """Python, NumPy and torch generator states; with CUDA also every GPU's default
-    generator (dropout, and the initial draws of a model built on the GPU)."""
-    state = {
-        "python": random.getstate(),
-        "numpy": np.random.get_state(),
-        "torch": torch.get_rng_state(),
-    }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state:
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
 def _clone(v):
     return v.detach().clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v)
 
@@ -217,7 +195,7 @@ def snapshot(trainer: Trainer) -> dict:
         "sched": (trainer.scheduler.num_steps, trainer.scheduler.max_lr, trainer.scheduler.min_lr),
         "step": trainer.step,
         "consumed_tokens": trainer.consumed_tokens,
-        "rng": rng_state(),
+        "rng": default_generators(),
     }
 
 
@@ -234,4 +212,4 @@ def restore(trainer: Trainer, snap: dict) -> None:
     trainer.scheduler.num_steps = num
     set_peak_lr(trainer, trainer.scheduler, max_lr, min_lr)
     trainer.step, trainer.consumed_tokens = snap["step"], snap["consumed_tokens"]
-    set_rng_state(snap["rng"])
+    set_default_generators(snap["rng"])

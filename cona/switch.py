@@ -60,10 +60,16 @@ from jobruntime import cpu_compat
 from jobruntime.config import JobConfig
 from jobruntime.faults import RunInterrupted, exit_interrupted, fault_point
 from jobruntime.model import build_model
-from jobruntime.parallel import Topology, initialize_layout, share_tp_generators
+from jobruntime.parallel import (
+    Topology,
+    default_generators,
+    initialize_layout,
+    set_default_generators,
+    share_tp_generators,
+)
 from jobruntime.trainer import Trainer
 
-from .state import build_trainer, optimizer_state_by_name, rng_state, set_peak_lr, set_rng_state
+from .state import build_trainer, optimizer_state_by_name, set_peak_lr
 
 log = logging.getLogger("cona")
 
@@ -311,7 +317,7 @@ def switch_layout(
         if dist.is_initialized():
             dist.barrier()
         t0 = time.perf_counter()
-        rng = rng_state()
+        rng = default_generators()
         old_groups = _megatron_groups()
         topo = initialize_layout(new_cfg)
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
@@ -328,7 +334,7 @@ def switch_layout(
             new = build(new_cfg, module, owner.trainer)
         _reshard(owner.trainer, new)
         new.step, new.consumed_tokens = owner.trainer.step, owner.trainer.consumed_tokens
-        set_rng_state(rng)
+        set_default_generators(rng)
         share_tp_generators()  # TP peers that were other PP stages drew apart
         owner.trainer = new
         del module, new

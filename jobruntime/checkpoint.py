@@ -192,11 +192,11 @@ def _layout() -> list[int]:
             ps.get_pipeline_model_parallel_world_size(), ps.get_data_parallel_world_size()]
 
 
-def _rng_object(state: dict | None, world: int) -> ShardedObject:
+def _rng_object(state: dict | None) -> ShardedObject:
     """This rank's RNG state as its own shard of ``rng_state`` (one per global rank): each
     rank's generators differ (a PP stage advances past the earlier stages' draws at build,
     a layout switch draws on some ranks only), and common state holds rank 0's alone."""
-    return ShardedObject("rng_state", state, (world,), (_rank(),), replica_id=0)
+    return ShardedObject("rng_state", state, (_world(),), (_rank(),), replica_id=0)
 
 
 def _rng_state() -> dict:
@@ -243,8 +243,7 @@ def save_checkpoint(root: Path, trainer, *, consumed_samples: int, extra: dict |
         "step": trainer.step,
         "consumed_samples": consumed_samples,
         "consumed_tokens": trainer.consumed_tokens,
-        "rng": _rng_object(_rng_state(), _world()),
-        "world_size": _world(),
+        "rng": _rng_object(_rng_state()),
         "rng_layout": _layout(),  # each rank's generators fit this layout only
         "arch": _arch(trainer.cfg.model),
         "format_version": FORMAT_VERSION,
@@ -318,7 +317,7 @@ def load_checkpoint(path: str | Path, trainer, *, load_optimizer: bool = True) -
     if load_optimizer:
         request["optimizer"] = trainer.optimizer.sharded_state_dict(model_sd, is_loading=True)
         if common.get("rng_layout") == _layout():  # each rank's own generators
-            request["rng"] = _rng_object(None, _world())
+            request["rng"] = _rng_object(None)
     with phase(log, "loading checkpoint %s%s", ckpt, "" if load_optimizer else " (weights)"), \
             reading(ckpt):
         loaded = dist_checkpointing.load(request, str(ckpt))
