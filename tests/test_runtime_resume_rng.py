@@ -1,4 +1,5 @@
-"""A resumed multi-process run draws what the uninterrupted one draws (dropout on).
+"""A resumed multi-process run draws what the uninterrupted one draws (dropout on);
+TP peers draw alike after a resume or a CONA switch from another layout.
 
 Each rank's generators differ: a PP stage advances past the earlier stages' draws
 when it builds its layers.  Checkpoints kept the RNG in common state, which
@@ -81,3 +82,54 @@ def test_resume_at_another_layout_keeps_tp_peers_alike(cache_dir, tmp_path):
     for drift, shared in launch(_across_layouts, 2, cache_dir, str(tmp_path / "ckpt")):
         assert drift == 0.0
         assert shared
+
+
+def _switched(cache_dir):
+    """On 2 ranks: a PP=2 run with dropout 0.1, 2 steps, switched in memory to TP=2
+    (:func:`cona.switch.switch_layout`, what a CONA layout switch runs), 2 more steps;
+    the largest difference of a replicated (not TP-sharded) parameter between the TP
+    peers."""
+    import types
+
+    import torch
+    import torch.distributed as dist
+
+    from cona.state import build_trainer, strategy_config
+    from cona.strategy import Strategy
+    from cona.switch import switch_layout
+    from jobruntime.loop import build_data
+    from jobruntime.parallel import initialize_layout, set_seed
+
+    torch.set_num_threads(1)
+    cfg = _cfg("tiny_gpt", cache_dir, f"train.iters={STEPS}", *SMALL, "model.dropout=0.1",
+               "parallel.pp=2")
+    gb = cfg.parallel.global_batch_size
+    topo = initialize_layout(cfg)
+    set_seed(cfg.train.seed)
+    job = types.SimpleNamespace(trainer=build_trainer(cfg, gb))
+    data = build_data(cfg, topo, 0)
+    for _ in range(SAVE_AT):
+        job.trainer.train_step(data.train.next())
+    new_cfg = strategy_config(cfg, Strategy(1, 2, 1, cfg.parallel.micro_batch_size, gb),
+                              lr=cfg.train.lr, min_lr=cfg.train.min_lr)
+    topo, _ = switch_layout(job, new_cfg, reference_batch=gb, seed=cfg.train.seed)
+    assert (topo.tp, topo.pp) == (2, 1)
+    data = build_data(new_cfg, topo, data.train.consumed_samples)
+    for _ in range(STEPS - SAVE_AT):
+        job.trainer.train_step(data.train.next())
+    drift = 0.0
+    for p in job.trainer.module.parameters():
+        if not getattr(p, "tensor_model_parallel", False):
+            both = [torch.zeros_like(p) for _ in range(2)]
+            dist.all_gather(both, p.detach().contiguous())
+            drift = max(drift, (both[0] - both[1]).abs().max().item())
+    return drift
+
+
+def test_switch_from_pp_to_tp_keeps_tp_peers_alike(cache_dir):
+    """Catches a CONA layout switch that leaves each rank its own generators: the PP=2
+    stages drew apart while building their layers, so as TP=2 peers their dropout masks
+    outside TP regions differ and replicated parameters drift apart; with
+    ``share_tp_generators`` in :func:`cona.switch.switch_layout` they stay identical."""
+    for drift in launch(_switched, 2, cache_dir):
+        assert drift == 0.0
