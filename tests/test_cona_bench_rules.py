@@ -530,3 +530,18 @@ def test_cona_ablation_runs_with_its_override_and_leaves_the_config_as_it_was():
                           "methods": {"cona": {}, "cona_gns_newton": {}, "static_recipe": {}}}))
     assert rows["cona"] == "CONA (`simple` noise scale)"
     assert rows["cona_gns_newton"] == "CONA, `newton` noise scale (ablation)"
+
+
+def test_setup_key_names_what_a_seed_depends_on_and_not_how_many_seeds_run():
+    """Catches a key over the seed count (a one-seed run's seed 0 could then not be
+    reused by a three-seed run of the same set-up) or one that misses a setting a seed
+    does depend on (its reuse would report another bench's result)."""
+    from bench.cona_ttp import FULL, setup_key
+    from jobruntime.config import load_config
+
+    setup = {"cfg": load_config("tiny_gpt", []), "boundaries": [10, 20]}
+    key = setup_key(setup, 0, dict(FULL, time_scale="calibrated"))
+    assert setup_key(setup, 0, dict(FULL, seeds=1, time_scale="measured")) == key
+    assert setup_key(setup, 1, dict(FULL)) != key
+    assert setup_key(setup, 0, dict(FULL, windows=3)) != key
+    assert setup_key(dict(setup, boundaries=[10, 21]), 0, dict(FULL)) != key
