@@ -324,18 +324,16 @@ def seed_task(target: str, spec: dict, setup: dict, seed_index: int, settings: d
             "phase_wall_s": phases}
 
 
-def finish_family(target: str, spec: dict, setup: dict, seeds: list[dict], settings: dict,
-                  out: str | None) -> dict:
-    """A family's report entry from its setup and its seeds' results (module docstring);
-    with ``out`` also ``out/target/result.json`` and its plot."""
+def setup_summary(target: str, spec: dict, setup: dict, settings: dict) -> dict:
+    """What a family's set-up (rules 1-5, :func:`setup_task`) measured, JSON-ready: proxy,
+    unigram and target perplexity, the direct noise-scale growth, the time scale and the
+    span of the target's training one run stands for, the reference and the set-up's cost
+    (wall and CPU seconds)."""
     from cona.mapping import PUBLISHED_BATCH, recipe_batch
     from cona.targets import TARGET_FRACTION
 
-    cfg, ref, ts, layout_s = setup["cfg"], setup["ref"], setup["ts"], setup["layout_s"]
-    per_seed = [s["methods"] for s in seeds]
-    methods = aggregate(per_seed)
-    recipe_ttp = methods["static_recipe"]["ttp_s"]
-    result = {
+    cfg, ref, ts = setup["cfg"], setup["ref"], setup["ts"]
+    return {
         "proxy": spec["proxy"],
         "proxy_overrides": spec.get("overrides", []),
         "unigram_ppl": setup["unigram"],
@@ -348,25 +346,42 @@ def finish_family(target: str, spec: dict, setup: dict, seeds: list[dict], setti
         / ref["noise_scale_warm_proxy"],
         "target_tokens_per_run": ts["target_tokens_per_run"],
         "time_scale": ts,
-        # what a layout switch costs against a run (the issue's bar: a few percent at most)
-        "layout_switch_s_median": statistics.median(layout_s) if layout_s else None,
-        "layout_switch_share_of_recipe_ttp": statistics.median(layout_s) / recipe_ttp
-        if layout_s and recipe_ttp else None,
+        "layout_switch_s_median": statistics.median(setup["layout_s"])
+        if setup["layout_s"] else None,
         "recipe": {"batch": recipe_batch(target), "source": PUBLISHED_BATCH[target][1]},
         "reference": {**ref, "warm_steps": cfg.train.warmup_iters,
-                      "probe_microbatches": settings.get("probe_microbatches", 64),
-                      "warm": [s["warm"] for s in seeds]},
-        "oracle": oracle_finding(per_seed),
-        "ratios": ratios(methods),
+                      "probe_microbatches": settings.get("probe_microbatches", 64)},
         "mapping": {**setup["mapping"], "step_dilation": cfg.cona.step_dilation},
         "candidates": setup["candidates"],
+        "wall_s": {"setup": setup["wall_s"]},
+        "cpu_s": setup["cpu_s"],
+    }
+
+
+def finish_family(target: str, spec: dict, setup: dict, seeds: list[dict], settings: dict,
+                  out: str | None) -> dict:
+    """A family's report entry from its setup (:func:`setup_summary`) and its seeds'
+    results (module docstring); with ``out`` also ``out/target/result.json`` and its
+    plot."""
+    per_seed = [s["methods"] for s in seeds]
+    methods = aggregate(per_seed)
+    recipe_ttp = methods["static_recipe"]["ttp_s"]
+    result = setup_summary(target, spec, setup, settings)
+    layout_s = result["layout_switch_s_median"]
+    result["reference"]["warm"] = [s["warm"] for s in seeds]
+    result.update({
+        # what a layout switch costs against a run (the issue's bar: a few percent at most)
+        "layout_switch_share_of_recipe_ttp": layout_s / recipe_ttp
+        if layout_s and recipe_ttp else None,
+        "oracle": oracle_finding(per_seed),
+        "ratios": ratios(methods),
         "methods": methods,
         "wall_s": {"setup": setup["wall_s"], "seeds": [s["wall_s"] for s in seeds]},
         "cpu_s": setup["cpu_s"] + sum(s["cpu_s"] for s in seeds),
         "seeds_done": len(seeds),
         "seed_runs": [{k: s.get(k) for k in ("seed_index", "setup_key", "reused", "wall_s",
                                               "cpu_s", "phase_wall_s")} for s in seeds],
-    }
+    })
     if out is not None:
         d = Path(out) / target
         d.mkdir(parents=True, exist_ok=True)
@@ -376,6 +391,11 @@ def finish_family(target: str, spec: dict, setup: dict, seeds: list[dict], setti
         write_json_atomic(d / "result.json", result)
         plot_family(target, result, d / "ppl_vs_time.png")
     return result
+
+
+def setup_only_task(target: str, spec: dict, settings: dict, cache_dir: str | None) -> dict:
+    """``--setup-only``: a family's :func:`setup_summary` (in a worker), no seed run."""
+    return setup_summary(target, spec, setup_task(target, spec, settings, cache_dir), settings)
 
 
 def setup_key(setup: dict, seed_index: int, settings: dict) -> str:
@@ -432,6 +452,10 @@ def main(argv=None) -> int:
     p.add_argument("--seeds", type=int, default=None,
                    help=f"seeds per family (default {SEEDS}; quick 1): fewer is a partial run, "
                    "labelled by its seed count")
+    p.add_argument("--setup-only", action="store_true",
+                   help="run each family's set-up (warm state, reference, target, time "
+                   "scale) and report it, no method: what a family measures and costs "
+                   "before its seeds' hours")
     p.add_argument("--no-ablations", action="store_true",
                    help="skip CONA's runs with the other noise-scale definitions")
     args = p.parse_args(argv)
@@ -464,6 +488,13 @@ def main(argv=None) -> int:
               "quick": args.quick, **provenance(argv), "models": {}}
     t0 = time.perf_counter()
     out = str(args.out) if args.out is not None else None
+    if args.setup_only:
+        report["setup_only"] = True
+        report["models"] = run_families(setup_only_task, models, args.jobs, settings,
+                                        args.cache_dir)
+        report["wall_s"] = time.perf_counter() - t0
+        write_report(report, args.out, "cona_setup.json")
+        return 0
     report["models"] = run_units(
         models, args.jobs, settings["seeds"], out, reuse=args.reuse, train=not args.no_train,
         setup=partial(setup_task, settings=settings, cache_dir=args.cache_dir),
