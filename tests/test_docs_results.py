@@ -308,3 +308,32 @@ def test_cona_efficiency_table_and_the_best_definition_from_a_synthetic_result()
     assert "`simple` 0.30, `newton` 0.25, `pollux` 0.50; lowest: `newton`" in out
     r["models"]["b"]["prediction_error"]["newton"] = None
     assert best_gns_definition(r) == "simple"  # newton not measured on every family
+
+
+def test_cona_setup_line_from_a_synthetic_result():
+    """Catches a set-up line that misstates its JSON: the target against the unigram and
+    the warm state's perplexity (exp of the warm probe's loss), the reference's segment,
+    the growth, the tokens one run stands for, the cost, and a reference that missed the
+    target said so — against values worked out by hand."""
+    import math
+
+    from tools.render_cona import cona_setup
+
+    data = {"date": "2026-12-05T01:00:00Z", "commit": "abc1234", "machine": "2 CPU cores",
+            "command": "python bench/cona_ttp.py --setup-only", "models": {"bert_large": {
+                "proxy": "tiny_bert", "proxy_overrides": ["model.mask_prob=0.4"],
+                "unigram_ppl": 1062.66, "target_ppl": 531.33,
+                "noise_scale_growth_direct": 3.5, "target_tokens_per_run": 2.5e9,
+                "time_scale": {"step_dilation": 12.0, "calibration_miss": "none"},
+                "wall_s": {"setup": 3600.4},
+                "reference": {"reached": True, "segment_samples": 36800,
+                              "noise_scale_probes": [{"val_loss": math.log(3062.5)}]}}}}
+    out = cona_setup(data, file="cona_setup_bert_large")
+    assert ("**bert_large**, set-up only, `tiny_bert` (mask_prob=0.4): target val ppl 531.3 "
+            "(unigram 1062.7, warm state 3062.5); the reference reached it after 36,800 proxy "
+            "samples from the warm state; the noise scale grew 3.50x over that segment; one "
+            "run would stand for 2.50B target tokens (step dilation 12.0, measured in this "
+            "run); the set-up took 3,600 s (wall, one process).") in out
+    assert "docs/results/cona_setup_bert_large.json" in out
+    data["models"]["bert_large"]["reference"]["reached"] = False
+    assert "**did not reach it**" in cona_setup(data)

@@ -4,6 +4,7 @@ thresholds."""
 
 from __future__ import annotations
 
+import math
 import re
 
 from results_source import source_line as _source
@@ -246,6 +247,31 @@ def _stands_for(r: dict) -> list[str]:
         return []
     return ["", f"One run stands for {'; '.join(parts)} (emulated hours, on "
                 f"{r['num_gpus']} x {r['gpu']})."]
+
+
+def cona_setup(r: dict, file: str = "cona_setup") -> str:
+    """bench/cona_ttp.py --setup-only: per family what its set-up measured (target and
+    unigram perplexity, the reference's segment, the direct noise-scale growth, the span of
+    the target's training one run stands for) and what it cost, no method run."""
+    lines = []
+    for name, m in r["models"].items():
+        ref, ts = m["reference"], m.get("time_scale") or {}
+        narrowed = ", ".join(o.removeprefix("model.") for o in m.get("proxy_overrides") or [])
+        warm_ppl = math.exp(ref["noise_scale_probes"][0]["val_loss"])
+        tokens = m.get("target_tokens_per_run")
+        stands = (f"; one run would stand for {tokens / 1e9:.2f}B target tokens"
+                  f"{_time_scale_origin(ts)}" if tokens else "")
+        proxy = f"`{m['proxy']}` ({narrowed})" if narrowed else f"`{m['proxy']}`"
+        lines += [f"**{name}**, set-up only, {proxy}: target val ppl "
+                  f"{m['target_ppl']:.1f} (unigram {m['unigram_ppl']:.1f}, warm state "
+                  f"{warm_ppl:.1f}); the reference "
+                  f"{'reached it' if ref['reached'] else '**did not reach it**'} after "
+                  f"{ref['segment_samples']:,} proxy samples from the warm state; the noise "
+                  f"scale grew {m['noise_scale_growth_direct']:.2f}x over that segment"
+                  f"{stands}; the set-up took {m['wall_s']['setup']:,.0f} s (wall, one "
+                  f"process).", ""]
+    lines.append(_source(r, file))
+    return "\n".join(lines) + "\n"
 
 
 # issue 23's bars (the CONA paper's claims, on the emulated clock)
