@@ -1,0 +1,153 @@
+"""CONA alone, run again against an earlier full run's other methods (a development loop).
+
+A full ``bench/cona_ttp.py`` run costs about 100 minutes for two families on 2 cores,
+CONA itself a few percent of it.  To try a change to the controller, this script runs
+each family's set-up again (rules 1-5), checks that it reproduces the earlier run's
+(target perplexity, the oracle's window ends and the step dilation equal), and then
+runs only CONA on each seed, from that seed's warm state; every other method is read
+back from the earlier run's seed files.  The report has ``cona_ttp.json``'s shape and
+says what it is (``rerun``: the methods run again, and the file, commit and date the
+others come from).  Its ratios mix two commits: a result for the README comes from one
+full run, never from this.
+
+Usage::
+
+    python bench/cona_rerun.py docs/results/cona_ttp.json --families gpt3_1.3b \\
+        --cache-dir runs/cache --out runs/rerun
+
+The earlier run's seed files are read from ``--seeds-dir`` (default: the report's folder,
+``FAMILY/seed_K.json`` as ``--out`` writes them, or ``<report stem>_seeds/FAMILY/`` as
+committed under ``docs/results/``).
+
+Raises ``SystemExit`` with the reason where a set-up does not reproduce or a seed file is
+missing.
+"""
+
+from __future__ import annotations
+
+import os
+
+for _v in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):  # one thread, as bench/cona_ttp.py
+    os.environ[_v] = "1"
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import math  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from functools import partial  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench import cona_ttp as ttp  # noqa: E402
+from bench.seeded_units import run_units  # noqa: E402
+
+
+def seeds_dir(report: Path, given: Path | None) -> Path:
+    """Where the earlier run's ``FAMILY/seed_K.json`` files lie (module docstring)."""
+    if given is not None:
+        return given
+    committed = report.with_name(f"{report.stem}_seeds")
+    return committed if committed.is_dir() else report.parent
+
+
+def check_reproduced(target: str, setup: dict, earlier: dict, seed: dict) -> None:
+    """Raise ``SystemExit`` unless ``setup`` (this run's rules 1-5) equals the earlier
+    run's: target perplexity (relative 1e-9), step dilation (1e-9) and the oracle's window
+    ends (in ``seed``'s search record) — what every method's result depends on beyond the
+    code."""
+    cfg = setup["cfg"]
+    then = {"target_ppl": earlier["target_ppl"],
+            "step_dilation": earlier["mapping"]["step_dilation"],
+            "boundaries": seed["methods"]["oracle_chain"]["search"]["boundaries"]}
+    now = {"target_ppl": cfg.train.target_ppl, "step_dilation": cfg.cona.step_dilation,
+           "boundaries": setup["boundaries"]}
+    same = (math.isclose(now["target_ppl"], then["target_ppl"], rel_tol=1e-9)
+            and math.isclose(now["step_dilation"], then["step_dilation"], rel_tol=1e-9)
+            and list(now["boundaries"]) == list(then["boundaries"]))
+    if not same:
+        raise SystemExit(f"{target}: the set-up does not reproduce the earlier run's "
+                         f"(now {now}, then {then}); a comparison needs a full run "
+                         "(bench/cona_ttp.py)")
+
+
+def rerun_seed(target: str, spec: dict, setup: dict, seed_index: int, settings: dict,
+               earlier: dict, folder: str) -> dict:
+    """Seed ``seed_index`` (in a worker): the earlier run's seed with CONA run again from
+    this seed's warm state (:func:`cona.baselines.run_cona`)."""
+    import copy
+
+    ttp.worker_setup(spec["proxy"])
+    from bench.cona_reference import seed_context
+    from cona.baselines import run_cona
+
+    path = Path(folder) / target / f"seed_{seed_index}.json"
+    if not path.is_file():
+        raise SystemExit(f"{path} is missing: the earlier run's seed {seed_index} of {target}")
+    seed = json.loads(path.read_text())
+    check_reproduced(target, setup, earlier, seed)
+    t0, c0 = time.perf_counter(), time.process_time()
+    cfg = copy.deepcopy(setup["cfg"])
+    cfg.train.seed += seed_index
+    ctx, cached = seed_context(cfg, cfg.train.warmup_iters,
+                              probe_microbatches=settings.get("probe_microbatches", 64))
+    methods = dict(seed["methods"], cona=run_cona(ctx)[0])
+    wall = time.perf_counter() - t0
+    return {"methods": methods, "warm": {"cached": cached, **ctx.warm["extra"]},
+            "wall_s": wall, "cpu_s": time.process_time() - c0, "phase_wall_s": {"cona": wall}}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("report", type=Path, help="the earlier full run's cona_ttp.json")
+    p.add_argument("--seeds-dir", type=Path, default=None,
+                   help="its seed files' folder (default: see above)")
+    p.add_argument("--families", nargs="*", default=None, help="subset of its families")
+    p.add_argument("--out", type=Path, default=None, help="folder for JSON and seed files")
+    p.add_argument("--cache-dir", default=None, help="data.cache_dir (warm checkpoints)")
+    p.add_argument("--jobs", type=int, default=2, help="processes (default 2)")
+    args = p.parse_args(argv)
+    if not args.report.is_file():
+        p.error(f"{args.report} is not a file (a bench/cona_ttp.py report)")
+    earlier = json.loads(args.report.read_text())
+    if earlier.get("quick") or earlier.get("setup_only") or "rerun" in earlier:
+        p.error(f"{args.report} is not a full run's report")
+    names = args.families or list(earlier["models"])
+    unknown = [n for n in names if n not in earlier["models"] or n not in ttp.MODELS]
+    if unknown:
+        p.error(f"{unknown}: not families of {args.report}")
+    from jobruntime.metrics import provenance
+    from jobruntime.outputs import refuse_output_folder
+
+    refuse_output_folder(p, args.out)
+    folder = seeds_dir(args.report, args.seeds_dir)
+    settings = dict(ttp.FULL, gpu=earlier["gpu"], num_gpus=earlier["num_gpus"],
+                    time_scale="calibrated", gns_ablations=())
+    settings["seeds"] = min(earlier["models"][n]["seeds_done"] for n in names)
+    models = {n: ttp.MODELS[n] for n in names}
+    report = {"clock": "emulated", "gpu": earlier["gpu"], "num_gpus": earlier["num_gpus"],
+              "quick": False, **provenance(argv),
+              "rerun": {"methods": ["cona"], "others_from": {
+                  "file": str(args.report), **{k: earlier.get(k) for k in ("commit", "date")}}}}
+    t0 = time.perf_counter()
+    out = str(args.out) if args.out is not None else None
+    report["models"] = run_units(
+        models, args.jobs, settings["seeds"], out,
+        setup=partial(ttp.setup_task, settings=settings, cache_dir=args.cache_dir),
+        seed=partial(_seed_for, settings=settings, report=earlier, folder=str(folder)),
+        key=lambda setup, i: "rerun-" + ttp.setup_key(setup, i, settings),
+        finish=partial(ttp.finish_family, settings=settings, out=out))
+    report["wall_s"] = time.perf_counter() - t0
+    ttp.write_report(report, args.out, "cona_rerun.json")
+    return 0
+
+
+def _seed_for(target, spec, setup, seed_index, *, settings, report, folder):
+    """:func:`rerun_seed` with the earlier report's entry for ``target``."""
+    return rerun_seed(target, spec, setup, seed_index, settings, report["models"][target],
+                      folder)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
