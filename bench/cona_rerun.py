@@ -97,6 +97,27 @@ def rerun_seed(target: str, spec: dict, setup: dict, seed_index: int, settings: 
             "wall_s": wall, "cpu_s": time.process_time() - c0, "phase_wall_s": {"cona": wall}}
 
 
+def earlier_cona(folder: Path, target: str, seeds: int) -> dict:
+    """The earlier run's CONA per seed, from its seed files: ``{"ttp_s_by_seed",
+    "chain_by_seed"}`` (each seed's TTP in emulated seconds, its chain's labels)."""
+    runs = [json.loads((folder / target / f"seed_{i}.json").read_text())["methods"]["cona"]
+            for i in range(seeds)]
+    return {"ttp_s_by_seed": [r["ttp_s"] for r in runs],
+            "chain_by_seed": [[c["strategy"] for c in r.get("chain") or []] for r in runs]}
+
+
+def compare_cona(now: dict, then: dict) -> dict:
+    """The earlier run's CONA beside this one's, over the seeds both ran:
+    ``{"ttp_s_by_seed": then's (emulated seconds, ``None`` where a seed missed),
+    "chain_by_seed": then's, "equal": whether every seed's TTP and chain are the same}``
+    (a change to the controller shows here; no change must give equal)."""
+    n = min(len(now.get("ttp_s_by_seed") or []), len(then.get("ttp_s_by_seed") or []))
+    t_now, t_then = now["ttp_s_by_seed"][:n], then["ttp_s_by_seed"][:n]
+    chains = [(m.get("chain_by_seed") or [])[:n] for m in (now, then)]
+    equal = n > 0 and t_now == t_then and chains[0] == chains[1] and len(chains[0]) == n
+    return {"ttp_s_by_seed": t_then, "chain_by_seed": chains[1], "equal": equal}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -138,6 +159,9 @@ def main(argv=None) -> int:
         seed=partial(_seed_for, settings=settings, report=earlier, folder=str(folder)),
         key=lambda setup, i: "rerun-" + ttp.setup_key(setup, i, settings),
         finish=partial(ttp.finish_family, settings=settings, out=out))
+    for name, m in report["models"].items():  # the earlier CONA beside this one
+        m["cona_earlier"] = compare_cona(m["methods"]["cona"],
+                                         earlier_cona(folder, name, m["seeds_done"]))
     report["wall_s"] = time.perf_counter() - t0
     ttp.write_report(report, args.out, "cona_rerun.json")
     return 0

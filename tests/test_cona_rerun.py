@@ -55,3 +55,22 @@ def test_only_a_full_runs_report_is_accepted(tmp_path, capsys):
     with pytest.raises(SystemExit):
         cona_rerun.main([str(tmp_path / "none.json")])
     assert "is not a file" in capsys.readouterr().err
+
+
+def test_the_earlier_cona_is_compared_seed_by_seed():
+    """Catches a comparison that reads only the first seed or ignores the chain: equal
+    only where every common seed's TTP and chain are the same; a seed the earlier run
+    missed (``None``) compares as such."""
+    def cona(ttps, chains):
+        return {"ttp_s_by_seed": ttps, "chain_by_seed": chains}
+
+    then = cona([100.0, None, 300.0], [["a"], ["a", "b"], ["c"]])
+    assert cona_rerun.compare_cona(cona([100.0, None, 300.0], [["a"], ["a", "b"], ["c"]]),
+                                   then)["equal"]
+    assert not cona_rerun.compare_cona(cona([100.0, None, 301.0], [["a"], ["a", "b"], ["c"]]),
+                                       then)["equal"]
+    assert not cona_rerun.compare_cona(cona([100.0, None, 300.0], [["a"], ["a"], ["c"]]),
+                                       then)["equal"]
+    two = cona_rerun.compare_cona(cona([100.0, None], [["a"], ["a", "b"]]), then)
+    assert two["equal"] and two["ttp_s_by_seed"] == [100.0, None]
+    assert not cona_rerun.compare_cona(cona([], []), then)["equal"]
