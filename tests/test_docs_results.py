@@ -337,3 +337,26 @@ def test_cona_setup_line_from_a_synthetic_result():
     assert "docs/results/cona_setup_bert_large.json" in out
     data["models"]["bert_large"]["reference"]["reached"] = False
     assert "**did not reach it**" in cona_setup(data)
+
+
+def test_cona_rerun_line_from_a_synthetic_result():
+    """Catches a re-run line that hides a changed result: the re-run's and the earlier
+    TTPs by seed (a missed seed as missed), "not the same" where they differ, the ratios
+    labelled as mixing two commits."""
+    from tools.render_cona import cona_rerun
+
+    data = {"date": "2026-12-05T01:00:00Z", "commit": "new1234", "machine": "2 CPU cores",
+            "command": "python bench/cona_rerun.py", "wall_s": 400.0,
+            "rerun": {"methods": ["cona"], "others_from": {"file": "docs/results/cona_ttp.json",
+                                                           "commit": "old5678"}},
+            "models": {"gpt3_1.3b": {
+                "methods": {"cona": {"ttp_s_by_seed": [4000.4, None]}},
+                "cona_earlier": {"ttp_s_by_seed": [4187.6, 4818.6], "equal": False},
+                "ratios": {"static_oracle_over_cona": 0.9, "static_recipe_over_cona": 1.5}}}}
+    out = cona_rerun(data)
+    assert ("CONA re-run, TTP by seed 4,000 / missed s (emulated); `old5678`'s run "
+            "4,188 / 4,819 s: **not the same**") in out
+    assert "best static 0.90x, recipe 1.50x, oracle chain —" in out
+    assert "(two commits)" in out and "docs/results/cona_rerun.json" in out
+    data["models"]["gpt3_1.3b"]["cona_earlier"]["equal"] = True
+    assert "the same on every seed (TTP and chain)" in cona_rerun(data)

@@ -274,6 +274,31 @@ def cona_setup(r: dict, file: str = "cona_setup") -> str:
     return "\n".join(lines) + "\n"
 
 
+def cona_rerun(r: dict, file: str = "cona_rerun") -> str:
+    """bench/cona_rerun.py: per family CONA's TTP by seed, re-run, beside the earlier
+    run's, whether every seed's TTP and chain are the same, and CONA's ratios against
+    the earlier run's other methods (labelled: they mix two commits)."""
+    then = r["rerun"]["others_from"]
+    lines = []
+    for name, m in r["models"].items():
+        cona, old = m["methods"]["cona"], m["cona_earlier"]
+        fmt = lambda ts: " / ".join("missed" if t is None else f"{t:,.0f}" for t in ts)  # noqa: E731
+        same = ("the same on every seed (TTP and chain)" if old["equal"] else
+                "**not the same** (a changed controller, or a set-up that differs)")
+        ratios = m.get("ratios") or {}
+        lines += [f"**{name}**: CONA re-run, TTP by seed {fmt(cona['ttp_s_by_seed'])} s "
+                  f"(emulated); `{then['commit']}`'s run {fmt(old['ttp_s_by_seed'])} s: "
+                  f"{same}.  Against that run's other methods (two commits): best static "
+                  f"{_fmt(ratios.get('static_oracle_over_cona'))}, recipe "
+                  f"{_fmt(ratios.get('static_recipe_over_cona'))}, oracle chain "
+                  f"{_fmt(ratios.get('oracle_chain_over_cona'))} (above 1x: CONA is "
+                  f"faster).", ""]
+    lines += [f"The re-run took {r['wall_s']:,.0f} s (wall) for {len(r['models'])} "
+              f"famil{'y' if len(r['models']) == 1 else 'ies'}; the other methods: "
+              f"`{then['file']}`.", "", _source(r, file)]
+    return "\n".join(lines) + "\n"
+
+
 # issue 23's bars (the CONA paper's claims, on the emulated clock)
 RECIPE_BAR, RECIPE_FAMILIES = 1.4, 2  # CONA >= 1.4x static_recipe on >= 2 families
 ORACLE_BAR = 0.97  # CONA >= 0.97x static_oracle, every family and seed

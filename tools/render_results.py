@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from render_cona import (  # noqa: E402
     cona_efficiency,
     cona_repro,
+    cona_rerun,
     cona_setup,
     cona_ttp,
     cona_ttp_bars,
@@ -332,6 +333,7 @@ RENDERERS: dict[str, Callable[[dict], str]] = {"four_shape_cpu": four_shape_cpu,
                                                "cona_ttp_gns": partial(cona_ttp, file="cona_ttp_gns"),
                                                "cona_efficiency": cona_efficiency,
                                                "cona_repro": cona_repro,
+                                               "cona_rerun": cona_rerun,
                                                "cona_setup_bert_large": partial(
                                                    cona_setup, file="cona_setup_bert_large"),
                                                "cona_repro_before": partial(
