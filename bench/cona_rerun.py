@@ -91,7 +91,8 @@ def rerun_seed(target: str, spec: dict, setup: dict, seed_index: int, settings: 
     cfg.train.seed += seed_index
     ctx, cached = seed_context(cfg, cfg.train.warmup_iters,
                               probe_microbatches=settings.get("probe_microbatches", 64))
-    methods = dict(seed["methods"], cona=run_cona(ctx)[0])
+    methods = {k: v for k, v in seed["methods"].items() if not k.startswith("cona")}
+    methods["cona"] = run_cona(ctx)[0]  # the earlier ablation rows (cona_gns_*) left out
     wall = time.perf_counter() - t0
     return {"methods": methods, "warm": {"cached": cached, **ctx.warm["extra"]},
             "wall_s": wall, "cpu_s": time.process_time() - c0, "phase_wall_s": {"cona": wall}}
@@ -104,6 +105,47 @@ def earlier_cona(folder: Path, target: str, seeds: int) -> dict:
             for i in range(seeds)]
     return {"ttp_s_by_seed": [r["ttp_s"] for r in runs],
             "chain_by_seed": [[c["strategy"] for c in r.get("chain") or []] for r in runs]}
+
+
+def check_earlier(report: Path, families: list[str] | None, given: Path | None,
+                  out: Path | None) -> tuple[dict, list[str], Path, int]:
+    """Everything a re-run reads, checked before any set-up runs: ``(earlier report,
+    families, seed folder, seeds)``.
+
+    Raises:
+        ValueError: the report is not a full run's (unreadable, quick, set-up only, a
+            re-run, no families, families with different seed counts), a family is not
+            in it, a seed file is missing or was made by another run (its key is not the
+            one the report names) or by a re-run, or ``out`` is the seed folder (the
+            re-run's seed files would overwrite the earlier ones).
+    """
+    try:
+        earlier = json.loads(report.read_text())
+        runs = {n: m["seed_runs"] for n, m in earlier["models"].items()}
+        earlier["gpu"], earlier["num_gpus"]  # noqa: B018 - present, or not a full report
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"{report} is not a bench/cona_ttp.py report ({e!r})") from None
+    if earlier.get("quick") or earlier.get("setup_only") or "rerun" in earlier or not runs:
+        raise ValueError(f"{report} is not a full run's report")
+    names = families or list(runs)
+    unknown = [n for n in names if n not in runs or n not in ttp.MODELS]
+    if unknown:
+        raise ValueError(f"{unknown}: not families of {report}")
+    counts = {n: len(runs[n]) for n in names}
+    if len(set(counts.values())) != 1:
+        raise ValueError(f"the families ran different seed counts {counts}: re-run one "
+                         "family at a time (--families)")
+    folder = seeds_dir(report, given)
+    if out is not None and out.resolve() == folder.resolve():
+        raise ValueError(f"--out {out} is the earlier run's seed folder: choose another")
+    for n in names:
+        for i, run in enumerate(runs[n]):
+            path = folder / n / f"seed_{i}.json"
+            key = json.loads(path.read_text()).get("setup_key") if path.is_file() else None
+            if key is None or key.startswith("rerun-") or key != run.get("setup_key", key):
+                raise ValueError(f"{path} is missing or not the seed {i} that {report} "
+                                 "names (--seeds-dir)")
+    return earlier, names, folder, counts[names[0]]
 
 
 def compare_cona(now: dict, then: dict) -> dict:
@@ -129,23 +171,20 @@ def main(argv=None) -> int:
     p.add_argument("--cache-dir", default=None, help="data.cache_dir (warm checkpoints)")
     p.add_argument("--jobs", type=int, default=2, help="processes (default 2)")
     args = p.parse_args(argv)
-    if not args.report.is_file():
-        p.error(f"{args.report} is not a file (a bench/cona_ttp.py report)")
-    earlier = json.loads(args.report.read_text())
-    if earlier.get("quick") or earlier.get("setup_only") or "rerun" in earlier:
-        p.error(f"{args.report} is not a full run's report")
-    names = args.families or list(earlier["models"])
-    unknown = [n for n in names if n not in earlier["models"] or n not in ttp.MODELS]
-    if unknown:
-        p.error(f"{unknown}: not families of {args.report}")
+    if args.jobs < 1:
+        p.error("--jobs must be >= 1")
+    try:
+        earlier, names, folder, seeds = check_earlier(args.report, args.families,
+                                                      args.seeds_dir, args.out)
+    except ValueError as e:
+        p.error(str(e))
     from jobruntime.metrics import provenance
     from jobruntime.outputs import refuse_output_folder
 
     refuse_output_folder(p, args.out)
-    folder = seeds_dir(args.report, args.seeds_dir)
+    before = {n: earlier_cona(folder, n, seeds) for n in names}  # read before any write
     settings = dict(ttp.FULL, gpu=earlier["gpu"], num_gpus=earlier["num_gpus"],
-                    time_scale="calibrated", gns_ablations=())
-    settings["seeds"] = min(earlier["models"][n]["seeds_done"] for n in names)
+                    time_scale="calibrated", gns_ablations=(), seeds=seeds)
     models = {n: ttp.MODELS[n] for n in names}
     report = {"clock": "emulated", "gpu": earlier["gpu"], "num_gpus": earlier["num_gpus"],
               "quick": False, **provenance(argv),
@@ -160,8 +199,7 @@ def main(argv=None) -> int:
         key=lambda setup, i: "rerun-" + ttp.setup_key(setup, i, settings),
         finish=partial(ttp.finish_family, settings=settings, out=out))
     for name, m in report["models"].items():  # the earlier CONA beside this one
-        m["cona_earlier"] = compare_cona(m["methods"]["cona"],
-                                         earlier_cona(folder, name, m["seeds_done"]))
+        m["cona_earlier"] = compare_cona(m["methods"]["cona"], before[name])
     report["wall_s"] = time.perf_counter() - t0
     ttp.write_report(report, args.out, "cona_rerun.json")
     return 0

@@ -372,7 +372,7 @@ def finish_family(target: str, spec: dict, setup: dict, seeds: list[dict], setti
     result.update({
         # what a layout switch costs against a run (the bar: a few percent at most)
         "layout_switch_share_of_recipe_ttp": layout_s / recipe_ttp
-        if layout_s and recipe_ttp else None,
+        if layout_s is not None and recipe_ttp else None,
         "oracle": oracle_finding(per_seed),
         "ratios": ratios(methods),
         "methods": methods,
@@ -459,6 +459,10 @@ def main(argv=None) -> int:
     p.add_argument("--no-ablations", action="store_true",
                    help="skip CONA's runs with the other noise-scale definitions")
     args = p.parse_args(argv)
+    if args.setup_only and (args.reuse or args.no_train or args.seeds is not None):
+        p.error("--setup-only runs no seed: --reuse, --no-train and --seeds do not apply")
+    if args.families == []:
+        p.error("--families needs at least one family")
     if args.no_train and not (args.reuse and args.out):
         p.error("--no-train needs --reuse and --out (it reports the seeds found there)")
     from jobruntime.metrics import provenance

@@ -39,22 +39,51 @@ def test_seed_files_are_found_where_a_run_or_the_repository_keeps_them(tmp_path)
     assert cona_rerun.seeds_dir(report, tmp_path / "x") == tmp_path / "x"
 
 
-def test_only_a_full_runs_report_is_accepted(tmp_path, capsys):
-    """A quick, set-up-only or rerun report, an unknown family and a missing file are
-    refused in one line (argparse's exit 2), before any set-up runs."""
-    for extra in ({"quick": True}, {"setup_only": True}, {"rerun": {}}):
-        path = tmp_path / "r.json"
-        path.write_text(json.dumps({"models": {"gpt3_1.3b": {}}, **extra}))
+def _report(tmp_path, seeds=(("gpt3_1.3b", 2),), **extra):
+    """A full run's report with ``n`` seed runs per family, its seed files beside it."""
+    models = {}
+    for name, n in seeds:
+        models[name] = {"seed_runs": [{"setup_key": f"k{i}"} for i in range(n)]}
+        (tmp_path / name).mkdir(exist_ok=True)
+        for i in range(n):
+            (tmp_path / name / f"seed_{i}.json").write_text(json.dumps({"setup_key": f"k{i}"}))
+    path = tmp_path / "cona_ttp.json"
+    path.write_text(json.dumps({"gpu": "A100-80GB", "num_gpus": 64, "models": models, **extra}))
+    return path
+
+
+def test_only_a_full_runs_report_with_its_own_seed_files_is_accepted(tmp_path, capsys):
+    """Catches a re-run started on what it cannot compare against, or one that would
+    overwrite the earlier seed files: each is refused in one line (argparse's exit 2)
+    before any set-up runs."""
+    def refused(argv, text):
         with pytest.raises(SystemExit) as e:
-            cona_rerun.main([str(path)])
-        assert e.value.code == 2 and "not a full run's report" in capsys.readouterr().err
-    path.write_text(json.dumps({"models": {"gpt3_1.3b": {}}}))
-    with pytest.raises(SystemExit):
-        cona_rerun.main([str(path), "--families", "bert_large"])
-    assert "not families of" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        cona_rerun.main([str(tmp_path / "none.json")])
-    assert "is not a file" in capsys.readouterr().err
+            cona_rerun.main(argv)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and text in err, err
+
+    path = _report(tmp_path)
+    earlier, names, folder, seeds = cona_rerun.check_earlier(path, None, None, None)
+    assert (names, folder, seeds) == (["gpt3_1.3b"], tmp_path, 2)
+    for extra in ({"quick": True}, {"setup_only": True}, {"rerun": {}}):
+        refused([str(_report(tmp_path, **extra))], "not a full run's report")
+    path.write_text("[1, 2")
+    refused([str(path)], "is not a bench/cona_ttp.py report")
+    path.write_text(json.dumps([1]))
+    refused([str(path)], "is not a bench/cona_ttp.py report")
+    refused([str(tmp_path / "none.json")], "is not a bench/cona_ttp.py report")
+    path = _report(tmp_path)
+    refused([str(path), "--families", "bert_large"], "not families of")
+    refused([str(path), "--jobs", "0"], "--jobs must be >= 1")
+    refused([str(path), "--out", str(tmp_path)], "is the earlier run's seed folder")
+    (tmp_path / "gpt3_1.3b" / "seed_1.json").write_text(json.dumps({"setup_key": "rerun-k1"}))
+    refused([str(path)], "seed_1.json is missing or not the seed 1")
+    (tmp_path / "gpt3_1.3b" / "seed_1.json").write_text(json.dumps({"setup_key": "other"}))
+    refused([str(path)], "seed_1.json is missing or not the seed 1")
+    (tmp_path / "gpt3_1.3b" / "seed_1.json").unlink()
+    refused([str(path)], "seed_1.json is missing")
+    refused([str(_report(tmp_path, (("gpt3_1.3b", 2), ("llama3.2_1b", 3))))],
+            "different seed counts")
 
 
 def test_the_earlier_cona_is_compared_seed_by_seed():
