@@ -2,8 +2,9 @@
 
 For each timing target (GPT-3 1.3B, BERT-Large, Llama-3.2-1B) a narrowed tiny twin
 (the preset tiny_gpt, tiny_llama, tiny_bert at 2 layers of width 128, rule 0;
-sequence 64; BERT's masked-LM proxy masks 40 %) really trains on the bundled corpus in one process (one
-torch thread: results do not depend on the machine's core count); the clock comes
+sequence 64; BERT's masked-LM proxy masks 40 %) really trains on the bundled corpus
+in one process (one torch thread: results do not depend on the machine's core
+count); the clock comes
 from the cost model of the target at its own shape on ``--num-gpus`` x ``--gpu``
 (default 64 A100s; ``cona/emulated.py``), at target global batches of 64 to 1024
 sequences.
@@ -461,6 +462,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.setup_only and (args.reuse or args.no_train or args.seeds is not None):
         p.error("--setup-only runs no seed: --reuse, --no-train and --seeds do not apply")
+    if args.seeds is not None and args.seeds < 1:
+        p.error("--seeds must be >= 1")
     if args.families == []:
         p.error("--families needs at least one family")
     if args.no_train and not (args.reuse and args.out):
@@ -483,8 +486,6 @@ def main(argv=None) -> int:
     if args.no_ablations:
         settings["gns_ablations"] = ()
     if args.seeds is not None:
-        if args.seeds < 1:
-            p.error("--seeds must be >= 1")
         settings["seeds"] = args.seeds
     models = settings.get("models") or {
         k: v for k, v in MODELS.items() if args.families is None or k in args.families}

@@ -274,6 +274,11 @@ def cona_setup(r: dict, file: str = "cona_setup") -> str:
     return "\n".join(lines) + "\n"
 
 
+def _by_seed(ttps: list[float | None]) -> str:
+    """Each seed's TTP in seconds, ``a / b / c`` (``missed`` where a seed missed)."""
+    return " / ".join("missed" if t is None else f"{t:,.0f}" for t in ttps)
+
+
 def cona_rerun(r: dict, file: str = "cona_rerun") -> str:
     """bench/cona_rerun.py: per family CONA's TTP by seed, re-run, beside the earlier
     run's, whether every seed's TTP and chain are the same, and CONA's ratios against
@@ -282,12 +287,11 @@ def cona_rerun(r: dict, file: str = "cona_rerun") -> str:
     lines = []
     for name, m in r["models"].items():
         cona, old = m["methods"]["cona"], m["cona_earlier"]
-        fmt = lambda ts: " / ".join("missed" if t is None else f"{t:,.0f}" for t in ts)  # noqa: E731
         same = ("the same on every seed (TTP and chain)" if old["equal"] else
                 "**not the same** (a changed controller, or a set-up that differs)")
         ratios = m.get("ratios") or {}
-        lines += [f"**{name}**: CONA re-run, TTP by seed {fmt(cona['ttp_s_by_seed'])} s "
-                  f"(emulated); `{then['commit']}`'s run {fmt(old['ttp_s_by_seed'])} s: "
+        lines += [f"**{name}**: CONA re-run, TTP by seed {_by_seed(cona['ttp_s_by_seed'])} s "
+                  f"(emulated); `{then['commit']}`'s run {_by_seed(old['ttp_s_by_seed'])} s: "
                   f"{same}.  Against that run's other methods (two commits): best static "
                   f"{_fmt(ratios.get('static_oracle_over_cona'))}, recipe "
                   f"{_fmt(ratios.get('static_recipe_over_cona'))}, oracle chain "
