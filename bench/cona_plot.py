@@ -19,8 +19,7 @@ def switch_points(method: dict) -> list[tuple[float, str]]:
     """``(time_s, kind)`` of each switch of a method record: ``kind`` is ``"layout"`` (DP,
     TP or PP changed) or ``"batch"``, from its chain (``chain[i]["strategy"]`` labels)
     and ``switch_times_s`` (one per switch, in order)."""
-    from cona.controller import switch_kind
-    from cona.strategy import Strategy
+    from cona.strategy import Strategy, switch_kind
 
     chain = [Strategy.from_label(c["strategy"]) for c in method.get("chain") or []]
     times = method.get("switch_times_s") or []

@@ -33,11 +33,11 @@ import dataclasses
 import logging
 
 from .context import ConaContext
-from .controller import best_throughput_strategy, switch_kind
 from .job import EmulatedJob
 from .oracle import OracleSearch, WindowRun
+from .picks import best_throughput_strategy
 from .run import Loop
-from .strategy import Strategy
+from .strategy import Strategy, switch_kind
 
 log = logging.getLogger("cona")
 

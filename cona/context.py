@@ -30,7 +30,7 @@ from jobruntime.config import ConfigError, JobConfig, ModelConfig, load_config
 from jobruntime.parallel import init_distributed
 
 from .candidates import build_candidates
-from .controller import Controller, start_strategy
+from .controller import Controller
 from .cost_model import CostModel
 from .emulated import EmulatedCluster
 from .job import (
@@ -43,6 +43,7 @@ from .job import (
     val_set_size,
 )
 from .mapping import ProxyMapping, TargetNoiseScale
+from .picks import start_strategy
 from .strategy import Strategy
 
 
@@ -119,7 +120,7 @@ class ConaContext:
     def start_strategy(self) -> Strategy:
         """Real mode: ``cfg.parallel``.  Emulated: at the reference batch (else the smallest
         candidate batch), the layout chosen one switch ahead by
-        :func:`cona.controller.start_strategy` (``cona.start_slack``; the premium over the
+        :func:`cona.picks.start_strategy` (``cona.start_slack``; the premium over the
         whole budget below the switch cost it saves, on the emulated cluster's model)."""
         if not self.emulated:
             p, world = self.cfg.parallel, dist.get_world_size()

@@ -48,15 +48,7 @@ the controller stops chasing layouts it has only extrapolated, and noisy step
 times (source ``"measured"``: returning to a strategy measured before) raise
 the bar for switching back, instead of flapping on optimistic predictions.
 
-Learning rate follows the global batch ``B`` from the reference batch ``B_ref``
-(where ``base_lr`` was tuned): ``lr = base_lr * (B/B_ref)^k`` with ``k = 0.5``
-(``sqrt``, Krizhevsky 2014 / Hoffer et al. 2017, matched to Adam by Malladi et
-al. 2022), ``1`` (``linear``, Goyal et al. 2017) or ``0`` (``none``).  After a
-switch that *raises* it, the LR ramps linearly to the new value over
-``cona.lr_ramp_steps`` optimizer steps (:func:`ramp_lr`; Goyal et al. 2017,
-Sec. 2.2, "gradual warmup": a jump to the scaled LR destabilises the first
-steps, while the optimizer's moments still describe the smaller batch); a
-lower LR applies at once.
+Learning rate: :mod:`cona.lr_rule` (the scaling rule and the ramp after a switch).
 
 Start probe: the first decision comes as soon as the noise-scale estimator
 holds ``cona.start_probe_updates`` updates (the training steps before it are
@@ -89,7 +81,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -97,151 +89,11 @@ from jobruntime.config import ConaConfig
 
 from .cost_model import CostModel
 from .grad_stats import GradientNoiseScale
-from .strategy import Strategy
+from .lr_rule import scale_lr
+from .strategy import Strategy, switch_kind
 from .surrogate import Score, rank_strategies
 
-LR_EXPONENTS = {"sqrt": 0.5, "linear": 1.0, "none": 0.0}
 SWITCH_COST_PRIORS_S = {"layout": 30.0, "batch": 1.0}
-
-
-def scale_lr(base_lr: float, batch: float, reference_batch: float, rule: str) -> float:
-    """``base_lr * (batch / reference_batch) ** k``, ``k`` from ``rule`` (sqrt/linear/none).
-
-    Raises:
-        ValueError: unknown rule or non-positive batch sizes.
-    """
-    if rule not in LR_EXPONENTS:
-        raise ValueError(f"lr_scaling={rule!r} is not one of {sorted(LR_EXPONENTS)}")
-    if batch <= 0 or reference_batch <= 0:
-        raise ValueError(f"batch sizes must be positive, got {batch}, {reference_batch}")
-    return base_lr * (batch / reference_batch) ** LR_EXPONENTS[rule]
-
-
-def ramp_lr(old: float, new: float, steps: int, ramp_steps: int) -> float:
-    """The learning rate ``steps`` optimizer steps after a switch moved the scaled LR
-    from ``old`` to ``new``: linear from ``old`` to ``new`` over ``ramp_steps`` steps
-    when ``new > old`` (step ``k`` trains at ``old + (new - old) k / ramp_steps``),
-    ``new`` at once when it is lower or ``ramp_steps`` is 0.
-
-    Source: Goyal et al. 2017, "Accurate, Large Minibatch SGD", Sec. 2.2 (gradual
-    warmup from the small-batch LR to the scaled one); Smith et al. 2018 ("Don't
-    decay the learning rate, increase the batch size") raise the batch mid-run
-    with the LR scaled the same way.
-
-    Raises:
-        ValueError: ``steps`` or ``ramp_steps`` negative.
-    """
-    if steps < 0 or ramp_steps < 0:
-        raise ValueError(f"steps and ramp_steps must be >= 0, got {steps}, {ramp_steps}")
-    if new <= old or steps >= ramp_steps:
-        return new
-    return old + (new - old) * steps / ramp_steps
-
-
-def switch_kind(a: Strategy, b: Strategy) -> str:
-    """``"layout"`` if dp, tp or pp differ (resharding), else ``"batch"``."""
-    return "layout" if (a.dp, a.tp, a.pp) != (b.dp, b.tp, b.pp) else "batch"
-
-
-def best_throughput_strategy(candidates: Iterable[Strategy], cost_model: CostModel) -> Strategy:
-    """Oracle baseline: the highest-tokens/s candidate (ignores statistical efficiency).
-
-    Raises:
-        ValueError: no candidates.
-    """
-    cands = list(candidates)
-    if not cands:
-        raise ValueError("no candidates")
-    return max(cands, key=lambda s: (cost_model.tokens_per_second(s), s.label))
-
-
-def start_strategy(
-    candidates: Iterable[Strategy],
-    cost_model: CostModel,
-    batch: int,
-    slack: float,
-    *,
-    budget_samples: float | None = None,
-    switch_s: Callable[[Strategy, Strategy], float] | None = None,
-) -> Strategy:
-    """The start strategy at global batch ``batch``, chosen one switch ahead.
-
-    A batch-only switch costs about one step, a layout switch (DP/TP/PP change)
-    a process-group rebuild and resharding (seconds to minutes), so the layout
-    the job starts in decides which later batch moves are cheap.  Let ``A`` be
-    the fastest candidate at ``batch`` (samples/s).  A candidate ``B`` at ``batch``
-    may replace it if
-
-    1. it is within ``slack`` of ``A`` (a relative premium, paid in full when the
-       noise scale never calls for a larger batch), and
-    2. given ``budget_samples`` and ``switch_s`` (seconds of a switch ``old ->
-       new``): the premium over the whole budget, ``budget_samples * (1/x_B -
-       1/x_A)`` seconds at samples/s ``x``, is below what it insures, the cost
-       of moving from ``A`` to the next batch's best candidate in ``B``'s layout
-       minus that of moving from ``B`` there;
-
-    of those, it returns the one whose *layout* runs the next larger candidate
-    batch fastest (the move a growing noise scale asks for first, Pollux, Qiao
-    et al. OSDI'21 sec. 3.1); ties, and a grid with no larger batch, go to the
-    faster one now.  ``slack = 0`` is ``A``.  On the GPT-3 1.3B grid of
-    ``bench/cona_ttp.py`` it starts in ``dp16-tp4`` at batch 64 (1.5 % slower
-    than ``dp8-tp8``), from which batch 128 is a batch-only switch, as the
-    quick bench's oracle chain does (docs/cona.md#benches).
-
-    Raises:
-        ValueError: no candidate at ``batch``, or ``slack`` not in ``[0, 1)``.
-    """
-    if not 0 <= slack < 1:
-        raise ValueError(f"start slack must be in [0, 1), got {slack}")
-    cands = list(candidates)
-    here = [s for s in cands if s.global_batch_size == batch]
-    if not here:
-        raise ValueError(f"no candidate at global batch {batch}")
-    rate = cost_model.samples_per_second  # one sequence length: the order of tokens/s
-    fastest = max(here, key=lambda s: (rate(s), s.label))
-    larger = [s.global_batch_size for s in cands if s.global_batch_size > batch]
-    if not larger:
-        return fastest
-    nxt = min(larger)
-    ahead: dict[tuple[int, int, int], Strategy] = {}  # layout -> its fastest at nxt
-    for s in sorted(cands, key=lambda s: s.label):
-        key = (s.dp, s.tp, s.pp)
-        if s.global_batch_size == nxt and (key not in ahead or rate(s) > rate(ahead[key])):
-            ahead[key] = s
-
-    def insured(s: Strategy) -> bool:
-        if s == fastest:
-            return True
-        if rate(s) < (1.0 - slack) * rate(fastest):
-            return False
-        later = ahead.get((s.dp, s.tp, s.pp))
-        if later is None or budget_samples is None or switch_s is None:
-            return later is not None
-        premium = budget_samples * (1.0 / rate(s) - 1.0 / rate(fastest))
-        return premium < switch_s(fastest, later) - switch_s(s, later)
-
-    def later_rate(s: Strategy) -> float:
-        later = ahead.get((s.dp, s.tp, s.pp))
-        return rate(later) if later is not None else 0.0
-
-    return max(filter(insured, here), key=lambda s: (later_rate(s), rate(s), s.label))
-
-
-def best_goodput_strategy(
-    candidates: Iterable[Strategy],
-    cost_model: CostModel,
-    noise_scale: float | None,
-    reference_batch: float,
-) -> Strategy:
-    """Oracle baseline: the best surrogate score at a given noise scale.
-
-    Raises:
-        ValueError: no candidates.
-    """
-    ranked = rank_strategies(candidates, cost_model, noise_scale, reference_batch)
-    if not ranked:
-        raise ValueError("no candidates")
-    return ranked[0].strategy
 
 
 @dataclass

@@ -40,10 +40,9 @@ from __future__ import annotations
 
 from jobruntime.config import ModelConfig
 
-from .controller import switch_kind
 from .cost_model import CostModel
 from .memory_model import MemoryModel
-from .strategy import Strategy
+from .strategy import Strategy, switch_kind
 
 LAYOUT_SWITCH_FIXED_S = 10.0
 BATCH_SWITCH_STEPS = 1.0

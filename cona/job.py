@@ -41,10 +41,10 @@ from jobruntime.parallel import (
 from jobruntime.trainer import StepResult
 
 from . import state as cstate
-from .controller import scale_lr, switch_kind
 from .grad_stats import GradientNoiseScale
+from .lr_rule import scale_lr
 from .probe import GNSProbe
-from .strategy import Strategy
+from .strategy import Strategy, switch_kind
 from .switch import PeakRSS, SwitchInterrupted, max_over_ranks, switch_batch, switch_layout
 
 if TYPE_CHECKING:

@@ -18,7 +18,7 @@ ranks; emulated: the target's modelled step time) and the gradient noise scale
 throughput x Pollux efficiency) and, if the best one repays its switch cost,
 the job switches (:meth:`cona.job.Job.apply`); the LR follows the global batch
 (``cona.lr_scaling``, ramped up over ``cona.lr_ramp_steps`` steps after a switch
-that raises it, :func:`cona.controller.ramp_lr`; a start from a warm state above the
+that raises it, :func:`cona.lr_rule.ramp_lr`; a start from a warm state above the
 LR it trained at is such a switch, for every method alike) and every decision is logged
 (``metrics.jsonl`` and one line on the ``cona`` logger: what it does, the scores
 of the chosen and the current strategy, why).  A start decision comes as soon
@@ -68,8 +68,9 @@ from jobruntime.metrics import MetricsWriter, TTPTracker, dense_eval_gap, perple
 from jobruntime.parallel import same_run_dir
 
 from .context import build_context
-from .controller import Controller, ramp_lr
+from .controller import Controller
 from .job import Job, RealJob
+from .lr_rule import ramp_lr
 from .state import set_peak_lr
 
 log = logging.getLogger("cona")
@@ -218,7 +219,7 @@ class Loop:
     # -- one step -----------------------------------------------------------
     def follow_lr(self) -> None:
         """Before a step: set the (peak, final) LR of the job's strategy, ramped after a
-        switch that raised it (:func:`cona.controller.ramp_lr`).  Whoever switched (the
+        switch that raised it (:func:`cona.lr_rule.ramp_lr`).  Whoever switched (the
         controller, or the oracle through :meth:`EmulatedJob.set_strategy`), the ramp
         is the same; its state lives in :attr:`progress` (copied with a branch)."""
         job, p = self.job, self.progress

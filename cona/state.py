@@ -5,7 +5,7 @@ schedule counts *samples*, not optimizer steps (Megatron-LM's sample-based
 schedule, ``--lr-warmup-samples`` / ``--lr-decay-samples``): warmup and decay
 then end after the same amount of data whatever batch sizes were used.  The
 peak LR follows the global batch by the controller's rule
-(:func:`cona.controller.scale_lr`), applied with :func:`set_peak_lr`.
+(:func:`cona.lr_rule.scale_lr`), applied with :func:`set_peak_lr`.
 
 :func:`optimizer_state_by_name` exposes the megatron optimizer's per-parameter
 state (AdamW ``exp_avg``, ``exp_avg_sq``, ``step``; fp32 master weights under

@@ -232,3 +232,8 @@ def strategies_from_dicts(
             raise ValueError(f"cona.candidates[{i}] ({s.label}): " + "; ".join(reasons))
         out.append(s)
     return out
+
+
+def switch_kind(a: Strategy, b: Strategy) -> str:
+    """``"layout"`` if dp, tp or pp differ (resharding), else ``"batch"``."""
+    return "layout" if (a.dp, a.tp, a.pp) != (b.dp, b.tp, b.pp) else "batch"

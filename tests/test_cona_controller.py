@@ -6,16 +6,11 @@ import math
 
 import pytest
 
-from cona.controller import (
-    Controller,
-    best_goodput_strategy,
-    best_throughput_strategy,
-    ramp_lr,
-    scale_lr,
-    start_strategy,
-)
+from cona.controller import Controller
 from cona.cost_model import CostModel
 from cona.grad_stats import GradientNoiseScale
+from cona.lr_rule import ramp_lr, scale_lr
+from cona.picks import best_goodput_strategy, best_throughput_strategy, start_strategy
 from cona.strategy import Strategy
 from cona.surrogate import chaining_ceiling, goodput, rank_strategies, statistical_efficiency
 from jobruntime.config import ConaConfig, load_config

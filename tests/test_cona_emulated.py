@@ -160,7 +160,7 @@ def test_emulated_context_starts_one_switch_ahead():
     dp16-tp4 at batch 64; with cona.start_slack=0, or a budget long enough that the 1.5 %
     premium outweighs the 10 s layout switch it saves, it is dp8-tp8."""
     from cona.context import ConaContext
-    from cona.controller import start_strategy
+    from cona.picks import start_strategy
 
     def ctx(*overrides, iters=375):
         cfg = _cfg("cona.enabled=true", "cona.clock=emulated", "cona.num_gpus=64",

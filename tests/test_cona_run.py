@@ -52,7 +52,7 @@ class _FakeJob:
         return Job.proxy_batch(self, strategy)
 
     def lr_for(self, strategy):
-        from cona.controller import scale_lr
+        from cona.lr_rule import scale_lr
 
         b = self.proxy_batch(strategy)
         return scale_lr(1e-3, b, 8, "sqrt"), scale_lr(1e-4, b, 8, "sqrt")

@@ -89,7 +89,7 @@ class ConaConfig:
     ``decision_interval``, so the next decision sees the new strategy at its full LR."""
     start_slack: float = 0.02
     """Emulated mode: the start layout may be this fraction slower than the fastest at the
-    start batch if it runs the next larger batch faster (``cona.controller.start_strategy``:
+    start batch if it runs the next larger batch faster (``cona.picks.start_strategy``:
     a later batch-only switch instead of a layout switch); 0 = the fastest.  If the noise
     scale never calls for the larger batch, the whole run is this much slower, so keep it
     at the slowdown you accept in that case.  Must be below ``min_gain``, or the controller undoes the start."""
