@@ -79,7 +79,8 @@ def calibrate(family: str, fractions: list[float], cache_dir: str | None) -> dic
 
 
 def main(argv=None) -> int:
-    from bench.cona_ttp import MODELS, write_report
+    from bench.cona_ttp import MODELS
+    from bench.seeded_units import write_report
     from jobruntime.metrics import provenance
 
     p = argparse.ArgumentParser(description=__doc__,

@@ -48,6 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import bench.cona_ttp as ttp  # noqa: E402
 from bench.cona_reference import static_loop  # noqa: E402
+from bench.seeded_units import run_families, write_report  # noqa: E402
 
 DIRECT = ("simple", "newton", "pollux")  # cona.probe.DEFINITIONS, measured directly
 DEFINITIONS = (*DIRECT, "in_run_plain", "in_run_scale_free")
@@ -177,10 +178,10 @@ def main(argv=None) -> int:
 
     t0 = time.perf_counter()
     report = {**provenance(argv), "every": args.every,
-              "models": ttp.run_families(efficiency_family, models, args.jobs, ttp.BATCHES,
+              "models": run_families(efficiency_family, models, args.jobs, ttp.BATCHES,
                                          args.every, args.cache_dir, args.threads)}
     report["wall_s"] = time.perf_counter() - t0
-    ttp.write_report(report, args.out, "cona_efficiency.json")
+    write_report(report, args.out, "cona_efficiency.json")
     return 0
 
 

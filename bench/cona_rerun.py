@@ -40,7 +40,7 @@ from pathlib import Path  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench import cona_ttp as ttp  # noqa: E402
-from bench.seeded_units import run_units  # noqa: E402
+from bench.seeded_units import run_units, write_report  # noqa: E402
 
 
 def seeds_dir(report: Path, given: Path | None) -> Path:
@@ -201,7 +201,7 @@ def main(argv=None) -> int:
     for name, m in report["models"].items():  # the earlier CONA beside this one
         m["cona_earlier"] = compare_cona(m["methods"]["cona"], before[name])
     report["wall_s"] = time.perf_counter() - t0
-    ttp.write_report(report, args.out, "cona_rerun.json")
+    write_report(report, args.out, "cona_rerun.json")
     return 0
 
 

@@ -104,7 +104,7 @@ from bench.cona_reference import (  # noqa: E402
     seed_context,
     time_scale_for,
 )
-from bench.seeded_units import run_units  # noqa: E402
+from bench.seeded_units import run_families, run_units, write_report  # noqa: E402
 
 BATCHES = [64, 128, 256, 512, 1024]  # target sequences
 SEEDS = 3
@@ -513,26 +513,6 @@ def main(argv=None) -> int:
     write_report(report, args.out, "cona_ttp.json")
     return 0
 
-
-def write_report(report: dict, out: Path | None, name: str) -> None:
-    """Print ``report`` as JSON; with ``out`` also write it to ``out/name`` (through a
-    temporary name, so a killed run leaves no half-written report)."""
-    from jobruntime.metrics import write_json_atomic
-
-    if out is not None:
-        out.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(out / name, report)
-    print(json.dumps(report, indent=2, default=float))
-
-
-def run_families(fn, models: dict, jobs: int, *args) -> dict:
-    """``{name: fn(name, spec, *args)}`` over ``models``; ``jobs`` > 1 runs them in that
-    many spawned processes (one per core), 1 in this process (easier to debug)."""
-    from bench.seeded_units import executor
-
-    with executor(min(jobs, len(models))) as pool:
-        futures = {name: pool.submit(fn, name, spec, *args) for name, spec in models.items()}
-        return {name: fut.result() for name, fut in futures.items()}
 
 if __name__ == "__main__":
     sys.exit(main())

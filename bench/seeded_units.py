@@ -6,7 +6,8 @@ seed's result is written to ``out/FAMILY/seed_K.json`` as soon as it ends (in an
 with the key of the set-up it was made under.  With ``reuse`` a seed whose file holds an
 equal key is read back instead of run, so a stopped multi-hour run goes on where it
 stopped; ``train=False`` runs no seed and reports what is there.  Used by
-``bench/cona_ttp.py``.
+``bench/cona_ttp.py``; ``run_families`` (one unit per family) and ``write_report`` by the
+other CONA benches too.
 """
 
 from __future__ import annotations
@@ -105,3 +106,22 @@ def executor(jobs: int) -> cf.Executor:
     if jobs == 1:
         return _Inline()
     return cf.ProcessPoolExecutor(max_workers=jobs, mp_context=mp.get_context("spawn"))
+
+
+def write_report(report: dict, out: Path | None, name: str) -> None:
+    """Print ``report`` as JSON; with ``out`` also write it to ``out/name`` (through a
+    temporary name, so a killed run leaves no half-written report)."""
+    from jobruntime.metrics import write_json_atomic  # torch: after the caller's thread rule
+
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(out / name, report)
+    print(json.dumps(report, indent=2, default=float))
+
+
+def run_families(fn, models: dict, jobs: int, *args) -> dict:
+    """``{name: fn(name, spec, *args)}`` over ``models``; ``jobs`` > 1 runs them in that
+    many spawned processes (one per core), 1 in this process (easier to debug)."""
+    with executor(min(jobs, len(models))) as pool:
+        futures = {name: pool.submit(fn, name, spec, *args) for name, spec in models.items()}
+        return {name: fut.result() for name, fut in futures.items()}
