@@ -132,6 +132,25 @@ def test_cona_settings_are_validated(override, needle):
     load_config("tiny_gpt", ["cona.enabled=true"]).validate()
 
 
+@pytest.mark.parametrize("overrides", [
+    ["cona.enabled=true", "cona.clock=emulated", "cona.target_model=gpt3_13b"],
+    ["geomesh.method=geomesh", "geomesh.cluster=geomesh/clusters/four_region.yaml",
+     "geomesh.target_model=gpt3_13b"],
+])
+def test_a_target_model_that_names_no_preset_fails_at_validation(overrides):
+    """Caught only when the emulated run built its target, after the data was prepared."""
+    section = overrides[-1].split(".")[0]
+
+    def validate(cfg):  # the job's sections, and GeoMesh's (geomesh.context calls it)
+        cfg.validate()
+        cfg.geomesh.validate()
+
+    with pytest.raises(ConfigError, match=rf"{section}\.target_model='gpt3_13b': config "
+                                          r"'gpt3_13b' not found; did you mean"):
+        validate(load_config("tiny_gpt", overrides))
+    validate(load_config("tiny_gpt", [*overrides[:-1], f"{section}.target_model=gpt3_1.3b"]))
+
+
 def test_convert_rejects_missing_input_and_file_output(tmp_path):
     """Catches FileExistsError when --output is a file and a 'pass --config'
     hint for an input that does not exist; no warnings around the error line."""

@@ -171,6 +171,10 @@ class ConaConfig:
                                      or self.batch_ratio != 1):
             raise ConfigError("cona.num_gpus, cona.target_model and cona.batch_ratio apply to the "
                               "emulated clock; set cona.clock=emulated (or unset them)")
+        if self.target_model is not None:
+            from .loading import check_preset  # loading imports this module
+
+            check_preset(self.target_model, "cona.target_model")
         from ..hardware import gpu_profiles
 
         if self.gpu.lower() not in {k.lower() for k in gpu_profiles()}:

@@ -170,6 +170,10 @@ class GeoMeshConfig:
                 f"geomesh.method={g.method} needs geomesh.cluster=FILE (a cluster YAML, e.g. "
                 "geomesh/clusters/four_region.yaml)"
             )
+        if g.target_model is not None:
+            from .loading import check_preset  # loading imports this module
+
+            check_preset(g.target_model, "geomesh.target_model")
         for name in ("outer_steps", "inner_steps", "eval_interval"):
             if getattr(g, name) <= 0:
                 raise ConfigError(f"geomesh.{name} must be positive, got {getattr(g, name)}")

@@ -127,6 +127,19 @@ def resolve_preset(name_or_path: str | Path) -> Path:
                       f"a YAML file or one of {known}")
 
 
+def check_preset(name: str, setting: str) -> None:
+    """Fail at validation, not after the data is prepared, on a setting (``setting``, e.g.
+    ``cona.target_model``) that names no preset or file (:func:`resolve_preset`).
+
+    Raises:
+        ConfigError: naming the setting, the value and the presets there are.
+    """
+    try:
+        resolve_preset(name)
+    except ConfigError as e:
+        raise ConfigError(f"{setting}={name!r}: {e}") from None
+
+
 def parse_override(text: str) -> tuple[list[str], Any]:
     """Split ``section.key=value`` into (``[section, key]``, YAML-parsed value)."""
     if "=" not in text:
