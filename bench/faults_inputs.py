@@ -118,8 +118,8 @@ def bad_inputs(n: int, tmp: Path) -> tuple[int, int]:
     import yaml
 
     from geomesh.fleet.cluster import ClusterError, cluster_from_dict
-    from geomesh.fleet.planner import MemoryModel
     from geomesh.fleet.shapes import check_region_shapes
+    from geomesh.fleet.worker_models import MemoryModel
     from geomesh.state import load_state
     from geomesh.wire.canonical_codec import join_parts
     from geomesh.wire.compression import MessageError

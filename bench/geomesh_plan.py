@@ -80,7 +80,8 @@ def _timed(fn, repeat: int = 3):
 
 def measure(k: int, repeat: int, setup: dict) -> dict:
     from geomesh.fleet.clock import EmulatedClock, inner_step_time_s
-    from geomesh.fleet.planner import MemoryModel, Planner
+    from geomesh.fleet.planner import Planner
+    from geomesh.fleet.worker_models import MemoryModel
     from jobruntime.config import load_config
     from jobruntime.flops import num_params
 

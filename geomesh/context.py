@@ -27,8 +27,9 @@ from jobruntime.parallel import initialize_layout, same_run_dir
 
 from .exchange.deploy import Placement, place_emulated, place_real
 from .fleet.cluster import ClusterSpec, load_cluster
-from .fleet.planner import MemoryModel, Planner
+from .fleet.planner import Planner
 from .fleet.shapes import check_region_shapes
+from .fleet.worker_models import MemoryModel
 from .layout_switch import check_schedule
 from .wire.canonical import CanonicalSchema, layout_map
 from .wire.compression import TensorSchema

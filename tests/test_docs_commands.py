@@ -104,8 +104,8 @@ def _geomesh_checks(cfg) -> None:
 
     from geomesh.context import _validate
     from geomesh.fleet.cluster import load_cluster
-    from geomesh.fleet.planner import MemoryModel
     from geomesh.fleet.shapes import check_region_shapes
+    from geomesh.fleet.worker_models import MemoryModel
     from geomesh.layout_switch import check_schedule
     from jobruntime.config import load_config
 

@@ -153,7 +153,7 @@ OUTER = 8.0 + 0.25  # θ_global + outer momentum + message, bytes/param (geomesh
 
 
 def _memory(model):
-    from geomesh.fleet.planner import MemoryModel
+    from geomesh.fleet.worker_models import MemoryModel
 
     return MemoryModel(model=model, extra_bytes_per_param=OUTER)
 

@@ -108,7 +108,7 @@ def test_switch_trains_the_run_without_it(runs):
 
 def _check(tmp_path: Path, *overrides: str, mode: str = "real", region: str | None = "East US"):
     from geomesh.fleet.cluster import load_cluster
-    from geomesh.fleet.planner import MemoryModel
+    from geomesh.fleet.worker_models import MemoryModel
     from geomesh.layout_switch import check_schedule
     from jobruntime.config import load_config
 

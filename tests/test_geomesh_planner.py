@@ -6,7 +6,8 @@ import pytest
 
 from geomesh.fleet.clock import inner_step_time_s, worker_tokens_per_s
 from geomesh.fleet.cluster import cluster_from_dict, load_cluster
-from geomesh.fleet.planner import MeasuredThroughput, MemoryModel, PlanError, Planner
+from geomesh.fleet.planner import Planner
+from geomesh.fleet.worker_models import MeasuredThroughput, MemoryModel, PlanError
 from jobruntime.config import load_config
 from jobruntime.flops import num_params
 

@@ -44,7 +44,8 @@ as numpy arrays: ~0.02-0.05 s per plan for 4 GPU types, whether 4 or 1,000
 workers (``python bench/geomesh_plan.py``; the per-worker Python loop this
 replaced took 1.8 s at 16 workers and 110 s at 1,000).
 
-Memory model: the project's one model, :class:`jobruntime.memory.MemoryModel`
+Memory model (:mod:`geomesh.fleet.worker_models`, with the throughput models): the
+project's one model, :class:`jobruntime.memory.MemoryModel`
 (bf16 weights with fp32 gradient buffers, master weights and Adam moments, 18
 bytes per parameter, plus ``extra_bytes_per_param`` — θ_global and the outer
 momentum; activations after Korthikanti et al. 2022 as megatron's layers keep
@@ -64,121 +65,24 @@ import logging
 import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
-from typing import Literal, Protocol
+from typing import Literal
 
 import numpy as np
 
 from jobruntime.config import JobConfig, ModelConfig, load_config
-from jobruntime.memory import MemoryEstimate, PipelineLayout
-from jobruntime.memory import MemoryModel as RuntimeMemoryModel
 
-from .clock import pipeline_bubble_factor, worker_tokens_per_s
-from .cluster import ClusterError, ClusterSpec, WorkerSpec
+from .clock import pipeline_bubble_factor
+from .cluster import ClusterSpec, WorkerSpec
 from .shapes import memory_refusal
 from .speed import SpeedModel
+from .worker_models import (
+    MemoryModel,
+    PlanError,
+    ProfileThroughput,
+    ThroughputModel,
+)
 
 log = logging.getLogger(__name__)
-
-
-class PlanError(ClusterError):
-    """No feasible plan; the message names the worker and the fix (a
-    :class:`~geomesh.fleet.cluster.ClusterError`, so ``train.py`` prints it on one line)."""
-
-
-# ---------------------------------------------------------------------------
-# Throughput and memory models
-# ---------------------------------------------------------------------------
-
-
-class ThroughputModel(Protocol):
-    """Tokens/s of a whole worker (bubble-free) as a function of micro-batch size."""
-
-    def micro_batch_sizes(self, worker: WorkerSpec) -> list[int] | None:
-        """Allowed micro-batch sizes (``None`` = any)."""
-
-    def tokens_per_s(self, worker: WorkerSpec, micro_batch_size: int) -> float: ...
-
-    def group_key(self, worker: WorkerSpec) -> object:
-        """What besides the worker's spec (minus name and region) the throughput
-        depends on; workers with equal specs and keys are planned as one."""
-
-
-class ProfileThroughput:
-    """Emulated mode: GPU profile efficiency curve × target model FLOPs per token."""
-
-    def __init__(self, model: ModelConfig, *, seq_length: int | None = None) -> None:
-        self.model = model
-        self.seq_length = seq_length or model.seq_length
-
-    def micro_batch_sizes(self, worker: WorkerSpec) -> list[int] | None:
-        return None
-
-    def tokens_per_s(self, worker: WorkerSpec, micro_batch_size: int) -> float:
-        return worker_tokens_per_s(worker, self.model, micro_batch_size, seq_length=self.seq_length)
-
-    def group_key(self, worker: WorkerSpec) -> object:
-        return None  # the GPU profile is part of the spec
-
-
-class MeasuredThroughput:
-    """Real mode: measured tokens/s per worker and micro-batch size.
-
-    Args:
-        table: ``{worker_name: {micro_batch_size: tokens_per_s}}`` (whole worker,
-            all its GPUs, without pipeline bubble).
-    """
-
-    def __init__(self, table: Mapping[str, Mapping[int, float]]) -> None:
-        self.table = {w: {int(k): float(v) for k, v in t.items()} for w, t in table.items()}
-
-    def micro_batch_sizes(self, worker: WorkerSpec) -> list[int] | None:
-        if worker.name not in self.table:
-            raise PlanError(
-                f"no measured throughput for worker '{worker.name}'; measure it "
-                "(tokens/s per micro-batch size) before planning"
-            )
-        return sorted(self.table[worker.name])
-
-    def tokens_per_s(self, worker: WorkerSpec, micro_batch_size: int) -> float:
-        return self.table[worker.name][micro_batch_size]
-
-    def group_key(self, worker: WorkerSpec) -> object:
-        t = self.table.get(worker.name)
-        return tuple(sorted(t.items())) if t is not None else worker.name
-
-
-@dataclass(frozen=True, kw_only=True)
-class MemoryModel:
-    """Per-GPU training memory of the target model on a worker: the project's model
-    (:class:`jobruntime.memory.MemoryModel`, mixed precision) at the worker's TP/PP,
-    with ``pp`` micro-batches in flight (1F1B's most, whatever the accumulation)."""
-
-    model: ModelConfig
-    seq_length: int | None = None
-    extra_bytes_per_param: float = 0.0
-
-    @property
-    def runtime(self) -> RuntimeMemoryModel:
-        """The project's memory model that this one evaluates at each worker's layout."""
-        return RuntimeMemoryModel(self.model, seq_length=self.seq_length,
-                                  extra_bytes_per_param=self.extra_bytes_per_param)
-
-    def estimate(self, worker: WorkerSpec, micro_batch_size: int) -> MemoryEstimate:
-        """The worker's fullest pipeline stage at ``micro_batch_size`` (bytes per GPU:
-        parameters, state, activations, allowance)."""
-        return self.runtime.estimate(PipelineLayout(tp=worker.tp, pp=worker.pp, dp=worker.dp,
-                                                    micro_batch_size=micro_batch_size,
-                                                    num_microbatches=worker.pp))
-
-    def bytes_per_gpu(self, worker: WorkerSpec, micro_batch_size: int) -> float:
-        """Peak bytes on the worker's fullest GPU at ``micro_batch_size``."""
-        return self.estimate(worker, micro_batch_size).total_bytes
-
-    def limit_bytes(self, worker: WorkerSpec) -> float:
-        return float(worker.memory_bytes_per_gpu)
-
-    def fits(self, worker: WorkerSpec, micro_batch_size: int) -> bool:
-        return self.bytes_per_gpu(worker, micro_batch_size) <= self.limit_bytes(worker)
 
 
 # ---------------------------------------------------------------------------

@@ -11,7 +11,7 @@ them before placement, process groups, data or plan:
    FFN hidden size and padded vocabulary by ``tp``, layers by ``pp``);
 2. the model state and activations of micro-batch 1 fit one GPU's memory at
    that shape — the planner's memory model
-   (:class:`geomesh.fleet.planner.MemoryModel`), which the planner would otherwise
+   (:class:`geomesh.fleet.worker_models.MemoryModel`), which the planner would otherwise
    find only when it plans, after the run's setup.
 
 Which model: in emulated mode the *target* model (``geomesh.target_model``):
@@ -35,7 +35,7 @@ from jobruntime.memory import GIB
 from .cluster import ClusterError, ClusterSpec, WorkerSpec
 
 if TYPE_CHECKING:
-    from .planner import MemoryModel
+    from .worker_models import MemoryModel
 
 
 def _divisors(n: int) -> list[int]:
