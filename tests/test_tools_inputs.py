@@ -145,9 +145,14 @@ def test_a_target_model_that_names_no_preset_fails_at_validation(overrides):
         cfg.validate()
         cfg.geomesh.validate()
 
-    with pytest.raises(ConfigError, match=rf"{section}\.target_model='gpt3_13b': config "
-                                          r"'gpt3_13b' not found; did you mean"):
+    with pytest.raises(ConfigError, match=rf"{section}\.target_model='gpt3_13b' must name a "
+                                          r"preset .*: config 'gpt3_13b' not found; did you mean"):
         validate(load_config("tiny_gpt", overrides))
+    # a file that is there but is no job config (a cluster YAML) fails here too, named
+    cluster = f"{section}.target_model=geomesh/clusters/four_region.yaml"
+    with pytest.raises(ConfigError, match=rf"{section}\.target_model='geomesh/clusters/"
+                                          r"four_region.yaml' must name a preset .*unknown config key"):
+        validate(load_config("tiny_gpt", [*overrides[:-1], cluster]))
     validate(load_config("tiny_gpt", [*overrides[:-1], f"{section}.target_model=gpt3_1.3b"]))
 
 

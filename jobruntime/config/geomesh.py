@@ -119,7 +119,9 @@ class GeoMeshConfig:
     ``should_quantize`` format) or 4 (E3M0: sign and 3 exponent bits, one fp32
     scale per row: the paper's 4-bit messages); emulated (``geomesh/streaming.py``)."""
     target_model: str | None = None
-    """Emulated mode: preset whose FLOPs and bytes set time and traffic."""
+    """Emulated mode: preset whose FLOPs and bytes set time and traffic.  Real mode
+    measures both and ignores it (with a warning), but a value that names no preset
+    fails validation in either mode: the cluster file may set the mode."""
     timeout_s: float = 600.0
     """Real mode: seconds to wait for a region before failing with its name."""
     mode: Literal["emulated", "real"] | None = None

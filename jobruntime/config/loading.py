@@ -129,15 +129,17 @@ def resolve_preset(name_or_path: str | Path) -> Path:
 
 def check_preset(name: str, setting: str) -> None:
     """Fail at validation, not after the data is prepared, on a setting (``setting``, e.g.
-    ``cona.target_model``) that names no preset or file (:func:`resolve_preset`).
+    ``cona.target_model``) whose value must name a preset or a job-config YAML: one that names
+    no file, or a file that is not a job config (a cluster YAML, say), fails here.
 
     Raises:
-        ConfigError: naming the setting, the value and the presets there are.
+        ConfigError: naming the setting, the value and what is wrong with it.
     """
     try:
-        resolve_preset(name)
+        load_config(name)
     except ConfigError as e:
-        raise ConfigError(f"{setting}={name!r}: {e}") from None
+        raise ConfigError(f"{setting}={name!r} must name a preset or a job-config YAML: "
+                          f"{e}") from None
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:
