@@ -111,7 +111,7 @@ def executor(jobs: int) -> cf.Executor:
 def write_report(report: dict, out: Path | None, name: str) -> None:
     """Print ``report`` as JSON; with ``out`` also write it to ``out/name`` (through a
     temporary name, so a killed run leaves no half-written report)."""
-    from jobruntime.metrics import write_json_atomic  # torch: after the caller's thread rule
+    from jobruntime.metrics import write_json_atomic
 
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
