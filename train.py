@@ -58,19 +58,19 @@ def _error(message: str) -> int:
 
 def check_config(cfg, world_size: int) -> None:
     """Every check that needs only the config and the cluster file, before the heavy imports
-    and the data (they came 40 s late): each section's settings; GeoMesh's section and
-    cluster file (the workers' layouts come from it); otherwise the layout against
-    ``world_size`` processes (CONA's emulated clock lays out the proxy itself).
+    and the data (they came 40 s late): each section's settings; a GeoMesh job against its
+    cluster file (:func:`geomesh.fleet.job_check.check_job`: the workers' layouts, regions
+    and process count come from it); otherwise the layout against ``world_size`` processes
+    (CONA's emulated clock lays out the proxy itself).
 
     Raises:
         ConfigError: the first problem, named, with the fix (ClusterError included).
     """
     cfg.validate_sections()
     if cfg.geomesh.method != "none":
-        from geomesh.fleet.cluster import load_cluster  # yaml only, no torch
+        from geomesh.fleet.job_check import check_job  # no torch
 
-        cfg.geomesh.validate()
-        load_cluster(cfg.geomesh.cluster, wan_bandwidth_scale=cfg.geomesh.wan_bandwidth_scale)
+        check_job(cfg, world_size)
     elif not (cfg.cona.enabled and cfg.cona.clock == "emulated"):
         cfg.parallel.validate(cfg.model, world_size)
 

@@ -16,27 +16,25 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from jobruntime.config import ConfigError, JobConfig, load_config, save_config
+from jobruntime.config import JobConfig, save_config
 from jobruntime.data import GlobalBatchSampler, build_dataset, prepare_corpus
 from jobruntime.metrics import MetricsWriter
 from jobruntime.model import build_model
 from jobruntime.parallel import initialize_layout, same_run_dir
 
 from .exchange.deploy import Placement, place_emulated, place_real
-from .fleet.cluster import ClusterSpec, load_cluster
+from .fleet.cluster import ClusterSpec
+from .fleet.job_check import check_job
 from .fleet.planner import Planner
-from .fleet.shapes import check_region_shapes
-from .fleet.worker_models import MemoryModel
-from .layout_switch import check_schedule
 from .wire.canonical import CanonicalSchema, layout_map
 from .wire.compression import TensorSchema
 
 log = logging.getLogger(__name__)
 
-METHODS = ("geomesh", "diloco", "streaming_diloco", "ddp", "async")
 
 
 @dataclass
@@ -127,15 +125,6 @@ class RunContext:
         self.writer.close()
 
 
-def _validate(cfg: JobConfig) -> None:
-    """The method, then the section's own checks (:meth:`GeoMeshConfig.validate`, which
-    ``train.py`` runs before its heavy imports)."""
-    g = cfg.geomesh
-    if g.method not in METHODS:
-        raise ConfigError(f"geomesh.method={g.method!r}: use one of {list(METHODS)}")
-    g.validate()
-
-
 def target_schema(target: JobConfig) -> TensorSchema:
     """``(name, shape)`` of the whole target model, built on the meta device (TP=PP=1 layout)."""
     par = dataclasses.replace(target.parallel, tp=1, pp=1)
@@ -159,33 +148,12 @@ def build_context(cfg: JobConfig, run_dir: Path) -> RunContext:
             (:func:`geomesh.fleet.shapes.check_region_shapes`, before anything is built).
         DataError, TokenizerError: unusable data.
     """
-    _validate(cfg)
     g = cfg.geomesh
-    cluster = load_cluster(g.cluster, wan_bandwidth_scale=g.wan_bandwidth_scale)
-    cluster = dataclasses.replace(cluster, mode=g.mode or cluster.mode)
+    job = check_job(cfg, int(os.environ.get("WORLD_SIZE", "1")))  # before any process group
+    cluster, target, memory = job.cluster, job.target, job.memory
     K = len(cluster.workers)
     emulated = cluster.mode == "emulated"
-    if not emulated and g.method in ("async", "streaming_diloco"):
-        raise ConfigError(f"geomesh.method={g.method} runs in emulated mode only; set "
-                          "geomesh.mode=emulated (real mode: torchft.local_sgd.DiLoCo)"
-                          if g.method == "streaming_diloco" else
-                          "geomesh.method=async runs in emulated mode only; set geomesh.mode=emulated")
-    target = load_config(g.target_model) if emulated and g.target_model else cfg
-    s_t = target.model.seq_length
-    # θ_global and the outer momentum (fp32, 8 bytes/param) and the packed
-    # message (~1/8) stay on the worker's GPUs next to its shard: the memory
-    # model counts them (geomesh.report.memory_overhead).  The error-feedback
-    # residual and the overlap snapshot live in host memory.
-    memory = MemoryModel(model=target.model, seq_length=s_t, extra_bytes_per_param=8.0 + 0.25)
-    # Every region's shape against the model it must hold, before any process
-    # group, data or plan (geomesh.shapes: the target model in emulated mode).
-    check_region_shapes(cluster, target.model, memory, model_name=(
-        f"the target model {target.name} (geomesh.target_model)" if target is not cfg
-        else f"the model {cfg.name}"))
-    check_schedule(cfg, cluster, memory, model_name=f"the model {cfg.name}")  # cona.schedule
-    if cluster.mode == "emulated":
-        if g.region is not None:
-            raise ConfigError("geomesh.region is for real mode (one torchrun per region); unset it")
+    if emulated:
         placement = place_emulated()
         placement.workers = list(range(K))
         layout_cfg = copy.deepcopy(cfg)
@@ -195,17 +163,11 @@ def build_context(cfg: JobConfig, run_dir: Path) -> RunContext:
         placement.topology = initialize_layout(check)
     else:
         placement, layout_cfg = place_real(cfg, cluster)
-        per = cfg.parallel.micro_batch_size * placement.dp_in
-        if cfg.parallel.global_batch_size % per:
-            raise ConfigError(
-                f"parallel.global_batch_size={cfg.parallel.global_batch_size} (validation batch) "
-                f"is not a multiple of micro_batch_size*dp_in={per}; change one of them"
-            )
         if g.target_model:
             log.warning("real mode: geomesh.target_model is ignored (time and bytes are measured)")
     run_dir = same_run_dir(run_dir, group=placement.job_group, src=placement.job_src)
     G_t = target.parallel.global_batch_size
-    planner = Planner(cluster, target.model, tokens_per_round=g.inner_steps * G_t * s_t,
+    planner = Planner(cluster, target.model, tokens_per_round=g.inner_steps * G_t * target.model.seq_length,
                       inner_steps=g.inner_steps, balance=g.balance, tolerance=g.plan_tolerance,
                       memory=memory)
     schema = target_schema(target) if emulated else None

@@ -66,7 +66,7 @@ each round's exchange is a torchft quorum (:mod:`geomesh.exchange.membership`), 
 workers drop out (the plan is redone for the members left,
 :mod:`geomesh.fleet.membership_plan`), a joining worker heals from a live peer at a
 round boundary.  Those rounds are blocking: ``geomesh.overlap`` with
-``geomesh.region`` is refused (:func:`geomesh.context._validate`).
+``geomesh.region`` is refused (:meth:`jobruntime.config.GeoMeshConfig.validate`).
 """
 
 from __future__ import annotations
@@ -90,7 +90,8 @@ from .feedback import LocalMomentum
 from .figures import RoundFigures
 from .fleet.clock import EmulatedClock, inner_step_time_s
 from .fleet.membership_plan import plan_for_members
-from .layout_switch import RegionSwitch, max_tp
+from .fleet.schedule import max_tp
+from .layout_switch import RegionSwitch
 from .outer import OuterNesterov
 from .report import RunStats, memory_overhead
 from .state import checkpoint_state, heal_state, load_heal, load_state, resume, save_state
@@ -208,7 +209,7 @@ class OuterLoop(RoundFigures):
                                              worker=pl.workers[0], policy=g.on_worker_loss)
         self.layouts = RegionSwitch.for_run(ctx)  # cona.schedule: this region's layout switches
         self.ft = pl.membership  # one job per region: quorum, healing (geomesh.region)
-        if self.ft is not None and self.overlap is not None:  # _validate refuses it
+        if self.ft is not None and self.overlap is not None:  # GeoMeshConfig.validate refuses it
             raise ValueError("geomesh.overlap does not combine with one job per region")
         self.clock = self.transport = None
         self.charged = 0

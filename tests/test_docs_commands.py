@@ -97,38 +97,22 @@ def test_the_pages_have_commands():
             "geomesh.launch_local", "bench/geomesh_ttp.py"} <= scripts
 
 
-def _geomesh_checks(cfg) -> None:
-    """What ``geomesh.context.build_context`` checks before any process group: the
-    method's settings, the cluster file, the regions' shapes and ``cona.schedule``."""
-    import dataclasses
-
-    from geomesh.context import _validate
-    from geomesh.fleet.cluster import load_cluster
-    from geomesh.fleet.shapes import check_region_shapes
-    from geomesh.fleet.worker_models import MemoryModel
-    from geomesh.layout_switch import check_schedule
-    from jobruntime.config import load_config
-
-    _validate(cfg)
-    g = cfg.geomesh
-    cluster = load_cluster(g.cluster, wan_bandwidth_scale=g.wan_bandwidth_scale)
-    cluster = dataclasses.replace(cluster, mode=g.mode or cluster.mode)
-    emulated = cluster.mode == "emulated"
-    target = load_config(g.target_model) if emulated and g.target_model else cfg
-    memory = MemoryModel(model=target.model, seq_length=target.model.seq_length,
-                         extra_bytes_per_param=8.25)
-    check_region_shapes(cluster, target.model, memory, model_name=target.name)
-    check_schedule(cfg, cluster, memory, model_name=cfg.name)
-    assert g.region is None or g.region in {w.region for w in cluster.workers}, g.region
-
-
-def test_train_commands_load_and_validate():
+def test_train_commands_load_and_validate(monkeypatch, tmp_path):
     """Catches a documented train.py or launcher command with a renamed or mistyped key,
     a value out of range, a layout that does not fit its world size (a converted TP=2
     config on one process), an unknown cluster or region, a region shape or layout
-    schedule the run would refuse, or a GeoMesh setting the method refuses."""
+    schedule the run would refuse, or a GeoMesh setting the method refuses: all that
+    ``train.py`` checks before its heavy imports (:func:`train.check_config`)."""
+    import math
+
     import train
+    from geomesh.fleet.cluster import load_cluster
+    from geomesh.fleet.job_check import job_worker_shape
     from jobruntime.config import load_config
+
+    monkeypatch.setenv("GEOMESH_SECRET", "0" * 64)  # the launcher makes one per run
+    secret = tmp_path / "secret"  # a page's geomesh.secret_file: its command makes one
+    secret.write_text("0" * 64)
 
     checked = 0
     for page, argv in _all():
@@ -147,11 +131,10 @@ def test_train_commands_load_and_validate():
                 cfg = load_config("tiny_gpt", [
                     "geomesh.method=geomesh", f"geomesh.cluster={cluster}",
                     "geomesh.region=West Europe", *overrides])
-            cfg.validate_sections()
-            if cfg.geomesh.method == "none":
-                cfg.validate(world)
-            else:
-                _geomesh_checks(cfg)
+                world = math.prod(job_worker_shape(load_cluster(cluster), "West Europe"))
+            if cfg.geomesh.secret_file:
+                cfg.geomesh.secret_file = str(secret)
+            train.check_config(cfg, world)
         except Exception as e:  # name the page and the command
             raise AssertionError(f"{page}: {' '.join(argv)}: {e}") from e
         checked += 1

@@ -25,7 +25,6 @@ import yaml
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from geomesh.context import _validate
 from geomesh.fleet.cluster import ClusterError, cluster_from_dict
 from geomesh.state import load_state
 from geomesh.wire.canonical import CanonicalSchema
@@ -36,6 +35,7 @@ from geomesh.wire.guard import Guard
 from jobruntime.checkpoint import CheckpointError, find_checkpoint
 from jobruntime.config import ConfigError, JobConfig, load_config
 from tests.test_geomesh_trust import _codec, _named
+from train import check_config
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLES = [pytest.param(30, id="fast"), pytest.param(400, id="slow", marks=pytest.mark.slow)]
@@ -69,9 +69,7 @@ def test_fuzz_config_overrides(n):
         overrides = [f"{k}={v}" for k, v in pairs]
         try:
             cfg = load_config("tiny_gpt", overrides)
-            cfg.validate_sections()
-            if cfg.geomesh.method != "none":
-                _validate(cfg)
+            check_config(cfg, 1)
         except ConfigError as e:
             _one_line(e)
 
@@ -87,8 +85,7 @@ def test_every_numeric_setting_has_a_range():
     import typing
 
     def check(cfg):
-        cfg.validate_sections()
-        _validate(cfg)
+        check_config(cfg, 1)
 
     # the CONA and GeoMesh sections are read (and checked) only when switched on
     on = ["cona.enabled=true", "geomesh.method=geomesh", "geomesh.cluster=four_region"]

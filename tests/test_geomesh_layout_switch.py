@@ -108,8 +108,8 @@ def test_switch_trains_the_run_without_it(runs):
 
 def _check(tmp_path: Path, *overrides: str, mode: str = "real", region: str | None = "East US"):
     from geomesh.fleet.cluster import load_cluster
+    from geomesh.fleet.schedule import check_schedule
     from geomesh.fleet.worker_models import MemoryModel
-    from geomesh.layout_switch import check_schedule
     from jobruntime.config import load_config
 
     path = _cluster(tmp_path, "c", mode)

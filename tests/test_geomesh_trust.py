@@ -388,12 +388,11 @@ def test_overlap_with_one_job_per_region_is_refused():
     """Catches overlapped rounds combined with per-region torchft membership (its
     quorum, healing and lost-worker re-plans run only in blocking rounds): one
     ConfigError line naming both keys, before anything starts."""
-    from geomesh.context import _validate
     from jobruntime.config import load_config
 
     cfg = load_config("tiny_gpt", ["geomesh.method=geomesh", "geomesh.cluster=two_worker_real",
                                    "geomesh.overlap=0.25", "geomesh.region=East US"])
     with pytest.raises(ConfigError, match="geomesh.overlap.*geomesh.region"):
-        _validate(cfg)
+        cfg.geomesh.validate()
     cfg.geomesh.overlap = None
-    _validate(cfg)
+    cfg.geomesh.validate()

@@ -58,7 +58,8 @@ from jobruntime import cpu_compat
 from jobruntime.config import JobConfig
 from jobruntime.parallel import Topology, init_distributed, initialize_layout
 
-from ..fleet.cluster import ClusterError, ClusterSpec, WorkerSpec
+from ..fleet.cluster import ClusterError, ClusterSpec
+from ..fleet.job_check import job_worker_shape
 from ..wire.canonical_codec import join_parts
 from ..wire.envelope import Opener, load_secret, run_id
 from .transport import (
@@ -201,23 +202,6 @@ def global_rank(k: int, t: int, d: int, p: int, *, tp: int, dp_in: int, num_work
     return t + tp * (k * dp_in + d) + tp * (num_workers * dp_in) * p
 
 
-def worker_shape(w: WorkerSpec) -> tuple[int, int, int]:
-    """``(tp, pp, dp)`` of a worker: its processes are ``num_gpus = tp · pp · dp``."""
-    return w.tp, w.pp, w.num_gpus // (w.tp * w.pp)
-
-
-def _worker_shape(cluster: ClusterSpec) -> tuple[int, int, int]:
-    shapes = {(w.tp, w.pp, w.num_gpus) for w in cluster.workers}
-    if len(shapes) != 1:
-        raise ClusterError(
-            f"one torchrun for the whole cluster needs the same tp, pp and num_gpus on every "
-            f"worker, cluster '{cluster.name}' has {sorted(shapes)}; run one job per region "
-            "(geomesh.region=<name>, e.g. python -m geomesh.launch_local), where regions may "
-            "differ, or use mode: emulated"
-        )
-    return worker_shape(cluster.workers[0])
-
-
 def place_region(cfg: JobConfig, cluster: ClusterSpec) -> tuple[Placement, JobConfig]:
     """One job per region: this job's own world, megatron's layout, and its torchft membership.
 
@@ -228,32 +212,18 @@ def place_region(cfg: JobConfig, cluster: ClusterSpec) -> tuple[Placement, JobCo
     Returns:
         ``(placement, layout_cfg)`` as :func:`place_real`.
 
+    The region, its one worker, the secret and the process count were checked before
+    (:func:`geomesh.fleet.job_check.check_job`).
+
     Raises:
-        ClusterError / ConfigError: wrong region or process count, a region of
-            several workers, no secret, or no lighthouse at the cluster's ``rendezvous``.
+        ClusterError / ConfigError: no lighthouse at the cluster's ``rendezvous``.
     """
     g = cfg.geomesh
-    try:
-        cluster.region(g.region)
-    except KeyError:
-        raise ClusterError(
-            f"geomesh.region={g.region!r} is not a region of cluster '{cluster.name}'; use one of "
-            f"{[r.name for r in cluster.regions]}") from None
-    members = cluster.workers_in(g.region)
-    if len(members) != 1:
-        raise ClusterError(
-            f"one job per region runs one worker (its replicas inside: num_gpus = tp * pp * dp); "
-            f"region {g.region!r} of cluster '{cluster.name}' has {len(members)} workers: merge "
-            "them into one worker of more GPUs, or split the region")
-    tp, pp, dp_in = worker_shape(members[0])
+    tp, pp, dp_in = job_worker_shape(cluster, g.region)  # checked: geomesh.fleet.job_check
+    worker = cluster.workers_in(g.region)[0]
     secret = load_secret(g.secret_file)
     host, port = cluster.rendezvous_host_port
-    k = cluster.worker_index(members[0].name)
-    job_world = int(os.environ.get("WORLD_SIZE", "1"))
-    if job_world != tp * pp * dp_in:
-        raise ClusterError(
-            f"region {g.region!r} has 1 worker of {tp * pp * dp_in} process(es) (tp={tp}, pp={pp}, "
-            f"dp={dp_in}); launch its torchrun with {tp * pp * dp_in} processes, not {job_world}")
+    k = cluster.worker_index(worker.name)
     init_distributed(g.timeout_s)
     layout = copy.deepcopy(cfg)
     layout.parallel.tp, layout.parallel.pp = tp, pp
@@ -302,20 +272,15 @@ def place_real(cfg: JobConfig, cluster: ClusterSpec) -> tuple[Placement, JobConf
         ``tp``/``pp`` (the config each worker's trainer is built from).
 
     Raises:
-        ClusterError: layout or process count does not match the cluster, or a
-            region did not join in time.
+        ClusterError: a region did not join in time (the layout and the process count
+            were checked before: :func:`geomesh.fleet.job_check.check_job`).
     """
     if cfg.geomesh.region is not None:
         return place_region(cfg, cluster)
-    tp, pp, dp_in = _worker_shape(cluster)
+    tp, pp, dp_in = job_worker_shape(cluster, None)  # world size checked: job_check
     K = len(cluster.workers)
     init_distributed(cfg.geomesh.timeout_s)
     rank, world, job_rank = dist.get_rank(), dist.get_world_size(), dist.get_rank()
-    if world != K * tp * pp * dp_in:
-        raise ClusterError(
-            f"cluster '{cluster.name}' has {K} workers of {tp * pp * dp_in} process(es) = "
-            f"{K * tp * pp * dp_in} ranks, but the world has {world}; launch that many processes"
-        )
     layout = copy.deepcopy(cfg)
     layout.parallel.tp, layout.parallel.pp = tp, pp
     # initialize_layout validates the batch against megatron's DP (= K·dp_in);
