@@ -108,10 +108,46 @@ HOSTILE_KINDS = (forged_identity, lying_statistics)
 """Hostile kinds with their own JSON entry (``hostile_kinds``), counted in ``hostile_*``."""
 
 
+#: Valid jobs a wrong setting is drawn into (``tiny_gpt`` plus these overrides): one job,
+#: an emulated GeoMesh run, CONA on its emulated clock.  A random value of a random key
+#: mostly fails the loader's type check; these reach the sections' own checks.
+CONFIG_BASES = {
+    "job": [],
+    "geomesh": ["geomesh.method=diloco", "geomesh.cluster=geomesh/clusters/four_region.yaml"],
+    "cona_emulated": ["cona.enabled=true", "cona.clock=emulated"],
+}
+#: Settings of the right type that are wrong for their base (one process), each refused by
+#: ``train.check_config`` before the heavy imports.
+WRONG_SETTINGS = {
+    "job": [["parallel.tp=3"], ["parallel.pp=2"], ["parallel.global_batch_size=7"],
+            ["parallel.sequence_parallel=true"], ["model.hidden_size=7"]],
+    "geomesh": [["geomesh.region=East US"], ["geomesh.mode=real"],
+                ["geomesh.method=async", "geomesh.mode=real"],
+                ["geomesh.cluster=two_worker_real"],
+                ["geomesh.cluster=two_worker_real", "geomesh.region=Mars"],
+                ["geomesh.cluster=two_worker_real", "geomesh.region=East US"],  # no secret
+                ["geomesh.target_model=gpt3_13b"],
+                ["geomesh.target_model=geomesh/clusters/four_region.yaml"],
+                ["geomesh.cluster=model_configs/tiny_gpt.yaml"],
+                ["cona.enabled=true"]],
+    "cona_emulated": [["cona.target_model=gpt3_13b"],
+                      ["cona.target_model=geomesh/clusters/four_region.yaml"],
+                      ["cona.gpu=Z100"], ["cona.batch_ratio=0"], ["cona.clock=wall", "cona.num_gpus=8"]],
+}
+
+
+def wrong_setting(rng: random.Random) -> list[str]:
+    """Overrides of ``tiny_gpt``: a :data:`CONFIG_BASES` job with one of its
+    :data:`WRONG_SETTINGS`."""
+    base = rng.choice(sorted(CONFIG_BASES))
+    return CONFIG_BASES[base] + rng.choice(WRONG_SETTINGS[base])
+
+
 def bad_inputs(n: int, tmp: Path) -> tuple[int, int]:
-    """Seeded random bad inputs to the four loaders and to the region-shape check (a
+    """Seeded random bad inputs to the four loaders, to the region-shape check (a
     four_region worker's tp, pp, num_gpus or memory against GPT-3 1.3B:
-    :mod:`geomesh.fleet.shapes`); ``(bad tried, clean one-line errors)``."""
+    :mod:`geomesh.fleet.shapes`) and wrong settings of valid jobs (:func:`wrong_setting`);
+    ``(bad tried, clean one-line errors)``."""
     import dataclasses
 
     import torch
@@ -181,6 +217,11 @@ def bad_inputs(n: int, tmp: Path) -> tuple[int, int]:
         raw["workers"][shape_rng.randrange(4)][key] = shape_rng.choice(values)
         check_region_shapes(cluster_from_dict(raw), target, memory, model_name="gpt3_1.3b")
 
+    setting_rng = random.Random(2)
+
+    def setting():  # a valid job with one wrong setting, as train.py checks it
+        check_config(load_config("tiny_gpt", wrong_setting(setting_rng)), 1)
+
     def checkpoint():
         f = tmp / "checkpoints" / "outer_0000001"
         f.mkdir(parents=True, exist_ok=True)
@@ -195,4 +236,5 @@ def bad_inputs(n: int, tmp: Path) -> tuple[int, int]:
         check(wire, MessageError)
         check(checkpoint, CheckpointError)
         check(shape, ClusterError)
+        check(setting, ConfigError)
     return tried, clean
