@@ -14,7 +14,7 @@ import zlib
 import pytest
 import torch
 
-from geomesh.exchange.membership import pack_state, unpack_state
+from geomesh.exchange.heal_payload import pack_state, unpack_state
 from geomesh.wire.canonical import CanonicalSchema, Shard, whole_layout
 from geomesh.wire.canonical_codec import CanonicalCodec, join_parts
 from geomesh.wire.compression import MessageError

@@ -23,7 +23,8 @@ peer.  Every round (``r`` = the Manager's step, rounds committed so far):
 2. **heal**: a worker behind (restarted, or a straggler dropped from the
    last round) receives ``θ_global``, the outer momentum, the round, the data
    position and the plan from a live peer (torchft's checkpoint transport,
-   with an authenticated, pickle-free payload: :class:`SignedHTTPTransport`),
+   with an authenticated, pickle-free payload:
+   :class:`~geomesh.exchange.heal_payload.SignedHTTPTransport`),
    sends an empty JOIN message this round, applies the same outer step from
    the others' messages, and trains from the next round on;
 3. **all-gather** of the sealed messages (:mod:`geomesh.wire.envelope`) over the
@@ -52,31 +53,26 @@ here (one worker per region job: the two are the same).
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import threading
 import time
-import urllib.request
 from collections.abc import Callable
 from datetime import timedelta
 
 import torch
-from safetensors.torch import load as st_load
-from safetensors.torch import save as st_save
 
 from jobruntime.faults import RunInterrupted, exit_interrupted, fault_point
 
 from ..fleet.cluster import ClusterError, ClusterSpec
 from ..lighthouse import lighthouse_heartbeats, quorum_retries
-from ..wire.envelope import DATA, HEAL, JOIN, EnvelopeError, Opener
+from ..wire.envelope import DATA, JOIN, EnvelopeError, Opener
+from .heal_payload import SignedHTTPTransport
 from .transport import WireBytes
 
 os.environ.setdefault("RUST_LOG", "error")  # torchft's Rust side logs every quorum at info
 from torch.distributed.distributed_c10d import AllgatherOptions  # noqa: E402
 from torchft import Manager, ProcessGroupGloo, ProcessGroupNCCL  # noqa: E402
-from torchft.checkpointing._serialization import _streaming_load  # noqa: E402
-from torchft.checkpointing.http_transport import HTTPTransport  # noqa: E402
 from torchft.process_group import create_store_client  # noqa: E402
 
 log = logging.getLogger(__name__)
@@ -88,50 +84,6 @@ MAX_ATTEMPTS = 3
 
 class PeerLostError(RunInterrupted):
     """A worker of the run was lost (``on_worker_loss=fail``) or the lighthouse is gone."""
-
-
-# ---------------------------------------------------------------------------
-# Healing payload: tensors in safetensors, the rest in JSON (nothing unpickled)
-# ---------------------------------------------------------------------------
-
-
-def pack_state(state: dict) -> bytes:
-    """Nested dicts of str keys with tensor / JSON leaves -> bytes (safetensors)."""
-    tensors: dict[str, torch.Tensor] = {}
-
-    def walk(x, path):
-        if isinstance(x, torch.Tensor):
-            key = f"t{len(tensors)}"
-            tensors[key] = x.detach().cpu().contiguous()
-            return {"__tensor__": key}
-        if isinstance(x, dict):
-            return {str(k): walk(v, f"{path}/{k}") for k, v in x.items()}
-        if isinstance(x, (list, tuple)):
-            return [walk(v, f"{path}/{i}") for i, v in enumerate(x)]
-        return x
-
-    tree = walk(state, "")
-    return st_save(tensors, metadata={"tree": json.dumps(tree)})
-
-
-def unpack_state(data: bytes) -> dict:
-    """Inverse of :func:`pack_state` (safetensors and JSON only: no code runs)."""
-    from safetensors import safe_open  # noqa: F401 - the format's reader is the trust boundary
-
-    header_len = int.from_bytes(data[:8], "little")
-    meta = json.loads(data[8:8 + header_len]).get("__metadata__", {})
-    tensors = st_load(data)
-
-    def walk(x):
-        if isinstance(x, dict):
-            if set(x) == {"__tensor__"}:
-                return tensors[x["__tensor__"]]
-            return {k: walk(v) for k, v in x.items()}
-        if isinstance(x, list):
-            return [walk(v) for v in x]
-        return x
-
-    return walk(json.loads(meta["tree"]))
 
 
 def lost_workers(cluster: ClusterSpec, policy: str, r: int, lost: list[int], why: str, *,
@@ -151,46 +103,6 @@ def lost_workers(cluster: ClusterSpec, policy: str, r: int, lost: list[int], why
     if report:
         log.warning("GeoMesh round %d: lost %s (%s); continuing with %d worker(s), it may "
                     "rejoin at a round boundary", r, names, why, members)
-
-
-class SignedHTTPTransport(HTTPTransport):
-    """torchft's HTTP checkpoint transport carrying one sealed, pickle-free blob.
-
-    torchft's own transports unpickle what a peer sends (``weights_only=False``);
-    here the served object is a single uint8 tensor (loaded with
-    ``weights_only=True``) holding a HEAL envelope whose body is
-    :func:`pack_state` output, opened with the run's secret before anything
-    in it is used.
-
-    Raises (in ``recv_checkpoint``, reported by the Manager as a failed heal):
-        EnvelopeError: the blob is not authentic or not for this step.
-    """
-
-    def __init__(self, opener: Opener, *, worker: int, shard: int, timeout: timedelta) -> None:
-        super().__init__(timeout=timeout, num_chunks=0)
-        self._opener, self._worker, self._shard = opener, worker, shard
-        self._server.RequestHandlerClass.log_message = lambda *a, **k: None  # no stderr lines
-
-    def send_checkpoint(self, dst_ranks, step, state_dict, timeout) -> None:
-        blob = self._opener.seal(pack_state(state_dict), kind=HEAL, round=step,
-                                 worker=self._worker, shard=self._shard)
-        tensor = torch.frombuffer(bytearray(blob), dtype=torch.uint8)  # host: sent over HTTP
-        super().send_checkpoint(dst_ranks, step, {"blob": tensor}, timeout)
-
-    @classmethod
-    def _load_from_address(cls, address: str, timeout: timedelta) -> object:
-        with urllib.request.urlopen(address, timeout=timeout.total_seconds()) as f:
-            return _streaming_load(f, weights_only=True)
-
-    def recv_checkpoint(self, src_rank, metadata, step, timeout):
-        got = super().recv_checkpoint(src_rank, metadata, step, timeout)
-        blob = got["blob"] if isinstance(got, dict) and "blob" in got else None
-        if not isinstance(blob, torch.Tensor) or blob.dtype != torch.uint8:
-            raise EnvelopeError("healing state from a peer is not a sealed blob", "kind")
-        self._opener.forget_round(step)
-        sealed = self._opener.open(blob.numpy().tobytes(), round=step, shard=self._shard,
-                                   kinds=(HEAL,))
-        return unpack_state(sealed.body)
 
 
 def _recording(base):
