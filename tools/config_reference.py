@@ -5,9 +5,10 @@ its type, default, range and docstring, read from the code itself: types from
 the annotations, defaults from a default-constructed config, docstrings from
 the string that follows each field in ``jobruntime/config/``, and the range
 from ``Literal`` choices and from the rules the validators state
-(``need(..., "key", "must be ...")`` calls and ``ConfigError`` messages of the
+(``need(..., "key", "must be ...")`` and ``check_preset(value, "section.key")`` calls and
+``ConfigError`` messages of the
 form ``section.key=... must ...`` in ``jobruntime/config/`` and
-``geomesh/context.py``).
+``geomesh/fleet/job_check.py``).
 
 ``python tools/config_reference.py`` rewrites the page; ``--check`` exits 1
 when it is stale (the test suite runs it).
@@ -28,7 +29,7 @@ if str(REPO) not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, str(REPO))
 PAGE = REPO / "docs" / "configuration.md"
 CONFIG_SOURCES = tuple(sorted((REPO / "jobruntime" / "config").glob("*.py")))  # one per section
-SOURCES = (*CONFIG_SOURCES, REPO / "geomesh" / "context.py")
+SOURCES = (*CONFIG_SOURCES, REPO / "geomesh" / "fleet" / "job_check.py")
 _RULE = re.compile(r"\b(model|parallel|train|data|checkpoint|logging|geomesh|cona)\.(\w+|\{\})"
                    r"(?:=\S*)? (must [^;:(]+)")
 
@@ -83,6 +84,11 @@ def _rules(trees: list[ast.Module]) -> dict[tuple[str, str], list[str]]:
                         add(section, _text(sub.args[1]), _text(sub.args[2]))
                     elif name == "_need" and len(sub.args) >= 5:
                         add(_text(sub.args[1]), _text(sub.args[3]), _text(sub.args[4]))
+                    elif name == "check_preset" and len(sub.args) == 2 and \
+                            _text(sub.args[1]).count(".") == 1:
+                        from jobruntime.config.loading import PRESET_RULE
+
+                        add(*_text(sub.args[1]).split("."), PRESET_RULE)
             loop = []  # for name in ("a", "b"): ... ConfigError(f"section.{name} must ...")
             if isinstance(node, ast.For) and isinstance(node.iter, ast.Tuple):
                 loop = [_text(e) for e in node.iter.elts]

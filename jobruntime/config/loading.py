@@ -127,6 +127,10 @@ def resolve_preset(name_or_path: str | Path) -> Path:
                       f"a YAML file or one of {known}")
 
 
+PRESET_RULE = "must name a preset or a job-config YAML"
+"""What :func:`check_preset` asks of a setting (``tools/config_reference.py`` lists it)."""
+
+
 def check_preset(name: str, setting: str) -> None:
     """Fail at validation, not after the data is prepared, on a setting (``setting``, e.g.
     ``cona.target_model``) whose value must name a preset or a job-config YAML: one that names
@@ -138,8 +142,7 @@ def check_preset(name: str, setting: str) -> None:
     try:
         load_config(name)
     except ConfigError as e:
-        raise ConfigError(f"{setting}={name!r} must name a preset or a job-config YAML: "
-                          f"{e}") from None
+        raise ConfigError(f"{setting}={name!r} {PRESET_RULE}: {e}") from None
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:
