@@ -2,7 +2,7 @@
 
 Input: JSONL (``--text-key`` field, optionally .xz/.gz/.bz2), .txt files, a
 folder of them, or a local Hugging Face dataset folder (``save_to_disk``) —
-whatever :func:`jobruntime.data.read_documents` reads.  Tokenizer: an
+whatever :func:`jobruntime.documents.read_documents` reads.  Tokenizer: an
 existing sentencepiece ``.model`` or Hugging Face ``tokenizer.json``
 (``--tokenizer``), or a new sentencepiece model of ``--vocab-size`` trained on
 the training documents (every ``--val-every``-th document is held out, as
