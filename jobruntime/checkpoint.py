@@ -18,6 +18,7 @@ TP/PP/DP layout loads into any other (resharding on load).
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -29,7 +30,7 @@ from megatron.core.dist_checkpointing import ShardedObject
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 
 from .config import ModelConfig
-from .faults import fault_point
+from .faults import die_with_parent, fault_point
 from .logging_utils import phase
 from .parallel import default_generators, set_default_generators
 
@@ -212,6 +213,30 @@ def _set_rng_state(state: dict) -> None:
         tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
 
 
+def save_queue_dies_with_rank() -> None:
+    """Start the process behind dist_checkpointing's write-results queue so that it dies
+    with this rank.
+
+    megatron-core starts a ``multiprocessing`` manager server (a spawned process) on a
+    rank's first save, for the queue its writers report on
+    (``dist_checkpointing.strategies.filesystem_async._get_write_results_queue``).  A rank
+    killed by SIGKILL (the OOM killer, a preemption) runs no exit handler, and that server
+    stayed behind for good (measured: one ~270 MB process per killed rank, still there 36
+    minutes after the job).  Here the server is started first, with
+    :func:`jobruntime.faults.die_with_parent` as its initializer, and megatron-core finds
+    the queue made.  Idempotent; call it before ``dist_checkpointing.save``.
+    """
+    from multiprocessing.managers import SyncManager
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if getattr(filesystem_async, "_results_queue", None) is not None:
+        return
+    manager = SyncManager(ctx=multiprocessing.get_context("spawn"))  # megatron-core's context
+    manager.start(initializer=die_with_parent)
+    filesystem_async._results_queue = manager.Queue()  # its proxy keeps the manager alive
+
+
 def save_checkpoint(root: Path, trainer, *, consumed_samples: int, extra: dict | None = None,
                     keep_last: int = 2) -> Path:
     """Save ``trainer`` (model, optimizer, scheduler, step, ``consumed_tokens``) to
@@ -249,6 +274,7 @@ def save_checkpoint(root: Path, trainer, *, consumed_samples: int, extra: dict |
         "format_version": FORMAT_VERSION,
         "extra": extra or {},
     }
+    save_queue_dies_with_rank()
     with phase(log, "saving checkpoint %s", root / name), \
             committed_folder(root, name, keep_last=keep_last, marker=f"step {trainer.step}") as tmp:
         dist_checkpointing.save(state, str(tmp))

@@ -51,6 +51,16 @@ POINTS = ("train", "exchange", "commit", "save", "switch")
 _spec = os.environ.get(ENV)
 
 
+def die_with_parent() -> None:
+    """Linux: have this process killed (SIGKILL) when the process that started it dies
+    (``prctl(PR_SET_PDEATHSIG)``); elsewhere nothing.  A child's initializer: a helper
+    process of a rank must not outlive a rank that was SIGKILLed (no exit handler runs)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+
+
 def fault_point(point: str, n: int) -> None:
     """Kill this process here if ``GEOCONA_FAULT`` names this point, count and rank."""
     if not _spec:
