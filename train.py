@@ -82,7 +82,11 @@ def main(argv=None) -> int:
     # Config errors first: they need no megatron import (~10 s) and no data.
     try:
         cfg = load_config(args.config, args.overrides)
-        check_config(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+        world = os.environ.get("WORLD_SIZE", "1")
+        if not world.isdigit():
+            raise ConfigError(f"WORLD_SIZE={world!r} is not a process count; launch with "
+                              "torchrun (it sets WORLD_SIZE) or unset it")
+        check_config(cfg, int(world))
     except ConfigError as e:
         return _error(str(e))
     default = Path(f"runs/{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}")

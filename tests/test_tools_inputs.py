@@ -137,7 +137,7 @@ def test_cona_settings_are_validated(override, needle):
     ["geomesh.method=geomesh", "geomesh.cluster=geomesh/clusters/four_region.yaml",
      "geomesh.target_model=gpt3_13b"],
 ])
-def test_a_target_model_that_names_no_preset_fails_at_validation(overrides):
+def test_a_target_model_that_names_no_preset_fails_at_validation(overrides, tmp_path):
     """Caught only when the emulated run built its target, after the data was prepared."""
     section = overrides[-1].split(".")[0]
 
@@ -153,6 +153,12 @@ def test_a_target_model_that_names_no_preset_fails_at_validation(overrides):
     with pytest.raises(ConfigError, match=rf"{section}\.target_model='geomesh/clusters/"
                                           r"four_region.yaml' must name a preset .*unknown config key"):
         validate(load_config("tiny_gpt", [*overrides[:-1], cluster]))
+    # a job config whose model is invalid (it would divide by zero heads after the data)
+    bad = tmp_path / "bad_model.yaml"
+    bad.write_text("model:\n  num_attention_heads: 0\n")
+    with pytest.raises(ConfigError, match=rf"{section}\.target_model='.*bad_model.yaml' must "
+                                          r"name a preset .*num_attention_heads"):
+        validate(load_config("tiny_gpt", [*overrides[:-1], f"{section}.target_model={bad}"]))
     validate(load_config("tiny_gpt", [*overrides[:-1], f"{section}.target_model=gpt3_1.3b"]))
 
 

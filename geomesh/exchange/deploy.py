@@ -59,7 +59,7 @@ from jobruntime.config import JobConfig
 from jobruntime.parallel import Topology, init_distributed, initialize_layout
 
 from ..fleet.cluster import ClusterError, ClusterSpec
-from ..fleet.job_check import job_worker_shape
+from ..fleet.job_check import check_world, job_worker_shape
 from ..wire.canonical_codec import join_parts
 from ..wire.envelope import Opener, load_secret, run_id
 from .transport import (
@@ -225,6 +225,7 @@ def place_region(cfg: JobConfig, cluster: ClusterSpec) -> tuple[Placement, JobCo
     host, port = cluster.rendezvous_host_port
     k = cluster.worker_index(worker.name)
     init_distributed(g.timeout_s)
+    check_world(cluster, g.region, dist.get_world_size())  # the group's own size
     layout = copy.deepcopy(cfg)
     layout.parallel.tp, layout.parallel.pp = tp, pp
     check = copy.deepcopy(layout)
@@ -277,10 +278,11 @@ def place_real(cfg: JobConfig, cluster: ClusterSpec) -> tuple[Placement, JobConf
     """
     if cfg.geomesh.region is not None:
         return place_region(cfg, cluster)
-    tp, pp, dp_in = job_worker_shape(cluster, None)  # world size checked: job_check
+    tp, pp, dp_in = job_worker_shape(cluster, None)
     K = len(cluster.workers)
     init_distributed(cfg.geomesh.timeout_s)
     rank, world, job_rank = dist.get_rank(), dist.get_world_size(), dist.get_rank()
+    check_world(cluster, None, world)  # the group's own size (WORLD_SIZE was checked before)
     layout = copy.deepcopy(cfg)
     layout.parallel.tp, layout.parallel.pp = tp, pp
     # initialize_layout validates the batch against megatron's DP (= K·dp_in);

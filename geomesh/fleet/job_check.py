@@ -126,16 +126,29 @@ def _check_processes(cfg: JobConfig, cluster: ClusterSpec, world_size: int) -> N
 
     g = cfg.geomesh
     tp, pp, dp_in = job_worker_shape(cluster, g.region)
+    if g.region is not None:
+        load_secret(g.secret_file)
+    check_world(cluster, g.region, world_size)
     per = cfg.parallel.micro_batch_size * dp_in
     if cfg.parallel.global_batch_size % per:
         raise ConfigError(
             f"parallel.global_batch_size={cfg.parallel.global_batch_size} (validation batch) "
             f"is not a multiple of micro_batch_size*dp_in={per}; change one of them")
-    if g.region is not None:
-        load_secret(g.secret_file)
+
+
+def check_world(cluster: ClusterSpec, region: str | None, world_size: int) -> None:
+    """Real mode: this job's process count against its workers' ``tp · pp · dp`` (the
+    region's one worker, or every worker for one torchrun); run before the process group
+    from ``WORLD_SIZE`` and after it from the group's size.
+
+    Raises:
+        ClusterError: the counts differ (names the count to launch).
+    """
+    tp, pp, dp_in = job_worker_shape(cluster, region)
+    if region is not None:
         if world_size != tp * pp * dp_in:
             raise ClusterError(
-                f"region {g.region!r} has 1 worker of {tp * pp * dp_in} process(es) (tp={tp}, "
+                f"region {region!r} has 1 worker of {tp * pp * dp_in} process(es) (tp={tp}, "
                 f"pp={pp}, dp={dp_in}); launch its torchrun with {tp * pp * dp_in} processes, "
                 f"not {world_size}")
         return

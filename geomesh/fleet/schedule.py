@@ -39,7 +39,7 @@ def parse_schedule(cfg: JobConfig) -> list[Switch]:
         if not keys or not {"after_step", "region", "tp"} <= keys <= {"after_step", "region", "tp",
                                                                         "pp"}:
             raise ConfigError(f"cona.schedule[{i}]={e!r} must be {{after_step: N, region: NAME, "
-                              "tp: T, pp: P}} (pp optional, default 1)")
+                              "tp: T, pp: P} (pp optional, default 1)")
         ints = [e["after_step"], e["tp"], e.get("pp", 1)]
         if not all(isinstance(x, int) and not isinstance(x, bool) and x >= 1 for x in ints):
             raise ConfigError(f"cona.schedule[{i}]: after_step, tp and pp must be positive "

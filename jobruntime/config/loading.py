@@ -134,13 +134,14 @@ PRESET_RULE = "must name a preset or a job-config YAML"
 def check_preset(name: str, setting: str) -> None:
     """Fail at validation, not after the data is prepared, on a setting (``setting``, e.g.
     ``cona.target_model``) whose value must name a preset or a job-config YAML: one that names
-    no file, or a file that is not a job config (a cluster YAML, say), fails here.
+    no file, a file that is not a job config (a cluster YAML, say), or a config whose
+    model section is invalid fails here.
 
     Raises:
         ConfigError: naming the setting, the value and what is wrong with it.
     """
     try:
-        load_config(name)
+        load_config(name).model.validate()  # its model sets time, bytes and memory
     except ConfigError as e:
         raise ConfigError(f"{setting}={name!r} {PRESET_RULE}: {e}") from None
 
