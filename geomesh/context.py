@@ -166,8 +166,8 @@ def build_context(cfg: JobConfig, run_dir: Path) -> RunContext:
         if g.target_model:
             log.warning("real mode: geomesh.target_model is ignored (time and bytes are measured)")
     run_dir = same_run_dir(run_dir, group=placement.job_group, src=placement.job_src)
-    G_t = target.parallel.global_batch_size
-    planner = Planner(cluster, target.model, tokens_per_round=g.inner_steps * G_t * target.model.seq_length,
+    G_t, s_t = target.parallel.global_batch_size, target.model.seq_length
+    planner = Planner(cluster, target.model, tokens_per_round=g.inner_steps * G_t * s_t,
                       inner_steps=g.inner_steps, balance=g.balance, tolerance=g.plan_tolerance,
                       memory=memory)
     schema = target_schema(target) if emulated else None
