@@ -348,8 +348,10 @@ def lighthouse_restart(root: Path, cache: str, rounds: int) -> dict:
     from a worker's metrics (``rounds_lost``: it healed past a round instead of
     training it), and no round took more than the restart gap plus the heartbeat
     over the median round (``stall_s``: the slowest round less the median; rounds
-    2 onwards of worker 0, round 1 holds the start-up).  ``attempts_retried``: quorum or exchange
-    attempts tried again (the round's messages are kept, not its training redone).
+    2 onwards of worker 0, round 1 holds the start-up).  ``attempts_retried``: failed
+    quorum or exchange attempts tried again (the round's messages are kept, not its
+    training redone); a partial quorum of the restarted lighthouse asked again until
+    the left-out worker joins is a wait, not a failed attempt.
     """
     name = "lighthouse_restart"
     seen: dict = {}

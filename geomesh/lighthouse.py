@@ -14,11 +14,12 @@ long an alive straggler is waited for at an exchange).  Exit code 2 with one
 line for bad arguments or an address already in use.
 
 A restart on the same address that answers again within ``geomesh.heartbeat_s``
-is survived: the quorum in flight is asked again (:func:`quorum_retries`), the
-next quorum rebuilds the process group, and the round goes on (measured with
-``bench/faults.py``, restart 3.6 s after a SIGKILL, heartbeat 5 s: no round
-lost, one quorum attempt repeated, the slowest round 1.6 s over the median of
-4.1 s; before, both jobs waited 240 s and exited 3).  Silent
+is survived: the quorum in flight is asked again (:func:`quorum_retries`), a
+partial quorum that the restarted lighthouse formed before it heard every
+worker is asked again until the left-out worker joins
+(``Membership._working_quorum``), the next quorum rebuilds the process group,
+and the round goes on (``bench/faults.py``'s restart 3.6 s after a SIGKILL,
+``docs/reliability.md``; before, both jobs waited 240 s and exited 3).  Silent
 longer, it is gone for good: every job stops within the heartbeat with one
 ``error:`` line and exit code 3.  The client side of its ``/status`` page is here
 too (:func:`lighthouse_heartbeats`).
