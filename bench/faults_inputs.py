@@ -132,7 +132,9 @@ WRONG_SETTINGS = {
                 ["cona.enabled=true"]],
     "cona_emulated": [["cona.target_model=gpt3_13b"],
                       ["cona.target_model=geomesh/clusters/four_region.yaml"],
-                      ["cona.gpu=Z100"], ["cona.batch_ratio=0"], ["cona.clock=wall", "cona.num_gpus=8"]],
+                      ["cona.gpu=Z100"], ["cona.batch_ratio=0"], ["cona.clock=wall", "cona.num_gpus=8"],
+                      ["cona.global_batch_sizes=[]"], ["cona.global_batch_sizes=[8.5]"],
+                      ["cona.batch_ratio=8", "cona.global_batch_sizes=[12]"]],
 }
 
 

@@ -153,6 +153,21 @@ def test_proxy_mapping_is_one_rule():
         bad.cona.validate()
 
 
+@pytest.mark.parametrize("sizes, why", [
+    ("[]", "at least one"), ("[0, 64]", r"\(0 is not\)"), ("[8.5]", r"\(8.5 is not\)"),
+    ("[true]", r"\(True is not\)"), ("[64, 100]", r"multiples of cona.batch_ratio=8 .*100 is not")])
+def test_global_batch_sizes_are_checked_at_validation(sizes, why):
+    """Catches batch sizes that passed validation: ``[]`` fell back to the default grid,
+    ``8.5`` ran as 8, ``0`` failed at enumeration with 'no valid candidate', and 100 at
+    ratio 8 (12.5 proxy sequences) only when the candidates were built."""
+    cfg = _cfg("cona.enabled=true", "cona.clock=emulated", "cona.batch_ratio=8",
+               f"cona.global_batch_sizes={sizes}")
+    with pytest.raises(ConfigError, match=f"cona.global_batch_sizes.*{why}"):
+        cfg.cona.validate()
+    load_config("tiny_gpt", ["cona.enabled=true", "cona.global_batch_sizes=[64, 100]"]  # wall clock
+                ).cona.validate()
+
+
 def test_emulated_context_starts_one_switch_ahead():
     """Catches a context that ignores the look-ahead (the fastest layout at batch 64,
     dp8-tp8, from which batch 128 is a layout switch) or the budget: on the GPT-3 grid of

@@ -159,6 +159,7 @@ class ConaConfig:
         if self.candidates is not None and not self.candidates:
             raise ConfigError("cona.candidates=[] lists no candidate; give some, or null to "
                               "enumerate them")
+        self._check_global_batch_sizes()
         if not 1 <= self.step_dilation < float("inf"):
             raise ConfigError(f"cona.step_dilation={self.step_dilation} must be a number >= 1 "
                               "(1 = one target step per proxy step)")
@@ -181,3 +182,22 @@ class ConaConfig:
             raise ConfigError(f"cona.gpu={self.gpu!r} is unknown;"
                               f"{did_you_mean(self.gpu, gpu_profiles())} use one of "
                               f"{sorted(gpu_profiles())} or add it to jobruntime/gpu_profiles.yaml")
+
+    def _check_global_batch_sizes(self) -> None:
+        """Each of ``cona.global_batch_sizes`` a whole number of target sequences >= 1, and
+        (emulated) of proxy sequences (``cona.mapping.ProxyMapping.proxy_batch``)."""
+        sizes = self.global_batch_sizes
+        if sizes is None:
+            return
+        if not sizes:
+            raise ConfigError("cona.global_batch_sizes=[] must list at least one batch size "
+                              "(sequences); or null for parallel.global_batch_size x 1, 2, 4, 8")
+        for b in sizes:
+            if isinstance(b, bool) or not isinstance(b, int) or b < 1:
+                raise ConfigError(f"cona.global_batch_sizes={sizes} must be whole numbers of "
+                                  f"sequences >= 1 ({b!r} is not)")
+            proxy = b / self.batch_ratio if self.batch_ratio > 0 else 1.0
+            if self.clock == "emulated" and (proxy < 1 or abs(proxy - round(proxy)) > 1e-9):
+                raise ConfigError(f"cona.global_batch_sizes={sizes} must be multiples of "
+                                  f"cona.batch_ratio={self.batch_ratio:g} (whole proxy sequences; "
+                                  f"{b} is not)")
