@@ -68,12 +68,12 @@ from ..fleet.cluster import ClusterError, ClusterSpec
 from ..lighthouse import lighthouse_heartbeats, quorum_retries
 from ..wire.envelope import DATA, JOIN, EnvelopeError, Opener
 from .heal_payload import SignedHTTPTransport
+from .quorum_group import recording_group
 from .transport import WireBytes
 
 os.environ.setdefault("RUST_LOG", "error")  # torchft's Rust side logs every quorum at info
 from torch.distributed.distributed_c10d import AllgatherOptions  # noqa: E402
 from torchft import Manager, ProcessGroupGloo, ProcessGroupNCCL  # noqa: E402
-from torchft.process_group import create_store_client  # noqa: E402
 
 log = logging.getLogger(__name__)
 for _name in ("torchft", "torchft_quorums", "torchft_commits", "torchft_errors"):
@@ -106,28 +106,6 @@ def lost_workers(cluster: ClusterSpec, policy: str, r: int, lost: list[int], why
                     "rejoin at a round boundary", r, names, why, members)
 
 
-def _recording(base):
-    """A torchft process group class that remembers the members of its quorum."""
-
-    class Recording(base):
-        members: list[int] = []
-
-        def configure(self, store_addr, replica_id, rank, world_size, quorum_id=None,
-                      group_rank=None, group_world_size=None, global_ranks=None):
-            # torchft's prefix is <store>/torchft/<quorum id>/<group rank>, and a restarted
-            # lighthouse numbers its quorums from 1 again: the same prefix would meet the
-            # stale rendezvous keys of an earlier group.  Every member of a quorum counts
-            # itself in on the prefix; each use of it by world_size members is one epoch.
-            uses = create_store_client(store_addr, timeout=self._timeout).add(
-                f"geomesh_uses/{world_size}", 1)
-            super().configure(f"{store_addr}/e{(uses - 1) // world_size}", replica_id, rank,
-                              world_size, quorum_id, group_rank, group_world_size, global_ranks)
-            # torchft numbers replica k's group rank g as k * group_world_size + g.
-            self.members = sorted(r // max(group_world_size or 1, 1) for r in global_ranks or [])
-
-    return Recording
-
-
 class Membership:
     """One shard rank's membership in the run (module docstring).
 
@@ -156,7 +134,7 @@ class Membership:
             torch.device("cpu")
         tout = timedelta(seconds=timeout_s)
         beat_s = min(heartbeat_s / 10, 1.0)
-        self.pg = _recording(ProcessGroupNCCL if nccl else ProcessGroupGloo)(timeout=tout)
+        self.pg = recording_group(ProcessGroupNCCL if nccl else ProcessGroupGloo)(timeout=tout)
         self.members: list[int] = []
         self.wire = WireBytes()  # the exchange's payload bytes (geomesh.transport)
         self._healed: dict | None = None
