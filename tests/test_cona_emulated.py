@@ -155,11 +155,12 @@ def test_proxy_mapping_is_one_rule():
 
 @pytest.mark.parametrize("sizes, why", [
     ("[]", "at least one"), ("[0, 64]", r"\(0 is not\)"), ("[8.5]", r"\(8.5 is not\)"),
-    ("[true]", r"\(True is not\)"), ("[64, 100]", r"multiples of cona.batch_ratio=8 .*100 is not")])
+    ("[true]", r"\(True is not\)"), ("[" + "9" * 40 + "]", "from 1 to 16777216"), ("[64, 100]", r"multiples of cona.batch_ratio=8 .*100 is not")])
 def test_global_batch_sizes_are_checked_at_validation(sizes, why):
     """Catches batch sizes that passed validation: ``[]`` fell back to the default grid,
     ``8.5`` ran as 8, ``0`` failed at enumeration with 'no valid candidate', and 100 at
-    ratio 8 (12.5 proxy sequences) only when the candidates were built."""
+    ratio 8 (12.5 proxy sequences) only when the candidates were built; a 40-digit size
+    overflowed a float (traceback) or, below that, hung in megatron's dataset index."""
     cfg = _cfg("cona.enabled=true", "cona.clock=emulated", "cona.batch_ratio=8",
                f"cona.global_batch_sizes={sizes}")
     with pytest.raises(ConfigError, match=f"cona.global_batch_sizes.*{why}"):

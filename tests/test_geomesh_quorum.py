@@ -23,9 +23,9 @@ class ScriptedManager:
     """torchft's Manager as :meth:`Membership.quorum` uses it: each ``start_quorum``
     takes the next quorum of ``script`` (``None``: the process group fails to form)."""
 
-    def __init__(self, pg, script: list[list[int] | None]):
+    def __init__(self, pg, script: list[list[int] | None], heal=None):
         self.pg, self.script, self.asked, self.commits = pg, list(script), 0, 0
-        self._error = None
+        self._error, self.heal = None, heal  # heal(): torchft's load_state_dict callback
 
     def start_quorum(self, allow_heal: bool = True) -> None:
         quorum = self.script.pop(0) if len(self.script) > 1 else self.script[0]
@@ -35,6 +35,8 @@ class ScriptedManager:
             self._error = types.SimpleNamespace(original_exception=RuntimeError("store gone"))
         else:
             self.pg.members = quorum
+            if self.heal and self.asked == 1:  # the first quorum heals this worker
+                self.heal()
 
     def report_error(self, e: Exception) -> None:
         self._error = types.SimpleNamespace(original_exception=e)
@@ -81,6 +83,19 @@ def test_partial_quorums_of_a_restarted_lighthouse_are_asked_again_until_the_ali
     assert members == [0, 1] and not healed
     assert m.manager.asked == partial + 1 and m.manager.commits == 0
     assert m._outages_at_quorum == m._outages  # the outage is behind it
+
+
+def test_a_heal_during_a_refused_partial_quorum_is_kept(beats):
+    """Catches a heal thrown away: torchft loads a peer's state (and moves its step on)
+    inside the partial quorum that is then refused; the next quorum heals no more, so
+    clearing it at each ask left stale weights under a step that had moved on."""
+    m = _member([[0, 2], [0, 2], [0, 1, 2]])
+    m.members, m.pg.members = [0, 1, 2], [0, 1, 2]
+    loaded = []
+    m._load = loaded.append
+    m.manager.heal = lambda: m._load_state({"step": 7})
+    members, healed = m.quorum(2)
+    assert members == [0, 1, 2] and healed and loaded == [{"step": 7}]
 
 
 def test_a_partial_quorum_stands_when_the_left_out_worker_is_silent(beats):

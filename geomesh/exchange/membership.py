@@ -253,8 +253,10 @@ class Membership:
                 after :data:`MAX_ATTEMPTS` failed attempts.
         """
         failed, partial_until, why = 0, None, ""
+        # A heal during a refused partial quorum is kept: torchft moved its step on with
+        # it, so the next quorum will not heal again.
+        self._healed = None
         while True:
-            self._healed = None
             try:
                 self.manager.start_quorum(allow_heal=True)
             except Exception as e:  # noqa: BLE001 - quorum RPC errors (lighthouse gone)
@@ -279,6 +281,7 @@ class Membership:
                 self._outages_at_quorum = self._outages
                 return
             failed += 1
+            self._healed = None  # a heal that failed
             why = str(err.original_exception).splitlines()[0][:160]
             self.manager.should_commit()  # tell torchft this step failed, and ask again
             if self.report:

@@ -10,6 +10,11 @@ from .base import (
     did_you_mean,
 )
 
+MAX_GLOBAL_BATCH = 2**24
+"""Largest global batch (sequences) a candidate may have: about 10^4 times GPT-3 175B's
+3.2M tokens of 2,048 (Brown et al. 2020, Table 2.1); a larger one is a typo, and
+megatron's dataset index for it would not finish."""
+
 
 @dataclass(kw_only=True)
 class ConaConfig:
@@ -159,7 +164,6 @@ class ConaConfig:
         if self.candidates is not None and not self.candidates:
             raise ConfigError("cona.candidates=[] lists no candidate; give some, or null to "
                               "enumerate them")
-        self._check_global_batch_sizes()
         if not 1 <= self.step_dilation < float("inf"):
             raise ConfigError(f"cona.step_dilation={self.step_dilation} must be a number >= 1 "
                               "(1 = one target step per proxy step)")
@@ -168,6 +172,7 @@ class ConaConfig:
                               "cona.clock=emulated (or unset it)")
         if not 0 < self.batch_ratio < float("inf"):
             raise ConfigError(f"cona.batch_ratio={self.batch_ratio} must be a positive number")
+        self._check_global_batch_sizes()
         if self.clock == "wall" and (self.num_gpus is not None or self.target_model is not None
                                      or self.batch_ratio != 1):
             raise ConfigError("cona.num_gpus, cona.target_model and cona.batch_ratio apply to the "
@@ -193,10 +198,10 @@ class ConaConfig:
             raise ConfigError("cona.global_batch_sizes=[] must list at least one batch size "
                               "(sequences); or null for parallel.global_batch_size x 1, 2, 4, 8")
         for b in sizes:
-            if isinstance(b, bool) or not isinstance(b, int) or b < 1:
+            if isinstance(b, bool) or not isinstance(b, int) or not 1 <= b <= MAX_GLOBAL_BATCH:
                 raise ConfigError(f"cona.global_batch_sizes={sizes} must be whole numbers of "
-                                  f"sequences >= 1 ({b!r} is not)")
-            proxy = b / self.batch_ratio if self.batch_ratio > 0 else 1.0
+                                  f"sequences from 1 to {MAX_GLOBAL_BATCH} ({b!r} is not)")
+            proxy = b / self.batch_ratio
             if self.clock == "emulated" and (proxy < 1 or abs(proxy - round(proxy)) > 1e-9):
                 raise ConfigError(f"cona.global_batch_sizes={sizes} must be multiples of "
                                   f"cona.batch_ratio={self.batch_ratio:g} (whole proxy sequences; "
