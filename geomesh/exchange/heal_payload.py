@@ -10,19 +10,16 @@ kind HEAL) is opened with the run's secret.
 from __future__ import annotations
 
 import json
-import os
 import urllib.request
 from datetime import timedelta
 
 import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
+from torchft.checkpointing._serialization import _streaming_load
+from torchft.checkpointing.http_transport import HTTPTransport
 
 from ..wire.envelope import HEAL, EnvelopeError, Opener
-
-os.environ.setdefault("RUST_LOG", "error")  # torchft's Rust side logs every quorum at info
-from torchft.checkpointing._serialization import _streaming_load  # noqa: E402
-from torchft.checkpointing.http_transport import HTTPTransport  # noqa: E402
 
 
 def pack_state(state: dict) -> bytes:

@@ -54,13 +54,14 @@ here (one worker per region job: the two are the same).
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
 
 import torch
+from torch.distributed.distributed_c10d import AllgatherOptions
+from torchft import Manager, ProcessGroupGloo, ProcessGroupNCCL
 
 from jobruntime.faults import RunInterrupted, exit_interrupted, fault_point
 
@@ -70,10 +71,6 @@ from ..wire.envelope import DATA, JOIN, EnvelopeError, Opener
 from .heal_payload import SignedHTTPTransport
 from .quorum_group import recording_group
 from .transport import WireBytes
-
-os.environ.setdefault("RUST_LOG", "error")  # torchft's Rust side logs every quorum at info
-from torch.distributed.distributed_c10d import AllgatherOptions  # noqa: E402
-from torchft import Manager, ProcessGroupGloo, ProcessGroupNCCL  # noqa: E402
 
 log = logging.getLogger(__name__)
 for _name in ("torchft", "torchft_quorums", "torchft_commits", "torchft_errors"):

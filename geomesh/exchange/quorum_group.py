@@ -8,10 +8,7 @@ prefix that a restarted lighthouse's quorum ids (numbered from 1 again) cannot r
 
 from __future__ import annotations
 
-import os
-
-os.environ.setdefault("RUST_LOG", "error")  # torchft's Rust side logs every quorum at info
-from torchft.process_group import create_store_client  # noqa: E402
+from torchft.process_group import create_store_client
 
 
 def recording_group(base: type) -> type:
