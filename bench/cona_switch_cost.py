@@ -41,6 +41,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from jobruntime.ports import free_port  # noqa: E402
 
 MODELS = {
     "tiny_gpt": ("tiny_gpt", []),
@@ -143,7 +144,7 @@ def worker(args) -> None:
 
 def _torchrun(argv: list[str], log: Path) -> None:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4",
-           "--master-port", str(_free_port()), __file__, *argv]
+           "--master-port", str(free_port()), __file__, *argv]
     with open(log, "a") as f:
         r = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=_env())
     if r.returncode:
@@ -155,14 +156,6 @@ def _env() -> dict:
     root = str(Path(__file__).resolve().parent.parent)
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     return env
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def measure(model: str, cache_dir: str | None, work: Path) -> dict:

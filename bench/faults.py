@@ -55,7 +55,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -67,6 +66,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+from jobruntime.ports import free_port  # noqa: E402
+
 SMALL = ["model.num_layers=2", "model.hidden_size=64", "model.num_attention_heads=2",
          "model.seq_length=32", "parallel.global_batch_size=8", "parallel.micro_batch_size=2",
          "train.eval_iters=1", "train.warmup_iters=2", "logging.wandb=disabled",
@@ -74,12 +75,6 @@ SMALL = ["model.num_layers=2", "model.hidden_size=64", "model.num_attention_head
 HEARTBEAT_S = 5.0
 SLOWDOWN = 8.0  # each round sleeps 7x its compute time (geomesh/fleet/cluster.py ``slowdown``)
 REGIONS = ["East US", "West Europe", "Japan East", "Australia East"]
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Watch(threading.Thread):
@@ -201,7 +196,7 @@ def geomesh(root: Path, cache: str, name: str, rounds: int, *, fault: tuple[int,
     regions = REGIONS[:len(shapes)]
     d = root / name
     d.mkdir(parents=True, exist_ok=True)
-    port, secret = _port(), os.urandom(16).hex()
+    port, secret = free_port(), os.urandom(16).hex()
     cluster = d / "cluster.yaml"
     workers = [{"name": f"w{i}", "gpu": "A100-80GB", "num_gpus": 1, "region": r, **shapes[i]}
                for i, r in enumerate(regions)]
@@ -439,7 +434,7 @@ def straggler_replan(root: Path, cache: str, rounds: int) -> dict:
     d.mkdir(parents=True, exist_ok=True)
     cluster = d / "cluster.yaml"
     cluster.write_text(json.dumps({
-        "name": "straggler", "mode": "real", "rendezvous": f"127.0.0.1:{_port()}",
+        "name": "straggler", "mode": "real", "rendezvous": f"127.0.0.1:{free_port()}",
         "regions": [{"name": r, "id": i} for i, r in enumerate(REGIONS[:2])],
         "workers": [{"name": f"w{i}", "gpu": "A100-80GB", "num_gpus": 1, "region": r}
                     for i, r in enumerate(REGIONS[:2])],

@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("overrides", nargs="*", help="section.key=value for every run")
     args = p.parse_args(argv)
     from jobruntime.metrics import provenance, write_json_atomic
-    from tests.dist_utils import free_port
+    from jobruntime.ports import free_port
 
     with tempfile.TemporaryDirectory(prefix="four_shape_") as tmp:
         root = Path(tmp)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import datetime
 import os
 import random
-import socket
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,6 +23,7 @@ from . import cpu_compat
 from .config import JobConfig
 from .devices import install_collective_check
 from .faults import note_run_dir
+from .ports import free_port
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -53,12 +53,6 @@ class Topology:
         return self.dp_rank == 0 and self.tp_rank == 0 and self.pp_is_last_stage
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def prepare_process() -> None:
     """Per-process setup before any process group: the CPU layer where CUDA is
     absent (:func:`jobruntime.cpu_compat.enable`) and the device check of every
@@ -80,7 +74,7 @@ def init_distributed(timeout_s: float = 600.0) -> None:
         return
     if "RANK" not in os.environ:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))

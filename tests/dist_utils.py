@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import pickle
-import socket
 import tempfile
 import time
 import traceback
@@ -16,11 +15,9 @@ from pathlib import Path
 
 import torch.multiprocessing as mp
 
+from jobruntime.ports import free_port
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+__all__ = ["free_port", "launch", "launch_jobs", "popen_ranks"]
 
 
 def popen_ranks(cmd: list[str], world_size: int, cwd: Path, **env: str) -> list:

@@ -8,7 +8,6 @@ two workers (intra-region phase) and a second region (WAN phase).
 from __future__ import annotations
 
 import pickle
-import socket
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -30,6 +29,7 @@ from geomesh.fleet.clock import EmulatedClock, geomesh_round
 from geomesh.fleet.cluster import cluster_from_dict
 from geomesh.wire.canonical import CanonicalSchema, whole_layout
 from geomesh.wire.canonical_codec import CanonicalCodec
+from jobruntime.ports import free_port
 
 # East US holds workers 0 and 2 (non-contiguous); region ids differ from worker order.
 CLUSTER = {
@@ -93,19 +93,13 @@ def _worker(rank: int, world: int, port: int, outdir: str, payloads) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def gloo_results(tmp_path_factory):
     out = tmp_path_factory.mktemp("gloo")
     world = WORLD
     ctx = mp.start_processes(
         _worker,
-        args=(world, _free_port(), str(out), _payloads()),
+        args=(world, free_port(), str(out), _payloads()),
         nprocs=world,
         join=False,
         start_method="spawn",
