@@ -81,6 +81,7 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -90,6 +91,7 @@ from jobruntime.config import ConaConfig
 from .cost_model import CostModel
 from .grad_stats import GradientNoiseScale
 from .lr_rule import scale_lr
+from .progress_fit import CHI2_1DOF_95, ProgressFit, fit_noise_scale_factor
 from .strategy import Strategy, switch_kind
 from .surrogate import Score, rank_strategies
 
@@ -201,6 +203,12 @@ class Controller:
         self._pred_errors: dict[str, list[float]] = {}
         self._pending: tuple[Strategy, float, str] | None = None
         self._phi_history: list[float] = []  # the estimator's value at each decision
+        # (samples, training loss, global batch, noise scale) per step, for the online
+        # correction: the two windows either side of a batch change and the ramp
+        self._progress: deque[tuple[float, float, int, float]] = deque(
+            maxlen=2 * cfg.horizon_steps + cfg.lr_ramp_steps + cfg.decision_interval)
+        self.noise_scale_factor = 1.0
+        self.last_fit: ProgressFit | None = None
         self.decisions: list[dict[str, Any]] = []
         # decisions of the run before a resume (their records are in its metrics.jsonl)
         self.decisions_before = 0
@@ -219,6 +227,30 @@ class Controller:
             self._pred_errors.setdefault(source, []).append(abs(math.log(iter_s / predicted)))
             self._pending = None
         self.cost_model.calibrate(strategy, iter_s)
+
+    def record_progress(self, samples: float, loss: float) -> None:
+        """Feed a step's training loss (nats, taken before its update) and the samples
+        consumed after it (counted from the model's initialisation, any unit proportional
+        to sequences) to the online correction (``cona.efficiency_correction``)."""
+        phi = self.gns.noise_scale
+        if self.cfg.efficiency_correction == "off" or phi is None or not phi > 0:
+            return
+        self._progress.append((float(samples), float(loss),
+                               self.current.global_batch_size, float(phi)))
+
+    def _refit_noise_scale_factor(self) -> None:
+        """Fit ``k`` over the latest batch change (:mod:`cona.progress_fit`); an accepted
+        fit replaces :attr:`noise_scale_factor`, one without evidence leaves it."""
+        if not self._progress:
+            return
+        samples, losses, batches, phis = zip(*self._progress)
+        fit = fit_noise_scale_factor(samples, losses, batches, phis, self.reference_batch,
+                                     skip_after_change=self.cfg.lr_ramp_steps,
+                                     window=self.cfg.horizon_steps)
+        if fit is not None:
+            self.last_fit = fit
+            if fit.evidence > CHI2_1DOF_95:
+                self.noise_scale_factor = fit.factor
 
     def prediction_error(self, source: str) -> float:
         """Mean ``|log(measured/predicted)|`` of past switches predicted from ``source`` (0 if none)."""
@@ -290,7 +322,7 @@ class Controller:
         if now is None:
             return None
         seen = [*self._phi_history, now][-self.cfg.gns_decision_window:]
-        return statistics.median(seen)
+        return statistics.median(seen) * self.noise_scale_factor
 
     def rank(self, *, use_noise_scale: bool = True) -> list[Score]:
         """Current ranking (candidates + current strategy), best first; scores are
@@ -323,6 +355,8 @@ class Controller:
                 strategy (``None``: it can); then the fallback rule (module docstring).
             start: the start decision after the probe (logged as such).
         """
+        if self.cfg.efficiency_correction == "progress":
+            self._refit_noise_scale_factor()
         phi = None if no_estimate else self.decision_noise_scale()
         ranked = self.rank(use_noise_scale=not no_estimate)
         if not no_estimate and self.gns.noise_scale is not None:
@@ -376,6 +410,9 @@ class Controller:
             extra["no_estimate"] = no_estimate
         if ranked[0].strategy != best.strategy:  # a cheaper switch won on net time saved
             extra["top_ranked"] = ranked[0].strategy.label
+        if self.last_fit is not None:  # the online correction (noise_scale includes k)
+            extra.update(noise_scale_factor=self.noise_scale_factor,
+                         progress_fit=self.last_fit.to_dict())
         if self._pred_errors:
             extra["prediction_error"] = dict(
                 sorted((k, self.prediction_error(k)) for k in self._pred_errors))
@@ -415,6 +452,8 @@ class Controller:
             "prediction_errors": {k: list(v) for k, v in self._pred_errors.items()},
             "num_decisions": self.decisions_before + len(self.decisions),
             "noise_scale_history": self._phi_history[-window:],
+            "noise_scale_factor": self.noise_scale_factor,
+            "progress": [list(r) for r in self._progress],
             "gns": self.gns.state_dict(),
             "cost_model": self.cost_model.state_dict(),
         }
@@ -427,5 +466,8 @@ class Controller:
         self._pred_errors = {k: list(v) for k, v in state.get("prediction_errors", {}).items()}
         self.decisions, self.decisions_before = [], int(state["num_decisions"])
         self._phi_history = list(state.get("noise_scale_history", []))
+        self.noise_scale_factor = float(state.get("noise_scale_factor", 1.0))
+        self._progress.clear()
+        self._progress.extend(tuple(r) for r in state.get("progress", []))
         self.gns.load_state_dict(state["gns"])
         self.cost_model.load_state_dict(state["cost_model"])

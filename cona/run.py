@@ -271,9 +271,10 @@ class Loop:
         fresh = getattr(job, "fresh", False)
         self.follow_lr()
         result, step_s = job.train_step()
+        samples = job.consumed_samples
         if self.controller is not None and not fresh:
             self.controller.record_iteration(step_s, job.strategy)
-        samples = job.consumed_samples
+            self.controller.record_progress(samples, result.loss)
         record = {
             "event": "step",
             "step": job.trainer.step,

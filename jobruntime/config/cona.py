@@ -71,6 +71,13 @@ class ConaConfig:
     where the Hessian is isotropic (each tested on a quadratic with known efficiency,
     ``tests/test_cona_controller.py``).  (Was ``gns_preconditioned``: ``true`` =
     ``pollux``.)"""
+    efficiency_correction: Literal["off", "progress"] = "off"
+    """``progress``: after each batch change, fit the factor ``k`` in ``phi_true = k * phi``
+    from the training loss either side of it (``cona/progress_fit.py``: the loss must be one
+    smooth curve of the effective samples that ``E(M)`` counts; a likelihood-ratio test
+    against ``k = 1`` at the 5 % level), and rank at ``k * phi`` from then on; ``off``: rank
+    at the measured ``phi``.  Off by default: on the proxies' per-step loss noise the
+    test rarely has the power to accept a ``k`` (docs/cona.md, "Online correction")."""
     gns_decision_window: int = 5
     """Decisions rank candidates at the median of the noise-scale estimates of the last
     this many decisions, the current one included (``cona/controller.py``,

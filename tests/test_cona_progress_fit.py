@@ -1,0 +1,129 @@
+"""The online noise-scale correction (cona/progress_fit.py) on loss curves with a known answer."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from cona.progress_fit import fit_noise_scale_factor
+from cona.surrogate import statistical_efficiency
+
+M0, PHI = 64, 100.0
+U0 = 16000.0  # effective samples trained before the records (a warm start)
+
+
+def _curve(true_factor, batches, seed=0, sigma=0.002):
+    """Per-step records whose loss is a function of effective samples at phi_true =
+    true_factor * PHI, while the controller's measured noise scale is PHI; the curve
+    bends as deep in training (effective samples grow by ~25 % over the records)."""
+    rng = np.random.default_rng(seed)
+    samples, losses, u = [], [], 0.0
+    consumed = U0
+    for m in batches:
+        losses.append(2.0 + 10.0 * (U0 + u) ** -0.3 + sigma * rng.standard_normal())
+        consumed += m / 8  # proxy samples: the target batch / an 8x ratio
+        u += m / 8 * statistical_efficiency(m, true_factor * PHI, M0)
+        samples.append(consumed)
+    return samples, losses, list(batches), [PHI] * len(batches)
+
+
+@pytest.mark.parametrize("true_factor", [0.25, 1.0, 4.0])
+def test_the_factor_of_a_known_law_is_recovered(true_factor):
+    batches = [64] * 150 + [256] * 150
+    fit = fit_noise_scale_factor(*_curve(true_factor, batches), M0)
+    assert fit is not None and fit.batches == (64, 256)
+    assert abs(math.log2(fit.factor / true_factor)) <= 0.5, fit
+    # what decisions use: the efficiency of the new batch relative to the old one
+    ratio = [statistical_efficiency(256, k * PHI, M0) for k in (fit.factor, true_factor)]
+    assert abs(math.log(ratio[0] / ratio[1])) < 0.05
+    if true_factor != 1.0:
+        assert fit.evidence > 3.84
+
+
+def test_a_large_factor_is_read_as_near_perfect_scaling():
+    """At k = 16 both batches are far below phi: E(256)/E(64) = 0.90 and k is weakly
+    identified; the fit must still see that the new batch lost little (k >= 4)."""
+    fit = fit_noise_scale_factor(*_curve(16.0, [64] * 150 + [256] * 150), M0)
+    assert fit.factor >= 4.0 and fit.evidence > 3.84, fit
+
+
+def test_noise_hides_the_factor():
+    """Five times the per-step noise: the same kink is no longer evidence enough."""
+    fit = fit_noise_scale_factor(*_curve(4.0, [64] * 150 + [256] * 150, sigma=0.01), M0)
+    assert fit.factor == 1.0 and fit.evidence < 3.84, fit
+
+
+def test_a_decrease_of_the_batch_is_read_the_same_way():
+    fit = fit_noise_scale_factor(*_curve(4.0, [256] * 150 + [128] * 150), M0)
+    assert fit is not None and abs(math.log2(fit.factor / 4.0)) <= 0.5, fit
+
+
+def test_pure_noise_is_not_evidence():
+    """A flat loss with noise holds no information on k: the fit stays at 1."""
+    rng = np.random.default_rng(3)
+    n = 300
+    batches = [64] * 150 + [256] * 150
+    samples = list(U0 + np.cumsum([b / 8 for b in batches]))
+    losses = list(3.0 + 0.05 * rng.standard_normal(n))
+    fit = fit_noise_scale_factor(samples, losses, batches, [PHI] * n, M0)
+    assert fit.factor == 1.0 and fit.evidence < 3.84, fit
+
+
+def test_no_batch_change_or_too_few_points_gives_no_fit():
+    assert fit_noise_scale_factor(*_curve(4.0, [64] * 200), M0) is None
+    assert fit_noise_scale_factor(*_curve(4.0, [64] * 200 + [256] * 10), M0) is None
+    # the ramp is left out: 30 steps after the change, 15 skipped, 15 < min_points
+    assert fit_noise_scale_factor(*_curve(4.0, [64] * 200 + [256] * 30), M0,
+                                  skip_after_change=15) is None
+
+
+def test_the_ramp_is_left_out_of_the_fit():
+    """A transient right after the switch (the optimizer's moments adapting) would read
+    as a kink; skipped, the factor is still recovered."""
+    samples, losses, batches, phis = _curve(4.0, [64] * 150 + [256] * 150)
+    for i in range(150, 160):
+        losses[i] += 0.3  # a bump over the ramp
+    bumped = fit_noise_scale_factor(samples, losses, batches, phis, M0)
+    skipped = fit_noise_scale_factor(samples, losses, batches, phis, M0, skip_after_change=10)
+    assert abs(math.log2(skipped.factor / 4.0)) <= 0.5, skipped
+    assert bumped.best_factor != skipped.best_factor
+
+
+def test_bad_records_are_refused():
+    samples, losses, batches, phis = _curve(1.0, [64] * 50 + [256] * 50)
+    with pytest.raises(ValueError, match="one entry per step"):
+        fit_noise_scale_factor(samples[:-1], losses, batches, phis, M0)
+    with pytest.raises(ValueError, match="positive"):
+        fit_noise_scale_factor(samples, losses, batches, [0.0] * 100, M0)
+
+
+@pytest.mark.parametrize("mode", ["progress", "off"])
+def test_the_controller_ranks_at_the_corrected_noise_scale(mode):
+    """After 64 -> 512 with the loss following phi_true = 4 phi, the controller ranks at
+    ~4x the estimator's noise scale with ``progress``, at 1x with ``off``."""
+    from tests.test_cona_controller import BIG_GB, SMALL_GB, _controller
+
+    ctl = _controller([SMALL_GB, BIG_GB], SMALL_GB, noise_scale=PHI,
+                      efficiency_correction=mode)
+    assert ctl.gns.noise_scale == pytest.approx(PHI)
+    samples, losses, batches, _ = _curve(4.0, [64] * 150 + [512] * 150)
+    for i, (s, loss, b) in enumerate(zip(samples, losses, batches, strict=True)):
+        if i == 150:
+            ctl.commit_switch(BIG_GB)
+        assert ctl.current.global_batch_size == b
+        ctl.record_progress(s, loss)
+    d = ctl.decide(300)
+    if mode == "off":
+        assert ctl.noise_scale_factor == 1.0 and d.noise_scale == pytest.approx(PHI)
+        assert "noise_scale_factor" not in d.extra
+        return
+    assert abs(math.log2(ctl.noise_scale_factor / 4.0)) <= 0.5, ctl.last_fit
+    assert d.noise_scale == pytest.approx(PHI * ctl.noise_scale_factor)
+    assert d.extra["progress_fit"]["batches"] == [64, 512]
+    restored = _controller([SMALL_GB, BIG_GB], SMALL_GB, noise_scale=PHI,
+                           efficiency_correction=mode)
+    restored.load_state_dict(ctl.state_dict())
+    assert restored.noise_scale_factor == ctl.noise_scale_factor
+    assert list(restored._progress) == list(ctl._progress)
