@@ -92,7 +92,8 @@ def test_last_decision_guard_counts_proxy_samples():
     controller = SimpleNamespace(cfg=SimpleNamespace(decision_interval=4),
                                  should_decide=lambda step: step % 4 == 0,
                                  wants_start_decision=lambda step, n: False,
-                                 record_iteration=lambda *a: None)
+                                 record_iteration=lambda *a: None,
+                                 record_progress=lambda *a: None)
     job = _FakeJob(Strategy(8, 1, 1, 2, 64))
     loop = Loop(job, load_config("tiny_gpt", ["train.target_ppl=null"]), controller=controller,
                 budget_samples=160, eval_samples=10**9)
