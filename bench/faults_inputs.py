@@ -120,6 +120,7 @@ CONFIG_BASES = {
 #: ``train.check_config`` before the heavy imports.
 WRONG_SETTINGS = {
     "job": [["parallel.tp=3"], ["parallel.pp=2"], ["parallel.global_batch_size=7"],
+            ["parallel.global_batch_size=33554432"],
             ["parallel.sequence_parallel=true"], ["model.hidden_size=7"]],
     "geomesh": [["geomesh.region=East US"], ["geomesh.mode=real"],
                 ["geomesh.method=async", "geomesh.mode=real"],

@@ -9,11 +9,7 @@ from .base import (
     ConfigError,
     did_you_mean,
 )
-
-MAX_GLOBAL_BATCH = 2**24
-"""Largest global batch (sequences) a candidate may have: about 10^4 times GPT-3 175B's
-3.2M tokens of 2,048 (Brown et al. 2020, Table 2.1); a larger one is a typo, and
-megatron's dataset index for it would not finish."""
+from .parallel import MAX_GLOBAL_BATCH
 
 
 @dataclass(kw_only=True)

@@ -10,6 +10,11 @@ from .base import (
 )
 from .model import ModelConfig
 
+MAX_GLOBAL_BATCH = 2**24
+"""Largest global batch (sequences) a run or a CONA candidate may have: about 10^4 times
+GPT-3 175B's 3.2M tokens of 2,048 (Brown et al. 2020, Table 2.1); a larger one is a typo,
+and megatron's dataset index for it would not finish."""
+
 
 @dataclass(kw_only=True)
 class ParallelConfig:
@@ -36,6 +41,9 @@ class ParallelConfig:
         for name in ("tp", "pp", "micro_batch_size", "global_batch_size"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"parallel.{name} must be positive, got {getattr(self, name)}")
+        if self.global_batch_size > MAX_GLOBAL_BATCH:
+            raise ConfigError(f"parallel.global_batch_size={self.global_batch_size} must be at "
+                              f"most {MAX_GLOBAL_BATCH} sequences; set the global batch you mean")
         if world_size % (self.tp * self.pp):
             raise ConfigError(
                 f"world size {world_size} is not divisible by parallel.tp*parallel.pp="
