@@ -225,7 +225,8 @@ def _run(cfg, run_dir: Path, folder, new_run_dir: bool, outcome: dict) -> int:
         ppl = summary.get("final_val_ppl")  # null in summary.json: no evaluation ran
         target = summary.get("target_ppl")
         print(f"final val ppl {f'{ppl:.1f}' if ppl is not None else 'none (no evaluation)'}, "
-              + (f"target {target:g}, TTP {f'{ttp:.1f} s' if ttp is not None else 'not reached'}"
+              + (f"target {target:g}, time to target (TTP) "
+                 f"{f'{ttp:.1f} s' if ttp is not None else 'not reached'}"
                  f" ({summary.get('clock', 'wall')} clock)" if target is not None else "no target")
               + f", {summary.get('tokens')} tokens")
         for zs in summary.get("zero_shot", []):

@@ -345,4 +345,4 @@ def test_results_line_of_a_run_without_a_target(monkeypatch, tmp_path, capsys):
     summary.update(target_ppl=300.0, ttp_s=12.34, clock="wall")
     assert train.main(["--run-dir", str(tmp_path / "b")]) == 0
     line = capsys.readouterr().out.strip().splitlines()[-1]
-    assert line == "final val ppl 350.6, target 300, TTP 12.3 s (wall clock), 512 tokens", line
+    assert line == "final val ppl 350.6, target 300, time to target (TTP) 12.3 s (wall clock), 512 tokens", line
