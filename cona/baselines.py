@@ -77,7 +77,7 @@ def run_cona(ctx: ConaContext, **cona_overrides) -> tuple[dict, Loop]:
     out = method_result(loop)
     out["decisions"] = [
         {k: d[k] for k in ("step", "current", "best", "switch", "reason", "noise_scale",
-                           "top_ranked") if k in d}
+                           "top_ranked", "noise_scale_factor", "progress_fit") if k in d}
         for d in controller.decisions
     ]
     return out, loop
