@@ -58,7 +58,8 @@ def _error(message: str) -> int:
 
 def check_config(cfg, world_size: int) -> None:
     """Every check that needs only the config and the cluster file, before the heavy imports
-    and the data (they came 40 s late): each section's settings; a GeoMesh job against its
+    and the data (they came 40 s late): each section's settings; that ``data.path``
+    exists (:func:`jobruntime.documents.resolve_data_path`); a GeoMesh job against its
     cluster file (:func:`geomesh.fleet.job_check.check_job`: the workers' layouts, regions
     and process count come from it); otherwise the layout against ``world_size`` processes
     (CONA's emulated clock lays out the proxy itself).
@@ -67,6 +68,13 @@ def check_config(cfg, world_size: int) -> None:
         ConfigError: the first problem, named, with the fix (ClusterError included).
     """
     cfg.validate_sections()
+    from jobruntime.config import ConfigError
+    from jobruntime.documents import DataError, resolve_data_path  # no torch
+
+    try:
+        resolve_data_path(cfg.data.path)
+    except DataError as e:
+        raise ConfigError(str(e)) from None
     if cfg.geomesh.method != "none":
         from geomesh.fleet.job_check import check_job  # no torch
 

@@ -5,6 +5,7 @@ Modules, in the order a job uses them:
 - :mod:`.config` — the typed config tree, presets and ``section.key=value`` overrides;
 - :mod:`.cpu_compat` — megatron-core on a CPU-only torch (on only without CUDA);
 - :mod:`.parallel` — process groups and the :class:`~.parallel.Topology`;
+- :mod:`.ports` — a rendezvous port no outgoing connection can take first;
 - :mod:`.model` — ``GPTModel`` / ``BertModel`` from the config (TE specs on GPU);
 - :mod:`.tokenizer`, :mod:`.data` — corpus → tokenizer → indexed dataset → samplers;
 - :mod:`.trainer` — DDP, optimizer, LR schedule and the forward/backward schedule;

@@ -282,6 +282,8 @@ def test_no_message_advises_checkpoint_load_without_looking():
      "error: parallel.global_batch_size=7 is not a multiple of micro_batch_size*dp=4*1"),
     (["train.py", "parallel.global_batch_size=33554432"],  # hung in megatron's dataset index
      "error: parallel.global_batch_size=33554432 must be at most 16777216 sequences"),
+    (["train.py", "data.path=data/missing.jsonl"],  # was told after megatron's import
+     "error: data file 'data/missing.jsonl' not found"),
     (["train.py", "geomesh.method=geomesh", "geomesh.cluster=four_regoin"],
      "error: cluster 'four_regoin' not found; did you mean 'four_region'?"),
     (["train.py", "geomesh.method=geomesh", "geomesh.cluster=four_region", "geomesh.outer_lr=0"],
