@@ -91,7 +91,7 @@ from jobruntime.config import ConaConfig
 from .cost_model import CostModel
 from .grad_stats import GradientNoiseScale
 from .lr_rule import scale_lr
-from .progress_fit import CHI2_1DOF_95, ProgressFit, fit_noise_scale_factor
+from .progress_fit import ProgressFit, fit_noise_scale_factor
 from .strategy import Strategy, switch_kind
 from .surrogate import Score, rank_strategies
 
@@ -209,6 +209,7 @@ class Controller:
             maxlen=2 * cfg.horizon_steps + cfg.lr_ramp_steps + cfg.decision_interval)
         self.noise_scale_factor = 1.0
         self.last_fit: ProgressFit | None = None
+        self._tested_change: float | None = None  # samples at the batch change last tested
         self.decisions: list[dict[str, Any]] = []
         # decisions of the run before a resume (their records are in its metrics.jsonl)
         self.decisions_before = 0
@@ -239,18 +240,21 @@ class Controller:
                                self.current.global_batch_size, float(phi)))
 
     def _refit_noise_scale_factor(self) -> None:
-        """Fit ``k`` over the latest batch change (:mod:`cona.progress_fit`); an accepted
-        fit replaces :attr:`noise_scale_factor`, one without evidence leaves it."""
+        """Test the latest batch change once, when ``horizon_steps`` steps after its ramp
+        are in (:mod:`cona.progress_fit`), and rank at the fit's factor from then on."""
         if not self._progress:
             return
         samples, losses, batches, phis = zip(*self._progress)
+        changes = [samples[i] for i in range(1, len(batches)) if batches[i] != batches[i - 1]]
+        if not changes or changes[-1] == self._tested_change:
+            return  # no batch change in the records, or the latest one was tested
         fit = fit_noise_scale_factor(samples, losses, batches, phis, self.reference_batch,
                                      skip_after_change=self.cfg.lr_ramp_steps,
-                                     window=self.cfg.horizon_steps)
-        if fit is not None:
-            self.last_fit = fit
-            if fit.evidence > CHI2_1DOF_95:
-                self.noise_scale_factor = fit.factor
+                                     window=self.cfg.horizon_steps,
+                                     min_after=self.cfg.horizon_steps)
+        if fit is not None:  # the whole window after the change is in: its one test
+            self.last_fit, self._tested_change = fit, changes[-1]
+            self.noise_scale_factor = fit.factor
 
     def prediction_error(self, source: str) -> float:
         """Mean ``|log(measured/predicted)|`` of past switches predicted from ``source`` (0 if none)."""
@@ -453,6 +457,7 @@ class Controller:
             "num_decisions": self.decisions_before + len(self.decisions),
             "noise_scale_history": self._phi_history[-window:],
             "noise_scale_factor": self.noise_scale_factor,
+            "tested_change": self._tested_change,
             "progress": [list(r) for r in self._progress],
             "gns": self.gns.state_dict(),
             "cost_model": self.cost_model.state_dict(),
@@ -467,6 +472,7 @@ class Controller:
         self.decisions, self.decisions_before = [], int(state["num_decisions"])
         self._phi_history = list(state.get("noise_scale_history", []))
         self.noise_scale_factor = float(state.get("noise_scale_factor", 1.0))
+        self._tested_change = state.get("tested_change")
         self._progress.clear()
         self._progress.extend(tuple(r) for r in state.get("progress", []))
         self.gns.load_state_dict(state["gns"])

@@ -17,13 +17,16 @@ constant-batch segment of ``u``, so the loss shows a kink at the switch.  For ea
 ``k`` of a grid the fit maps samples to ``u`` (counted from the model's initialisation,
 the samples before the window at efficiency 1), fits the loss with one line in
 ``log u`` over the two segments next to the latest batch change (the ramp of the
-learning rate after a switch left out) and takes the ``k`` of the smallest residual.
+learning rate after a switch left out) and finds the ``k`` of the smallest residual.
 Deep in training the loss is a power law of the samples with a small exponent
 (Kaplan et al. 2020, eq. 1.2: ``L(D) ~ D^-0.095``), close to a line in ``log u`` over a
 window; a line is rigid enough that a kink cannot hide in it, as it does in a
-quadratic or cubic in ``u``.  It is
-accepted only if it beats ``k = 1`` by a likelihood-ratio test (Gaussian residuals,
-one parameter: ``n log(RSS_1/RSS_k) > 3.84``, 5 % level); otherwise ``k = 1``.
+quadratic or cubic in ``u``.  What it returns is conservative: of the 95 % profile-
+likelihood interval of ``k`` (Gaussian residuals, one parameter: the ``k`` with
+``n log(RSS_k/RSS_min) <= 3.84``), the end nearest to 1, and 1 where the interval holds
+it or the minimum sits at the grid's edge (not identified).  The controller tests each
+batch change once, when the whole window after it is in (a test repeated at every
+decision until it passes would reject ``k = 1`` far more often than 5 %).
 Without a batch change ``k`` is not identifiable and nothing is fitted.
 
 ``tests/test_cona_progress_fit.py`` draws loss curves from a known law of effective
@@ -51,8 +54,10 @@ class ProgressFit:
     """One fit of the noise-scale factor.
 
     Attributes:
-        factor: accepted ``k`` (1.0 where the evidence is too weak).
-        best_factor: the grid's ``k`` of the smallest residual, accepted or not.
+        factor: the ``k`` to use: the end of the 95 % interval of ``k`` nearest to 1 (1.0
+            where the interval holds 1, or where the best ``k`` is at the grid's edge and
+            so not identified).
+        best_factor: the grid's ``k`` of the smallest residual.
         evidence: ``n log(RSS(k=1) / RSS(best))``, the likelihood-ratio statistic.
         points: losses fitted.
         batches: the two global batches either side of the change (old, new).
@@ -90,6 +95,7 @@ def fit_noise_scale_factor(
     skip_after_change: int = 0,
     window: int = 100,
     min_points: int = 20,
+    min_after: int | None = None,
     factors: Sequence[float] = FACTORS,
 ) -> ProgressFit | None:
     """Fit ``k`` in ``phi_true = k * phi`` from per-step training losses (module docstring).
@@ -104,6 +110,9 @@ def fit_noise_scale_factor(
             rate's ramp), though their samples still count in ``u``.
         window: steps used on each side of the change, at most.
         min_points: fewer fitted losses on either side: no fit.
+        min_after: fewer fitted losses after the change (the ramp left out): no fit
+            (default ``min_points``; the controller asks for the whole ``window``, so that
+            each change is tested once, not at every decision until it passes).
         factors: the grid of ``k``.
 
     Returns:
@@ -123,7 +132,8 @@ def fit_noise_scale_factor(
     fitted = [i for i in range(lo, hi) if not b0 <= i < b0 + skip_after_change
               and math.isfinite(losses[i])]
     before = sum(1 for i in fitted if i < a1)
-    if before < min_points or len(fitted) - before < min_points:
+    after = len(fitted) - before
+    if before < min_points or after < (min_points if min_after is None else min_after):
         return None
     if any(not phi > 0 for phi in noise_scales[lo:hi]):
         raise ValueError("noise scales must be positive to fit their factor")
@@ -145,9 +155,17 @@ def fit_noise_scale_factor(
         return float(resid @ resid)
 
     by_factor = {k: rss(k) for k in factors}
+    if 1.0 not in by_factor:
+        by_factor[1.0] = rss(1.0)
     best = min(by_factor, key=lambda k: (by_factor[k], abs(math.log(k))))
-    at_one = by_factor[1.0] if 1.0 in by_factor else rss(1.0)
-    evidence = len(y) * math.log(max(at_one, 1e-300) / max(by_factor[best], 1e-300))
-    return ProgressFit(factor=best if evidence > CHI2_1DOF_95 else 1.0, best_factor=best,
-                       evidence=evidence, points=len(y),
+
+    def lr_stat(k: float) -> float:  # n log(RSS_k / RSS_best): chi^2 with 1 dof at the truth
+        return len(y) * math.log(max(by_factor[k], 1e-300) / max(by_factor[best], 1e-300))
+
+    # the 95 % profile-likelihood interval of k; its end nearest 1 (1 itself if inside)
+    inside = [k for k in by_factor if lr_stat(k) <= CHI2_1DOF_95]
+    conservative = min(inside, key=lambda k: abs(math.log(k)))
+    edge = best in (min(factors), max(factors))  # the optimum is off the grid: not identified
+    return ProgressFit(factor=1.0 if edge else conservative, best_factor=best,
+                       evidence=lr_stat(1.0), points=len(y),
                        batches=(int(batches[a0]), int(batches[b0])))
