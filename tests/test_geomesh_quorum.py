@@ -126,3 +126,20 @@ def test_failed_attempts_still_end_the_run(beats):
     with pytest.raises(PeerLostError, match=f"no working quorum after {MAX_ATTEMPTS} attempts"):
         m.quorum(2)
     assert m.manager.asked == MAX_ATTEMPTS
+
+
+@pytest.mark.parametrize("heard, why", [
+    (False, "no heartbeat for 0.2 s (geomesh.heartbeat_s)"),
+    (True, "heartbeating, but not at the exchange within 0.1 s (geomesh.timeout_s)"),
+])
+def test_a_lost_worker_is_reported_with_its_reason(beats, heard, why):
+    """Catches an alive straggler, dropped after the ``timeout_s`` wait, reported as
+    "no heartbeat" while the lighthouse still heard it: the line then sends the user to
+    a region that is running, instead of to the straggler's speed or ``timeout_s``."""
+    if not heard:
+        beats.pop(1)
+    m = _member([[0]], timeout_s=0.1)
+    m.policy = "fail"
+    with pytest.raises(PeerLostError, match=r"worker .*: " + why.replace("(", r"\(")
+                       .replace(")", r"\)")):
+        m.quorum(2)

@@ -63,7 +63,7 @@ import torch
 from torch.distributed.distributed_c10d import AllgatherOptions
 from torchft import Manager, ProcessGroupGloo, ProcessGroupNCCL
 
-from jobruntime.faults import RunInterrupted, exit_interrupted, fault_point
+from jobruntime.faults import exit_interrupted, fault_point
 
 from ..fleet.cluster import ClusterError, ClusterSpec
 from ..lighthouse import lighthouse_heartbeats, quorum_retries
@@ -71,6 +71,7 @@ from ..wire.envelope import DATA, JOIN, EnvelopeError, Opener
 from .heal_payload import SignedHTTPTransport
 from .quorum_group import recording_group
 from .transport import WireBytes
+from .worker_loss import PeerLostError, lost_workers
 
 log = logging.getLogger(__name__)
 for _name in ("torchft", "torchft_quorums", "torchft_commits", "torchft_errors"):
@@ -78,29 +79,6 @@ for _name in ("torchft", "torchft_quorums", "torchft_commits", "torchft_errors")
 REPORT_EVERY_S = 5.0
 MAX_ATTEMPTS = 3
 REASK_S = 0.5  # pause before re-asking a restarted lighthouse for a whole quorum
-
-
-class PeerLostError(RunInterrupted):
-    """A worker of the run was lost (``on_worker_loss=fail``) or the lighthouse is gone."""
-
-
-def lost_workers(cluster: ClusterSpec, policy: str, r: int, lost: list[int], why: str, *,
-                 members: int, report: bool) -> None:
-    """Workers dropped from round ``r``: ``fail`` raises, ``continue`` warns.
-
-    Raises:
-        PeerLostError: ``policy == "fail"`` (names the regions and the fix).
-    """
-    names = ", ".join(f"{cluster.workers[k].name} ({cluster.workers[k].region})" for k in lost)
-    regions = list(dict.fromkeys(cluster.workers[k].region for k in lost))
-    if policy == "fail":
-        raise PeerLostError(
-            f"GeoMesh round {r}: lost region(s) {regions} (worker {names}: {why}); "
-            "geomesh.on_worker_loss=fail stops every job: restart all regions, or use "
-            "on_worker_loss=continue")  # train.py adds whether a checkpoint can resume
-    if report:
-        log.warning("GeoMesh round %d: lost %s (%s); continuing with %d worker(s), it may "
-                    "rejoin at a round boundary", r, names, why, members)
 
 
 class Membership:
@@ -224,7 +202,7 @@ class Membership:
         joined = [k for k in new if k not in old and old]
         self.members = new
         if lost:
-            self.lost(r, lost)
+            self._report_lost(r, lost)
         if joined and self.report:
             log.info("GeoMesh round %d: %s joined (%d workers)", r,
                      ", ".join(self.name(k) for k in joined), len(new))
@@ -292,6 +270,21 @@ class Membership:
         """Workers dropped from round ``r`` (:func:`lost_workers`)."""
         lost_workers(self.cluster, self.policy, r, lost, why, members=len(self.members),
                      report=self.report)
+
+    def _report_lost(self, r: int, lost: list[int]) -> None:
+        """Workers of the last quorum missing from round ``r``'s, each with its reason: the
+        lighthouse heard it within ``heartbeat_s`` (alive, but not at the exchange within
+        ``timeout_s``: a straggler, or left out after a lighthouse restart), or not."""
+        try:
+            beats = lighthouse_heartbeats(self.lighthouse)
+        except OSError:
+            beats = {}
+        late = [k for k in lost if beats.get(k, float("inf")) <= self.heartbeat_s]
+        if silent := [k for k in lost if k not in late]:
+            self.lost(r, silent, f"no heartbeat for {self.heartbeat_s:g} s (geomesh.heartbeat_s)")
+        if late:
+            self.lost(r, late, f"heartbeating, but not at the exchange within "
+                               f"{self.timeout_s:g} s (geomesh.timeout_s)")
 
     def join(self, r: int) -> bool:
         """Startup: wait until every worker is in the quorum, or heal from a running run.

@@ -43,7 +43,8 @@ from collections.abc import Callable, Mapping
 import torch.distributed as dist
 
 from ..wire.canonical import Shard, assemble, main_pieces
-from .membership import Membership, lost_workers
+from .membership import Membership
+from .worker_loss import lost_workers
 
 log = logging.getLogger(__name__)
 
