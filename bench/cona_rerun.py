@@ -13,7 +13,10 @@ full run, never from this.
 Usage::
 
     python bench/cona_rerun.py docs/results/cona_ttp.json --families gpt3_1.3b \\
-        --cache-dir runs/cache --out runs/rerun
+        --cache-dir runs/cache --out runs/rerun [--cona efficiency_correction=progress]
+
+``--cona KEY=VALUE`` sets a ``cona.*`` setting for CONA's runs only (the set-up and every
+other method are as the earlier run's); the report's ``rerun.cona_settings`` records it.
 
 The earlier run's seed files are read from ``--seeds-dir`` (default: the report's folder,
 ``FAMILY/seed_K.json`` as ``--out`` writes them, or ``<report stem>_seeds/FAMILY/`` as
@@ -71,10 +74,34 @@ def check_reproduced(target: str, setup: dict, earlier: dict, seed: dict) -> Non
                          "(bench/cona_ttp.py)")
 
 
+def parse_cona_settings(items: list[str]) -> dict:
+    """``["KEY=VALUE", ...]`` (``--cona``) as ``{key: value}`` for
+    :func:`cona.baselines.run_cona`: each key a ``cona.*`` setting, each value YAML.
+
+    Raises:
+        ValueError: not ``KEY=VALUE``, or not a ``cona.*`` setting.
+    """
+    import dataclasses
+
+    import yaml
+
+    from jobruntime.config import ConaConfig
+
+    names = {f.name for f in dataclasses.fields(ConaConfig)}
+    out = {}
+    for item in items:
+        key, eq, value = item.partition("=")
+        if not eq or key not in names:
+            raise ValueError(f"--cona {item}: give KEY=VALUE with KEY a cona.* setting "
+                             f"(one of {sorted(names)})")
+        out[key] = yaml.safe_load(value)
+    return out
+
+
 def rerun_seed(target: str, spec: dict, setup: dict, seed_index: int, settings: dict,
-               earlier: dict, folder: str) -> dict:
+               earlier: dict, folder: str, cona_settings: dict | None = None) -> dict:
     """Seed ``seed_index`` (in a worker): the earlier run's seed with CONA run again from
-    this seed's warm state (:func:`cona.baselines.run_cona`)."""
+    this seed's warm state (:func:`cona.baselines.run_cona`, with ``cona_settings``)."""
     import copy
 
     ttp.worker_setup(spec["proxy"])
@@ -92,7 +119,8 @@ def rerun_seed(target: str, spec: dict, setup: dict, seed_index: int, settings: 
     ctx, cached = seed_context(cfg, cfg.train.warmup_iters,
                               probe_microbatches=settings.get("probe_microbatches", 64))
     methods = {k: v for k, v in seed["methods"].items() if not k.startswith("cona")}
-    methods["cona"] = run_cona(ctx)[0]  # the earlier ablation rows (cona_gns_*) left out
+    # the earlier ablation rows (cona_gns_*) left out
+    methods["cona"] = run_cona(ctx, **(cona_settings or {}))[0]
     wall = time.perf_counter() - t0
     return {"methods": methods, "warm": {"cached": cached, **ctx.warm["extra"]},
             "wall_s": wall, "cpu_s": time.process_time() - c0, "phase_wall_s": {"cona": wall}}
@@ -170,9 +198,16 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path, default=None, help="folder for JSON and seed files")
     p.add_argument("--cache-dir", default=None, help="data.cache_dir (warm checkpoints)")
     p.add_argument("--jobs", type=int, default=2, help="processes (default 2)")
+    p.add_argument("--cona", action="append", default=[], metavar="KEY=VALUE",
+                   help="a cona.* setting for CONA's runs only (repeatable, e.g. "
+                        "efficiency_correction=progress); the report records it")
     args = p.parse_args(argv)
     if args.jobs < 1:
         p.error("--jobs must be >= 1")
+    try:
+        cona_settings = parse_cona_settings(args.cona)
+    except ValueError as e:
+        p.error(str(e))
     try:
         earlier, names, folder, seeds = check_earlier(args.report, args.families,
                                                       args.seeds_dir, args.out)
@@ -188,14 +223,15 @@ def main(argv=None) -> int:
     models = {n: ttp.MODELS[n] for n in names}
     report = {"clock": "emulated", "gpu": earlier["gpu"], "num_gpus": earlier["num_gpus"],
               "quick": False, **provenance(argv),
-              "rerun": {"methods": ["cona"], "others_from": {
+              "rerun": {"methods": ["cona"], "cona_settings": cona_settings, "others_from": {
                   "file": str(args.report), **{k: earlier.get(k) for k in ("commit", "date")}}}}
     t0 = time.perf_counter()
     out = str(args.out) if args.out is not None else None
     report["models"] = run_units(
         models, args.jobs, settings["seeds"], out,
         setup=partial(ttp.setup_task, settings=settings, cache_dir=args.cache_dir),
-        seed=partial(_seed_for, settings=settings, report=earlier, folder=str(folder)),
+        seed=partial(_seed_for, settings=settings, report=earlier, folder=str(folder),
+                     cona_settings=cona_settings),
         key=lambda setup, i: "rerun-" + ttp.setup_key(setup, i, settings),
         finish=partial(ttp.finish_family, settings=settings, out=out))
     for name, m in report["models"].items():  # the earlier CONA beside this one
@@ -205,10 +241,10 @@ def main(argv=None) -> int:
     return 0
 
 
-def _seed_for(target, spec, setup, seed_index, *, settings, report, folder):
+def _seed_for(target, spec, setup, seed_index, *, settings, report, folder, cona_settings):
     """:func:`rerun_seed` with the earlier report's entry for ``target``."""
     return rerun_seed(target, spec, setup, seed_index, settings, report["models"][target],
-                      folder)
+                      folder, cona_settings)
 
 
 if __name__ == "__main__":

@@ -103,3 +103,15 @@ def test_the_earlier_cona_is_compared_seed_by_seed():
     two = cona_rerun.compare_cona(cona([100.0, None], [["a"], ["a", "b"]]), then)
     assert two["equal"] and two["ttp_s_by_seed"] == [100.0, None]
     assert not cona_rerun.compare_cona(cona([], []), then)["equal"]
+
+
+def test_cona_settings_for_the_rerun_are_parsed_and_checked():
+    """``--cona KEY=VALUE``: YAML values for ``cona.*`` keys only, so a typo does not
+    silently re-run the default controller."""
+    assert cona_rerun.parse_cona_settings(
+        ["efficiency_correction=progress", "min_gain=0.1", "gns_decision_window=3"]) == {
+        "efficiency_correction": "progress", "min_gain": 0.1, "gns_decision_window": 3}
+    assert cona_rerun.parse_cona_settings([]) == {}
+    for bad in ("efficency_correction=progress", "min_gain", "=1"):
+        with pytest.raises(ValueError, match="KEY=VALUE with KEY a cona"):
+            cona_rerun.parse_cona_settings([bad])

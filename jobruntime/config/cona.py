@@ -68,12 +68,14 @@ class ConaConfig:
     ``tests/test_cona_controller.py``).  (Was ``gns_preconditioned``: ``true`` =
     ``pollux``.)"""
     efficiency_correction: Literal["off", "progress"] = "off"
-    """``progress``: after each batch change, fit the factor ``k`` in ``phi_true = k * phi``
-    from the training loss either side of it (``cona/progress_fit.py``: the loss must be one
-    smooth curve of the effective samples that ``E(M)`` counts; a likelihood-ratio test
-    against ``k = 1`` at the 5 % level), and rank at ``k * phi`` from then on; ``off``: rank
-    at the measured ``phi``.  Off by default: on the proxies' per-step loss noise the
-    test rarely has the power to accept a ``k`` (docs/cona.md, "Online correction")."""
+    """``progress``: once ``horizon_steps`` steps after a batch change (and its LR ramp)
+    are in, fit the factor ``k`` in ``phi_true = k * phi`` from the training loss either
+    side of it (``cona/progress_fit.py``: the loss must be one smooth curve of the
+    effective samples that ``E(M)`` counts) and rank at ``k * phi`` from then on, ``k``
+    the end of its 95 % interval nearest 1; ``off``: rank at the measured ``phi``.  Off by
+    default: it needs at least 20 steps before a change, and in the CONA bench no change
+    has them and a window after it before the target (docs/cona.md, "Which noise
+    scale")."""
     gns_decision_window: int = 5
     """Decisions rank candidates at the median of the noise-scale estimates of the last
     this many decisions, the current one included (``cona/controller.py``,
