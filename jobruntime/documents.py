@@ -25,15 +25,22 @@ _OPENERS = {".xz": lzma.open, ".gz": gzip.open, ".bz2": bz2.open}
 def resolve_data_path(path: str) -> Path:
     """Resolve ``path`` against the working directory, then the repository root.
 
-    A Megatron indexed-dataset prefix resolves when ``PREFIX.bin`` exists.
+    A Megatron indexed-dataset prefix resolves when ``PREFIX.bin`` and ``PREFIX.idx`` exist.
 
     Raises:
-        DataError: nothing exists at either place.
+        DataError: nothing exists at either place, or a ``PREFIX.bin`` without its
+            ``PREFIX.idx``.
     """
+    if not path.strip():
+        raise DataError("data.path is empty; set it to a JSONL/.txt file, a folder, a saved "
+                        "HF dataset or a .bin/.idx prefix")
     for base in (Path.cwd(), REPO_ROOT):
         p = base / path
-        if p.exists() or Path(f"{p}.bin").is_file():
+        if p.exists() or is_indexed_prefix(p):
             return p
+        if Path(f"{p}.bin").is_file():
+            raise DataError(f"{p}.bin has no {p}.idx beside it; copy both files of the "
+                            "indexed dataset (tools/prepare_data.py writes them together)")
     raise DataError(
         f"data file '{path}' not found (looked in "
         f"{' and '.join(dict.fromkeys(str(b) for b in (Path.cwd(), REPO_ROOT)))}); "

@@ -109,10 +109,13 @@ def test_train_commands_load_and_validate(monkeypatch, tmp_path):
     from geomesh.fleet.cluster import load_cluster
     from geomesh.fleet.job_check import job_worker_shape
     from jobruntime.config import load_config
+    from jobruntime.documents import DataError, resolve_data_path
 
     monkeypatch.setenv("GEOMESH_SECRET", "0" * 64)  # the launcher makes one per run
     secret = tmp_path / "secret"  # a page's geomesh.secret_file: its command makes one
     secret.write_text("0" * 64)
+    corpus = tmp_path / "corpus.jsonl"  # stands for a data.path that is not here
+    corpus.write_text('{"text": "a document"}\n')
 
     checked = 0
     for page, argv in _all():
@@ -134,6 +137,10 @@ def test_train_commands_load_and_validate(monkeypatch, tmp_path):
                 world = math.prod(job_worker_shape(load_cluster(cluster), "West Europe"))
             if cfg.geomesh.secret_file:
                 cfg.geomesh.secret_file = str(secret)
+            try:  # a corpus of the user's (/data/pile.jsonl) or of an earlier command's
+                resolve_data_path(cfg.data.path)
+            except DataError:
+                cfg.data.path = str(corpus)
             train.check_config(cfg, world)
         except Exception as e:  # name the page and the command
             raise AssertionError(f"{page}: {' '.join(argv)}: {e}") from e

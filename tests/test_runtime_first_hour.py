@@ -348,3 +348,20 @@ def test_results_line_of_a_run_without_a_target(monkeypatch, tmp_path, capsys):
     assert train.main(["--run-dir", str(tmp_path / "b")]) == 0
     line = capsys.readouterr().out.strip().splitlines()[-1]
     assert line == "final val ppl 350.6, target 300, time to target (TTP) 12.3 s (wall clock), 512 tokens", line
+
+
+def test_a_data_path_that_cannot_be_read_is_refused_by_its_resolution(tmp_path, monkeypatch):
+    """Catches what ``train.check_config`` passed and data preparation then crashed on
+    with a traceback (``FileNotFoundError`` from ``stat``): an indexed-dataset prefix with
+    its ``.bin`` but not its ``.idx``; and an empty ``data.path``, which resolved to the
+    working folder."""
+    from jobruntime.documents import DataError, resolve_data_path
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "corpus.bin").write_bytes(b"\0")
+    with pytest.raises(DataError, match=r"corpus\.bin has no .*corpus\.idx beside it"):
+        resolve_data_path("corpus")
+    (tmp_path / "corpus.idx").write_bytes(b"\0")
+    assert resolve_data_path("corpus") == tmp_path / "corpus"
+    with pytest.raises(DataError, match="data.path is empty"):
+        resolve_data_path(" ")
