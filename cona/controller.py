@@ -457,6 +457,7 @@ class Controller:
             "num_decisions": self.decisions_before + len(self.decisions),
             "noise_scale_history": self._phi_history[-window:],
             "noise_scale_factor": self.noise_scale_factor,
+            "progress_fit": self.last_fit.to_dict() if self.last_fit else None,
             "tested_change": self._tested_change,
             "progress": [list(r) for r in self._progress],
             "gns": self.gns.state_dict(),
@@ -471,9 +472,13 @@ class Controller:
         self._pred_errors = {k: list(v) for k, v in state.get("prediction_errors", {}).items()}
         self.decisions, self.decisions_before = [], int(state["num_decisions"])
         self._phi_history = list(state.get("noise_scale_history", []))
-        self.noise_scale_factor = float(state.get("noise_scale_factor", 1.0))
-        self._tested_change = state.get("tested_change")
+        self.noise_scale_factor, self.last_fit, self._tested_change = 1.0, None, None
         self._progress.clear()
-        self._progress.extend(tuple(r) for r in state.get("progress", []))
+        if self.cfg.efficiency_correction == "progress":  # else the saved factor is not used
+            self.noise_scale_factor = float(state.get("noise_scale_factor", 1.0))
+            fit = state.get("progress_fit")
+            self.last_fit = ProgressFit.from_dict(fit) if fit else None
+            self._tested_change = state.get("tested_change")
+            self._progress.extend(tuple(r) for r in state.get("progress", []))
         self.gns.load_state_dict(state["gns"])
         self.cost_model.load_state_dict(state["cost_model"])
