@@ -360,3 +360,6 @@ def test_cona_rerun_line_from_a_synthetic_result():
     assert "(two commits)" in out and "docs/results/cona_rerun.json" in out
     data["models"]["gpt3_1.3b"]["cona_earlier"]["equal"] = True
     assert "the same on every seed (TTP and chain)" in cona_rerun(data)
+    data["rerun"]["cona_settings"] = {"efficiency_correction": "progress"}
+    assert "CONA re-run with `cona.efficiency_correction=progress`, TTP by seed" in \
+        cona_rerun(data)

@@ -282,15 +282,19 @@ def _by_seed(ttps: list[float | None]) -> str:
 def cona_rerun(r: dict, file: str = "cona_rerun") -> str:
     """bench/cona_rerun.py: per family CONA's TTP by seed, re-run, beside the earlier
     run's, whether every seed's TTP and chain are the same, and CONA's ratios against
-    the earlier run's other methods (labelled: they mix two commits)."""
+    the earlier run's other methods (labelled: they mix two commits); the ``cona.*``
+    settings the re-run gave CONA (``--cona``), if any."""
     then = r["rerun"]["others_from"]
+    settings = r["rerun"].get("cona_settings") or {}
+    what = "CONA re-run" + (" with " + ", ".join(f"`cona.{k}={v}`" for k, v in settings.items())
+                            if settings else "")
     lines = []
     for name, m in r["models"].items():
         cona, old = m["methods"]["cona"], m["cona_earlier"]
         same = ("the same on every seed (TTP and chain)" if old["equal"] else
                 "**not the same** (a changed controller, or a set-up that differs)")
         ratios = m.get("ratios") or {}
-        lines += [f"**{name}**: CONA re-run, TTP by seed {_by_seed(cona['ttp_s_by_seed'])} s "
+        lines += [f"**{name}**: {what}, TTP by seed {_by_seed(cona['ttp_s_by_seed'])} s "
                   f"(emulated); `{then['commit']}`'s run {_by_seed(old['ttp_s_by_seed'])} s: "
                   f"{same}.  Against that run's other methods (two commits): best static "
                   f"{_fmt(ratios.get('static_oracle_over_cona'))}, recipe "

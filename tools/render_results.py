@@ -334,6 +334,8 @@ RENDERERS: dict[str, Callable[[dict], str]] = {"four_shape_cpu": four_shape_cpu,
                                                "cona_efficiency": cona_efficiency,
                                                "cona_repro": cona_repro,
                                                "cona_rerun": cona_rerun,
+                                               "cona_rerun_progress": partial(
+                                                   cona_rerun, file="cona_rerun_progress"),
                                                "cona_setup_bert_large": partial(
                                                    cona_setup, file="cona_setup_bert_large"),
                                                "cona_repro_before": partial(
