@@ -28,6 +28,7 @@ too (:func:`lighthouse_heartbeats`).
 from __future__ import annotations
 
 import argparse
+import http.client
 import importlib.util
 import math
 import os
@@ -47,10 +48,15 @@ def lighthouse_heartbeats(addr: str, timeout_s: float = 2.0) -> dict[int, float]
     Several entries of one worker (restarts) keep the freshest.
 
     Raises:
-        OSError: the lighthouse does not answer.
+        OSError: the lighthouse does not answer, or its answer breaks off (a lighthouse
+            dying mid-reply: ``http.client``'s ``IncompleteRead``, ``RemoteDisconnected``
+            and the like, which are not ``OSError``).
     """
-    with urllib.request.urlopen(f"{addr}/status", timeout=timeout_s) as f:
-        text = f.read().decode("utf-8", "replace")
+    try:
+        with urllib.request.urlopen(f"{addr}/status", timeout=timeout_s) as f:
+            text = f.read().decode("utf-8", "replace")
+    except http.client.HTTPException as e:
+        raise OSError(f"the lighthouse at {addr} broke off its answer ({e!r})") from e
     out: dict[int, float] = {}
     for rid, age in _HEARTBEAT.findall(text):
         m = re.fullmatch(r"geomesh_(\d+)", rid)

@@ -143,3 +143,44 @@ def test_a_lost_worker_is_reported_with_its_reason(beats, heard, why):
     with pytest.raises(PeerLostError, match=r"worker .*: " + why.replace("(", r"\(")
                        .replace(")", r"\)")):
         m.quorum(2)
+
+
+def test_workers_lost_for_different_reasons_are_all_named(beats):
+    """Catches ``on_worker_loss=fail`` naming only the first group: a silent worker and
+    an alive straggler lost in the same round, the error stopped at the silent one."""
+    m = _member([[0]], outage=False)
+    m.cluster = load_cluster("geomesh/clusters/four_region.yaml")
+    m.members, m.policy = [0, 1, 2], "fail"
+    beats.pop(1)
+    beats[2] = 0.1
+    with pytest.raises(PeerLostError) as e:
+        m.quorum(2)
+    names = [f"{w.name} ({w.region})" for w in m.cluster.workers[1:3]]
+    assert f"{names[0]}: no heartbeat" in str(e.value), e.value
+    assert f"{names[1]}: heartbeating, but not at the exchange" in str(e.value), e.value
+
+
+def test_a_lighthouse_that_breaks_off_its_answer_is_an_oserror():
+    """Catches ``http.client.IncompleteRead`` (not an ``OSError``) escaping the callers'
+    ``except OSError`` as a traceback when the lighthouse dies mid-reply."""
+    import socket
+    import threading
+
+    from geomesh.lighthouse import lighthouse_heartbeats
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+
+    def answer_half():
+        conn, _ = server.accept()
+        conn.recv(4096)
+        conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 1000\r\n\r\npartial")
+        conn.close()
+
+    threading.Thread(target=answer_half, daemon=True).start()
+    try:
+        with pytest.raises(OSError, match="broke off its answer"):
+            lighthouse_heartbeats(f"http://127.0.0.1:{server.getsockname()[1]}")
+    finally:
+        server.close()

@@ -266,7 +266,7 @@ class Membership:
                                     f"{MAX_ATTEMPTS} attempts (last: {why}); restart the "
                                     "regions")
 
-    def lost(self, r: int, lost: list[int], why: str = "no heartbeat") -> None:
+    def lost(self, r: int, lost: list[int], why: str | dict[int, str]) -> None:
         """Workers dropped from round ``r`` (:func:`lost_workers`)."""
         lost_workers(self.cluster, self.policy, r, lost, why, members=len(self.members),
                      report=self.report)
@@ -279,12 +279,11 @@ class Membership:
             beats = lighthouse_heartbeats(self.lighthouse)
         except OSError:
             beats = {}
-        late = [k for k in lost if beats.get(k, float("inf")) <= self.heartbeat_s]
-        if silent := [k for k in lost if k not in late]:
-            self.lost(r, silent, f"no heartbeat for {self.heartbeat_s:g} s (geomesh.heartbeat_s)")
-        if late:
-            self.lost(r, late, f"heartbeating, but not at the exchange within "
-                               f"{self.timeout_s:g} s (geomesh.timeout_s)")
+        late = (f"heartbeating, but not at the exchange within {self.timeout_s:g} s "
+                "(geomesh.timeout_s)")
+        silent = f"no heartbeat for {self.heartbeat_s:g} s (geomesh.heartbeat_s)"
+        self.lost(r, lost, {k: late if beats.get(k, float("inf")) <= self.heartbeat_s
+                            else silent for k in lost})
 
     def join(self, r: int) -> bool:
         """Startup: wait until every worker is in the quorum, or heal from a running run.

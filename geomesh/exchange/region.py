@@ -191,7 +191,7 @@ class RegionMembership:
             self._apply(state)
         return self.healed
 
-    def lost(self, r: int, lost: list[int], why: str = "no heartbeat") -> None:
+    def lost(self, r: int, lost: list[int], why: str | dict[int, str]) -> None:
         """Workers dropped from round ``r`` (:func:`geomesh.exchange.membership.lost_workers`)."""
         lost_workers(self.cluster, self.policy, r, lost, why, members=len(self.members),
                      report=self.leader is not None and self.leader.report)
