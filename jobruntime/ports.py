@@ -24,34 +24,36 @@ _rng = random.SystemRandom()
 
 def ephemeral_range() -> tuple[int, int]:
     """The kernel's range of implicitly assigned ports, inclusive (Linux's
-    ``net.ipv4.ip_local_port_range``; its default where that cannot be read)."""
+    ``net.ipv4.ip_local_port_range``; its default where that cannot be read or does not
+    hold two ports from 1 to 65535)."""
     try:
-        low, high = (int(v) for v in _RANGE_FILE.read_text().split())
+        low, high = sorted(int(v) for v in _RANGE_FILE.read_text().split())
     except (OSError, ValueError):
         return LINUX_DEFAULT
-    return low, high
+    return (low, high) if 1 <= low <= high <= 65535 else LINUX_DEFAULT
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port that can be bound on ``host`` now and that the kernel will not give to
-    an outgoing connection meanwhile: drawn at random below the ephemeral range.
-    Where the ephemeral range leaves fewer than 1,000 ports, falls back to one the
-    kernel picks (bind to port 0).
+def free_port() -> int:
+    """A TCP port free on every IPv4 interface of this host now (where a rank-0 store
+    binds) that the kernel will not give to an outgoing connection meanwhile: drawn at
+    random from :data:`LOWEST` up, outside the ephemeral range.  Where that leaves fewer
+    than 1,000 ports, falls back to one the kernel picks (bind to port 0).
 
     Raises:
-        OSError: no port could be bound on ``host``.
+        OSError: no port could be bound.
     """
     low, high = ephemeral_range()
-    pool = range(LOWEST, low) if low - LOWEST >= 1000 else range(high + 1, 65536)
+    below, above = range(LOWEST, low), range(max(high + 1, LOWEST), 65536)
+    pool = below if len(below) >= len(above) else above
     if len(pool) >= 1000:
         for _ in range(64):
             port = _rng.choice(pool)
             with socket.socket() as s:
                 try:
-                    s.bind((host, port))
+                    s.bind(("", port))
                 except OSError:
                     continue
                 return port
     with socket.socket() as s:
-        s.bind((host, 0))
+        s.bind(("", 0))
         return s.getsockname()[1]

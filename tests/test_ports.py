@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import socket
 
+import pytest
+
 import jobruntime.ports as ports
 
 
@@ -45,6 +47,30 @@ def test_no_room_outside_the_ephemeral_range_falls_back_to_the_kernel(monkeypatc
 def test_an_unreadable_range_file_means_linux_default(monkeypatch, tmp_path):
     monkeypatch.setattr(ports, "_RANGE_FILE", tmp_path / "missing")
     assert ports.ephemeral_range() == ports.LINUX_DEFAULT
-    (tmp_path / "bad").write_text("not numbers\n")
-    monkeypatch.setattr(ports, "_RANGE_FILE", tmp_path / "bad")
-    assert ports.ephemeral_range() == ports.LINUX_DEFAULT
+    for text, expected in [("not numbers\n", ports.LINUX_DEFAULT),
+                           ("0 0\n", ports.LINUX_DEFAULT),  # gave a pool of 1..65535
+                           ("60999 32768\n", (32768, 60999)),  # swapped: covered the range
+                           ("1024 65535\n", (1024, 65535))]:
+        (tmp_path / "range").write_text(text)
+        monkeypatch.setattr(ports, "_RANGE_FILE", tmp_path / "range")
+        assert ports.ephemeral_range() == expected, text
+
+
+def test_a_port_held_on_another_local_address_is_skipped(monkeypatch):
+    """The store binds every interface: a port another process holds on 127.0.0.2 only
+    is not free for it (a review helper's EADDRINUSE)."""
+    with socket.socket() as held:
+        try:
+            held.bind(("127.0.0.2", 0))
+        except OSError:
+            pytest.skip("no 127.0.0.2 on this host")
+        held.listen()
+        taken = held.getsockname()[1]
+        draws, choice = [], ports._rng.choice
+
+        def rigged(pool):
+            draws.append(taken if not draws else choice(pool))
+            return draws[-1]
+
+        monkeypatch.setattr(ports._rng, "choice", rigged)
+        assert ports.free_port() != taken and draws[0] == taken
