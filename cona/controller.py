@@ -72,6 +72,12 @@ estimate 6-8x its level for ~30 steps, after which CONA had moved to 4x its batc
 back).  The median ignores a transient seen by fewer than half the window's decisions
 and follows a sustained change after half the window.
 
+Online correction (``cona.efficiency_correction=progress``, off by default): once
+``horizon_steps`` steps after a batch change (and its LR ramp) are in, the factor ``k`` in
+``phi_true = k * phi`` is fitted once from the training losses either side of it
+(:mod:`cona.progress_fit`, fed by :meth:`Controller.record_progress`), and decisions rank
+at ``k`` times the median above; the decision records the fit.
+
 Every decision is logged as a dict in :attr:`Controller.decisions`; its one-line
 form (:meth:`Decision.describe`: what it does, the scores of the chosen and the
 current strategy, and why) goes to the ``cona`` logger.
