@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
+import functools
 import re
 import sys
 import typing
@@ -50,12 +51,35 @@ def _field_docs(tree: ast.Module) -> dict[str, dict[str, str]]:
     return out
 
 
+@functools.cache
+def _constants() -> dict[str, int | float]:
+    """Module-level numeric constants of the config modules (``MAX_GLOBAL_BATCH``), which
+    a rule's f-string may name: their values, not a placeholder, go into the page."""
+    import importlib
+
+    out: dict[str, int | float] = {}
+    for path in CONFIG_SOURCES:
+        module = importlib.import_module(f"jobruntime.config.{path.stem}")
+        out.update({k: v for k, v in vars(module).items()
+                    if k.isupper() and isinstance(v, int | float) and not isinstance(v, bool)})
+    return out
+
+
 def _text(node: ast.AST) -> str:
-    """The literal text of a string or f-string (placeholders as ``{}``)."""
+    """The literal text of a string or f-string (placeholders as ``{}``, a config
+    module's named constant as its value)."""
     if isinstance(node, ast.Constant) and isinstance(node.value, str):
         return node.value
     if isinstance(node, ast.JoinedStr):
-        return "".join(v.value if isinstance(v, ast.Constant) else "{}" for v in node.values)
+        consts = _constants()
+
+        def part(v: ast.AST) -> str:
+            if isinstance(v, ast.Constant):
+                return v.value
+            name = getattr(getattr(v, "value", None), "id", None)
+            return str(consts[name]) if name in consts else "{}"
+
+        return "".join(part(v) for v in node.values)
     return ""
 
 
