@@ -36,6 +36,11 @@ def resolve_data_path(path: str) -> Path:
                         "HF dataset or a .bin/.idx prefix")
     for base in (Path.cwd(), REPO_ROOT):
         p = base / path
+        if p.suffix in (".bin", ".idx") and p.is_file():  # an indexed dataset's own file
+            prefix = p.with_suffix("")
+            raise DataError(f"data.path={path} names one file of an indexed dataset; give its "
+                            f"prefix, data.path={prefix}, with {prefix}.bin and {prefix}.idx "
+                            "beside each other")
         if p.exists() or is_indexed_prefix(p):
             return p
         if Path(f"{p}.bin").is_file():

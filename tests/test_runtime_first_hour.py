@@ -353,8 +353,9 @@ def test_results_line_of_a_run_without_a_target(monkeypatch, tmp_path, capsys):
 def test_a_data_path_that_cannot_be_read_is_refused_by_its_resolution(tmp_path, monkeypatch):
     """Catches what ``train.check_config`` passed and data preparation then crashed on
     with a traceback (``FileNotFoundError`` from ``stat``): an indexed-dataset prefix with
-    its ``.bin`` but not its ``.idx``; and an empty ``data.path``, which resolved to the
-    working folder."""
+    its ``.bin`` but not its ``.idx``; a ``data.path`` naming the ``.bin`` itself (read as
+    text after a tokenizer trained on it); and an empty ``data.path``, which resolved to
+    the working folder."""
     from jobruntime.documents import DataError, resolve_data_path
 
     monkeypatch.chdir(tmp_path)
@@ -363,5 +364,9 @@ def test_a_data_path_that_cannot_be_read_is_refused_by_its_resolution(tmp_path, 
         resolve_data_path("corpus")
     (tmp_path / "corpus.idx").write_bytes(b"\0")
     assert resolve_data_path("corpus") == tmp_path / "corpus"
+    # the .bin named itself: read as text after a tokenizer trained on it, "unknown format"
+    with pytest.raises(DataError, match=r"names one file of an indexed dataset; give its "
+                                        r"prefix, data.path=.*corpus"):
+        resolve_data_path("corpus.bin")
     with pytest.raises(DataError, match="data.path is empty"):
         resolve_data_path(" ")

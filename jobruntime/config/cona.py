@@ -72,10 +72,12 @@ class ConaConfig:
     are in, fit the factor ``k`` in ``phi_true = k * phi`` from the training loss either
     side of it (``cona/progress_fit.py``: the loss must be one smooth curve of the
     effective samples that ``E(M)`` counts) and rank at ``k * phi`` from then on, ``k``
-    the end of its 95 % interval nearest 1; ``off``: rank at the measured ``phi``.  Off by
-    default: it needs at least 20 steps before a change, and in the CONA bench no change
-    has them and a window after it before the target (docs/cona.md, "Which noise
-    scale")."""
+    the end of its 95 % interval nearest 1; ``off``: rank at the measured ``phi`` (the
+    gradient noise scale; ``E(M)``: Pollux's statistical efficiency of global batch
+    ``M``).  A change is tested only with at least 20 steps before it, ``horizon_steps``
+    after its ramp, and a window that adds at most 30 % to the samples trained before it.
+    Off by default: no batch change in the CONA bench meets that (docs/cona.md, "Online
+    correction" under "Which noise scale")."""
     gns_decision_window: int = 5
     """Decisions rank candidates at the median of the noise-scale estimates of the last
     this many decisions, the current one included (``cona/controller.py``,

@@ -194,7 +194,8 @@ class GeoMeshConfig:
             raise ConfigError(f"geomesh.error_feedback_decay must be in [0, 1], got "
                               f"{g.error_feedback_decay}")
         if not 0 < g.plan_tolerance < 1:
-            raise ConfigError(f"geomesh.plan_tolerance must be in (0, 1), got {g.plan_tolerance}")
+            raise ConfigError(f"geomesh.plan_tolerance must be above 0 and below 1, got "
+                              f"{g.plan_tolerance}")
         if g.overlap is not None and not 0 <= g.overlap <= 1:
             raise ConfigError(f"geomesh.overlap must be in [0, 1] (the share of a round's inner steps "
                               f"behind which the previous exchange runs) or null, got {g.overlap}")
