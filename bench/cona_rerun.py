@@ -76,25 +76,24 @@ def check_reproduced(target: str, setup: dict, earlier: dict, seed: dict) -> Non
 
 def parse_cona_settings(items: list[str]) -> dict:
     """``["KEY=VALUE", ...]`` (``--cona``) as ``{key: value}`` for
-    :func:`cona.baselines.run_cona`: each key a ``cona.*`` setting, each value YAML.
+    :func:`cona.baselines.run_cona`, each read as the override ``cona.KEY=VALUE`` by
+    :func:`jobruntime.config.load_config` (its YAML values, types and choices).
 
     Raises:
-        ValueError: not ``KEY=VALUE``, or not a ``cona.*`` setting.
+        ValueError: not ``KEY=VALUE``, not a ``cona.*`` setting, or a value it refuses.
     """
-    import dataclasses
+    from jobruntime.config import ConfigError, load_config
 
-    import yaml
-
-    from jobruntime.config import ConaConfig
-
-    names = {f.name for f in dataclasses.fields(ConaConfig)}
     out = {}
     for item in items:
-        key, eq, value = item.partition("=")
-        if not eq or key not in names:
+        key, eq, _ = item.partition("=")
+        try:
+            if not eq or not key:
+                raise ConfigError("no KEY=")
+            out[key] = getattr(load_config(None, [f"cona.{item}"]).cona, key)
+        except ConfigError as e:
             raise ValueError(f"--cona {item}: give KEY=VALUE with KEY a cona.* setting "
-                             f"(one of {sorted(names)})")
-        out[key] = yaml.safe_load(value)
+                             f"({e})") from None
     return out
 
 

@@ -18,8 +18,7 @@ constant-batch segment of ``u``, so the loss shows a kink at the switch.  For ea
 the samples before the window at the efficiency of its first batch), fits the loss with
 one line in ``log u`` over the two segments next to the latest batch change (the ramp
 of the learning rate after a switch left out) and finds the ``k`` of the smallest
-residual.
-Deep in training the loss is a power law of the samples with a small exponent
+residual.  Deep in training the loss is a power law of the samples with a small exponent
 (Kaplan et al. 2020, eq. 1.2: ``L(D) ~ D^-0.095``), close to a line in ``log u`` over a
 window that adds at most :data:`MAX_WINDOW_GROWTH` to the samples before it (earlier in
 training there is no fit); a line is rigid enough that a kink cannot hide in it, as it
@@ -33,8 +32,9 @@ Without a batch change ``k`` is not identifiable and nothing is fitted.
 
 ``tests/test_cona_progress_fit.py`` draws loss curves from a known law of effective
 samples (a power law), with a known ``k``, and checks the fit recovers it, that noise
-five times larger hides it, and that a history at another batch is not read as a kink.  Its power is the weak point: the kink is a small
-part of a slow loss curve, and per-step losses of small batches are noisy.
+five times larger hides it, and that a history at another batch is not read as a kink.
+Its power is the weak point: the kink is a small part of a slow loss curve, and per-step
+losses of small batches are noisy.
 """
 
 from __future__ import annotations
