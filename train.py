@@ -46,7 +46,8 @@ def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default="tiny_gpt", help="preset name or YAML file (default: tiny_gpt)")
     p.add_argument("--run-dir", default=None, help="output folder (default: runs/<preset>-<time>)")
-    p.add_argument("overrides", nargs="*", help="section.key=value overrides")
+    p.add_argument("overrides", nargs="*", help="section.key=value overrides (every key, its "
+                   "default and range: docs/configuration.md)")
     return p.parse_intermixed_args(argv)  # overrides may come before and after --run-dir
 
 
@@ -56,9 +57,10 @@ def _error(message: str) -> int:
     return 2
 
 
-def check_config(cfg, world_size: int) -> None:
+def check_config(cfg, world_size: int, overrides=()) -> None:
     """Every check that needs only the config and the cluster file, before the heavy imports
-    and the data (they came 40 s late): each section's settings; that ``data.path``
+    and the data (they came 40 s late): each section's settings; no override of a feature
+    that is off (:func:`jobruntime.config.check_overrides_used`); that ``data.path``
     exists (:func:`jobruntime.documents.resolve_data_path`); a GeoMesh job against its
     cluster file (:func:`geomesh.fleet.job_check.check_job`: the workers' layouts, regions
     and process count come from it); otherwise the layout against ``world_size`` processes
@@ -68,9 +70,10 @@ def check_config(cfg, world_size: int) -> None:
         ConfigError: the first problem, named, with the fix (ClusterError included).
     """
     cfg.validate_sections()
-    from jobruntime.config import ConfigError
+    from jobruntime.config import ConfigError, check_overrides_used
     from jobruntime.documents import DataError, resolve_data_path  # no torch
 
+    check_overrides_used(cfg, overrides)
     try:
         resolve_data_path(cfg.data.path)
     except DataError as e:
@@ -94,7 +97,7 @@ def main(argv=None) -> int:
         if not world.isdigit():
             raise ConfigError(f"WORLD_SIZE={world!r} is not a process count; launch with "
                               "torchrun (it sets WORLD_SIZE) or unset it")
-        check_config(cfg, int(world))
+        check_config(cfg, int(world), args.overrides)
     except ConfigError as e:
         return _error(str(e))
     default = Path(f"runs/{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}")

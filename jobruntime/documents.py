@@ -23,7 +23,8 @@ _OPENERS = {".xz": lzma.open, ".gz": gzip.open, ".bz2": bz2.open}
 
 
 def resolve_data_path(path: str) -> Path:
-    """Resolve ``path`` against the working directory, then the repository root.
+    """Resolve ``path`` (``~`` expanded) against the working directory, then the repository
+    root; an absolute path as it is.
 
     A Megatron indexed-dataset prefix resolves when ``PREFIX.bin`` and ``PREFIX.idx`` exist.
 
@@ -34,8 +35,10 @@ def resolve_data_path(path: str) -> Path:
     if not path.strip():
         raise DataError("data.path is empty; set it to a JSONL/.txt file, a folder, a saved "
                         "HF dataset or a .bin/.idx prefix")
-    for base in (Path.cwd(), REPO_ROOT):
-        p = base / path
+    given = Path(path).expanduser()
+    bases = (Path.cwd(), REPO_ROOT) if not given.is_absolute() else (Path("/"),)
+    for base in bases:
+        p = base / given
         if p.suffix in (".bin", ".idx") and p.is_file():  # an indexed dataset's own file
             prefix = p.with_suffix("")
             raise DataError(f"data.path={path} names one file of an indexed dataset; give its "
@@ -46,9 +49,11 @@ def resolve_data_path(path: str) -> Path:
         if Path(f"{p}.bin").is_file():
             raise DataError(f"{p}.bin has no {p}.idx beside it; copy both files of the "
                             "indexed dataset (tools/prepare_data.py writes them together)")
+    where = (f" (looked in {' and '.join(dict.fromkeys(str(b) for b in bases))})"
+             if not given.is_absolute() else
+             "" if given.parent.is_dir() else f" (no folder {given.parent})")
     raise DataError(
-        f"data file '{path}' not found (looked in "
-        f"{' and '.join(dict.fromkeys(str(b) for b in (Path.cwd(), REPO_ROOT)))}); "
+        f"data file '{path}' not found{where}; "
         "set data.path (--input of tools/prepare_data.py) to a JSONL/.txt file, a folder, a saved "
         "HF dataset or a .bin/.idx prefix"
     )

@@ -59,6 +59,13 @@ def setup_logging(level: int = logging.INFO, info_stream=None) -> None:
         handler.addFilter(lambda r: not r.getMessage().startswith("Global metadata is not found"))
 
 
+def seconds_text(seconds: float) -> str:
+    """``seconds`` for a log line: one decimal below 10 s (an emulated clock's first steps
+    take fractions of a second: ``0.2 s``, not ``0 s``), whole seconds with thousands
+    separators above (``4,515 s``)."""
+    return f"{seconds:.1f} s" if abs(seconds) < 10 else f"{seconds:,.0f} s"
+
+
 @contextmanager
 def phase(logger: logging.Logger, what: str, *args) -> Iterator[dict]:
     """Log ``<what> ...`` when a phase of a run starts and ``<what>: done in X s`` when
@@ -139,8 +146,8 @@ class StepProgress:
             where = (f"step {step}/{self.total}" if self.unit == "step"
                      else f"step {step} ({done}/{self.total} {self.unit}s)")
             speed = f"  {tokens_per_s:.0f} tokens/s" if tokens_per_s is not None else ""
-            self.log.info("%s  loss %.3f  val ppl %s%s  %.0f s%s", where, loss, ppl, speed, time_s,
-                          f"  {note}" if note else "")
+            self.log.info("%s  loss %.3f  val ppl %s%s  %s%s", where, loss, ppl, speed,
+                          seconds_text(time_s), f"  {note}" if note else "")
         while self._next_line <= done:
             self._next_line += self.every
         self.done = done

@@ -101,7 +101,8 @@ def test_train_commands_load_and_validate(monkeypatch, tmp_path):
     """Catches a documented train.py or launcher command with a renamed or mistyped key,
     a value out of range, a layout that does not fit its world size (a converted TP=2
     config on one process), an unknown cluster or region, a region shape or layout
-    schedule the run would refuse, or a GeoMesh setting the method refuses: all that
+    schedule the run would refuse, a GeoMesh setting the method refuses, or an override of
+    a feature the command leaves off: all that
     ``train.py`` checks before its heavy imports (:func:`train.check_config`)."""
     import math
 
@@ -127,11 +128,11 @@ def test_train_commands_load_and_validate(monkeypatch, tmp_path):
         try:
             if script == "train.py":
                 ns = train.parse_args(args)
-                cfg = load_config(ns.config, ns.overrides)
+                cfg = load_config(ns.config, overrides := ns.overrides)
             else:  # the launcher gives its overrides to every region's train.py
                 cluster = args[args.index("--cluster") + 1]
                 overrides = [a for a in args if "=" in a and not a.startswith("--")]
-                cfg = load_config("tiny_gpt", [
+                cfg = load_config("tiny_gpt", overrides := [
                     "geomesh.method=geomesh", f"geomesh.cluster={cluster}",
                     "geomesh.region=West Europe", *overrides])
                 world = math.prod(job_worker_shape(load_cluster(cluster), "West Europe"))
@@ -141,7 +142,7 @@ def test_train_commands_load_and_validate(monkeypatch, tmp_path):
                 resolve_data_path(cfg.data.path)
             except DataError:
                 cfg.data.path = str(corpus)
-            train.check_config(cfg, world)
+            train.check_config(cfg, world, overrides)
         except Exception as e:  # name the page and the command
             raise AssertionError(f"{page}: {' '.join(argv)}: {e}") from e
         checked += 1

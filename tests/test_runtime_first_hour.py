@@ -158,30 +158,32 @@ def test_interrupted_exit_adds_the_advice_once_the_run_folder_is_known(tmp_path)
 def test_progress_lines_without_a_terminal(caplog):
     """Catches progress that only a terminal sees, and CONA's units: without a TTY,
     one log line per 5 % of the run (steps, or samples where the batch changes) and
-    one per evaluation; ``off`` says nothing."""
+    one per evaluation; ``off`` says nothing.  The clock shows tenths below 10 s (an
+    emulated CONA run's first lines said ``0 s``)."""
     from jobruntime.logging_utils import StepProgress
 
     log = logging.getLogger("test.progress")
 
-    def lines(mode, total, done, unit="step", evaluated=()):
+    def lines(mode, total, done, unit="step", evaluated=(), time_s=0.0):
         caplog.clear()
         with caplog.at_level(logging.INFO, logger="test.progress"):
             p = StepProgress(mode, enabled=True, total=total, unit=unit, logger=log)
             for i, d in enumerate(done, 1):
-                p.update(d, step=i, loss=1.0, val_ppl=None, tokens_per_s=None, time_s=0.0,
-                         evaluated=i in evaluated)
+                p.update(d, step=i, loss=1.0, val_ppl=None, tokens_per_s=None,
+                         time_s=time_s * i, evaluated=i in evaluated)
             p.close()
         return [r.getMessage() for r in caplog.records]
 
-    got = lines("auto", 40, range(1, 41), evaluated={5})
+    got = lines("auto", 40, range(1, 41), evaluated={5}, time_s=0.12)
     assert [int(m.split()[1].split("/")[0]) for m in got] == [2, 4, 5, *range(6, 41, 2)]
-    assert got[0] == "step 2/40  loss 1.000  val ppl -  0 s"
+    assert got[0] == "step 2/40  loss 1.000  val ppl -  0.2 s"  # an emulated clock: was "0 s"
+    assert lines("auto", 40, range(1, 41), time_s=151.0)[-1].endswith("  6,040 s")
     # CONA: samples, batches of 24 then 48; a line at each 5 % (50 samples) crossed
     done = [24 * i for i in range(1, 11)] + [240 + 48 * i for i in range(1, 17)]
     got = lines("auto", 1000, done, unit="sample")
     crossed = [i for i, (a, b) in enumerate(zip([0, *done], done), 1) if b // 50 > a // 50]
     assert [int(m.split()[1]) for m in got] == crossed and crossed[:3] == [3, 5, 7]
-    assert got[0] == "step 3 (72/1000 samples)  loss 1.000  val ppl -  0 s"
+    assert got[0] == "step 3 (72/1000 samples)  loss 1.000  val ppl -  0.0 s"
     assert got[-1].startswith("step 26 (1008/1000 samples)")
     assert lines("off", 40, range(1, 41)) == []
 
@@ -213,7 +215,8 @@ def test_help_has_no_broken_line_continuation():
     module docstring's ``\\`` at a line end was a Python line continuation (the
     docstring was not raw), so the help showed ``c10d        --rdzv-endpoint``.  Every
     backslash in the help must end a line that the next, indented, line continues; and
-    no string literal in the project may end a line with an unescaped backslash."""
+    no string literal in the project may end a line with an unescaped backslash.  The
+    help names the page that lists every override key (it named none)."""
     proc = subprocess.run([sys.executable, str(REPO / "train.py"), "--help"], cwd=REPO,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
@@ -224,6 +227,8 @@ def test_help_has_no_broken_line_continuation():
             assert lines[i + 1].startswith(" " * (len(line) - len(line.lstrip()) + 1)), lines[i + 1]
         assert not re.search(r"\S {4,}\S", line.strip()), f"a joined line: {line!r}"
     assert any("--rdzv-backend c10d \\" in ln for ln in lines)
+    reference = re.search(r"docs/configuration\.md", " ".join(proc.stdout.split()))  # the keys
+    assert reference and (REPO / reference.group(0)).is_file(), proc.stdout
     for path in [*REPO.glob("*.py"), *REPO.glob("*/**/*.py")]:
         if path.relative_to(REPO).parts[0] in {".git", "build", ".venv", "runs"}:
             continue
@@ -288,6 +293,10 @@ def test_no_message_advises_checkpoint_load_without_looking():
      "error: cluster 'four_regoin' not found; did you mean 'four_region'?"),
     (["train.py", "geomesh.method=geomesh", "geomesh.cluster=four_region", "geomesh.outer_lr=0"],
      "error: geomesh.outer_lr must be a positive number"),
+    (["train.py", "cona.efficiency_correction=progress"],  # trained without CONA, exit 0
+     "error: override 'cona.efficiency_correction=progress' has no effect: cona is off"),
+    (["train.py", "geomesh.outer_steps=3"],  # trained one ordinary job, exit 0
+     "error: override 'geomesh.outer_steps=3' has no effect: geomesh is off"),
     (["tools/convert_checkpoint.py", "hf-to-mcore", "--model", "llama", "--input", "hf/missing",
       "--output", "unused"], "error: --input hf/missing does not exist"),
     (["tools/zero_shot.py", "--config", "tiny_gpt", "--checkpoint", "runs/missing/checkpoints",
@@ -297,7 +306,8 @@ def test_config_and_path_errors_come_before_megatron_is_imported(cmd, needle, tm
     """Catches errors that need only the config, the cluster file name or a path, told
     after 40 s of megatron-core import and data preparation: an indivisible global batch,
     a misspelt cluster (with a "did you mean" as config keys have), a bad GeoMesh
-    setting, a missing conversion input or zero-shot checkpoint.  ``-X importtime``
+    setting, a CONA or GeoMesh override while that feature is off (trained without it),
+    a missing conversion input or zero-shot checkpoint.  ``-X importtime``
     lists every module imported: megatron must not be among them."""
     run = tmp_path / "run"
     args = [*cmd, "--run-dir", str(run)] if cmd[0] == "train.py" else cmd
@@ -370,3 +380,23 @@ def test_a_data_path_that_cannot_be_read_is_refused_by_its_resolution(tmp_path, 
         resolve_data_path("corpus.bin")
     with pytest.raises(DataError, match="data.path is empty"):
         resolve_data_path(" ")
+
+
+def test_a_missing_absolute_data_path_names_no_folder_it_was_not_looked_in(tmp_path,
+                                                                          monkeypatch):
+    """Catches a missing absolute ``data.path`` reported as "(looked in <cwd>)", a folder
+    an absolute path is never read from; it names the missing folder where that is the
+    problem.  ``~`` is the home folder (it was read as a folder named ``~``)."""
+    from jobruntime.documents import DataError, resolve_data_path
+
+    monkeypatch.chdir(tmp_path)
+    for missing, where in [(tmp_path / "none.jsonl", r"not found; set"),
+                           (tmp_path / "no_dir" / "x.jsonl", r"\(no folder .*no_dir\)")]:
+        with pytest.raises(DataError, match=rf"'{missing}' not found") as e:
+            resolve_data_path(str(missing))
+        assert "looked in" not in str(e.value) and re.search(where, str(e.value)), e.value
+    with pytest.raises(DataError, match=r"looked in .*" + re.escape(str(tmp_path))):
+        resolve_data_path("none.jsonl")  # a relative path: where it was looked for
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "home.jsonl").write_text('{"text": "x"}\n')
+    assert resolve_data_path("~/home.jsonl") == tmp_path / "home.jsonl"

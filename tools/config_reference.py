@@ -142,7 +142,9 @@ def render() -> str:
     job = JobConfig()
     lines = ["# Configuration reference", "",
              "Every key a job takes, as `section.key=value` on the command line of "
-             "`train.py` (or in a preset under `model_configs/`).  Generated from "
+             "`train.py` (or in a preset under `model_configs/`).  A `geomesh.*` or "
+             "`cona.*` override needs its feature on (`geomesh.method` other than `none`, "
+             "`cona.enabled=true`); otherwise `train.py` refuses it.  Generated from "
              "`jobruntime/config/` by `python tools/config_reference.py`; do not edit by "
              "hand (a test fails when this page is stale).", ""]
     for section in dataclasses.fields(JobConfig):

@@ -26,7 +26,7 @@ from .cona import ConaConfig
 from .data import DataConfig
 from .geomesh import GeoMeshConfig
 from .job import JobConfig
-from .loading import load_config, parse_override, resolve_preset, save_config
+from .loading import check_overrides_used, load_config, parse_override, resolve_preset, save_config
 from .logging import LoggingConfig
 from .model import ModelConfig
 from .parallel import ParallelConfig
@@ -35,6 +35,6 @@ from .train import TrainConfig
 __all__ = [
     "MODEL_CONFIGS_DIR", "PAD_MULTIPLE", "REPO_ROOT", "CheckpointConfig", "ConaConfig",
     "ConfigError", "DataConfig", "GeoMeshConfig", "JobConfig", "LoggingConfig", "ModelConfig",
-    "ParallelConfig", "TrainConfig", "did_you_mean", "load_config", "parse_override",
+    "ParallelConfig", "TrainConfig", "check_overrides_used", "did_you_mean", "load_config", "parse_override",
     "resolve_preset", "save_config",
 ]

@@ -192,6 +192,39 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple = (
     return cfg
 
 
+# A section that only its feature reads: the key that switches the feature on, how to
+# switch it on, and whether this config has it on.
+_FEATURE_SWITCHES = {
+    "cona": ("enabled", "cona.enabled=true", lambda cfg: cfg.cona.enabled),
+    "geomesh": ("method", "geomesh.method=geomesh (or diloco, streaming_diloco, ddp, async)",
+                lambda cfg: cfg.geomesh.method != "none"),
+}
+
+
+def check_overrides_used(cfg: JobConfig, overrides: list[str] | tuple) -> None:
+    """Refuse a command-line override that the job would ignore: a ``cona.*`` key while
+    ``cona.enabled`` is false, or a ``geomesh.*`` key while ``geomesh.method`` is
+    ``none`` (the run would train without the feature and exit 0).  A preset's own
+    sections are not checked: a saved config may keep a feature's settings switched off.
+
+    Args:
+        cfg: the loaded config (presets and overrides applied, :func:`load_config`).
+        overrides: the same ``section.key=value`` strings.
+
+    Raises:
+        ConfigError: naming the first such override and the switch to set.
+    """
+    for text in overrides:
+        keys, _ = parse_override(text)
+        if keys[0] not in _FEATURE_SWITCHES or len(keys) < 2:
+            continue
+        switch_key, switch_on, is_on = _FEATURE_SWITCHES[keys[0]]
+        if keys[1] == switch_key or is_on(cfg):
+            continue
+        raise ConfigError(f"override {text!r} has no effect: {keys[0]} is off in this job; "
+                          f"switch it on with {switch_on}, or drop the override")
+
+
 def save_config(cfg: JobConfig, path: str | Path) -> None:
     """Write the resolved config as YAML (atomically: temp file, then rename).
 
