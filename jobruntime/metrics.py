@@ -264,24 +264,30 @@ def summary_from_records(records: list[dict], config: dict) -> dict:
         config: the resolved config (``config.yaml``).
 
     Returns:
-        ``method``, ``clock``, ``target_ppl``, ``ttp_s``, ``ttp_tokens``, ``ttp_step``,
-        ``ttp_reached_s``, ``final_val_ppl`` (the last evaluation, ``None`` without),
-        ``steps`` (the last recorded step; GeoMesh: outer steps), ``tokens``,
-        ``time_s`` (clock seconds of the last record) and, for CONA, ``switches`` (the
-        number of ``switch`` events) and ``decisions`` (the ``decision`` records).
+        ``method``, ``mode`` (what a finished run's summary says: ``single``, ``cona``,
+        or GeoMesh's cluster mode, ``emulated`` or ``real``), ``clock``, ``target_ppl``,
+        ``ttp_s``, ``ttp_tokens``, ``ttp_step``, ``ttp_reached_s``, ``final_val_ppl``
+        (the last evaluation, ``None`` without), ``steps`` (the last recorded step;
+        GeoMesh: outer steps), ``samples`` and ``tokens`` (the last recorded; ``None``
+        where no record has them), ``time_s`` (clock seconds of the last record) and,
+        for CONA, ``switches`` (the number of ``switch`` events) and ``decisions`` (the
+        ``decision`` records).
     """
     target = (config.get("train") or {}).get("target_ppl")
-    ttp, tokens, final = TTPTracker(target), None, None
+    ttp, tokens, samples, final = TTPTracker(target), None, None, None
     for r in records:
-        tokens = r.get("tokens", tokens)
+        tokens, samples = r.get("tokens", tokens), r.get("samples", samples)
         if r.get("val_ppl") is not None and r.get("time_s") is not None:
             final = r["val_ppl"]
             ttp.update(final, r["time_s"], tokens or 0, r.get("step"))
     method = run_method(config)
-    out = {"method": method, "clock": records[0].get("clock") if records else None,
+    clock = records[0].get("clock") if records else None
+    mode = method if method in ("single", "cona") else (  # GeoMesh: the cluster's mode
+        None if clock is None else "emulated" if clock == "emulated" else "real")
+    out = {"method": method, "mode": mode, "clock": clock,
            "target_ppl": target, **ttp.summary(), "final_val_ppl": final,
            "steps": max((r["step"] for r in records if isinstance(r.get("step"), int)), default=0),
-           "tokens": tokens,
+           "samples": samples, "tokens": tokens,
            "time_s": next((r["time_s"] for r in reversed(records) if "time_s" in r), None)}
     if method == "cona":
         out["switches"] = sum(r.get("event") == "switch" for r in records)

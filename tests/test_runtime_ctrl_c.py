@@ -85,11 +85,12 @@ def test_summary_from_records_interpolates_ttp_and_counts_cona_switches():
     config = {"train": {"target_ppl": 300.0}, "cona": {"enabled": True},
               "geomesh": {"method": "none"}}
     records = [
-        {"clock": "wall", "event": "step", "step": 10, "tokens": 1000, "time_s": 2.0,
-         "val_ppl": 500.0},
+        {"clock": "wall", "event": "step", "step": 10, "samples": 16, "tokens": 1000,
+         "time_s": 2.0, "val_ppl": 500.0},
         {"event": "decision", "step": 10, "time_s": 2.0, "switch": True, "best": "mb8"},
         {"event": "switch", "step": 10, "time_s": 2.5, "from": "mb4", "to": "mb8"},
-        {"event": "step", "step": 20, "tokens": 3000, "time_s": 4.0, "val_ppl": 400.0},
+        {"event": "step", "step": 20, "samples": 48, "tokens": 3000, "time_s": 4.0,
+         "val_ppl": 400.0},
         {"event": "eval", "step": 25, "time_s": 6.0, "val_ppl": 200.0},
     ]
     s = summary_from_records(records, config)
@@ -97,8 +98,13 @@ def test_summary_from_records_interpolates_ttp_and_counts_cona_switches():
     assert math.isclose(s["ttp_s"], 4.0 + f * 2.0) and s["ttp_step"] == 25
     assert s["ttp_tokens"] == 3000  # no tokens in the eval record: the last seen
     assert (s["method"], s["clock"], s["switches"], s["steps"]) == ("cona", "wall", 1, 25)
+    # the keys a finished run's summary.json has beside them (it said "method" alone)
+    assert (s["mode"], s["samples"], s["tokens"]) == ("cona", 48, 3000)
     assert s["final_val_ppl"] == 200.0 and len(s["decisions"]) == 1
     plain = summary_from_records(records[:1], {"train": {"target_ppl": None}})
-    assert plain["method"] == "single" and plain["ttp_s"] is None and "switches" not in plain
+    assert plain["method"] == plain["mode"] == "single" and plain["ttp_s"] is None
+    assert "switches" not in plain
     geo = {"geomesh": {"method": "diloco"}, "cona": {"enabled": False}, "train": {}}
     assert summary_from_records([], geo)["method"] == "diloco"
+    emulated = summary_from_records([{"clock": "emulated", "step": 1}], geo)
+    assert (emulated["mode"], emulated["samples"]) == ("emulated", None)  # the cluster's mode
