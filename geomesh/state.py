@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from geomesh.fleet.cluster import ClusterSpec
-from geomesh.fleet.planner import Plan, WorkerPlan
+from geomesh.fleet.plan import Plan, WorkerPlan
 from jobruntime.checkpoint import COMPLETE, CheckpointError, committed_folder
 from jobruntime.faults import fault_point
 

@@ -46,7 +46,7 @@ from jobruntime.data import GlobalBatchSampler
 from jobruntime.parallel import set_seed
 from jobruntime.trainer import StepResult, Trainer, lr_scheduler, mean_loss
 
-from .fleet.planner import Plan, WorkerPlan
+from .fleet.plan import Plan, WorkerPlan
 
 
 @dataclass(frozen=True)

@@ -360,7 +360,7 @@ def test_checkpoint_that_runs_code_is_refused(tmp_path):
     was read with ``weights_only=False``, so a crafted file ran code on load.
     It must be a one-line CheckpointError, and the code must not run; a real
     state (tensors and a plan) still loads."""
-    from geomesh.fleet.planner import Plan, WorkerPlan
+    from geomesh.fleet.plan import Plan, WorkerPlan
 
     folder = tmp_path / "checkpoints" / "outer_0000001"
     folder.mkdir(parents=True)

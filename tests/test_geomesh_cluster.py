@@ -107,7 +107,7 @@ def test_resume_matches_workers_by_identity_not_position():
     import dataclasses
     import re
 
-    from geomesh.fleet.planner import Plan, WorkerPlan
+    from geomesh.fleet.plan import Plan, WorkerPlan
     from geomesh.state import check_workers, worker_identity
     from jobruntime.checkpoint import CheckpointError
 

@@ -334,7 +334,7 @@ def test_checkpoint_from_before_the_subpackages_still_loads(tmp_path, monkeypatc
     import sys
     import types
 
-    from geomesh.fleet.planner import Plan, WorkerPlan
+    from geomesh.fleet.plan import Plan, WorkerPlan
     from geomesh.state import load_state, save_state
 
     old = types.ModuleType("geomesh.planner")

@@ -15,7 +15,8 @@ import copy
 import dataclasses
 from collections.abc import Sequence
 
-from .planner import Plan, Planner, WorkerPlan
+from .plan import Plan, WorkerPlan
+from .planner import Planner
 
 
 def plan_for_members(planner: Planner, current: Plan, names: Sequence[str]) -> Plan:
