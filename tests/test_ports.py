@@ -9,6 +9,19 @@ import pytest
 import jobruntime.ports as ports
 
 
+def _draw_first(monkeypatch, port: int, times: int) -> list[int]:
+    """Make ``free_port``'s first ``times`` random draws land on ``port``; returns the
+    list of every draw, filled as ``free_port`` draws."""
+    draws, choice = [], ports._rng.choice
+
+    def rigged(pool):
+        draws.append(port if len(draws) < times else choice(pool))
+        return draws[-1]
+
+    monkeypatch.setattr(ports._rng, "choice", rigged)
+    return draws
+
+
 def test_the_port_is_bindable_and_outside_the_range_the_kernel_hands_out():
     """A port from the ephemeral range can be taken as the source port of any outgoing
     connection before the job's store binds it (the CI fast tier once lost a module of
@@ -27,13 +40,7 @@ def test_a_port_that_is_taken_is_skipped(monkeypatch):
         held.bind(("127.0.0.1", 0))
         held.listen()
         taken = held.getsockname()[1]
-        draws, choice = [], ports._rng.choice
-
-        def rigged(pool):  # the first three draws land on the held port
-            draws.append(taken if len(draws) < 3 else choice(pool))
-            return draws[-1]
-
-        monkeypatch.setattr(ports._rng, "choice", rigged)
+        draws = _draw_first(monkeypatch, taken, 3)
         assert ports.free_port() != taken
         assert draws[:3] == [taken] * 3 and len(draws) >= 4
 
@@ -66,11 +73,5 @@ def test_a_port_held_on_another_local_address_is_skipped(monkeypatch):
             pytest.skip("no 127.0.0.2 on this host")
         held.listen()
         taken = held.getsockname()[1]
-        draws, choice = [], ports._rng.choice
-
-        def rigged(pool):
-            draws.append(taken if not draws else choice(pool))
-            return draws[-1]
-
-        monkeypatch.setattr(ports._rng, "choice", rigged)
+        draws = _draw_first(monkeypatch, taken, 1)
         assert ports.free_port() != taken and draws[0] == taken
