@@ -237,9 +237,9 @@ def _run(cfg, run_dir: Path, folder, new_run_dir: bool, outcome: dict) -> int:
         target = summary.get("target_ppl")
         print(f"final val ppl {f'{ppl:.1f}' if ppl is not None else 'none (no evaluation)'}, "
               + (f"target {target:g}, time to target (TTP) "
-                 f"{f'{ttp:.1f} s' if ttp is not None else 'not reached'}"
+                 f"{f'{ttp:,.1f} s' if ttp is not None else 'not reached'}"
                  f" ({summary.get('clock', 'wall')} clock)" if target is not None else "no target")
-              + f", {summary.get('tokens')} tokens")
+              + f", {summary.get('tokens') or 0:,} tokens")
         for zs in summary.get("zero_shot", []):
             print(f"zero-shot {zs['task']}: accuracy {zs['accuracy']:.3f}, "
                   f"accuracy_norm {zs['accuracy_norm']:.3f} (n={zs['n']})")

@@ -116,12 +116,14 @@ CONFIG_BASES = {
     "geomesh": ["geomesh.method=diloco", "geomesh.cluster=geomesh/clusters/four_region.yaml"],
     "cona_emulated": ["cona.enabled=true", "cona.clock=emulated"],
 }
-#: Settings of the right type that are wrong for their base (one process), each refused by
-#: ``train.check_config`` before the heavy imports.
+#: Settings of the right type that are wrong for their base (one process) or that it would
+#: ignore, each refused by ``train.check_config`` before the heavy imports.
 WRONG_SETTINGS = {
     "job": [["parallel.tp=3"], ["parallel.pp=2"], ["parallel.global_batch_size=7"],
             ["parallel.global_batch_size=33554432"],
-            ["parallel.sequence_parallel=true"], ["model.hidden_size=7"]],
+            ["parallel.sequence_parallel=true"], ["model.hidden_size=7"],
+            ["cona.min_gain=0.1"], ["geomesh.outer_steps=3"],  # ignored: feature off
+            ["train.zero_shot_tasks=[x.jsonl]", "cona.enabled=true"]],
     "geomesh": [["geomesh.region=East US"], ["geomesh.mode=real"],
                 ["geomesh.method=async", "geomesh.mode=real"],
                 ["geomesh.cluster=two_worker_real"],
@@ -130,12 +132,13 @@ WRONG_SETTINGS = {
                 ["geomesh.target_model=gpt3_13b"],
                 ["geomesh.target_model=geomesh/clusters/four_region.yaml"],
                 ["geomesh.cluster=model_configs/tiny_gpt.yaml"],
-                ["cona.enabled=true"]],
+                ["cona.enabled=true"], ["parallel.tp=2"]],  # the cluster lays out regions
     "cona_emulated": [["cona.target_model=gpt3_13b"],
                       ["cona.target_model=geomesh/clusters/four_region.yaml"],
                       ["cona.gpu=Z100"], ["cona.batch_ratio=0"], ["cona.clock=wall", "cona.num_gpus=8"],
                       ["cona.global_batch_sizes=[]"], ["cona.global_batch_sizes=[8.5]"],
-                      ["cona.batch_ratio=8", "cona.global_batch_sizes=[12]"]],
+                      ["cona.batch_ratio=8", "cona.global_batch_sizes=[12]"],
+                      ["cona.clock=wall", "cona.gpu=H100"]],
 }
 
 
@@ -187,8 +190,8 @@ def bad_inputs(n: int, tmp: Path) -> tuple[int, int]:
             tried += 1
 
     def config():  # as train.py checks it, before its heavy imports (one process)
-        check_config(load_config("tiny_gpt", [f"{rng.choice(keys)}={rng.choice(junk)}"
-                                              for _ in range(rng.randint(1, 3))]), 1)
+        overrides = [f"{rng.choice(keys)}={rng.choice(junk)}" for _ in range(rng.randint(1, 3))]
+        check_config(load_config("tiny_gpt", overrides), 1, overrides)
 
     def cluster():
         raw = json.loads(json.dumps(base))
@@ -223,7 +226,8 @@ def bad_inputs(n: int, tmp: Path) -> tuple[int, int]:
     setting_rng = random.Random(2)
 
     def setting():  # a valid job with one wrong setting, as train.py checks it
-        check_config(load_config("tiny_gpt", wrong_setting(setting_rng)), 1)
+        overrides = wrong_setting(setting_rng)
+        check_config(load_config("tiny_gpt", overrides), 1, overrides)
 
     def checkpoint():
         f = tmp / "checkpoints" / "outer_0000001"

@@ -64,7 +64,13 @@ from jobruntime.checkpoint import save_checkpoint
 from jobruntime.config import JobConfig, save_config
 from jobruntime.devices import device_summary
 from jobruntime.logging_utils import StepProgress
-from jobruntime.metrics import MetricsWriter, TTPTracker, dense_eval_gap, perplexity
+from jobruntime.metrics import (
+    MetricsWriter,
+    TTPTracker,
+    dense_eval_gap,
+    perplexity,
+    target_reached_line,
+)
 from jobruntime.parallel import same_run_dir
 
 from .context import build_context
@@ -257,13 +263,8 @@ class Loop:
                         "gns": self.target_gns, "global_batch_size": job.strategy.global_batch_size,
                         "cadence": cadence})
         if p.ttp.update(ppl, job.clock_s, tokens, step):
-            log.info(
-                "target perplexity %.1f reached at step %d (%.2f s %s clock)",
-                self.cfg.train.target_ppl,
-                step,
-                job.clock_s,
-                job.ctx.clock,
-            )
+            log.info(target_reached_line(self.cfg.train.target_ppl, f"step {step}", job.clock_s,
+                                         job.ctx.clock))
         return val_loss
 
     def step(self) -> None:

@@ -31,7 +31,7 @@ import time
 from jobruntime.checkpoint import CheckpointError
 from jobruntime.config import ConfigError
 from jobruntime.data import GlobalBatchSampler
-from jobruntime.metrics import perplexity
+from jobruntime.metrics import perplexity, target_reached_line
 from jobruntime.parallel import set_seed
 from jobruntime.trainer import Trainer, mean_loss
 
@@ -51,8 +51,8 @@ def _eval(ctx: RunContext, stats: RunStats, trainer: Trainer, val, record: dict,
     val_loss = trainer.evaluate(val)
     record.update(val_loss=val_loss, val_ppl=perplexity(val_loss))
     if stats.evaluated(val_loss, record["val_ppl"], step):
-        log.info("target perplexity %s reached at outer step %d (%.1f s, %s clock)",
-                 ctx.cfg.train.target_ppl, step, stats.time_s, ctx.clock_name)
+        log.info(target_reached_line(ctx.cfg.train.target_ppl, f"outer step {step}",
+                                     stats.time_s, ctx.clock_name))
 
 
 def run_ddp(ctx: RunContext) -> dict:

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
-from jobruntime.metrics import perplexity
+from jobruntime.metrics import perplexity, target_reached_line
 
 from .wire.canonical import CanonicalSchema, canonical_digest, main_pieces
 
@@ -113,8 +113,8 @@ class RoundFigures:
                 trainer.set_params(keep)
             record.update(val_loss=val_loss, val_ppl=perplexity(val_loss))
             if stats.evaluated(val_loss, record["val_ppl"], step):
-                log.info("target perplexity %s reached at outer step %d (%.1f s, %s clock)",
-                         self.cfg.train.target_ppl, step, stats.time_s, self.ctx.clock_name)
+                log.info(target_reached_line(self.cfg.train.target_ppl, f"outer step {step}",
+                                             stats.time_s, self.ctx.clock_name))
         return record
 
     def summary(self) -> dict:

@@ -51,7 +51,13 @@ from pathlib import Path
 
 from geomesh.fleet.cluster import ClusterError, ClusterSpec, load_cluster, resolve_cluster
 from geomesh.wire.envelope import SECRET_ENV
-from jobruntime.config import ConfigError, JobConfig, load_config, parse_override
+from jobruntime.config import (
+    ConfigError,
+    JobConfig,
+    check_overrides_used,
+    load_config,
+    parse_override,
+)
 from jobruntime.faults import ENV as FAULT_ENV
 from jobruntime.faults import REGION_ENV as FAULT_REGION_ENV
 from jobruntime.outputs import RUN_OUTPUTS, output_folder_error
@@ -153,6 +159,8 @@ def check_inputs(args: argparse.Namespace) -> tuple[ClusterSpec, Path, JobConfig
     cfg = load_config(args.config, ["geomesh.method=geomesh", *args.overrides,
                                     f"geomesh.cluster={path}"])
     cfg.validate_sections()
+    cfg.geomesh.validate()  # what each region's train.py would refuse, once, before any start
+    check_overrides_used(cfg, args.overrides)
     g = cfg.geomesh
     cluster = load_cluster(path, wan_bandwidth_scale=g.wan_bandwidth_scale)
     mode = g.mode or cluster.mode

@@ -23,8 +23,8 @@ _OPENERS = {".xz": lzma.open, ".gz": gzip.open, ".bz2": bz2.open}
 
 
 def resolve_data_path(path: str) -> Path:
-    """Resolve ``path`` (``~`` expanded) against the working directory, then the repository
-    root; an absolute path as it is.
+    """Resolve ``path`` against the working directory, then the repository root; an
+    absolute path as it is.
 
     A Megatron indexed-dataset prefix resolves when ``PREFIX.bin`` and ``PREFIX.idx`` exist.
 
@@ -35,7 +35,7 @@ def resolve_data_path(path: str) -> Path:
     if not path.strip():
         raise DataError("data.path is empty; set it to a JSONL/.txt file, a folder, a saved "
                         "HF dataset or a .bin/.idx prefix")
-    given = Path(path).expanduser()
+    given = Path(path)
     bases = (Path.cwd(), REPO_ROOT) if not given.is_absolute() else (Path("/"),)
     for base in bases:
         p = base / given
@@ -49,9 +49,11 @@ def resolve_data_path(path: str) -> Path:
         if Path(f"{p}.bin").is_file():
             raise DataError(f"{p}.bin has no {p}.idx beside it; copy both files of the "
                             "indexed dataset (tools/prepare_data.py writes them together)")
+    folder = next((p for p in given.parents if p.exists()), None)  # the deepest that exists
     where = (f" (looked in {' and '.join(dict.fromkeys(str(b) for b in bases))})"
              if not given.is_absolute() else
-             "" if given.parent.is_dir() else f" (no folder {given.parent})")
+             f" ({folder} is not a folder)" if folder is not None and not folder.is_dir() else
+             "" if folder == given.parent else f" (no folder {given.parent})")
     raise DataError(
         f"data file '{path}' not found{where}; "
         "set data.path (--input of tools/prepare_data.py) to a JSONL/.txt file, a folder, a saved "

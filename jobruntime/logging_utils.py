@@ -63,7 +63,7 @@ def seconds_text(seconds: float) -> str:
     """``seconds`` for a log line: one decimal below 10 s (an emulated clock's first steps
     take fractions of a second: ``0.2 s``, not ``0 s``), whole seconds with thousands
     separators above (``4,515 s``)."""
-    return f"{seconds:.1f} s" if abs(seconds) < 10 else f"{seconds:,.0f} s"
+    return f"{seconds:.1f} s" if abs(round(seconds, 1)) < 10 else f"{seconds:,.0f} s"
 
 
 @contextmanager

@@ -19,7 +19,7 @@ from .config import JobConfig, save_config
 from .data import Corpus, GlobalBatchSampler, build_dataset, prepare_corpus
 from .devices import device_summary
 from .logging_utils import StepProgress, phase
-from .metrics import MetricsWriter, TTPTracker, perplexity
+from .metrics import MetricsWriter, TTPTracker, perplexity, target_reached_line
 from .parallel import Topology, initialize_layout, same_run_dir, set_seed
 from .tokenizer import save_tokenizer_file
 from .trainer import Trainer
@@ -122,8 +122,7 @@ def run(cfg: JobConfig, run_dir: Path,
             last_val_ppl = perplexity(val_loss)
             record.update(val_loss=val_loss, val_ppl=last_val_ppl)
             if ttp.update(last_val_ppl, now, tokens, trainer.step):
-                log.info("target perplexity %.1f reached at step %d (%.1f s)",
-                         t.target_ppl, trainer.step, now)
+                log.info(target_reached_line(t.target_ppl, f"step {trainer.step}", now, "wall"))
                 stop = stop or t.stop_at_target
         if trainer.step % t.log_interval == 0 or "val_loss" in record:
             writer.log(record)

@@ -147,6 +147,16 @@ def dense_eval_gap(evals: list[tuple[float, float]], target: float | None,
     return max(to_go / 2, resolution * (s1 - start))
 
 
+def target_reached_line(target_ppl: float, step: str, time_s: float, clock: str) -> str:
+    """The log line of the first evaluation at or below the target perplexity, e.g.
+    ``target perplexity 300 reached at the evaluation of step 125 (99.9 s, wall clock;
+    TTP is interpolated between evaluations)``.  ``step`` names the step (``"step 125"``,
+    ``"outer step 4"``); ``time_s`` is that evaluation's clock, seconds.  The results line's
+    TTP is earlier: :class:`TTPTracker` interpolates the crossing."""
+    return (f"target perplexity {target_ppl:g} reached at the evaluation of {step} "
+            f"({time_s:.1f} s, {clock} clock; TTP is interpolated between evaluations)")
+
+
 @dataclass
 class TTPTracker:
     """Time-to-target-perplexity, interpolated at the crossing of the target.
@@ -271,7 +281,8 @@ def summary_from_records(records: list[dict], config: dict) -> dict:
         GeoMesh: outer steps), ``samples`` and ``tokens`` (the last recorded; ``None``
         where no record has them), ``time_s`` (clock seconds of the last record) and,
         for CONA, ``switches`` (the number of ``switch`` events) and ``decisions`` (the
-        ``decision`` records).
+        ``decision`` records); for GeoMesh also ``outer_steps`` (= ``steps``, the name
+        its finished summary uses).
     """
     target = (config.get("train") or {}).get("target_ppl")
     ttp, tokens, samples, final = TTPTracker(target), None, None, None
@@ -289,6 +300,8 @@ def summary_from_records(records: list[dict], config: dict) -> dict:
            "steps": max((r["step"] for r in records if isinstance(r.get("step"), int)), default=0),
            "samples": samples, "tokens": tokens,
            "time_s": next((r["time_s"] for r in reversed(records) if "time_s" in r), None)}
+    if mode in ("emulated", "real"):  # a GeoMesh summary counts outer steps by that name
+        out["outer_steps"] = out["steps"]
     if method == "cona":
         out["switches"] = sum(r.get("event") == "switch" for r in records)
         out["decisions"] = [{k: v for k, v in r.items() if k not in ("event", "clock", "time_s")}

@@ -30,8 +30,8 @@ def test_every_wrong_setting_of_a_valid_job_is_refused_before_the_heavy_imports(
 
     monkeypatch.delenv("GEOMESH_SECRET", raising=False)
     for base, overrides in CONFIG_BASES.items():
-        check_config(load_config("tiny_gpt", overrides), 1)
+        check_config(load_config("tiny_gpt", overrides), 1, overrides)
         for wrong in WRONG_SETTINGS[base]:
             with pytest.raises(ConfigError) as e:
-                check_config(load_config("tiny_gpt", overrides + wrong), 1)
+                check_config(load_config("tiny_gpt", overrides + wrong), 1, overrides + wrong)
             assert "\n" not in str(e.value) and str(e.value), (base, wrong, str(e.value))

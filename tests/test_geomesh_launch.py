@@ -88,7 +88,9 @@ def _port_free(port: int) -> bool:
 def test_bad_inputs_exit_2_with_one_line(tmp_path):
     """Catches a launcher that starts processes (or writes folders) for input it cannot
     run, or answers it with a traceback: a missing cluster file, an emulated cluster,
-    an override of what the launcher sets per region, a run folder holding results,
+    an override of what the launcher sets per region, an override every region's job
+    would refuse (one the job ignores, a GeoMesh setting out of range), a run folder
+    holding results,
     and a rendezvous port already taken (the lighthouse cannot bind) each exit 2
     with one ``error:`` line that names the problem."""
     port = free_port()
@@ -100,6 +102,9 @@ def test_bad_inputs_exit_2_with_one_line(tmp_path):
         ((real, tmp_path / "r3", "geomesh.region=East US"), "geomesh.region"),
         ((real, tmp_path / "r4", "geomesh.method=none"), "geomesh.method=none"),
         ((real, tmp_path / "r5", "geomesh.nope=1"), "geomesh.nope"),
+        # each region's train.py refused these after every process had started (exit 1)
+        ((real, tmp_path / "r6", "cona.decision_interval=3"), "has no effect: cona is off"),
+        ((real, tmp_path / "r7", "geomesh.outer_steps=0"), "geomesh.outer_steps"),
     ]
     for args, word in cases:
         proc = _launch(*args, timeout=120)

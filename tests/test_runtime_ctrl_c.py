@@ -108,3 +108,4 @@ def test_summary_from_records_interpolates_ttp_and_counts_cona_switches():
     assert summary_from_records([], geo)["method"] == "diloco"
     emulated = summary_from_records([{"clock": "emulated", "step": 1}], geo)
     assert (emulated["mode"], emulated["samples"]) == ("emulated", None)  # the cluster's mode
+    assert emulated["outer_steps"] == emulated["steps"] == 1 and "outer_steps" not in plain

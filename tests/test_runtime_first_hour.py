@@ -178,6 +178,7 @@ def test_progress_lines_without_a_terminal(caplog):
     assert [int(m.split()[1].split("/")[0]) for m in got] == [2, 4, 5, *range(6, 41, 2)]
     assert got[0] == "step 2/40  loss 1.000  val ppl -  0.2 s"  # an emulated clock: was "0 s"
     assert lines("auto", 40, range(1, 41), time_s=151.0)[-1].endswith("  6,040 s")
+    assert lines("auto", 40, range(1, 41), time_s=9.96 / 40)[-1].endswith("  10 s")  # not 10.0
     # CONA: samples, batches of 24 then 48; a line at each 5 % (50 samples) crossed
     done = [24 * i for i in range(1, 11)] + [240 + 48 * i for i in range(1, 17)]
     got = lines("auto", 1000, done, unit="sample")
@@ -297,6 +298,19 @@ def test_no_message_advises_checkpoint_load_without_looking():
      "error: override 'cona.efficiency_correction=progress' has no effect: cona is off"),
     (["train.py", "geomesh.outer_steps=3"],  # trained one ordinary job, exit 0
      "error: override 'geomesh.outer_steps=3' has no effect: geomesh is off"),
+    (["train.py", "geomesh={outer_steps: 3}"],  # a section given whole: was not checked
+     "error: override 'geomesh={outer_steps: 3}' has no effect: geomesh is off"),
+    (["train.py", "geomesh.method=diloco", "geomesh.cluster=four_region", "parallel.tp=2"],
+     "error: override 'parallel.tp=2' has no effect: a GeoMesh run takes each region's layout"),
+    (["train.py", "geomesh.method=diloco", "geomesh.cluster=four_region", "cona.enabled=true",
+      "cona.min_gain=0.1"],  # only cona.schedule is read there
+     "error: override 'cona.min_gain=0.1' has no effect: a GeoMesh run reads only cona.schedule"),
+    (["train.py", "cona.enabled=true", "cona.gpu=H100"],  # the wall clock: gpu: null
+     "error: cona.gpu applies to the emulated clock"),
+    (["train.py", "cona.enabled=true", "cona.schedule=[{after_step: 2, region: a, tp: 2, pp: 1}]"],
+     "error: cona.schedule switches the layouts of GeoMesh regions; it needs a GeoMesh run"),
+    (["train.py", "cona.enabled=true", "train.zero_shot_tasks=[tools/samples/piqa_synthetic.jsonl]"],
+     "error: train.zero_shot_tasks scores the model after an ordinary job"),
     (["tools/convert_checkpoint.py", "hf-to-mcore", "--model", "llama", "--input", "hf/missing",
       "--output", "unused"], "error: --input hf/missing does not exist"),
     (["tools/zero_shot.py", "--config", "tiny_gpt", "--checkpoint", "runs/missing/checkpoints",
@@ -306,8 +320,10 @@ def test_config_and_path_errors_come_before_megatron_is_imported(cmd, needle, tm
     """Catches errors that need only the config, the cluster file name or a path, told
     after 40 s of megatron-core import and data preparation: an indivisible global batch,
     a misspelt cluster (with a "did you mean" as config keys have), a bad GeoMesh
-    setting, a CONA or GeoMesh override while that feature is off (trained without it),
-    a missing conversion input or zero-shot checkpoint.  ``-X importtime``
+    setting, an override the job would ignore (a CONA or GeoMesh key with the feature off,
+    a layout or CONA key in a GeoMesh run, an emulated-clock key on the wall clock,
+    ``cona.schedule`` without GeoMesh, zero-shot tasks after a CONA run: each trained
+    without it and exited 0), a missing conversion input or zero-shot checkpoint.  ``-X importtime``
     lists every module imported: megatron must not be among them."""
     run = tmp_path / "run"
     args = [*cmd, "--run-dir", str(run)] if cmd[0] == "train.py" else cmd
@@ -341,7 +357,9 @@ def test_progress_lines_show_val_ppl_only_where_it_was_evaluated(caplog):
 def test_results_line_of_a_run_without_a_target(monkeypatch, tmp_path, capsys):
     """Catches ``target None`` (and a TTP "not reached" that no target could be) on the
     results line of a run without ``train.target_ppl``: it says ``no target``; a run
-    with one keeps ``target 300, TTP ...``."""
+    with one keeps ``target 300, TTP ...``; thousands are grouped as in the progress lines
+    (``1024000 tokens``).  The log line at the target names its evaluation's time, which
+    a user read against the results line's interpolated TTP."""
     import signal as signal_module
 
     import jobruntime.loop
@@ -358,6 +376,15 @@ def test_results_line_of_a_run_without_a_target(monkeypatch, tmp_path, capsys):
     assert train.main(["--run-dir", str(tmp_path / "b")]) == 0
     line = capsys.readouterr().out.strip().splitlines()[-1]
     assert line == "final val ppl 350.6, target 300, time to target (TTP) 12.3 s (wall clock), 512 tokens", line
+    summary.update(ttp_s=4515.34, tokens=1024000)  # grouped as the progress lines are
+    assert train.main(["--run-dir", str(tmp_path / "c")]) == 0
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert line.endswith("(TTP) 4,515.3 s (wall clock), 1,024,000 tokens"), line
+    from jobruntime.metrics import target_reached_line  # the log line says which is which
+
+    assert target_reached_line(300.0, "step 125", 99.94, "wall") == (
+        "target perplexity 300 reached at the evaluation of step 125 (99.9 s, wall clock; "
+        "TTP is interpolated between evaluations)")
 
 
 def test_a_data_path_that_cannot_be_read_is_refused_by_its_resolution(tmp_path, monkeypatch):
@@ -385,18 +412,32 @@ def test_a_data_path_that_cannot_be_read_is_refused_by_its_resolution(tmp_path, 
 def test_a_missing_absolute_data_path_names_no_folder_it_was_not_looked_in(tmp_path,
                                                                           monkeypatch):
     """Catches a missing absolute ``data.path`` reported as "(looked in <cwd>)", a folder
-    an absolute path is never read from; it names the missing folder where that is the
-    problem.  ``~`` is the home folder (it was read as a folder named ``~``)."""
+    an absolute path is never read from; it names the missing folder, or the file that
+    stands where a folder should, where that is the problem."""
     from jobruntime.documents import DataError, resolve_data_path
 
     monkeypatch.chdir(tmp_path)
+    (tmp_path / "file").write_text("x")
     for missing, where in [(tmp_path / "none.jsonl", r"not found; set"),
-                           (tmp_path / "no_dir" / "x.jsonl", r"\(no folder .*no_dir\)")]:
+                           (tmp_path / "no_dir" / "x.jsonl", r"\(no folder .*no_dir\)"),
+                           (tmp_path / "file" / "x.jsonl", r"\(.*file is not a folder\)")]:
         with pytest.raises(DataError, match=rf"'{missing}' not found") as e:
             resolve_data_path(str(missing))
         assert "looked in" not in str(e.value) and re.search(where, str(e.value)), e.value
     with pytest.raises(DataError, match=r"looked in .*" + re.escape(str(tmp_path))):
         resolve_data_path("none.jsonl")  # a relative path: where it was looked for
+
+
+def test_a_home_folder_in_an_override_is_expanded(tmp_path, monkeypatch):
+    """Catches ``data.cache_dir=~/cache`` making a folder named ``~`` in the working
+    directory and ``data.tokenizer=~/tok.model`` "not found": the shell expands no ``~``
+    after ``section.key=``, so the override parser does, for every key."""
+    from jobruntime.config import load_config, parse_override
+
     monkeypatch.setenv("HOME", str(tmp_path))
-    (tmp_path / "home.jsonl").write_text('{"text": "x"}\n')
-    assert resolve_data_path("~/home.jsonl") == tmp_path / "home.jsonl"
+    cfg = load_config("tiny_gpt", ["data.path=~/corpus.jsonl", "data.cache_dir=~/cache",
+                                   "checkpoint.load=~/ckpt"])
+    assert (cfg.data.path, cfg.data.cache_dir, cfg.checkpoint.load) == (
+        f"{tmp_path}/corpus.jsonl", f"{tmp_path}/cache", f"{tmp_path}/ckpt")
+    assert parse_override("train.iters=5")[1] == 5  # other values as YAML reads them
+    assert parse_override("logging.name=a~b")[1] == "a~b"

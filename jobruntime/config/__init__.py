@@ -14,7 +14,8 @@ arguments.
 One module per section, each with its keys and its checks: :mod:`.model`,
 :mod:`.parallel`, :mod:`.train`, :mod:`.data`, :mod:`.checkpoint`,
 :mod:`.logging`, :mod:`.geomesh`, :mod:`.cona`; :mod:`.job` joins them,
-:mod:`.loading` reads presets and overrides, :mod:`.base` holds what they share.
+:mod:`.loading` reads presets and overrides, :mod:`.unused` refuses overrides a job would
+ignore, :mod:`.base` holds what they share.
 Every public name is re-exported here: ``from jobruntime.config import X``.
 """
 
@@ -26,11 +27,12 @@ from .cona import ConaConfig
 from .data import DataConfig
 from .geomesh import GeoMeshConfig
 from .job import JobConfig
-from .loading import check_overrides_used, load_config, parse_override, resolve_preset, save_config
+from .loading import load_config, parse_override, resolve_preset, save_config
 from .logging import LoggingConfig
 from .model import ModelConfig
 from .parallel import ParallelConfig
 from .train import TrainConfig
+from .unused import check_overrides_used
 
 __all__ = [
     "MODEL_CONFIGS_DIR", "PAD_MULTIPLE", "REPO_ROOT", "CheckpointConfig", "ConaConfig",

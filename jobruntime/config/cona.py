@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Literal
 
@@ -10,6 +11,9 @@ from .base import (
     did_you_mean,
 )
 from .parallel import MAX_GLOBAL_BATCH
+
+# Settings only CONA's emulated clock reads (the wall clock times the job it runs).
+_EMULATED_ONLY = ("gpu", "num_gpus", "target_model", "batch_ratio", "step_dilation")
 
 
 @dataclass(kw_only=True)
@@ -180,10 +184,13 @@ class ConaConfig:
         if not 0 < self.batch_ratio < float("inf"):
             raise ConfigError(f"cona.batch_ratio={self.batch_ratio} must be a positive number")
         self._check_global_batch_sizes()
-        if self.clock == "wall" and (self.num_gpus is not None or self.target_model is not None
-                                     or self.batch_ratio != 1):
-            raise ConfigError("cona.num_gpus, cona.target_model and cona.batch_ratio apply to the "
-                              "emulated clock; set cona.clock=emulated (or unset them)")
+        emulated_only = [f.name for f in dataclasses.fields(self)
+                         if f.name in _EMULATED_ONLY and getattr(self, f.name) != f.default]
+        if self.clock == "wall" and emulated_only:  # the wall clock reads none of them
+            one = len(emulated_only) == 1
+            raise ConfigError(f"cona.{', cona.'.join(emulated_only)} appl{'ies' if one else 'y'} "
+                              "to the emulated clock; set cona.clock=emulated (or unset "
+                              f"{'it' if one else 'them'})")
         if self.target_model is not None:
             from .loading import check_preset  # loading imports this module
 

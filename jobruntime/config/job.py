@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from .base import ConfigError
 from .checkpoint import CheckpointConfig
 from .cona import ConaConfig
 from .data import DataConfig
@@ -35,13 +36,24 @@ class JobConfig:
         world size; GeoMesh's section is checked by ``geomesh.context``).
 
         Raises:
-            ConfigError: the first out-of-range setting, named.
+            ConfigError: the first out-of-range setting, named; or a setting that the
+                job kind ignores (``cona.schedule`` outside GeoMesh, zero-shot tasks in a
+                GeoMesh or CONA run).
         """
         self.model.validate()
         self.train.validate()
         self.data.validate()
         self.checkpoint.validate()
         self.cona.validate()
+        geomesh = self.geomesh.method != "none"
+        if self.cona.schedule is not None and not geomesh:  # CONA alone chooses layouts
+            raise ConfigError("cona.schedule switches the layouts of GeoMesh regions; it needs "
+                              "a GeoMesh run (geomesh.method, a real-mode cluster), or unset "
+                              "it: CONA on its own chooses its layouts")
+        if self.train.zero_shot_tasks and (geomesh or self.cona.enabled):
+            raise ConfigError("train.zero_shot_tasks scores the model after an ordinary job; "
+                              "GeoMesh and CONA runs do not run it: unset it and score their "
+                              "final checkpoint with tools/zero_shot.py")
 
     def validate(self, world_size: int = 1) -> int:
         """Validate every section; return the DP size for ``world_size`` processes."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import types
 import typing
 from collections.abc import Callable
@@ -147,7 +148,12 @@ def check_preset(name: str, setting: str) -> None:
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:
-    """Split ``section.key=value`` into (``[section, key]``, YAML-parsed value)."""
+    """Split ``section.key=value`` into (``[section, key]``, YAML-parsed value).
+
+    A string value that starts with ``~`` is a path under a home folder and is expanded
+    (``os.path.expanduser``): the shell expands no ``~`` after ``section.key=``, so
+    ``data.cache_dir=~/cache`` made a folder named ``~`` in the working directory.
+    """
     if "=" not in text:
         raise ConfigError(f"override {text!r} must look like section.key=value")
     key, raw = text.split("=", 1)
@@ -158,6 +164,8 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     except yaml.YAMLError as e:
         raise ConfigError(f"override {text!r}: value is not valid YAML "
                           f"({' '.join(str(e).split())})") from None
+    if isinstance(value, str) and value.startswith("~"):
+        value = os.path.expanduser(value)
     return key.split("."), value
 
 
@@ -190,39 +198,6 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple = (
             nested = {k: nested}
         _apply(cfg, nested, "")
     return cfg
-
-
-# A section that only its feature reads: the key that switches the feature on, how to
-# switch it on, and whether this config has it on.
-_FEATURE_SWITCHES = {
-    "cona": ("enabled", "cona.enabled=true", lambda cfg: cfg.cona.enabled),
-    "geomesh": ("method", "geomesh.method=geomesh (or diloco, streaming_diloco, ddp, async)",
-                lambda cfg: cfg.geomesh.method != "none"),
-}
-
-
-def check_overrides_used(cfg: JobConfig, overrides: list[str] | tuple) -> None:
-    """Refuse a command-line override that the job would ignore: a ``cona.*`` key while
-    ``cona.enabled`` is false, or a ``geomesh.*`` key while ``geomesh.method`` is
-    ``none`` (the run would train without the feature and exit 0).  A preset's own
-    sections are not checked: a saved config may keep a feature's settings switched off.
-
-    Args:
-        cfg: the loaded config (presets and overrides applied, :func:`load_config`).
-        overrides: the same ``section.key=value`` strings.
-
-    Raises:
-        ConfigError: naming the first such override and the switch to set.
-    """
-    for text in overrides:
-        keys, _ = parse_override(text)
-        if keys[0] not in _FEATURE_SWITCHES or len(keys) < 2:
-            continue
-        switch_key, switch_on, is_on = _FEATURE_SWITCHES[keys[0]]
-        if keys[1] == switch_key or is_on(cfg):
-            continue
-        raise ConfigError(f"override {text!r} has no effect: {keys[0]} is off in this job; "
-                          f"switch it on with {switch_on}, or drop the override")
 
 
 def save_config(cfg: JobConfig, path: str | Path) -> None:

@@ -1,0 +1,65 @@
+"""Overrides a job would ignore: refused, so a run never trains without what was asked.
+
+``python train.py cona.efficiency_correction=progress`` (CONA off) or ``geomesh.overlap=0.1``
+(GeoMesh off) trained an ordinary job and exited 0.  :func:`check_overrides_used` names
+such an override and what would make it count.  Only command-line overrides are checked:
+a preset or a run's saved ``config.yaml`` may keep a feature's settings switched off.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .base import ConfigError
+from .job import JobConfig
+from .loading import parse_override
+
+GEOMESH_ON = "geomesh.method=geomesh (or diloco, streaming_diloco, ddp, async)"
+
+
+def _why_ignored(cfg: JobConfig, section: str, key: str) -> str | None:
+    """Why a job with ``cfg`` reads no ``section.key``, and the fix; ``None`` if it reads it."""
+    geomesh = cfg.geomesh.method != "none"
+    if section == "cona" and key != "enabled":
+        if not cfg.cona.enabled:
+            return "cona is off in this job; switch it on with cona.enabled=true, or drop it"
+        if geomesh and key != "schedule":
+            return ("a GeoMesh run reads only cona.schedule of the cona section (CONA's "
+                    "controller does not drive GeoMesh regions); drop it")
+    if section == "geomesh" and key != "method" and not geomesh:
+        return f"geomesh is off in this job; switch it on with {GEOMESH_ON}, or drop it"
+    if section == "parallel" and key in ("tp", "pp") and geomesh:
+        return ("a GeoMesh run takes each region's layout from the cluster file (its "
+                "workers' tp and pp); set it there, or drop it")
+    return None
+
+
+def _keys(text: str) -> list[tuple[str, str]]:
+    """The ``(section, key)`` pairs an override sets: one, or each key of a section
+    given whole (``cona={clock: emulated}``)."""
+    keys, value = parse_override(text)
+    if len(keys) >= 2:
+        return [(keys[0], keys[1])]
+    return [(keys[0], k) for k in value] if isinstance(value, dict) else []
+
+
+def check_overrides_used(cfg: JobConfig, overrides: list[str] | tuple[Any, ...]) -> None:
+    """Refuse a command-line override that the job would ignore:
+
+    - a ``cona.*`` key while ``cona.enabled`` is false, or other than ``cona.schedule``
+      in a GeoMesh run;
+    - a ``geomesh.*`` key while ``geomesh.method`` is ``none``;
+    - ``parallel.tp`` or ``parallel.pp`` in a GeoMesh run (the cluster file lays out
+      each region).
+
+    Args:
+        cfg: the loaded config (preset and overrides applied, :func:`load_config`).
+        overrides: the same ``section.key=value`` strings.
+
+    Raises:
+        ConfigError: naming the first such override, why it has no effect and the fix.
+    """
+    for text in overrides:
+        for section, key in _keys(text):
+            if (why := _why_ignored(cfg, section, key)) is not None:
+                raise ConfigError(f"override {text!r} has no effect: {why}")
