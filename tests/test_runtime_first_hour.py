@@ -305,6 +305,10 @@ def test_no_message_advises_checkpoint_load_without_looking():
     (["train.py", "geomesh.method=diloco", "geomesh.cluster=four_region", "cona.enabled=true",
       "cona.min_gain=0.1"],  # only cona.schedule is read there
      "error: override 'cona.min_gain=0.1' has no effect: a GeoMesh run reads only cona.schedule"),
+    (["train.py", "geomesh.method=diloco", "geomesh.cluster=four_region", "geomesh.overlap=0.1"],
+     "error: override 'geomesh.overlap=0.1' has no effect: geomesh.method=diloco does not read"),
+    (["train.py", "geomesh.method=geomesh", "geomesh.cluster=four_region", "geomesh.fragments=4"],
+     "error: override 'geomesh.fragments=4' has no effect: geomesh.method=geomesh does not read"),
     (["train.py", "cona.enabled=true", "cona.gpu=H100"],  # the wall clock: gpu: null
      "error: cona.gpu applies to the emulated clock"),
     (["train.py", "cona.enabled=true", "cona.schedule=[{after_step: 2, region: a, tp: 2, pp: 1}]"],

@@ -15,6 +15,16 @@ from .job import JobConfig
 from .loading import parse_override
 
 GEOMESH_ON = "geomesh.method=geomesh (or diloco, streaming_diloco, ddp, async)"
+# Keys only one GeoMesh method reads: GeoMesh's own planner, codec and overlap (the other
+# methods run a uniform plan and exchange fp32: geomesh/sync.py), and the fragments of
+# Streaming DiLoCo (geomesh/streaming.py).
+METHOD_ONLY = {
+    **dict.fromkeys(("balance", "plan_tolerance", "inner_lr_scaling", "replan", "compression",
+                     "topk_k", "topk_bits", "compress_update", "error_feedback",
+                     "error_feedback_decay", "overlap"), "geomesh"),
+    **dict.fromkeys(("fragments", "fragment_sync_delay", "fragment_update_alpha",
+                     "fragment_bits"), "streaming_diloco"),
+}
 
 
 def _why_ignored(cfg: JobConfig, section: str, key: str) -> str | None:
@@ -28,6 +38,10 @@ def _why_ignored(cfg: JobConfig, section: str, key: str) -> str | None:
                     "controller does not drive GeoMesh regions); drop it")
     if section == "geomesh" and key != "method" and not geomesh:
         return f"geomesh is off in this job; switch it on with {GEOMESH_ON}, or drop it"
+    if section == "geomesh" and geomesh and METHOD_ONLY.get(key, cfg.geomesh.method) != (
+            method := cfg.geomesh.method):
+        return (f"geomesh.method={method} does not read it (geomesh.method="
+                f"{METHOD_ONLY[key]} does); drop it")
     if section == "parallel" and key in ("tp", "pp") and geomesh:
         return ("a GeoMesh run takes each region's layout from the cluster file (its "
                 "workers' tp and pp); set it there, or drop it")
@@ -48,7 +62,8 @@ def check_overrides_used(cfg: JobConfig, overrides: list[str] | tuple[Any, ...])
 
     - a ``cona.*`` key while ``cona.enabled`` is false, or other than ``cona.schedule``
       in a GeoMesh run;
-    - a ``geomesh.*`` key while ``geomesh.method`` is ``none``;
+    - a ``geomesh.*`` key while ``geomesh.method`` is ``none``, or one that only another
+      method reads (:data:`METHOD_ONLY`);
     - ``parallel.tp`` or ``parallel.pp`` in a GeoMesh run (the cluster file lays out
       each region).
 
