@@ -142,9 +142,12 @@ def render() -> str:
     job = JobConfig()
     lines = ["# Configuration reference", "",
              "Every key a job takes, as `section.key=value` on the command line of "
-             "`train.py` (or in a preset under `model_configs/`).  A `geomesh.*` or "
-             "`cona.*` override needs its feature on (`geomesh.method` other than `none`, "
-             "`cona.enabled=true`); otherwise `train.py` refuses it.  Generated from "
+             "`train.py` (or in a preset under `model_configs/`).  `train.py` refuses an "
+             "override the job would not read: a `geomesh.*` or `cona.*` key with its "
+             "feature off (`geomesh.method` other than `none`, `cona.enabled=true`), a key "
+             "that only another GeoMesh method reads, or `parallel.tp`/`pp` in a GeoMesh "
+             "run, whose cluster file lays out each region (`jobruntime/config/unused.py`).  "
+             "Generated from "
              "`jobruntime/config/` by `python tools/config_reference.py`; do not edit by "
              "hand (a test fails when this page is stale).", ""]
     for section in dataclasses.fields(JobConfig):
