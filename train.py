@@ -17,10 +17,11 @@ Usage::
 
 Exit codes: 0 done, 2 bad input (config, data, tokenizer, checkpoint), with a
 one-line message on stderr naming the problem and the fix; 3 the run was
-interrupted by a lost process or region (one line on every rank; the run
-folder is kept, and the line says whether a checkpoint was committed to resume
-from with ``checkpoint.load``); 130 stopped by Ctrl-C (SIGINT): one line on rank 0
-naming the step and the run folder, whose ``summary.json`` says ``"interrupted": true``.
+interrupted by a lost process or region or by SIGTERM (one line on every rank; the
+run folder is kept, with ``summary.json`` saying ``"interrupted": true`` once a step
+was recorded, and the line says whether a checkpoint was committed to resume from
+with ``checkpoint.load``); 130 stopped by Ctrl-C (SIGINT): one line on rank 0 naming
+the step and the run folder, whose ``summary.json`` says ``"interrupted": true``.
 
 Output (stdout): a log line when each phase longer than a moment starts and
 ends (tokenizer training and tokenising, on first use of a corpus; the model
@@ -132,21 +133,15 @@ def _report_ctrl_c(cfg, run_dir: Path, created: bool, outcome: dict) -> None:
     records tell (steps, TTP, final val ppl: :func:`jobruntime.metrics.summary_from_records`),
     and one line.  A folder this run created that holds no training output is removed,
     as on a bad-input error; a finished run's summary is kept."""
-    from jobruntime.metrics import read_records, summary_from_records, write_json_atomic
     from jobruntime.outputs import RUN_OUTPUTS, last_checkpoint
 
     lead = "\n" if sys.stderr.isatty() else ""  # after the progress bar and the terminal's ^C
-    records = read_records(run_dir / "metrics.jsonl")
-    if "summary" not in outcome and not records and not (run_dir / "checkpoints").is_dir():
+    if (partial := _write_partial_summary(cfg, run_dir, outcome)) is None:
         if created:
             shutil.rmtree(run_dir, ignore_errors=True)
         print(f"{lead}interrupted before the first step; nothing to keep"
               f"{f' (removed {run_dir})' if created else ''}", file=sys.stderr)
         return
-    partial = summary_from_records(records, cfg.to_dict())
-    if "summary" not in outcome:
-        write_json_atomic(run_dir / "summary.json",
-                          {"interrupted": True, **partial, "model": cfg.name})
     steps = partial["steps"]
     held = ", ".join(n for n in (*RUN_OUTPUTS, "config.yaml") if (run_dir / n).exists())
     unit = "outer step" if cfg.geomesh.method != "none" else "step"
@@ -154,6 +149,23 @@ def _report_ctrl_c(cfg, run_dir: Path, created: bool, outcome: dict) -> None:
     print(f"{lead}interrupted at {unit} {steps}; partial results in {run_dir} ({held})"
           + (f"; resume with checkpoint.load={run_dir / 'checkpoints'} (last complete checkpoint:"
              f" {last})" if last else ""), file=sys.stderr)
+
+
+def _write_partial_summary(cfg, run_dir: Path, outcome: dict) -> dict | None:
+    """Rank 0 of a run stopped before its end: ``summary.json`` with ``"interrupted":
+    true`` and what the records tell (:func:`jobruntime.metrics.summary_from_records`),
+    unless the run finished (``outcome`` holds its summary).  Returns that partial
+    summary, or ``None`` where nothing was trained or saved yet (no summary written)."""
+    from jobruntime.metrics import read_records, summary_from_records, write_json_atomic
+
+    records = read_records(run_dir / "metrics.jsonl")
+    if "summary" not in outcome and not records and not (run_dir / "checkpoints").is_dir():
+        return None
+    partial = summary_from_records(records, cfg.to_dict())
+    if "summary" not in outcome:
+        write_json_atomic(run_dir / "summary.json",
+                          {"interrupted": True, **partial, "model": cfg.name})
+    return partial
 
 
 def _run(cfg, run_dir: Path, folder, new_run_dir: bool, outcome: dict) -> int:
@@ -205,10 +217,14 @@ def _run(cfg, run_dir: Path, folder, new_run_dir: bool, outcome: dict) -> int:
     except bad_input as e:
         error = str(e)
     except RunInterrupted as e:  # every rank says it: any of them may be the one left
+        if folder is not None:  # rank 0: what the run did, as after a Ctrl-C
+            _write_partial_summary(cfg, run_dir, outcome)
         exit_interrupted(f"[rank {os.environ.get('RANK', '0')}] {e}")
     except RuntimeError as e:  # a collective whose peer died, in any job and any phase
         if (why := peer_lost(e)) is None:
             raise
+        if folder is not None:
+            _write_partial_summary(cfg, run_dir, outcome)
         exit_interrupted(f"[rank {os.environ.get('RANK', '0')}] another process of this job was "
                          f"lost ({why})")
     else:

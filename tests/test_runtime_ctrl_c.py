@@ -74,6 +74,36 @@ def test_ctrl_c_on_two_ranks_is_one_line_exit_130_and_a_partial_summary(tmp_path
     assert summary["method"] == "single" and summary["tokens"] == records[-1]["tokens"]
 
 
+def test_sigterm_exits_3_with_a_partial_summary(tmp_path, cache_dir):
+    """Catches a run stopped by SIGTERM (a scheduler's time limit or preemption: SLURM
+    sends it first) that left metrics.jsonl but no ``summary.json``, unlike a Ctrl-C:
+    exit 3, one ``error:`` line, and the summary of what the records say."""
+    import subprocess
+
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, str(REPO / "train.py"), "--run-dir", str(run_dir), *SMALL,
+         f"data.cache_dir={cache_dir}", "train.iters=100000", "train.eval_interval=2",
+         "checkpoint.save_final=false"], cwd=REPO, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 600
+        while not any("val_ppl" in r for r in _records(run_dir / "metrics.jsonl")):
+            assert time.monotonic() < deadline and proc.poll() is None
+            time.sleep(0.5)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    lines = [x for x in err.splitlines() if x.strip()]
+    assert proc.returncode == 3 and len(lines) == 1 and "stopped by signal 15" in lines[0], err
+    summary = json.loads((run_dir / "summary.json").read_text())
+    records = _records(run_dir / "metrics.jsonl")
+    assert summary["interrupted"] is True and summary["steps"] >= records[-1]["step"] >= 2
+    assert summary["mode"] == "single" and summary["final_val_ppl"] is not None
+
+
 def test_summary_from_records_interpolates_ttp_and_counts_cona_switches():
     """Catches a partial summary (an interrupted run; compare_runs without summary.json)
     that leaves TTP, method or switches empty: TTP is interpolated in log perplexity
