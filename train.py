@@ -82,7 +82,8 @@ def check_config(cfg, world_size: int, overrides=()) -> None:
     if cfg.geomesh.method != "none":
         from geomesh.fleet.job_check import check_job  # no torch
 
-        check_job(cfg, world_size)
+        mode = check_job(cfg, world_size).cluster.mode
+        check_overrides_used(cfg, overrides, geomesh_mode=mode)  # real-mode-only keys
     elif not (cfg.cona.enabled and cfg.cona.clock == "emulated"):
         cfg.parallel.validate(cfg.model, world_size)
 

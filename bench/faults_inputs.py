@@ -133,7 +133,8 @@ WRONG_SETTINGS = {
                 ["geomesh.target_model=geomesh/clusters/four_region.yaml"],
                 ["geomesh.cluster=model_configs/tiny_gpt.yaml"],
                 ["cona.enabled=true"], ["parallel.tp=2"],  # the cluster lays out regions
-                ["geomesh.overlap=0.1"], ["geomesh.fragments=4"]],  # other methods' keys
+                ["geomesh.overlap=0.1"], ["geomesh.fragments=4"],  # other methods' keys
+                ["geomesh.heartbeat_s=3"]],  # real mode's; four_region is emulated
     "cona_emulated": [["cona.target_model=gpt3_13b"],
                       ["cona.target_model=geomesh/clusters/four_region.yaml"],
                       ["cona.gpu=Z100"], ["cona.batch_ratio=0"], ["cona.clock=wall", "cona.num_gpus=8"],

@@ -309,6 +309,8 @@ def test_no_message_advises_checkpoint_load_without_looking():
      "error: override 'geomesh.overlap=0.1' has no effect: geomesh.method=diloco does not read"),
     (["train.py", "geomesh.method=geomesh", "geomesh.cluster=four_region", "geomesh.fragments=4"],
      "error: override 'geomesh.fragments=4' has no effect: geomesh.method=geomesh does not read"),
+    (["train.py", "geomesh.method=geomesh", "geomesh.cluster=four_region", "geomesh.heartbeat_s=3"],
+     "error: override 'geomesh.heartbeat_s=3' has no effect: the cluster runs in emulated mode"),
     (["train.py", "cona.enabled=true", "cona.gpu=H100"],  # the wall clock: gpu: null
      "error: cona.gpu applies to the emulated clock"),
     (["train.py", "cona.enabled=true", "cona.schedule=[{after_step: 2, region: a, tp: 2, pp: 1}]"],

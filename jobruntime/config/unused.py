@@ -27,7 +27,11 @@ METHOD_ONLY = {
 }
 
 
-def _why_ignored(cfg: JobConfig, section: str, key: str) -> str | None:
+# GeoMesh keys only real mode reads (one job per region: transport, heartbeats, messages).
+REAL_MODE_ONLY = ("timeout_s", "heartbeat_s", "on_worker_loss", "secret_file")
+
+
+def _why_ignored(cfg: JobConfig, section: str, key: str, geomesh_mode: str | None) -> str | None:
     """Why a job with ``cfg`` reads no ``section.key``, and the fix; ``None`` if it reads it."""
     geomesh = cfg.geomesh.method != "none"
     if section == "cona" and key != "enabled":
@@ -42,6 +46,9 @@ def _why_ignored(cfg: JobConfig, section: str, key: str) -> str | None:
             method := cfg.geomesh.method):
         return (f"geomesh.method={method} does not read it (geomesh.method="
                 f"{METHOD_ONLY[key]} does); drop it")
+    if section == "geomesh" and key in REAL_MODE_ONLY and geomesh_mode == "emulated":
+        return ("the cluster runs in emulated mode, which does not read it (real mode does, "
+                "one job per region); drop it")
     if section == "parallel" and key in ("tp", "pp") and geomesh:
         return ("a GeoMesh run takes each region's layout from the cluster file (its "
                 "workers' tp and pp); set it there, or drop it")
@@ -57,24 +64,28 @@ def _keys(text: str) -> list[tuple[str, str]]:
     return [(keys[0], k) for k in value] if isinstance(value, dict) else []
 
 
-def check_overrides_used(cfg: JobConfig, overrides: list[str] | tuple[Any, ...]) -> None:
+def check_overrides_used(cfg: JobConfig, overrides: list[str] | tuple[Any, ...], *,
+                         geomesh_mode: str | None = None) -> None:
     """Refuse a command-line override that the job would ignore:
 
     - a ``cona.*`` key while ``cona.enabled`` is false, or other than ``cona.schedule``
       in a GeoMesh run;
     - a ``geomesh.*`` key while ``geomesh.method`` is ``none``, or one that only another
-      method reads (:data:`METHOD_ONLY`);
+      method reads (:data:`METHOD_ONLY`), or only real mode reads (:data:`REAL_MODE_ONLY`)
+      where ``geomesh_mode`` is ``emulated``;
     - ``parallel.tp`` or ``parallel.pp`` in a GeoMesh run (the cluster file lays out
       each region).
 
     Args:
         cfg: the loaded config (preset and overrides applied, :func:`load_config`).
         overrides: the same ``section.key=value`` strings.
+        geomesh_mode: the GeoMesh cluster's mode once its file is read (``emulated`` or
+            ``real``); ``None``: not known yet.
 
     Raises:
         ConfigError: naming the first such override, why it has no effect and the fix.
     """
     for text in overrides:
         for section, key in _keys(text):
-            if (why := _why_ignored(cfg, section, key)) is not None:
+            if (why := _why_ignored(cfg, section, key, geomesh_mode)) is not None:
                 raise ConfigError(f"override {text!r} has no effect: {why}")
