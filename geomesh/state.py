@@ -32,7 +32,9 @@ from jobruntime.checkpoint import COMPLETE, CheckpointError, committed_folder
 from jobruntime.faults import fault_point
 
 log = logging.getLogger(__name__)
-_OLD_PLANNER = "geomesh.planner"  # the planner's module before geomesh.fleet (old checkpoints)
+# Modules that held the plan classes when older checkpoints pickled them: the planner's
+# before geomesh.fleet existed, then before the plan had a module of its own.
+_OLD_PLAN_MODULES = ("geomesh.planner", "geomesh.fleet.planner")
 
 
 def save_state(root: Path, step: int, state: dict, *, rank: int, job_leader: bool,
@@ -148,10 +150,9 @@ def load_state(path: str | Path, *, rank: int) -> dict:
             "cluster and process layout it was saved with"
         )
     try:  # tensors, plain containers and the plan only: a pickle that runs code is refused
-        # checkpoints saved before geomesh.fleet existed name the plan classes by their
-        # old module: allowed under that name too
-        with torch.serialization.safe_globals([Plan, WorkerPlan, (Plan, f"{_OLD_PLANNER}.Plan"),
-                                               (WorkerPlan, f"{_OLD_PLANNER}.WorkerPlan")]):
+        # older checkpoints name the plan classes by an old module: allowed under it too
+        old = [(cls, f"{m}.{cls.__name__}") for m in _OLD_PLAN_MODULES for cls in (Plan, WorkerPlan)]
+        with torch.serialization.safe_globals([Plan, WorkerPlan, *old]):
             state = torch.load(f, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - truncated zip, unpickling errors, disallowed globals
         raise CheckpointError(

@@ -326,21 +326,23 @@ def test_bad_geomesh_input_is_one_line_exit_2(results, cache_dir, tmp_path, case
     assert not (tmp_path / "run").exists(), "a failed run left a half-written folder"
 
 
-def test_checkpoint_from_before_the_subpackages_still_loads(tmp_path, monkeypatch):
-    """Catches a resume that breaks on checkpoints written when the planner lived at
-    ``geomesh.planner`` (its Plan pickled under that name): load_state allows the
-    old name for the same class (tests/test_fuzz.py: files that would run code stay
-    refused)."""
+@pytest.mark.parametrize("module", ["geomesh.planner", "geomesh.fleet.planner"])
+def test_checkpoint_from_before_the_subpackages_still_loads(module, tmp_path, monkeypatch):
+    """Catches a resume that breaks on checkpoints written when the plan classes lived
+    in another module (``geomesh.planner``; then ``geomesh.fleet.planner``, before
+    ``geomesh.fleet.plan``: "is damaged (UnpicklingError)"), their Plan pickled under
+    that name: load_state allows the old names for the same class (tests/test_fuzz.py:
+    files that would run code stay refused)."""
     import sys
     import types
 
     from geomesh.fleet.plan import Plan, WorkerPlan
     from geomesh.state import load_state, save_state
 
-    old = types.ModuleType("geomesh.planner")
+    old = types.ModuleType(module)
     old.Plan, old.WorkerPlan = Plan, WorkerPlan
-    monkeypatch.setitem(sys.modules, "geomesh.planner", old)
-    monkeypatch.setattr(Plan, "__module__", "geomesh.planner")
+    monkeypatch.setitem(sys.modules, module, old)
+    monkeypatch.setattr(Plan, "__module__", module)
     plan = Plan(workers=[], target_tokens=1024, tolerance=0.05)
     save_state(tmp_path / "ck", 3, {"method": "geomesh", "round": 3, "outer": {}, "plan": plan},
                rank=0, job_leader=True)
