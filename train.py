@@ -58,7 +58,7 @@ def _error(message: str) -> int:
     return 2
 
 
-def check_config(cfg, world_size: int, overrides=()) -> None:
+def check_config(cfg, world_size: int, overrides: list[str] | tuple[str, ...] = ()) -> None:
     """Every check that needs only the config and the cluster file, before the heavy imports
     and the data (they came 40 s late): each section's settings; no override of a feature
     that is off (:func:`jobruntime.config.check_overrides_used`); that ``data.path``
@@ -74,18 +74,18 @@ def check_config(cfg, world_size: int, overrides=()) -> None:
     from jobruntime.config import ConfigError, check_overrides_used
     from jobruntime.documents import DataError, resolve_data_path  # no torch
 
-    check_overrides_used(cfg, overrides)
     try:
         resolve_data_path(cfg.data.path)
     except DataError as e:
         raise ConfigError(str(e)) from None
+    mode = None  # a GeoMesh cluster's, once its file is read: some keys only real mode reads
     if cfg.geomesh.method != "none":
         from geomesh.fleet.job_check import check_job  # no torch
 
         mode = check_job(cfg, world_size).cluster.mode
-        check_overrides_used(cfg, overrides, geomesh_mode=mode)  # real-mode-only keys
     elif not (cfg.cona.enabled and cfg.cona.clock == "emulated"):
         cfg.parallel.validate(cfg.model, world_size)
+    check_overrides_used(cfg, overrides, geomesh_mode=mode)
 
 
 def main(argv=None) -> int:

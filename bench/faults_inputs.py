@@ -140,7 +140,7 @@ WRONG_SETTINGS = {
                       ["cona.gpu=Z100"], ["cona.batch_ratio=0"], ["cona.clock=wall", "cona.num_gpus=8"],
                       ["cona.global_batch_sizes=[]"], ["cona.global_batch_sizes=[8.5]"],
                       ["cona.batch_ratio=8", "cona.global_batch_sizes=[12]"],
-                      ["cona.clock=wall", "cona.gpu=H100"]],
+                      ["cona.clock=wall", "cona.step_dilation=4"]],
 }
 
 

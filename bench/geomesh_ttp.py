@@ -152,19 +152,14 @@ def overrides(mode: str, method: str, wandb: str, group: str) -> list[str]:
     return out
 
 
-# Settings only GeoMesh reads: a baseline's run is the same run whatever they say.
-GEOMESH_ONLY = ("compression", "error_feedback", "error_feedback_decay", "compress_update",
-                "topk_k", "topk_bits", "overlap", "plan_tolerance", "balance", "inner_lr_scaling",
-                "replan")
-# Settings only streaming_diloco reads (added after runs of the other methods were saved
-# without them: a saved run that lacks them is still the same run).
-STREAMING_ONLY = ("fragments", "fragment_sync_delay", "fragment_update_alpha", "fragment_bits")
 
 
 def _reused(cfg, folder: Path) -> dict | None:
     """``folder``'s summary if it finished with exactly ``cfg`` (logging aside, and the
     settings its method does not read: GeoMesh-only, streaming-only)."""
     import yaml
+
+    from jobruntime.config.unused import METHOD_ONLY
 
     done, saved = folder / "summary.json", folder / "config.yaml"
     if not (done.exists() and saved.exists()):
@@ -175,9 +170,10 @@ def _reused(cfg, folder: Path) -> dict | None:
         d = {k: v for k, v in d.items()
              if k != "logging" and not (k == "cona" and not v.get("enabled"))}
         method = d["geomesh"]["method"]
-        unread = (GEOMESH_ONLY if method != "geomesh" else ()) + \
-            (STREAMING_ONLY if method != "streaming_diloco" else ())
-        d["geomesh"] = {k: v for k, v in d["geomesh"].items() if k not in unread}
+        # settings only another method reads (jobruntime.config.unused.METHOD_ONLY; the
+        # fragments' keys came after runs of the other methods were saved without them)
+        d["geomesh"] = {k: v for k, v in d["geomesh"].items()
+                        if METHOD_ONLY.get(k, method) == method}
         return d
 
     mine = cfg.to_dict()  # a run records its padded vocabulary as resolved at the start

@@ -57,7 +57,10 @@ def test_reuse_ignores_settings_a_method_does_not_read(tmp_path):
         (folder / "summary.json").write_text(json.dumps({"ttp_s": 1.0}))
         return cfg, folder
 
-    cfg, folder = saved("diloco", drop=ttp.STREAMING_ONLY)  # as the older code saved it
+    from jobruntime.config.unused import METHOD_ONLY
+
+    streaming_only = tuple(k for k, m in METHOD_ONLY.items() if m == "streaming_diloco")
+    cfg, folder = saved("diloco", drop=streaming_only)  # as the older code saved it
     assert ttp._reused(cfg, folder) == {"ttp_s": 1.0}
     cfg, folder = saved("diloco", fragment_bits=4)  # a key diloco does not read
     assert ttp._reused(cfg, folder) is not None

@@ -302,17 +302,14 @@ def test_no_message_advises_checkpoint_load_without_looking():
      "error: override 'geomesh={outer_steps: 3}' has no effect: geomesh is off"),
     (["train.py", "geomesh.method=diloco", "geomesh.cluster=four_region", "parallel.tp=2"],
      "error: override 'parallel.tp=2' has no effect: a GeoMesh run takes each region's layout"),
-    (["train.py", "geomesh.method=diloco", "geomesh.cluster=four_region", "cona.enabled=true",
-      "cona.min_gain=0.1"],  # only cona.schedule is read there
-     "error: override 'cona.min_gain=0.1' has no effect: a GeoMesh run reads only cona.schedule"),
     (["train.py", "geomesh.method=diloco", "geomesh.cluster=four_region", "geomesh.overlap=0.1"],
      "error: override 'geomesh.overlap=0.1' has no effect: geomesh.method=diloco does not read"),
     (["train.py", "geomesh.method=geomesh", "geomesh.cluster=four_region", "geomesh.fragments=4"],
      "error: override 'geomesh.fragments=4' has no effect: geomesh.method=geomesh does not read"),
     (["train.py", "geomesh.method=geomesh", "geomesh.cluster=four_region", "geomesh.heartbeat_s=3"],
      "error: override 'geomesh.heartbeat_s=3' has no effect: the cluster runs in emulated mode"),
-    (["train.py", "cona.enabled=true", "cona.gpu=H100"],  # the wall clock: gpu: null
-     "error: cona.gpu applies to the emulated clock"),
+    (["train.py", "cona.enabled=true", "cona.step_dilation=4"],  # ignored on the wall clock
+     "error: cona.step_dilation applies to the emulated clock"),
     (["train.py", "cona.enabled=true", "cona.schedule=[{after_step: 2, region: a, tp: 2, pp: 1}]"],
      "error: cona.schedule switches the layouts of GeoMesh regions; it needs a GeoMesh run"),
     (["train.py", "cona.enabled=true", "train.zero_shot_tasks=[tools/samples/piqa_synthetic.jsonl]"],
@@ -447,3 +444,22 @@ def test_a_home_folder_in_an_override_is_expanded(tmp_path, monkeypatch):
         f"{tmp_path}/corpus.jsonl", f"{tmp_path}/cache", f"{tmp_path}/ckpt")
     assert parse_override("train.iters=5")[1] == 5  # other values as YAML reads them
     assert parse_override("logging.name=a~b")[1] == "a~b"
+
+
+def test_a_geomesh_run_reads_only_the_cona_keys_of_a_layout_switch():
+    """Catches a ``cona.*`` override that a GeoMesh run with a layout schedule ignores
+    (its regions switch on ``cona.schedule``; CONA's controller does not run) accepted,
+    or ``cona.switch_timeout_s``, which a region's switch does read, refused."""
+    from jobruntime.config import ConfigError, check_overrides_used, load_config
+
+    base = ["geomesh.method=geomesh", "geomesh.cluster=four_region", "cona.enabled=true",
+            "cona.schedule=[{after_step: 1, region: West Europe, tp: 2, pp: 1}]"]
+    for key, read in [("cona.switch_timeout_s=60", True), ("cona.min_gain=0.1", False),
+                      ("cona.clock=emulated", False)]:
+        cfg = load_config("tiny_gpt", [*base, key])
+        if read:
+            check_overrides_used(cfg, [*base, key])
+        else:
+            with pytest.raises(ConfigError, match=rf"'{key}' has no effect: a GeoMesh run "
+                                                  "reads only cona.schedule"):
+                check_overrides_used(cfg, [*base, key])

@@ -13,7 +13,7 @@ from .base import (
 from .parallel import MAX_GLOBAL_BATCH
 
 # Settings only CONA's emulated clock reads (the wall clock times the job it runs).
-_EMULATED_ONLY = ("gpu", "num_gpus", "target_model", "batch_ratio", "step_dilation")
+_EMULATED_ONLY = ("num_gpus", "target_model", "batch_ratio", "step_dilation")
 
 
 @dataclass(kw_only=True)
@@ -30,7 +30,9 @@ class ConaConfig:
     """Global batch sizes (sequences) the enumeration tries; ``None`` =
     ``parallel.global_batch_size`` times 1, 2, 4 and 8."""
     gpu: str = "A100-80GB"
-    """Emulated mode: GPU type whose profile times the target model."""
+    """GPU type whose profile times the strategies: emulated mode, every step of the target
+    model; real mode, the candidates not yet measured, which the controller ranks from
+    this cost model (``cona/cost_model.py``) until it has timed them."""
     num_gpus: int | None = None
     """Emulated mode: device count; ``None`` = world size."""
     target_model: str | None = None

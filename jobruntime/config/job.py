@@ -52,8 +52,7 @@ class JobConfig:
                               "it: CONA on its own chooses its layouts")
         if self.train.zero_shot_tasks and (geomesh or self.cona.enabled):
             raise ConfigError("train.zero_shot_tasks scores the model after an ordinary job; "
-                              "GeoMesh and CONA runs do not run it: unset it and score their "
-                              "final checkpoint with tools/zero_shot.py")
+                              "GeoMesh and CONA runs do not run it: unset it")
 
     def validate(self, world_size: int = 1) -> int:
         """Validate every section; return the DP size for ``world_size`` processes."""

@@ -8,13 +8,17 @@ a preset or a run's saved ``config.yaml`` may keep a feature's settings switched
 
 from __future__ import annotations
 
+import typing
 from typing import Any
 
 from .base import ConfigError
+from .geomesh import GeoMeshConfig
 from .job import JobConfig
 from .loading import parse_override
 
-GEOMESH_ON = "geomesh.method=geomesh (or diloco, streaming_diloco, ddp, async)"
+_METHODS = [m for m in typing.get_args(typing.get_type_hints(GeoMeshConfig)["method"])
+            if m != "none"]
+GEOMESH_ON = f"geomesh.method={_METHODS[0]} (or {', '.join(_METHODS[1:])})"
 # Keys only one GeoMesh method reads: GeoMesh's own planner, codec and overlap (the other
 # methods run a uniform plan and exchange fp32: geomesh/sync.py), and the fragments of
 # Streaming DiLoCo (geomesh/streaming.py).
@@ -37,15 +41,15 @@ def _why_ignored(cfg: JobConfig, section: str, key: str, geomesh_mode: str | Non
     if section == "cona" and key != "enabled":
         if not cfg.cona.enabled:
             return "cona is off in this job; switch it on with cona.enabled=true, or drop it"
-        if geomesh and key != "schedule":
-            return ("a GeoMesh run reads only cona.schedule of the cona section (CONA's "
-                    "controller does not drive GeoMesh regions); drop it")
+        if geomesh and key not in ("schedule", "switch_timeout_s"):  # a region's switch
+            return ("a GeoMesh run reads only cona.schedule and cona.switch_timeout_s of the "
+                    "cona section (CONA's controller does not drive GeoMesh regions); drop it")
     if section == "geomesh" and key != "method" and not geomesh:
         return f"geomesh is off in this job; switch it on with {GEOMESH_ON}, or drop it"
-    if section == "geomesh" and geomesh and METHOD_ONLY.get(key, cfg.geomesh.method) != (
-            method := cfg.geomesh.method):
-        return (f"geomesh.method={method} does not read it (geomesh.method="
-                f"{METHOD_ONLY[key]} does); drop it")
+    reader = METHOD_ONLY.get(key) if section == "geomesh" else None
+    if geomesh and reader is not None and reader != cfg.geomesh.method:
+        return (f"geomesh.method={cfg.geomesh.method} does not read it (geomesh.method="
+                f"{reader} does); drop it")
     if section == "geomesh" and key in REAL_MODE_ONLY and geomesh_mode == "emulated":
         return ("the cluster runs in emulated mode, which does not read it (real mode does, "
                 "one job per region); drop it")
@@ -69,7 +73,7 @@ def check_overrides_used(cfg: JobConfig, overrides: list[str] | tuple[Any, ...],
     """Refuse a command-line override that the job would ignore:
 
     - a ``cona.*`` key while ``cona.enabled`` is false, or other than ``cona.schedule``
-      in a GeoMesh run;
+      and ``cona.switch_timeout_s`` (a region's layout switch) in a GeoMesh run;
     - a ``geomesh.*`` key while ``geomesh.method`` is ``none``, or one that only another
       method reads (:data:`METHOD_ONLY`), or only real mode reads (:data:`REAL_MODE_ONLY`)
       where ``geomesh_mode`` is ``emulated``;
