@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
 import logging
 import os
 import shutil
@@ -121,7 +122,7 @@ def main(argv=None) -> int:
 
     if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not where it is ignored
         signal.signal(signal.SIGINT, on_sigint)  # from here a Ctrl-C is one line, not tracebacks
-    outcome: dict = {}
+    outcome: dict = {"started": time.time()}  # summary.json files older are not this run's
     try:
         return _run(cfg, run_dir, folder, new_run_dir, outcome)
     except KeyboardInterrupt:  # any phase, any job kind (plain, GeoMesh, CONA): one place
@@ -163,10 +164,37 @@ def _write_partial_summary(cfg, run_dir: Path, outcome: dict) -> dict | None:
     if "summary" not in outcome and not records and not (run_dir / "checkpoints").is_dir():
         return None
     partial = summary_from_records(records, cfg.to_dict())
-    if "summary" not in outcome:
+    if "summary" not in outcome and not _finished(run_dir / "summary.json", outcome):
         write_json_atomic(run_dir / "summary.json",
                           {"interrupted": True, **partial, "model": cfg.name})
     return partial
+
+
+def _finished(summary: Path, outcome: dict) -> bool:
+    """This run wrote its full ``summary.json`` (stopped while closing wandb, before
+    ``outcome`` held it): one without ``interrupted``, written since the run started."""
+    try:
+        return (summary.stat().st_mtime >= outcome.get("started", float("inf"))
+                and "interrupted" not in json.loads(summary.read_text()))
+    except (OSError, ValueError):
+        return False
+
+
+def _exit_interrupted(cfg, run_dir: Path, folder, outcome: dict, why: str) -> None:
+    """A run stopped by a lost peer or SIGTERM: rank 0 (the one holding ``folder``) writes
+    the partial ``summary.json``; every rank prints its line and exits 3
+    (:func:`jobruntime.faults.exit_interrupted`).  A further SIGTERM (the launcher's,
+    after a scheduler's) is ignored from here: it raised inside this handler, a traceback
+    and exit 1."""
+    from jobruntime.faults import exit_interrupted
+
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if folder is not None:
+        try:
+            _write_partial_summary(cfg, run_dir, outcome)
+        except OSError as e:  # a full disk: the exit line still says what happened
+            print(f"warning: no partial summary.json in {run_dir} ({e})", file=sys.stderr)
+    exit_interrupted(f"[rank {os.environ.get('RANK', '0')}] {why}")
 
 
 def _run(cfg, run_dir: Path, folder, new_run_dir: bool, outcome: dict) -> int:
@@ -175,7 +203,6 @@ def _run(cfg, run_dir: Path, folder, new_run_dir: bool, outcome: dict) -> int:
     from jobruntime.faults import (
         RunInterrupted,
         ctrl_c_pressed,
-        exit_interrupted,
         note_run_dir,
         peer_lost,
     )
@@ -218,16 +245,12 @@ def _run(cfg, run_dir: Path, folder, new_run_dir: bool, outcome: dict) -> int:
     except bad_input as e:
         error = str(e)
     except RunInterrupted as e:  # every rank says it: any of them may be the one left
-        if folder is not None:  # rank 0: what the run did, as after a Ctrl-C
-            _write_partial_summary(cfg, run_dir, outcome)
-        exit_interrupted(f"[rank {os.environ.get('RANK', '0')}] {e}")
+        _exit_interrupted(cfg, run_dir, folder, outcome, str(e))
     except RuntimeError as e:  # a collective whose peer died, in any job and any phase
         if (why := peer_lost(e)) is None:
             raise
-        if folder is not None:
-            _write_partial_summary(cfg, run_dir, outcome)
-        exit_interrupted(f"[rank {os.environ.get('RANK', '0')}] another process of this job was "
-                         f"lost ({why})")
+        _exit_interrupted(cfg, run_dir, folder, outcome,
+                          f"another process of this job was lost ({why})")
     else:
         error = None
     finally:

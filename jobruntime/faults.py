@@ -162,6 +162,10 @@ def exit_interrupted(message: str) -> None:
         _EXIT.acquire()
         _exit_now(EXIT_CTRL_C)
     _EXIT.acquire()
+    if threading.current_thread() is threading.main_thread():
+        # the launcher's SIGTERM, arriving while this exits, raised in train.py's handler
+        # mid-exit: a traceback and exit 1 instead of this line and exit 3
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if _run_dir is not None:
         message = f"{message}; {resume_advice(_run_dir)}"
     print(f"error: {message}", file=sys.stderr, flush=True)

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from jobruntime.config.unused import REAL_MODE_ONLY
 from tests.dist_utils import free_port
 from tests.test_geomesh_launch import SMALL, _env, _launch
 
@@ -44,10 +45,11 @@ def four(cache_dir, tmp_path_factory):
     cluster.write_text(yaml.safe_dump(raw))
     common = [f"data.cache_dir={cache_dir}", *COMMON]
     real = _launch(cluster, root / "real", *common, timeout=900)
+    real_only = tuple(f"geomesh.{k}=" for k in REAL_MODE_ONLY)  # train.py refuses them here
     emu = subprocess.run(
         [sys.executable, str(REPO / "train.py"), "--config", "tiny_gpt", "--run-dir",
          str(root / "emulated"), f"geomesh.cluster={cluster}", "geomesh.mode=emulated",
-         "geomesh.method=geomesh", *common],
+         "geomesh.method=geomesh", *(o for o in common if not o.startswith(real_only))],
         cwd=REPO, capture_output=True, text=True, timeout=600, env=_env())
     return root, real, emu
 

@@ -104,6 +104,49 @@ def test_sigterm_exits_3_with_a_partial_summary(tmp_path, cache_dir):
     assert summary["mode"] == "single" and summary["final_val_ppl"] is not None
 
 
+def test_a_finished_summary_is_not_replaced_by_a_partial_one(tmp_path):
+    """Catches a stop in the seconds between the run writing its summary.json and
+    returning (wandb closing) that replaced the full summary (zero-shot scores, device)
+    with a partial one; a summary older than the run (a resumed folder's) is replaced."""
+    import train
+    from jobruntime.config import load_config
+
+    cfg = load_config("tiny_gpt")
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 3, "tokens": 9, "time_s": 1.0})
+                                            + "\n")
+    outcome = {"started": time.time() - 60}
+    (tmp_path / "summary.json").write_text(json.dumps({"mode": "single", "zero_shot": []}))
+    assert train._write_partial_summary(cfg, tmp_path, outcome)["steps"] == 3
+    assert "interrupted" not in json.loads((tmp_path / "summary.json").read_text())
+    outcome["started"] = time.time() + 60  # the summary is older: an earlier run's
+    train._write_partial_summary(cfg, tmp_path, outcome)
+    assert json.loads((tmp_path / "summary.json").read_text())["interrupted"] is True
+
+
+def test_a_sigterm_while_exiting_interrupted_is_ignored():
+    """Catches the launcher's SIGTERM, arriving while a rank exits after a lost peer
+    (bench/faults.py's cona_switch_killed: it came while exit_interrupted killed the
+    rank's child processes), raising in train.py's SIGTERM handler: a traceback and exit 1
+    instead of one line and exit 3."""
+    import subprocess
+
+    script = (
+        "import os, signal\n"
+        "from jobruntime import faults\n"
+        "def handler(signum, frame):\n"
+        "    raise RuntimeError('the SIGTERM handler ran mid-exit')\n"
+        "signal.signal(signal.SIGTERM, handler)\n"
+        "real = faults._exit_now\n"
+        "def exit_now(code):\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)\n"
+        "    real(code)\n"
+        "faults._exit_now = exit_now\n"
+        "faults.exit_interrupted('a peer was lost')\n")
+    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 3 and proc.stderr.strip() == "error: a peer was lost", proc.stderr
+
+
 def test_summary_from_records_interpolates_ttp_and_counts_cona_switches():
     """Catches a partial summary (an interrupted run; compare_runs without summary.json)
     that leaves TTP, method or switches empty: TTP is interpolated in log perplexity
