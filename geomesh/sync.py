@@ -183,7 +183,7 @@ class OuterLoop(RoundFigures):
                                        dp_in=pl.dp_in, dp_in_rank=pl.dp_in_rank)
                         for i in pl.workers}
         self.lr_scales = LrScale(ctx.layout_cfg, self.schedules, ctx.reference_batch,
-                                 g.inner_lr_scaling)
+                                 g.inner_lr_rule)
         self.first = self.workers[pl.workers[0]]
         self.theta = self.first.trainer.get_params()  # θ_global, fp32, this rank's shard
         self.layout = layout_map(self.first.trainer.module)  # this rank's shards, canonical
@@ -521,10 +521,16 @@ class OuterLoop(RoundFigures):
                      [s.target.inner_steps for s in self.next_steps])
 
     def follow_members(self, step: int) -> None:
-        """One job per region: re-plan for the next round's workers (lost or joined)."""
+        """One job per region: re-plan for the next round's workers (lost or joined).
+        GeoMesh balances the present workers; a uniform method (DiLoCo) keeps every
+        worker's share ``G/K`` (it took GeoMesh's balanced plan after a loss)."""
         if self.ft is None or self.members == self.ft.members:
             return
         self.members = list(self.ft.members)
+        if not self.geomesh:
+            log.info("outer step %d: %d worker(s), each at its uniform share", step,
+                     len(self.members))
+            return
         self.plan = plan_for_members(self.ctx.planner, self.plan,
                                      [self.cl.workers[k].name for k in self.members])
         self.next_steps, self.history = _proxy(self.ctx, self.plan), {}

@@ -269,7 +269,7 @@ class InnerWorker:
         self.index = index
         self.dataset = dataset
         self.reference_batch = reference_batch
-        self.lr_scaling = cfg.geomesh.inner_lr_scaling
+        self.lr_scaling = cfg.geomesh.inner_lr_rule
         self.dp_in, self.dp_in_rank = dp_in, dp_in_rank
         set_seed(cfg.train.seed)  # every worker builds the same initial model
         self.trainer = Trainer(self.cfg, dp_group=dp_group)

@@ -154,7 +154,7 @@ def target_reached_line(target_ppl: float, step: str, time_s: float, clock: str)
     ``"outer step 4"``); ``time_s`` is that evaluation's clock, seconds.  The results line's
     TTP is earlier: :class:`TTPTracker` interpolates the crossing."""
     return (f"target perplexity {target_ppl:g} reached at the evaluation of {step} "
-            f"({time_s:.1f} s, {clock} clock; TTP is interpolated between evaluations)")
+            f"({time_s:,.1f} s, {clock} clock; TTP is interpolated between evaluations)")
 
 
 @dataclass

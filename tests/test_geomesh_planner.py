@@ -362,3 +362,23 @@ def test_speed_model_fit_drift_and_state():
     back.load_state_dict(json.loads(json.dumps(s2.state_dict())))
     assert back.samples == s2.samples and back.overhead == s2.overhead
     assert s2.restrict([]).samples == {} and s2.restrict(["w"]).samples == s2.samples
+
+
+def test_a_uniform_method_keeps_its_uniform_plan_and_learning_rate():
+    """Catches DiLoCo (a uniform method) taking GeoMesh's balanced plan after a worker
+    was lost or joined (``OuterLoop.follow_members`` re-planned for every method), and
+    scaling its inner LR by ``geomesh.inner_lr_scaling`` where its per-worker batch only
+    rounds ``G/K`` (the setting's docstring: uniform methods are unaffected)."""
+    import types
+
+    from geomesh.sync import OuterLoop
+    from jobruntime.config import load_config
+
+    base = ["geomesh.cluster=four_region", "geomesh.inner_lr_scaling=sqrt"]
+    assert load_config("tiny_gpt", ["geomesh.method=diloco", *base]).geomesh.inner_lr_rule == "none"
+    assert load_config("tiny_gpt", ["geomesh.method=geomesh", *base]).geomesh.inner_lr_rule == "sqrt"
+    plan = object()
+    loop = types.SimpleNamespace(ft=types.SimpleNamespace(members=[0, 2]), members=[0, 1, 2],
+                                 geomesh=False, plan=plan, next_steps=None)
+    OuterLoop.follow_members(loop, 3)  # a uniform method: no planner is asked
+    assert loop.members == [0, 2] and loop.plan is plan and loop.next_steps is None

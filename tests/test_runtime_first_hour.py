@@ -434,16 +434,18 @@ def test_a_missing_absolute_data_path_names_no_folder_it_was_not_looked_in(tmp_p
 def test_a_home_folder_in_an_override_is_expanded(tmp_path, monkeypatch):
     """Catches ``data.cache_dir=~/cache`` making a folder named ``~`` in the working
     directory and ``data.tokenizer=~/tok.model`` "not found": the shell expands no ``~``
-    after ``section.key=``, so the override parser does, for every key."""
-    from jobruntime.config import load_config, parse_override
+    after ``section.key=``, so the config loader does, in every key that names a path
+    (list items and a section given whole too), and in no other key."""
+    from jobruntime.config import load_config
 
     monkeypatch.setenv("HOME", str(tmp_path))
-    cfg = load_config("tiny_gpt", ["data.path=~/corpus.jsonl", "data.cache_dir=~/cache",
-                                   "checkpoint.load=~/ckpt"])
+    cfg = load_config("tiny_gpt", ["data.path=~/corpus.jsonl", "data={cache_dir: ~/cache}",
+                                   "checkpoint.load=~/ckpt", "train.zero_shot_tasks=[~/p.jsonl]",
+                                   "logging.name=~run"])
     assert (cfg.data.path, cfg.data.cache_dir, cfg.checkpoint.load) == (
         f"{tmp_path}/corpus.jsonl", f"{tmp_path}/cache", f"{tmp_path}/ckpt")
-    assert parse_override("train.iters=5")[1] == 5  # other values as YAML reads them
-    assert parse_override("logging.name=a~b")[1] == "a~b"
+    assert cfg.train.zero_shot_tasks == [f"{tmp_path}/p.jsonl"]
+    assert cfg.logging.name == "~run"  # a name, not a path
 
 
 def test_a_geomesh_run_reads_only_the_cona_keys_of_a_layout_switch():

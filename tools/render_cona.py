@@ -365,14 +365,15 @@ def cona_ttp_bars(r: dict, families: tuple[str, ...] = ("gpt3_1.3b", "llama3.2_1
         meth = m["methods"]
         cona = meth["cona"]
         rec = meth.get("static_recipe") or {}
-        recipe[f] = _ratio(rec.get("ttp_s") or _mean_lower_bound(rec), cona["ttp_s"])
+        recipe_s = rec.get("ttp_s") or _mean_lower_bound(rec)
+        recipe[f] = _ratio(recipe_s, cona["ttp_s"])
         above = "> " if rec.get("ttp_s") is None and recipe[f] else ""
         so = (meth.get("static_oracle") or {}).get("ttp_s_by_seed") or []
         per_seed = [_ratio(a, b) for a, b in zip(so, cona.get("ttp_s_by_seed") or [])]
         oracle[f] = None if not per_seed or None in per_seed else min(per_seed)
         chain_s = (meth.get("oracle_chain") or {}).get("ttp_s")
         chain[f] = _ratio(chain_s, cona["ttp_s"])
-        ceiling = _ratio(rec.get("ttp_s") or _mean_lower_bound(rec), chain_s)
+        ceiling = _ratio(recipe_s, chain_s)
         layout[f] = sum(cona.get("layout_switches_by_seed") or [cona.get("layout_switches", 0)])
         growth[f] = m.get("noise_scale_growth_direct")
         rows.append(f"| {f} | {above}{_fmt(recipe[f])} | {above if ceiling else ''}"

@@ -37,6 +37,6 @@ from .unused import check_overrides_used
 __all__ = [
     "MODEL_CONFIGS_DIR", "PAD_MULTIPLE", "REPO_ROOT", "CheckpointConfig", "ConaConfig",
     "ConfigError", "DataConfig", "GeoMeshConfig", "JobConfig", "LoggingConfig", "ModelConfig",
-    "ParallelConfig", "TrainConfig", "check_overrides_used", "did_you_mean", "load_config", "parse_override",
-    "resolve_preset", "save_config",
+    "ParallelConfig", "TrainConfig", "check_overrides_used", "did_you_mean", "load_config",
+    "parse_override", "resolve_preset", "save_config",
 ]

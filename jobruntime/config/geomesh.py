@@ -159,6 +159,14 @@ class GeoMeshConfig:
     """Aggregate by a token-weighted majority of signs, or with trimmed-mean
     scales, instead of equation (1) (``geomesh/wire/guard.py``)."""
 
+    @property
+    def inner_lr_rule(self) -> str:
+        """``inner_lr_scaling`` where it applies: method ``geomesh``, whose planner gives
+        workers different batches; ``none`` for the uniform methods, whose per-worker
+        batch only rounds ``G/K`` (they were scaled by that rounding, 0.89x-1.1x on
+        four_region with ``sqrt``)."""
+        return self.inner_lr_scaling if self.method == "geomesh" else "none"
+
     def validate(self) -> None:
         """Check this section's settings (ranges, combinations, torchft's fragment schedule):
         config only, no cluster file (``geomesh.fleet.cluster.load_cluster`` checks that).

@@ -148,12 +148,7 @@ def check_preset(name: str, setting: str) -> None:
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:
-    """Split ``section.key=value`` into (``[section, key]``, YAML-parsed value).
-
-    A string value that starts with ``~`` is a path under a home folder and is expanded
-    (``os.path.expanduser``): the shell expands no ``~`` after ``section.key=``, so
-    ``data.cache_dir=~/cache`` made a folder named ``~`` in the working directory.
-    """
+    """Split ``section.key=value`` into (``[section, key]``, YAML-parsed value)."""
     if "=" not in text:
         raise ConfigError(f"override {text!r} must look like section.key=value")
     key, raw = text.split("=", 1)
@@ -164,9 +159,27 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     except yaml.YAMLError as e:
         raise ConfigError(f"override {text!r}: value is not valid YAML "
                           f"({' '.join(str(e).split())})") from None
-    if isinstance(value, str) and value.startswith("~"):
-        value = os.path.expanduser(value)
     return key.split("."), value
+
+
+# Keys that name files or folders: a leading ``~`` in them is a home folder.
+PATH_KEYS = (("data", "path"), ("data", "tokenizer"), ("data", "cache_dir"),
+             ("checkpoint", "load"), ("geomesh", "cluster"), ("geomesh", "target_model"),
+             ("geomesh", "secret_file"), ("cona", "target_model"), ("train", "zero_shot_tasks"))
+
+
+def _expand_home(cfg: JobConfig) -> None:
+    """Expand a leading ``~`` in every :data:`PATH_KEYS` value (``os.path.expanduser``;
+    list items too): the shell expands none after ``section.key=``, so
+    ``data.cache_dir=~/cache`` made a folder named ``~`` in the working directory."""
+    def expand(v: Any) -> Any:
+        if isinstance(v, list):
+            return [expand(x) for x in v]
+        return os.path.expanduser(v) if isinstance(v, str) and v.startswith("~") else v
+
+    for section, key in PATH_KEYS:
+        part = getattr(cfg, section)
+        setattr(part, key, expand(getattr(part, key)))
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple = ()) -> JobConfig:
@@ -197,6 +210,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple = (
         for k in reversed(keys):
             nested = {k: nested}
         _apply(cfg, nested, "")
+    _expand_home(cfg)
     return cfg
 
 
