@@ -45,7 +45,9 @@ from pathlib import Path
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    help_text = __doc__.replace("``", "").replace("::\n", ":\n")  # the docstring's RST, as text
+    p = argparse.ArgumentParser(description=help_text,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default="tiny_gpt", help="preset name or YAML file (default: tiny_gpt)")
     p.add_argument("--run-dir", default=None, help="output folder (default: runs/<preset>-<time>)")
     p.add_argument("overrides", nargs="*", help="section.key=value overrides (every key, its "

@@ -217,7 +217,8 @@ def test_help_has_no_broken_line_continuation():
     docstring was not raw), so the help showed ``c10d        --rdzv-endpoint``.  Every
     backslash in the help must end a line that the next, indented, line continues; and
     no string literal in the project may end a line with an unescaped backslash.  The
-    help names the page that lists every override key (it named none)."""
+    help names the page that lists every override key (it named none), in plain text
+    (it showed the docstring's ``Usage::`` and double backticks)."""
     proc = subprocess.run([sys.executable, str(REPO / "train.py"), "--help"], cwd=REPO,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
@@ -230,6 +231,7 @@ def test_help_has_no_broken_line_continuation():
     assert any("--rdzv-backend c10d \\" in ln for ln in lines)
     reference = re.search(r"docs/configuration\.md", " ".join(proc.stdout.split()))  # the keys
     assert reference and (REPO / reference.group(0)).is_file(), proc.stdout
+    assert "``" not in proc.stdout and "::" not in proc.stdout, "reStructuredText markup"
     for path in [*REPO.glob("*.py"), *REPO.glob("*/**/*.py")]:
         if path.relative_to(REPO).parts[0] in {".git", "build", ".venv", "runs"}:
             continue
