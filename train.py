@@ -52,7 +52,10 @@ def parse_args(argv):
     p.add_argument("--run-dir", default=None, help="output folder (default: runs/<preset>-<time>)")
     p.add_argument("overrides", nargs="*", help="section.key=value overrides (every key, its "
                    "default and range: docs/configuration.md)")
-    return p.parse_intermixed_args(argv)  # overrides may come before and after --run-dir
+    args = p.parse_intermixed_args(argv)  # overrides may come before and after --run-dir
+    if args.run_dir:  # --run-dir=~/x reaches here unexpanded: it made a folder named "~"
+        args.run_dir = os.path.expanduser(args.run_dir)
+    return args
 
 
 def _error(message: str) -> int:
@@ -224,8 +227,9 @@ def _run(cfg, run_dir: Path, folder, new_run_dir: bool, outcome: dict) -> int:
     launched = "TORCHELASTIC_RUN_ID" in os.environ  # set by torchrun for its workers
 
     def _terminated(signum, frame):  # torchrun stops the other ranks when one dies
-        why = ("the launcher stops every rank when one fails; see that rank's error"
-               if launched else "sent by another process, e.g. a scheduler or timeout")
+        why = ("from the launcher, which stops every rank when it is stopped itself or when a "
+               "rank fails; see the other ranks' errors, if any" if launched
+               else "sent by another process, e.g. a scheduler or timeout")
         raise RunInterrupted(f"stopped by signal {signum} ({why})")  # exit_interrupted: how to resume
 
     signal.signal(signal.SIGTERM, _terminated)

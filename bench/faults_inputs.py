@@ -134,7 +134,8 @@ WRONG_SETTINGS = {
                 ["geomesh.cluster=model_configs/tiny_gpt.yaml"],
                 ["cona.enabled=true"], ["parallel.tp=2"],  # the cluster lays out regions
                 ["geomesh.overlap=0.1"], ["geomesh.fragments=4"],  # other methods' keys
-                ["geomesh.heartbeat_s=3"]],  # real mode's; four_region is emulated
+                ["geomesh.heartbeat_s=3"],  # real mode's; four_region is emulated
+                ["train.iters=4"]],  # a GeoMesh run lasts geomesh.outer_steps rounds
     "cona_emulated": [["cona.target_model=gpt3_13b"],
                       ["cona.target_model=geomesh/clusters/four_region.yaml"],
                       ["cona.gpu=Z100"], ["cona.batch_ratio=0"], ["cona.clock=wall", "cona.num_gpus=8"],

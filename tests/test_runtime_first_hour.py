@@ -304,6 +304,12 @@ def test_no_message_advises_checkpoint_load_without_looking():
      "error: override 'geomesh={outer_steps: 3}' has no effect: geomesh is off"),
     (["train.py", "geomesh.method=diloco", "geomesh.cluster=four_region", "parallel.tp=2"],
      "error: override 'parallel.tp=2' has no effect: a GeoMesh run takes each region's layout"),
+    (["train.py", "geomesh.method=geomesh", "geomesh.cluster=four_region", "train.iters=4"],
+     "error: override 'train.iters=4' has no effect: a GeoMesh run does not read it"),  # 10 rounds
+    (["train.py", "geomesh.method=ddp", "geomesh.cluster=four_region", "geomesh.outer_lr=0.5"],
+     "error: override 'geomesh.outer_lr=0.5' has no effect: geomesh.method=ddp does not read it"),
+    (["train.py", "cona.enabled=true", "cona.clock=emulated", "parallel.tp=2"],
+     "error: override 'parallel.tp=2' has no effect: CONA's emulated clock picks the start"),
     (["train.py", "geomesh.method=diloco", "geomesh.cluster=four_region", "geomesh.overlap=0.1"],
      "error: override 'geomesh.overlap=0.1' has no effect: geomesh.method=diloco does not read"),
     (["train.py", "geomesh.method=geomesh", "geomesh.cluster=four_region", "geomesh.fragments=4"],
@@ -467,3 +473,15 @@ def test_a_geomesh_run_reads_only_the_cona_keys_of_a_layout_switch():
             with pytest.raises(ConfigError, match=rf"'{key}' has no effect: a GeoMesh run "
                                                   "reads only cona.schedule"):
                 check_overrides_used(cfg, [*base, key])
+
+
+def test_a_home_folder_in_the_run_folder_and_config_options(tmp_path, monkeypatch):
+    """Catches ``--run-dir=~/rd`` (the shell expands no ``~`` after ``=``) making a folder
+    named ``~`` that held a whole run, and ``--config=~/job.yaml`` "not found"."""
+    import train
+    from jobruntime.config import resolve_preset
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "job.yaml").write_text("train: {iters: 3}\n")
+    assert resolve_preset("~/job.yaml") == tmp_path / "job.yaml"
+    assert train.parse_args(["--run-dir=~/rd"]).run_dir == str(tmp_path / "rd")

@@ -113,12 +113,13 @@ def _apply(obj: Any, values: dict, where: str) -> None:
 
 
 def resolve_preset(name_or_path: str | Path) -> Path:
-    """Map ``tiny_gpt`` or ``model_configs/tiny_gpt.yaml`` or any path to a file.
+    """Map ``tiny_gpt`` or ``model_configs/tiny_gpt.yaml`` or any path (``~`` is the home
+    folder: ``--config=~/job.yaml`` reaches it unexpanded) to a file.
 
     Raises:
         ConfigError: no such preset or file.
     """
-    p = Path(name_or_path)
+    p = Path(name_or_path).expanduser()
     candidates = [p, MODEL_CONFIGS_DIR / p, MODEL_CONFIGS_DIR / f"{p}.yaml", REPO_ROOT / p]
     for c in candidates:
         if c.is_file():

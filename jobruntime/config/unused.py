@@ -31,6 +31,21 @@ METHOD_ONLY = {
 }
 
 
+# GeoMesh keys some methods do not read: DDP has no outer step (geomesh/baselines.py); DDP
+# and async exchange no messages a guard checks (geomesh/wire/guard.py runs in sync and
+# streaming only).
+NOT_READ_BY = {
+    **dict.fromkeys(("outer_lr", "outer_momentum", "outer_momentum_warmup"), ("ddp",)),
+    **dict.fromkeys(("max_norm_ratio", "token_tolerance", "robust_aggregation"),
+                    ("ddp", "async")),
+}
+# train.* keys a GeoMesh run replaces with its own (its length and cadence are rounds).
+TRAIN_IN_GEOMESH = {
+    "iters": "it lasts geomesh.outer_steps rounds of geomesh.inner_steps inner steps; set those",
+    "lr_decay_iters": "each worker decays its LR over its own inner steps of the run",
+    "eval_interval": "it evaluates every geomesh.eval_interval outer steps; set that",
+    "max_wall_s": "it stops after geomesh.outer_steps rounds; set that",
+}
 # GeoMesh keys only real mode reads (one job per region: transport, heartbeats, messages).
 REAL_MODE_ONLY = ("timeout_s", "heartbeat_s", "on_worker_loss", "secret_file")
 
@@ -50,12 +65,20 @@ def _why_ignored(cfg: JobConfig, section: str, key: str, geomesh_mode: str | Non
     if geomesh and reader is not None and reader != cfg.geomesh.method:
         return (f"geomesh.method={cfg.geomesh.method} does not read it (geomesh.method="
                 f"{reader} does); drop it")
+    if section == "geomesh" and geomesh and cfg.geomesh.method in NOT_READ_BY.get(key, ()):
+        return f"geomesh.method={cfg.geomesh.method} does not read it; drop it"
+    if section == "train" and geomesh and key in TRAIN_IN_GEOMESH:
+        return f"a GeoMesh run does not read it: {TRAIN_IN_GEOMESH[key]}"
     if section == "geomesh" and key in REAL_MODE_ONLY and geomesh_mode == "emulated":
         return ("the cluster runs in emulated mode, which does not read it (real mode does, "
                 "one job per region); drop it")
     if section == "parallel" and key in ("tp", "pp") and geomesh:
         return ("a GeoMesh run takes each region's layout from the cluster file (its "
                 "workers' tp and pp); set it there, or drop it")
+    if (section == "parallel" and key in ("tp", "pp") and cfg.cona.enabled
+            and cfg.cona.clock == "emulated"):
+        return ("CONA's emulated clock picks the start layout from its candidates; give "
+                "cona.candidates to choose it, or drop it")
     return None
 
 
@@ -77,8 +100,10 @@ def check_overrides_used(cfg: JobConfig, overrides: list[str] | tuple[Any, ...],
     - a ``geomesh.*`` key while ``geomesh.method`` is ``none``, or one that only another
       method reads (:data:`METHOD_ONLY`), or only real mode reads (:data:`REAL_MODE_ONLY`)
       where ``geomesh_mode`` is ``emulated``;
+    - a ``geomesh.*`` key that the method does not read (:data:`NOT_READ_BY`), or a
+      ``train.*`` key that a GeoMesh run replaces with its own (:data:`TRAIN_IN_GEOMESH`);
     - ``parallel.tp`` or ``parallel.pp`` in a GeoMesh run (the cluster file lays out
-      each region).
+      each region) or on CONA's emulated clock (CONA picks the start layout).
 
     Args:
         cfg: the loaded config (preset and overrides applied, :func:`load_config`).
