@@ -143,12 +143,10 @@ def render() -> str:
     lines = ["# Configuration reference", "",
              "Every key a job takes, as `section.key=value` on the command line of "
              "`train.py` (or in a preset under `model_configs/`).  `train.py` refuses an "
-             "override the job would not read: a `geomesh.*` or `cona.*` key with its "
-             "feature off (`geomesh.method` other than `none`, `cona.enabled=true`), a key "
-             "that only another GeoMesh method (or only real mode, on an emulated cluster) "
-             "reads, or `parallel.tp`/`pp` in a GeoMesh "
-             "run, whose cluster file lays out each region (`jobruntime/config/unused.py`).  "
-             "Generated from "
+             "override the job would not read, e.g. a `cona.*` key without "
+             "`cona.enabled=true` or `train.iters` in a GeoMesh run (whose length is "
+             "`geomesh.outer_steps`); the message names the setting that would count, and "
+             "`jobruntime/config/unused.py` lists the rules.  Generated from "
              "`jobruntime/config/` by `python tools/config_reference.py`; do not edit by "
              "hand (a test fails when this page is stale).", ""]
     for section in dataclasses.fields(JobConfig):
