@@ -66,12 +66,12 @@ def _error(message: str) -> int:
 
 def check_config(cfg, world_size: int, overrides: list[str] | tuple[str, ...] = ()) -> None:
     """Every check that needs only the config and the cluster file, before the heavy imports
-    and the data (they came 40 s late): each section's settings; no override of a feature
-    that is off (:func:`jobruntime.config.check_overrides_used`); that ``data.path``
+    and the data (they came 40 s late): each section's settings; that ``data.path``
     exists (:func:`jobruntime.documents.resolve_data_path`); a GeoMesh job against its
     cluster file (:func:`geomesh.fleet.job_check.check_job`: the workers' layouts, regions
     and process count come from it); otherwise the layout against ``world_size`` processes
-    (CONA's emulated clock lays out the proxy itself).
+    (CONA's emulated clock lays out the proxy itself); then no override the job would not
+    read (:func:`jobruntime.config.check_overrides_used`, given the cluster's mode).
 
     Raises:
         ConfigError: the first problem, named, with the fix (ClusterError included).
@@ -166,18 +166,22 @@ def _write_partial_summary(cfg, run_dir: Path, outcome: dict) -> dict | None:
     from jobruntime.metrics import read_records, summary_from_records, write_json_atomic
 
     records = read_records(run_dir / "metrics.jsonl")
-    if "summary" not in outcome and not records and not (run_dir / "checkpoints").is_dir():
+    finished = _finished(run_dir / "summary.json", outcome)
+    if not finished and not records and not (run_dir / "checkpoints").is_dir():
         return None
     partial = summary_from_records(records, cfg.to_dict())
-    if "summary" not in outcome and not _finished(run_dir / "summary.json", outcome):
+    if not finished:
         write_json_atomic(run_dir / "summary.json",
                           {"interrupted": True, **partial, "model": cfg.name})
     return partial
 
 
 def _finished(summary: Path, outcome: dict) -> bool:
-    """This run wrote its full ``summary.json`` (stopped while closing wandb, before
-    ``outcome`` held it): one without ``interrupted``, written since the run started."""
+    """This run wrote its full ``summary.json``: ``outcome`` holds it, or it was stopped
+    while closing wandb, before ``outcome`` did (a summary without ``interrupted``,
+    written since the run started)."""
+    if "summary" in outcome:
+        return True
     try:
         return (summary.stat().st_mtime >= outcome.get("started", float("inf"))
                 and "interrupted" not in json.loads(summary.read_text()))

@@ -152,8 +152,6 @@ def overrides(mode: str, method: str, wandb: str, group: str) -> list[str]:
     return out
 
 
-
-
 def _reused(cfg, folder: Path) -> dict | None:
     """``folder``'s summary if it finished with exactly ``cfg`` (logging aside, and the
     settings its method does not read: GeoMesh-only, streaming-only)."""

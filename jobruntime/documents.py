@@ -49,16 +49,22 @@ def resolve_data_path(path: str) -> Path:
         if Path(f"{p}.bin").is_file():
             raise DataError(f"{p}.bin has no {p}.idx beside it; copy both files of the "
                             "indexed dataset (tools/prepare_data.py writes them together)")
-    folder = next((p for p in given.parents if p.exists()), None)  # the deepest that exists
-    where = (f" (looked in {' and '.join(dict.fromkeys(str(b) for b in bases))})"
-             if not given.is_absolute() else
-             f" ({folder} is not a folder)" if folder is not None and not folder.is_dir() else
-             "" if folder == given.parent else f" (no folder {given.parent})")
     raise DataError(
-        f"data file '{path}' not found{where}; "
+        f"data file '{path}' not found{_where_not_found(given, bases)}; "
         "set data.path (--input of tools/prepare_data.py) to a JSONL/.txt file, a folder, a saved "
         "HF dataset or a .bin/.idx prefix"
     )
+
+
+def _where_not_found(given: Path, bases: tuple[Path, ...]) -> str:
+    """Where a missing data path was looked for (a relative one), or what of an absolute
+    one's folder is missing (``""`` where only the file is)."""
+    if not given.is_absolute():
+        return f" (looked in {' and '.join(dict.fromkeys(str(b) for b in bases))})"
+    folder = next((p for p in given.parents if p.exists()), None)  # the deepest that exists
+    if folder is not None and not folder.is_dir():
+        return f" ({folder} is not a folder)"
+    return "" if folder == given.parent else f" (no folder {given.parent})"
 
 
 def is_indexed_prefix(path: Path) -> bool:

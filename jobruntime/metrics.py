@@ -293,8 +293,9 @@ def summary_from_records(records: list[dict], config: dict) -> dict:
             ttp.update(final, r["time_s"], tokens or 0, r.get("step"))
     method = run_method(config)
     clock = records[0].get("clock") if records else None
-    mode = method if method in ("single", "cona") else (  # GeoMesh: the cluster's mode
-        None if clock is None else "emulated" if clock == "emulated" else "real")
+    mode = method  # ``single`` or ``cona``; GeoMesh's is its cluster's, which the clock tells
+    if method not in ("single", "cona"):
+        mode = None if clock is None else ("emulated" if clock == "emulated" else "real")
     out = {"method": method, "mode": mode, "clock": clock,
            "target_ppl": target, **ttp.summary(), "final_val_ppl": final,
            "steps": max((r["step"] for r in records if isinstance(r.get("step"), int)), default=0),

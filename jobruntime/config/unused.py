@@ -52,33 +52,34 @@ REAL_MODE_ONLY = ("timeout_s", "heartbeat_s", "on_worker_loss", "secret_file")
 
 def _why_ignored(cfg: JobConfig, section: str, key: str, geomesh_mode: str | None) -> str | None:
     """Why a job with ``cfg`` reads no ``section.key``, and the fix; ``None`` if it reads it."""
-    geomesh = cfg.geomesh.method != "none"
+    method = cfg.geomesh.method
+    geomesh = method != "none"
     if section == "cona" and key != "enabled":
         if not cfg.cona.enabled:
             return "cona is off in this job; switch it on with cona.enabled=true, or drop it"
         if geomesh and key not in ("schedule", "switch_timeout_s"):  # a region's switch
             return ("a GeoMesh run reads only cona.schedule and cona.switch_timeout_s of the "
                     "cona section (CONA's controller does not drive GeoMesh regions); drop it")
-    if section == "geomesh" and key != "method" and not geomesh:
-        return f"geomesh is off in this job; switch it on with {GEOMESH_ON}, or drop it"
-    reader = METHOD_ONLY.get(key) if section == "geomesh" else None
-    if geomesh and reader is not None and reader != cfg.geomesh.method:
-        return (f"geomesh.method={cfg.geomesh.method} does not read it (geomesh.method="
-                f"{reader} does); drop it")
-    if section == "geomesh" and geomesh and cfg.geomesh.method in NOT_READ_BY.get(key, ()):
-        return f"geomesh.method={cfg.geomesh.method} does not read it; drop it"
+    if section == "geomesh" and key != "method":
+        if not geomesh:
+            return f"geomesh is off in this job; switch it on with {GEOMESH_ON}, or drop it"
+        if METHOD_ONLY.get(key, method) != method:
+            return (f"geomesh.method={method} does not read it (geomesh.method="
+                    f"{METHOD_ONLY[key]} does); drop it")
+        if method in NOT_READ_BY.get(key, ()):
+            return f"geomesh.method={method} does not read it; drop it"
+        if key in REAL_MODE_ONLY and geomesh_mode == "emulated":
+            return ("the cluster runs in emulated mode, which does not read it (real mode "
+                    "does, one job per region); drop it")
     if section == "train" and geomesh and key in TRAIN_IN_GEOMESH:
         return f"a GeoMesh run does not read it: {TRAIN_IN_GEOMESH[key]}"
-    if section == "geomesh" and key in REAL_MODE_ONLY and geomesh_mode == "emulated":
-        return ("the cluster runs in emulated mode, which does not read it (real mode does, "
-                "one job per region); drop it")
-    if section == "parallel" and key in ("tp", "pp") and geomesh:
-        return ("a GeoMesh run takes each region's layout from the cluster file (its "
-                "workers' tp and pp); set it there, or drop it")
-    if (section == "parallel" and key in ("tp", "pp") and cfg.cona.enabled
-            and cfg.cona.clock == "emulated"):
-        return ("CONA's emulated clock picks the start layout from its candidates; give "
-                "cona.candidates to choose it, or drop it")
+    if section == "parallel" and key in ("tp", "pp"):
+        if geomesh:
+            return ("a GeoMesh run takes each region's layout from the cluster file (its "
+                    "workers' tp and pp); set it there, or drop it")
+        if cfg.cona.enabled and cfg.cona.clock == "emulated":
+            return ("CONA's emulated clock picks the start layout from its candidates; give "
+                    "cona.candidates to choose it, or drop it")
     return None
 
 
