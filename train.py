@@ -20,8 +20,9 @@ one-line message on stderr naming the problem and the fix; 3 the run was
 interrupted by a lost process or region or by SIGTERM (one line on every rank; the
 run folder is kept, with ``summary.json`` saying ``"interrupted": true`` once a step
 was recorded, and the line says whether a checkpoint was committed to resume from
-with ``checkpoint.load``); 130 stopped by Ctrl-C (SIGINT): one line on rank 0 naming
-the step and the run folder, whose ``summary.json`` says ``"interrupted": true``.
+with ``--run-dir DIR checkpoint.load=DIR/checkpoints``); 130 stopped by Ctrl-C
+(SIGINT): one line on rank 0 naming the step and the run folder, whose
+``summary.json`` says ``"interrupted": true``.
 
 Output (stdout): a log line when each phase longer than a moment starts and
 ends (tokenizer training and tokenising, on first use of a corpus; the model
@@ -140,7 +141,8 @@ def _report_ctrl_c(cfg, run_dir: Path, created: bool, outcome: dict) -> None:
     records tell (steps, TTP, final val ppl: :func:`jobruntime.metrics.summary_from_records`),
     and one line.  A folder this run created that holds no training output is removed,
     as on a bad-input error; a finished run's summary is kept."""
-    from jobruntime.outputs import RUN_OUTPUTS, last_checkpoint
+    from jobruntime.faults import resume_command
+    from jobruntime.outputs import RUN_OUTPUTS
 
     lead = "\n" if sys.stderr.isatty() else ""  # after the progress bar and the terminal's ^C
     if (partial := _write_partial_summary(cfg, run_dir, outcome)) is None:
@@ -152,10 +154,9 @@ def _report_ctrl_c(cfg, run_dir: Path, created: bool, outcome: dict) -> None:
     steps = partial["steps"]
     held = ", ".join(n for n in (*RUN_OUTPUTS, "config.yaml") if (run_dir / n).exists())
     unit = "outer step" if cfg.geomesh.method != "none" else "step"
-    last = last_checkpoint(run_dir)
+    resume = resume_command(run_dir)
     print(f"{lead}interrupted at {unit} {steps}; partial results in {run_dir} ({held})"
-          + (f"; resume with checkpoint.load={run_dir / 'checkpoints'} (last complete checkpoint:"
-             f" {last})" if last else ""), file=sys.stderr)
+          + (f"; {resume}" if resume else ""), file=sys.stderr)
 
 
 def _write_partial_summary(cfg, run_dir: Path, outcome: dict) -> dict | None:
@@ -194,16 +195,36 @@ def _exit_interrupted(cfg, run_dir: Path, folder, outcome: dict, why: str) -> No
     the partial ``summary.json``; every rank prints its line and exits 3
     (:func:`jobruntime.faults.exit_interrupted`).  A further SIGTERM (the launcher's,
     after a scheduler's) is ignored from here: it raised inside this handler, a traceback
-    and exit 1."""
+    and exit 1.  Stopped before anything was recorded (e.g. while torch imports), a
+    folder this run created is removed, as after a Ctrl-C, and the line says so instead
+    of how to resume."""
     from jobruntime.faults import exit_interrupted
 
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if folder is not None:
         try:
-            _write_partial_summary(cfg, run_dir, outcome)
+            if _write_partial_summary(cfg, run_dir, outcome) is None and folder.created:
+                shutil.rmtree(run_dir, ignore_errors=True)
+                exit_interrupted(f"[rank {os.environ.get('RANK', '0')}] {why}; stopped before "
+                                 f"the first step, nothing to keep (removed {run_dir})",
+                                 advice=False)
         except OSError as e:  # a full disk: the exit line still says what happened
             print(f"warning: no partial summary.json in {run_dir} ({e})", file=sys.stderr)
     exit_interrupted(f"[rank {os.environ.get('RANK', '0')}] {why}")
+
+
+def _on_sigterm(signum, frame) -> None:
+    """SIGTERM handler, from the moment the run folder is claimed (the imports of torch and
+    megatron-core included): raise :class:`jobruntime.faults.RunInterrupted`, which
+    ``train.py`` reports in one line with exit 3 (torchrun stops the other ranks this way
+    when one dies)."""
+    from jobruntime.faults import RunInterrupted
+
+    why = ("from the launcher, which stops every rank when it is stopped itself or when a "
+           "rank fails; see the other ranks' errors, if any"
+           if "TORCHELASTIC_RUN_ID" in os.environ  # set by torchrun for its workers
+           else "sent by another process, e.g. a scheduler or timeout")
+    raise RunInterrupted(f"stopped by signal {signum} ({why})")
 
 
 def _run(cfg, run_dir: Path, folder, new_run_dir: bool, outcome: dict) -> int:
@@ -218,26 +239,18 @@ def _run(cfg, run_dir: Path, folder, new_run_dir: bool, outcome: dict) -> int:
     from jobruntime.logging_utils import phase, setup_logging
     from jobruntime.outputs import RUN_OUTPUTS
 
-    setup_logging(info_stream=sys.stdout)  # progress on stdout, problems on stderr
-    if folder is not None:
-        note_run_dir(run_dir)  # the other ranks learn rank 0's folder when training starts
-    with phase(logging.getLogger("jobruntime"), "loading torch and megatron-core"):
-        from jobruntime.checkpoint import CheckpointError
-        from jobruntime.data import DataError
-        from jobruntime.tokenizer import TokenizerError
-
-    bad_input = (ConfigError, DataError, TokenizerError, CheckpointError)
-
-    launched = "TORCHELASTIC_RUN_ID" in os.environ  # set by torchrun for its workers
-
-    def _terminated(signum, frame):  # torchrun stops the other ranks when one dies
-        why = ("from the launcher, which stops every rank when it is stopped itself or when a "
-               "rank fails; see the other ranks' errors, if any" if launched
-               else "sent by another process, e.g. a scheduler or timeout")
-        raise RunInterrupted(f"stopped by signal {signum} ({why})")  # exit_interrupted: how to resume
-
-    signal.signal(signal.SIGTERM, _terminated)
+    bad_input: tuple[type[Exception], ...] = (ConfigError,)  # the rest once imported
+    signal.signal(signal.SIGTERM, _on_sigterm)
     try:
+        setup_logging(info_stream=sys.stdout)  # progress on stdout, problems on stderr
+        if folder is not None:
+            note_run_dir(run_dir)  # the other ranks learn rank 0's folder when training starts
+        with phase(logging.getLogger("jobruntime"), "loading torch and megatron-core"):
+            from jobruntime.checkpoint import CheckpointError
+            from jobruntime.data import DataError
+            from jobruntime.tokenizer import TokenizerError
+
+        bad_input = (ConfigError, DataError, TokenizerError, CheckpointError)
         if cfg.geomesh.method != "none":
             from geomesh.run import run as run_job
         elif cfg.cona.enabled:

@@ -23,8 +23,8 @@ once per process: it configures a test harness, not the product.
 :class:`RunInterrupted` is the error of a run stopped by a lost peer (not by
 bad input): ``train.py`` prints it on one line on every rank and exits with
 code 3, keeping the run folder; the line ends with :func:`resume_advice`
-(``checkpoint.load=<folder>`` where the run committed a checkpoint, else that it
-must start again).  A collective that fails
+(``--run-dir <folder> checkpoint.load=<folder>/checkpoints`` where the run committed a
+checkpoint, else that it must start again).  A collective that fails
 because a peer process died anywhere else (a checkpoint save, a training step,
 an evaluation) is recognised by :func:`peer_lost` and reported the same way,
 once, in ``train.py``: GeoMesh and CONA map the losses they expect to their own
@@ -123,28 +123,37 @@ def note_run_dir(run_dir: str | Path) -> None:
     _run_dir = Path(run_dir)
 
 
-def resume_advice(run_dir: str | Path) -> str:
-    """What an interrupted run can do next, from what ``run_dir/checkpoints`` holds
-    (:func:`jobruntime.outputs.last_checkpoint`).
-
-    A complete checkpoint there: resume with ``checkpoint.load=<run_dir>/checkpoints``.
-    None (``checkpoint.save_interval`` is 0 by default, and the final checkpoint is
-    written only after the last step): the run starts again, and ``save_interval``
-    makes the next one resumable.
-    """
+def resume_command(run_dir: str | Path) -> str | None:
+    """``resume with --run-dir <run_dir> checkpoint.load=<run_dir>/checkpoints (last
+    complete checkpoint: <name>)``, the arguments that go on with this run in its own
+    folder (one ``metrics.jsonl`` history; :func:`jobruntime.outputs.claim_run_folder`
+    lets a run resume from its folder's own checkpoints), or ``None`` where
+    ``run_dir/checkpoints`` holds no complete checkpoint
+    (:func:`jobruntime.outputs.last_checkpoint`)."""
     from .outputs import last_checkpoint
 
-    root = Path(run_dir) / "checkpoints"
-    if (last := last_checkpoint(run_dir)) is not None:
-        return f"resume with checkpoint.load={root} (last complete checkpoint: {last})"
-    return (f"no checkpoint was committed in {root}, so the run cannot resume: start it again "
-            "(checkpoint.save_interval=N saves every N steps)")
+    if (last := last_checkpoint(run_dir)) is None:
+        return None
+    return (f"resume with --run-dir {run_dir} checkpoint.load={Path(run_dir) / 'checkpoints'} "
+            f"(last complete checkpoint: {last})")
 
 
-def exit_interrupted(message: str) -> None:
+def resume_advice(run_dir: str | Path) -> str:
+    """What an interrupted run can do next: :func:`resume_command` where
+    ``run_dir/checkpoints`` holds a complete checkpoint; else (``checkpoint.save_interval``
+    is 0 by default, and the final checkpoint is written only after the last step) that
+    the run starts again, and that ``save_interval`` makes the next one resumable."""
+    if (command := resume_command(run_dir)) is not None:
+        return command
+    return (f"no checkpoint was committed in {Path(run_dir) / 'checkpoints'}, so the run "
+            "cannot resume: start it again (checkpoint.save_interval=N saves every N steps)")
+
+
+def exit_interrupted(message: str, *, advice: bool = True) -> None:
     """Print ``error: <message>; <resume advice>`` once per process and exit with
     :data:`EXIT_INTERRUPTED`.  The advice (:func:`resume_advice`) is added once the
-    run folder is known (:func:`note_run_dir`).
+    run folder is known (:func:`note_run_dir`) unless ``advice`` is false (the run kept
+    nothing to resume from).
 
     Safe from any thread (a watchdog and the main thread may see the same loss
     at once: the second caller blocks until the process is gone).  No teardown:
@@ -166,7 +175,7 @@ def exit_interrupted(message: str) -> None:
         # the launcher's SIGTERM, arriving while this exits, raised in train.py's handler
         # mid-exit: a traceback and exit 1 instead of this line and exit 3
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    if _run_dir is not None:
+    if advice and _run_dir is not None:
         message = f"{message}; {resume_advice(_run_dir)}"
     print(f"error: {message}", file=sys.stderr, flush=True)
     _exit_now(EXIT_INTERRUPTED)

@@ -104,6 +104,32 @@ def test_sigterm_exits_3_with_a_partial_summary(tmp_path, cache_dir):
     assert summary["mode"] == "single" and summary["final_val_ppl"] is not None
 
 
+def test_sigterm_while_torch_imports_is_one_line_and_leaves_no_folder(tmp_path):
+    """Catches a SIGTERM in the first seconds (torch and megatron-core still importing:
+    the SIGTERM handler was installed after them) that exited by the signal (-15, 143
+    from a shell) with no line and left the run folder it had created, empty.  Now: exit
+    3, one ``error:`` line saying nothing was kept, and no folder."""
+    import subprocess
+
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, str(REPO / "train.py"), "--run-dir", str(run_dir),
+                             *SMALL], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        for line in proc.stdout:  # the phase's first line: the imports start now
+            if "loading torch and megatron-core ..." in line:
+                proc.send_signal(signal.SIGTERM)
+                break
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    lines = [x for x in err.splitlines() if x.strip()]
+    assert proc.returncode == 3 and len(lines) == 1, (proc.returncode, err)
+    assert "stopped by signal 15" in lines[0] and f"removed {run_dir}" in lines[0], err
+    assert not run_dir.exists()
+
+
 def test_a_finished_summary_is_not_replaced_by_a_partial_one(tmp_path):
     """Catches a stop in the seconds between the run writing its summary.json and
     returning (wandb closing) that replaced the full summary (zero-shot scores, device)

@@ -138,8 +138,35 @@ def test_resume_advice_says_what_the_run_folder_holds(tmp_path):
     for name in ("iter_0000002", "iter_0000004", "outer_0000001"):
         (ckpts / name).mkdir()
     (ckpts / "iter_0000002" / "COMPLETE").write_text("step 2\n")
-    assert resume_advice(tmp_path) == (f"resume with checkpoint.load={ckpts} "
-                                       "(last complete checkpoint: iter_0000002)")
+    assert resume_advice(tmp_path) == (f"resume with --run-dir {tmp_path} checkpoint.load="
+                                       f"{ckpts} (last complete checkpoint: iter_0000002)")
+
+
+def test_the_resume_advice_goes_on_in_the_same_run_folder(tmp_path):
+    """Catches advice that named ``checkpoint.load`` but not ``--run-dir``: a user who
+    followed it resumed into a new default folder, whose metrics.jsonl started at the
+    resumed step while the old folder kept ``"interrupted": true``.  The advised
+    arguments, parsed as ``train.py`` parses them, must claim the interrupted run's own
+    folder (which holds its results) and load from its checkpoints."""
+    import shlex
+
+    from jobruntime.faults import resume_advice
+    from jobruntime.outputs import claim_run_folder
+    from train import parse_args
+
+    run = tmp_path / "run"
+    (run / "checkpoints" / "iter_0000006").mkdir(parents=True)
+    (run / "checkpoints" / "iter_0000006" / "COMPLETE").write_text("step 6\n")
+    (run / "metrics.jsonl").write_text('{"step": 6}\n')
+    words = shlex.split(resume_advice(run).removeprefix("resume with ").split(" (")[0])
+    args = parse_args(words)
+    load = dict(o.split("=", 1) for o in args.overrides)["checkpoint.load"]
+    assert Path(args.run_dir) == run and Path(load) == run / "checkpoints"
+    folder = claim_run_folder(args.run_dir, tmp_path / "default", resume_from=load)
+    try:
+        assert folder.path == run and not folder.created
+    finally:
+        folder.release()
 
 
 def test_interrupted_exit_adds_the_advice_once_the_run_folder_is_known(tmp_path):
