@@ -45,8 +45,9 @@ start_step}]``), ``switch_log`` (with the time and cost of each switch),
 ``evals`` (perplexity and noise-scale trace), ``ttp_s``, ``final_val_ppl``,
 ``clock``, ``device``/``precision`` (read from the model's parameters;
 emulated mode's ``gpu`` is the emulated profile), and wandb.  Real mode also saves a
-checkpoint every ``checkpoint.save_interval`` steps, with :meth:`Loop.state_dict`; a run
-resumed from it (``checkpoint.load``) goes on with its clock, progress and controller.
+checkpoint every ``checkpoint.save_interval`` steps and, with ``checkpoint.save_final``
+(default on, as an ordinary run), after the last, each with :meth:`Loop.state_dict`; a
+run resumed from it (``checkpoint.load``) goes on with its clock, progress and controller.
 """
 
 from __future__ import annotations
@@ -132,6 +133,7 @@ class Loop:
     ):
         self.job, self.cfg, self.controller, self.writer = job, cfg, controller, writer
         self.checkpoint_dir = checkpoint_dir
+        self._saved_step: int | None = None  # the step of the last save (save: once a step)
         self.keep_records = keep_records
         self.budget_samples, self.eval_samples = budget_samples, max(eval_samples, 1)
         # the cadence: every eval_samples samples, or every eval_every_s seconds of the
@@ -320,14 +322,8 @@ class Loop:
                                  evaluated="val_loss" in record,
                                  note=f"{job.strategy.label} ({job.ctx.clock} clock)")
         every = self.cfg.checkpoint.save_interval
-        if self.checkpoint_dir is not None and every and job.trainer.step % every == 0:
-            # dist_checkpointing: loadable at the old layout or any other (the last one
-            # before an interrupted switch resumes at either); "cona": what the run goes on
-            # from (load_state_dict)
-            save_checkpoint(self.checkpoint_dir, job.trainer, consumed_samples=samples,
-                            extra={"strategy": job.strategy.label, "time_s": job.clock_s,
-                                   "cona": self.state_dict()},
-                            keep_last=self.cfg.checkpoint.keep_last)
+        if every and job.trainer.step % every == 0:
+            self.save()
         # No decision when less than one decision interval of training remains:
         # a switch could not run (let alone repay its cost) before the end.  Both
         # sides in proxy samples: the budget and consumed samples are proxy
@@ -375,6 +371,22 @@ class Loop:
             rec["cost_s"],
         )
         self.emit(rec)
+
+    def save(self) -> None:
+        """A checkpoint of the current step in ``checkpoint_dir`` (real mode; nothing where
+        it is ``None``, the emulated clock's proxy): megatron-core ``dist_checkpointing``,
+        loadable at the current layout or any other (the last one before an interrupted
+        switch resumes at either), with ``"cona"``, what the run goes on from
+        (:meth:`load_state_dict`).  Once per step: a second call at the same step (the
+        final save after a periodic one) writes nothing."""
+        job = self.job
+        if self.checkpoint_dir is None or self._saved_step == job.trainer.step:
+            return
+        save_checkpoint(self.checkpoint_dir, job.trainer, consumed_samples=job.consumed_samples,
+                        extra={"strategy": job.strategy.label, "time_s": job.clock_s,
+                               "cona": self.state_dict()},
+                        keep_last=self.cfg.checkpoint.keep_last)
+        self._saved_step = job.trainer.step
 
     def run(self, until=None) -> None:
         """Step until done (or ``until()`` is true); evaluate at the end if not just done."""
@@ -464,6 +476,8 @@ def run(cfg: JobConfig, run_dir: Path) -> dict:
     loop.run()
     loop.reporter.close()
     loop.finish()
+    if cfg.checkpoint.save_final:  # as an ordinary run: ready for evaluation or conversion
+        loop.save()
     summary = loop.summary()
     summary.update(
         model=cfg.name,

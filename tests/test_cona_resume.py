@@ -89,6 +89,18 @@ def test_resumed_run_goes_on_from_its_checkpoint(resumed):
     assert [d["step"] for d in b["decisions"]][:1] == [12]
 
 
+def test_a_finished_real_run_saves_its_last_step_once(resumed):
+    """Catches a finished real-mode CONA run that left no checkpoint to evaluate or
+    convert (``checkpoint.save_final``, default on, was read by ordinary runs only):
+    the resumed run (``save_interval=0``) must save its last step, and the first run,
+    whose periodic save fell on its last step, must save it once, not twice."""
+    from jobruntime.outputs import last_checkpoint
+
+    _, _, first, second = resumed
+    assert sorted(p.name for p in (first / "checkpoints").glob("iter_*")) == ["iter_0000008"]
+    assert last_checkpoint(second) == "iter_0000016"
+
+
 def test_lr_ramp_goes_on_across_a_resume():
     """Catches a resume in the middle of an LR ramp that jumps to the new rate (the old
     known limit): a run that switched from proxy batch 16 to 128 with a 4-step ramp and

@@ -502,6 +502,29 @@ def test_a_geomesh_run_reads_only_the_cona_keys_of_a_layout_switch():
                 check_overrides_used(cfg, [*base, key])
 
 
+@pytest.mark.parametrize("job, key", [
+    (["geomesh.method=geomesh", "geomesh.cluster=two_worker"], "checkpoint.save_final=true"),
+    (["cona.enabled=true", "cona.clock=emulated"], "checkpoint.save_interval=10"),
+    (["cona.enabled=true", "cona.clock=emulated"], "checkpoint.save_final=false"),
+    (["cona.enabled=true", "cona.clock=emulated"], "checkpoint.keep_last=2"),
+    (["cona.enabled=true", "cona.clock=emulated"], "cona.switch_timeout_s=60"),
+])
+def test_saving_and_switch_keys_a_job_does_not_read_are_refused(job, key):
+    """Catches overrides accepted and ignored: ``checkpoint.save_final`` in a GeoMesh run
+    (it saves by ``save_interval``), the saving keys on CONA's emulated clock (its proxy
+    saves nothing) and ``cona.switch_timeout_s`` there (no real switch runs).  The same
+    keys where they are read (an ordinary run, CONA's wall clock) stay accepted."""
+    from jobruntime.config import ConfigError, check_overrides_used, load_config
+
+    cfg = load_config("tiny_gpt", [*job, key])
+    with pytest.raises(ConfigError, match=rf"'{key}' has no effect"):
+        check_overrides_used(cfg, [*job, key])
+    for reads in ([], ["cona.enabled=true"]):
+        if key.startswith("cona.") and not reads:
+            continue
+        check_overrides_used(load_config("tiny_gpt", [*reads, key]), [*reads, key])
+
+
 def test_a_home_folder_in_the_run_folder_and_config_options(tmp_path, monkeypatch):
     """Catches ``--run-dir=~/rd`` (the shell expands no ``~`` after ``=``) making a folder
     named ``~`` that held a whole run, and ``--config=~/job.yaml`` "not found"."""

@@ -17,10 +17,11 @@ class CheckpointConfig:
     """Save every N steps (and at the end when > 0); 0 saves no checkpoints during
     training (see ``save_final``)."""
     save_final: bool = True
-    """Save a checkpoint after the last step of an ordinary job, also with
-    ``save_interval=0``, so a finished run can be evaluated
+    """Save a checkpoint after the last step of an ordinary job or a real-mode
+    CONA run, also with ``save_interval=0``, so a finished run can be evaluated
     (``tools/zero_shot.py``), converted or fine-tuned without a rerun; ``false``
-    saves none.  (GeoMesh and CONA save by ``save_interval`` only.)"""
+    saves none.  (GeoMesh saves by ``save_interval`` only, its last round
+    included; CONA's emulated clock saves none.)"""
     load: str | None = None
     """Checkpoint directory to resume from (a run's ``checkpoints/`` folder or
     one ``iter_XXXXXXX`` folder inside it)."""

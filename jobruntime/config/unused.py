@@ -46,6 +46,8 @@ TRAIN_IN_GEOMESH = {
     "eval_interval": "it evaluates every geomesh.eval_interval outer steps; set that",
     "max_wall_s": "it stops after geomesh.outer_steps rounds; set that",
 }
+# checkpoint.* keys of saving (jobruntime/loop.py, cona/run.py, geomesh/state.py).
+CHECKPOINT_SAVES = ("save_interval", "save_final", "keep_last")
 # GeoMesh keys only real mode reads (one job per region: transport, heartbeats, messages).
 REAL_MODE_ONLY = ("timeout_s", "heartbeat_s", "on_worker_loss", "secret_file")
 
@@ -54,6 +56,7 @@ def _why_ignored(cfg: JobConfig, section: str, key: str, geomesh_mode: str | Non
     """Why a job with ``cfg`` reads no ``section.key``, and the fix; ``None`` if it reads it."""
     method = cfg.geomesh.method
     geomesh = method != "none"
+    cona_emulated = cfg.cona.enabled and cfg.cona.clock == "emulated"
     if section == "cona" and key != "enabled":
         if not cfg.cona.enabled:
             return "cona is off in this job; switch it on with cona.enabled=true, or drop it"
@@ -71,13 +74,23 @@ def _why_ignored(cfg: JobConfig, section: str, key: str, geomesh_mode: str | Non
         if key in REAL_MODE_ONLY and geomesh_mode == "emulated":
             return ("the cluster runs in emulated mode, which does not read it (real mode "
                     "does, one job per region); drop it")
+    if section == "cona" and key == "switch_timeout_s" and not geomesh and cona_emulated:
+        return ("CONA's emulated clock charges a modelled switch and runs none (real mode, "
+                "cona.clock=wall, reads it); drop it")
+    if section == "checkpoint" and key in CHECKPOINT_SAVES:
+        if geomesh and key == "save_final":
+            return ("a GeoMesh run saves every checkpoint.save_interval outer steps and after "
+                    "its last round when that is above 0; set checkpoint.save_interval")
+        if cona_emulated and not geomesh:
+            return ("CONA's emulated clock trains a proxy and saves no checkpoint (real mode, "
+                    "cona.clock=wall, does); drop it")
     if section == "train" and geomesh and key in TRAIN_IN_GEOMESH:
         return f"a GeoMesh run does not read it: {TRAIN_IN_GEOMESH[key]}"
     if section == "parallel" and key in ("tp", "pp"):
         if geomesh:
             return ("a GeoMesh run takes each region's layout from the cluster file (its "
                     "workers' tp and pp); set it there, or drop it")
-        if cfg.cona.enabled and cfg.cona.clock == "emulated":
+        if cona_emulated:
             return ("CONA's emulated clock picks the start layout from its candidates; give "
                     "cona.candidates to choose it, or drop it")
     return None
@@ -104,7 +117,10 @@ def check_overrides_used(cfg: JobConfig, overrides: list[str] | tuple[Any, ...],
     - a ``geomesh.*`` key that the method does not read (:data:`NOT_READ_BY`), or a
       ``train.*`` key that a GeoMesh run replaces with its own (:data:`TRAIN_IN_GEOMESH`);
     - ``parallel.tp`` or ``parallel.pp`` in a GeoMesh run (the cluster file lays out
-      each region) or on CONA's emulated clock (CONA picks the start layout).
+      each region) or on CONA's emulated clock (CONA picks the start layout);
+    - ``checkpoint.save_final`` in a GeoMesh run (it saves by ``save_interval``), and
+      the keys of saving (:data:`CHECKPOINT_SAVES`) and ``cona.switch_timeout_s`` on
+      CONA's emulated clock (it saves nothing and runs no switch).
 
     Args:
         cfg: the loaded config (preset and overrides applied, :func:`load_config`).
