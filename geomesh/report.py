@@ -100,6 +100,7 @@ class RunStats:
             "final_val_loss": self.final_val_loss,
             "tokens": self.tokens,
             "outer_steps": self.outer_steps,
+            "steps": self.outer_steps,  # metrics.jsonl's "step", as an interrupted run's summary
             "time_s": self.time_s,
             "straggler_idle_frac": straggler,
             "wan_idle_frac": wan,
