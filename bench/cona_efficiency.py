@@ -73,7 +73,7 @@ def predicted_samples(trajectory: list[dict], batch: float, reference_batch: flo
     return total
 
 
-def prediction_error(batches: dict) -> dict:
+def prediction_error(batches: dict, measured_key: str = "measured") -> dict:
     """Per definition, how far its predicted efficiencies are from the measured ones where
     the controller uses them: in ratios between two batches (a ranking compares candidates'
     ``E(M)`` at one moment; ``M0`` cancels), the mean over every pair of batches that
@@ -81,21 +81,24 @@ def prediction_error(batches: dict) -> dict:
     by ~10 %); ``None`` for a definition without a prediction at two of them."""
     out = {}
     for key in DEFINITIONS:
-        eff = {b: (x["predicted"][key]["efficiency"], x["measured"]["efficiency"])
+        eff = {b: (x["predicted"][key]["efficiency"], x[measured_key]["efficiency"])
                for b, x in batches.items()
-               if "efficiency" in x["measured"] and x["predicted"][key] is not None}
+               if "efficiency" in x.get(measured_key, {}) and x["predicted"][key] is not None}
         errs = [abs(math.log(eff[a][0] / eff[b][0]) - math.log(eff[a][1] / eff[b][1]))
                 for a, b in itertools.combinations(sorted(eff), 2)]
         out[key] = sum(errs) / len(errs) if errs else None
     return out
 
 
-def static_run(ctx, strategy, measure_every: int | None = None):
-    """Train ``strategy`` from the initial weights until the target or the budget.
+def static_run(ctx, strategy, measure_every: int | None = None, lr_factor: float = 1.0,
+               bound_samples: int | None = None):
+    """Train ``strategy`` at ``lr_factor`` x the scaling rule's LR from the initial weights
+    until the target, the budget, or past ``bound_samples`` proxy samples (a run that
+    cannot need fewer samples than one already measured at this batch: not reached).
 
     With ``measure_every`` (steps) the noise scale is measured directly along the way
     (trajectory points; the last at the stop).  Returns ``(record, trajectory)``."""
-    job, loop = static_loop(ctx, strategy)
+    job, loop = static_loop(ctx, strategy, lr_factor)
     trajectory = []
     while measure_every and not loop.done:
         nxt = job.trainer.step + measure_every
@@ -107,17 +110,69 @@ def static_run(ctx, strategy, measure_every: int | None = None):
                               for d in DIRECT},
                            "in_run_plain": job.gns.noise_scale_plain,
                            "in_run_scale_free": job.gns.noise_scale_scale_free})
-    loop.run()
+    loop.run(until=None if bound_samples is None
+             else lambda: job.consumed_samples > bound_samples)
     evals = [e["val_ppl"] for e in loop.progress.evals]
     record = {"reached": loop.progress.ttp.reached, "samples": job.consumed_samples,
-              "strategy": strategy.label,
+              "strategy": strategy.label, "lr_factor": lr_factor,
               "peak_val_ppl_after_first_eval": max(evals[1:], default=None),
               "val_ppl_doubled": any(b > 2 * a for a, b in zip(evals, evals[1:]))}
     return record, trajectory
 
 
+def best_lr(runs: dict[float, dict]) -> dict:
+    """Of one batch's runs by LR factor (:func:`static_run` records), the one that reached
+    the target with the fewest proxy samples (the lowest factor on a tie); where none
+    did, the rule's own (factor 1, or the first)."""
+    reached = [f for f, r in runs.items() if r["reached"]]
+    if not reached:
+        return runs.get(1.0, next(iter(runs.values())))
+    return runs[min(reached, key=lambda f: (runs[f]["samples"], f))]
+
+
+def compare(by_lr: dict[int, dict[float, dict]], trajectory: list[dict], m0: int,
+            ratio: float) -> dict:
+    """Steps 2-3 of the module docstring on measured runs: ``{"batches": {M: {"measured",
+    "predicted"[, "measured_best_lr"]}}, "prediction_error", "prediction_error_best_lr"}``.
+
+    ``measured`` is batch ``M`` at the rule's LR (factor 1), its ``efficiency`` (or
+    ``efficiency_at_most`` where it missed the target) ``samples(M0) / samples(M)``;
+    ``measured_best_lr`` (where ``by_lr`` holds several factors) the same with each
+    batch, ``M0`` included, at its best factor (:func:`best_lr`), with every factor's
+    samples under ``by_lr``; ``predicted`` per definition from ``trajectory`` (the
+    reference's, at factor 1).  ``prediction_error_best_lr`` is ``None`` with one factor.
+
+    Args:
+        by_lr: per target batch, per LR factor, a :func:`static_run` record.
+        trajectory: :func:`static_run`'s points along the reference.
+        m0: the reference batch (target sequences); ratio: target sequences per proxy one.
+    """
+    rule = {b: runs[1.0] for b, runs in by_lr.items()}
+    s0, s0_best = rule[m0]["samples"], best_lr(by_lr[m0])["samples"]
+    out = {}
+    for b, rec in sorted(rule.items()):
+        label = "efficiency" if rec["reached"] else "efficiency_at_most"
+        predicted = {key: predicted_samples(trajectory, b, m0, ratio, key)
+                     for key in DEFINITIONS}
+        out[b] = {"measured": {**rec, label: s0 / rec["samples"]},
+                  "predicted": {key: None if s is None else {"samples": s, "efficiency": s0 / s}
+                                for key, s in predicted.items()}}
+        if len(by_lr[b]) > 1:
+            best = best_lr(by_lr[b])
+            label = "efficiency" if best["reached"] else "efficiency_at_most"
+            out[b]["measured_best_lr"] = {
+                **best, label: s0_best / best["samples"],
+                "by_lr": {str(f): {"samples": x["samples"], "reached": x["reached"]}
+                          for f, x in sorted(by_lr[b].items())}}
+    several = any(len(runs) > 1 for runs in by_lr.values())
+    return {"batches": out, "prediction_error": prediction_error(out),
+            "prediction_error_best_lr": (prediction_error(out, measured_key="measured_best_lr")
+                                         if several else None)}
+
+
 def efficiency_family(target: str, spec: dict, batches: list[int], every: int,
-                      cache_dir: str | None, threads: int) -> dict:
+                      cache_dir: str | None, threads: int,
+                      lr_factors: tuple[float, ...] = (1.0,)) -> dict:
     ttp.worker_setup(spec["proxy"])
     from cona.baselines import fastest_per_batch
     from cona.context import build_context
@@ -141,19 +196,16 @@ def efficiency_family(target: str, spec: dict, batches: list[int], every: int,
     for b in sorted(per):
         if b != m0:
             measured[b], _ = static_run(ctx, per[b])
-    s0 = measured[m0]["samples"]
-    out = {}
-    for b, rec in sorted(measured.items()):
-        eff = s0 / rec["samples"]
-        label = "efficiency" if rec["reached"] else "efficiency_at_most"
-        predicted = {key: predicted_samples(trajectory, b, m0, r, key) for key in DEFINITIONS}
-        out[b] = {"measured": {**rec, label: eff},
-                  "predicted": {key: None if s is None else {"samples": s, "efficiency": s0 / s}
-                                for key, s in predicted.items()}}
+    # each batch at the other LR factors, cut once past the fewest samples it needed yet
+    by_lr = {b: {1.0: rec} for b, rec in measured.items()}
+    for f in (f for f in lr_factors if f != 1.0):
+        for b in sorted(per):
+            bound = min((x["samples"] for x in by_lr[b].values() if x["reached"]), default=None)
+            by_lr[b][f], _ = static_run(ctx, per[b], lr_factor=f, bound_samples=bound)
     return {"proxy": spec["proxy"], "target_ppl": cfg.train.target_ppl, "ratio": r,
-            "prediction_error": prediction_error(out),
+            "lr_factors": list(lr_factors), **compare(by_lr, trajectory, m0, r),
             "reference_batch": m0, "lr": cfg.train.lr, "setup": setup,
-            "trajectory": trajectory, "batches": out, "wall_s": time.perf_counter() - t0}
+            "trajectory": trajectory, "wall_s": time.perf_counter() - t0}
 
 
 def main(argv=None) -> int:
@@ -167,19 +219,26 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path, default=None, help="write cona_efficiency.json here")
     p.add_argument("--jobs", type=int, default=2, help="families in parallel processes")
     p.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    p.add_argument("--lr-factors", type=float, nargs="+", default=[1.0],
+                   help="also train every batch at these multiples of the scaling rule's LR "
+                   "and report the efficiency at each batch's best (Pollux's E(M) assumes "
+                   "an LR that suits every batch); e.g. 0.5 1 2, the TTP bench's choices")
     args = p.parse_args(argv)
     from jobruntime.outputs import refuse_output_folder
 
     refuse_output_folder(p, args.out)  # before the run, not after it
     if args.jobs < 1 or args.threads < 1 or args.every < 1:
         p.error("--jobs, --threads and --every must be >= 1")
+    if 1.0 not in args.lr_factors or any(f <= 0 for f in args.lr_factors):
+        p.error("--lr-factors must be positive and hold 1 (the rule's LR: the trajectory's)")
     models = {k: v for k, v in ttp.MODELS.items() if args.models is None or k in args.models}
     from jobruntime.metrics import provenance
 
     t0 = time.perf_counter()
     report = {**provenance(argv), "every": args.every,
               "models": run_families(efficiency_family, models, args.jobs, ttp.BATCHES,
-                                         args.every, args.cache_dir, args.threads)}
+                                     args.every, args.cache_dir, args.threads,
+                                     tuple(sorted(set(args.lr_factors))))}
     report["wall_s"] = time.perf_counter() - t0
     write_report(report, args.out, "cona_efficiency.json")
     return 0

@@ -101,12 +101,13 @@ def segment_trend(probes: list[dict], loss: float) -> dict:
 
 
 
-def static_loop(ctx, strategy):
-    """``(job, loop)``: a job at ``strategy`` from ``ctx``'s start (its warm state where
-    set) and its loop over ``ctx``'s budget (to the target or the budget's end)."""
+def static_loop(ctx, strategy, lr_factor: float = 1.0):
+    """``(job, loop)``: a job at ``strategy`` and ``lr_factor`` x the scaling rule's LR
+    from ``ctx``'s start (its warm state where set) and its loop over ``ctx``'s budget
+    (to the target or the budget's end)."""
     from cona.run import Loop
 
-    job = ctx.make_job(strategy)
+    job = ctx.make_job(strategy, lr_factor=lr_factor)
     return job, Loop(job, ctx.cfg, budget_samples=ctx.budget_samples,
                      eval_samples=ctx.eval_samples, keep_records=False)
 
