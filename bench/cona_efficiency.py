@@ -17,7 +17,11 @@ batch ratio ``r``, grid, sqrt LR rule, schedule in samples):
 2. **Measured.**  Every other grid batch trained static in its fastest layout until the
    target or the budget: proxy samples to the target (at evaluation granularity) and
    whether the validation perplexity ever more than doubled between two evaluations
-   (an unstable run).  ``efficiency = samples(M0) / samples(M)``.
+   (an unstable run).  ``efficiency = samples(M0) / samples(M)``.  With ``--lr-factors``
+   every batch, ``M0`` included, also trains at those multiples of the rule's LR (a run
+   stops once past the fewest samples its batch needed yet), and the efficiency is
+   reported again with each batch at its best factor (``measured_best_lr``): Pollux's
+   ``E(M)`` assumes an LR that suits every batch, the rule's LR may not.
 3. **Predicted.**  ``samples(M) = sum_k dS_k / E(M, r phi_k)`` over the trajectory's
    intervals (``phi_k`` measured at the end of interval ``k``; an interval without a
    positive estimate takes its neighbour's), for each noise-scale definition.
@@ -25,11 +29,13 @@ batch ratio ``r``, grid, sqrt LR rule, schedule in samples):
 Usage::
 
     python bench/cona_efficiency.py --models gpt3_1.3b llama3.2_1b --every 20  # ~35 min
+    python bench/cona_efficiency.py --models gpt3_1.3b llama3.2_1b --every 20 --lr-factors 0.5 1 2
     python bench/cona_efficiency.py --models bert_large --jobs 1   # hours: its proxy is slow
 
 Prints one JSON object ``{"date", "commit", "machine", "command", "every", "models":
-{NAME: {"prediction_error": {definition: error}, "trajectory": [...], "batches": {M:
-{"measured", "predicted"}}}}}`` (``prediction_error``: :func:`prediction_error`).
+{NAME: {"prediction_error": {definition: error}, "prediction_error_best_lr", "lr_factors",
+"trajectory": [...], "batches": {M: {"measured", "predicted"[, "measured_best_lr"]}}}}}``
+(``prediction_error``: :func:`prediction_error`; the rest: :func:`compare`).
 Measured on the proxy (emulated mode's trained model) in samples; the emulated clock
 only times the evaluations (``cona.eval_clock``), and the direct probes are not charged
 to it.

@@ -498,6 +498,40 @@ def test_efficiency_prediction_error_is_in_ratios_between_batches():
     assert prediction_error(batches)["newton"] is None  # one batch left: no pair
 
 
+def test_efficiency_at_the_best_lr_takes_each_batch_and_the_reference_at_its_own_best():
+    """Catches an efficiency "at the best LR" that keeps the reference at the rule's LR,
+    takes a run cut short (not reached) as a batch's best, or drops the rule's row.  By
+    hand: the reference 64 needs 1,500 samples at 1x and 1,200 at 2x, so its best is
+    2x; 128 is best at 2x (1,300), 256 at 0.5x (1,800; its 2x run was cut at 2,100);
+    512 reached at no factor.  At the best LR the efficiencies are 1,200 / 1,300 = 0.923,
+    1,200 / 1,800 = 0.667 and at most 1,200 / 3,000 (missed); at the rule's LR they stay
+    1,500 / 1,400 and 1,500 / 2,000, and with one factor no best-LR error is reported."""
+    from bench.cona_efficiency import DEFINITIONS, compare
+
+    def rec(samples, factor=1.0, reached=True):
+        return {"samples": samples, "reached": reached, "lr_factor": factor}
+
+    by_lr = {64: {1.0: rec(1500), 0.5: rec(1600, 0.5, False), 2.0: rec(1200, 2.0)},
+             128: {1.0: rec(1400), 0.5: rec(1500, 0.5, False), 2.0: rec(1300, 2.0)},
+             256: {1.0: rec(2000), 0.5: rec(1800, 0.5), 2.0: rec(2100, 2.0, False)},
+             512: {1.0: rec(3000, reached=False), 2.0: rec(2500, 2.0, False)}}
+    trajectory = [{"samples": s, **dict.fromkeys(DEFINITIONS, 40.0)} for s in (600, 1200)]
+    out = compare(by_lr, trajectory, 64, 8)
+    rows = out["batches"]
+    assert [rows[b]["measured_best_lr"]["lr_factor"] for b in (64, 128, 256, 512)] == [2.0, 2.0,
+                                                                                      0.5, 1.0]
+    assert rows[128]["measured_best_lr"]["efficiency"] == pytest.approx(1200 / 1300)
+    assert rows[256]["measured_best_lr"]["efficiency"] == pytest.approx(1200 / 1800)
+    assert rows[512]["measured_best_lr"]["efficiency_at_most"] == pytest.approx(1200 / 3000)
+    assert rows[256]["measured"]["efficiency"] == pytest.approx(1500 / 2000)
+    assert rows[256]["measured_best_lr"]["by_lr"]["2.0"] == {"samples": 2100, "reached": False}
+    assert out["prediction_error_best_lr"]["simple"] is not None
+    one = compare({b: {1.0: runs[1.0]} for b, runs in by_lr.items()}, trajectory, 64, 8)
+    assert one["prediction_error_best_lr"] is None
+    assert "measured_best_lr" not in one["batches"][128]
+    assert one["prediction_error"] == out["prediction_error"]
+
+
 def test_cona_ablation_runs_with_its_override_and_leaves_the_config_as_it_was():
     """Catches an ablation row that runs the default controller (the override not seen by
     the job it builds) or leaks into the runs after it (ctx.cfg left changed, also when

@@ -419,41 +419,65 @@ def cona_efficiency(r: dict) -> str:
     samples to the target at the reference batch over at this batch, the scaling rule's
     LR) against what Pollux's ``E(M)`` predicts with each noise-scale definition measured
     directly along the reference, then each definition's error in ratios between batches
-    and the one that ranks best over the families."""
+    and the one that ranks best over the families; where the run swept LR factors
+    (``--lr-factors``), each batch's best factor, its samples and efficiency, and the
+    errors there."""
     defs = GNS_DEFINITIONS
     lines = []
     for name, m in r["models"].items():
         med = {d: sorted(t[d] for t in m["trajectory"] if t.get(d)) for d in defs}
         medians = ", ".join(f"`{d}` {v[len(v) // 2]:,.0f}" for d, v in med.items() if v)
+        swept = m.get("prediction_error_best_lr") is not None
+        extra = (" | best LR factor | samples there | efficiency at the best LR" if swept else "")
         lines += [f"**{name}** (`{m['proxy']}`, reference batch {m['reference_batch']} target "
                   f"sequences, target val ppl {m['target_ppl']:.1f}); median noise scale along "
                   f"the reference, proxy sequences: {medians}.", "",
                   "| global batch | proxy samples to target | measured efficiency | "
-                  + " | ".join(f"`{d}` predicts" for d in defs) + " |",
-                  "|---:|---:|---:|" + "---:|" * len(defs)]
+                  + " | ".join(f"`{d}` predicts" for d in defs) + extra + " |",
+                  "|---:|---:|---:|" + "---:|" * len(defs) + "---:|---:|---:|" * swept]
         for b, x in sorted(m["batches"].items(), key=lambda kv: int(kv[0])):
             meas = x["measured"]
-            eff = (f"{meas['efficiency']:.2f}" if "efficiency" in meas
-                   else f"≤ {meas['efficiency_at_most']:.2f} (missed)")
             pred = " | ".join(_fmt((x["predicted"].get(d) or {}).get("efficiency"), ".2f", "")
                               for d in defs)
-            lines.append(f"| {b} | {meas['samples']:,} | {eff} | {pred} |")
+            row = f"| {b} | {meas['samples']:,} | {_efficiency(meas)} | {pred} |"
+            if swept:
+                best = x["measured_best_lr"]
+                row += f" {best['lr_factor']:g}x | {best['samples']:,} | {_efficiency(best)} |"
+            lines.append(row)
         err = m.get("prediction_error") or {}
         lines += ["", "Error in ratios between batches (mean |ln(predicted / measured)| over "
                   "pairs of batches): " + ", ".join(f"`{d}` {_fmt(err.get(d), '.2f', '')}"
                                                     for d in defs) + ".", ""]
+        if swept:
+            err = m["prediction_error_best_lr"]
+            lines += [f"The same error with every batch (the reference too) at its best LR of "
+                      f"{', '.join(f'{f:g}x' for f in m['lr_factors'])} the scaling rule's: "
+                      + ", ".join(f"`{d}` {_fmt(err.get(d), '.2f', '')}" for d in defs) + ".",
+                      ""]
     mean = _mean_errors(r)
     if mean:
         lines += ["Mean over the families: " + ", ".join(
             f"`{d}` {v:.2f}" for d, v in mean.items()) + f"; lowest: `{best_gns_definition(r)}`.",
             ""]
+    if mean := _mean_errors(r, "prediction_error_best_lr"):
+        lines += ["At the best LR, mean over the families: " + ", ".join(
+            f"`{d}` {v:.2f}" for d, v in mean.items()) + f"; lowest: `{min(mean, key=mean.get)}`.",
+            ""]
     lines.append(_source(r, "cona_efficiency"))
     return "\n".join(lines) + "\n"
 
 
-def _mean_errors(r: dict) -> dict[str, float]:
-    """Per noise-scale definition measured on every family, its mean error over them."""
-    errs = {d: [(m.get("prediction_error") or {}).get(d) for m in r["models"].values()]
+def _efficiency(measured: dict) -> str:
+    """A measured efficiency, or its upper bound where the run missed the target."""
+    if "efficiency" in measured:
+        return f"{measured['efficiency']:.2f}"
+    return f"≤ {measured['efficiency_at_most']:.2f} (missed)"
+
+
+def _mean_errors(r: dict, key: str = "prediction_error") -> dict[str, float]:
+    """Per noise-scale definition measured on every family, its mean error (``key``: at
+    the scaling rule's LR, or ``prediction_error_best_lr``) over them."""
+    errs = {d: [(m.get(key) or {}).get(d) for m in r["models"].values()]
             for d in GNS_DEFINITIONS}
     return {d: sum(v) / len(v) for d, v in errs.items() if v and None not in v}
 
