@@ -201,16 +201,18 @@ def _exit_interrupted(cfg, run_dir: Path, folder, outcome: dict, why: str) -> No
     from jobruntime.faults import exit_interrupted
 
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    rank = os.environ.get("RANK", "0")
     if folder is not None:
         try:
-            if _write_partial_summary(cfg, run_dir, outcome) is None and folder.created:
-                shutil.rmtree(run_dir, ignore_errors=True)
-                exit_interrupted(f"[rank {os.environ.get('RANK', '0')}] {why}; stopped before "
-                                 f"the first step, nothing to keep (removed {run_dir})",
+            if _write_partial_summary(cfg, run_dir, outcome) is None:
+                if folder.created:
+                    shutil.rmtree(run_dir, ignore_errors=True)
+                exit_interrupted(f"[rank {rank}] {why}; stopped before the first step, nothing "
+                                 f"to keep{f' (removed {run_dir})' if folder.created else ''}",
                                  advice=False)
         except OSError as e:  # a full disk: the exit line still says what happened
             print(f"warning: no partial summary.json in {run_dir} ({e})", file=sys.stderr)
-    exit_interrupted(f"[rank {os.environ.get('RANK', '0')}] {why}")
+    exit_interrupted(f"[rank {rank}] {why}")
 
 
 def _on_sigterm(signum, frame) -> None:
@@ -277,10 +279,12 @@ def _run(cfg, run_dir: Path, folder, new_run_dir: bool, outcome: dict) -> int:
     else:
         error = None
     finally:
-        from jobruntime.parallel import shutdown
-
-        if not ctrl_c_pressed():  # else exit_ctrl_c exits: no teardown with stopped peers
-            shutdown()
+        # Not imported here: a Ctrl-C while torch imports left it half-initialised, and
+        # importing it again raised in this block (a traceback and exit 1, not 130).
+        # Without jobruntime.parallel imported no process group was made to shut down.
+        parallel = sys.modules.get("jobruntime.parallel")
+        if parallel is not None and not ctrl_c_pressed():  # else exit_ctrl_c exits: no
+            parallel.shutdown()  # teardown with stopped peers
         if folder is not None:
             folder.release()
     if error is not None:

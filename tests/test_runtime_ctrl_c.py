@@ -15,6 +15,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from tests.dist_utils import popen_ranks
 
 REPO = Path(__file__).resolve().parent.parent
@@ -104,30 +106,40 @@ def test_sigterm_exits_3_with_a_partial_summary(tmp_path, cache_dir):
     assert summary["mode"] == "single" and summary["final_val_ppl"] is not None
 
 
-def test_sigterm_while_torch_imports_is_one_line_and_leaves_no_folder(tmp_path):
-    """Catches a SIGTERM in the first seconds (torch and megatron-core still importing:
-    the SIGTERM handler was installed after them) that exited by the signal (-15, 143
-    from a shell) with no line and left the run folder it had created, empty.  Now: exit
-    3, one ``error:`` line saying nothing was kept, and no folder."""
+@pytest.mark.parametrize("sig, code, made", [(signal.SIGTERM, 3, True), (signal.SIGINT, 130, True),
+                                            (signal.SIGTERM, 3, False)])
+def test_a_stop_while_torch_imports_is_one_line_and_keeps_no_folder_it_made(tmp_path, sig,
+                                                                            code, made):
+    """Catches a stop in the first seconds, torch and megatron-core still importing: a
+    SIGTERM (the handler was installed after the imports) exited by the signal (-15, 143
+    from a shell) with no line and left the folder it had created, empty; a Ctrl-C gave
+    two tracebacks and exit 1 (the teardown imported half-initialised torch again).  Now
+    one line and exit 3 or 130; a folder the run made is removed, one that was there
+    (empty) is kept, and the line says nothing was trained rather than how to resume."""
     import subprocess
 
     run_dir = tmp_path / "run"
+    if not made:
+        run_dir.mkdir()
     proc = subprocess.Popen([sys.executable, str(REPO / "train.py"), "--run-dir", str(run_dir),
                              *SMALL], cwd=REPO, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     try:
         for line in proc.stdout:  # the phase's first line: the imports start now
             if "loading torch and megatron-core ..." in line:
-                proc.send_signal(signal.SIGTERM)
+                time.sleep(0.3)  # inside the import, not before it
+                proc.send_signal(sig)
                 break
         _, err = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
             proc.kill()
     lines = [x for x in err.splitlines() if x.strip()]
-    assert proc.returncode == 3 and len(lines) == 1, (proc.returncode, err)
-    assert "stopped by signal 15" in lines[0] and f"removed {run_dir}" in lines[0], err
-    assert not run_dir.exists()
+    assert proc.returncode == code and len(lines) == 1, (proc.returncode, err)
+    assert "nothing to keep" in lines[0] and "resume" not in lines[0], err
+    assert (f"removed {run_dir}" in lines[0]) == made and run_dir.exists() != made, err
+    if sig == signal.SIGTERM:
+        assert "stopped by signal 15" in lines[0], err
 
 
 def test_a_finished_summary_is_not_replaced_by_a_partial_one(tmp_path):
