@@ -20,9 +20,9 @@ one-line message on stderr naming the problem and the fix; 3 the run was
 interrupted by a lost process or region or by SIGTERM (one line on every rank; the
 run folder is kept, with ``summary.json`` saying ``"interrupted": true`` once a step
 was recorded, and the line says whether a checkpoint was committed to resume from
-with ``--run-dir DIR checkpoint.load=DIR/checkpoints``); 130 stopped by Ctrl-C
-(SIGINT): one line on rank 0 naming the step and the run folder, whose
-``summary.json`` says ``"interrupted": true``.
+with ``--config DIR/config.yaml --run-dir DIR checkpoint.load=DIR/checkpoints``); 130
+stopped by Ctrl-C (SIGINT): one line on rank 0 naming the step and the run folder,
+whose ``summary.json`` says ``"interrupted": true``.
 
 Output (stdout): a log line when each phase longer than a moment starts and
 ends (tokenizer training and tokenising, on first use of a corpus; the model

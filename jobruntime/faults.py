@@ -23,8 +23,8 @@ once per process: it configures a test harness, not the product.
 :class:`RunInterrupted` is the error of a run stopped by a lost peer (not by
 bad input): ``train.py`` prints it on one line on every rank and exits with
 code 3, keeping the run folder; the line ends with :func:`resume_advice`
-(``--run-dir <folder> checkpoint.load=<folder>/checkpoints`` where the run committed a
-checkpoint, else that it must start again).  A collective that fails
+(``--config <folder>/config.yaml --run-dir <folder> checkpoint.load=<folder>/checkpoints``
+where the run committed a checkpoint, else that it must start again).  A collective that fails
 because a peer process died anywhere else (a checkpoint save, a training step,
 an evaluation) is recognised by :func:`peer_lost` and reported the same way,
 once, in ``train.py``: GeoMesh and CONA map the losses they expect to their own
@@ -124,18 +124,21 @@ def note_run_dir(run_dir: str | Path) -> None:
 
 
 def resume_command(run_dir: str | Path) -> str | None:
-    """``resume with --run-dir <run_dir> checkpoint.load=<run_dir>/checkpoints (last
-    complete checkpoint: <name>)``, the arguments that go on with this run in its own
-    folder (one ``metrics.jsonl`` history; :func:`jobruntime.outputs.claim_run_folder`
-    lets a run resume from its folder's own checkpoints), or ``None`` where
-    ``run_dir/checkpoints`` holds no complete checkpoint
+    """``resume with --config <run_dir>/config.yaml --run-dir <run_dir>
+    checkpoint.load=<run_dir>/checkpoints (last complete checkpoint: <name>)``: the
+    ``train.py`` arguments that go on with this run as it was configured (its saved,
+    resolved config: preset and overrides; without that file, no ``--config``) in its
+    own folder, one ``metrics.jsonl`` history
+    (:func:`jobruntime.outputs.claim_run_folder` lets a run resume from its folder's own
+    checkpoints).  ``None`` where ``run_dir/checkpoints`` holds no complete checkpoint
     (:func:`jobruntime.outputs.last_checkpoint`)."""
     from .outputs import last_checkpoint
 
     if (last := last_checkpoint(run_dir)) is None:
         return None
-    return (f"resume with --run-dir {run_dir} checkpoint.load={Path(run_dir) / 'checkpoints'} "
-            f"(last complete checkpoint: {last})")
+    config = Path(run_dir) / "config.yaml"
+    return (f"resume with {f'--config {config} ' if config.is_file() else ''}--run-dir {run_dir} "
+            f"checkpoint.load={Path(run_dir) / 'checkpoints'} (last complete checkpoint: {last})")
 
 
 def resume_advice(run_dir: str | Path) -> str:
@@ -145,8 +148,8 @@ def resume_advice(run_dir: str | Path) -> str:
     the run starts again, and that ``save_interval`` makes the next one resumable."""
     if (command := resume_command(run_dir)) is not None:
         return command
-    return (f"no checkpoint was committed in {Path(run_dir) / 'checkpoints'}, so the run "
-            "cannot resume: start it again (checkpoint.save_interval=N saves every N steps)")
+    return (f"no complete checkpoint was committed in {Path(run_dir) / 'checkpoints'}, so the "
+            "run cannot resume: start it again (checkpoint.save_interval=N saves every N steps)")
 
 
 def exit_interrupted(message: str, *, advice: bool = True) -> None:

@@ -140,28 +140,39 @@ def test_resume_advice_says_what_the_run_folder_holds(tmp_path):
     (ckpts / "iter_0000002" / "COMPLETE").write_text("step 2\n")
     assert resume_advice(tmp_path) == (f"resume with --run-dir {tmp_path} checkpoint.load="
                                        f"{ckpts} (last complete checkpoint: iter_0000002)")
+    (tmp_path / "config.yaml").write_text("name: x\n")  # the run's: the advice loads it
+    assert resume_advice(tmp_path).startswith(f"resume with --config {tmp_path / 'config.yaml'} "
+                                              f"--run-dir {tmp_path} checkpoint.load=")
 
 
-def test_the_resume_advice_goes_on_in_the_same_run_folder(tmp_path):
-    """Catches advice that named ``checkpoint.load`` but not ``--run-dir``: a user who
-    followed it resumed into a new default folder, whose metrics.jsonl started at the
-    resumed step while the old folder kept ``"interrupted": true``.  The advised
-    arguments, parsed as ``train.py`` parses them, must claim the interrupted run's own
-    folder (which holds its results) and load from its checkpoints."""
+def test_the_resume_advice_goes_on_in_the_same_run_folder_as_configured(tmp_path):
+    """Catches advice that named ``checkpoint.load`` alone: a user who followed it resumed
+    into a new default folder (metrics.jsonl from the resumed step on, the old folder
+    left ``"interrupted": true``) and with the default preset's settings (500 steps
+    instead of 60, no periodic saves, config.yaml overwritten; another preset's
+    checkpoint refused).  The advised arguments, parsed as ``train.py`` parses them,
+    must claim the interrupted run's own folder, load from its checkpoints, and give the
+    run's own settings (its saved config.yaml)."""
     import shlex
 
+    from jobruntime.config import load_config, save_config
     from jobruntime.faults import resume_advice
     from jobruntime.outputs import claim_run_folder
     from train import parse_args
 
     run = tmp_path / "run"
-    (run / "checkpoints" / "iter_0000006").mkdir(parents=True)
-    (run / "checkpoints" / "iter_0000006" / "COMPLETE").write_text("step 6\n")
-    (run / "metrics.jsonl").write_text('{"step": 6}\n')
+    (run / "checkpoints" / "iter_0000010").mkdir(parents=True)
+    (run / "checkpoints" / "iter_0000010" / "COMPLETE").write_text("step 10\n")
+    (run / "metrics.jsonl").write_text('{"step": 10}\n')
+    original = load_config("tiny_llama", ["train.iters=60", "checkpoint.save_interval=10"])
+    save_config(original, run / "config.yaml")
     words = shlex.split(resume_advice(run).removeprefix("resume with ").split(" (")[0])
     args = parse_args(words)
     load = dict(o.split("=", 1) for o in args.overrides)["checkpoint.load"]
     assert Path(args.run_dir) == run and Path(load) == run / "checkpoints"
+    cfg = load_config(args.config, args.overrides)
+    assert (cfg.name, cfg.model.family, cfg.train.iters, cfg.checkpoint.save_interval) == (
+        "tiny_llama", "llama", 60, 10)
     folder = claim_run_folder(args.run_dir, tmp_path / "default", resume_from=load)
     try:
         assert folder.path == run and not folder.created
@@ -177,7 +188,7 @@ def test_interrupted_exit_adds_the_advice_once_the_run_folder_is_known(tmp_path)
                           timeout=120)
     assert proc.returncode == 3
     assert proc.stderr.strip().splitlines() == [
-        f"error: [rank 0] lost a peer; no checkpoint was committed in {tmp_path / 'checkpoints'}, "
+        f"error: [rank 0] lost a peer; no complete checkpoint was committed in {tmp_path / 'checkpoints'}, "
         "so the run cannot resume: start it again (checkpoint.save_interval=N saves every N "
         "steps)"]
 

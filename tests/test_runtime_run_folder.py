@@ -198,7 +198,7 @@ def test_a_rank_lost_in_a_checkpoint_save_is_one_line_exit_3(tmp_path, cache_dir
     assert len(errors) == 1 and "[rank 0]" in errors[0] and "lost" in errors[0], err[-3000:]
     # no checkpoint was committed (the save of step 2 was the first): the line must not
     # send the user to checkpoint.load (it did, "resume from the last checkpoint")
-    assert "no checkpoint was committed" in errors[0] and "checkpoint.load" not in errors[0]
+    assert "no complete checkpoint was committed" in errors[0] and "checkpoint.load" not in errors[0]
     assert "Traceback" not in err, err[-3000:]
     assert (run_dir / "metrics.jsonl").is_file()  # the run folder is kept
     assert not (run_dir / "checkpoints" / "iter_0000002").exists()  # never committed
