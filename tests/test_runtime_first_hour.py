@@ -519,17 +519,24 @@ def test_a_geomesh_run_reads_only_the_cona_keys_of_a_layout_switch():
     (["cona.enabled=true", "cona.clock=emulated"], "checkpoint.save_final=false"),
     (["cona.enabled=true", "cona.clock=emulated"], "checkpoint.keep_last=2"),
     (["cona.enabled=true", "cona.clock=emulated"], "cona.switch_timeout_s=60"),
+    (["geomesh.method=async", "geomesh.cluster=two_worker"], "checkpoint.save_final=false"),
+    (["geomesh.method=streaming_diloco", "geomesh.cluster=two_worker"], "checkpoint.keep_last=2"),
 ])
 def test_saving_and_switch_keys_a_job_does_not_read_are_refused(job, key):
     """Catches overrides accepted and ignored: ``checkpoint.save_final`` in a GeoMesh run
     (it saves by ``save_interval``), the saving keys on CONA's emulated clock (its proxy
-    saves nothing) and ``cona.switch_timeout_s`` there (no real switch runs).  The same
-    keys where they are read (an ordinary run, CONA's wall clock) stay accepted."""
+    saves nothing) and ``cona.switch_timeout_s`` there (no real switch runs); any
+    checkpoint key with async or Streaming DiLoCo, whose message must not send the user
+    to ``save_interval`` (those methods refuse it).  The same keys where they are read
+    (an ordinary run, CONA's wall clock) stay accepted."""
     from jobruntime.config import ConfigError, check_overrides_used, load_config
 
     cfg = load_config("tiny_gpt", [*job, key])
-    with pytest.raises(ConfigError, match=rf"'{key}' has no effect"):
+    with pytest.raises(ConfigError, match=rf"'{key}' has no effect") as e:
         check_overrides_used(cfg, [*job, key])
+    if job[0] in ("geomesh.method=async", "geomesh.method=streaming_diloco"):
+        # not "set checkpoint.save_interval": these methods refuse it (a circle)
+        assert "saves and loads no checkpoints" in str(e.value), e.value
     for reads in ([], ["cona.enabled=true"]):
         if key.startswith("cona.") and not reads:
             continue

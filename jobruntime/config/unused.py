@@ -48,6 +48,8 @@ TRAIN_IN_GEOMESH = {
 }
 # checkpoint.* keys of saving (jobruntime/loop.py, cona/run.py, geomesh/state.py).
 CHECKPOINT_SAVES = ("save_interval", "save_final", "keep_last")
+# GeoMesh methods without checkpoints (geomesh/baselines.py run_async, geomesh/streaming.py).
+NO_CHECKPOINTS = ("async", "streaming_diloco")
 # GeoMesh keys only real mode reads (one job per region: transport, heartbeats, messages).
 REAL_MODE_ONLY = ("timeout_s", "heartbeat_s", "on_worker_loss", "secret_file")
 
@@ -77,6 +79,10 @@ def _why_ignored(cfg: JobConfig, section: str, key: str, geomesh_mode: str | Non
     if section == "cona" and key == "switch_timeout_s" and not geomesh and cona_emulated:
         return ("CONA's emulated clock charges a modelled switch and runs none (real mode, "
                 "cona.clock=wall, reads it); drop it")
+    if section == "checkpoint" and method in NO_CHECKPOINTS and key in (
+            *CHECKPOINT_SAVES, "load", "load_optimizer"):
+        return (f"geomesh.method={method} saves and loads no checkpoints (geomesh.method="
+                "geomesh, diloco or ddp do); drop it")
     if section == "checkpoint" and key in CHECKPOINT_SAVES:
         if geomesh and key == "save_final":
             return ("a GeoMesh run saves every checkpoint.save_interval outer steps and after "
@@ -118,6 +124,8 @@ def check_overrides_used(cfg: JobConfig, overrides: list[str] | tuple[Any, ...],
       ``train.*`` key that a GeoMesh run replaces with its own (:data:`TRAIN_IN_GEOMESH`);
     - ``parallel.tp`` or ``parallel.pp`` in a GeoMesh run (the cluster file lays out
       each region) or on CONA's emulated clock (CONA picks the start layout);
+    - any ``checkpoint.*`` key of saving or loading with a GeoMesh method that has no
+      checkpoints (:data:`NO_CHECKPOINTS`);
     - ``checkpoint.save_final`` in a GeoMesh run (it saves by ``save_interval``), and
       the keys of saving (:data:`CHECKPOINT_SAVES`) and ``cona.switch_timeout_s`` on
       CONA's emulated clock (it saves nothing and runs no switch).
