@@ -62,7 +62,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from jobruntime.checkpoint import save_checkpoint
-from jobruntime.config import JobConfig, save_config
+from jobruntime.config import JobConfig
 from jobruntime.devices import device_summary
 from jobruntime.logging_utils import StepProgress
 from jobruntime.metrics import (
@@ -72,6 +72,7 @@ from jobruntime.metrics import (
     perplexity,
     target_reached_line,
 )
+from jobruntime.outputs import save_run_inputs
 from jobruntime.parallel import same_run_dir
 
 from .context import build_context
@@ -454,7 +455,7 @@ def run(cfg: JobConfig, run_dir: Path) -> dict:
         config=cfg.to_dict(),
     )
     if job.is_logging_rank:
-        save_config(cfg, run_dir / "config.yaml")
+        save_run_inputs(cfg, ctx.data.corpus.tokenizer, run_dir)
     log.info("CONA (%s clock): %d candidates, start %s", ctx.clock, len(ctx.candidates),
              job.strategy.label)
     loop = Loop(job, cfg, controller=controller, writer=writer,

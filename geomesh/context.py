@@ -20,10 +20,11 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from jobruntime.config import JobConfig, save_config
+from jobruntime.config import JobConfig
 from jobruntime.data import GlobalBatchSampler, build_dataset, prepare_corpus
 from jobruntime.metrics import MetricsWriter
 from jobruntime.model import build_model
+from jobruntime.outputs import save_run_inputs
 from jobruntime.parallel import initialize_layout, same_run_dir
 
 from .exchange.deploy import Placement, place_emulated, place_real
@@ -190,7 +191,7 @@ def build_context(cfg: JobConfig, run_dir: Path) -> RunContext:
         wandb_name=cfg.logging.name or f"{g.method}-{run_dir.name}", config=cfg.to_dict(),
     )
     if placement.is_logging_rank:
-        save_config(cfg, run_dir / "config.yaml")
+        save_run_inputs(cfg, corpus.tokenizer, run_dir)
     return RunContext(cfg=cfg, layout_cfg=layout_cfg, method=g.method, cluster=cluster,
                       placement=placement, planner=planner, target=target, batch_target=G_t,
                       target_schema=schema, train_ds=train_ds, val_ds=val_ds, writer=writer,

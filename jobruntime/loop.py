@@ -15,13 +15,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from .checkpoint import load_checkpoint, save_checkpoint
-from .config import JobConfig, save_config
+from .config import JobConfig
 from .data import Corpus, GlobalBatchSampler, build_dataset, prepare_corpus
 from .devices import device_summary
 from .logging_utils import StepProgress, phase
 from .metrics import MetricsWriter, TTPTracker, perplexity, target_reached_line
+from .outputs import save_run_inputs
 from .parallel import Topology, initialize_layout, same_run_dir, set_seed
-from .tokenizer import save_tokenizer_file
 from .trainer import Trainer
 
 log = logging.getLogger("jobruntime")
@@ -93,8 +93,7 @@ def run(cfg: JobConfig, run_dir: Path,
         config=cfg.to_dict(),
     )
     if topo.is_logging_rank:
-        save_config(cfg, run_dir / "config.yaml")
-        save_tokenizer_file(data.corpus.tokenizer, run_dir)
+        save_run_inputs(cfg, data.corpus.tokenizer, run_dir)
     # "ttp": the tracker's state (with the last evaluation above the target, so a
     # resumed run interpolates its crossing); older checkpoints hold only ttp_s/_tokens/_step
     ttp = TTPTracker.from_state(extra.get("ttp") or {k: extra.get(k) for k in (

@@ -37,6 +37,19 @@ def last_checkpoint(run_dir: str | Path) -> str | None:
     return done[-1] if done else None
 
 
+def save_run_inputs(cfg, tokenizer, run_dir: Path) -> None:
+    """What makes a run folder self-contained, written by the logging rank of every job
+    kind (plain, CONA, GeoMesh): ``config.yaml`` (the resolved config,
+    :func:`jobruntime.config.save_config`; ``--config`` of a resume) and the tokenizer
+    file (:func:`jobruntime.tokenizer.save_tokenizer_file`; for the tools' conversion
+    and evaluation), each written to a temporary name and renamed."""
+    from .config import save_config
+    from .tokenizer import save_tokenizer_file
+
+    save_config(cfg, run_dir / "config.yaml")
+    save_tokenizer_file(tokenizer, run_dir)
+
+
 def output_folder_error(path: str | Path, flag: str) -> str | None:
     """Why ``path`` cannot be used (or created) as a folder, else ``None``.
 

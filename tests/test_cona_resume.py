@@ -90,8 +90,8 @@ def test_resumed_run_goes_on_from_its_checkpoint(resumed):
 
 
 def test_a_finished_real_run_saves_its_last_step_once(resumed):
-    """Catches a finished real-mode CONA run that left no checkpoint to evaluate or
-    convert (``checkpoint.save_final``, default on, was read by ordinary runs only):
+    """Catches a finished real-mode CONA run that left no checkpoint (nor tokenizer) to
+    evaluate or convert (``checkpoint.save_final``, default on, was read by ordinary runs only):
     the resumed run (``save_interval=0``) must save its last step, and the first run,
     whose periodic save fell on its last step, must save it once, not twice."""
     from jobruntime.outputs import last_checkpoint
@@ -99,6 +99,9 @@ def test_a_finished_real_run_saves_its_last_step_once(resumed):
     _, _, first, second = resumed
     assert sorted(p.name for p in (first / "checkpoints").glob("iter_*")) == ["iter_0000008"]
     assert last_checkpoint(second) == "iter_0000016"
+    # self-contained, as an ordinary run's folder: the tokenizer with the config (the
+    # tools' conversion reads it; a CONA folder had none)
+    assert (first / "config.yaml").is_file() and (first / "tokenizer.model").is_file()
 
 
 def test_lr_ramp_goes_on_across_a_resume():

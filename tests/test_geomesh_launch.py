@@ -175,6 +175,8 @@ def test_happy_path(tmp_path, cache_dir):
                  for slug in ("east-us", "west-europe")]
     # "steps": metrics.jsonl's step, outer steps here, as an interrupted run's summary says
     assert all(s["outer_steps"] == s["steps"] == 2 and s["mode"] == "real" for s in summaries)
+    # each region's folder is self-contained, as an ordinary run's (it had no tokenizer)
+    assert all((run_dir / slug / "tokenizer.model").is_file() for slug in ("east-us", "west-europe"))
     assert summaries[0]["final_val_loss"] == summaries[1]["final_val_loss"]
     table = proc.stdout.splitlines()
     head = next(i for i, x in enumerate(table) if x.split()[:3] == ["region", "tp/pp/dp", "exit"])
