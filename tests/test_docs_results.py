@@ -369,3 +369,28 @@ def test_cona_rerun_line_from_a_synthetic_result():
     data["rerun"]["cona_settings"] = {"efficiency_correction": "progress"}
     assert "CONA re-run with `cona.efficiency_correction=progress`, TTP by seed" in \
         cona_rerun(data)
+
+
+def test_demo_line_from_a_synthetic_result():
+    """Catches a demo duration not read from its JSON, or a phase mis-parsed from the
+    log (bench/demo.py): the line gives both runs' minutes, the data preparation of the
+    first (a phase whose name ends in paths) and the second run's TTP."""
+    from bench.demo import phases
+
+    log = ("[10:00:01] jobruntime: loading torch and megatron-core: done in 4.0 s\n"
+           "[10:00:20] jobruntime: preparing the data (data/x.jsonl.xz): done in 19.5 s\n"
+           "[10:04:00] jobruntime: saving checkpoint /t/c/iter_1: done in 1.0 s\n"
+           "[10:04:02] jobruntime: saving checkpoint /t/c/iter_1: done in 1.0 s\n")
+    assert phases(log) == {"loading torch and megatron-core": 4.0,
+                           "preparing the data (data/x.jsonl.xz)": 19.5,
+                           "saving checkpoint /t/c/iter_1": 2.0}
+    summary = {"ttp_s": 61.4, "target_ppl": 300.0, "final_val_ppl": 120.04}
+    r = {"date": "2026-12-05T00:00:00Z", "commit": "abc1234", "command": "python bench/demo.py",
+         "machine": "2 CPU cores, x86_64, AVX512",
+         "runs": [{"name": "first use", "wall_s": 300.0, "phases_s": phases(log),
+                   "summary": summary},
+                  {"name": "again", "wall_s": 240.0, "phases_s": {}, "summary": summary}]}
+    text = render_results.demo_cpu(r)
+    assert text.startswith("On 2 CPU cores the demo took 5.0 min at first use (20 s of it "
+                           "preparing the data") and "and 4.0 min again" in text
+    assert "after 61 s (TTP, wall clock)" in text and "perplexity 120.0." in text

@@ -321,7 +321,27 @@ def geomesh_peers_tune(r: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def demo_cpu(r: dict) -> str:
+    """bench/demo.py: the README demo's wall time at first use and again, the phases
+    that took longer than 5 s, and its TTP and final perplexity."""
+    runs = {x["name"]: x for x in r["runs"]}
+    first, again = runs["first use"], runs["again"]
+
+    def took(run: dict, start: str) -> float:  # a phase's seconds; its name ends in paths
+        return sum(v for k, v in run["phases_s"].items() if k.startswith(start))
+
+    s = again["summary"]
+    ttp = "not reached" if s["ttp_s"] is None else f"{s['ttp_s']:,.0f} s"
+    return (f"On {r['machine'].split(',')[0]} the demo took {first['wall_s'] / 60:.1f} min at "
+            f"first use ({took(first, 'preparing the data'):.0f} s of it preparing the data, "
+            f"the tokenizer's training included) and {again['wall_s'] / 60:.1f} min again; "
+            f"it reached its target perplexity {s['target_ppl']:g} after {ttp} (TTP, wall "
+            f"clock) and ended at validation perplexity {s['final_val_ppl']:.1f}.  A shared "
+            f"or loaded machine takes longer.\n\n" + _source(r, "demo_cpu") + "\n")
+
+
 RENDERERS: dict[str, Callable[[dict], str]] = {"four_shape_cpu": four_shape_cpu,
+                                               "demo_cpu": demo_cpu,
                                                "faults_quick": faults_quick,
                                                "h200_2026-11-30": h200,
                                                "h200_2026-12-04": h200_check,
