@@ -237,6 +237,7 @@ def _run(cfg, run_dir: Path, folder, new_run_dir: bool, outcome: dict) -> int:
         ctrl_c_pressed,
         note_run_dir,
         peer_lost,
+        stop_signals_held,
     )
     from jobruntime.logging_utils import phase, setup_logging
     from jobruntime.outputs import RUN_OUTPUTS
@@ -247,7 +248,8 @@ def _run(cfg, run_dir: Path, folder, new_run_dir: bool, outcome: dict) -> int:
         setup_logging(info_stream=sys.stdout)  # progress on stdout, problems on stderr
         if folder is not None:
             note_run_dir(run_dir)  # the other ranks learn rank 0's folder when training starts
-        with phase(logging.getLogger("jobruntime"), "loading torch and megatron-core"):
+        with (phase(logging.getLogger("jobruntime"), "loading torch and megatron-core"),
+              stop_signals_held()):  # a stop raised inside an import breaks the import
             from jobruntime.checkpoint import CheckpointError
             from jobruntime.data import DataError
             from jobruntime.tokenizer import TokenizerError

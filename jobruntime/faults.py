@@ -36,13 +36,14 @@ A Ctrl-C is not a fault: :func:`on_sigint` notes it, ``train.py`` reports it
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 ENV = "GEOCONA_FAULT"
@@ -209,6 +210,30 @@ def on_sigint(signum, frame) -> None:
 def ctrl_c_pressed() -> bool:
     """Whether this process got a SIGINT through :func:`on_sigint`."""
     return _ctrl_c.is_set()
+
+
+@contextlib.contextmanager
+def stop_signals_held() -> Iterator[None]:
+    """Hold SIGINT and SIGTERM while the block runs (main thread only), then deliver
+    each one that came, once, to the handler in place before (as if it arrived then).
+
+    For imports: an exception that a handler raises inside ``import torch`` can be
+    caught by the importing module's own ``try``/``except`` and leave a half-initialised
+    module (``numpy`` without ``matrix``, a traceback and exit 1), or cross C++ code and
+    abort the process (``pybind11::error_already_set``, exit -6).  A signal that is
+    ignored stays ignored."""
+    got: list[int] = []
+    held = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    held = {s: h for s, h in held.items() if h not in (signal.SIG_IGN, None)}
+    for s in held:
+        signal.signal(s, lambda signum, frame: got.append(signum))
+    try:
+        yield
+    finally:
+        for s, handler in held.items():
+            signal.signal(s, handler)
+        for s in sorted(set(got)):  # SIGINT (2) before SIGTERM (15): a Ctrl-C is the user's
+            os.kill(os.getpid(), s)
 
 
 def exit_ctrl_c(report: Callable[[], None] | None = None) -> None:

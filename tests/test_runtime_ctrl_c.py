@@ -113,9 +113,11 @@ def test_a_stop_while_torch_imports_is_one_line_and_keeps_no_folder_it_made(tmp_
     """Catches a stop in the first seconds, torch and megatron-core still importing: a
     SIGTERM (the handler was installed after the imports) exited by the signal (-15, 143
     from a shell) with no line and left the folder it had created, empty; a Ctrl-C gave
-    two tracebacks and exit 1 (the teardown imported half-initialised torch again).  Now
-    one line and exit 3 or 130; a folder the run made is removed, one that was there
-    (empty) is kept, and the line says nothing was trained rather than how to resume."""
+    two tracebacks and exit 1 (the teardown imported half-initialised torch again); a
+    stop raised inside the import broke it (numpy without ``matrix``: exit 1; a C++ frame:
+    abort, exit -6), so it is held until the imports end.  Now one line and exit 3 or
+    130; a folder the run made is removed, one that was there (empty) is kept, and the
+    line says nothing was trained rather than how to resume."""
     import subprocess
 
     run_dir = tmp_path / "run"
@@ -123,7 +125,8 @@ def test_a_stop_while_torch_imports_is_one_line_and_keeps_no_folder_it_made(tmp_
         run_dir.mkdir()
     proc = subprocess.Popen([sys.executable, str(REPO / "train.py"), "--run-dir", str(run_dir),
                              *SMALL], cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True,  # SIGINT as in a terminal
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         for line in proc.stdout:  # the phase's first line: the imports start now
             if "loading torch and megatron-core ..." in line:
