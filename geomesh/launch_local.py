@@ -20,6 +20,10 @@ to ``tiny_gpt``.  Without ``$GEOMESH_SECRET`` or ``geomesh.secret_file`` one
 random secret is made for the run and given to the jobs in their environment;
 ``OMP_NUM_THREADS`` defaults to this machine's cores over all processes.
 
+``--resume`` goes on with the run in ``--run-dir``: every region from its last complete
+checkpoint with its saved ``config.yaml`` (no ``--config``; overrides still apply, e.g. a
+larger ``geomesh.outer_steps``), its output appended to its folder.
+
 A lost region does not leave the others waiting forever: with
 ``geomesh.on_worker_loss=continue`` (the default) they finish the run without it,
 with ``fail`` they stop within the heartbeat (exit 3), and a job that writes
@@ -60,11 +64,12 @@ from jobruntime.config import (
 )
 from jobruntime.faults import ENV as FAULT_ENV
 from jobruntime.faults import REGION_ENV as FAULT_REGION_ENV
-from jobruntime.outputs import RUN_OUTPUTS, output_folder_error
+from jobruntime.outputs import RUN_OUTPUTS, last_checkpoint, output_folder_error
 
 from .proctree import become_subreaper, start_tree, stop_trees, sweep_orphans
 
 TRAIN_PY = Path(__file__).resolve().parent.parent / "train.py"
+DEFAULT_CONFIG = "tiny_gpt"  # --config without one
 LIGHTHOUSE_START_S = 60.0  # the lighthouse loads no torch (~1 s), but 2 loaded cores are slow
 STOP_GRACE_S = 15.0  # SIGTERM -> SIGKILL: train.py stops on SIGTERM and exits 3
 STALL_SLACK_S = 60.0  # over timeout_s + heartbeat_s: how long a survivor may stay silent
@@ -114,9 +119,13 @@ def region_slug(name: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
 
 
-def plan_jobs(cluster: ClusterSpec, cluster_file: Path, run_dir: Path, config: str,
-              overrides: list[str]) -> list[RegionJob]:
+def plan_jobs(cluster: ClusterSpec, cluster_file: Path, run_dir: Path, config: str | None,
+              overrides: list[str], resume: bool = False) -> list[RegionJob]:
     """One :class:`RegionJob` per region of ``cluster``, in region-id order (no process started).
+
+    With ``resume`` each region's job goes on from its folder's checkpoints with its own
+    saved config (``--config REGION/config.yaml checkpoint.load=REGION/checkpoints``: the
+    resume advice of :func:`jobruntime.faults.resume_command`), ``config`` unused.
 
     Raises:
         LaunchError: two regions whose names give the same folder name.
@@ -133,9 +142,14 @@ def plan_jobs(cluster: ClusterSpec, cluster_file: Path, run_dir: Path, config: s
         nproc = sum(x.num_gpus for x in workers)
         job = RegionJob(region=r.name, slug=slug, nproc=nproc, layout=(w.tp, w.pp, w.dp),
                         run_dir=run_dir / slug)
+        if resume:  # its own saved config, from its checkpoints (faults.resume_command)
+            preset, first, last = job.run_dir / "config.yaml", [], [
+                f"checkpoint.load={job.run_dir / 'checkpoints'}"]
+        else:
+            preset, first, last = config or DEFAULT_CONFIG, ["geomesh.method=geomesh"], []
         job.cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                   "--nproc-per-node", str(nproc), str(TRAIN_PY), "--config", config,
-                   "--run-dir", str(job.run_dir), "geomesh.method=geomesh", *overrides,
+                   "--nproc-per-node", str(nproc), str(TRAIN_PY), "--config", str(preset),
+                   "--run-dir", str(job.run_dir), *first, *overrides, *last,
                    f"geomesh.cluster={cluster_file}", f"geomesh.region={r.name}"]
         jobs.append(job)
     return jobs
@@ -143,6 +157,8 @@ def plan_jobs(cluster: ClusterSpec, cluster_file: Path, run_dir: Path, config: s
 
 def check_inputs(args: argparse.Namespace) -> tuple[ClusterSpec, Path, JobConfig]:
     """Load the cluster and the job config as the region jobs will; refuse what cannot run.
+    With ``args.resume`` the config is the first region's saved ``config.yaml`` under
+    ``args.run_dir`` (every region's holds the same settings but its region).
 
     Returns:
         ``(cluster, absolute cluster path, job config)``.
@@ -156,8 +172,19 @@ def check_inputs(args: argparse.Namespace) -> tuple[ClusterSpec, Path, JobConfig
             raise LaunchError(f"{text!r}: the launcher sets geomesh.{keys[1]} for every region "
                               "itself; give the cluster with --cluster and drop this override")
     path = resolve_cluster(args.cluster).resolve()
-    cfg = load_config(args.config, ["geomesh.method=geomesh", *args.overrides,
-                                    f"geomesh.cluster={path}"])
+    if args.resume:
+        if args.config is not None:
+            raise LaunchError("--resume: every region goes on with its own saved config.yaml; "
+                              "drop --config (overrides still apply, e.g. geomesh.outer_steps)")
+        first = min(load_cluster(path).regions, key=lambda r: r.region_id)
+        saved = Path(args.run_dir) / (region_slug(first.name) or f"region{first.region_id}")
+        if not (saved / "config.yaml").is_file():
+            raise LaunchError(f"--resume: {saved} holds no config.yaml of a run to resume; give "
+                              "the --run-dir of an earlier launch with this --cluster")
+        cfg = load_config(str(saved / "config.yaml"), [*args.overrides, f"geomesh.cluster={path}"])
+    else:
+        cfg = load_config(args.config or DEFAULT_CONFIG, ["geomesh.method=geomesh",
+                                                          *args.overrides, f"geomesh.cluster={path}"])
     cfg.validate_sections()
     cfg.geomesh.validate()  # what each region's train.py would refuse, once, before any start
     check_overrides_used(cfg, args.overrides)
@@ -363,7 +390,11 @@ def parse_args(argv):
     p.add_argument("--cluster", required=True,
                    help="real-mode cluster YAML, or a name in geomesh/clusters/ (four_shape_cpu)")
     p.add_argument("--run-dir", required=True, help="folder of the run: one sub-folder per region")
-    p.add_argument("--config", default="tiny_gpt", help="preset name or YAML (default: tiny_gpt)")
+    p.add_argument("--config", default=None, help="preset name or YAML (default: tiny_gpt)")
+    p.add_argument("--resume", action="store_true",
+                   help="go on with the run in --run-dir from every region's last complete "
+                   "checkpoint, each with its saved config.yaml (raise geomesh.outer_steps to "
+                   "train further after a finished run)")
     p.add_argument("overrides", nargs="*", help="section.key=value, given to every region's train.py")
     return p.parse_intermixed_args(argv)
 
@@ -383,14 +414,20 @@ def prepare(args: argparse.Namespace) -> tuple[list[RegionJob], ClusterSpec, Pat
     run_dir = Path(args.run_dir).resolve()
     if problem := output_folder_error(run_dir, "--run-dir"):
         raise LaunchError(problem)
-    jobs = plan_jobs(cluster, cluster_file, run_dir, args.config, args.overrides)
+    jobs = plan_jobs(cluster, cluster_file, run_dir, args.config, args.overrides, args.resume)
     for j in jobs:
-        if held := [n for n in RUN_OUTPUTS if (j.run_dir / n).exists()]:
+        if args.resume and last_checkpoint(j.run_dir) is None:
+            raise LaunchError(f"--resume: {j.run_dir} holds no complete checkpoint, so region "
+                              f"{j.region!r} cannot go on (checkpoint.save_interval=N saves every "
+                              "N outer steps); start the run again with a new --run-dir")
+        if not args.resume and (held := [n for n in RUN_OUTPUTS if (j.run_dir / n).exists()]):
             raise LaunchError(f"--run-dir {run_dir}: {j.run_dir} already holds a run's results "
-                              f"({', '.join(held)}); give a new folder")
+                              f"({', '.join(held)}); give a new folder, or go on with that run: "
+                              "--resume")
     for j in jobs:
         j.run_dir.mkdir(parents=True, exist_ok=True)
-        j.log.unlink(missing_ok=True)
+        if not args.resume:  # a resumed job's output follows its first part's
+            j.log.unlink(missing_ok=True)
     env = dict(os.environ)
     if not env.get(SECRET_ENV) and not cfg.geomesh.secret_file:
         env[SECRET_ENV] = secrets.token_hex(32)  # one run, one machine: a fresh secret

@@ -187,6 +187,42 @@ def test_happy_path(tmp_path, cache_dir):
     print(f"launch_local happy path: {wall:.1f} s")
 
 
+def test_resume_goes_on_in_every_region_from_its_checkpoints(tmp_path, cache_dir):
+    """Catches a launcher that could not go on with a run: it refused any --run-dir that
+    held results, so a stopped GeoMesh run meant one torchrun per region by hand.  A run
+    of 2 rounds saving every round, then ``--resume geomesh.outer_steps=3``: exit 0, each
+    region's metrics.jsonl goes on to round 3 in the same folder (one history), its
+    summary says 3 outer steps, and the regions end on the same θ_global (equal final
+    validation loss).  A --resume where a region holds no complete checkpoint, or with
+    --config, is refused before any process starts (exit 2, one line)."""
+    port = free_port()
+    cluster = _cluster(tmp_path, port)
+    run_dir = tmp_path / "run"
+    base = [f"data.cache_dir={cache_dir}", *SMALL, "checkpoint.save_interval=1"]
+    first = _launch(cluster, run_dir, *base, "geomesh.outer_steps=2")
+    assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-3000:]
+    again = _launch(cluster, run_dir, "--resume", "geomesh.outer_steps=3")
+    assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-3000:]
+    summaries = []
+    for slug in ("east-us", "west-europe"):
+        steps = [json.loads(x)["step"] for x in
+                 (run_dir / slug / "metrics.jsonl").read_text().splitlines()]
+        assert steps == [1, 2, 3], (slug, steps)
+        summaries.append(json.loads((run_dir / slug / "summary.json").read_text()))
+    assert all(s["outer_steps"] == 3 and "interrupted" not in s for s in summaries)
+    assert summaries[0]["final_val_loss"] == summaries[1]["final_val_loss"]
+    fresh = tmp_path / "fresh"
+    for args, why in (([fresh, "--resume"], "holds no config.yaml"),
+                      ([run_dir, "--resume", "--config", "tiny_gpt"], "drop --config")):
+        (fresh / "east-us").mkdir(parents=True, exist_ok=True)
+        proc = _launch(cluster, *args)
+        assert proc.returncode == 2 and why in proc.stderr, proc.stderr[-2000:]
+        assert len(_errors(proc.stderr)) == 1, proc.stderr
+    (run_dir / "west-europe" / "checkpoints").rename(tmp_path / "moved")
+    proc = _launch(cluster, run_dir, "--resume", "geomesh.outer_steps=4")
+    assert proc.returncode == 2 and "holds no complete checkpoint" in proc.stderr, proc.stderr
+
+
 def test_lost_region_is_named(tmp_path, cache_dir):
     """Catches a launcher that exits 0 (or hangs) when a region dies, or names the
     wrong one: West Europe's process is SIGKILLed after the inner steps of round 1
