@@ -217,16 +217,16 @@ def _exit_interrupted(cfg, run_dir: Path, folder, outcome: dict, why: str) -> No
 
 def _on_sigterm(signum, frame) -> None:
     """SIGTERM handler, from the moment the run folder is claimed (the imports of torch and
-    megatron-core included): raise :class:`jobruntime.faults.RunInterrupted`, which
+    megatron-core included): raise :class:`jobruntime.faults.StopRequested`, which
     ``train.py`` reports in one line with exit 3 (torchrun stops the other ranks this way
     when one dies)."""
-    from jobruntime.faults import RunInterrupted
+    from jobruntime.faults import StopRequested
 
     why = ("from the launcher, which stops every rank when it is stopped itself or when a "
            "rank fails; see the other ranks' errors, if any"
            if "TORCHELASTIC_RUN_ID" in os.environ  # set by torchrun for its workers
            else "sent by another process, e.g. a scheduler or timeout")
-    raise RunInterrupted(f"stopped by signal {signum} ({why})")
+    raise StopRequested(f"stopped by signal {signum} ({why})")
 
 
 def _run(cfg, run_dir: Path, folder, new_run_dir: bool, outcome: dict) -> int:
@@ -234,6 +234,7 @@ def _run(cfg, run_dir: Path, folder, new_run_dir: bool, outcome: dict) -> int:
     from jobruntime.config import ConfigError
     from jobruntime.faults import (
         RunInterrupted,
+        StopRequested,
         ctrl_c_pressed,
         note_run_dir,
         peer_lost,
@@ -254,24 +255,24 @@ def _run(cfg, run_dir: Path, folder, new_run_dir: bool, outcome: dict) -> int:
             from jobruntime.data import DataError
             from jobruntime.tokenizer import TokenizerError
 
-        bad_input = (ConfigError, DataError, TokenizerError, CheckpointError)
-        if cfg.geomesh.method != "none":
-            from geomesh.run import run as run_job
-        elif cfg.cona.enabled:
-            from cona.run import run as run_job
-        else:
-            from jobruntime.loop import run as run_job
-
+            if cfg.geomesh.method != "none":
+                from geomesh.run import run as run_job
+            elif cfg.cona.enabled:
+                from cona.run import run as run_job
+            else:
+                from jobruntime.loop import run as run_job
             if cfg.train.zero_shot_tasks:
                 from tools.zero_shot import end_of_run_hook
 
-                run_job = functools.partial(run_job, end_of_run=end_of_run_hook(
-                    cfg.train.zero_shot_tasks, cfg.model.family))
+        bad_input = (ConfigError, DataError, TokenizerError, CheckpointError)
+        if cfg.train.zero_shot_tasks:  # an ordinary run's (JobConfig refuses it elsewhere)
+            run_job = functools.partial(run_job, end_of_run=end_of_run_hook(
+                cfg.train.zero_shot_tasks, cfg.model.family))
         # All ranks use rank 0's run_dir (see jobruntime.parallel.same_run_dir).
         summary = outcome["summary"] = run_job(cfg, run_dir)
     except bad_input as e:
         error = str(e)
-    except RunInterrupted as e:  # every rank says it: any of them may be the one left
+    except (RunInterrupted, StopRequested) as e:  # every rank says it: any may be the one left
         _exit_interrupted(cfg, run_dir, folder, outcome, str(e))
     except RuntimeError as e:  # a collective whose peer died, in any job and any phase
         if (why := peer_lost(e)) is None:

@@ -105,6 +105,8 @@ class RegionJob:
     cmd: list[str] = field(default_factory=list)
     proc: subprocess.Popen | None = field(default=None, repr=False)
     t0: float = 0.0
+    started_at: float = 0.0  # time.time() at its start: a summary.json older is not its
+    log_offset: int = 0  # where its output starts in job.log (a resumed job's follows)
     rc: int | None = None
     wall_s: float | None = None
     stalled: bool = False
@@ -112,6 +114,15 @@ class RegionJob:
     @property
     def log(self) -> Path:
         return self.run_dir / "job.log"
+
+    def log_text(self) -> str:
+        """This job's output in ``job.log`` (not an earlier part's, before a resume)."""
+        try:
+            with open(self.log, "rb") as f:
+                f.seek(self.log_offset)
+                return f.read().decode(errors="replace")
+        except OSError:
+            return ""
 
 
 def region_slug(name: str) -> str:
@@ -171,6 +182,9 @@ def check_inputs(args: argparse.Namespace) -> tuple[ClusterSpec, Path, JobConfig
         if keys in (["geomesh", "cluster"], ["geomesh", "region"]):
             raise LaunchError(f"{text!r}: the launcher sets geomesh.{keys[1]} for every region "
                               "itself; give the cluster with --cluster and drop this override")
+        if args.resume and keys in (["checkpoint", "load"], ["checkpoint", "load_optimizer"]):
+            raise LaunchError(f"{text!r}: --resume loads every region's own checkpoints with "
+                              "their optimizer state; drop this override")
     path = resolve_cluster(args.cluster).resolve()
     if args.resume:
         if args.config is not None:
@@ -181,7 +195,8 @@ def check_inputs(args: argparse.Namespace) -> tuple[ClusterSpec, Path, JobConfig
         if not (saved / "config.yaml").is_file():
             raise LaunchError(f"--resume: {saved} holds no config.yaml of a run to resume; give "
                               "the --run-dir of an earlier launch with this --cluster")
-        cfg = load_config(str(saved / "config.yaml"), [*args.overrides, f"geomesh.cluster={path}"])
+        cfg = load_config(str(saved / "config.yaml"), [*args.overrides, f"geomesh.cluster={path}",
+                                                       f"checkpoint.load={saved / 'checkpoints'}"])
     else:
         cfg = load_config(args.config or DEFAULT_CONFIG, ["geomesh.method=geomesh",
                                                           *args.overrides, f"geomesh.cluster={path}"])
@@ -297,7 +312,7 @@ _EXCEPTION = re.compile(r"^(?:\[rank\d+\]:\s*)?((?:[A-Za-z_][\w.]*)?(?:Error|Exc
 
 def failure_line(job: RegionJob) -> str:
     """One line naming a failed region, its exit code, the cause found in its log, and the log."""
-    text = job.log.read_text(errors="replace") if job.log.exists() else ""
+    text = job.log_text()
     causes = []
     codes = re.findall(r"exitcode\s*:\s*(-?\d+)", text)  # torchrun's failure report per rank
     if codes:
@@ -322,8 +337,7 @@ def failure_line(job: RegionJob) -> str:
 def bad_input_only(jobs: list[RegionJob]) -> bool:
     """Every failed job's processes exited 2 (bad input), as torchrun's report says."""
     failed = [j for j in jobs if j.rc != 0]
-    codes = [re.findall(r"exitcode\s*:\s*(-?\d+)", j.log.read_text(errors="replace"))
-             if j.log.exists() else [] for j in failed]
+    codes = [re.findall(r"exitcode\s*:\s*(-?\d+)", j.log_text()) for j in failed]
     return bool(failed) and all(c and set(c) == {"2"} for c in codes)
 
 
@@ -341,8 +355,8 @@ def region_row(job: RegionJob) -> dict[str, str]:
     """The table row of one region: its layout and exit code, and what its
     ``summary.json`` holds (keys absent there are left out)."""
     path = job.run_dir / "summary.json"
-    try:
-        s = json.loads(path.read_text())
+    try:  # an earlier part's (before a resume) is not this job's
+        s = json.loads(path.read_text()) if path.stat().st_mtime >= job.started_at else {}
     except (OSError, ValueError):
         s = {}
     mine = [w for w in s.get("workers", []) if w.get("region") == job.region]
@@ -416,10 +430,15 @@ def prepare(args: argparse.Namespace) -> tuple[list[RegionJob], ClusterSpec, Pat
         raise LaunchError(problem)
     jobs = plan_jobs(cluster, cluster_file, run_dir, args.config, args.overrides, args.resume)
     for j in jobs:
-        if args.resume and last_checkpoint(j.run_dir) is None:
+        if args.resume and (last := last_checkpoint(j.run_dir)) is None:
             raise LaunchError(f"--resume: {j.run_dir} holds no complete checkpoint, so region "
                               f"{j.region!r} cannot go on (checkpoint.save_interval=N saves every "
                               "N outer steps); start the run again with a new --run-dir")
+        if args.resume and int(last.rpartition("_")[2]) >= cfg.geomesh.outer_steps:
+            raise LaunchError(f"--resume: region {j.region!r} saved outer step "
+                              f"{int(last.rpartition('_')[2])} of geomesh.outer_steps="
+                              f"{cfg.geomesh.outer_steps}: nothing left to run; raise "
+                              "geomesh.outer_steps to train further")
         if not args.resume and (held := [n for n in RUN_OUTPUTS if (j.run_dir / n).exists()]):
             raise LaunchError(f"--run-dir {run_dir}: {j.run_dir} already holds a run's results "
                               f"({', '.join(held)}); give a new folder, or go on with that run: "
@@ -459,7 +478,9 @@ def main(argv=None) -> int:
         roots.add(lighthouse.pid)
         print(f"lighthouse at {cluster.rendezvous} (log {run_dir / 'lighthouse.log'})", flush=True)
         for j in jobs:
-            j.t0, j.proc = time.monotonic(), start_tree(j.cmd, j.log, job_env(env, j.region))
+            j.log_offset = j.log.stat().st_size if j.log.exists() else 0
+            j.t0, j.started_at = time.monotonic(), time.time()
+            j.proc = start_tree(j.cmd, j.log, job_env(env, j.region))
             roots.add(j.proc.pid)
             print(f"region {j.region}: {j.nproc} process(es), tp/pp/dp {'/'.join(map(str, j.layout))}"
                   f", log {j.log}", flush=True)

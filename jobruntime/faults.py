@@ -45,6 +45,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 ENV = "GEOCONA_FAULT"
 REGION_ENV = "GEOCONA_FAULT_REGION"
@@ -77,6 +78,13 @@ def fault_point(point: str, n: int) -> None:
 
 class RunInterrupted(RuntimeError):
     """A run stopped by a lost process, region or lighthouse; resume from its last checkpoint."""
+
+
+class StopRequested(BaseException):
+    """A run asked to stop by SIGTERM (a scheduler's limit, preemption, the launcher):
+    ``train.py`` reports it as :class:`RunInterrupted` (one line, exit 3).  Not an
+    ``Exception``, as :class:`KeyboardInterrupt` is not: an ``except Exception`` around an
+    optional import or a fallback (``jobruntime.kernels``) must not swallow a stop."""
 
 
 # What gloo, NCCL and the c10d store say when the process at the other end of a
@@ -214,26 +222,37 @@ def ctrl_c_pressed() -> bool:
 
 @contextlib.contextmanager
 def stop_signals_held() -> Iterator[None]:
-    """Hold SIGINT and SIGTERM while the block runs (main thread only), then deliver
-    each one that came, once, to the handler in place before (as if it arrived then).
+    """Hold SIGINT and SIGTERM while the block runs, then call the handler in place
+    before for the first that came (SIGINT first: a Ctrl-C is the user's), as if it
+    arrived then; its exception (``KeyboardInterrupt``, :class:`StopRequested`) leaves
+    the block.  A stop waits for the block's end: keep it to imports.
 
     For imports: an exception that a handler raises inside ``import torch`` can be
     caught by the importing module's own ``try``/``except`` and leave a half-initialised
     module (``numpy`` without ``matrix``, a traceback and exit 1), or cross C++ code and
     abort the process (``pybind11::error_already_set``, exit -6).  A signal that is
-    ignored stays ignored."""
+    ignored stays ignored; outside the main thread (no signal handlers there) nothing is
+    held."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
     got: list[int] = []
-    held = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
-    held = {s: h for s, h in held.items() if h not in (signal.SIG_IGN, None)}
-    for s in held:
-        signal.signal(s, lambda signum, frame: got.append(signum))
+    held: dict[int, Any] = {}
     try:
+        for s in (signal.SIGINT, signal.SIGTERM):
+            if (handler := signal.getsignal(s)) not in (signal.SIG_IGN, None):
+                held[s] = handler
+                signal.signal(s, lambda signum, frame: got.append(signum))
         yield
     finally:
         for s, handler in held.items():
             signal.signal(s, handler)
-        for s in sorted(set(got)):  # SIGINT (2) before SIGTERM (15): a Ctrl-C is the user's
-            os.kill(os.getpid(), s)
+        if got:
+            s = min(got)
+            if callable(held[s]):
+                held[s](s, None)
+            else:  # SIG_DFL: the default action, now
+                os.kill(os.getpid(), s)
 
 
 def exit_ctrl_c(report: Callable[[], None] | None = None) -> None:

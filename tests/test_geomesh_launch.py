@@ -193,14 +193,20 @@ def test_resume_goes_on_in_every_region_from_its_checkpoints(tmp_path, cache_dir
     of 2 rounds saving every round, then ``--resume geomesh.outer_steps=3``: exit 0, each
     region's metrics.jsonl goes on to round 3 in the same folder (one history), its
     summary says 3 outer steps, and the regions end on the same θ_global (equal final
-    validation loss).  A --resume where a region holds no complete checkpoint, or with
-    --config, is refused before any process starts (exit 2, one line)."""
+    validation loss).  A --resume where a region holds no complete checkpoint or has
+    nothing left to run, with --config or with its own checkpoint.load, is refused before
+    any process starts (exit 2, one line)."""
     port = free_port()
     cluster = _cluster(tmp_path, port)
     run_dir = tmp_path / "run"
     base = [f"data.cache_dir={cache_dir}", *SMALL, "checkpoint.save_interval=1"]
     first = _launch(cluster, run_dir, *base, "geomesh.outer_steps=2")
     assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-3000:]
+    for args, why in ((["--resume"], "nothing left to run; raise geomesh.outer_steps"),
+                      (["--resume", "geomesh.outer_steps=3", "checkpoint.load=/x"],
+                       "drop this override")):
+        proc = _launch(cluster, run_dir, *args)  # refused before any process starts
+        assert proc.returncode == 2 and why in proc.stderr, proc.stderr[-2000:]
     again = _launch(cluster, run_dir, "--resume", "geomesh.outer_steps=3")
     assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-3000:]
     summaries = []
