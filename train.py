@@ -146,10 +146,8 @@ def _report_ctrl_c(cfg, run_dir: Path, created: bool, outcome: dict) -> None:
 
     lead = "\n" if sys.stderr.isatty() else ""  # after the progress bar and the terminal's ^C
     if (partial := _write_partial_summary(cfg, run_dir, outcome)) is None:
-        if created:
-            shutil.rmtree(run_dir, ignore_errors=True)
-        print(f"{lead}interrupted before the first step; nothing to keep"
-              f"{f' (removed {run_dir})' if created else ''}", file=sys.stderr)
+        print(f"{lead}interrupted before the first step; {_keep_nothing(run_dir, created)}",
+              file=sys.stderr)
         return
     steps = partial["steps"]
     held = ", ".join(n for n in (*RUN_OUTPUTS, "config.yaml") if (run_dir / n).exists())
@@ -157,6 +155,14 @@ def _report_ctrl_c(cfg, run_dir: Path, created: bool, outcome: dict) -> None:
     resume = resume_command(run_dir)
     print(f"{lead}interrupted at {unit} {steps}; partial results in {run_dir} ({held})"
           + (f"; {resume}" if resume else ""), file=sys.stderr)
+
+
+def _keep_nothing(run_dir: Path, created: bool) -> str:
+    """A run stopped before it recorded anything: remove its folder if this run created
+    it (as on bad input), and say so: ``nothing to keep[ (removed DIR)]``."""
+    if created:
+        shutil.rmtree(run_dir, ignore_errors=True)
+    return f"nothing to keep{f' (removed {run_dir})' if created else ''}"
 
 
 def _write_partial_summary(cfg, run_dir: Path, outcome: dict) -> dict | None:
@@ -205,11 +211,8 @@ def _exit_interrupted(cfg, run_dir: Path, folder, outcome: dict, why: str) -> No
     if folder is not None:
         try:
             if _write_partial_summary(cfg, run_dir, outcome) is None:
-                if folder.created:
-                    shutil.rmtree(run_dir, ignore_errors=True)
-                exit_interrupted(f"[rank {rank}] {why}; stopped before the first step, nothing "
-                                 f"to keep{f' (removed {run_dir})' if folder.created else ''}",
-                                 advice=False)
+                exit_interrupted(f"[rank {rank}] {why}; stopped before the first step, "
+                                 f"{_keep_nothing(run_dir, folder.created)}", advice=False)
         except OSError as e:  # a full disk: the exit line still says what happened
             print(f"warning: no partial summary.json in {run_dir} ({e})", file=sys.stderr)
     exit_interrupted(f"[rank {rank}] {why}")

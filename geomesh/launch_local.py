@@ -130,6 +130,12 @@ def region_slug(name: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
 
 
+def region_folder(region) -> str:
+    """A region's folder under the run folder: its slug, or ``region<id>`` for a name
+    without letters or digits."""
+    return region_slug(region.name) or f"region{region.region_id}"
+
+
 def plan_jobs(cluster: ClusterSpec, cluster_file: Path, run_dir: Path, config: str | None,
               overrides: list[str], resume: bool = False) -> list[RegionJob]:
     """One :class:`RegionJob` per region of ``cluster``, in region-id order (no process started).
@@ -144,7 +150,7 @@ def plan_jobs(cluster: ClusterSpec, cluster_file: Path, run_dir: Path, config: s
     jobs, seen = [], {}
     for r in cluster.regions:
         workers = cluster.workers_in(r.name)
-        slug = region_slug(r.name) or f"region{r.region_id}"
+        slug = region_folder(r)
         if slug in seen:
             raise LaunchError(f"regions {seen[slug]!r} and {r.name!r} both map to the folder "
                               f"{slug!r}; rename one of them in {cluster_file}")
@@ -191,7 +197,7 @@ def check_inputs(args: argparse.Namespace) -> tuple[ClusterSpec, Path, JobConfig
             raise LaunchError("--resume: every region goes on with its own saved config.yaml; "
                               "drop --config (overrides still apply, e.g. geomesh.outer_steps)")
         first = min(load_cluster(path).regions, key=lambda r: r.region_id)
-        saved = Path(args.run_dir) / (region_slug(first.name) or f"region{first.region_id}")
+        saved = Path(args.run_dir) / region_folder(first)
         if not (saved / "config.yaml").is_file():
             raise LaunchError(f"--resume: {saved} holds no config.yaml of a run to resume; give "
                               "the --run-dir of an earlier launch with this --cluster")
@@ -417,6 +423,23 @@ def _interrupt(signum, frame):
     raise KeyboardInterrupt
 
 
+def check_resumable(job: RegionJob, outer_steps: int) -> None:
+    """Refuse a ``--resume`` of ``job`` that cannot run: no complete checkpoint in its
+    folder, or one at ``geomesh.outer_steps`` already (``outer_<step>``, geomesh/state.py).
+
+    Raises:
+        LaunchError: naming the region and the fix.
+    """
+    if (last := last_checkpoint(job.run_dir)) is None:
+        raise LaunchError(f"--resume: {job.run_dir} holds no complete checkpoint, so region "
+                          f"{job.region!r} cannot go on (checkpoint.save_interval=N saves every "
+                          "N outer steps); start the run again with a new --run-dir")
+    if (saved := int(last.rpartition("_")[2])) >= outer_steps:
+        raise LaunchError(f"--resume: region {job.region!r} saved outer step {saved} of "
+                          f"geomesh.outer_steps={outer_steps}: nothing left to run; raise "
+                          "geomesh.outer_steps to train further")
+
+
 def prepare(args: argparse.Namespace) -> tuple[list[RegionJob], ClusterSpec, Path, JobConfig,
                                                dict[str, str]]:
     """Validate the inputs, create the run folders, and build the jobs' environment.
@@ -430,16 +453,9 @@ def prepare(args: argparse.Namespace) -> tuple[list[RegionJob], ClusterSpec, Pat
         raise LaunchError(problem)
     jobs = plan_jobs(cluster, cluster_file, run_dir, args.config, args.overrides, args.resume)
     for j in jobs:
-        if args.resume and (last := last_checkpoint(j.run_dir)) is None:
-            raise LaunchError(f"--resume: {j.run_dir} holds no complete checkpoint, so region "
-                              f"{j.region!r} cannot go on (checkpoint.save_interval=N saves every "
-                              "N outer steps); start the run again with a new --run-dir")
-        if args.resume and int(last.rpartition("_")[2]) >= cfg.geomesh.outer_steps:
-            raise LaunchError(f"--resume: region {j.region!r} saved outer step "
-                              f"{int(last.rpartition('_')[2])} of geomesh.outer_steps="
-                              f"{cfg.geomesh.outer_steps}: nothing left to run; raise "
-                              "geomesh.outer_steps to train further")
-        if not args.resume and (held := [n for n in RUN_OUTPUTS if (j.run_dir / n).exists()]):
+        if args.resume:
+            check_resumable(j, cfg.geomesh.outer_steps)
+        elif held := [n for n in RUN_OUTPUTS if (j.run_dir / n).exists()]:
             raise LaunchError(f"--run-dir {run_dir}: {j.run_dir} already holds a run's results "
                               f"({', '.join(held)}); give a new folder, or go on with that run: "
                               "--resume")

@@ -65,6 +65,9 @@ def _why_ignored(cfg: JobConfig, section: str, key: str, geomesh_mode: str | Non
         if geomesh and key not in ("schedule", "switch_timeout_s"):  # a region's switch
             return ("a GeoMesh run reads only cona.schedule and cona.switch_timeout_s of the "
                     "cona section (CONA's controller does not drive GeoMesh regions); drop it")
+        if not geomesh and cona_emulated and key == "switch_timeout_s":
+            return ("CONA's emulated clock charges a modelled switch and runs none (real mode, "
+                    "cona.clock=wall, reads it); drop it")
     if section == "geomesh" and key != "method":
         if not geomesh:
             return f"geomesh is off in this job; switch it on with {GEOMESH_ON}, or drop it"
@@ -76,9 +79,6 @@ def _why_ignored(cfg: JobConfig, section: str, key: str, geomesh_mode: str | Non
         if key in REAL_MODE_ONLY and geomesh_mode == "emulated":
             return ("the cluster runs in emulated mode, which does not read it (real mode "
                     "does, one job per region); drop it")
-    if section == "cona" and key == "switch_timeout_s" and not geomesh and cona_emulated:
-        return ("CONA's emulated clock charges a modelled switch and runs none (real mode, "
-                "cona.clock=wall, reads it); drop it")
     if section == "checkpoint" and method in NO_CHECKPOINTS and key in (
             *CHECKPOINT_SAVES, "load", "load_optimizer"):
         return (f"geomesh.method={method} saves and loads no checkpoints (geomesh.method="
