@@ -516,10 +516,10 @@ def test_a_geomesh_run_reads_only_the_cona_keys_of_a_layout_switch():
 @pytest.mark.parametrize("job, key", [
     (["geomesh.method=geomesh", "geomesh.cluster=two_worker"], "checkpoint.save_final=true"),
     (["cona.enabled=true", "cona.clock=emulated"], "checkpoint.save_interval=10"),
-    (["cona.enabled=true", "cona.clock=emulated"], "checkpoint.save_final=false"),
+    (["cona.enabled=true", "cona.clock=emulated"], "checkpoint.save_final=true"),
     (["cona.enabled=true", "cona.clock=emulated"], "checkpoint.keep_last=2"),
     (["cona.enabled=true", "cona.clock=emulated"], "cona.switch_timeout_s=60"),
-    (["geomesh.method=async", "geomesh.cluster=two_worker"], "checkpoint.save_final=false"),
+    (["geomesh.method=async", "geomesh.cluster=two_worker"], "checkpoint.save_final=true"),
     (["geomesh.method=streaming_diloco", "geomesh.cluster=two_worker"], "checkpoint.keep_last=2"),
 ])
 def test_saving_and_switch_keys_a_job_does_not_read_are_refused(job, key):
@@ -541,6 +541,27 @@ def test_saving_and_switch_keys_a_job_does_not_read_are_refused(job, key):
         if key.startswith("cona.") and not reads:
             continue
         check_overrides_used(load_config("tiny_gpt", [*reads, key]), [*reads, key])
+
+
+@pytest.mark.parametrize("job", [["cona.enabled=true", "cona.clock=emulated"],
+                                 ["geomesh.method=async", "geomesh.cluster=two_worker"],
+                                 ["geomesh.method=streaming_diloco", "geomesh.cluster=two_worker"]])
+def test_asking_a_job_that_saves_nothing_to_save_nothing_is_accepted(job):
+    """Catches a script that always passes ``checkpoint.save_interval=0`` (or
+    ``save_final=false``, ``load=null``) refused by a job that saves and loads nothing:
+    that is what the job does.  A value that asks for saving stays refused, and in a
+    GeoMesh run, which saves by ``save_interval``, ``save_final`` is refused either way."""
+    from jobruntime.config import ConfigError, check_overrides_used, load_config
+
+    for off in (["checkpoint.save_interval=0"], ["checkpoint.save_final=false"],
+                ["checkpoint.load=null"], ["checkpoint={save_interval: 0, save_final: false}"]):
+        check_overrides_used(load_config("tiny_gpt", [*job, *off]), [*job, *off])
+    for on in ("checkpoint.save_interval=5", "checkpoint={save_interval: 0, save_final: true}"):
+        with pytest.raises(ConfigError, match="has no effect"):
+            check_overrides_used(load_config("tiny_gpt", [*job, on]), [*job, on])
+    sync = ["geomesh.method=geomesh", "geomesh.cluster=two_worker", "checkpoint.save_final=false"]
+    with pytest.raises(ConfigError, match="saves every checkpoint.save_interval"):
+        check_overrides_used(load_config("tiny_gpt", sync), sync)
 
 
 def test_a_home_folder_in_the_run_folder_and_config_options(tmp_path, monkeypatch):

@@ -50,12 +50,24 @@ TRAIN_IN_GEOMESH = {
 CHECKPOINT_SAVES = ("save_interval", "save_final", "keep_last")
 # GeoMesh methods without checkpoints (geomesh/baselines.py run_async, geomesh/streaming.py).
 NO_CHECKPOINTS = ("async", "streaming_diloco")
+# checkpoint.* values that ask for no saving or loading: what a job that saves and loads
+# nothing does anyway, so a script that always passes them runs everywhere.
+SAVES_NOTHING = {"save_interval": (0,), "save_final": (False,), "load": (None, "")}
 # GeoMesh keys only real mode reads (one job per region: transport, heartbeats, messages).
 REAL_MODE_ONLY = ("timeout_s", "heartbeat_s", "on_worker_loss", "secret_file")
 
 
-def _why_ignored(cfg: JobConfig, section: str, key: str, geomesh_mode: str | None) -> str | None:
-    """Why a job with ``cfg`` reads no ``section.key``, and the fix; ``None`` if it reads it."""
+def _asks_for_nothing(key: str, value: Any) -> bool:
+    """Whether ``checkpoint.<key>=<value>`` asks for no saving or loading
+    (:data:`SAVES_NOTHING`; ``False`` is not ``0`` here, nor ``0`` ``False``)."""
+    return any(value is v or (type(value) is type(v) and value == v)
+               for v in SAVES_NOTHING.get(key, ()))
+
+
+def _why_ignored(cfg: JobConfig, section: str, key: str, value: Any,
+                 geomesh_mode: str | None) -> str | None:
+    """Why a job with ``cfg`` reads no ``section.key`` (set to ``value``), and the fix;
+    ``None`` if it reads it, or if it asks for nothing the job would do anyway."""
     method = cfg.geomesh.method
     geomesh = method != "none"
     cona_emulated = cfg.cona.enabled and cfg.cona.clock == "emulated"
@@ -79,6 +91,9 @@ def _why_ignored(cfg: JobConfig, section: str, key: str, geomesh_mode: str | Non
         if key in REAL_MODE_ONLY and geomesh_mode == "emulated":
             return ("the cluster runs in emulated mode, which does not read it (real mode "
                     "does, one job per region); drop it")
+    if section == "checkpoint" and (method in NO_CHECKPOINTS or (cona_emulated and not geomesh)) \
+            and _asks_for_nothing(key, value):
+        return None  # saves (or loads) nothing, as the job does
     if section == "checkpoint" and method in NO_CHECKPOINTS and key in (
             *CHECKPOINT_SAVES, "load", "load_optimizer"):
         return (f"geomesh.method={method} saves and loads no checkpoints (geomesh.method="
@@ -102,13 +117,13 @@ def _why_ignored(cfg: JobConfig, section: str, key: str, geomesh_mode: str | Non
     return None
 
 
-def _keys(text: str) -> list[tuple[str, str]]:
-    """The ``(section, key)`` pairs an override sets: one, or each key of a section
-    given whole (``cona={clock: emulated}``)."""
+def _keys(text: str) -> list[tuple[str, str, Any]]:
+    """The ``(section, key, value)`` triples an override sets: one, or each key of a
+    section given whole (``cona={clock: emulated}``)."""
     keys, value = parse_override(text)
     if len(keys) >= 2:
-        return [(keys[0], keys[1])]
-    return [(keys[0], k) for k in value] if isinstance(value, dict) else []
+        return [(keys[0], keys[1], value)]
+    return [(keys[0], k, v) for k, v in value.items()] if isinstance(value, dict) else []
 
 
 def check_overrides_used(cfg: JobConfig, overrides: list[str] | tuple[Any, ...], *,
@@ -130,6 +145,10 @@ def check_overrides_used(cfg: JobConfig, overrides: list[str] | tuple[Any, ...],
       the keys of saving (:data:`CHECKPOINT_SAVES`) and ``cona.switch_timeout_s`` on
       CONA's emulated clock (it saves nothing and runs no switch).
 
+    A value that asks for no saving or loading (:data:`SAVES_NOTHING`:
+    ``checkpoint.save_interval=0``, ``save_final=false``, ``load=null``) is accepted
+    where the job saves and loads nothing: it is what the job does.
+
     Args:
         cfg: the loaded config (preset and overrides applied, :func:`load_config`).
         overrides: the same ``section.key=value`` strings.
@@ -140,6 +159,6 @@ def check_overrides_used(cfg: JobConfig, overrides: list[str] | tuple[Any, ...],
         ConfigError: naming the first such override, why it has no effect and the fix.
     """
     for text in overrides:
-        for section, key in _keys(text):
-            if (why := _why_ignored(cfg, section, key, geomesh_mode)) is not None:
+        for section, key, value in _keys(text):
+            if (why := _why_ignored(cfg, section, key, value, geomesh_mode)) is not None:
                 raise ConfigError(f"override {text!r} has no effect: {why}")
