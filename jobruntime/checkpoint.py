@@ -69,7 +69,9 @@ def committed_folder(root: Path, name: str, *, leader: bool | None = None, keep_
     folder to ``root/<name>``, points ``root/latest`` at it (atomically) and
     deletes older complete folders with the same prefix (``iter_``,
     ``outer_``) beyond ``keep_last`` (0 keeps all).  An exception inside the
-    block leaves only the ``.tmp`` folder, which no reader returns.
+    block (a failed write, a stop: ``StopRequested``, ``KeyboardInterrupt``)
+    makes the leader remove the ``.tmp`` folder; a rank killed mid-save leaves
+    it, which no reader returns and the next save with that prefix removes.
     Collective: every rank of the default process group must enter.
 
     Args:
@@ -78,22 +80,28 @@ def committed_folder(root: Path, name: str, *, leader: bool | None = None, keep_
     """
     leader = _rank() == 0 if leader is None else leader
     final, tmp = root / name, root / f"{name}.tmp"
+    prefix = name.split("_")[0]
     if leader:
         root.mkdir(parents=True, exist_ok=True)
-        for stale in (tmp, final):
-            if stale.exists():
+        # an earlier save cut short (a kill leaves its .tmp folder) is not a checkpoint
+        for stale in (final, *root.glob(f"{prefix}_*.tmp")):
+            if stale.is_dir():
                 shutil.rmtree(stale)
         tmp.mkdir()
     _barrier()
-    yield tmp
-    _barrier()
+    try:
+        yield tmp
+        _barrier()
+    except BaseException:  # a failed save or a stop (StopRequested, Ctrl-C) leaves nothing
+        if leader:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
     if leader:
         (tmp / COMPLETE).write_text(marker + "\n")
         tmp.rename(final)
         latest_tmp = root / ".latest.tmp"
         latest_tmp.write_text(name + "\n")
         latest_tmp.replace(root / "latest")
-        prefix = name.split("_")[0]
         complete = sorted(p for p in root.glob(f"{prefix}_*") if (p / COMPLETE).is_file())
         for old in complete[:-keep_last] if keep_last > 0 else []:
             shutil.rmtree(old, ignore_errors=True)

@@ -277,12 +277,13 @@ print(checkpoint.find_checkpoint(root).name)
 
 def test_crash_during_save_never_yields_a_valid_checkpoint(tmp_path):
     """Catches a half-written checkpoint being picked up on resume: after a
-    crash inside the save of step 2, the newest loadable one is still step 0."""
+    crash inside the save of step 2, the newest loadable one is still step 0, and
+    the save's ``.tmp`` folder is gone (the exception's path removes it)."""
     proc = subprocess.run([sys.executable, "-c", _CRASH_SCRIPT, str(tmp_path)], cwd=REPO,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip().splitlines()[-1] == "iter_0000000"
-    assert (tmp_path / "iter_0000002.tmp").is_dir() and not (tmp_path / "iter_0000002").exists()
+    assert not (tmp_path / "iter_0000002.tmp").exists() and not (tmp_path / "iter_0000002").exists()
 
 
 def test_train_settings_out_of_range_are_config_errors():
@@ -331,3 +332,30 @@ def test_all_ranks_use_rank0s_run_dir():
     from tests.dist_utils import launch
 
     assert launch(_agreed_run_dir, 2, timeout_s=300) == ["runs/demo-0", "runs/demo-0"]
+
+
+@pytest.mark.parametrize("stop", [OSError("disk full"), KeyboardInterrupt()])
+def test_a_save_cut_short_leaves_no_tmp_folder(tmp_path, stop):
+    """Catches a stale ``iter_N.tmp`` left in a run folder by a save that failed or was
+    stopped (a SIGTERM raises ``StopRequested`` in the middle of ``dist_checkpointing.save``):
+    the leader removes its ``.tmp`` folder and re-raises; a ``.tmp`` left by a rank killed
+    mid-save (which can remove nothing) goes at the next save with that prefix, not one
+    of another prefix; the complete checkpoints stay."""
+    from jobruntime.checkpoint import COMPLETE, committed_folder, find_checkpoint
+
+    root = tmp_path / "checkpoints"
+    with committed_folder(root, "iter_0000002") as tmp:
+        (tmp / "shard").write_text("x")
+    with pytest.raises(type(stop)), committed_folder(root, "iter_0000004") as tmp:
+        (tmp / "shard").write_text("x")
+        raise stop
+    assert sorted(p.name for p in root.iterdir()) == ["iter_0000002", "latest"]
+    killed = [root / "iter_0000006.tmp", root / "outer_0000001.tmp"]  # a kill's leftovers
+    for k in killed:
+        k.mkdir()
+    with committed_folder(root, "iter_0000008") as tmp:
+        (tmp / "shard").write_text("x")
+    assert sorted(p.name for p in root.iterdir()) == [
+        "iter_0000002", "iter_0000008", "latest", "outer_0000001.tmp"]
+    assert find_checkpoint(root) == root / "iter_0000008"
+    assert (root / "iter_0000002" / COMPLETE).is_file()
