@@ -34,9 +34,10 @@ is stopped too (:mod:`geomesh.proctree`), so nothing outlives the launcher
 unless the launcher itself is SIGKILLed.
 
 Exit codes: 0 every region's job exited 0; 1 a region failed (one ``error:`` line
-per failed region, in the order they exited: its name, exit code, cause and log); 2 bad input (cluster file,
+per failed region, in the order they exited: its name, exit code, cause and log; then the
+``--resume`` command that goes on, or why the run cannot); 2 bad input (cluster file,
 config, run folder, a lighthouse that cannot bind), or every failed region failed
-on bad input; 130 interrupted.
+on bad input; 130 interrupted (and the ``--resume`` line).
 """
 
 from __future__ import annotations
@@ -440,6 +441,29 @@ def check_resumable(job: RegionJob, outer_steps: int) -> None:
                           "geomesh.outer_steps to train further")
 
 
+def resume_hint(jobs: list[RegionJob], cluster: str, run_dir: Path, outer_steps: int) -> str:
+    """What a failed or stopped run can do next, one line: this launcher's ``--resume``
+    command where every region can go on (:func:`check_resumable`), else why not (no
+    region saved; else a region without a complete checkpoint named first: raising
+    ``geomesh.outer_steps`` does not help it).  A region's own ``train.py`` advice names its torchrun job alone.
+
+    Args:
+        cluster: ``--cluster`` as given; run_dir: the run's folder; outer_steps: the run's
+            ``geomesh.outer_steps``.
+    """
+    if all(last_checkpoint(j.run_dir) is None for j in jobs):
+        return ("cannot resume: no region saved a complete checkpoint "
+                "(checkpoint.save_interval=N saves every N outer steps); start the run again "
+                "with a new --run-dir")
+    try:
+        for j in sorted(jobs, key=lambda j: last_checkpoint(j.run_dir) is not None):
+            check_resumable(j, outer_steps)
+    except LaunchError as e:
+        return f"cannot resume: {str(e).removeprefix('--resume: ')}"
+    return (f"go on with: python -m geomesh.launch_local --cluster {cluster} --run-dir {run_dir} "
+            "--resume")
+
+
 def prepare(args: argparse.Namespace) -> tuple[list[RegionJob], ClusterSpec, Path, JobConfig,
                                                dict[str, str]]:
     """Validate the inputs, create the run folders, and build the jobs' environment.
@@ -485,6 +509,7 @@ def main(argv=None) -> int:
     # handler, so ``kill -INT`` would leave every region training.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, _interrupt)
+    interrupted = False
     try:
         try:
             lighthouse = start_lighthouse(cluster, cluster_file, cfg, run_dir, env)
@@ -505,7 +530,7 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         print("interrupted: stopping every region's job and the lighthouse", file=sys.stderr,
               flush=True)
-        return EXIT_INTERRUPTED
+        interrupted = True
     finally:
         # A second Ctrl-C must not cut the stop short (it takes at most STOP_GRACE_S per job).
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -518,6 +543,10 @@ def main(argv=None) -> int:
         sweep_orphans(roots)
         signal.signal(signal.SIGINT, signal.default_int_handler)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    hint = resume_hint(jobs, args.cluster, run_dir, cfg.geomesh.outer_steps)
+    if interrupted:
+        print(hint, file=sys.stderr, flush=True)
+        return EXIT_INTERRUPTED
     print(format_table([region_row(j) for j in jobs]), flush=True)
     # in the order they exited: the first is the likeliest cause of the others
     failed = sorted((j for j in jobs if j.rc != 0), key=lambda j: j.t0 + (j.wall_s or 0.0))
@@ -525,7 +554,10 @@ def main(argv=None) -> int:
         print(failure_line(j), file=sys.stderr, flush=True)
     if not failed:
         return 0
-    return 2 if bad_input_only(jobs) else 1
+    if bad_input_only(jobs):
+        return 2
+    print(hint, file=sys.stderr, flush=True)
+    return 1
 
 
 if __name__ == "__main__":

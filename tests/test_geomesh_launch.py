@@ -247,6 +247,9 @@ def test_lost_region_is_named(tmp_path, cache_dir):
     east = json.loads((run_dir / "east-us" / "summary.json").read_text())
     assert east["outer_steps"] == 3
     assert not (run_dir / "west-europe" / "summary.json").exists()
+    # nothing saved (save_interval=0): no --resume offered
+    assert proc.stderr.rstrip().splitlines()[-1].startswith(
+        "cannot resume: no region saved a complete checkpoint"), proc.stderr
     assert not _processes_naming(str(tmp_path))
 
 
@@ -282,6 +285,7 @@ def test_ctrl_c_stops_every_process(tmp_path, cache_dir):
             p.kill()
     assert p.returncode == 130, out[-2000:] + err[-3000:]
     assert "interrupted" in err and "Traceback" not in err, err[-3000:]
+    assert err.rstrip().splitlines()[-1].startswith("cannot resume: "), err[-3000:]
     time.sleep(1)
     assert not _processes_naming(str(tmp_path))
 
@@ -316,6 +320,36 @@ def _job(tmp_path: Path, region: str, cmd: list[str] | None = None, log: str = "
     if cmd:
         job.proc, job.t0 = subprocess.Popen(cmd), time.monotonic()
     return job
+
+
+def test_resume_hint_names_the_launchers_resume_or_why_not(tmp_path):
+    """Catches a failed or stopped run that leaves the user only each region's own
+    ``train.py`` advice (one torchrun job's, not the run's): where every region holds a
+    complete checkpoint below ``geomesh.outer_steps`` the hint is this launcher's
+    ``--resume`` command (which ``parse_args`` reads back); otherwise it says why not,
+    naming a region without a checkpoint before a finished one."""
+    from geomesh.launch_local import RegionJob, parse_args, resume_hint
+
+    def job(region, saved):
+        folder = tmp_path / region.lower()
+        for step in saved:
+            (folder / "checkpoints" / f"outer_{step:07d}").mkdir(parents=True)
+            (folder / "checkpoints" / f"outer_{step:07d}" / "COMPLETE").write_text("x\n")
+        return RegionJob(region, region.lower(), 1, (1, 1, 1), folder)
+
+    east, west = job("East", [1, 2]), job("West", [1])
+    hint = resume_hint([east, west], "two.yaml", tmp_path, outer_steps=3)
+    command = hint.removeprefix("go on with: python -m geomesh.launch_local ").split()
+    args = parse_args(command)
+    assert (args.cluster, args.run_dir, args.resume) == ("two.yaml", str(tmp_path), True), hint
+    assert resume_hint([east, west], "two.yaml", tmp_path, outer_steps=2) == (
+        "cannot resume: region 'East' saved outer step 2 of geomesh.outer_steps=2: nothing "
+        "left to run; raise geomesh.outer_steps to train further")
+    bare = job("Bare", [])
+    assert resume_hint([east, bare], "two.yaml", tmp_path, outer_steps=2).startswith(
+        f"cannot resume: {tmp_path / 'bare'} holds no complete checkpoint, so region 'Bare'")
+    assert resume_hint([bare], "two.yaml", tmp_path, outer_steps=2).startswith(
+        "cannot resume: no region saved a complete checkpoint")
 
 
 def test_failure_lines_and_stalled_survivors(tmp_path):
