@@ -1,6 +1,6 @@
 """The CONA bench's per-family summary of its seeds (:mod:`bench.cona_ttp`): every
-method's mean time to target and per-seed record, the oracle's findings and the ratios
-against CONA."""
+method's mean time to target and per-seed record, the best static chosen once for every
+seed, the oracle's findings and the ratios against CONA."""
 
 from __future__ import annotations
 
@@ -66,3 +66,47 @@ def ratios(methods: dict) -> dict:
         t = (methods.get(name) or {}).get("ttp_s")
         out[f"{name}_over_cona"] = t / c if t is not None and c else None
     return out
+
+
+def static_fixed(per_seed: list[dict]) -> dict | None:
+    """The best static chosen once: the (strategy, LR factor) of ``static_oracle``'s sweep
+    with the lowest mean TTP over the seeds, the one setting a user could have fixed before
+    the run.  ``static_oracle`` takes each seed's own best of the ~15 settings, so part of
+    its lead over any method that does not see the seed's outcome is selection on noise:
+    ``selection`` (the mean of each seed's hindsight best over this) sizes it.
+
+    A swept run is cut once past its seed's best so far (``bench/cona_ttp.py``); its clock
+    there is a lower bound of its TTP.  Ranked with those bounds, the winner's mean is a
+    lower bound of the best fixed setting's (``ttp_lower_bound_s``); it is exact
+    (``ttp_s``) where the winner reached the target on every seed.
+
+    Args:
+        per_seed: each seed's methods; ``static_oracle["runs"]`` is its sweep,
+            ``[{strategy, lr_factor, ttp_s, ttp_lower_bound_s}]``.
+
+    Returns:
+        ``{strategy, lr_factor, ttp_s, ttp_lower_bound_s, ttp_s_by_seed, selection}``;
+        ``None`` where a seed has no sweep (a JSON from before it was recorded).
+    """
+    sweeps = [(s.get("static_oracle") or {}).get("runs") for s in per_seed]
+    if not sweeps or None in sweeps:
+        return None
+    by_key: dict[tuple, list] = {}
+    for runs in sweeps:
+        for r in runs:
+            by_key.setdefault((r["strategy"], r["lr_factor"]), []).append(r)
+    # a setting every seed ran, each TTP or, cut, its lower bound
+    full = {k: rs for k, rs in by_key.items() if len(rs) == len(per_seed)
+            and all(r["ttp_s"] is not None or r["ttp_lower_bound_s"] is not None for r in rs)}
+    if not full:
+        return None
+    mean = {k: statistics.fmean(r["ttp_s"] if r["ttp_s"] is not None else r["ttp_lower_bound_s"]
+                                for r in rs) for k, rs in full.items()}
+    (strategy, lr_factor), bound = min(mean.items(), key=lambda kv: kv[1])
+    ttps = [r["ttp_s"] for r in full[(strategy, lr_factor)]]
+    best = [(s.get("static_oracle") or {}).get("ttp_s") for s in per_seed]
+    return {"strategy": strategy, "lr_factor": lr_factor,
+            "ttp_s": bound if None not in ttps else None, "ttp_lower_bound_s": bound,
+            "ttp_s_by_seed": ttps,
+            "selection": statistics.fmean(best) / bound if None not in best else None}
+

@@ -59,7 +59,9 @@ warm state is per seed), TTP interpolated at the crossing of the target:
   ``static_oracle``, run to the target without a cap;
 - ``static_throughput``: the candidate with the highest modelled tokens/s;
 - ``static_oracle``: every grid batch at its fastest layout and at 0.5, 1 or 2 x the
-  scaling rule's LR, hindsight best (per seed);
+  scaling rule's LR, hindsight best (per seed); its whole sweep is kept (``runs``), and
+  the family's ``static_fixed`` is the one setting with the best mean over the seeds
+  (``bench/cona_aggregate.py``: how much of the per-seed best is selection on noise);
 - ``oracle_chain``: the oracle search over chains (``cona/oracle.py``; in the full run
   a beam search, ``search.exact`` False); asserted ``<= static_oracle`` at LR factor 1
   (the search's own statics, run first in either mode);
@@ -73,7 +75,7 @@ Usage::
 
 Prints one JSON object: ``{"clock": "emulated", "date", "commit", "machine",
 "command", "models": {NAME: {"unigram_ppl", "target_ppl", "noise_scale_growth_direct",
-"target_tokens_per_run", "time_scale", "oracle", "methods": {METHOD: {"ttp_s",
+"target_tokens_per_run", "time_scale", "oracle", "static_fixed", "methods": {METHOD: {"ttp_s",
 "ttp_s_by_seed", "switches", "layout_switches", "chain", "evals", ...}}}}}``
 (``ttp_s``: mean over seeds, ``None`` if a seed missed); with ``--out`` also a plot
 per family (``bench/cona_plot.py``).
@@ -97,7 +99,7 @@ from functools import partial  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.cona_aggregate import aggregate, oracle_finding, ratios  # noqa: E402
+from bench.cona_aggregate import aggregate, oracle_finding, ratios, static_fixed  # noqa: E402
 from bench.cona_reference import (  # noqa: E402
     RECIPE_BUDGET_SCALE,
     reference,
@@ -234,6 +236,11 @@ def seed_methods(ctx, settings: dict, boundaries: list[int],
                 best = t if best is None or (t is not None and t < best) else best
     reached = [m for m in swept if m["ttp_s"] is not None]
     methods["static_oracle"] = min(reached, key=lambda m: m["ttp_s"]) if reached else None
+    if methods["static_oracle"] is not None:  # the whole sweep: bench.cona_aggregate.static_fixed
+        methods["static_oracle"]["runs"] = [
+            {"strategy": m["chain"][0]["strategy"], "lr_factor": m["lr_factor"],
+             "ttp_s": m["ttp_s"], "ttp_lower_bound_s": m.get("ttp_lower_bound_s")}
+            for m in swept]
     wall["lr_sweep"] = (t := time.perf_counter()) - t1
     methods["cona"], _ = run_cona(ctx)
     wall["cona"] = (t1 := time.perf_counter()) - t
@@ -375,7 +382,10 @@ def finish_family(target: str, spec: dict, setup: dict, seeds: list[dict], setti
         "layout_switch_share_of_recipe_ttp": layout_s / recipe_ttp
         if layout_s is not None and recipe_ttp else None,
         "oracle": oracle_finding(per_seed),
-        "ratios": ratios(methods),
+        "static_fixed": (fixed := static_fixed(per_seed)),
+        "ratios": {**ratios(methods), "static_fixed_over_cona":
+                   fixed["ttp_lower_bound_s"] / methods["cona"]["ttp_s"]
+                   if fixed and methods["cona"]["ttp_s"] else None},
         "methods": methods,
         "wall_s": {"setup": setup["wall_s"], "seeds": [s["wall_s"] for s in seeds]},
         "cpu_s": setup["cpu_s"] + sum(s["cpu_s"] for s in seeds),

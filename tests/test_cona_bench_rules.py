@@ -5,6 +5,7 @@ time scale."""
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -300,6 +301,41 @@ def test_seeds_aggregate_to_a_mean_with_misses_as_null_and_layout_switches_count
     missed = aggregate([a, miss])["cona"]
     assert missed["ttp_s"] is None and missed["ttp_s_by_seed"] == [10.0, None]
     assert switch_points(a["cona"]) == [(1.0, "batch"), (2.0, "layout")]
+
+
+def test_best_static_chosen_once_is_the_lowest_mean_and_sizes_the_selection(monkeypatch):
+    """Catches a "best static chosen once" that is each seed's own best again (no
+    selection sized), a mean over seeds taken from one seed, or a cut run's lower bound
+    reported as a TTP.  Three settings on two seeds, ``static_oracle`` each seed's best:
+    A reaches at 10 and 14 s (mean 12), B at 9 and 17 (13), C is cut at 12 on the first
+    seed and reaches 11 on the second (its mean 11.5 is a bound, below A's).  So the
+    winner is C with ``ttp_s`` null and bound 11.5; without C, A at 12 s exact; the
+    selection is the mean of the seeds' best (9 and 11, or 9 and 14) over that."""
+    from bench.cona_aggregate import static_fixed
+
+    def seed(runs):
+        best = min((r for r in runs if r[2] is not None), key=lambda r: r[2])
+        keys = ("strategy", "lr_factor", "ttp_s", "ttp_lower_bound_s")
+        return {"static_oracle": {"ttp_s": best[2], "runs": [dict(zip(keys, r)) for r in runs]}}
+
+    a, b, c = ("gb256", 1.0), ("gb128", 1.0), ("gb256", 0.5)
+    seeds = [[(*a, 10.0, None), (*b, 9.0, None), (*c, None, 12.0)],
+             [(*a, 14.0, None), (*b, 17.0, None), (*c, 11.0, None)]]
+    out = static_fixed([seed(r) for r in seeds])
+    assert (out["strategy"], out["lr_factor"], out["ttp_s"]) == ("gb256", 0.5, None)
+    assert out["ttp_lower_bound_s"] == pytest.approx(11.5)
+    assert out["ttp_s_by_seed"] == [None, 11.0]
+    assert out["selection"] == pytest.approx(10.0 / 11.5)
+    exact = static_fixed([seed(r[:2]) for r in seeds])
+    assert (exact["strategy"], exact["ttp_s"], exact["ttp_s_by_seed"]) == ("gb256", 12.0, [10.0, 14.0])
+    assert exact["selection"] == pytest.approx(11.5 / 12.0)
+    assert static_fixed([{"static_oracle": {"ttp_s": 3.0}}]) is None  # an older JSON
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "tools"))
+    from render_cona import _static_fixed  # its line: a bound read as a bound
+
+    assert "≥ 12 s" in _static_fixed(out, 6.0) and "1.92x (at least" in _static_fixed(out, 6.0)
+    assert "12 s mean" in _static_fixed(exact, 6.0) and "at least" not in _static_fixed(exact, 6.0)
+    assert _static_fixed(None, 6.0) == ""
 
 
 def test_oracle_windows_count_steps_from_the_search_root_after_a_warm_start():

@@ -122,6 +122,23 @@ def _oracle_finding(oracle: dict) -> str:
             f"{exact}.")
 
 
+def _static_fixed(fixed: dict | None, cona_s: float | None) -> str:
+    """One line: the best static chosen once for every seed
+    (:func:`bench.cona_aggregate.static_fixed`), CONA against it, and the selection it
+    sizes; empty for a JSON from before it was recorded."""
+    if not fixed:
+        return ""
+    exact = fixed["ttp_s"] is not None
+    t = fixed["ttp_lower_bound_s"]
+    return (f"Best static chosen once (the same setting on every seed): "
+            f"`{fixed['strategy']}` at {fixed['lr_factor']:g}x the rule's LR, "
+            f"{'' if exact else '≥ '}{t:,.0f} s mean; CONA's speed-up over it "
+            f"{_fmt(_ratio(t, cona_s))}{'' if exact else ' (at least: a run was cut)'}; "
+            f"each seed's own hindsight best (best static) takes on average "
+            f"{_fmt(fixed['selection'])} its time (below 1x: the lead that picking per seed "
+            "after the fact wins on noise).")
+
+
 def _time_scale_origin(ts: dict) -> str:
     """Where a family's step dilation came from: the committed calibration (and what this
     run measured beside it) or this run's own measurement (``bench/cona_time_scale.py``);
@@ -205,7 +222,8 @@ def cona_ttp(r: dict, file: str | None = None) -> str:
             chain = " → ".join(f"`{c['strategy']}`" for c in x.get("chain") or [])
             lines.append(f"| {label} | {_seeds_ttp(x)} | {speed} | {x.get('switches', 0)} "
                          f"({x.get('layout_switches', 0)}) | {chain} |")
-        lines += ["", *filter(None, [_oracle_finding(m.get("oracle") or {}), _resolution(m),
+        lines += ["", *filter(None, [_static_fixed(m.get("static_fixed"), cona),
+                                     _oracle_finding(m.get("oracle") or {}), _resolution(m),
                                      _cost(m)]), ""]
     lines += [_cona_settings(r), "", _source(r, _file(r, file))]
     return "\n".join(lines) + "\n"
