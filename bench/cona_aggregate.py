@@ -85,23 +85,33 @@ def static_fixed(per_seed: list[dict]) -> dict | None:
             ``[{strategy, lr_factor, ttp_s, ttp_lower_bound_s}]``.
 
     Returns:
-        ``{strategy, lr_factor, ttp_s, ttp_lower_bound_s, ttp_s_by_seed, selection}``;
-        ``None`` where a seed has no sweep (a JSON from before it was recorded).
+        ``{strategy, lr_factor, ttp_s, ttp_lower_bound_s, ttp_s_by_seed, selection}``
+        (``selection`` an upper bound where ``ttp_s`` is ``None``); ``None`` where a seed
+        has no sweep (a JSON from before it was recorded, or a seed where no swept run
+        reached the target) or no setting ran on every seed.
     """
     sweeps = [(s.get("static_oracle") or {}).get("runs") for s in per_seed]
     if not sweeps or None in sweeps:
         return None
-    by_key: dict[tuple, list] = {}
-    for runs in sweeps:
+    def clock(r: dict) -> float:  # its TTP or, cut, its lower bound
+        return r["ttp_s"] if r["ttp_s"] is not None else r["ttp_lower_bound_s"]
+
+    by_seed = []  # per seed {(strategy, LR factor): its run}; a setting twice (the
+    for runs in sweeps:  # recipe's 1x is the search's own run) counts once, reached first
+        mine: dict[tuple, dict] = {}
         for r in runs:
-            by_key.setdefault((r["strategy"], r["lr_factor"]), []).append(r)
-    # a setting every seed ran, each TTP or, cut, its lower bound
-    full = {k: rs for k, rs in by_key.items() if len(rs) == len(per_seed)
-            and all(r["ttp_s"] is not None or r["ttp_lower_bound_s"] is not None for r in rs)}
+            if clock(r) is None:
+                continue
+            k = (r["strategy"], r["lr_factor"])
+            if k not in mine or (r["ttp_s"] is not None, -clock(r)) > (
+                    mine[k]["ttp_s"] is not None, -clock(mine[k])):
+                mine[k] = r
+        by_seed.append(mine)
+    # a setting every seed ran
+    full = {k: [m[k] for m in by_seed] for k in by_seed[0] if all(k in m for m in by_seed)}
     if not full:
         return None
-    mean = {k: statistics.fmean(r["ttp_s"] if r["ttp_s"] is not None else r["ttp_lower_bound_s"]
-                                for r in rs) for k, rs in full.items()}
+    mean = {k: statistics.fmean(clock(r) for r in rs) for k, rs in full.items()}
     (strategy, lr_factor), bound = min(mean.items(), key=lambda kv: kv[1])
     ttps = [r["ttp_s"] for r in full[(strategy, lr_factor)]]
     best = [(s.get("static_oracle") or {}).get("ttp_s") for s in per_seed]

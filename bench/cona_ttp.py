@@ -373,6 +373,8 @@ def finish_family(target: str, spec: dict, setup: dict, seeds: list[dict], setti
     plot."""
     per_seed = [s["methods"] for s in seeds]
     methods = aggregate(per_seed)
+    if methods.get("static_oracle"):  # the sweeps stay in the seed files (static_fixed)
+        methods["static_oracle"].pop("runs", None)
     recipe_ttp = methods["static_recipe"]["ttp_s"]
     result = setup_summary(target, spec, setup, settings)
     layout_s = result["layout_switch_s_median"]
@@ -383,6 +385,7 @@ def finish_family(target: str, spec: dict, setup: dict, seeds: list[dict], setti
         if layout_s is not None and recipe_ttp else None,
         "oracle": oracle_finding(per_seed),
         "static_fixed": (fixed := static_fixed(per_seed)),
+        # a lower bound where static_fixed's ttp_s is null (a cut run)
         "ratios": {**ratios(methods), "static_fixed_over_cona":
                    fixed["ttp_lower_bound_s"] / methods["cona"]["ttp_s"]
                    if fixed and methods["cona"]["ttp_s"] else None},

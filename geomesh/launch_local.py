@@ -47,6 +47,7 @@ import json
 import os
 import re
 import secrets
+import shlex
 import signal
 import subprocess
 import sys
@@ -441,7 +442,8 @@ def check_resumable(job: RegionJob, outer_steps: int) -> None:
                           "geomesh.outer_steps to train further")
 
 
-def resume_hint(jobs: list[RegionJob], cluster: str, run_dir: Path, outer_steps: int) -> str:
+def resume_hint(jobs: list[RegionJob], cluster: str, run_dir: Path, outer_steps: int,
+                overrides: list[str] = ()) -> str:
     """What a failed or stopped run can do next, one line: this launcher's ``--resume``
     command where every region can go on (:func:`check_resumable`), else why not (no
     region saved; else a region without a complete checkpoint named first: raising
@@ -450,6 +452,8 @@ def resume_hint(jobs: list[RegionJob], cluster: str, run_dir: Path, outer_steps:
     Args:
         cluster: ``--cluster`` as given; run_dir: the run's folder; outer_steps: the run's
             ``geomesh.outer_steps``.
+        overrides: repeated in the command: a ``--resume``'s own (``geomesh.outer_steps=6``
+            of a finished run is in no region's ``config.yaml`` until it saves again).
     """
     if all(last_checkpoint(j.run_dir) is None for j in jobs):
         return ("cannot resume: no region saved a complete checkpoint "
@@ -460,8 +464,9 @@ def resume_hint(jobs: list[RegionJob], cluster: str, run_dir: Path, outer_steps:
             check_resumable(j, outer_steps)
     except LaunchError as e:
         return f"cannot resume: {str(e).removeprefix('--resume: ')}"
-    return (f"go on with: python -m geomesh.launch_local --cluster {cluster} --run-dir {run_dir} "
-            "--resume")
+    command = ["python", "-m", "geomesh.launch_local", "--cluster", cluster,
+               "--run-dir", str(run_dir), "--resume", *overrides]
+    return f"go on with: {shlex.join(command)}"
 
 
 def prepare(args: argparse.Namespace) -> tuple[list[RegionJob], ClusterSpec, Path, JobConfig,
@@ -543,7 +548,8 @@ def main(argv=None) -> int:
         sweep_orphans(roots)
         signal.signal(signal.SIGINT, signal.default_int_handler)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    hint = resume_hint(jobs, args.cluster, run_dir, cfg.geomesh.outer_steps)
+    hint = resume_hint(jobs, args.cluster, run_dir, cfg.geomesh.outer_steps,
+                       args.overrides if args.resume else ())
     if interrupted:
         print(hint, file=sys.stderr, flush=True)
         return EXIT_INTERRUPTED

@@ -70,8 +70,10 @@ def committed_folder(root: Path, name: str, *, leader: bool | None = None, keep_
     deletes older complete folders with the same prefix (``iter_``,
     ``outer_``) beyond ``keep_last`` (0 keeps all).  An exception inside the
     block (a failed write, a stop: ``StopRequested``, ``KeyboardInterrupt``)
-    makes the leader remove the ``.tmp`` folder; a rank killed mid-save leaves
-    it, which no reader returns and the next save with that prefix removes.
+    makes the leader remove the ``.tmp`` folder once it raises too (its own, or
+    the barrier after the block when a peer failed: at once over gloo, at the
+    watchdog's timeout over NCCL); a rank killed mid-save leaves it, which no
+    reader returns and the next save with that prefix removes.
     Collective: every rank of the default process group must enter.
 
     Args:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -342,6 +343,11 @@ def test_resume_hint_names_the_launchers_resume_or_why_not(tmp_path):
     command = hint.removeprefix("go on with: python -m geomesh.launch_local ").split()
     args = parse_args(command)
     assert (args.cluster, args.run_dir, args.resume) == ("two.yaml", str(tmp_path), True), hint
+    spaced = resume_hint([east, west], "my cluster.yaml", tmp_path, outer_steps=3,
+                         overrides=["geomesh.outer_steps=3"])  # a --resume's own, repeated
+    args = parse_args(shlex.split(spaced.removeprefix("go on with: python -m "
+                                                      "geomesh.launch_local ")))
+    assert (args.cluster, args.overrides) == ("my cluster.yaml", ["geomesh.outer_steps=3"])
     assert resume_hint([east, west], "two.yaml", tmp_path, outer_steps=2) == (
         "cannot resume: region 'East' saved outer step 2 of geomesh.outer_steps=2: nothing "
         "left to run; raise geomesh.outer_steps to train further")

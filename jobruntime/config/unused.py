@@ -50,8 +50,9 @@ TRAIN_IN_GEOMESH = {
 CHECKPOINT_SAVES = ("save_interval", "save_final", "keep_last")
 # GeoMesh methods without checkpoints (geomesh/baselines.py run_async, geomesh/streaming.py).
 NO_CHECKPOINTS = ("async", "streaming_diloco")
-# checkpoint.* values that ask for no saving or loading: what a job that saves and loads
-# nothing does anyway, so a script that always passes them runs everywhere.
+# checkpoint.* values that ask for no saving or loading: what a job that saves nothing
+# (CONA's emulated clock) or saves and loads nothing (NO_CHECKPOINTS) does anyway, so a
+# script that always passes them runs everywhere.
 SAVES_NOTHING = {"save_interval": (0,), "save_final": (False,), "load": (None, "")}
 # GeoMesh keys only real mode reads (one job per region: transport, heartbeats, messages).
 REAL_MODE_ONLY = ("timeout_s", "heartbeat_s", "on_worker_loss", "secret_file")
@@ -147,7 +148,7 @@ def check_overrides_used(cfg: JobConfig, overrides: list[str] | tuple[Any, ...],
 
     A value that asks for no saving or loading (:data:`SAVES_NOTHING`:
     ``checkpoint.save_interval=0``, ``save_final=false``, ``load=null``) is accepted
-    where the job saves and loads nothing: it is what the job does.
+    where the job saves nothing: it is what the job does.
 
     Args:
         cfg: the loaded config (preset and overrides applied, :func:`load_config`).
