@@ -96,15 +96,15 @@ def static_fixed(per_seed: list[dict]) -> dict | None:
     def clock(r: dict) -> float:  # its TTP or, cut, its lower bound
         return r["ttp_s"] if r["ttp_s"] is not None else r["ttp_lower_bound_s"]
 
-    by_seed = []  # per seed {(strategy, LR factor): its run}; a setting twice (the
-    for runs in sweeps:  # recipe's 1x is the search's own run) counts once, reached first
+    def known(r: dict) -> tuple:  # what one run tells: a TTP, else the higher bound
+        return (True, -r["ttp_s"]) if r["ttp_s"] is not None else (False, r["ttp_lower_bound_s"])
+
+    by_seed = []  # per seed {(strategy, LR factor): its run}; a setting run twice (the
+    for runs in sweeps:  # recipe's 1x, the search's own or run longer) counts once
         mine: dict[tuple, dict] = {}
         for r in runs:
-            if clock(r) is None:
-                continue
             k = (r["strategy"], r["lr_factor"])
-            if k not in mine or (r["ttp_s"] is not None, -clock(r)) > (
-                    mine[k]["ttp_s"] is not None, -clock(mine[k])):
+            if clock(r) is not None and (k not in mine or known(r) > known(mine[k])):
                 mine[k] = r
         by_seed.append(mine)
     # a setting every seed ran

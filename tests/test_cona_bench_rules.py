@@ -314,9 +314,9 @@ def test_best_static_chosen_once_is_the_lowest_mean_and_sizes_the_selection(monk
     from bench.cona_aggregate import static_fixed
 
     def seed(runs):
-        best = min((r for r in runs if r[2] is not None), key=lambda r: r[2])
+        best = min((r[2] for r in runs if r[2] is not None), default=None)
         keys = ("strategy", "lr_factor", "ttp_s", "ttp_lower_bound_s")
-        return {"static_oracle": {"ttp_s": best[2], "runs": [dict(zip(keys, r)) for r in runs]}}
+        return {"static_oracle": {"ttp_s": best, "runs": [dict(zip(keys, r)) for r in runs]}}
 
     a, b, c = ("gb256", 1.0), ("gb128", 1.0), ("gb256", 0.5)
     seeds = [[(*a, 10.0, None), (*b, 9.0, None), (*c, None, 12.0)],
@@ -334,6 +334,9 @@ def test_best_static_chosen_once_is_the_lowest_mean_and_sizes_the_selection(monk
     twice = [r[:1] + r for r in seeds]
     assert static_fixed([seed(r) for r in twice]) == static_fixed([seed(r) for r in seeds])
     assert static_fixed([seed(r[:1] * 2) for r in seeds])["ttp_s"] == pytest.approx(12.0)
+    longer = [[(*c, None, 12.0), (*c, None, 13.0)], [(*c, 11.0, None)]]  # cut twice: 13 holds
+    assert static_fixed([seed(r) for r in longer])["ttp_lower_bound_s"] == pytest.approx(12.0)
+    assert static_fixed([seed(r) for r in longer])["selection"] is None  # a seed with no best
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "tools"))
     from render_cona import _static_fixed  # its line: a bound read as a bound
 
