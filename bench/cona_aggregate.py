@@ -93,6 +93,7 @@ def static_fixed(per_seed: list[dict]) -> dict | None:
     sweeps = [(s.get("static_oracle") or {}).get("runs") for s in per_seed]
     if not sweeps or None in sweeps:
         return None
+
     def clock(r: dict) -> float:  # its TTP or, cut, its lower bound
         return r["ttp_s"] if r["ttp_s"] is not None else r["ttp_lower_bound_s"]
 

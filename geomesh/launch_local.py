@@ -447,7 +447,8 @@ def resume_hint(jobs: list[RegionJob], cluster: str, run_dir: Path, outer_steps:
     """What a failed or stopped run can do next, one line: this launcher's ``--resume``
     command where every region can go on (:func:`check_resumable`), else why not (no
     region saved; else a region without a complete checkpoint named first: raising
-    ``geomesh.outer_steps`` does not help it).  A region's own ``train.py`` advice names its torchrun job alone.
+    ``geomesh.outer_steps`` does not help it).  A region's own ``train.py`` advice
+    names its torchrun job alone.
 
     Args:
         cluster: ``--cluster`` as given; run_dir: the run's folder; outer_steps: the run's
