@@ -456,12 +456,13 @@ def resume_hint(jobs: list[RegionJob], cluster: str, run_dir: Path, outer_steps:
         overrides: repeated in the command: a ``--resume``'s own (``geomesh.outer_steps=6``
             of a finished run is in no region's ``config.yaml`` until it saves again).
     """
-    if all(last_checkpoint(j.run_dir) is None for j in jobs):
+    missing = [j for j in jobs if last_checkpoint(j.run_dir) is None]
+    if len(missing) == len(jobs):
         return ("cannot resume: no region saved a complete checkpoint "
                 "(checkpoint.save_interval=N saves every N outer steps); start the run again "
                 "with a new --run-dir")
     try:
-        for j in sorted(jobs, key=lambda j: last_checkpoint(j.run_dir) is not None):
+        for j in missing or jobs:  # the first missing one raises; else every region's step
             check_resumable(j, outer_steps)
     except LaunchError as e:
         return f"cannot resume: {str(e).removeprefix('--resume: ')}"

@@ -134,9 +134,9 @@ def _static_fixed(fixed: dict | None, cona_s: float | None) -> str:
             f"`{fixed['strategy']}` at {fixed['lr_factor']:g}x the rule's LR, "
             f"{'' if exact else '≥ '}{t:,.0f} s mean; CONA's speed-up over it "
             f"{_fmt(_ratio(t, cona_s))}{'' if exact else ' (at least: a run was cut)'}; "
-            f"each seed's own hindsight best (best static) takes on average "
-            f"{'' if exact else 'at most '}{_fmt(fixed['selection'])} its time (below 1x: the lead that picking per seed "
-            "after the fact wins on noise).")
+            "each seed's own hindsight best (best static) takes on average "
+            f"{'' if exact else 'at most '}{_fmt(fixed['selection'])} its time (below 1x: "
+            "the lead that picking per seed after the fact wins on noise).")
 
 
 def _time_scale_origin(ts: dict) -> str:

@@ -61,8 +61,7 @@ REAL_MODE_ONLY = ("timeout_s", "heartbeat_s", "on_worker_loss", "secret_file")
 def _asks_for_nothing(key: str, value: Any) -> bool:
     """Whether ``checkpoint.<key>=<value>`` asks for no saving or loading
     (:data:`SAVES_NOTHING`; ``False`` is not ``0`` here, nor ``0`` ``False``)."""
-    return any(value is v or (type(value) is type(v) and value == v)
-               for v in SAVES_NOTHING.get(key, ()))
+    return any(type(value) is type(v) and value == v for v in SAVES_NOTHING.get(key, ()))
 
 
 def _why_ignored(cfg: JobConfig, section: str, key: str, value: Any,
