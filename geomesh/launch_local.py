@@ -20,9 +20,10 @@ to ``tiny_gpt``.  Without ``$GEOMESH_SECRET`` or ``geomesh.secret_file`` one
 random secret is made for the run and given to the jobs in their environment;
 ``OMP_NUM_THREADS`` defaults to this machine's cores over all processes.
 
-``--resume`` goes on with the run in ``--run-dir``: every region from its last complete
-checkpoint with its saved ``config.yaml`` (no ``--config``; overrides still apply, e.g. a
-larger ``geomesh.outer_steps``), its output appended to its folder.
+``--resume`` goes on with the run in ``--run-dir``: every region from the newest round that
+every region saved complete (:mod:`geomesh.launch_resume`) with its saved ``config.yaml``
+(no ``--config``; overrides still apply, e.g. a larger ``geomesh.outer_steps``), its output
+appended to its folder.
 
 A lost region does not leave the others waiting forever: with
 ``geomesh.on_worker_loss=continue`` (the default) they finish the run without it,
@@ -47,7 +48,6 @@ import json
 import os
 import re
 import secrets
-import shlex
 import signal
 import subprocess
 import sys
@@ -66,8 +66,9 @@ from jobruntime.config import (
 )
 from jobruntime.faults import ENV as FAULT_ENV
 from jobruntime.faults import REGION_ENV as FAULT_REGION_ENV
-from jobruntime.outputs import RUN_OUTPUTS, last_checkpoint, output_folder_error
+from jobruntime.outputs import RUN_OUTPUTS, output_folder_error
 
+from .launch_resume import LaunchError, describe_resume, resume_hint, resume_load, resume_round
 from .proctree import become_subreaper, start_tree, stop_trees, sweep_orphans
 
 TRAIN_PY = Path(__file__).resolve().parent.parent / "train.py"
@@ -77,10 +78,6 @@ STOP_GRACE_S = 15.0  # SIGTERM -> SIGKILL: train.py stops on SIGTERM and exits 3
 STALL_SLACK_S = 60.0  # over timeout_s + heartbeat_s: how long a survivor may stay silent
 POLL_S = 0.5
 EXIT_INTERRUPTED = 130  # the shell's code for a Ctrl-C
-
-
-class LaunchError(ValueError):
-    """Bad input to the launcher; the message names the problem and the fix (exit 2)."""
 
 
 @dataclass
@@ -139,12 +136,14 @@ def region_folder(region) -> str:
 
 
 def plan_jobs(cluster: ClusterSpec, cluster_file: Path, run_dir: Path, config: str | None,
-              overrides: list[str], resume: bool = False) -> list[RegionJob]:
+              overrides: list[str], resume_step: int | None = None) -> list[RegionJob]:
     """One :class:`RegionJob` per region of ``cluster``, in region-id order (no process started).
 
-    With ``resume`` each region's job goes on from its folder's checkpoints with its own
-    saved config (``--config REGION/config.yaml checkpoint.load=REGION/checkpoints``: the
-    resume advice of :func:`jobruntime.faults.resume_command`), ``config`` unused.
+    With ``resume_step`` (a ``--resume``'s :func:`~geomesh.launch_resume.resume_round`)
+    each region's job goes on from its folder's checkpoint of that round with its own saved
+    config (``--config REGION/config.yaml checkpoint.load=REGION/checkpoints/outer_N``: the
+    resume advice of :func:`jobruntime.faults.resume_command`, at the round every region
+    holds), ``config`` unused.
 
     Raises:
         LaunchError: two regions whose names give the same folder name.
@@ -161,9 +160,8 @@ def plan_jobs(cluster: ClusterSpec, cluster_file: Path, run_dir: Path, config: s
         nproc = sum(x.num_gpus for x in workers)
         job = RegionJob(region=r.name, slug=slug, nproc=nproc, layout=(w.tp, w.pp, w.dp),
                         run_dir=run_dir / slug)
-        if resume:  # its own saved config, from its checkpoints (faults.resume_command)
-            preset, first, last = job.run_dir / "config.yaml", [], [
-                f"checkpoint.load={job.run_dir / 'checkpoints'}"]
+        if resume_step is not None:  # its own saved config, from the common round's checkpoint
+            preset, first, last = job.run_dir / "config.yaml", [], [resume_load(job, resume_step)]
         else:
             preset, first, last = config or DEFAULT_CONFIG, ["geomesh.method=geomesh"], []
         job.cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
@@ -425,52 +423,6 @@ def _interrupt(signum, frame):
     raise KeyboardInterrupt
 
 
-def check_resumable(job: RegionJob, outer_steps: int) -> None:
-    """Refuse a ``--resume`` of ``job`` that cannot run: no complete checkpoint in its
-    folder, or one at ``geomesh.outer_steps`` already (``outer_<step>``, geomesh/state.py).
-
-    Raises:
-        LaunchError: naming the region and the fix.
-    """
-    if (last := last_checkpoint(job.run_dir)) is None:
-        raise LaunchError(f"--resume: {job.run_dir} holds no complete checkpoint, so region "
-                          f"{job.region!r} cannot go on (checkpoint.save_interval=N saves every "
-                          "N outer steps); start the run again with a new --run-dir")
-    if (saved := int(last.rpartition("_")[2])) >= outer_steps:
-        raise LaunchError(f"--resume: region {job.region!r} saved outer step {saved} of "
-                          f"geomesh.outer_steps={outer_steps}: nothing left to run; raise "
-                          "geomesh.outer_steps to train further")
-
-
-def resume_hint(jobs: list[RegionJob], cluster: str, run_dir: Path, outer_steps: int,
-                overrides: list[str] = ()) -> str:
-    """What a failed or stopped run can do next, one line: this launcher's ``--resume``
-    command where every region can go on (:func:`check_resumable`), else why not (no
-    region saved; else a region without a complete checkpoint named first: raising
-    ``geomesh.outer_steps`` does not help it).  A region's own ``train.py`` advice
-    names its torchrun job alone.
-
-    Args:
-        cluster: ``--cluster`` as given; run_dir: the run's folder; outer_steps: the run's
-            ``geomesh.outer_steps``.
-        overrides: repeated in the command: a ``--resume``'s own (``geomesh.outer_steps=6``
-            of a finished run is in no region's ``config.yaml`` until it saves again).
-    """
-    missing = [j for j in jobs if last_checkpoint(j.run_dir) is None]
-    if len(missing) == len(jobs):
-        return ("cannot resume: no region saved a complete checkpoint "
-                "(checkpoint.save_interval=N saves every N outer steps); start the run again "
-                "with a new --run-dir")
-    try:
-        for j in missing or jobs:  # the first missing one raises; else every region's step
-            check_resumable(j, outer_steps)
-    except LaunchError as e:
-        return f"cannot resume: {str(e).removeprefix('--resume: ')}"
-    command = ["python", "-m", "geomesh.launch_local", "--cluster", cluster,
-               "--run-dir", str(run_dir), "--resume", *overrides]
-    return f"go on with: {shlex.join(command)}"
-
-
 def prepare(args: argparse.Namespace) -> tuple[list[RegionJob], ClusterSpec, Path, JobConfig,
                                                dict[str, str]]:
     """Validate the inputs, create the run folders, and build the jobs' environment.
@@ -482,11 +434,14 @@ def prepare(args: argparse.Namespace) -> tuple[list[RegionJob], ClusterSpec, Pat
     run_dir = Path(args.run_dir).resolve()
     if problem := output_folder_error(run_dir, "--run-dir"):
         raise LaunchError(problem)
-    jobs = plan_jobs(cluster, cluster_file, run_dir, args.config, args.overrides, args.resume)
+    jobs = plan_jobs(cluster, cluster_file, run_dir, args.config, args.overrides)
+    if args.resume:  # every region from the same round (geomesh/launch_resume.py)
+        step = resume_round(jobs, cfg.geomesh.outer_steps)
+        jobs = plan_jobs(cluster, cluster_file, run_dir, None, args.overrides, step)
+        if line := describe_resume(jobs, step):
+            print(line, flush=True)
     for j in jobs:
-        if args.resume:
-            check_resumable(j, cfg.geomesh.outer_steps)
-        elif held := [n for n in RUN_OUTPUTS if (j.run_dir / n).exists()]:
+        if not args.resume and (held := [n for n in RUN_OUTPUTS if (j.run_dir / n).exists()]):
             raise LaunchError(f"--run-dir {run_dir}: {j.run_dir} already holds a run's results "
                               f"({', '.join(held)}); give a new folder, or go on with that run: "
                               "--resume")

@@ -30,6 +30,7 @@ from geomesh.fleet.cluster import ClusterSpec
 from geomesh.fleet.plan import Plan, WorkerPlan
 from jobruntime.checkpoint import COMPLETE, CheckpointError, committed_folder
 from jobruntime.faults import fault_point
+from jobruntime.outputs import round_folder
 
 log = logging.getLogger(__name__)
 # Modules that held the plan classes when older checkpoints pickled them: the planner's
@@ -40,7 +41,7 @@ _OLD_PLAN_MODULES = ("geomesh.planner", "geomesh.fleet.planner")
 def save_state(root: Path, step: int, state: dict, *, rank: int, job_leader: bool,
                keep_last: int = 2) -> Path:
     """Write this rank's ``state`` into ``root/outer_<step>`` (collective over the world)."""
-    name = f"outer_{step:07d}"
+    name = round_folder(step)
     with committed_folder(root, name, leader=job_leader, keep_last=keep_last,
                           marker=f"outer step {step}") as tmp:
         part = tmp / f".rank{rank:05d}.pt.tmp"

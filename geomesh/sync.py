@@ -80,6 +80,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from jobruntime.checkpoint import CheckpointError
 from jobruntime.faults import fault_point
 
 from .context import RunContext, target_canonical_schema
@@ -457,6 +458,28 @@ class OuterLoop(RoundFigures):
         rnd.wait_s += time.perf_counter() - x0
         return received, per
 
+    def refuse_other_start(self, r: int) -> None:
+        """Stop the job where round ``r`` is its first and a peer's message is of another
+        round (:class:`geomesh.wire.codec.OtherRoundError`): the regions started from
+        checkpoints of different outer steps, and each would drop the others and train
+        alone (:mod:`geomesh.launch_resume`).  Later in the run such a message is a replay,
+        dropped by the guard.
+
+        Raises:
+            CheckpointError: naming the peers and the fix (bad input: exit 2).
+        """
+        other = [k for k, why in self.guard.last_rejected.items() if why == "round"]
+        if r != self.start or not other:
+            return
+        names = ", ".join(f"{self.ctx.cluster.workers[k].name} "
+                          f"({self.ctx.cluster.workers[k].region})" for k in sorted(other))
+        raise CheckpointError(
+            f"GeoMesh round {r}, this job's first (it started at outer step {self.start}): the "
+            f"messages of {names} are of another round (logged above), so the regions started "
+            "from checkpoints of different outer steps; resume every region from the same one "
+            "(python -m geomesh.launch_local --resume picks the newest that every region saved, "
+            "or point each region's checkpoint.load at its outer_XXXXXXX folder of one step)")
+
     def aggregate(self, rnd: _Round, received: list) -> list[int]:
         """Guard, decode and aggregate ``Δ`` on this rank's shards, take the outer step;
         returns each worker's accepted tokens (0: absent or rejected)."""
@@ -468,6 +491,7 @@ class OuterLoop(RoundFigures):
                            for i in range(self.K)},
                           {i: lr.round(i, rsteps[i]) for i in range(self.K)})
         agg, tokens = self.codec.aggregate(received, guard=self.guard, round=rnd.r, **self.pred)
+        self.refuse_other_start(rnd.r)
         for i in self.members:  # the round's workers trained its inner steps
             lr.advance(i, rsteps[i])
         if self.ft is not None and self.guard.last_rejected:  # like lost workers

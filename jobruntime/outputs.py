@@ -37,6 +37,22 @@ def last_checkpoint(run_dir: str | Path) -> str | None:
     return done[-1] if done else None
 
 
+def round_folder(step: int) -> str:
+    """A GeoMesh checkpoint's folder name after ``step`` outer steps, ``outer_XXXXXXX``
+    (:func:`geomesh.state.save_state`)."""
+    return f"outer_{step:07d}"
+
+
+def saved_rounds(run_dir: str | Path) -> list[int]:
+    """The outer steps of the complete GeoMesh checkpoints in ``run_dir/checkpoints``
+    (:func:`round_folder` folders holding their ``COMPLETE`` marker), ascending."""
+    root = Path(run_dir) / "checkpoints"
+    if not root.is_dir():
+        return []
+    return sorted(int(p.parent.name.removeprefix("outer_")) for p in root.glob("outer_*/COMPLETE")
+                  if p.parent.name.removeprefix("outer_").isdigit())
+
+
 def save_run_inputs(cfg, tokenizer, run_dir: Path) -> None:
     """What makes a run folder self-contained, written by the logging rank of every job
     kind (plain, CONA, GeoMesh): ``config.yaml`` (the resolved config,

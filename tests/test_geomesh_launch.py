@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -17,6 +18,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import yaml
 
 from tests.dist_utils import free_port
@@ -208,8 +210,25 @@ def test_resume_goes_on_in_every_region_from_its_checkpoints(tmp_path, cache_dir
                        "drop this override")):
         proc = _launch(cluster, run_dir, *args)  # refused before any process starts
         assert proc.returncode == 2 and why in proc.stderr, proc.stderr[-2000:]
+    # A stop while the regions save: West Europe's round 2 is not complete.  Each region
+    # going on from its own newest checkpoint (as --resume did) is refused inside the jobs
+    # (each one's first round sees the other's messages of another round), not trained on
+    # into two models; --resume takes round 1, the newest both hold.
+    shutil.rmtree(run_dir / "west-europe" / "checkpoints" / "outer_0000002")
+    own_newest = ("import sys, geomesh.launch_local as L; "
+                  "L.resume_load = lambda j, step: f'checkpoint.load={j.run_dir}/checkpoints'; "
+                  "sys.exit(L.main(sys.argv[1:]))")
+    split = subprocess.run([sys.executable, "-c", own_newest, *_cmd(cluster, run_dir, "--resume",
+                                                                    "geomesh.outer_steps=3")[3:]],
+                           cwd=REPO, capture_output=True, text=True, timeout=600, env=_env())
+    assert split.returncode == 2, split.stdout[-2000:] + split.stderr[-3000:]
+    for region in REGIONS:
+        line = next(x for x in _errors(split.stderr) if region in x)
+        assert "started from checkpoints of different outer steps" in line, line
     again = _launch(cluster, run_dir, "--resume", "geomesh.outer_steps=3")
     assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-3000:]
+    assert "resuming every region at outer step 1, the newest all of them saved ('East US' " \
+        "saved 2" in again.stdout, again.stdout
     summaries = []
     for slug in ("east-us", "west-europe"):
         steps = [json.loads(x)["step"] for x in
@@ -329,7 +348,14 @@ def test_resume_hint_names_the_launchers_resume_or_why_not(tmp_path):
     complete checkpoint below ``geomesh.outer_steps`` the hint is this launcher's
     ``--resume`` command (which ``parse_args`` reads back); otherwise it says why not,
     naming a region without a checkpoint before a finished one."""
-    from geomesh.launch_local import RegionJob, parse_args, resume_hint
+    from geomesh.launch_local import RegionJob, parse_args
+    from geomesh.launch_resume import (
+        LaunchError,
+        describe_resume,
+        resume_hint,
+        resume_load,
+        resume_round,
+    )
 
     def job(region, saved):
         folder = tmp_path / region.lower()
@@ -339,6 +365,14 @@ def test_resume_hint_names_the_launchers_resume_or_why_not(tmp_path):
         return RegionJob(region, region.lower(), 1, (1, 1, 1), folder)
 
     east, west = job("East", [1, 2]), job("West", [1])
+    assert resume_round([east, west], outer_steps=3) == 1  # the newest both hold
+    assert describe_resume([east, west], 1).startswith(
+        "resuming every region at outer step 1, the newest all of them saved ('East' saved 2")
+    assert describe_resume([east], 2) is None
+    assert resume_load(west, 1) == f"checkpoint.load={west.run_dir}/checkpoints/outer_0000001"
+    apart = job("Apart", [2])
+    with pytest.raises(LaunchError, match="hold no outer step in common .'West' 1; 'Apart' 2"):
+        resume_round([west, apart], outer_steps=3)
     hint = resume_hint([east, west], "two.yaml", tmp_path, outer_steps=3)
     command = hint.removeprefix("go on with: python -m geomesh.launch_local ").split()
     args = parse_args(command)
@@ -348,9 +382,11 @@ def test_resume_hint_names_the_launchers_resume_or_why_not(tmp_path):
     args = parse_args(shlex.split(spaced.removeprefix("go on with: python -m "
                                                       "geomesh.launch_local ")))
     assert (args.cluster, args.overrides) == ("my cluster.yaml", ["geomesh.outer_steps=3"])
-    assert resume_hint([east, west], "two.yaml", tmp_path, outer_steps=2) == (
-        "cannot resume: region 'East' saved outer step 2 of geomesh.outer_steps=2: nothing "
+    assert resume_hint([east, west], "two.yaml", tmp_path, outer_steps=1) == (
+        "cannot resume: every region saved outer step 1 of geomesh.outer_steps=1: nothing "
         "left to run; raise geomesh.outer_steps to train further")
+    assert resume_hint([west, apart], "two.yaml", tmp_path, outer_steps=3).startswith(
+        "cannot resume: the regions hold no outer step in common")
     bare = job("Bare", [])
     assert resume_hint([east, bare], "two.yaml", tmp_path, outer_steps=2).startswith(
         f"cannot resume: {tmp_path / 'bare'} holds no complete checkpoint, so region 'Bare'")

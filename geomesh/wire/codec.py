@@ -222,6 +222,11 @@ def _decoded(messages, decode, guard, *, senders=None, round=None
             worker, rnd = header_identity(d)
             if not check:
                 k = worker
+            elif worker == k and round is not None and rnd != round % 2**32:
+                raise OtherRoundError(f"message in worker {k}'s slot is of round {rnd} in its "
+                                      f"codec header; the exchange is in round {round} (a "
+                                      "replay, or a peer started from another round's "
+                                      "checkpoint)")
             elif worker != k or (round is not None and rnd != round % 2**32):
                 raise _Forged(f"message in worker {k}'s slot claims worker {worker}, round "
                               f"{rnd} in its codec header; the exchange says worker {k}"
@@ -230,7 +235,8 @@ def _decoded(messages, decode, guard, *, senders=None, round=None
         except MessageError as e:
             if guard is None:
                 raise
-            guard.drop(k, "identity" if isinstance(e, _Forged) else "malformed", str(e))
+            guard.drop(k, "round" if isinstance(e, OtherRoundError) else
+                       "identity" if isinstance(e, _Forged) else "malformed", str(e))
             continue
         pos.append(i)
         out.append(d)
@@ -240,3 +246,10 @@ def _decoded(messages, decode, guard, *, senders=None, round=None
 
 class _Forged(MessageError):
     """A codec header whose worker or round differs from the authenticated slot."""
+
+
+class OtherRoundError(_Forged):
+    """A codec header of its slot's own worker but of another round than the exchange's:
+    a replayed message, or a peer that started from a checkpoint of another outer step
+    (the guard's reason ``round``; :meth:`geomesh.sync.OuterLoop.aggregate` stops the job
+    where it happens in the job's first round)."""
