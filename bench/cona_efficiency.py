@@ -13,7 +13,10 @@ batch ratio ``r``, grid, sqrt LR rule, schedule in samples):
    G)``) and ``pollux`` (``tr(P Sigma P)/|P G|^2``, what Pollux uses for adaptive
    optimizers, Sec. 3.1), P = ``1/(sqrt(v_hat) + eps)`` Adam's preconditioner, and
    the controller's own in-run estimates (:class:`cona.grad_stats.GradientNoiseScale`,
-   ``cona.gns_average`` plain and scale-free).
+   ``cona.gns_average`` plain and scale-free), and, from the same micro-batches per
+   coordinate, Adam's best progress per sequence at each grid batch (``adam``:
+   :mod:`cona.adam_efficiency`, Adam's second moment at each batch rather than a fixed
+   preconditioner).
 2. **Measured.**  Every other grid batch trained static in its fastest layout until the
    target or the budget: proxy samples to the target (at evaluation granularity) and
    whether the validation perplexity ever more than doubled between two evaluations
@@ -24,7 +27,9 @@ batch ratio ``r``, grid, sqrt LR rule, schedule in samples):
    ``E(M)`` assumes an LR that suits every batch, the rule's LR may not.
 3. **Predicted.**  ``samples(M) = sum_k dS_k / E(M, r phi_k)`` over the trajectory's
    intervals (``phi_k`` measured at the end of interval ``k``; an interval without a
-   positive estimate takes its neighbour's), for each noise-scale definition.
+   positive estimate takes its neighbour's), for each noise-scale definition; for
+   ``adam``, ``sum_k dS_k / E_k(M)`` with ``E_k`` point ``k``'s ratio of progress per
+   sequence at ``M`` and at ``M0`` (:func:`adam_samples`).
 
 Usage::
 
@@ -57,7 +62,9 @@ from bench.cona_reference import static_loop  # noqa: E402
 from bench.seeded_units import run_families, write_report  # noqa: E402
 
 DIRECT = ("simple", "newton", "pollux")  # cona.probe.DEFINITIONS, measured directly
-DEFINITIONS = (*DIRECT, "in_run_plain", "in_run_scale_free")
+ADAM = "adam"  # cona/adam_efficiency.py: an efficiency curve per point, not a noise scale
+DEFINITIONS = (*DIRECT, ADAM, "in_run_plain", "in_run_scale_free")
+PROBE_MICROBATCHES = 64  # per direct measurement (job.measure_noise_scale's default)
 
 
 def predicted_samples(trajectory: list[dict], batch: float, reference_batch: float,
@@ -66,6 +73,8 @@ def predicted_samples(trajectory: list[dict], batch: float, reference_batch: flo
     the module docstring); ``None`` without a positive noise scale anywhere."""
     from cona.surrogate import statistical_efficiency
 
+    if key == ADAM:
+        return adam_samples(trajectory, batch, reference_batch)
     phis = [p[key] if p[key] and p[key] > 0 else None for p in trajectory]
     known = [i for i, v in enumerate(phis) if v is not None]
     if not known:
@@ -75,6 +84,22 @@ def predicted_samples(trajectory: list[dict], batch: float, reference_batch: flo
         phi = phis[min(known, key=lambda j: (abs(j - i), -j))]
         total += (point["samples"] - prev) / statistical_efficiency(batch, ratio * phi,
                                                                     reference_batch)
+        prev = point["samples"]
+    return total
+
+
+def adam_samples(trajectory: list[dict], batch: int, reference_batch: int) -> float | None:
+    """Proxy samples to the target at target batch ``batch`` in the Adam-consistent model
+    (:mod:`cona.adam_efficiency`): ``sum_k dS_k / E_k``, ``E_k`` the ratio of the
+    progress per sequence at ``batch`` and at ``reference_batch`` measured at the end of
+    interval ``k``; ``None`` where a point lacks either."""
+    total, prev = 0.0, 0
+    for point in trajectory:
+        pps = point.get(ADAM) or {}
+        mine, ref = pps.get(str(batch)), pps.get(str(reference_batch))
+        if not (mine and ref):
+            return None
+        total += (point["samples"] - prev) * ref / mine
         prev = point["samples"]
     return total
 
@@ -97,13 +122,15 @@ def prediction_error(batches: dict, measured_key: str = "measured") -> dict:
 
 
 def static_run(ctx, strategy, measure_every: int | None = None, lr_factor: float = 1.0,
-               bound_samples: int | None = None):
+               bound_samples: int | None = None, adam_batches=()):
     """Train ``strategy`` at ``lr_factor`` x the scaling rule's LR from the initial weights
     until the target, the budget, or past ``bound_samples`` proxy samples (a run that
     cannot need fewer samples than one already measured at this batch: not reached).
 
     With ``measure_every`` (steps) the noise scale is measured directly along the way
-    (trajectory points; the last at the stop).  Returns ``(record, trajectory)``."""
+    (trajectory points; the last at the stop), and Adam's progress per sequence at each of
+    ``adam_batches`` (target sequences; :meth:`cona.job.EmulatedJob.measure_adam_progress`,
+    under ``"adam"`` by ``str(batch)``).  Returns ``(record, trajectory)``."""
     job, loop = static_loop(ctx, strategy, lr_factor)
     trajectory = []
     while measure_every and not loop.done:
@@ -112,8 +139,10 @@ def static_run(ctx, strategy, measure_every: int | None = None, lr_factor: float
         trajectory.append({"step": job.trainer.step, "samples": job.consumed_samples,
                            # not charged: the clock times the evaluations (cona.eval_clock),
                            # and the reference's must fall where an unprobed run's do
-                           **{d: job.measure_noise_scale(definition=d, charge=False)
+                           **{d: job.measure_noise_scale(PROBE_MICROBATCHES, d, charge=False)
                               for d in DIRECT},
+                           ADAM: {str(b): v for b, v in job.measure_adam_progress(
+                               PROBE_MICROBATCHES, adam_batches).items()},
                            "in_run_plain": job.gns.noise_scale_plain,
                            "in_run_scale_free": job.gns.noise_scale_scale_free})
     loop.run(until=None if bound_samples is None
@@ -196,7 +225,8 @@ def efficiency_family(target: str, spec: dict, batches: list[int], every: int,
         raise SystemExit(f"{target}: the reference batch {m0} (target sequences) is not a "
                          f"candidate batch {sorted(per)}; the prediction needs it as M0")
     measured = {}
-    measured[m0], trajectory = static_run(ctx, per[m0], measure_every=every)
+    measured[m0], trajectory = static_run(ctx, per[m0], measure_every=every,
+                                          adam_batches=sorted(per))
     if not measured[m0]["reached"]:
         raise SystemExit(f"{target}: the reference batch did not reach its own target")
     for b in sorted(per):

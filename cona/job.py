@@ -19,6 +19,7 @@ different strategies are comparable.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
@@ -413,6 +414,31 @@ class EmulatedJob(Job):
         if power > 0 and weights is None:
             return None
 
+        with self._probe_microbatches(microbatches, charge) as mbs:
+            return measure_gradient_stats(self.trainer, mbs, weights)
+
+    def measure_adam_progress(self, microbatches: int, target_batches) -> dict[int, float]:
+        """Adam's best progress per sequence at each of ``target_batches`` (target
+        sequences), up to a common factor (:func:`cona.adam_efficiency.progress_per_sample`
+        from ``microbatches`` fresh micro-batches, with the optimizer's epsilon), not
+        charged to the clock; the data position, RNG and training state are left as they
+        were.  A batch above the probe's proxy sequences (where ``v(B)`` has no unbiased
+        estimate) is left out of the result."""
+        from .adam_efficiency import progress_per_sample
+
+        eps = next((g["eps"] for g in self.trainer.optimizer.param_groups if "eps" in g), 1e-8)
+        with self._probe_microbatches(microbatches, charge=False) as mbs:
+            seqs = sum(len(next(iter(mb.values()))) for mb in mbs)
+            proxy = {b: p for b in target_batches
+                     if (p := self.ctx.mapping.proxy_batch(b)) <= seqs}
+            pps = progress_per_sample(self.trainer, mbs, sorted(set(proxy.values())), eps)
+        return {b: pps[p] for b, p in proxy.items()}
+
+    @contextlib.contextmanager
+    def _probe_microbatches(self, microbatches: int, charge: bool):
+        """``microbatches`` fresh micro-batches to probe with, the clock charged what the
+        probe costs the target where ``charge`` (:meth:`measure_gradient_stats`); on exit
+        the data position, RNG and the in-run probe are as they were."""
         consumed, rng = self.consumed_samples, default_generators()
         self.probe.detach()
         mbs = []
@@ -423,7 +449,7 @@ class EmulatedJob(Job):
             self._clock += (self.cluster.target_step_s(self.strategy) * probe_seqs
                             / self.proxy_batch(self.strategy))
         try:
-            return measure_gradient_stats(self.trainer, mbs[:microbatches], weights)
+            yield mbs[:microbatches]
         finally:
             self._attach_probe()
             self.sampler = self._sampler(self.topo, consumed)

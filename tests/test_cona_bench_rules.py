@@ -550,7 +550,7 @@ def test_efficiency_at_the_best_lr_takes_each_batch_and_the_reference_at_its_own
     512 reached at no factor.  At the best LR the efficiencies are 1,200 / 1,300 = 0.923,
     1,200 / 1,800 = 0.667 and at most 1,200 / 3,000 (missed); at the rule's LR they stay
     1,500 / 1,400 and 1,500 / 2,000, and with one factor no best-LR error is reported."""
-    from bench.cona_efficiency import DEFINITIONS, compare
+    from bench.cona_efficiency import ADAM, DEFINITIONS, compare
 
     def rec(samples, factor=1.0, reached=True):
         return {"samples": samples, "reached": reached, "lr_factor": factor}
@@ -559,7 +559,8 @@ def test_efficiency_at_the_best_lr_takes_each_batch_and_the_reference_at_its_own
              128: {1.0: rec(1400), 0.5: rec(1500, 0.5, False), 2.0: rec(1300, 2.0)},
              256: {1.0: rec(2000), 0.5: rec(1800, 0.5), 2.0: rec(2100, 2.0, False)},
              512: {1.0: rec(3000, reached=False), 2.0: rec(2500, 2.0, False)}}
-    trajectory = [{"samples": s, **dict.fromkeys(DEFINITIONS, 40.0)} for s in (600, 1200)]
+    trajectory = [{"samples": s, **dict.fromkeys(DEFINITIONS, 40.0), ADAM: None}
+                  for s in (600, 1200)]
     out = compare(by_lr, trajectory, 64, 8)
     rows = out["batches"]
     assert [rows[b]["measured_best_lr"]["lr_factor"] for b in (64, 128, 256, 512)] == [2.0, 2.0,
@@ -574,6 +575,22 @@ def test_efficiency_at_the_best_lr_takes_each_batch_and_the_reference_at_its_own
     assert one["prediction_error_best_lr"] is None
     assert "measured_best_lr" not in one["batches"][128]
     assert one["prediction_error"] == out["prediction_error"]
+
+
+def test_adam_prediction_integrates_each_points_efficiency_curve():
+    """Catches the Adam-consistent prediction (cona/adam_efficiency.py) read as a noise scale
+    or at the wrong batch: each trajectory interval's samples over that point's progress
+    ratio.  By hand: 600 samples at progress 1.0 / 2.0 (batch 128 / reference 64) and 600
+    at 1.5 / 2.0 need 600 / 0.5 + 600 / 0.75 = 2,000 samples at 128; a point without the
+    curve gives no prediction."""
+    from bench.cona_efficiency import ADAM, predicted_samples
+
+    trajectory = [{"samples": 600, ADAM: {"64": 2.0, "128": 1.0}},
+                  {"samples": 1200, ADAM: {"64": 2.0, "128": 1.5}}]
+    assert predicted_samples(trajectory, 128, 64, 8, ADAM) == pytest.approx(2000)
+    assert predicted_samples(trajectory, 64, 64, 8, ADAM) == pytest.approx(1200)
+    trajectory[1][ADAM] = {"64": 2.0}  # 128 above the probe's sequences there
+    assert predicted_samples(trajectory, 128, 64, 8, ADAM) is None
 
 
 def test_cona_ablation_runs_with_its_override_and_leaves_the_config_as_it_was():

@@ -440,10 +440,12 @@ def cona_efficiency(r: dict) -> str:
     and the one that ranks best over the families; where the run swept LR factors
     (``--lr-factors``), each batch's best factor, its samples and efficiency, and the
     errors there."""
-    defs = GNS_DEFINITIONS
+    adam = any((x["predicted"].get("adam") or {}) for m in r["models"].values()
+               for x in m["batches"].values())
+    defs = GNS_DEFINITIONS + ("adam",) * adam  # adam: cona/adam_efficiency.py, a curve
     lines = []
     for name, m in r["models"].items():
-        med = {d: sorted(t[d] for t in m["trajectory"] if t.get(d)) for d in defs}
+        med = {d: sorted(t[d] for t in m["trajectory"] if t.get(d)) for d in GNS_DEFINITIONS}
         medians = ", ".join(f"`{d}` {v[len(v) // 2]:,.0f}" for d, v in med.items() if v)
         swept = m.get("prediction_error_best_lr") is not None
         extra = (" | best LR factor | samples there | efficiency at the best LR" if swept else "")
@@ -472,15 +474,16 @@ def cona_efficiency(r: dict) -> str:
                       f"{', '.join(f'{f:g}x' for f in m['lr_factors'])} the scaling rule's: "
                       + ", ".join(f"`{d}` {_fmt(err.get(d), '.2f', '')}" for d in defs) + ".",
                       ""]
-    mean = _mean_errors(r)
+    lowest = "lowest" if not adam else "lowest of the controller's noise scales"
+    mean = _mean_errors(r, defs=defs)
     if mean:
         lines += ["Mean over the families: " + ", ".join(
-            f"`{d}` {v:.2f}" for d, v in mean.items()) + f"; lowest: `{best_gns_definition(r)}`.",
-            ""]
-    if mean := _mean_errors(r, "prediction_error_best_lr"):
+            f"`{d}` {v:.2f}" for d, v in mean.items()) + f"; {lowest}: "
+            f"`{best_gns_definition(r)}`.", ""]
+    if mean := _mean_errors(r, "prediction_error_best_lr", defs):
+        best = min(_mean_errors(r, "prediction_error_best_lr"), key=mean.get)
         lines += ["At the best LR, mean over the families: " + ", ".join(
-            f"`{d}` {v:.2f}" for d, v in mean.items()) + f"; lowest: `{min(mean, key=mean.get)}`.",
-            ""]
+            f"`{d}` {v:.2f}" for d, v in mean.items()) + f"; {lowest}: `{best}`.", ""]
     lines.append(_source(r, "cona_efficiency"))
     return "\n".join(lines) + "\n"
 
@@ -492,11 +495,11 @@ def _efficiency(measured: dict) -> str:
     return f"≤ {measured['efficiency_at_most']:.2f} (missed)"
 
 
-def _mean_errors(r: dict, key: str = "prediction_error") -> dict[str, float]:
-    """Per noise-scale definition measured on every family, its mean error (``key``: at
+def _mean_errors(r: dict, key: str = "prediction_error",
+                 defs: tuple[str, ...] = GNS_DEFINITIONS) -> dict[str, float]:
+    """Per definition of ``defs`` measured on every family, its mean error (``key``: at
     the scaling rule's LR, or ``prediction_error_best_lr``) over them."""
-    errs = {d: [(m.get(key) or {}).get(d) for m in r["models"].values()]
-            for d in GNS_DEFINITIONS}
+    errs = {d: [(m.get(key) or {}).get(d) for m in r["models"].values()] for d in defs}
     return {d: sum(v) / len(v) for d, v in errs.items() if v and None not in v}
 
 
