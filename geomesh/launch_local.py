@@ -68,7 +68,13 @@ from jobruntime.faults import ENV as FAULT_ENV
 from jobruntime.faults import REGION_ENV as FAULT_REGION_ENV
 from jobruntime.outputs import RUN_OUTPUTS, output_folder_error
 
-from .launch_resume import LaunchError, describe_resume, resume_hint, resume_load, resume_round
+from .launch_resume import (
+    LaunchError,
+    resume_hint,
+    resume_load,
+    resume_round,
+    set_aside_newer,
+)
 from .proctree import become_subreaper, start_tree, stop_trees, sweep_orphans
 
 TRAIN_PY = Path(__file__).resolve().parent.parent / "train.py"
@@ -141,9 +147,9 @@ def plan_jobs(cluster: ClusterSpec, cluster_file: Path, run_dir: Path, config: s
 
     With ``resume_step`` (a ``--resume``'s :func:`~geomesh.launch_resume.resume_round`)
     each region's job goes on from its folder's checkpoint of that round with its own saved
-    config (``--config REGION/config.yaml checkpoint.load=REGION/checkpoints/outer_N``: the
-    resume advice of :func:`jobruntime.faults.resume_command`, at the round every region
-    holds), ``config`` unused.
+    config (``--config REGION/config.yaml checkpoint.load=REGION/checkpoints/outer_N``:
+    :func:`jobruntime.faults.resume_command`'s advice, with the round's folder named),
+    ``config`` unused.
 
     Raises:
         LaunchError: two regions whose names give the same folder name.
@@ -438,7 +444,7 @@ def prepare(args: argparse.Namespace) -> tuple[list[RegionJob], ClusterSpec, Pat
     if args.resume:  # every region from the same round (geomesh/launch_resume.py)
         step = resume_round(jobs, cfg.geomesh.outer_steps)
         jobs = plan_jobs(cluster, cluster_file, run_dir, None, args.overrides, step)
-        if line := describe_resume(jobs, step):
+        if line := set_aside_newer(jobs, step):
             print(line, flush=True)
     for j in jobs:
         if not args.resume and (held := [n for n in RUN_OUTPUTS if (j.run_dir / n).exists()]):

@@ -9,7 +9,9 @@ another round: measured before this module, two regions one round apart each rej
 other's messages and finished alone, exit 0, on different weights.  So every region goes on
 from the newest round that *all* of them hold complete (``checkpoint.keep_last``, 2 by
 default, keeps the round before the last), loaded by name; where no round is common the
-resume is refused, naming each region's rounds.  Inside the jobs, a peer at another round is
+resume is refused, naming each region's rounds.  A region's rounds after that one are set
+aside (:func:`set_aside_newer`): the run trains them again, and a later resume must not
+find an abandoned round beside a retrained one under the same name.  Inside the jobs, a peer at another round is
 refused too (:class:`geomesh.wire.codec.OtherRoundError`), for regions started by hand.
 
 Light on purpose: imports no torch (the launcher starts in a second).
@@ -60,9 +62,9 @@ def resume_round(jobs: Sequence[_Region], outer_steps: int) -> int:
     if not common:
         held = "; ".join(f"{name!r} {', '.join(map(str, r))}" for name, r in rounds.items())
         raise LaunchError(f"--resume: the regions hold no outer step in common ({held}), and "
-                          "every region must go on from the same one (raise "
-                          "checkpoint.keep_last to keep more); start the run again with a new "
-                          "--run-dir")
+                          "every region must go on from the same one (a later run keeps more "
+                          "with checkpoint.keep_last=0 or a larger one); start the run again "
+                          "with a new --run-dir")
     step = max(common)
     if step >= outer_steps:
         raise LaunchError(f"--resume: every region saved outer step {step} of "
@@ -76,16 +78,34 @@ def resume_load(job: _Region, step: int) -> str:
     return f"checkpoint.load={job.run_dir / 'checkpoints' / round_folder(step)}"
 
 
-def describe_resume(jobs: Sequence[_Region], step: int) -> str | None:
-    """One line where some region goes back to an older round than its newest (``None``
-    where every region's newest is ``step``)."""
-    newer = [(j.region, max(saved_rounds(j.run_dir))) for j in jobs]
-    newer = [(name, last) for name, last in newer if last > step]
-    if not newer:
+def set_aside_newer(jobs: Sequence[_Region], step: int) -> str | None:
+    """Before a resume at ``step``: move each region's complete rounds after ``step`` into
+    ``checkpoints/superseded/`` (kept, out of every search for a checkpoint: those look at
+    ``checkpoints/`` itself) and point its ``latest`` at ``step``'s folder.
+
+    Returns:
+        one line naming what moved, or ``None`` where every region's newest is ``step``.
+    """
+    moved = []
+    for j in jobs:
+        root = j.run_dir / "checkpoints"
+        newer = [n for n in saved_rounds(j.run_dir) if n > step]
+        for n in newer:
+            aside, k = root / "superseded" / round_folder(n), 1
+            while aside.exists():  # an earlier resume set aside the same round
+                aside, k = aside.with_name(f"{round_folder(n)}.{k}"), k + 1
+            aside.parent.mkdir(exist_ok=True)
+            (root / round_folder(n)).rename(aside)
+        if newer:
+            tmp = root / ".latest.tmp"
+            tmp.write_text(round_folder(step) + "\n")
+            tmp.replace(root / "latest")
+            moved.append(f"{j.region!r} saved {max(newer)}")
+    if not moved:
         return None
     return (f"resuming every region at outer step {step}, the newest all of them saved ("
-            + ", ".join(f"{name!r} saved {last}" for name, last in newer)
-            + "; its later rounds are trained again)")
+            + ", ".join(moved) + "; the later rounds are trained again, their checkpoints "
+            "moved to checkpoints/superseded/)")
 
 
 def resume_hint(jobs: Sequence[_Region], cluster: str, run_dir: Path, outer_steps: int,

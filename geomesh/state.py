@@ -118,7 +118,8 @@ def find_state(path: str | Path) -> Path:
     latest = path / "latest"
     if latest.is_file() and (path / latest.read_text().strip() / COMPLETE).is_file():
         return path / latest.read_text().strip()
-    done = sorted(p for p in path.glob("outer_*") if (p / COMPLETE).is_file())
+    done = sorted(p for p in path.glob("outer_*")  # a kill after COMPLETE, before the rename
+                  if (p / COMPLETE).is_file() and not p.name.endswith(".tmp"))
     if done:
         return done[-1]
     if path.name.startswith("iter_") or list(path.glob("iter_*")):

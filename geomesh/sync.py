@@ -61,7 +61,8 @@ of its time in the exchange.
 
 Every round's messages pass :class:`geomesh.wire.guard.Guard` before aggregation
 (every codec: ``codec.aggregate(received, guard=guard)``); a rejected message
-drops its worker from the round.  One job per region (``geomesh.region``):
+drops its worker from the round, except that a peer's message of another round in a
+job's first round stops the job (:meth:`OuterLoop.refuse_other_start`).  One job per region (``geomesh.region``):
 each round's exchange is a torchft quorum (:mod:`geomesh.exchange.membership`), lost
 workers drop out (the plan is redone for the members left,
 :mod:`geomesh.fleet.membership_plan`), a joining worker heals from a live peer at a
@@ -471,14 +472,11 @@ class OuterLoop(RoundFigures):
         other = [k for k, why in self.guard.last_rejected.items() if why == "round"]
         if r != self.start or not other:
             return
-        names = ", ".join(f"{self.ctx.cluster.workers[k].name} "
-                          f"({self.ctx.cluster.workers[k].region})" for k in sorted(other))
+        names = ", ".join(f"{self.ctx.cluster.workers[k].region!r}" for k in sorted(other))
         raise CheckpointError(
-            f"GeoMesh round {r}, this job's first (it started at outer step {self.start}): the "
-            f"messages of {names} are of another round (logged above), so the regions started "
-            "from checkpoints of different outer steps; resume every region from the same one "
-            "(python -m geomesh.launch_local --resume picks the newest that every region saved, "
-            "or point each region's checkpoint.load at its outer_XXXXXXX folder of one step)")
+            f"{names} sent messages of another round in this job's first round ({r}): the "
+            "regions started from checkpoints of different outer steps; resume all from one "
+            "(launch_local --resume takes the newest that all saved)")
 
     def aggregate(self, rnd: _Round, received: list) -> list[int]:
         """Guard, decode and aggregate ``Δ`` on this rank's shards, take the outer step;

@@ -11,6 +11,7 @@ from __future__ import annotations
 import fcntl
 import itertools
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,8 +50,10 @@ def saved_rounds(run_dir: str | Path) -> list[int]:
     root = Path(run_dir) / "checkpoints"
     if not root.is_dir():
         return []
-    return sorted(int(p.parent.name.removeprefix("outer_")) for p in root.glob("outer_*/COMPLETE")
-                  if p.parent.name.removeprefix("outer_").isdigit())
+    found = (re.fullmatch(r"outer_([0-9]{7,})", p.parent.name, re.ASCII)
+             for p in root.glob("outer_*/COMPLETE"))
+    return sorted(int(m.group(1)) for m in found
+                  if m is not None and m.group(0) == round_folder(int(m.group(1))))
 
 
 def save_run_inputs(cfg, tokenizer, run_dir: Path) -> None:

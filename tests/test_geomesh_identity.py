@@ -176,3 +176,27 @@ def test_lying_loss_and_compute_figures_are_left_out():
     assert guard.screen_figures([0, 1, 2], [4.1, 4.3, 3.9], [10.0, 11.0, 50.0]) == [0, 1, 2]
     assert guard.screen_figures([0, 1], [4.1, math.nan], [10.0, 11.0]) == [0]
     assert guard.screen_figures([0, 1], [4.1, 4.2], [10.0, 999_999.9]) == []
+
+
+def test_a_peer_of_another_round_stops_a_job_only_in_its_first_round():
+    """Catches a job that trains on alone when its peers resumed another round (before:
+    each region dropped the others as forged and finished on its own weights, exit 0),
+    and one that stops on an honest run: a ``round`` rejection in the job's first round
+    raises a ``CheckpointError`` naming the peer's region; later (a replay), or an
+    ``identity`` rejection, only drops the worker."""
+    from types import SimpleNamespace
+
+    from geomesh.sync import OuterLoop
+    from jobruntime.checkpoint import CheckpointError
+
+    workers = [SimpleNamespace(name=f"w{k}", region=f"R{k}") for k in range(3)]
+    loop = SimpleNamespace(start=4, guard=SimpleNamespace(last_rejected={}),
+                           ctx=SimpleNamespace(cluster=SimpleNamespace(workers=workers)))
+    for first, rejected in ((4, {}), (4, {2: "identity"}), (5, {2: "round"})):
+        loop.guard.last_rejected = rejected
+        OuterLoop.refuse_other_start(loop, first)  # no raise
+    loop.guard.last_rejected = {1: "round", 2: "norm"}
+    with pytest.raises(CheckpointError, match=r"^'R1' sent messages of another round in this "
+                       r"job's first round \(4\): the regions started from checkpoints of "
+                       "different outer steps"):
+        OuterLoop.refuse_other_start(loop, 4)

@@ -217,6 +217,7 @@ def test_resume_goes_on_in_every_region_from_its_checkpoints(tmp_path, cache_dir
     shutil.rmtree(run_dir / "west-europe" / "checkpoints" / "outer_0000002")
     own_newest = ("import sys, geomesh.launch_local as L; "
                   "L.resume_load = lambda j, step: f'checkpoint.load={j.run_dir}/checkpoints'; "
+                  "L.set_aside_newer = lambda jobs, step: None; "
                   "sys.exit(L.main(sys.argv[1:]))")
     split = subprocess.run([sys.executable, "-c", own_newest, *_cmd(cluster, run_dir, "--resume",
                                                                     "geomesh.outer_steps=3")[3:]],
@@ -229,6 +230,7 @@ def test_resume_goes_on_in_every_region_from_its_checkpoints(tmp_path, cache_dir
     assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-3000:]
     assert "resuming every region at outer step 1, the newest all of them saved ('East US' " \
         "saved 2" in again.stdout, again.stdout
+    assert (run_dir / "east-us" / "checkpoints" / "superseded" / "outer_0000002").is_dir()
     summaries = []
     for slug in ("east-us", "west-europe"):
         steps = [json.loads(x)["step"] for x in
@@ -351,11 +353,12 @@ def test_resume_hint_names_the_launchers_resume_or_why_not(tmp_path):
     from geomesh.launch_local import RegionJob, parse_args
     from geomesh.launch_resume import (
         LaunchError,
-        describe_resume,
         resume_hint,
         resume_load,
         resume_round,
+        set_aside_newer,
     )
+    from jobruntime.outputs import saved_rounds
 
     def job(region, saved):
         folder = tmp_path / region.lower()
@@ -366,9 +369,6 @@ def test_resume_hint_names_the_launchers_resume_or_why_not(tmp_path):
 
     east, west = job("East", [1, 2]), job("West", [1])
     assert resume_round([east, west], outer_steps=3) == 1  # the newest both hold
-    assert describe_resume([east, west], 1).startswith(
-        "resuming every region at outer step 1, the newest all of them saved ('East' saved 2")
-    assert describe_resume([east], 2) is None
     assert resume_load(west, 1) == f"checkpoint.load={west.run_dir}/checkpoints/outer_0000001"
     apart = job("Apart", [2])
     with pytest.raises(LaunchError, match="hold no outer step in common .'West' 1; 'Apart' 2"):
@@ -392,6 +392,18 @@ def test_resume_hint_names_the_launchers_resume_or_why_not(tmp_path):
         f"cannot resume: {tmp_path / 'bare'} holds no complete checkpoint, so region 'Bare'")
     assert resume_hint([bare], "two.yaml", tmp_path, outer_steps=2).startswith(
         "cannot resume: no region saved a complete checkpoint")
+    # going back to round 1: East's round 2 leaves every search for a checkpoint (a later
+    # resume must not take it for the round 2 the run trains again), and is kept
+    (east.run_dir / "checkpoints" / "latest").write_text("outer_0000002\n")
+    (east.run_dir / "checkpoints" / "outer_3").mkdir()  # not a name save_state writes
+    (east.run_dir / "checkpoints" / "outer_3" / "COMPLETE").write_text("x\n")
+    assert saved_rounds(east.run_dir) == [1, 2]
+    assert set_aside_newer([east, west], 1).startswith(
+        "resuming every region at outer step 1, the newest all of them saved ('East' saved 2;")
+    assert saved_rounds(east.run_dir) == [1]
+    assert (east.run_dir / "checkpoints" / "latest").read_text().strip() == "outer_0000001"
+    assert (east.run_dir / "checkpoints" / "superseded" / "outer_0000002" / "COMPLETE").is_file()
+    assert set_aside_newer([east, west], 1) is None
 
 
 def test_failure_lines_and_stalled_survivors(tmp_path):

@@ -92,7 +92,11 @@ class Membership:
         store_addr / store_port: this job's own TCPStore (torchrun's or its own).
         opener: the run's :class:`~geomesh.wire.envelope.Opener`.
         timeout_s, heartbeat_s, on_worker_loss: ``geomesh.*``.
-        start_round: rounds already done (a resumed checkpoint).
+        start_round: torchft's step to start from.  The region jobs start at 0 (rounds
+            since the job's start, not the run's: :mod:`geomesh.exchange.deploy`), so a
+            region restarted alone is behind the others and heals; that every job resumed
+            the same round is checked by the launcher (:mod:`geomesh.launch_resume`) and
+            in the first round (:meth:`geomesh.sync.OuterLoop.refuse_other_start`).
         report: print lines (the job's first rank).
     """
 

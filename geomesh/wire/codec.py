@@ -149,9 +149,10 @@ def aggregate_decoded(messages: Sequence[bytes | None], decode, guard=None, *,
     with a ``guard``: its position, the order the transport and the envelope,
     :mod:`geomesh.wire.envelope`, authenticate; with neither, a worker decoding its
     own messages, nothing is checked), and ``round`` the round the exchange
-    was sealed for (``None``: not checked).  A header naming another worker or
-    round is a forgery: a ``MessageError``, or with a ``guard`` that slot's
-    worker dropped (reason ``identity``).  The decoded values are screened with
+    was sealed for (``None``: not checked).  A header naming another worker is a
+    forgery, one of the slot's worker but another round a replay
+    (:class:`OtherRoundError`): a ``MessageError``, or with a ``guard`` that slot's
+    worker dropped (reason ``identity`` or ``round``).  The decoded values are screened with
     ``guard`` (:meth:`geomesh.wire.guard.Guard.screen`, keyed on ``senders``),
     then averaged by tokens (equation 1) or by the guard's robust mode.  Returns
     ``(Δ, n_i per message position)``: ``None`` entries and rejected messages
@@ -227,7 +228,7 @@ def _decoded(messages, decode, guard, *, senders=None, round=None
                                       f"codec header; the exchange is in round {round} (a "
                                       "replay, or a peer started from another round's "
                                       "checkpoint)")
-            elif worker != k or (round is not None and rnd != round % 2**32):
+            elif worker != k:
                 raise _Forged(f"message in worker {k}'s slot claims worker {worker}, round "
                               f"{rnd} in its codec header; the exchange says worker {k}"
                               + (f", round {round}" if round is not None else "")

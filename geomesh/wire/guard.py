@@ -49,13 +49,18 @@ the same messages, so every copy of ``θ_global`` stays identical):
 
 Identity.  Every check is keyed on the worker whose slot of the exchange a
 message arrived in (authenticated by :mod:`geomesh.wire.envelope`), never on the
-id in the codec header: a header naming another worker or round is dropped as
-``identity`` (:func:`geomesh.wire.codec.aggregate_decoded`), and a worker the plan
-gives no tokens this round has no weight (``tokens``).
+id in the codec header: a header naming another worker is dropped as
+``identity``, one of its own worker but another round as ``round`` (a replay;
+:func:`geomesh.wire.codec.aggregate_decoded`), and a worker the plan gives no
+tokens this round has no weight (``tokens``).
 
 A worker that fails checks 1-4 or the identity check is dropped from the
 round like a lost worker (its weight renormalised away) and named in a
-warning; :attr:`Guard.rejected` counts rejections by reason.
+warning; :attr:`Guard.rejected` counts rejections by reason.  The one
+exception: a ``round`` rejection in a job's first round stops the job (exit 2),
+since there it means the regions started from checkpoints of different outer
+steps (:meth:`geomesh.sync.OuterLoop.refuse_other_start`); so an insider holding
+the run's secret can stop a run at its start, as it could by sending nothing.
 
 Robust aggregation (``geomesh.robust_aggregation``), for insiders whose
 values pass the checks but point the wrong way:
