@@ -34,6 +34,8 @@ computed from the best step size at each batch.  Which holds for a model is meas
 ``bench/cona_efficiency.py`` trains every grid batch to the target and compares the
 efficiency each definition predicts with the measured one (docs/cona.md, "Which noise
 scale"); the default is the definition with the lowest error over the families measured.
+:mod:`cona.adam_efficiency` drops the fixed preconditioner (Adam's second moment at each
+batch, the curvature cancelling); the same bench measures it, and it ranks nothing.
 
 Score (Pollux's GOODPUT, eq. 4)::
 
