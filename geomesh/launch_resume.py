@@ -10,9 +10,10 @@ other's messages and finished alone, exit 0, on different weights.  So every reg
 from the newest round that *all* of them hold complete (``checkpoint.keep_last``, 2 by
 default, keeps the round before the last), loaded by name; where no round is common the
 resume is refused, naming each region's rounds.  A region's rounds after that one are set
-aside (:func:`set_aside_newer`): the run trains them again, and a later resume must not
-find an abandoned round beside a retrained one under the same name.  Inside the jobs, a peer at another round is
-refused too (:class:`geomesh.wire.codec.OtherRoundError`), for regions started by hand.
+aside (:func:`set_aside_newer`): the run trains them again, and a later resume must not find
+an abandoned round beside a retrained one under the same name.  Inside the jobs, a peer at
+another round is refused too (:class:`geomesh.wire.codec.OtherRoundError`), for regions
+started by hand.
 
 Light on purpose: imports no torch (the launcher starts in a second).
 """

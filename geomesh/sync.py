@@ -62,11 +62,11 @@ of its time in the exchange.
 Every round's messages pass :class:`geomesh.wire.guard.Guard` before aggregation
 (every codec: ``codec.aggregate(received, guard=guard)``); a rejected message
 drops its worker from the round, except that a peer's message of another round in a
-job's first round stops the job (:meth:`OuterLoop.refuse_other_start`).  One job per region (``geomesh.region``):
-each round's exchange is a torchft quorum (:mod:`geomesh.exchange.membership`), lost
-workers drop out (the plan is redone for the members left,
-:mod:`geomesh.fleet.membership_plan`), a joining worker heals from a live peer at a
-round boundary.  Those rounds are blocking: ``geomesh.overlap`` with
+job's first round stops the job (:meth:`OuterLoop.refuse_other_start`).  One job per
+region (``geomesh.region``): each round's exchange is a torchft quorum
+(:mod:`geomesh.exchange.membership`), lost workers drop out (the plan is redone for the
+members left, :mod:`geomesh.fleet.membership_plan`), a joining worker heals from a live
+peer at a round boundary.  Those rounds are blocking: ``geomesh.overlap`` with
 ``geomesh.region`` is refused (:meth:`jobruntime.config.GeoMeshConfig.validate`).
 """
 

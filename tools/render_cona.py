@@ -439,7 +439,8 @@ def cona_efficiency(r: dict) -> str:
     directly along the reference, then each definition's error in ratios between batches
     and the one that ranks best over the families; where the run swept LR factors
     (``--lr-factors``), each batch's best factor, its samples and efficiency, and the
-    errors there."""
+    errors there; and the Adam-consistent efficiency (``adam``, a measurement, not one of
+    the controller's definitions) where the run holds it."""
     adam = any((x["predicted"].get("adam") or {}) for m in r["models"].values()
                for x in m["batches"].values())
     defs = GNS_DEFINITIONS + ("adam",) * adam  # adam: cona/adam_efficiency.py, a curve

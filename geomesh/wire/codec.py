@@ -152,8 +152,8 @@ def aggregate_decoded(messages: Sequence[bytes | None], decode, guard=None, *,
     was sealed for (``None``: not checked).  A header naming another worker is a
     forgery, one of the slot's worker but another round a replay
     (:class:`OtherRoundError`): a ``MessageError``, or with a ``guard`` that slot's
-    worker dropped (reason ``identity`` or ``round``).  The decoded values are screened with
-    ``guard`` (:meth:`geomesh.wire.guard.Guard.screen`, keyed on ``senders``),
+    worker dropped (reason ``identity`` or ``round``).  The decoded values are
+    screened with ``guard`` (:meth:`geomesh.wire.guard.Guard.screen`, keyed on ``senders``),
     then averaged by tokens (equation 1) or by the guard's robust mode.  Returns
     ``(Δ, n_i per message position)``: ``None`` entries and rejected messages
     count 0 tokens; ``Δ`` is ``None`` when no message is left.
