@@ -67,8 +67,8 @@ def progress_per_sample(trainer: Trainer, microbatches: list, batches: Sequence[
     b = int(next(iter(microbatches[0].values())).shape[0])
     _check_batches(batches, n, b)  # before the passes
     params = [p for p in trainer.module.parameters() if _is_counted(p)]
-    first = [torch.zeros(p.numel(), dtype=torch.float64) for p in params]
-    second = [torch.zeros(p.numel(), dtype=torch.float64) for p in params]
+    first = [torch.zeros(p.numel(), dtype=torch.float64, device=p.device) for p in params]
+    second = [torch.zeros(p.numel(), dtype=torch.float64, device=p.device) for p in params]
     for mb in microbatches:
         trainer.zero_grad()
         trainer._run_schedule([mb], forward_only=False)
