@@ -482,7 +482,7 @@ def cona_efficiency(r: dict) -> str:
             f"`{d}` {v:.2f}" for d, v in mean.items()) + f"; {lowest}: "
             f"`{best_gns_definition(r)}`.", ""]
     if mean := _mean_errors(r, "prediction_error_best_lr", defs):
-        best = min(_mean_errors(r, "prediction_error_best_lr"), key=mean.get)
+        best = min((d for d in GNS_DEFINITIONS if d in mean), key=mean.get)
         lines += ["At the best LR, mean over the families: " + ", ".join(
             f"`{d}` {v:.2f}" for d, v in mean.items()) + f"; {lowest}: `{best}`.", ""]
     lines.append(_source(r, "cona_efficiency"))
