@@ -9,9 +9,17 @@ switch that *raises* it, the LR ramps linearly to the new value over
 Sec. 2.2, "gradual warmup": a jump to the scaled LR destabilises the first
 steps, while the optimizer's moments still describe the smaller batch); a
 lower LR applies at once.
+
+Adam's other hyperparameters at another batch (:func:`scale_adam`): Malladi et al.
+2022's square-root scaling rule scales them too, so that Adam's moments keep their
+memory in *samples*; with fixed ``beta1``, ``beta2`` a larger batch averages its second
+moment over proportionally more samples (measured on the CONA bench's proxies:
+``bench/cona_adam_memory.py``).
 """
 
 from __future__ import annotations
+
+import math
 
 LR_EXPONENTS = {"sqrt": 0.5, "linear": 1.0, "none": 0.0}
 
@@ -27,6 +35,39 @@ def scale_lr(base_lr: float, batch: float, reference_batch: float, rule: str) ->
     if batch <= 0 or reference_batch <= 0:
         raise ValueError(f"batch sizes must be positive, got {batch}, {reference_batch}")
     return base_lr * (batch / reference_batch) ** LR_EXPONENTS[rule]
+
+
+def scale_adam(betas: tuple[float, float], eps: float, batch: float,
+               anchor_batch: float) -> tuple[tuple[float, float], float]:
+    """Adam's ``(beta1, beta2), eps`` at ``batch`` by the square-root scaling rule, from
+    the values set for ``anchor_batch``.
+
+    With ``kappa = batch / anchor_batch``: ``1 - beta_i -> kappa (1 - beta_i)`` and
+    ``eps -> eps / sqrt(kappa)`` (the learning rate goes with ``sqrt(kappa)``,
+    :func:`scale_lr`'s ``sqrt``).  Each moment's EMA then forgets over the same number
+    of *samples*, ``anchor_batch / (1 - beta_i)``, at every batch.
+
+    Source: Malladi, Lyu, Panigrahi, Arora 2022, "On the SDEs and Scaling Rules for
+    Adaptive Gradient Algorithms" (NeurIPS), Sec. 5, the square-root scaling rule for
+    Adam (the SDE that both batches approximate is the same).
+
+    Raises:
+        ValueError: non-positive batches, a beta outside ``[0, 1)``, or a ``kappa`` so
+            large that ``kappa (1 - beta_i) >= 1`` (no EMA forgets that fast: the rule
+            holds only where the scaled betas stay in ``(0, 1)``).
+    """
+    if batch <= 0 or anchor_batch <= 0:
+        raise ValueError(f"batch sizes must be positive, got {batch}, {anchor_batch}")
+    if not all(0.0 <= b < 1.0 for b in betas):
+        raise ValueError(f"Adam's betas must be in [0, 1), got {betas}")
+    kappa = batch / anchor_batch
+    scaled = tuple(1.0 - kappa * (1.0 - b) for b in betas)
+    if any(b <= 0.0 for b in scaled):
+        raise ValueError(
+            f"the square-root scaling rule gives betas {scaled} at batch {batch} from "
+            f"{betas} at {anchor_batch}: a batch at most {anchor_batch / (1 - min(betas)):g} "
+            "keeps them in (0, 1); anchor the rule at a larger batch")
+    return (scaled[0], scaled[1]), eps / math.sqrt(kappa)
 
 
 def ramp_lr(old: float, new: float, steps: int, ramp_steps: int) -> float:

@@ -640,3 +640,19 @@ def test_setup_key_names_what_a_seed_depends_on_and_not_how_many_seeds_run():
     assert setup_key(setup, 1, dict(FULL)) != key
     assert setup_key(setup, 0, dict(FULL, windows=3)) != key
     assert setup_key(dict(setup, boundaries=[10, 21]), 0, dict(FULL)) != key
+
+
+def test_adam_memory_variants_scale_only_their_moment():
+    """Catches bench/cona_adam_memory.py scaling the wrong hyperparameter: ``beta1`` and
+    ``beta2`` scale only their own beta by the square-root rule from the anchor, ``sde``
+    all three (eps by 1/sqrt(kappa)), ``preset`` none, and the anchor batch itself is
+    unchanged by every variant."""
+    from bench.cona_adam_memory import adam_variant
+
+    preset = (0.9, 0.95, 1e-8)
+    assert adam_variant(preset, "preset", 64, 256) == preset
+    assert adam_variant(preset, "beta1", 64, 256) == pytest.approx((0.975, 0.95, 1e-8))
+    assert adam_variant(preset, "beta2", 64, 256) == pytest.approx((0.9, 0.9875, 1e-8))
+    assert adam_variant(preset, "sde", 64, 256) == pytest.approx((0.975, 0.9875, 2e-8))
+    for variant in ("beta1", "beta2", "sde"):
+        assert adam_variant(preset, variant, 256, 256) == pytest.approx(preset)

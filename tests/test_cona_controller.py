@@ -9,7 +9,7 @@ import pytest
 from cona.controller import Controller
 from cona.cost_model import CostModel
 from cona.grad_stats import GradientNoiseScale
-from cona.lr_rule import ramp_lr, scale_lr
+from cona.lr_rule import ramp_lr, scale_adam, scale_lr
 from cona.picks import best_goodput_strategy, best_throughput_strategy, start_strategy
 from cona.strategy import Strategy
 from cona.surrogate import chaining_ceiling, goodput, rank_strategies, statistical_efficiency
@@ -174,6 +174,25 @@ def test_lr_scaling_rules():
     ctrl = _controller([SMALL_GB, BIG_GB], SMALL_GB, lr_scaling="linear")
     assert ctrl.lr() == pytest.approx(2e-4)
     assert ctrl.commit_switch(BIG_GB) == pytest.approx(2e-4 * 8)
+
+
+def test_adam_square_root_scaling_rule():
+    """Catches a wrong square-root scaling rule for Adam's betas and eps (Malladi et al.
+    2022, Sec. 5): at 4x the batch ``1 - beta`` is 4x and eps halves, so each moment's
+    time constant in samples, ``batch / (1 - beta)``, is the same at every batch; a batch
+    whose betas would leave (0, 1) is refused, naming the largest that works."""
+    (b1, b2), eps = scale_adam((0.9, 0.95), 1e-8, 256, 64)
+    assert (b1, b2, eps) == pytest.approx((0.6, 0.8, 5e-9))
+    (c1, c2), ceps = scale_adam((0.9, 0.95), 1e-8, 16, 64)
+    assert (c1, c2, ceps) == pytest.approx((0.975, 0.9875, 2e-8))
+    for batch, (x1, x2) in ((256, (b1, b2)), (16, (c1, c2)), (64, (0.9, 0.95))):
+        assert batch / (1 - x1) == pytest.approx(64 / 0.1)
+        assert batch / (1 - x2) == pytest.approx(64 / 0.05)
+    assert scale_adam((0.9, 0.95), 1e-8, 64, 64) == ((0.9, 0.95), 1e-8)
+    with pytest.raises(ValueError, match="at most 640"):
+        scale_adam((0.9, 0.95), 1e-8, 1024, 64)  # 1 - 16 * 0.1 < 0
+    with pytest.raises(ValueError, match="betas must be in"):
+        scale_adam((0.9, 1.0), 1e-8, 128, 64)
 
 
 def test_state_dict_roundtrip():
@@ -399,7 +418,7 @@ def test_default_noise_scale_definition_is_the_measured_best():
 
     root = Path(__file__).resolve().parent.parent
     sys.path.insert(0, str(root / "tools"))
-    from render_cona import best_gns_definition
+    from render_cona_efficiency import best_gns_definition
 
     measured = json.loads((root / "docs" / "results" / "cona_efficiency.json").read_text())
     assert len(measured["models"]) >= 2

@@ -290,7 +290,7 @@ def test_cona_efficiency_table_and_the_best_definition_from_a_synthetic_result()
     from one family: rows in batch order (``"1024"`` after ``"128"``), a missed batch as an
     upper bound, each definition's error as given, and the lowest *mean* over the families
     (here ``newton``: 0.25 against ``simple``'s 0.30, though ``simple`` is lower on one)."""
-    from render_cona import best_gns_definition, cona_efficiency
+    from render_cona_efficiency import best_gns_definition, cona_efficiency
 
     def fam(errors):
         pred = {d: {"efficiency": 0.9} for d in ("simple", "newton", "pollux")}
@@ -314,6 +314,35 @@ def test_cona_efficiency_table_and_the_best_definition_from_a_synthetic_result()
     assert "`simple` 0.30, `newton` 0.25, `pollux` 0.50; lowest: `newton`" in out
     r["models"]["b"]["prediction_error"]["newton"] = None
     assert best_gns_definition(r) == "simple"  # newton not measured on every family
+
+
+def test_cona_adam_memory_table_from_a_synthetic_result():
+    """Catches an Adam-memory table that misstates its JSON: rows in batch order, each
+    variant's betas and eps as run, the anchor batch's efficiency over each (``None``
+    where the run missed the target: a dash, its samples marked missed), and the preset's
+    hyperparameters and the anchor named in the family's line."""
+    from render_cona_efficiency import cona_adam_memory
+
+    def run(samples, b1=0.9, b2=0.95, eps=1e-8, reached=True):
+        return {"samples": samples, "reached": reached, "adam_beta1": b1, "adam_beta2": b2,
+                "adam_eps": eps}
+
+    r = {"date": "2026-12-06T00:00:00Z", "commit": "abc", "machine": "m", "command": "c",
+         "models": {"gpt3_1.3b": {
+             "proxy": "tiny_gpt", "target_ppl": 190.4, "anchor_batch": 256,
+             "preset": {"adam_beta1": 0.9, "adam_beta2": 0.95, "adam_eps": 1e-8},
+             "runs": {"preset": {"64": run(5120), "256": run(4512)},
+                      "beta2": {"64": run(4160, b2=0.9875)},
+                      "sde": {"64": run(9000, 0.975, 0.9875, 2e-8, reached=False)}},
+             "efficiency": {"preset": {"64": 5120 / 4512}, "beta2": {"64": 4160 / 4512}}}}}
+    out = cona_adam_memory(r)
+    assert "beta1 0.9, beta2 0.95, eps 1e-08; the rule anchored at batch 256" in out
+    assert "| 64 | the preset's | 0.9, 0.95, 1e-08 | 5,120 | 1.13 |" in out
+    assert "| 64 | `beta2` by the rule | 0.9, 0.9875, 1e-08 | 4,160 | 0.92 |" in out
+    assert "| 64 | the whole rule (`sde`) | 0.975, 0.9875, 2e-08 | 9,000 (missed) | — |" in out
+    rows = [ln.split("|")[1].strip() for ln in out.splitlines() if ln.startswith("| ")
+            and ln.split("|")[1].strip().isdigit()]
+    assert rows == ["64", "64", "64", "256"]
 
 
 def test_cona_setup_line_from_a_synthetic_result():
