@@ -343,6 +343,17 @@ def test_cona_adam_memory_table_from_a_synthetic_result():
     rows = [ln.split("|")[1].strip() for ln in out.splitlines() if ln.startswith("| ")
             and ln.split("|")[1].strip().isdigit()]
     assert rows == ["64", "64", "64", "256"]
+    assert ("Batch 256's efficiency over batch 64, by Adam at 64: 1.13 (the preset's), — "
+            "(`beta1` by the rule), 0.92 (`beta2` by the rule), — (the whole rule (`sde`))."
+            in out)
+    fam = r["models"]["gpt3_1.3b"]  # two seeds: means, each seed's samples, the range
+    fam["seeds"] = 2
+    fam["runs"]["beta2"]["64"].update(samples=4200.0, samples_by_seed=[4160, 4240])
+    fam["efficiency"]["beta2"]["64"] = 4200 / 4512
+    fam["efficiency_by_seed"] = {"beta2": {"64": [0.90, 0.96]}}
+    out = cona_adam_memory(r)
+    assert "| 64 | `beta2` by the rule | 0.9, 0.9875, 1e-08 | 4,200 (4,160 / 4,240) | 0.93 (0.90-0.96) |" in out
+    assert "mean of 2 seeds (each) | batch 256's efficiency over it (seeds' range) |" in out
 
 
 def test_cona_setup_line_from_a_synthetic_result():

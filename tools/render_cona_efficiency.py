@@ -101,26 +101,42 @@ def cona_adam_memory(r: dict) -> str:
     the preset's Adam hyperparameters and, for the smaller batches, with Adam's memory in
     samples set to the anchor batch's by the square-root scaling rule (one moment or
     all), and the anchor batch's efficiency over each (its samples over theirs: above 1
-    the larger batch is the more sample-efficient)."""
+    the larger batch is the more sample-efficient); with several seeds the means, each
+    seed's samples and the range of the per-seed efficiencies."""
     lines = []
     for name, m in r["models"].items():
         anchor, p = m["anchor_batch"], m["preset"]
+        n = m.get("seeds", 1)
+        per_seed = f", mean of {n} seeds (each)" if n > 1 else ""
+        per_seed_range = " (seeds' range)" if n > 1 else ""
         lines += [f"**{name}** (`{m['proxy']}`, target val ppl {m['target_ppl']:.1f}; the "
                   f"preset's Adam: beta1 {p['adam_beta1']:g}, beta2 {p['adam_beta2']:g}, eps "
                   f"{p['adam_eps']:g}; the rule anchored at batch {anchor}).", "",
                   "| global batch | Adam's hyperparameters | beta1, beta2, eps | proxy samples "
-                  f"to target | batch {anchor}'s efficiency over it |",
+                  f"to target{per_seed} | batch {anchor}'s efficiency over it{per_seed_range} |",
                   "|---:|---|---|---:|---:|"]
         for b in sorted({int(b) for v in m["runs"].values() for b in v}):
             for variant, label in ADAM_VARIANTS.items():
                 run = m["runs"].get(variant, {}).get(str(b))
                 if run is None:
                     continue
-                eff = (m["efficiency"].get(variant) or {}).get(str(b))
-                samples = f"{run['samples']:,}" + ("" if run["reached"] else " (missed)")
+                eff = _fmt((m["efficiency"].get(variant) or {}).get(str(b)), ".2f", "")
+                seeds = run.get("samples_by_seed") or []
+                samples = f"{run['samples']:,.0f}" + (
+                    f" ({' / '.join(f'{x:,}' for x in seeds)})" if len(seeds) > 1 else "") + (
+                    "" if run["reached"] else " (missed)")
+                by_seed = (m.get("efficiency_by_seed", {}).get(variant) or {}).get(str(b)) or []
+                if len(by_seed) > 1:
+                    eff += f" ({min(by_seed):.2f}-{max(by_seed):.2f})"
                 lines.append(f"| {b} | {label} | {run['adam_beta1']:.4g}, {run['adam_beta2']:.4g}"
-                             f", {run['adam_eps']:.2g} | {samples} | "
-                             f"{_fmt(eff, '.2f', '')} |")
+                             f", {run['adam_eps']:.2g} | {samples} | {eff} |")
+        lines.append("")
+        for b in sorted({int(b) for v in m["efficiency"].values() for b in v}):
+            effs = [(label, (m["efficiency"].get(v) or {}).get(str(b)))
+                    for v, label in ADAM_VARIANTS.items()]
+            lines.append(f"Batch {anchor}'s efficiency over batch {b}, by Adam at {b}: "
+                         + ", ".join(f"{_fmt(e, '.2f', '')} ({label})" for label, e in effs)
+                         + ".")
         lines.append("")
     lines.append(_source(r, "cona_adam_memory"))
     return "\n".join(lines) + "\n"
