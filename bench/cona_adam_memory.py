@@ -34,8 +34,13 @@ Prints one JSON object ``{"date", "commit", "machine", "command", "batches", "se
 "adam_eps"}, "anchor_batch", "runs": {VARIANT: {BATCH: {"samples" (mean over seeds),
 "samples_by_seed", "reached" (on every seed), "adam_beta1", "adam_beta2", "adam_eps"}}},
 "efficiency": {VARIANT: {BATCH: ratio of the means}}, "efficiency_by_seed": {VARIANT:
-{BATCH: [ratio per seed]}}, "wall_s"}}}`` (batches in target sequences; samples in proxy
-sequences, at evaluation granularity refined near the target by ``cona.ttp_resolution``).
+{BATCH: [ratio per seed]}}, "wall_s"}}, "wall_s"}`` (batches in target sequences; samples
+in proxy sequences, at evaluation granularity refined near the target by
+``cona.ttp_resolution``; a batch that missed the target on a seed has no efficiency).
+
+Each run starts from the warm state's Adam moments, built under the preset's betas; they
+are rescaled so that Adam's bias-corrected moments are the same under the run's betas
+(:func:`cona.state.rebias_adam_moments`).
 """
 
 from __future__ import annotations
@@ -99,6 +104,9 @@ def memory_family(target: str, spec: dict, batches: tuple[int, ...], variants: t
     settings = dict(ttp.FULL, batches=list(batches), gpu="A100-80GB", num_gpus=64,
                     time_scale="measured")  # samples to the target do not depend on it
     cfg, ctx0, _, _, _ = ttp.family_setup(target, spec, settings, cache_dir)
+    if cfg.cona.lr_scaling != "sqrt":  # the rule's learning rate goes with sqrt(kappa)
+        raise SystemExit(f"{target}: cona.lr_scaling={cfg.cona.lr_scaling}; the square-root "
+                         "scaling rule needs sqrt")
     preset = (cfg.train.adam_beta1, cfg.train.adam_beta2, cfg.train.adam_eps)
     anchor = max(batches)
     by_seed: dict[str, dict[int, list[dict]]] = {}

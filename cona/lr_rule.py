@@ -12,9 +12,9 @@ lower LR applies at once.
 
 Adam's other hyperparameters at another batch (:func:`scale_adam`): Malladi et al.
 2022's square-root scaling rule scales them too, so that Adam's moments keep their
-memory in *samples*; with fixed ``beta1``, ``beta2`` a larger batch averages its second
-moment over proportionally more samples (measured on the CONA bench's proxies:
-``bench/cona_adam_memory.py``).
+memory in *samples*; with fixed ``beta1``, ``beta2`` a larger batch averages its moments
+over proportionally more samples (what that does to the samples a batch needs is
+measured by ``bench/cona_adam_memory.py``).
 """
 
 from __future__ import annotations
@@ -47,14 +47,17 @@ def scale_adam(betas: tuple[float, float], eps: float, batch: float,
     :func:`scale_lr`'s ``sqrt``).  Each moment's EMA then forgets over the same number
     of *samples*, ``anchor_batch / (1 - beta_i)``, at every batch.
 
+    The batches may be in any unit (only their ratio counts).  AdamW's decoupled weight
+    decay is left as it is (the rule is derived for Adam without it).
+
     Source: Malladi, Lyu, Panigrahi, Arora 2022, "On the SDEs and Scaling Rules for
-    Adaptive Gradient Algorithms" (NeurIPS), Sec. 5, the square-root scaling rule for
-    Adam (the SDE that both batches approximate is the same).
+    Adaptive Gradient Algorithms" (NeurIPS), the square-root scaling rule for Adam (the
+    SDE that both batches approximate is the same).
 
     Raises:
         ValueError: non-positive batches, a beta outside ``[0, 1)``, or a ``kappa`` so
-            large that ``kappa (1 - beta_i) >= 1`` (no EMA forgets that fast: the rule
-            holds only where the scaled betas stay in ``(0, 1)``).
+            large that ``kappa (1 - beta_i) > 1`` (a negative beta: the rule holds only
+            where the scaled betas stay in ``[0, 1)``).
     """
     if batch <= 0 or anchor_batch <= 0:
         raise ValueError(f"batch sizes must be positive, got {batch}, {anchor_batch}")
@@ -62,11 +65,12 @@ def scale_adam(betas: tuple[float, float], eps: float, batch: float,
         raise ValueError(f"Adam's betas must be in [0, 1), got {betas}")
     kappa = batch / anchor_batch
     scaled = tuple(1.0 - kappa * (1.0 - b) for b in betas)
-    if any(b <= 0.0 for b in scaled):
+    if any(kappa * (1.0 - b) > 1.0 for b in betas):
         raise ValueError(
             f"the square-root scaling rule gives betas {scaled} at batch {batch} from "
             f"{betas} at {anchor_batch}: a batch at most {anchor_batch / (1 - min(betas)):g} "
-            "keeps them in (0, 1); anchor the rule at a larger batch")
+            "keeps them in [0, 1); anchor the rule at a larger batch")
+    scaled = tuple(max(b, 0.0) for b in scaled)  # 1 - kappa (1 - b) rounds below 0 at kappa = 1/(1-b)
     return (scaled[0], scaled[1]), eps / math.sqrt(kappa)
 
 

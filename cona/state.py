@@ -171,6 +171,45 @@ def optimizer_state_by_name(trainer: Trainer) -> dict[str, ParamState]:
     return out
 
 
+def adam_hyperparameters(trainer: Trainer) -> tuple[float, float, float]:
+    """``(beta1, beta2, eps)`` of ``trainer``'s Adam (the same in every param group).
+
+    Raises:
+        ValueError: the param groups disagree (a per-group betas rule is not modelled).
+    """
+    found = {(float(g["betas"][0]), float(g["betas"][1]), float(g["eps"]))
+             for opt in _torch_optimizers(trainer.optimizer) for g in opt.param_groups}
+    if len(found) != 1:
+        raise ValueError(f"Adam's betas and eps differ between param groups: {sorted(found)}")
+    return found.pop()
+
+
+@torch.no_grad()
+def rebias_adam_moments(trainer: Trainer, built_with: tuple[float, float, float]) -> None:
+    """Rescale every parameter's Adam moments, accumulated under ``built_with``'s betas,
+    so that their bias-corrected values are unchanged under ``trainer``'s betas.
+
+    Adam divides its moments by ``1 - beta^t`` (``t``: the parameter's step count;
+    Kingma & Ba 2015, Alg. 1).  Moments restored into an optimizer with other betas
+    would be divided by the other betas' correction: after a 20-step warm state, a
+    ``beta1`` of 0.975 instead of 0.9 makes the first step 2.1x too large.  So
+    ``exp_avg *= (1 - b1_new^t) / (1 - b1_old^t)`` and ``exp_avg_sq`` likewise with
+    ``beta2``.  ``eps`` needs nothing.  A no-op where the betas agree.
+    """
+    b1, b2, _ = adam_hyperparameters(trainer)
+    o1, o2 = built_with[0], built_with[1]
+    if (b1, b2) == (o1, o2):
+        return
+    for s in optimizer_state_by_name(trainer).values():
+        t = float(s.state.get("step", 0))
+        if t <= 0:
+            continue
+        if "exp_avg" in s.state:
+            s.state["exp_avg"].mul_((1 - b1**t) / (1 - o1**t))
+        if "exp_avg_sq" in s.state:
+            s.state["exp_avg_sq"].mul_((1 - b2**t) / (1 - o2**t))
+
+
 # ---------------------------------------------------------------------------
 # Single-process snapshots (oracle chain branches)
 # ---------------------------------------------------------------------------
@@ -196,18 +235,25 @@ def snapshot(trainer: Trainer) -> dict:
         "step": trainer.step,
         "consumed_tokens": trainer.consumed_tokens,
         "rng": default_generators(),
+        "adam": adam_hyperparameters(trainer),
     }
 
 
 @torch.no_grad()
 def restore(trainer: Trainer, snap: dict) -> None:
-    """Load a :func:`snapshot` back in place (parameter objects are kept)."""
+    """Load a :func:`snapshot` back in place (parameter objects are kept).
+
+    Where the trainer's Adam betas differ from the snapshot's (``snap["adam"]``), the
+    moments are rescaled so that their bias-corrected values are the snapshot's
+    (:func:`rebias_adam_moments`)."""
     states = optimizer_state_by_name(trainer)
     for n, s in states.items():
         s.param.copy_(snap["params"][n])
         if n in snap["main"]:
             s.main.copy_(snap["main"][n])
         s.holder.state[s.main] = {k: _clone(v) for k, v in snap["opt"][n].items()}
+    if snap.get("adam") is not None:  # moments built under other betas: keep their estimates
+        rebias_adam_moments(trainer, snap["adam"])
     num, max_lr, min_lr = snap["sched"]
     trainer.scheduler.num_steps = num
     set_peak_lr(trainer, trainer.scheduler, max_lr, min_lr)

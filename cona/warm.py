@@ -111,6 +111,10 @@ def load_or_train_warm(ctx, steps: int, measure=None) -> tuple[dict, bool]:
     if path.is_file():
         log.info("warm checkpoint %s (cached)", path.name)
         warm, cached = torch.load(path, weights_only=False), True
+        # a state cached before snapshots held Adam's betas: they are the config's
+        # (warm_key covers train.adam_*), under which its moments were built
+        t = ctx.cfg.train
+        warm["trainer"].setdefault("adam", (t.adam_beta1, t.adam_beta2, t.adam_eps))
     else:
         warm, cached = train_warm(ctx, steps), False
         save_atomic(warm, path)

@@ -249,6 +249,26 @@ def _warm_start(cache_dir, warm_dir):
     a.measure_noise_scale(microbatches=4)
     mb = a.trainer.cfg.parallel.micro_batch_size
     out["probe_charge"] = (a.clock_s - before, ctx.cluster.target_step_s(s128) * 4 * mb / 16)
+    # a job under other betas: the warm moments keep their bias-corrected values
+    t = ctx.cfg.train
+    t.adam_beta1, t.adam_beta2 = 0.975, 0.9875
+    c = ctx.make_job(s128)
+    t.adam_beta1, t.adam_beta2 = warm["trainer"]["adam"][:2]
+    unbiased = {}
+    for name, st in cstate.optimizer_state_by_name(c.trainer).items():
+        old, k = warm["trainer"]["opt"][name], float(st.state["step"])
+        unbiased[name] = (
+            float((st.state["exp_avg"] / (1 - 0.975**k)).norm()),
+            float((old["exp_avg"] / (1 - 0.9**k)).norm()),
+            float((st.state["exp_avg_sq"] / (1 - 0.9875**k)).sum()),
+            float((old["exp_avg_sq"] / (1 - 0.95**k)).sum()))
+    d = ctx.make_job(s128)  # the warm state's own betas again
+    out["rebias"] = {"adam": (warm["trainer"]["adam"], cstate.adam_hyperparameters(c.trainer)),
+                     "unbiased": unbiased,
+                     "same_betas_bitwise": all(
+                         torch.equal(st.state[k], warm["trainer"]["opt"][n][k])
+                         for n, st in cstate.optimizer_state_by_name(d.trainer).items()
+                         for k in ("exp_avg", "exp_avg_sq"))}
     return out
 
 
@@ -257,7 +277,8 @@ def test_every_method_starts_from_the_warm_state(cache_dir, tmp_path):
     warm run's LR instead of its own batch's, or at another schedule position; a warm
     state trained again though cached; a measurement at the warm state read from the
     cache (made on another validation set) instead of taken again; and a direct
-    noise-scale probe not charged to the clock.  tiny_gpt, 3 warm steps at the preset batch 8 (24 samples); a job at batch 128
+    noise-scale probe not charged to the clock; and Adam's moments restored under other
+    betas without their bias correction carried over.  tiny_gpt, 3 warm steps at the preset batch 8 (24 samples); a job at batch 128
     (proxy 16) must hold the warm weights, continue at sample 24 with sqrt(2) x the LR as
     its peak (a Loop ramps to it from the warm run's LR, which the job records), and two
     such jobs take the same first step; a probe of 4 micro-batches costs the target
@@ -276,6 +297,16 @@ def test_every_method_starts_from_the_warm_state(cache_dir, tmp_path):
     assert out["sched"][0] == out["sched"][1] == 24 and out["clock"] == 0.0
     assert out["losses"][0] == out["losses"][1]
     assert out["probe_charge"][0] == pytest.approx(out["probe_charge"][1]) and out["probe_charge"][0] > 0
+    # a job under other betas (0.975, 0.9875) from the warm state's (0.9, 0.95): its moments
+    # are rescaled so that Adam's bias-corrected estimates are the warm state's (without
+    # it, after 3 steps the first moment would read 0.9/0.975 x 2.4 = 2.2x its value)
+    rb = out["rebias"]
+    assert rb["adam"][0][:2] == pytest.approx((0.9, 0.95))
+    assert rb["adam"][1][:2] == pytest.approx((0.975, 0.9875))
+    for name, (m_new, m_old, v_new, v_old) in rb["unbiased"].items():
+        assert m_new == pytest.approx(m_old, rel=1e-5), name
+        assert v_new == pytest.approx(v_old, rel=1e-5), name
+    assert rb["same_betas_bitwise"]  # the same betas: restored bit for bit
 
 
 def test_seeds_aggregate_to_a_mean_with_misses_as_null_and_layout_switches_counted():

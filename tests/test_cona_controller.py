@@ -180,15 +180,17 @@ def test_adam_square_root_scaling_rule():
     """Catches a wrong square-root scaling rule for Adam's betas and eps (Malladi et al.
     2022, Sec. 5): at 4x the batch ``1 - beta`` is 4x and eps halves, so each moment's
     time constant in samples, ``batch / (1 - beta)``, is the same at every batch; a batch
-    whose betas would leave (0, 1) is refused, naming the largest that works."""
+    whose betas would leave [0, 1) is refused, naming the largest that works."""
     (b1, b2), eps = scale_adam((0.9, 0.95), 1e-8, 256, 64)
     assert (b1, b2, eps) == pytest.approx((0.6, 0.8, 5e-9))
     (c1, c2), ceps = scale_adam((0.9, 0.95), 1e-8, 16, 64)
     assert (c1, c2, ceps) == pytest.approx((0.975, 0.9875, 2e-8))
-    for batch, (x1, x2) in ((256, (b1, b2)), (16, (c1, c2)), (64, (0.9, 0.95))):
+    for batch, (x1, x2) in ((256, (b1, b2)), (16, (c1, c2))):
         assert batch / (1 - x1) == pytest.approx(64 / 0.1)
         assert batch / (1 - x2) == pytest.approx(64 / 0.05)
     assert scale_adam((0.9, 0.95), 1e-8, 64, 64) == ((0.9, 0.95), 1e-8)
+    assert scale_adam((0.0, 0.95), 1e-8, 64, 64)[0] == (0.0, 0.95)  # beta 0 is an EMA too
+    assert scale_adam((0.9, 0.95), 1e-8, 640, 64)[0][0] == pytest.approx(0.0, abs=1e-12)  # the edge
     with pytest.raises(ValueError, match="at most 640"):
         scale_adam((0.9, 0.95), 1e-8, 1024, 64)  # 1 - 16 * 0.1 < 0
     with pytest.raises(ValueError, match="betas must be in"):
