@@ -6,14 +6,17 @@ new optimizer, and must release the old ones (``cona/switch.py`` destroys the ol
 groups).  One launch of 4 gloo ranks cycles tiny_gpt through four layouts
 (DP2-TP2, DP2-PP2, DP4, TP2-PP2) four times, two training steps after each switch, and
 reads on every rank after each switch the open file descriptors (gloo's sockets), the
-threads and the resident memory.  Measured when written (80 switches): each layout's
-threads repeat exactly from the first cycle on, its descriptors within 2 (sockets
-closing late), and the resident set, after rising ~100 MiB over the first cycle (the
-allocator warming up), stays within ~70 MiB (its noise); megatron builds over ten process groups per layout, so a leak of one
-group's sockets per switch, or of a model copy (~16 MiB here), shows.
+threads and the resident memory.  Measured when written, in a longer run of the same
+loop (80 switches): each layout's threads repeat exactly from the first cycle on, its
+descriptors within 2 (sockets closing late), and the resident set, after rising ~100 MiB
+over the first cycle (the allocator warming up), stays within ~70 MiB (its noise).
+Megatron builds over ten process groups per layout, so a leak of one group's sockets per
+switch, or of a model copy (~16 MiB here), shows.
 """
 
 from __future__ import annotations
+
+import math
 
 import pytest
 
@@ -95,10 +98,12 @@ def results(cache_dir):
 def test_repeated_layout_switches_hold_sockets_threads_and_memory_flat(results):
     """Catches a layout switch that leaks process groups (sockets, gloo threads) or a
     model/optimizer copy: on every rank, each layout's thread count in cycles 2 to 4
-    equals cycle 1's and its descriptors stay within 4 of it (a leak of one socket a
-    switch exceeds that within a cycle), and the mean resident memory of cycle 4 is
-    within 80 MiB of cycle 2's (after the allocator's first-cycle warm-up; a model copy
-    leaked a switch, ~16 MiB, adds 130 MiB over the 8 switches between)."""
+    equals cycle 1's and its descriptors stay within 3 of it (a leak of one socket a
+    switch exceeds that by the next cycle; measured drift at most 2), and the mean
+    resident memory of cycle 4 is within 80 MiB of cycle 2's (after the allocator's
+    first-cycle warm-up; a full model and optimizer copy leaked a switch, ~16 MiB of
+    weights alone, adds 130 MiB over the 8 switches between: a coarse check, the
+    descriptor and thread checks are the sharp ones)."""
     n = len(results[0]["rows"]) // CYCLES
     for rank, r in enumerate(results):
         rows = r["rows"]
@@ -106,9 +111,9 @@ def test_repeated_layout_switches_hold_sockets_threads_and_memory_flat(results):
         for i, (label, fds, threads, _rss) in enumerate(later):
             ref = first[i % n]
             assert label == ref[0]
-            assert threads == ref[2] and fds <= ref[1] + 4, (
+            assert threads == ref[2] and fds <= ref[1] + 3, (
                 f"rank {rank}, switch {n + i + 1} to {label}: {fds} descriptors and {threads} "
                 f"threads, {ref[1]} and {ref[2]} at the same layout a cycle before")
         second, last = [x[3] for x in rows[n:2 * n]], [x[3] for x in rows[-n:]]
         assert sum(last) / n - sum(second) / n < 80, (rank, second, last)
-        assert all(x == x for x in r["losses"])  # finite: the switched model still trains
+        assert all(math.isfinite(x) for x in r["losses"])  # the switched model still trains

@@ -336,16 +336,16 @@ def test_cona_adam_memory_table_from_a_synthetic_result():
                       "sde": {"64": run(9000, 0.975, 0.9875, 2e-8, reached=False)}},
              "efficiency": {"preset": {"64": 5120 / 4512}, "beta2": {"64": 4160 / 4512}}}}}
     out = cona_adam_memory(r)
-    assert "beta1 0.9, beta2 0.95, eps 1e-08; the rule anchored at batch 256" in out
+    assert "beta1 0.9, beta2 0.95, eps 1e-08; the rule anchored at batch 256; batches" in out
     assert "| 64 | the preset's | 0.9, 0.95, 1e-08 | 5,120 | 1.13 |" in out
     assert "| 64 | `beta2` by the rule | 0.9, 0.9875, 1e-08 | 4,160 | 0.92 |" in out
     assert "| 64 | the whole rule (`sde`) | 0.975, 0.9875, 2e-08 | 9,000 (missed) | — |" in out
     rows = [ln.split("|")[1].strip() for ln in out.splitlines() if ln.startswith("| ")
             and ln.split("|")[1].strip().isdigit()]
     assert rows == ["64", "64", "64", "256"]
-    assert ("Batch 256's efficiency over batch 64, by Adam at 64: 1.13 (the preset's), — "
-            "(`beta1` by the rule), 0.92 (`beta2` by the rule), — (the whole rule (`sde`))."
-            in out)
+    assert ("- Batch 256's efficiency over batch 64, by Adam at 64: 1.13 (the preset's), "
+            "0.92 (`beta2` by the rule), — (the whole rule (`sde`))." in out)  # beta1: not run
+    assert "| 256 | the preset's | 0.9, 0.95, 1e-08 | 4,512 | (the anchor) |" in out
     fam = r["models"]["gpt3_1.3b"]  # two seeds: means, each seed's samples, the range
     fam["seeds"] = 2
     fam["runs"]["beta2"]["64"].update(samples=4200.0, samples_by_seed=[4160, 4240])

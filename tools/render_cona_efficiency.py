@@ -100,9 +100,10 @@ def cona_adam_memory(r: dict) -> str:
     """bench/cona_adam_memory.py: per family, each batch's proxy samples to the target at
     the preset's Adam hyperparameters and, for the smaller batches, with Adam's memory in
     samples set to the anchor batch's by the square-root scaling rule (one moment or
-    all), and the anchor batch's efficiency over each (its samples over theirs: above 1
+    all), and the anchor batch's efficiency over each (their samples over its: above 1
     the larger batch is the more sample-efficient); with several seeds the means, each
-    seed's samples and the range of the per-seed efficiencies."""
+    seed's samples and the range of the per-seed efficiencies.  A variant not run is
+    left out; one that missed the target shows a dash."""
     lines = []
     for name, m in r["models"].items():
         anchor, p = m["anchor_batch"], m["preset"]
@@ -111,7 +112,8 @@ def cona_adam_memory(r: dict) -> str:
         per_seed_range = " (seeds' range)" if n > 1 else ""
         lines += [f"**{name}** (`{m['proxy']}`, target val ppl {m['target_ppl']:.1f}; the "
                   f"preset's Adam: beta1 {p['adam_beta1']:g}, beta2 {p['adam_beta2']:g}, eps "
-                  f"{p['adam_eps']:g}; the rule anchored at batch {anchor}).", "",
+                  f"{p['adam_eps']:g}; the rule anchored at batch {anchor}; batches in target "
+                  "sequences, samples in proxy sequences).", "",
                   "| global batch | Adam's hyperparameters | beta1, beta2, eps | proxy samples "
                   f"to target{per_seed} | batch {anchor}'s efficiency over it{per_seed_range} |",
                   "|---:|---|---|---:|---:|"]
@@ -120,7 +122,8 @@ def cona_adam_memory(r: dict) -> str:
                 run = m["runs"].get(variant, {}).get(str(b))
                 if run is None:
                     continue
-                eff = _fmt((m["efficiency"].get(variant) or {}).get(str(b)), ".2f", "")
+                eff = "(the anchor)" if b == anchor else _fmt(
+                    (m["efficiency"].get(variant) or {}).get(str(b)), ".2f", "")
                 seeds = run.get("samples_by_seed") or []
                 samples = f"{run['samples']:,.0f}" + (
                     f" ({' / '.join(f'{x:,}' for x in seeds)})" if len(seeds) > 1 else "") + (
@@ -133,8 +136,8 @@ def cona_adam_memory(r: dict) -> str:
         lines.append("")
         for b in sorted({int(b) for v in m["efficiency"].values() for b in v}):
             effs = [(label, (m["efficiency"].get(v) or {}).get(str(b)))
-                    for v, label in ADAM_VARIANTS.items()]
-            lines.append(f"Batch {anchor}'s efficiency over batch {b}, by Adam at {b}: "
+                    for v, label in ADAM_VARIANTS.items() if str(b) in m["runs"].get(v, {})]
+            lines.append(f"- Batch {anchor}'s efficiency over batch {b}, by Adam at {b}: "
                          + ", ".join(f"{_fmt(e, '.2f', '')} ({label})" for label, e in effs)
                          + ".")
         lines.append("")
