@@ -687,3 +687,48 @@ def test_adam_memory_variants_scale_only_their_moment():
     assert adam_variant(preset, "sde", 64, 256) == pytest.approx((0.975, 0.9875, 2e-8))
     for variant in ("beta1", "beta2", "sde"):
         assert adam_variant(preset, variant, 256, 256) == pytest.approx(preset)
+
+
+def test_adam_memory_family_runs_each_variant_with_its_betas(monkeypatch):
+    """Catches bench/cona_adam_memory.py running a variant at the wrong betas, running the
+    anchor batch under a rule, leaving a variant's betas set for the next run or seed, or
+    a per-seed efficiency paired with another seed's anchor: with a fake set-up and static
+    run whose samples encode the seed, batch and beta2, every run's betas and every ratio
+    are checked against hand-computed values."""
+    import types
+
+    import bench.cona_adam_memory as bench
+    import cona.baselines
+
+    train = types.SimpleNamespace(adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8, seed=0)
+    cfg = types.SimpleNamespace(train=train, cona=types.SimpleNamespace(lr_scaling="sqrt"))
+    cfg.train.target_ppl = 100.0
+    seen = []
+
+    def fake_context(cfg_, ctx0, k, probes):
+        return types.SimpleNamespace(cfg=cfg, candidates=None, seed=k,
+                                     cluster=types.SimpleNamespace(iter_s=None))
+
+    def fake_run(ctx, strategy):
+        t = ctx.cfg.train
+        seen.append((ctx.seed, strategy, t.adam_beta1, t.adam_beta2, t.adam_eps))
+        samples = 1000 * (ctx.seed + 1) + strategy + (500 if t.adam_beta2 > 0.95 else 0)
+        return {"samples": samples, "reached": True}, []
+
+    monkeypatch.setattr(bench.ttp, "worker_setup", lambda proxy: None)
+    monkeypatch.setattr(bench.ttp, "family_setup", lambda *a: (cfg, None, None, None, None))
+    monkeypatch.setattr(bench, "_seed_context", fake_context)
+    monkeypatch.setattr(bench, "static_run", fake_run)
+    monkeypatch.setattr(cona.baselines, "fastest_per_batch", lambda c, f: {64: 64, 256: 256})
+    out = bench.memory_family("gpt3_1.3b", {"proxy": "tiny_gpt"}, (64, 256), ("beta2",), 2,
+                              None)
+    assert [(k, b) for k, b, *_ in seen] == [(0, 64), (0, 256), (0, 64), (1, 64), (1, 256),
+                                             (1, 64)]
+    assert seen[0][2:] == seen[1][2:] == (0.9, 0.95, 1e-8)  # preset, anchor included
+    assert seen[2][2:] == pytest.approx((0.9, 0.9875, 1e-8))  # beta2 by the rule at 64
+    assert seen[3][2:] == (0.9, 0.95, 1e-8)  # the next seed starts at the preset again
+    assert (train.adam_beta1, train.adam_beta2) == (0.9, 0.95)
+    assert out["runs"]["beta2"][64]["samples_by_seed"] == [1564, 2564]
+    assert out["efficiency_by_seed"]["beta2"][64] == pytest.approx([1564 / 1256, 2564 / 2256])
+    assert out["efficiency"]["preset"][64] == pytest.approx(((1064 + 2064) / 2) / ((1256 + 2256) / 2))
+    assert 256 not in out["runs"]["beta2"]
