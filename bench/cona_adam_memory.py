@@ -6,7 +6,7 @@ noise-scale model allows: for a fixed optimizer, a sample at a larger batch is w
 most one at a smaller (McCandlish et al. 2018, eq. 2.11).  But the optimizer is not
 fixed in *samples*: at fixed ``beta1``, ``beta2`` Adam's moments average over
 ``1 / (1 - beta)`` *steps*, i.e. over ``B / (1 - beta)`` samples, so a 4x larger batch
-averages its second moment over 4x more samples.  Malladi et al. 2022 (Sec. 5, the
+averages its second moment over 4x more samples.  Malladi et al. 2022 (the
 square-root scaling rule, :func:`cona.lr_rule.scale_adam`) scale ``1 - beta`` with the
 batch so that this memory stays the same.
 

@@ -45,10 +45,10 @@ def scale_adam(betas: tuple[float, float], eps: float, batch: float,
     With ``kappa = batch / anchor_batch``: ``1 - beta_i -> kappa (1 - beta_i)`` and
     ``eps -> eps / sqrt(kappa)`` (the learning rate goes with ``sqrt(kappa)``,
     :func:`scale_lr`'s ``sqrt``).  Each moment's EMA then forgets over the same number
-    of *samples*, ``anchor_batch / (1 - beta_i)``, at every batch.
+    of *samples*, ``anchor_batch / (1 - beta_i)`` (in the batches' unit), at every batch.
 
     The batches may be in any unit (only their ratio counts).  AdamW's decoupled weight
-    decay is left as it is (the rule is derived for Adam without it).
+    decay is left as it is (the rule is stated for Adam).
 
     Source: Malladi, Lyu, Panigrahi, Arora 2022, "On the SDEs and Scaling Rules for
     Adaptive Gradient Algorithms" (NeurIPS), the square-root scaling rule for Adam (the
@@ -70,7 +70,8 @@ def scale_adam(betas: tuple[float, float], eps: float, batch: float,
             f"the square-root scaling rule gives betas {scaled} at batch {batch} from "
             f"{betas} at {anchor_batch}: a batch at most {anchor_batch / (1 - min(betas)):g} "
             "keeps them in [0, 1); anchor the rule at a larger batch")
-    scaled = tuple(max(b, 0.0) for b in scaled)  # 1 - kappa (1 - b) rounds below 0 at kappa = 1/(1-b)
+    # at kappa = 1/(1 - b) exactly, 1 - kappa (1 - b) may round below 0
+    scaled = tuple(max(b, 0.0) for b in scaled)
     return (scaled[0], scaled[1]), eps / math.sqrt(kappa)
 
 

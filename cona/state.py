@@ -175,12 +175,15 @@ def adam_hyperparameters(trainer: Trainer) -> tuple[float, float, float]:
     """``(beta1, beta2, eps)`` of ``trainer``'s Adam (the same in every param group).
 
     Raises:
-        ValueError: the param groups disagree (a per-group betas rule is not modelled).
+        ValueError: the param groups disagree (a per-group betas rule is not modelled),
+            or there are none.
+        KeyError: an optimizer without ``betas`` (not Adam).
     """
     found = {(float(g["betas"][0]), float(g["betas"][1]), float(g["eps"]))
              for opt in _torch_optimizers(trainer.optimizer) for g in opt.param_groups}
     if len(found) != 1:
-        raise ValueError(f"Adam's betas and eps differ between param groups: {sorted(found)}")
+        raise ValueError(f"Adam's betas and eps differ between param groups: {sorted(found)}"
+                         if found else "the optimizer has no param groups")
     return found.pop()
 
 
@@ -195,6 +198,9 @@ def rebias_adam_moments(trainer: Trainer, built_with: tuple[float, float, float]
     ``beta1`` of 0.975 instead of 0.9 makes the first step 2.1x too large.  So
     ``exp_avg *= (1 - b1_new^t) / (1 - b1_old^t)`` and ``exp_avg_sq`` likewise with
     ``beta2``.  ``eps`` needs nothing.  A no-op where the betas agree.
+
+    Raises:
+        ValueError, KeyError: as :func:`adam_hyperparameters`.
     """
     b1, b2, _ = adam_hyperparameters(trainer)
     o1, o2 = built_with[0], built_with[1]
@@ -225,6 +231,10 @@ def snapshot(trainer: Trainer) -> dict:
 
     Restoring it into the *same* trainer (same layout) with :func:`restore`
     continues bit-for-bit as if nothing happened in between.
+
+    Raises:
+        ValueError, KeyError: as :func:`adam_hyperparameters` (an optimizer whose param
+            groups disagree on Adam's betas, or not Adam).
     """
     states = optimizer_state_by_name(trainer)
     return {
@@ -245,7 +255,12 @@ def restore(trainer: Trainer, snap: dict) -> None:
 
     Where the trainer's Adam betas differ from the snapshot's (``snap["adam"]``), the
     moments are rescaled so that their bias-corrected values are the snapshot's
-    (:func:`rebias_adam_moments`)."""
+    (:func:`rebias_adam_moments`).
+
+    Raises:
+        ValueError, KeyError: as :func:`adam_hyperparameters`, where the snapshot holds
+            Adam's betas.
+    """
     states = optimizer_state_by_name(trainer)
     for n, s in states.items():
         s.param.copy_(snap["params"][n])

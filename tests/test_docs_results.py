@@ -353,7 +353,8 @@ def test_cona_adam_memory_table_from_a_synthetic_result():
     fam["efficiency_by_seed"] = {"beta2": {"64": [0.90, 0.96]}}
     out = cona_adam_memory(r)
     assert "| 64 | `beta2` by the rule | 0.9, 0.9875, 1e-08 | 4,200 (4,160 / 4,240) | 0.93 (0.90-0.96) |" in out
-    assert "mean of 2 seeds (each) | batch 256's efficiency over it (seeds' range) |" in out
+    assert ("mean of 2 seeds (each) | batch 256's efficiency over it (ratio of the means; "
+            "seeds' range) |" in out)
 
 
 def test_cona_setup_line_from_a_synthetic_result():

@@ -109,7 +109,7 @@ def cona_adam_memory(r: dict) -> str:
         anchor, p = m["anchor_batch"], m["preset"]
         n = m.get("seeds", 1)
         per_seed = f", mean of {n} seeds (each)" if n > 1 else ""
-        per_seed_range = " (seeds' range)" if n > 1 else ""
+        per_seed_range = " (ratio of the means; seeds' range)" if n > 1 else ""
         lines += [f"**{name}** (`{m['proxy']}`, target val ppl {m['target_ppl']:.1f}; the "
                   f"preset's Adam: beta1 {p['adam_beta1']:g}, beta2 {p['adam_beta2']:g}, eps "
                   f"{p['adam_eps']:g}; the rule anchored at batch {anchor}; batches in target "
