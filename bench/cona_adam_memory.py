@@ -130,15 +130,14 @@ def memory_family(target: str, spec: dict, batches: tuple[int, ...], variants: t
                     "samples_by_seed": [r["samples"] for r in recs],
                     "reached": all(r["reached"] for r in recs)}
                 for b, recs in bb.items()} for v, bb in by_seed.items()}
-    largest = by_seed["preset"][anchor]
+    largest, anchor_run = by_seed["preset"][anchor], runs["preset"][anchor]
     efficiency, efficiency_by_seed = {}, {}
     for variant, bb in by_seed.items():
         for b, recs in bb.items():
-            if b == anchor or not runs[variant][b]["reached"] or not runs["preset"][anchor][
-                    "reached"]:
+            if b == anchor or not (runs[variant][b]["reached"] and anchor_run["reached"]):
                 continue
             efficiency.setdefault(variant, {})[b] = (runs[variant][b]["samples"]
-                                                     / runs["preset"][anchor]["samples"])
+                                                     / anchor_run["samples"])
             efficiency_by_seed.setdefault(variant, {})[b] = [
                 r["samples"] / a["samples"] for r, a in zip(recs, largest)]
     return {"proxy": spec["proxy"], "target_ppl": cfg.train.target_ppl, "seeds": seeds,
