@@ -104,6 +104,7 @@ def memory_family(target: str, spec: dict, batches: tuple[int, ...], variants: t
     settings = dict(ttp.FULL, batches=list(batches), gpu="A100-80GB", num_gpus=64,
                     time_scale="measured")  # samples to the target do not depend on it
     cfg, ctx0, _, _, _ = ttp.family_setup(target, spec, settings, cache_dir)
+    cfg.cona.adam_beta2_batch = None  # each run at the betas set below, as they are
     if cfg.cona.lr_scaling != "sqrt":  # the rule's learning rate goes with sqrt(kappa)
         raise SystemExit(f"{target}: cona.lr_scaling={cfg.cona.lr_scaling}; the square-root "
                          "scaling rule needs sqrt")

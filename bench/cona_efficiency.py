@@ -217,6 +217,9 @@ def efficiency_family(target: str, spec: dict, batches: list[int], every: int,
     settings = dict(ttp.FULL, batches=batches, gpu="A100-80GB", num_gpus=64,
                     time_scale="measured")
     cfg, ctx0, ref, setup, _ = ttp.family_setup(target, spec, settings, cache_dir)
+    # the preset's beta2 at every batch, as docs/results/cona_efficiency.json was measured
+    # (the TTP bench's rule 5a makes it follow the batch)
+    cfg.cona.adam_beta2_batch = None
     ctx = build_context(cfg, data=ctx0.data)
     ctx.warm = ctx0.warm
     per = fastest_per_batch(ctx.candidates, ctx.cluster.iter_s)

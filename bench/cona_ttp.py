@@ -44,6 +44,14 @@ Rules fixed before any method runs (per family; none looks at a method's result)
    every method alike, as a job validating every ``eval_interval`` reference batches
    pays (``cona/emulated.py``); a direct noise-scale probe to the method that runs it
    (``cona/job.py``).
+5a. **Adam across batches.** Every method runs Adam's ``beta2`` at its batch by the
+   square-root scaling rule from the recipe's (the preset's ``beta2``, 0.95 as GPT-3's
+   and TinyLlama's published AdamW, at the family's published batch:
+   ``cona.adam_beta2_batch``), so the second moment averages over the recipe's number of
+   samples at every batch; at one ``beta2`` a larger batch averages over more samples and
+   was measured to need fewer of them than a smaller one, which no noise-scale
+   efficiency allows (``bench/cona_adam_memory.py``).  The reference (rule 4) is the
+   preset's run as it is: it sets the target and the time scale, no method's result.
 6. **Oracle grid.** Window ends at 1/D, ..., (D-1)/D of the reference's segment.
    The full run searches it with dominance pruning and a beam of 2
    (``cona/oracle_pruned.py``: the exact search over 6 windows trains 900-2,000 times
@@ -265,6 +273,7 @@ def family_setup(target: str, spec: dict, settings: dict, cache_dir: str | None)
         SystemExit: the reference does not reach the target within the budget.
     """
     from bench.cona_time_scale import pick_time_scale
+    from cona.mapping import recipe_batch
     from cona.targets import corpus_unigram_perplexity, target_ppl
 
     log = logging.getLogger("cona")
@@ -286,6 +295,7 @@ def family_setup(target: str, spec: dict, settings: dict, cache_dir: str | None)
         cfg.train.target_ppl = ref["val_ppl"]
     ts = pick_time_scale(target, cfg, settings, time_scale_for(ctx, ref))
     cfg.cona.step_dilation = ts["step_dilation"]
+    cfg.cona.adam_beta2_batch = recipe_batch(target)  # rule 5a, for the methods
     log.info("unigram ppl %.1f, target %.1f, noise scale %.1f -> %.1f proxy seq., step "
              "dilation %.1f (%s)", unigram, cfg.train.target_ppl,
              ref["noise_scale_warm_proxy"], ref["noise_scale_target_proxy"],
@@ -356,7 +366,9 @@ def setup_summary(target: str, spec: dict, setup: dict, settings: dict) -> dict:
         "time_scale": ts,
         "layout_switch_s_median": statistics.median(setup["layout_s"])
         if setup["layout_s"] else None,
-        "recipe": {"batch": recipe_batch(target), "source": PUBLISHED_BATCH[target][1]},
+        "recipe": {"batch": recipe_batch(target), "source": PUBLISHED_BATCH[target][1],
+                   "adam_beta2": cfg.train.adam_beta2,
+                   "adam_beta2_batch": cfg.cona.adam_beta2_batch},
         "reference": {**ref, "warm_steps": cfg.train.warmup_iters,
                       "probe_microbatches": settings.get("probe_microbatches", 64)},
         "mapping": {**setup["mapping"], "step_dilation": cfg.cona.step_dilation},

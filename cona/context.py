@@ -42,6 +42,7 @@ from .job import (
     proxy_micro_batch_size,
     val_set_size,
 )
+from .lr_rule import scale_beta
 from .mapping import ProxyMapping, TargetNoiseScale
 from .picks import start_strategy
 from .strategy import Strategy
@@ -218,7 +219,8 @@ def build_context(
             later context that reuses the data with larger batches).
 
     Raises:
-        ConfigError: invalid layout, candidates or batch ratio.
+        ConfigError: invalid layout, candidates or batch ratio, or a candidate batch
+            that ``cona.adam_beta2_batch``'s rule would give a negative ``beta2``.
     """
     init_distributed()
     world = dist.get_world_size()
@@ -231,6 +233,13 @@ def build_context(
         if isinstance(e, ConfigError):
             raise
         raise ConfigError(str(e)) from None
+    if cfg.cona.adam_beta2_batch is not None:  # Job.adam_beta2_for at every candidate batch
+        try:
+            for batch in sorted({s.global_batch_size for s in cands}):
+                scale_beta(cfg.train.adam_beta2, batch, cfg.cona.adam_beta2_batch)
+        except ValueError as e:
+            raise ConfigError(f"cona.adam_beta2_batch={cfg.cona.adam_beta2_batch} with "
+                              f"train.adam_beta2={cfg.train.adam_beta2}: {e}") from None
     if data is None:
         largest = max(mapping.proxy_batch(s.global_batch_size) for s in cands)
         train = max(budget + max(largest, ref), min_train_samples)

@@ -43,7 +43,7 @@ from jobruntime.trainer import StepResult
 
 from . import state as cstate
 from .grad_stats import GradientNoiseScale
-from .lr_rule import scale_lr
+from .lr_rule import scale_beta, scale_lr
 from .probe import GNSProbe
 from .strategy import Strategy, switch_kind
 from .switch import PeakRSS, SwitchInterrupted, max_over_ranks, switch_batch, switch_layout
@@ -143,6 +143,21 @@ class Job:
             f * scale_lr(t.lr, gb, self.reference_batch, rule),
             f * scale_lr(t.min_lr, gb, self.reference_batch, rule),
         )
+
+    def adam_beta2_for(self, strategy: Strategy) -> float | None:
+        """Adam's ``beta2`` at ``strategy``'s global batch: ``train.adam_beta2`` scaled from
+        ``cona.adam_beta2_batch`` (same unit: target sequences in emulated mode) by
+        :func:`cona.lr_rule.scale_beta`, so its memory in samples is the anchor's; ``None``
+        where that setting is off (``beta2`` stays as built).
+
+        Raises:
+            ValueError: as :func:`cona.lr_rule.scale_beta` (:func:`cona.context.build_context`
+                checks every candidate first).
+        """
+        anchor = self.cfg.cona.adam_beta2_batch
+        if anchor is None:
+            return None
+        return scale_beta(self.cfg.train.adam_beta2, strategy.global_batch_size, anchor)
 
     def _sampler(self, topo: Topology, consumed: int) -> GlobalBatchSampler:
         p = self.trainer.cfg.parallel

@@ -10,11 +10,13 @@ Sec. 2.2, "gradual warmup": a jump to the scaled LR destabilises the first
 steps, while the optimizer's moments still describe the smaller batch); a
 lower LR applies at once.
 
-Adam's other hyperparameters at another batch (:func:`scale_adam`): Malladi et al.
-2022's square-root scaling rule scales them too, so that Adam's moments keep their
-memory in *samples*; with fixed ``beta1``, ``beta2`` a larger batch averages its moments
-over proportionally more samples (what that does to the samples a batch needs is
-measured by ``bench/cona_adam_memory.py``).
+Adam's other hyperparameters at another batch (:func:`scale_adam`, :func:`scale_beta`):
+Malladi et al. 2022's square-root scaling rule scales them too, so that Adam's moments
+keep their memory in *samples*; with fixed ``beta1``, ``beta2`` a larger batch averages
+its moments over proportionally more samples (what that does to the samples a batch
+needs is measured by ``bench/cona_adam_memory.py``).  CONA applies the rule to ``beta2``
+where ``cona.adam_beta2_batch`` names the batch it was set for
+(:meth:`cona.job.Job.adam_beta2_for`).
 """
 
 from __future__ import annotations
@@ -37,42 +39,50 @@ def scale_lr(base_lr: float, batch: float, reference_batch: float, rule: str) ->
     return base_lr * (batch / reference_batch) ** LR_EXPONENTS[rule]
 
 
-def scale_adam(betas: tuple[float, float], eps: float, batch: float,
-               anchor_batch: float) -> tuple[tuple[float, float], float]:
-    """Adam's ``(beta1, beta2), eps`` at ``batch`` by the square-root scaling rule, from
-    the values set for ``anchor_batch``.
-
-    With ``kappa = batch / anchor_batch``: ``1 - beta_i -> kappa (1 - beta_i)`` and
-    ``eps -> eps / sqrt(kappa)`` (the learning rate goes with ``sqrt(kappa)``,
-    :func:`scale_lr`'s ``sqrt``).  Each moment's EMA then forgets over the same number
-    of *samples*, ``anchor_batch / (1 - beta_i)`` (in the batches' unit), at every batch.
-
-    The batches may be in any unit (only their ratio counts).  AdamW's decoupled weight
-    decay is left as it is (the rule is stated for Adam).
+def scale_beta(beta: float, batch: float, anchor_batch: float) -> float:
+    """One Adam ``beta`` at ``batch`` by the square-root scaling rule, from the value set
+    for ``anchor_batch``: ``1 - beta -> kappa (1 - beta)``, ``kappa = batch /
+    anchor_batch``.  The EMA then forgets over the same number of *samples*,
+    ``anchor_batch / (1 - beta)`` (in the batches' unit, any: only their ratio counts).
 
     Source: Malladi, Lyu, Panigrahi, Arora 2022, "On the SDEs and Scaling Rules for
-    Adaptive Gradient Algorithms" (NeurIPS), the square-root scaling rule for Adam (the
-    SDE that both batches approximate is the same).
+    Adaptive Gradient Algorithms" (NeurIPS), the square-root scaling rule for Adam.
 
     Raises:
-        ValueError: non-positive batches, a beta outside ``[0, 1)``, or a ``kappa`` so
-            large that ``kappa (1 - beta_i) > 1`` (a negative beta: the rule holds only
-            where the scaled betas stay in ``[0, 1)``).
+        ValueError: non-positive batches, ``beta`` outside ``[0, 1)``, or a ``kappa`` so
+            large that ``kappa (1 - beta) > 1`` (a negative beta: the rule holds only
+            where the scaled beta stays in ``[0, 1)``; the message names the largest batch).
     """
     if batch <= 0 or anchor_batch <= 0:
         raise ValueError(f"batch sizes must be positive, got {batch}, {anchor_batch}")
-    if not all(0.0 <= b < 1.0 for b in betas):
-        raise ValueError(f"Adam's betas must be in [0, 1), got {betas}")
+    if not 0.0 <= beta < 1.0:
+        raise ValueError(f"Adam's betas must be in [0, 1), got {beta}")
     kappa = batch / anchor_batch
-    scaled = tuple(1.0 - kappa * (1.0 - b) for b in betas)
-    if any(kappa * (1.0 - b) > 1.0 for b in betas):
+    if kappa * (1.0 - beta) > 1.0:
         raise ValueError(
-            f"the square-root scaling rule gives betas {scaled} at batch {batch} from "
-            f"{betas} at {anchor_batch}: a batch at most {anchor_batch / (1 - min(betas)):g} "
-            "keeps them in [0, 1); anchor the rule at a larger batch")
-    # at kappa = 1/(1 - b) exactly, 1 - kappa (1 - b) may round below 0
-    scaled = tuple(max(b, 0.0) for b in scaled)
-    return (scaled[0], scaled[1]), eps / math.sqrt(kappa)
+            f"the square-root scaling rule gives beta {1.0 - kappa * (1.0 - beta):g} at "
+            f"batch {batch} from {beta} at {anchor_batch}: a batch at most "
+            f"{anchor_batch / (1 - beta):g} keeps it in [0, 1); anchor the rule at a larger batch")
+    # at kappa = 1/(1 - beta) exactly, 1 - kappa (1 - beta) may round below 0
+    return max(1.0 - kappa * (1.0 - beta), 0.0)
+
+
+def scale_adam(betas: tuple[float, float], eps: float, batch: float,
+               anchor_batch: float) -> tuple[tuple[float, float], float]:
+    """Adam's ``(beta1, beta2), eps`` at ``batch`` by the square-root scaling rule, from
+    the values set for ``anchor_batch``: each beta by :func:`scale_beta` and ``eps ->
+    eps / sqrt(kappa)`` (the learning rate goes with ``sqrt(kappa)``, :func:`scale_lr`'s
+    ``sqrt``).  Each moment's EMA then forgets over the same number of samples at every
+    batch.  AdamW's decoupled weight decay is left as it is (the rule is stated for Adam).
+
+    Source: Malladi et al. 2022 (:func:`scale_beta`; the SDE that both batches
+    approximate is the same).
+
+    Raises:
+        ValueError: as :func:`scale_beta`, for either beta.
+    """
+    b1, b2 = (scale_beta(b, batch, anchor_batch) for b in betas)
+    return (b1, b2), eps / math.sqrt(batch / anchor_batch)
 
 
 def ramp_lr(old: float, new: float, steps: int, ramp_steps: int) -> float:

@@ -79,7 +79,7 @@ from .context import build_context
 from .controller import Controller
 from .job import Job, RealJob
 from .lr_rule import ramp_lr
-from .state import set_peak_lr
+from .state import set_adam_beta2, set_peak_lr
 
 log = logging.getLogger("cona")
 _RESUMED = ("next_eval", "next_eval_s", "chain", "switches", "evals", "last_val_ppl",
@@ -253,6 +253,19 @@ class Loop:
             set_peak_lr(job.trainer, sched, *lr)
         p.lr_now = lr
 
+    def follow_adam(self) -> None:
+        """Before a step: run Adam at the ``beta2`` of the job's global batch where it
+        follows the batch (``cona.adam_beta2_batch``; :meth:`cona.job.Job.adam_beta2_for`),
+        its moments rescaled to keep their bias-corrected values
+        (:func:`cona.state.set_adam_beta2`).  Stateless: whatever set the strategy or
+        restored a state (a switch, the oracle's branches, a resume), the optimizer's
+        ``beta2`` is the strategy's from the next step on."""
+        job = self.job
+        beta2_for = getattr(job, "adam_beta2_for", None)  # test doubles may lack it
+        beta2 = beta2_for(job.strategy) if beta2_for is not None else None
+        if beta2 is not None:
+            set_adam_beta2(job.trainer, beta2)
+
     def evaluate(self, cadence: bool = False) -> float:
         """Evaluate now, record it (and TTP; ``cadence``: an evaluation of the cadence, not
         a dense one near the target or an extra one); return the validation loss."""
@@ -274,6 +287,7 @@ class Loop:
         job, p = self.job, self.progress
         fresh = getattr(job, "fresh", False)
         self.follow_lr()
+        self.follow_adam()
         result, step_s = job.train_step()
         samples = job.consumed_samples
         if self.controller is not None and not fresh:

@@ -216,6 +216,28 @@ def rebias_adam_moments(trainer: Trainer, built_with: tuple[float, float, float]
             s.state["exp_avg_sq"].mul_((1 - b2**t) / (1 - o2**t))
 
 
+def set_adam_beta2(trainer: Trainer, beta2: float) -> None:
+    """Run ``trainer``'s Adam at ``beta2`` from its next step, its moments rescaled so that
+    their bias-corrected values are unchanged (:func:`rebias_adam_moments`): the second
+    moment's estimate carries over, only how fast it forgets changes.  A no-op at the
+    current ``beta2``.  Used where ``beta2`` follows the global batch
+    (``cona.adam_beta2_batch``).
+
+    Raises:
+        ValueError: ``beta2`` outside ``[0, 1)``; as :func:`adam_hyperparameters`.
+        KeyError: as :func:`adam_hyperparameters`.
+    """
+    if not 0.0 <= beta2 < 1.0:
+        raise ValueError(f"Adam's beta2 must be in [0, 1), got {beta2}")
+    before = adam_hyperparameters(trainer)
+    if before[1] == beta2:
+        return
+    for opt in _torch_optimizers(trainer.optimizer):
+        for g in opt.param_groups:
+            g["betas"] = (g["betas"][0], float(beta2))
+    rebias_adam_moments(trainer, before)
+
+
 # ---------------------------------------------------------------------------
 # Single-process snapshots (oracle chain branches)
 # ---------------------------------------------------------------------------

@@ -69,7 +69,13 @@ from jobruntime.parallel import (
 )
 from jobruntime.trainer import Trainer
 
-from .state import build_trainer, optimizer_state_by_name, set_peak_lr
+from .state import (
+    adam_hyperparameters,
+    build_trainer,
+    optimizer_state_by_name,
+    rebias_adam_moments,
+    set_peak_lr,
+)
 
 log = logging.getLogger("cona")
 
@@ -333,6 +339,8 @@ def switch_layout(
         else:
             new = build(new_cfg, module, owner.trainer)
         _reshard(owner.trainer, new)
+        # the moments were built under the old trainer's betas (beta2 may follow the batch)
+        rebias_adam_moments(new, adam_hyperparameters(owner.trainer))
         new.step, new.consumed_tokens = owner.trainer.step, owner.trainer.consumed_tokens
         set_default_generators(rng)
         share_tp_generators()  # TP peers that were other PP stages drew apart

@@ -105,6 +105,20 @@ class ConaConfig:
     once; 0 = jump.  10 = ``1/(1 - beta1)`` for Adam's ``beta1 = 0.9``, the steps its first
     moment takes to forget the smaller batch's gradients, and half the default
     ``decision_interval``, so the next decision sees the new strategy at its full LR."""
+    adam_beta2_batch: int | None = None
+    """The global batch (sequences; emulated mode: target sequences, as
+    ``cona.global_batch_sizes``) at which ``train.adam_beta2`` holds.  At any other global
+    batch ``B`` the job runs ``beta2 = 1 - (1 - train.adam_beta2) * B / adam_beta2_batch``,
+    so Adam's second moment averages over the same number of *samples* at every batch
+    (Malladi et al. 2022's square-root scaling rule, its ``beta2`` half;
+    :func:`cona.lr_rule.scale_adam`), and a larger batch's statistical efficiency keeps
+    the noise scale's bound ``E(M) <= 1`` that the controller ranks by (``docs/cona.md``,
+    "Adam's memory in samples": at one ``beta2`` batch 256 needed fewer proxy samples than
+    batch 64 on GPT-3's proxy; with 256's memory in samples batch 64 needed fewer).
+    ``beta1`` stays (scaled, it cost samples on both proxies measured).  The moments are rescaled on every change so that their
+    bias-corrected values hold (:func:`cona.state.set_adam_beta2`).  ``None``: ``beta2``
+    is the same at every batch (its memory in steps).  ``bench/cona_ttp.py`` sets each
+    family's published batch, whose recipe the preset's ``adam_beta2`` is."""
     start_slack: float = 0.02
     """Emulated mode: the start layout may be this fraction slower than the fastest at the
     start batch if it runs the next larger batch faster (``cona.picks.start_strategy``:
@@ -158,6 +172,10 @@ class ConaConfig:
         if not 0 <= self.min_gain < float("inf"):
             raise ConfigError(f"cona.min_gain={self.min_gain} must be >= 0 (0.05 = switch for a "
                               "5 % better score)")
+        if self.adam_beta2_batch is not None and not 0 < self.adam_beta2_batch <= MAX_GLOBAL_BATCH:
+            raise ConfigError(f"cona.adam_beta2_batch={self.adam_beta2_batch} must be a positive "
+                              "global batch (the batch train.adam_beta2 was set for), or null "
+                              "to keep beta2 at every batch")
         if not 0 <= self.start_slack < 1:
             raise ConfigError(f"cona.start_slack={self.start_slack} must be in [0, 1) (0.02 = "
                               "start up to 2 % slower for a cheaper later switch; 0 = fastest)")

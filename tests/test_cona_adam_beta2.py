@@ -1,0 +1,126 @@
+"""Adam's ``beta2`` following the global batch (``cona.adam_beta2_batch``): its memory in
+samples held at the anchor's, its moments' bias-corrected values kept through every change
+(a batch switch, a layout switch), and a setting that cannot hold refused up front."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from jobruntime.config import ConfigError, load_config
+
+
+def _overrides(cache_dir: str, *extra: str) -> list[str]:
+    return [f"data.cache_dir={cache_dir}", "model.seq_length=64", "logging.wandb=disabled",
+            "cona.enabled=true", "cona.clock=emulated", "cona.target_model=gpt3_1.3b",
+            "cona.num_gpus=8", "cona.batch_ratio=8", "cona.global_batch_sizes=[64,128]",
+            "train.iters=16", "train.warmup_iters=3", *extra]
+
+
+def _unbiased_v(trainer) -> dict[str, float]:
+    """Each parameter's bias-corrected second moment, summed: ``v / (1 - beta2^t)``."""
+    from cona import state as cstate
+
+    beta2 = cstate.adam_hyperparameters(trainer)[1]
+    return {n: float((s.state["exp_avg_sq"] / (1 - beta2 ** float(s.state["step"]))).sum())
+            for n, s in cstate.optimizer_state_by_name(trainer).items()}
+
+
+def _follow(cache_dir: str) -> dict:
+    from cona import state as cstate
+    from cona.baselines import fastest_per_batch
+    from cona.context import build_context
+    from cona.run import Loop
+
+    out = {}
+    for anchor in ("128", "null"):
+        ctx = build_context(load_config("tiny_gpt", _overrides(
+            cache_dir, f"cona.adam_beta2_batch={anchor}", "train.adam_beta2=0.95")))
+        per = fastest_per_batch(ctx.candidates, ctx.cluster.iter_s)
+        job = ctx.make_job(per[64])
+        loop = Loop(job, ctx.cfg, budget_samples=ctx.budget_samples,
+                    eval_samples=ctx.eval_samples, keep_records=False)
+        rec = {"rule": (job.adam_beta2_for(per[64]), job.adam_beta2_for(per[128]))}
+        for _ in range(3):
+            loop.step()
+        rec["beta2_at_64"] = cstate.adam_hyperparameters(job.trainer)[1]
+        before = _unbiased_v(job.trainer)
+        job.set_strategy(per[128])  # a batch switch (the oracle's; apply() calls it too)
+        loop.follow_adam()
+        rec["beta2_at_128"] = cstate.adam_hyperparameters(job.trainer)[1]
+        rec["unbiased"] = {n: (v, before[n]) for n, v in _unbiased_v(job.trainer).items()}
+        out[anchor] = rec
+    return out
+
+
+def test_beta2_follows_the_global_batch_and_keeps_the_second_moment(cache_dir):
+    """Catches a ``beta2`` that stays at the anchor's value at another batch (memory in
+    steps: the larger batch averages over more samples), one scaled the wrong way, a change
+    that leaves the moments' bias correction to the new ``beta2`` (Adam's step would jump),
+    and a rule applied while it is off.  Anchor 128 at 0.95: batch 64 runs 1 - 0.05/2 =
+    0.975 from its first step; after a switch to 128, 0.95, with every parameter's
+    bias-corrected second moment unchanged by the switch."""
+    from tests.dist_utils import launch
+
+    (out,) = launch(_follow, 1, cache_dir)
+    on, off = out["128"], out["null"]
+    assert on["rule"] == pytest.approx((0.975, 0.95))
+    assert on["beta2_at_64"] == pytest.approx(0.975) and on["beta2_at_128"] == pytest.approx(0.95)
+    for name, (after, before) in on["unbiased"].items():
+        assert after == pytest.approx(before, rel=1e-6), name
+    assert off["rule"] == (None, None)
+    assert off["beta2_at_64"] == off["beta2_at_128"] == pytest.approx(0.95)
+
+
+def _layout(cache_dir: str) -> dict:
+    from cona import state as cstate
+    from cona.switch import switch_layout
+    from jobruntime.data import synthetic_microbatch
+    from jobruntime.parallel import initialize_layout
+
+    cfg = load_config("tiny_gpt", [f"data.cache_dir={cache_dir}", "model.seq_length=64",
+                                   "logging.wandb=disabled", "train.adam_beta2=0.975"])
+    initialize_layout(cfg)
+
+    class Owner:
+        trainer = cstate.build_trainer(cfg, cfg.parallel.global_batch_size)
+
+    owner = Owner()
+    g = torch.Generator().manual_seed(0)
+    p = cfg.parallel
+    for _ in range(3):
+        owner.trainer.train_step([synthetic_microbatch(cfg.model, p.micro_batch_size, g)
+                                  for _ in range(p.global_batch_size // p.micro_batch_size)])
+    before = _unbiased_v(owner.trainer)
+    new_cfg = load_config("tiny_gpt", [f"data.cache_dir={cache_dir}", "model.seq_length=64",
+                                       "logging.wandb=disabled", "train.adam_beta2=0.95"])
+    switch_layout(owner, new_cfg, reference_batch=cfg.parallel.global_batch_size, seed=0)
+    return {"beta2": cstate.adam_hyperparameters(owner.trainer)[1],
+            "unbiased": {n: (v, before[n]) for n, v in _unbiased_v(owner.trainer).items()}}
+
+
+def test_layout_switch_keeps_the_moments_under_the_new_layouts_beta2(cache_dir):
+    """Catches a layout switch that copies Adam's moments into a trainer built with another
+    ``beta2`` (the next layout's batch) without rescaling them: its bias correction would
+    then divide moments built under 0.975 by 0.95's.  Three steps at 0.975, a layout switch
+    to a trainer at 0.95: every bias-corrected second moment is the same."""
+    from tests.dist_utils import launch
+
+    (out,) = launch(_layout, 1, cache_dir)
+    assert out["beta2"] == pytest.approx(0.95)
+    for name, (after, before) in out["unbiased"].items():
+        assert after == pytest.approx(before, rel=1e-6), name
+
+
+def test_beta2_rule_that_cannot_hold_is_refused_before_training(cache_dir):
+    """Catches an anchor that would give a candidate a negative ``beta2`` (training would
+    start and fail at the first switch) and a non-positive anchor: both are refused with the
+    setting's name and the fix."""
+    from cona.context import build_context
+
+    with pytest.raises(ConfigError, match="adam_beta2_batch=0 must be a positive"):
+        load_config("tiny_gpt", _overrides(cache_dir, "cona.adam_beta2_batch=0")).validate()
+    # beta2 0.95 anchored at 2 sequences holds up to 40: the candidates 64 and 128 do not
+    cfg = load_config("tiny_gpt", _overrides(cache_dir, "cona.adam_beta2_batch=2"))
+    with pytest.raises(ConfigError, match=r"adam_beta2_batch=2 .*anchor the rule at a larger"):
+        build_context(cfg)
