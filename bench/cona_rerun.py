@@ -2,7 +2,7 @@
 
 A full ``bench/cona_ttp.py`` run costs about 100 minutes for two families on 2 cores,
 CONA itself a few percent of it.  To try a change to the controller, this script runs
-each family's set-up again (rules 1-5), checks that it reproduces the earlier run's
+each family's set-up again (rules 1-5a), checks that it reproduces the earlier run's
 (target perplexity, the oracle's window ends and the step dilation equal), and then
 runs only CONA on each seed, from that seed's warm state; every other method is read
 back from the earlier run's seed files.  The report has ``cona_ttp.json``'s shape and
@@ -55,19 +55,22 @@ def seeds_dir(report: Path, given: Path | None) -> Path:
 
 
 def check_reproduced(target: str, setup: dict, earlier: dict, seed: dict) -> None:
-    """Raise ``SystemExit`` unless ``setup`` (this run's rules 1-5) equals the earlier
-    run's: target perplexity (relative 1e-9), step dilation (1e-9) and the oracle's window
-    ends (in ``seed``'s search record) — what every method's result depends on beyond the
-    code."""
+    """Raise ``SystemExit`` unless ``setup`` (this run's rules 1-5a) equals the earlier
+    run's: target perplexity (relative 1e-9), step dilation (1e-9), the oracle's window
+    ends (in ``seed``'s search record) and the batch Adam's ``beta2`` is anchored at
+    (rule 5a; ``None`` in a run made before it) — what every method's result depends on
+    beyond the code."""
     cfg = setup["cfg"]
     then = {"target_ppl": earlier["target_ppl"],
             "step_dilation": earlier["mapping"]["step_dilation"],
-            "boundaries": seed["methods"]["oracle_chain"]["search"]["boundaries"]}
+            "boundaries": seed["methods"]["oracle_chain"]["search"]["boundaries"],
+            "adam_beta2_batch": earlier.get("recipe", {}).get("adam_beta2_batch")}
     now = {"target_ppl": cfg.train.target_ppl, "step_dilation": cfg.cona.step_dilation,
-           "boundaries": setup["boundaries"]}
+           "boundaries": setup["boundaries"], "adam_beta2_batch": cfg.cona.adam_beta2_batch}
     same = (math.isclose(now["target_ppl"], then["target_ppl"], rel_tol=1e-9)
             and math.isclose(now["step_dilation"], then["step_dilation"], rel_tol=1e-9)
-            and list(now["boundaries"]) == list(then["boundaries"]))
+            and list(now["boundaries"]) == list(then["boundaries"])
+            and now["adam_beta2_batch"] == then["adam_beta2_batch"])
     if not same:
         raise SystemExit(f"{target}: the set-up does not reproduce the earlier run's "
                          f"(now {now}, then {then}); a comparison needs a full run "

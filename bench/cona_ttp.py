@@ -45,13 +45,14 @@ Rules fixed before any method runs (per family; none looks at a method's result)
    pays (``cona/emulated.py``); a direct noise-scale probe to the method that runs it
    (``cona/job.py``).
 5a. **Adam across batches.** Every method runs Adam's ``beta2`` at its batch by the
-   square-root scaling rule from the recipe's (the preset's ``beta2``, 0.95 as GPT-3's
-   and TinyLlama's published AdamW, at the family's published batch:
-   ``cona.adam_beta2_batch``), so the second moment averages over the recipe's number of
-   samples at every batch; at one ``beta2`` a larger batch averages over more samples and
-   was measured to need fewer of them than a smaller one, which no noise-scale
-   efficiency allows (``bench/cona_adam_memory.py``).  The reference (rule 4) is the
-   preset's run as it is: it sets the target and the time scale, no method's result.
+   square-root scaling rule from the recipe's: the preset's ``beta2`` (0.95, GPT-3's
+   and TinyLlama's published AdamW value; BERT's published 0.999 is not the preset's)
+   at the family's published batch (``cona.adam_beta2_batch``), so the second moment
+   averages over the recipe's number of samples at every batch.  At one ``beta2`` a
+   larger batch averages over more samples, and on GPT-3's proxy batch 256 then needed
+   fewer samples than batch 64, which no noise-scale efficiency allows
+   (``bench/cona_adam_memory.py``).  The reference (rule 4) is the preset's run as it
+   is: it sets the target and the time scale, no method's result.
 6. **Oracle grid.** Window ends at 1/D, ..., (D-1)/D of the reference's segment.
    The full run searches it with dominance pruning and a beam of 2
    (``cona/oracle_pruned.py``: the exact search over 6 windows trains 900-2,000 times

@@ -144,20 +144,20 @@ class Job:
             f * scale_lr(t.min_lr, gb, self.reference_batch, rule),
         )
 
-    def adam_beta2_for(self, strategy: Strategy) -> float | None:
+    def adam_beta2_for(self, strategy: Strategy) -> float:
         """Adam's ``beta2`` at ``strategy``'s global batch: ``train.adam_beta2`` scaled from
         ``cona.adam_beta2_batch`` (same unit: target sequences in emulated mode) by
-        :func:`cona.lr_rule.scale_beta`, so its memory in samples is the anchor's; ``None``
-        where that setting is off (``beta2`` stays as built).
+        :func:`cona.lr_rule.scale_beta`, so its memory in samples is the anchor's;
+        ``train.adam_beta2`` itself where that setting is off.
 
         Raises:
             ValueError: as :func:`cona.lr_rule.scale_beta` (:func:`cona.context.build_context`
                 checks every candidate first).
         """
-        anchor = self.cfg.cona.adam_beta2_batch
+        anchor, beta2 = self.cfg.cona.adam_beta2_batch, self.cfg.train.adam_beta2
         if anchor is None:
-            return None
-        return scale_beta(self.cfg.train.adam_beta2, strategy.global_batch_size, anchor)
+            return beta2
+        return scale_beta(beta2, strategy.global_batch_size, anchor)
 
     def _sampler(self, topo: Topology, consumed: int) -> GlobalBatchSampler:
         p = self.trainer.cfg.parallel
@@ -328,6 +328,9 @@ class EmulatedJob(Job):
         consumed = 0
         if ctx.warm is not None:  # every method from the same warm state (cona/warm.py)
             cstate.restore(self.trainer, ctx.warm["trainer"])
+            # under this config's betas, the warm moments' estimates carried over
+            t = run_cfg.train
+            cstate.set_adam_betas(self.trainer, (t.adam_beta1, t.adam_beta2))
             # the warm run's schedule position, at this strategy's peak LR
             cstate.set_peak_lr(self.trainer, self.trainer.scheduler, run_cfg.train.lr,
                                run_cfg.train.min_lr)

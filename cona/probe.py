@@ -292,8 +292,6 @@ def adam_preconditioner(trainer: Trainer, power: float = 1.0) -> list[torch.Tens
     from .state import optimizer_state_by_name
 
     states = optimizer_state_by_name(trainer)
-    group_of = {id(q): g for ps in states.values() for g in ps.holder.param_groups
-                for q in g["params"]}
     weights = []
     for name, p in trainer.module.named_parameters():
         if not _is_counted(p):
@@ -301,8 +299,7 @@ def adam_preconditioner(trainer: Trainer, power: float = 1.0) -> list[torch.Tens
         ps = states[name]
         if "exp_avg_sq" not in ps.state:
             return None
-        group = group_of[id(ps.main)]
-        step = float(ps.state.get("step", group.get("step", 0)))
+        group, step = ps.group, ps.step
         if step < 1:
             return None
         beta2, eps = group["betas"][1], group["eps"]

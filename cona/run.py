@@ -79,7 +79,7 @@ from .context import build_context
 from .controller import Controller
 from .job import Job, RealJob
 from .lr_rule import ramp_lr
-from .state import set_adam_beta2, set_peak_lr
+from .state import adam_hyperparameters, set_adam_betas, set_peak_lr
 
 log = logging.getLogger("cona")
 _RESUMED = ("next_eval", "next_eval_s", "chain", "switches", "evals", "last_val_ppl",
@@ -254,17 +254,19 @@ class Loop:
         p.lr_now = lr
 
     def follow_adam(self) -> None:
-        """Before a step: run Adam at the ``beta2`` of the job's global batch where it
-        follows the batch (``cona.adam_beta2_batch``; :meth:`cona.job.Job.adam_beta2_for`),
-        its moments rescaled to keep their bias-corrected values
-        (:func:`cona.state.set_adam_beta2`).  Stateless: whatever set the strategy or
-        restored a state (a switch, the oracle's branches, a resume), the optimizer's
-        ``beta2`` is the strategy's from the next step on."""
+        """Before a step: run Adam at the ``beta2`` of the job's global batch
+        (:meth:`cona.job.Job.adam_beta2_for`: by ``cona.adam_beta2_batch``'s rule, else
+        ``train.adam_beta2``), its moments rescaled to keep their bias-corrected values
+        (:func:`cona.state.set_adam_betas`).  Stateless: whatever set the strategy or
+        restored a state (a switch, the oracle's branches, a resume from a checkpoint
+        saved at another batch), the optimizer's ``beta2`` is the strategy's from the next
+        step on."""
         job = self.job
         beta2_for = getattr(job, "adam_beta2_for", None)  # test doubles may lack it
-        beta2 = beta2_for(job.strategy) if beta2_for is not None else None
-        if beta2 is not None:
-            set_adam_beta2(job.trainer, beta2)
+        if beta2_for is None:
+            return
+        beta1 = adam_hyperparameters(job.trainer)[0]
+        set_adam_betas(job.trainer, (beta1, beta2_for(job.strategy)))
 
     def evaluate(self, cadence: bool = False) -> float:
         """Evaluate now, record it (and TTP; ``cadence``: an evaluation of the cadence, not

@@ -137,12 +137,23 @@ class ParamState:
         state: the torch optimizer's state dict of ``main`` (``exp_avg``,
             ``exp_avg_sq``, ``step``); empty before the first step.
         holder: the torch optimizer owning ``main``.
+        group: ``holder``'s param group holding ``main`` (its ``betas``, ``eps``, and
+            Transformer Engine's ``FusedAdam``'s ``step``).
     """
 
     param: torch.nn.Parameter
     main: torch.Tensor
     state: dict
     holder: torch.optim.Optimizer
+    group: dict
+
+    @property
+    def step(self) -> float:
+        """Adam's step count ``t`` for ``main``: torch's per-parameter ``state["step"]``, or
+        the param group's ``"step"`` where the optimizer keeps it there (Transformer
+        Engine's ``FusedAdam``, which megatron-core uses where TE is installed); 0 before
+        the first step."""
+        return float(self.state.get("step", self.group.get("step", 0)))
 
 
 def _torch_optimizers(optimizer) -> list[torch.optim.Optimizer]:
@@ -160,14 +171,14 @@ def optimizer_state_by_name(trainer: Trainer) -> dict[str, ParamState]:
     for opt in _torch_optimizers(trainer.optimizer):
         for group in opt.param_groups:
             for p in group["params"]:
-                owners[id(p)] = opt
+                owners[id(p)] = (opt, group)
     out = {}
     for name, p in trainer.module.named_parameters():
         main = getattr(p, "main_param", p)
-        opt = owners.get(id(main))
-        if opt is None:
+        if id(main) not in owners:
             raise KeyError(f"parameter {name} is not held by the optimizer")
-        out[name] = ParamState(p, main, opt.state[main], opt)
+        opt, group = owners[id(main)]
+        out[name] = ParamState(p, main, opt.state[main], opt, group)
     return out
 
 
@@ -207,7 +218,7 @@ def rebias_adam_moments(trainer: Trainer, built_with: tuple[float, float, float]
     if (b1, b2) == (o1, o2):
         return
     for s in optimizer_state_by_name(trainer).values():
-        t = float(s.state.get("step", 0))
+        t = s.step
         if t <= 0:
             continue
         if "exp_avg" in s.state:
@@ -216,26 +227,31 @@ def rebias_adam_moments(trainer: Trainer, built_with: tuple[float, float, float]
             s.state["exp_avg_sq"].mul_((1 - b2**t) / (1 - o2**t))
 
 
-def set_adam_beta2(trainer: Trainer, beta2: float) -> None:
-    """Run ``trainer``'s Adam at ``beta2`` from its next step, its moments rescaled so that
-    their bias-corrected values are unchanged (:func:`rebias_adam_moments`): the second
-    moment's estimate carries over, only how fast it forgets changes.  A no-op at the
-    current ``beta2``.  Used where ``beta2`` follows the global batch
-    (``cona.adam_beta2_batch``).
+def set_adam_betas(trainer: Trainer, betas: tuple[float, float], *,
+                   rescale: bool = True) -> None:
+    """Run ``trainer``'s Adam at ``betas = (beta1, beta2)`` from its next step.
+
+    ``rescale``: the moments were built under the current betas and are rescaled so that
+    their bias-corrected values are unchanged (:func:`rebias_adam_moments`): the
+    estimates carry over, only how fast they forget changes (``beta2`` following the
+    global batch, ``cona.adam_beta2_batch``; a warm state's moments in a trainer
+    configured with other betas).  ``False``: the moments already belong to ``betas``
+    (a :func:`snapshot` restored).  A no-op at the current betas.
 
     Raises:
-        ValueError: ``beta2`` outside ``[0, 1)``; as :func:`adam_hyperparameters`.
+        ValueError: a beta outside ``[0, 1)``; as :func:`adam_hyperparameters`.
         KeyError: as :func:`adam_hyperparameters`.
     """
-    if not 0.0 <= beta2 < 1.0:
-        raise ValueError(f"Adam's beta2 must be in [0, 1), got {beta2}")
+    if not all(0.0 <= b < 1.0 for b in betas):
+        raise ValueError(f"Adam's betas must be in [0, 1), got {tuple(betas)}")
     before = adam_hyperparameters(trainer)
-    if before[1] == beta2:
+    if before[:2] == tuple(float(b) for b in betas):
         return
     for opt in _torch_optimizers(trainer.optimizer):
         for g in opt.param_groups:
-            g["betas"] = (g["betas"][0], float(beta2))
-    rebias_adam_moments(trainer, before)
+            g["betas"] = (float(betas[0]), float(betas[1]))
+    if rescale:
+        rebias_adam_moments(trainer, before)
 
 
 # ---------------------------------------------------------------------------
@@ -273,11 +289,10 @@ def snapshot(trainer: Trainer) -> dict:
 
 @torch.no_grad()
 def restore(trainer: Trainer, snap: dict) -> None:
-    """Load a :func:`snapshot` back in place (parameter objects are kept).
-
-    Where the trainer's Adam betas differ from the snapshot's (``snap["adam"]``), the
-    moments are rescaled so that their bias-corrected values are the snapshot's
-    (:func:`rebias_adam_moments`).
+    """Load a :func:`snapshot` back in place (parameter objects are kept), Adam's betas
+    included (``snap["adam"]``, with the moments built under them): the trainer then
+    continues bit for bit as the snapshot's would.  To go on under other betas, call
+    :func:`set_adam_betas` after it (the warm start does).
 
     Raises:
         ValueError, KeyError: as :func:`adam_hyperparameters`, where the snapshot holds
@@ -289,8 +304,8 @@ def restore(trainer: Trainer, snap: dict) -> None:
         if n in snap["main"]:
             s.main.copy_(snap["main"][n])
         s.holder.state[s.main] = {k: _clone(v) for k, v in snap["opt"][n].items()}
-    if snap.get("adam") is not None:  # moments built under other betas: keep their estimates
-        rebias_adam_moments(trainer, snap["adam"])
+    if snap.get("adam") is not None:  # the betas its moments were built under
+        set_adam_betas(trainer, snap["adam"][:2], rescale=False)
     num, max_lr, min_lr = snap["sched"]
     trainer.scheduler.num_steps = num
     set_peak_lr(trainer, trainer.scheduler, max_lr, min_lr)

@@ -222,20 +222,20 @@ def _reshard(src: Trainer, dst: Trainer) -> None:
     _sync_tied_copy(dst_m, lambda p: p.data)
 
     src_states, dst_states = optimizer_state_by_name(src), optimizer_state_by_name(dst)
-    step = None
-    for s in src_states.values():
-        if "step" in s.state:
-            step = s.state["step"]
-            break
-    if step is None:  # switched before the first step: nothing but weights to move
+    stepped = next((s for s in src_states.values() if s.step > 0), None)
+    if stepped is None:  # switched before the first step: nothing but weights to move
         for s in dst_states.values():
             if s.main is not s.param:
                 s.main.copy_(s.param.float())
         return
-    # Fresh AdamW state in the new optimizer, to be overwritten by the copy.
+    # Fresh AdamW state in the new optimizer, to be overwritten by the copy; the step
+    # where the old optimizer kept it (per parameter, or per group: TE's FusedAdam)
     for s in dst_states.values():
         s.state.clear()
-        s.state["step"] = step.detach().clone()
+        if "step" in stepped.state:
+            s.state["step"] = stepped.state["step"].detach().clone()
+        else:
+            s.group["step"] = stepped.group["step"]
         s.state["exp_avg"] = torch.zeros_like(s.main)
         s.state["exp_avg_sq"] = torch.zeros_like(s.main)
     kinds = ["exp_avg", "exp_avg_sq"]

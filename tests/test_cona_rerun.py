@@ -10,23 +10,30 @@ import pytest
 from bench import cona_rerun
 
 
-def _setup(target_ppl=190.4, dilation=65.8, boundaries=(10, 20)):
+def _setup(target_ppl=190.4, dilation=65.8, boundaries=(10, 20), beta2_batch=512):
     cfg = types.SimpleNamespace(train=types.SimpleNamespace(target_ppl=target_ppl),
-                                cona=types.SimpleNamespace(step_dilation=dilation))
+                                cona=types.SimpleNamespace(step_dilation=dilation,
+                                                           adam_beta2_batch=beta2_batch))
     return {"cfg": cfg, "boundaries": list(boundaries)}
 
 
-EARLIER = {"target_ppl": 190.4, "mapping": {"step_dilation": 65.8}}
+EARLIER = {"target_ppl": 190.4, "mapping": {"step_dilation": 65.8},
+           "recipe": {"batch": 512, "adam_beta2_batch": 512}}
 SEED = {"methods": {"oracle_chain": {"search": {"boundaries": [10, 20]}}}}
 
 
 def test_a_set_up_that_does_not_reproduce_is_refused():
-    """Catches a rerun compared against another set-up: a target, dilation or window end
-    that differs must stop it with the reason; an equal one passes."""
+    """Catches a rerun compared against another set-up: a target, dilation, window end or
+    Adam ``beta2`` anchor (rule 5a; a run made before it has none) that differs must stop
+    it with the reason; an equal one passes."""
     cona_rerun.check_reproduced("gpt3_1.3b", _setup(), EARLIER, SEED)
-    for bad in (_setup(target_ppl=190.5), _setup(dilation=49.1), _setup(boundaries=(10, 21))):
+    for bad in (_setup(target_ppl=190.5), _setup(dilation=49.1), _setup(boundaries=(10, 21)),
+                _setup(beta2_batch=None)):
         with pytest.raises(SystemExit, match="does not reproduce"):
             cona_rerun.check_reproduced("gpt3_1.3b", bad, EARLIER, SEED)
+    before_5a = {**EARLIER, "recipe": {"batch": 512}}
+    with pytest.raises(SystemExit, match="does not reproduce"):
+        cona_rerun.check_reproduced("gpt3_1.3b", _setup(), before_5a, SEED)
 
 
 def test_seed_files_are_found_where_a_run_or_the_repository_keeps_them(tmp_path):

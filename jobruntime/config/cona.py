@@ -111,14 +111,15 @@ class ConaConfig:
     batch ``B`` the job runs ``beta2 = 1 - (1 - train.adam_beta2) * B / adam_beta2_batch``,
     so Adam's second moment averages over the same number of *samples* at every batch
     (Malladi et al. 2022's square-root scaling rule, its ``beta2`` half;
-    :func:`cona.lr_rule.scale_adam`), and a larger batch's statistical efficiency keeps
-    the noise scale's bound ``E(M) <= 1`` that the controller ranks by (``docs/cona.md``,
-    "Adam's memory in samples": at one ``beta2`` batch 256 needed fewer proxy samples than
-    batch 64 on GPT-3's proxy; with 256's memory in samples batch 64 needed fewer).
-    ``beta1`` stays (scaled, it cost samples on both proxies measured).  The moments are rescaled on every change so that their
-    bias-corrected values hold (:func:`cona.state.set_adam_beta2`).  ``None``: ``beta2``
-    is the same at every batch (its memory in steps).  ``bench/cona_ttp.py`` sets each
-    family's published batch, whose recipe the preset's ``adam_beta2`` is."""
+    :func:`cona.lr_rule.scale_beta`).  At one ``beta2`` a larger batch averages over more
+    samples, and on GPT-3's bench proxy batch 256 then needed fewer samples than batch 64,
+    which the noise-scale efficiency the controller ranks by (``E(M) <= 1``) does not
+    allow; with 256's memory in samples batch 64 needed fewer (``docs/cona.md``, "Adam's
+    memory in samples").  ``beta1`` stays (scaled, it cost samples on both proxies
+    measured).  The moments are rescaled on every change so that their bias-corrected
+    values carry over (:func:`cona.state.set_adam_betas`).  ``None``: ``train.adam_beta2``
+    at every batch (its memory in steps).  ``bench/cona_ttp.py`` sets each family's
+    published batch."""
     start_slack: float = 0.02
     """Emulated mode: the start layout may be this fraction slower than the fastest at the
     start batch if it runs the next larger batch faster (``cona.picks.start_strategy``:
@@ -172,7 +173,9 @@ class ConaConfig:
         if not 0 <= self.min_gain < float("inf"):
             raise ConfigError(f"cona.min_gain={self.min_gain} must be >= 0 (0.05 = switch for a "
                               "5 % better score)")
-        if self.adam_beta2_batch is not None and not 0 < self.adam_beta2_batch <= MAX_GLOBAL_BATCH:
+        b = self.adam_beta2_batch
+        if b is not None and (isinstance(b, bool) or not isinstance(b, int)
+                              or not 0 < b <= MAX_GLOBAL_BATCH):
             raise ConfigError(f"cona.adam_beta2_batch={self.adam_beta2_batch} must be a positive "
                               "global batch (the batch train.adam_beta2 was set for), or null "
                               "to keep beta2 at every batch")
