@@ -58,7 +58,7 @@ def scale_beta(beta: float, batch: float, anchor_batch: float) -> float:
     if not 0.0 <= beta < 1.0:
         raise ValueError(f"Adam's betas must be in [0, 1), got {beta}")
     kappa = batch / anchor_batch
-    if kappa * (1.0 - beta) > 1.0:
+    if kappa * (1.0 - beta) > 1.0 + 1e-12:  # at the edge itself, rounding: clamped below
         raise ValueError(
             f"the square-root scaling rule gives beta {1.0 - kappa * (1.0 - beta):g} at "
             f"batch {batch} from {beta} at {anchor_batch}: a batch at most "

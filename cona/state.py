@@ -291,7 +291,9 @@ def snapshot(trainer: Trainer) -> dict:
 def restore(trainer: Trainer, snap: dict) -> None:
     """Load a :func:`snapshot` back in place (parameter objects are kept), Adam's betas
     included (``snap["adam"]``, with the moments built under them): the trainer then
-    continues bit for bit as the snapshot's would.  To go on under other betas, call
+    continues bit for bit as the snapshot's would (where Adam keeps its step count per
+    parameter, as torch's AdamW; a step kept in the param group, as Transformer Engine's
+    FusedAdam, is not snapshotted).  To go on under other betas, call
     :func:`set_adam_betas` after it (the warm start does).
 
     Raises:

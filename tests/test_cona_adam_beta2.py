@@ -139,7 +139,7 @@ def test_beta2_rule_that_cannot_hold_is_refused_before_training(cache_dir):
     setting's name and the fix."""
     from cona.context import build_context
 
-    with pytest.raises(ConfigError, match="adam_beta2_batch=0 must be a positive"):
+    with pytest.raises(ConfigError, match="adam_beta2_batch=0 must be a global batch from 1"):
         load_config("tiny_gpt", _overrides(cache_dir, "cona.adam_beta2_batch=0")).validate()
     # beta2 0.95 anchored at 2 sequences holds up to 40: the candidates 64 and 128 do not
     cfg = load_config("tiny_gpt", _overrides(cache_dir, "cona.adam_beta2_batch=2"))

@@ -9,7 +9,7 @@ import pytest
 from cona.controller import Controller
 from cona.cost_model import CostModel
 from cona.grad_stats import GradientNoiseScale
-from cona.lr_rule import ramp_lr, scale_adam, scale_lr
+from cona.lr_rule import ramp_lr, scale_adam, scale_beta, scale_lr
 from cona.picks import best_goodput_strategy, best_throughput_strategy, start_strategy
 from cona.strategy import Strategy
 from cona.surrogate import chaining_ceiling, goodput, rank_strategies, statistical_efficiency
@@ -191,6 +191,7 @@ def test_adam_square_root_scaling_rule():
     assert scale_adam((0.9, 0.95), 1e-8, 64, 64) == ((0.9, 0.95), 1e-8)
     assert scale_adam((0.0, 0.95), 1e-8, 64, 64)[0] == (0.0, 0.95)  # beta 0 is an EMA too
     assert scale_adam((0.9, 0.95), 1e-8, 640, 64)[0][0] == pytest.approx(0.0, abs=1e-12)  # the edge
+    assert scale_beta(0.95, 10240, 512) == 0.0  # the edge, where 20 x 0.05 rounds above 1
     with pytest.raises(ValueError, match="at most 640"):
         scale_adam((0.9, 0.95), 1e-8, 1024, 64)  # 1 - 16 * 0.1 < 0
     with pytest.raises(ValueError, match="betas must be in"):

@@ -121,7 +121,7 @@ def test_non_string_text_fields_are_data_errors(tmp_path):
     ("cona.min_gain=-1", "min_gain"), ("cona.num_gpus=0", "num_gpus"),
     ("cona.candidates=[]", "no candidate"), ("cona.gpu=FOO", "cona.gpu='FOO' is unknown"),
     ("cona.num_gpus=8", "cona.clock=emulated"), ("cona.start_slack=1", "start_slack"),
-    ("cona.adam_beta2_batch=0", "adam_beta2_batch=0 must be a positive"),
+    ("cona.adam_beta2_batch=0", "adam_beta2_batch=0 must be a global batch from 1"),
 ])
 def test_cona_settings_are_validated(override, needle):
     """Catches ValueError/KeyError tracebacks from the controller and GPU table,

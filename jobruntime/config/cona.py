@@ -176,9 +176,9 @@ class ConaConfig:
         b = self.adam_beta2_batch
         if b is not None and (isinstance(b, bool) or not isinstance(b, int)
                               or not 0 < b <= MAX_GLOBAL_BATCH):
-            raise ConfigError(f"cona.adam_beta2_batch={self.adam_beta2_batch} must be a positive "
-                              "global batch (the batch train.adam_beta2 was set for), or null "
-                              "to keep beta2 at every batch")
+            raise ConfigError(f"cona.adam_beta2_batch={self.adam_beta2_batch} must be a global "
+                              f"batch from 1 to {MAX_GLOBAL_BATCH} sequences (the batch "
+                              "train.adam_beta2 was set for), or null to keep beta2 at every batch")
         if not 0 <= self.start_slack < 1:
             raise ConfigError(f"cona.start_slack={self.start_slack} must be in [0, 1) (0.02 = "
                               "start up to 2 % slower for a cheaper later switch; 0 = fastest)")
