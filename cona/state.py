@@ -268,7 +268,9 @@ def snapshot(trainer: Trainer) -> dict:
     """Copy of model weights, optimizer state, schedule position, step, token count and RNG.
 
     Restoring it into the *same* trainer (same layout) with :func:`restore`
-    continues bit-for-bit as if nothing happened in between.
+    continues bit-for-bit as if nothing happened in between.  Adam's step count is
+    copied where the optimizer keeps it: per parameter (torch's AdamW) or per param group
+    (Transformer Engine's ``FusedAdam``, megatron-core's Adam where TE is installed).
 
     Raises:
         ValueError, KeyError: as :func:`adam_hyperparameters` (an optimizer whose param
@@ -284,17 +286,18 @@ def snapshot(trainer: Trainer) -> dict:
         "consumed_tokens": trainer.consumed_tokens,
         "rng": default_generators(),
         "adam": adam_hyperparameters(trainer),
+        "group_step": [[_clone(g["step"]) if "step" in g else None for g in opt.param_groups]
+                       for opt in _torch_optimizers(trainer.optimizer)],
     }
 
 
 @torch.no_grad()
 def restore(trainer: Trainer, snap: dict) -> None:
     """Load a :func:`snapshot` back in place (parameter objects are kept), Adam's betas
-    included (``snap["adam"]``, with the moments built under them): the trainer then
-    continues bit for bit as the snapshot's would (where Adam keeps its step count per
-    parameter, as torch's AdamW; a step kept in the param group, as Transformer Engine's
-    FusedAdam, is not snapshotted).  To go on under other betas, call
-    :func:`set_adam_betas` after it (the warm start does).
+    included (``snap["adam"]``, with the moments built under them), and Adam's step count
+    where the optimizer keeps it: the trainer then continues bit for bit as the snapshot's
+    would.  To go on under other betas, call :func:`set_adam_betas` after it (the warm
+    start does).
 
     Raises:
         ValueError, KeyError: as :func:`adam_hyperparameters`, where the snapshot holds
@@ -306,6 +309,13 @@ def restore(trainer: Trainer, snap: dict) -> None:
         if n in snap["main"]:
             s.main.copy_(snap["main"][n])
         s.holder.state[s.main] = {k: _clone(v) for k, v in snap["opt"][n].items()}
+    saved = snap.get("group_step")  # None: a warm state cached before group steps were kept
+    for opt, steps in zip(_torch_optimizers(trainer.optimizer), saved or [], strict=bool(saved)):
+        for group, step in zip(opt.param_groups, steps, strict=True):
+            if step is None:
+                group.pop("step", None)
+            else:
+                group["step"] = _clone(step)
     if snap.get("adam") is not None:  # the betas its moments were built under
         set_adam_betas(trainer, snap["adam"][:2], rescale=False)
     num, max_lr, min_lr = snap["sched"]

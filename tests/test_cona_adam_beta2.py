@@ -57,6 +57,15 @@ def _follow(cache_dir: str) -> dict:
                 torch.equal(st.state[k], snap["opt"][n][k])
                 for n, st in cstate.optimizer_state_by_name(job.trainer).items()
                 for k in ("exp_avg", "exp_avg_sq")))
+            states = cstate.optimizer_state_by_name(job.trainer).values()
+            for s in states:  # as Transformer Engine's FusedAdam keeps it: in the param group
+                s.group["step"] = int(s.state.pop("step"))
+            snap = cstate.snapshot(job.trainer)
+            for s in states:
+                s.group["step"] = 99
+            cstate.restore(job.trainer, snap)
+            rec["group_steps"] = sorted({s.step for s in
+                                         cstate.optimizer_state_by_name(job.trainer).values()})
         out[anchor] = rec
     return out
 
@@ -66,10 +75,12 @@ def test_beta2_follows_the_global_batch_and_keeps_the_second_moment(cache_dir):
     steps: the larger batch averages over more samples), one scaled the wrong way, a change
     that leaves the moments' bias correction to the new ``beta2`` (Adam's step would jump),
     a rule applied while it is off, and a snapshot restored under the trainer's betas of
-    the moment instead of its own (not bit for bit).  Anchor 128 at 0.95: batch 64 runs
+    the moment instead of its own (not bit for bit), or without Adam's step count where
+    the optimizer keeps it in the param group (Transformer Engine's FusedAdam).  Anchor 128 at 0.95: batch 64 runs
     1 - 0.05/2 = 0.975 from its first step; after a switch to 128, 0.95, with every
     parameter's bias-corrected second moment unchanged by the switch; a snapshot at 0.95
-    restored into the trainer at 0.5 comes back at 0.95 with its moments bit for bit."""
+    restored into the trainer at 0.5 comes back at 0.95 with its moments bit for bit, and
+    one taken with the step in the group at step 3 comes back at 3."""
     from tests.dist_utils import launch
 
     (out,) = launch(_follow, 1, cache_dir)
@@ -80,6 +91,7 @@ def test_beta2_follows_the_global_batch_and_keeps_the_second_moment(cache_dir):
         assert after == pytest.approx(before, rel=1e-6), name
     (b1, b2, _), bitwise = on["restored"]
     assert (b1, b2) == pytest.approx((0.9, 0.95)) and bitwise
+    assert on["group_steps"] == [3.0]
     assert off["rule"] == pytest.approx((0.95, 0.95))
     assert off["beta2_at_64"] == off["beta2_at_128"] == pytest.approx(0.95)
 
