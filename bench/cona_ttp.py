@@ -183,6 +183,8 @@ def family_config(target: str, spec: dict, settings: dict, cache_dir: str | None
                  f"model.seq_length={spec['seq']}", f"cona.batch_ratio={BATCH_RATIO}",
                  f"cona.gpu={settings['gpu']}", f"cona.num_gpus={settings['num_gpus']}",
                  f"train.eval_interval={spec['eval_interval']}"]
+    if settings.get("precision"):
+        overrides.append(f"train.precision={settings['precision']}")
     if cache_dir:
         overrides.append(f"data.cache_dir={cache_dir}")
     cfg = load_config(spec["proxy"], overrides)
@@ -485,6 +487,10 @@ def main(argv=None) -> int:
                    "before its seeds' hours")
     p.add_argument("--no-ablations", action="store_true",
                    help="skip CONA's runs with the other noise-scale definitions")
+    p.add_argument("--precision", choices=("fp32", "bf16"), default=None,
+                   help="the proxies' train.precision (default: the preset's, fp32 on "
+                   "CPU); bf16 is mixed precision with fp32 main weights as on a GPU, a "
+                   "set-up of its own (its own warm states and time-scale entry)")
     args = p.parse_args(argv)
     if args.setup_only and (args.reuse or args.no_train or args.seeds is not None):
         p.error("--setup-only runs no seed: --reuse, --no-train and --seeds do not apply")
@@ -511,12 +517,15 @@ def main(argv=None) -> int:
                     time_scale=args.time_scale)
     if args.no_ablations:
         settings["gns_ablations"] = ()
+    if args.precision:
+        settings["precision"] = args.precision
     if args.seeds is not None:
         settings["seeds"] = args.seeds
     models = settings.get("models") or {
         k: v for k, v in MODELS.items() if args.families is None or k in args.families}
     report = {"clock": "emulated", "gpu": args.gpu, "num_gpus": args.num_gpus,
-              "quick": args.quick, **provenance(argv), "models": {}}
+              "quick": args.quick, "precision": settings.get("precision"),
+              **provenance(argv), "models": {}}
     t0 = time.perf_counter()
     out = str(args.out) if args.out is not None else None
     if args.setup_only:
