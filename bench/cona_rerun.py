@@ -221,7 +221,8 @@ def main(argv=None) -> int:
     refuse_output_folder(p, args.out)
     before = {n: earlier_cona(folder, n, seeds) for n in names}  # read before any write
     settings = dict(ttp.FULL, gpu=earlier["gpu"], num_gpus=earlier["num_gpus"],
-                    time_scale="calibrated", gns_ablations=(), seeds=seeds)
+                    time_scale="calibrated", gns_ablations=(), seeds=seeds,
+                    precision=earlier.get("precision"))  # a report before the key: the preset's
     models = {n: ttp.MODELS[n] for n in names}
     report = {"clock": "emulated", "gpu": earlier["gpu"], "num_gpus": earlier["num_gpus"],
               "quick": False, **provenance(argv),
