@@ -85,9 +85,11 @@ Usage::
 Prints one JSON object: ``{"clock": "emulated", "date", "commit", "machine",
 "command", "models": {NAME: {"unigram_ppl", "target_ppl", "noise_scale_growth_direct",
 "target_tokens_per_run", "time_scale", "oracle", "static_fixed", "methods": {METHOD: {"ttp_s",
-"ttp_s_by_seed", "switches", "layout_switches", "chain", "evals", ...}}}}}``
-(``ttp_s``: mean over seeds, ``None`` if a seed missed); with ``--out`` also a plot
-per family (``bench/cona_plot.py``).
+"ttp_s_by_seed", "switches", "layout_switches", "chain", "evals", ...}}}}, "wall_s",
+"load_average_1min"}`` (``ttp_s``: mean over seeds, ``None`` if a seed missed;
+``load_average_1min``: the machine's load sampled through the run, whose ``max`` near
+``jobs`` says the wall time is the bench's alone, :mod:`bench.machine_load`); with
+``--out`` also a plot per family (``bench/cona_plot.py``).
 """
 
 from __future__ import annotations
@@ -115,6 +117,7 @@ from bench.cona_reference import (  # noqa: E402
     seed_context,
     time_scale_for,
 )
+from bench.machine_load import LoadSampler  # noqa: E402
 from bench.seeded_units import run_families, run_units, write_report  # noqa: E402
 
 BATCHES = [64, 128, 256, 512, 1024]  # target sequences
@@ -535,16 +538,20 @@ def main(argv=None) -> int:
         report["wall_s"] = time.perf_counter() - t0
         write_report(report, args.out, "cona_setup.json")
         return 0
-    report["models"] = run_units(
-        models, args.jobs, settings["seeds"], out, reuse=args.reuse, train=not args.no_train,
-        setup=partial(setup_task, settings=settings, cache_dir=args.cache_dir),
-        seed=partial(seed_task, settings=settings), key=partial(setup_key, settings=settings),
-        finish=partial(finish_family, settings=settings, out=out))
+    with LoadSampler() as load:  # whether anything ran beside it (bench/machine_load.py)
+        report["models"] = run_units(
+            models, args.jobs, settings["seeds"], out, reuse=args.reuse,
+            train=not args.no_train,
+            setup=partial(setup_task, settings=settings, cache_dir=args.cache_dir),
+            seed=partial(seed_task, settings=settings),
+            key=partial(setup_key, settings=settings),
+            finish=partial(finish_family, settings=settings, out=out))
     # the bench's own wall time only where it ran every seed itself
     fresh = all(not w.get("reused") for m in report["models"].values()
                 for w in m["seed_runs"])
     report["wall_s"] = time.perf_counter() - t0 if fresh else None
-    report["load_average_1min_at_end"] = os.getloadavg()[0]
+    # alone, the run's own jobs read ~jobs; a higher max: something ran beside it
+    report["load_average_1min"] = dict(load.summary(), jobs=args.jobs)
     write_report(report, args.out, "cona_ttp.json")
     return 0
 
