@@ -5,8 +5,9 @@ A *layout switch* (DP, TP or PP size changes) on every rank, in order:
 1. keep the world process group; remember the old layout's megatron groups
    and the RNG state;
 2. ``jobruntime.parallel.initialize_layout`` on a copy of the config
-   (``destroy_model_parallel`` + ``initialize_model_parallel``); the old
-   model keeps its own ``pg_collection``, so its groups stay usable;
+   (``destroy_model_parallel`` + ``initialize_model_parallel``, with
+   ``release_old_groups=False``); the old model keeps its own
+   ``pg_collection``, so its groups stay usable until step 7;
 3. build the new model (initialised, then overwritten: megatron 0.16 sets
    the tensor-parallel attributes that resharding needs only while
    initialising; the RNG state is restored afterwards) and wrap it in a new
@@ -26,7 +27,8 @@ A *layout switch* (DP, TP or PP size changes) on every rank, in order:
    (first + last stage), for the weight and for each state tensor;
 6. the LR schedule position (samples), step and token counters and RNG are carried;
    the data position (``consumed_samples``) is kept by the caller;
-7. the old model, optimizer and process groups are freed.
+7. the old model, optimizer and process groups are freed (the groups destroyed:
+   ``jobruntime.parallel.destroy_groups``).
 
 A *batch switch* (same DP/TP/PP, new micro or global batch) needs no
 resharding: the trainer's config, the schedule's batch and the LR change.
@@ -63,7 +65,9 @@ from jobruntime.model import build_model
 from jobruntime.parallel import (
     Topology,
     default_generators,
+    destroy_groups,
     initialize_layout,
+    model_parallel_groups,
     set_default_generators,
     share_tp_generators,
 )
@@ -145,26 +149,6 @@ def _report(kind: str, seconds: float, rss: PeakRSS) -> SwitchReport:
         [seconds, rss.peak / mib, rss.start / mib, rss.end / mib]
     )
     return SwitchReport(kind, s, peak, before, after)
-
-
-def _megatron_groups() -> list:
-    """Process groups held by megatron's ``parallel_state`` now (not the world group)."""
-    world = dist.group.WORLD
-    out, seen = [], set()
-    for name, value in vars(parallel_state).items():
-        if "GROUP" in name and isinstance(value, dist.ProcessGroup) and value is not world:
-            if id(value) not in seen:
-                seen.add(id(value))
-                out.append(value)
-    return out
-
-
-def _destroy_groups(groups: list) -> None:
-    for g in groups:
-        try:
-            dist.destroy_process_group(g)
-        except Exception as e:  # a leaked group costs sockets, never correctness
-            log.debug("could not destroy an old process group: %s", e)
 
 
 def _tied_output_weight(module: torch.nn.Module) -> torch.nn.Parameter | None:
@@ -324,8 +308,8 @@ def switch_layout(
             dist.barrier()
         t0 = time.perf_counter()
         rng = default_generators()
-        old_groups = _megatron_groups()
-        topo = initialize_layout(new_cfg)
+        old_groups = model_parallel_groups()  # resharding reads over both layouts
+        topo = initialize_layout(new_cfg, release_old_groups=False)
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
         # Initialised although overwritten: megatron sets the TP attributes
         # (partition dim, stride) that resharding reads only while initialising.
@@ -347,7 +331,7 @@ def switch_layout(
         owner.trainer = new
         del module, new
         gc.collect()  # the old model, DDP buffers and optimizer state go here
-        _destroy_groups(old_groups)
+        destroy_groups(old_groups)
         if dist.is_initialized():
             dist.barrier()
         seconds = time.perf_counter() - t0

@@ -9,6 +9,7 @@ layers read it).
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 import random
 from dataclasses import dataclass
@@ -24,6 +25,8 @@ from .config import JobConfig
 from .devices import install_collective_check
 from .faults import note_run_dir
 from .ports import free_port
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -83,8 +86,36 @@ def init_distributed(timeout_s: float = 600.0) -> None:
     )
 
 
-def initialize_layout(cfg: JobConfig) -> Topology:
+def model_parallel_groups() -> list[dist.ProcessGroup]:
+    """The process groups megatron's ``parallel_state`` holds now, the default group
+    excepted: its registry of every group ``create_group`` made with this rank a member
+    (``parallel_state._global_process_group_list``; megatron-core 0.16), which
+    ``destroy_model_parallel`` drops without destroying a group."""
+    return [g for g in parallel_state._global_process_group_list or [] if g is not None]
+
+
+def destroy_groups(groups: list[dist.ProcessGroup]) -> None:
+    """Destroy ``groups`` (``torch.distributed.destroy_process_group`` each: their
+    communicators, and gloo's two threads per group).  Every rank calls it for the groups
+    it is a member of, as it called ``new_group``.  A group that cannot be destroyed is
+    logged and skipped: it costs threads and sockets, never correctness."""
+    for g in groups:
+        try:
+            dist.destroy_process_group(g)
+        except Exception as e:  # noqa: BLE001 - see the docstring
+            log.debug("could not destroy an old process group: %s", e)
+
+
+def initialize_layout(cfg: JobConfig, *, release_old_groups: bool = True) -> Topology:
     """(Re)build megatron's process groups for ``cfg.parallel``; return the topology.
+
+    A rebuild destroys the groups of the layout before it (``destroy_model_parallel``
+    only forgets them: each gloo group kept two threads, so a process that rebuilt its
+    layout a few hundred times -- a long CONA run, the CONA bench's search -- held
+    thousands of threads and slowed several-fold).  ``release_old_groups=False`` leaves
+    them to the caller, who still needs them (a layout switch reshards over both
+    layouts): destroy them with :func:`destroy_groups` (:func:`model_parallel_groups`
+    before the rebuild lists them).
 
     Raises:
         ConfigError: the layout does not fit the world size or the model.
@@ -92,12 +123,16 @@ def initialize_layout(cfg: JobConfig) -> Topology:
     init_distributed()
     world = dist.get_world_size()
     dp = cfg.validate(world)
+    old = []
     if parallel_state.model_parallel_is_initialized():
+        old = model_parallel_groups()
         parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=cfg.parallel.tp,
         pipeline_model_parallel_size=cfg.parallel.pp,
     )
+    if release_old_groups:
+        destroy_groups(old)
     return Topology(
         world_size=world,
         rank=dist.get_rank(),
