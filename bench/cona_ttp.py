@@ -87,8 +87,8 @@ Prints one JSON object: ``{"clock": "emulated", "date", "commit", "machine",
 "target_tokens_per_run", "time_scale", "oracle", "static_fixed", "methods": {METHOD: {"ttp_s",
 "ttp_s_by_seed", "switches", "layout_switches", "chain", "evals", ...}}}}, "wall_s",
 "load_average_1min"}`` (``ttp_s``: mean over seeds, ``None`` if a seed missed;
-``load_average_1min``: the machine's load sampled through the run, whose ``max`` near
-``jobs`` says the wall time is the bench's alone, :mod:`bench.machine_load`); with
+``load_average_1min``: the machine's load sampled through the run, whose ``max`` at
+most ``2 * jobs + 1`` says the wall time is the bench's alone, :mod:`bench.machine_load`); with
 ``--out`` also a plot per family (``bench/cona_plot.py``).
 """
 
@@ -550,7 +550,7 @@ def main(argv=None) -> int:
     fresh = all(not w.get("reused") for m in report["models"].values()
                 for w in m["seed_runs"])
     report["wall_s"] = time.perf_counter() - t0 if fresh else None
-    # alone, the run's own jobs read ~jobs; a higher max: something ran beside it
+    # alone the run reads jobs to 2 * jobs + 1 (render_cona._load_note); more: not alone
     report["load_average_1min"] = dict(load.summary(), jobs=args.jobs)
     write_report(report, args.out, "cona_ttp.json")
     return 0

@@ -7,8 +7,9 @@ and 37 s alone).  The load at the end alone misses what ran in the middle, so
 :class:`LoadSampler` reads the 1-minute load average (``os.getloadavg``: runnable and
 uninterruptible tasks, an exponential average over one minute) every ``interval_s``
 seconds in a daemon thread and reports its maximum and mean.  A run of ``jobs`` busy
-single-threaded workers alone on the machine reads about ``jobs``; a maximum well above
-it means the wall time is not clean.
+single-threaded workers alone on the machine reads ``jobs`` to ``2 * jobs + 1`` (each
+worker's gloo TCP loop thread is runnable while it polls; the parent process); a maximum
+well above it means the wall time is not the bench's own.
 """
 
 from __future__ import annotations

@@ -285,6 +285,22 @@ def test_a_resumed_bench_reports_its_wall_as_an_estimate_from_its_units():
     assert _bench_wall(r) == (None, "")
 
 
+def test_the_wall_bar_says_whether_the_bench_ran_alone():
+    """Catches a wall time read as the bench's own when other work shared the cores: the
+    sampled load's maximum is compared with the run's jobs (2 jobs alone read about 2),
+    and a report from before the samples says nothing either way."""
+    from render_cona import _load_note
+
+    r = {"load_average_1min": {"max": 4.9, "mean": 3.0, "jobs": 2}}  # + gloo's loop threads
+    assert _load_note(r).endswith("with 2 jobs: alone")
+    r["load_average_1min"]["max"] = 36.4
+    assert "at most 36.4" in _load_note(r) and "not alone" in _load_note(r)
+    assert _load_note({"load_average_1min_at_end": 36.4}) == ""
+    data = {"date": "2026-12-02", "commit": "c", "machine": "m", "command": "c",
+            "wall_s": 60 * 60.0, "models": {}, **r}
+    assert "took 60 min; 1-minute load average" in render_results.cona_ttp_bars(data)
+
+
 def test_cona_efficiency_table_and_the_best_definition_from_a_synthetic_result():
     """Catches an efficiency table that misstates its JSON or picks the best definition
     from one family: rows in batch order (``"1024"`` after ``"128"``), a missed batch as an

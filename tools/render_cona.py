@@ -364,6 +364,23 @@ def _bench_wall(r: dict) -> tuple[float | None, str]:
                                f"summed over {jobs} jobs")
 
 
+def _load_note(r: dict) -> str:
+    """Whether the bench ran alone, from the load it sampled through the run
+    (``load_average_1min``, :mod:`bench.machine_load`).  Each of its ``jobs`` workers
+    runs two runnable threads at most (its one torch thread and gloo's TCP loop, which
+    polls), so alone the bench reads at most ``2 * jobs + 1`` (the parent process too); a
+    higher maximum means other work shared the cores, and the wall time overstates the
+    bench's own.  Empty for a report without the samples (before they were taken)."""
+    load = r.get("load_average_1min")
+    if not isinstance(load, dict) or load.get("max") is None:
+        return ""
+    jobs = load.get("jobs", 2)
+    alone = ("alone" if load["max"] <= 2 * jobs + 1
+             else "not alone: other work shared the cores")
+    return (f"; 1-minute load average through the run at most {load['max']:.1f}, "
+            f"mean {load['mean']:.1f}, with {jobs} jobs: {alone}")
+
+
 def cona_ttp_bars(r: dict, families: tuple[str, ...] = ("gpt3_1.3b", "llama3.2_1b",
                                                          "bert_large")) -> str:
     """Issue 23's bars against a full run: per family the measured value of each bar,
@@ -418,7 +435,8 @@ def cona_ttp_bars(r: dict, families: tuple[str, ...] = ("gpt3_1.3b", "llama3.2_1
         (f"noise scale grows >= {GROWTH_BAR:g}x on every family",
          every(growth, lambda x: x >= GROWTH_BAR)),
         (f"the full bench takes <= {WALL_BAR_S // 60} min on 2 cores ({len(run)} of "
-         f"{len(families)} families took {_fmt(wall and wall / 60, '.0f', ' min')}{wall_note})",
+         f"{len(families)} families took {_fmt(wall and wall / 60, '.0f', ' min')}{wall_note}"
+         f"{_load_note(r)})",
          None if wall is None else (wall <= WALL_BAR_S and len(run) == len(families))),
     ]
     rows += ["", "| bar | |", "|---|---|"] + [f"| {b} | {_mark(ok)} |" for b, ok in bars]
