@@ -9,6 +9,7 @@ layers read it).
 from __future__ import annotations
 
 import datetime
+import gc
 import logging
 import os
 import random
@@ -110,9 +111,10 @@ def initialize_layout(cfg: JobConfig, *, release_old_groups: bool = True) -> Top
     """(Re)build megatron's process groups for ``cfg.parallel``; return the topology.
 
     A rebuild destroys the groups of the layout before it (``destroy_model_parallel``
-    only forgets them: each gloo group kept two threads, so a process that rebuilt its
-    layout a few hundred times -- a long CONA run, the CONA bench's search -- held
-    thousands of threads and slowed several-fold).  ``release_old_groups=False`` leaves
+    only forgets them: each gloo group kept two threads, one of them polling, so a
+    process that rebuilt its layout a few hundred times -- the CONA bench's runs, a long
+    CONA run -- held thousands of threads that took its CPU), and collects the garbage
+    that still referenced them.  ``release_old_groups=False`` leaves
     them to the caller, who still needs them (a layout switch reshards over both
     layouts): destroy them with :func:`destroy_groups` (:func:`model_parallel_groups`
     before the rebuild lists them).
@@ -131,8 +133,13 @@ def initialize_layout(cfg: JobConfig, *, release_old_groups: bool = True) -> Top
         tensor_model_parallel_size=cfg.parallel.tp,
         pipeline_model_parallel_size=cfg.parallel.pp,
     )
-    if release_old_groups:
+    if release_old_groups and old:
         destroy_groups(old)
+        del old
+        # a group's threads end with its last reference, and the old layout's model and
+        # optimizer hold theirs in reference cycles: collect them now, not at the
+        # collector's next full pass (hundreds of gloo threads polling meanwhile)
+        gc.collect()
     return Topology(
         world_size=world,
         rank=dist.get_rank(),
