@@ -286,19 +286,23 @@ def test_a_resumed_bench_reports_its_wall_as_an_estimate_from_its_units():
 
 
 def test_the_wall_bar_says_whether_the_bench_ran_alone():
-    """Catches a wall time read as the bench's own when other work shared the cores: the
-    sampled load's maximum is compared with the run's jobs (2 jobs alone read about 2),
-    and a report from before the samples says nothing either way."""
+    """Catches a wall time read as the bench's own when other work shared the cores, or a
+    verdict drawn from the load average (it counts the bench's own threads): "alone"
+    comes from the CPU time other processes used, the load is shown beside it, and a
+    report from before the samples says nothing either way."""
     from render_cona import _load_note
 
-    r = {"load_average_1min": {"max": 4.9, "mean": 3.0, "jobs": 2}}  # + gloo's loop threads
-    assert _load_note(r).endswith("with 2 jobs: alone")
-    r["load_average_1min"]["max"] = 36.4
-    assert "at most 36.4" in _load_note(r) and "not alone" in _load_note(r)
+    load = {"max": 7.0, "mean": 4.1, "jobs": 2}  # gloo's polling threads: the bench's own
+    assert _load_note({"load_average_1min": load}).endswith("mean 4.1, with 2 jobs")
+    assert "alone" not in _load_note({"load_average_1min": load})  # no verdict from load
+    ran = dict(load, other_cpu_s=30.0, other_cpu_share=0.004)
+    assert "30 CPU-s, 0.4 % of the cores' time: alone;" in _load_note({"load_average_1min": ran})
+    busy = dict(load, other_cpu_s=2400.0, other_cpu_share=0.2)
+    assert ": not alone;" in _load_note({"load_average_1min": busy})
     assert _load_note({"load_average_1min_at_end": 36.4}) == ""
     data = {"date": "2026-12-02", "commit": "c", "machine": "m", "command": "c",
-            "wall_s": 60 * 60.0, "models": {}, **r}
-    assert "took 60 min; 1-minute load average" in render_results.cona_ttp_bars(data)
+            "wall_s": 60 * 60.0, "models": {}, "load_average_1min": ran}
+    assert "took 60 min; other processes used 30 CPU-s" in render_results.cona_ttp_bars(data)
 
 
 def test_cona_efficiency_table_and_the_best_definition_from_a_synthetic_result():

@@ -1,11 +1,11 @@
-"""bench/machine_load.py: the load sampled while a bench runs (its maximum catches what
-the load at the end misses)."""
+"""bench/machine_load.py: what other processes used while a bench ran (the CPU time they
+took, and the load average's peak that the load at the end misses)."""
 
 import threading
 
 import pytest
 
-from bench.machine_load import LoadSampler
+from bench.machine_load import LoadSampler, machine_busy_s, own_cpu_s
 
 
 def test_sampler_keeps_the_peak_that_the_end_misses():
@@ -26,10 +26,30 @@ def test_sampler_keeps_the_peak_that_the_end_misses():
     assert 2.0 < s["mean"] < 37.5
 
 
-def test_a_short_block_still_has_its_end_sample():
-    with LoadSampler(interval_s=3600, read=lambda: 1.5) as load:
+def test_other_cpu_is_the_machines_busy_time_less_our_own():
+    """The machine was busy 50 CPU-s over the block, 45 of them ours: others used 5."""
+    busy, own = iter([100.0, 150.0]), iter([10.0, 55.0])
+    with LoadSampler(interval_s=3600, read=lambda: 1.0, busy=lambda: next(busy),
+                     own=lambda: next(own)) as load:
         pass
-    assert load.summary()["max"] == 1.5 and load.summary()["samples"] >= 1
+    assert load.summary()["other_cpu_s"] == pytest.approx(5.0)
+    assert load.summary()["other_cpu_share"] > 0
+    no_proc = LoadSampler(interval_s=3600, read=lambda: 1.0, busy=lambda: None)
+    with no_proc:
+        pass
+    assert no_proc.summary()["other_cpu_s"] is None  # no /proc/stat: not measured
+
+
+def test_real_counters_move_with_our_own_work():
+    """On this machine a busy loop in this process moves both counters (what others used
+    depends on what else runs, so only the counters are checked here)."""
+    b0 = machine_busy_s()
+    if b0 is None:
+        pytest.skip("no /proc/stat")
+    c0 = own_cpu_s()
+    while own_cpu_s() - c0 < 0.2:
+        sum(range(10_000))
+    assert machine_busy_s() - b0 >= 0.1
 
 
 def test_bad_interval_is_refused():

@@ -331,6 +331,7 @@ ORACLE_BAR = 0.97  # CONA >= 0.97x static_oracle, every family and seed
 CHAIN_BAR = 0.95  # CONA within 5 % of the oracle chain, every family
 GROWTH_BAR = 4.0  # the noise scale grows >= 4x over the segment, every family
 WALL_BAR_S = 90 * 60  # the full bench on 2 cores
+OTHER_CPU_SHARE = 0.02  # other processes' CPU over all cores' time: a run below is alone
 
 
 def _ratio(num: float | None, den: float | None) -> float | None:
@@ -365,20 +366,22 @@ def _bench_wall(r: dict) -> tuple[float | None, str]:
 
 
 def _load_note(r: dict) -> str:
-    """Whether the bench ran alone, from the load it sampled through the run
-    (``load_average_1min``, :mod:`bench.machine_load`).  Each of its ``jobs`` workers
-    runs two runnable threads at most (its one torch thread and gloo's TCP loop, which
-    polls), so alone the bench reads at most ``2 * jobs + 1`` (the parent process too); a
-    higher maximum means other work shared the cores, and the wall time overstates the
-    bench's own.  Empty for a report without the samples (before they were taken)."""
+    """Whether the bench ran alone, from what it measured of the machine while it ran
+    (``load_average_1min``, :mod:`bench.machine_load`): the CPU seconds other processes
+    used, "alone" where they are under :data:`OTHER_CPU_SHARE` of all cores' time over
+    the run; the 1-minute load average beside it (it counts the bench's own threads, so
+    it alone decides nothing).  Empty for a report from before the samples."""
     load = r.get("load_average_1min")
     if not isinstance(load, dict) or load.get("max") is None:
         return ""
-    jobs = load.get("jobs", 2)
-    alone = ("alone" if load["max"] <= 2 * jobs + 1
-             else "not alone: other work shared the cores")
-    return (f"; 1-minute load average through the run at most {load['max']:.1f}, "
-            f"mean {load['mean']:.1f}, with {jobs} jobs: {alone}")
+    note = (f"; 1-minute load average through the run at most {load['max']:.1f}, "
+            f"mean {load['mean']:.1f}, with {load.get('jobs', 2)} jobs")
+    share = load.get("other_cpu_share")
+    if share is None:
+        return note
+    alone = "alone" if share < OTHER_CPU_SHARE else "not alone"
+    return (f"; other processes used {load['other_cpu_s']:,.0f} CPU-s, {100 * share:.1f} % "
+            f"of the cores' time: {alone}{note}")
 
 
 def cona_ttp_bars(r: dict, families: tuple[str, ...] = ("gpt3_1.3b", "llama3.2_1b",
