@@ -12,7 +12,12 @@ sequences.
 Rules fixed before any method runs (per family; none looks at a method's result):
 
 0. **Proxy.** The preset's architecture narrowed (:data:`MODELS`' ``overrides``) so that
-   the full bench's many runs fit on 2 cores; the quick run keeps the presets.
+   the full bench's many runs fit on 2 cores; the quick run keeps the presets.  Every
+   proxy trains in bf16 mixed precision (:data:`PRECISION`: bf16 weights and matmuls,
+   gradients reduced in fp32, fp32 main weights and Adam moments: megatron-core's
+   mixed-precision optimizer), as the target trains on its GPUs; on a CPU with
+   AVX512-BF16 its matmuls run about twice as fast as fp32 (``--precision fp32``: the
+   preset's CPU default, a set-up of its own).
 1. **Batches.** One proxy sequence stands for ``r = 8`` target sequences, every
    family (:data:`cona.mapping.BATCH_RATIO`, a constant: no measured quantity is
    rounded on the way to the table).
@@ -152,14 +157,17 @@ MOVES = (-2, -1, 1, 2)
 # CONA again with each other noise-scale definition (cona.gns_definition; rows
 # cona_gns_<definition>): which the controller ranks by is an ablation, side by side
 GNS_ABLATIONS = ("simple", "newton", "pollux")
+# the proxies' train.precision (rule 0); a report records it, so a re-run can match it
+PRECISION = "bf16"
 FULL = {"windows": 6, "batches": BATCHES, "seeds": SEEDS, "lr_factors": (0.5, 1.0, 2.0),
         "val_sequences": VAL_SEQUENCES, "moves": MOVES, "prune": "dominated", "beam": 2,
-        "probe_microbatches": PROBE_MICROBATCHES, "gns_ablations": GNS_ABLATIONS}
+        "probe_microbatches": PROBE_MICROBATCHES, "gns_ablations": GNS_ABLATIONS,
+        "precision": PRECISION}
 # CI-sized: one family, one seed, three batches (with the recipe's 512), 32 validation
 # sequences, a short warmup and a shallow target (the reference's perplexity after
 # ``quick_segment`` steps: rule 3 needs thousands)
 QUICK = {"windows": 2, "batches": [64, 128, 512], "seeds": 1, "lr_factors": (1.0,), "moves": MOVES,
-         "val_sequences": 32, "warm_steps": 20, "quick_segment": 60,
+         "val_sequences": 32, "warm_steps": 20, "quick_segment": 60, "precision": PRECISION,
          "models": {"gpt3_1.3b": {"proxy": "tiny_gpt", "seq": 64, "iters": 200,
                                   "eval_interval": 8}}}
 COMMON = [
@@ -491,9 +499,8 @@ def main(argv=None) -> int:
     p.add_argument("--no-ablations", action="store_true",
                    help="skip CONA's runs with the other noise-scale definitions")
     p.add_argument("--precision", choices=("fp32", "bf16"), default=None,
-                   help="the proxies' train.precision (default: the preset's, fp32 on "
-                   "CPU); bf16 is mixed precision with fp32 main weights as on a GPU, a "
-                   "set-up of its own (its own warm states and time-scale entry)")
+                   help=f"the proxies' train.precision (default {PRECISION}, rule 0); "
+                   "each is a set-up of its own (its own warm states and time-scale entry)")
     args = p.parse_args(argv)
     if args.setup_only and (args.reuse or args.no_train or args.seeds is not None):
         p.error("--setup-only runs no seed: --reuse, --no-train and --seeds do not apply")

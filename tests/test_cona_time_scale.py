@@ -83,9 +83,10 @@ def test_set_up_digest_names_what_the_reference_depends_on_and_nothing_else():
         assert setup_digest("gpt3_1.3b", c, s) != d0, change
     assert setup_digest("gpt3_1.3b", base, dict(s, probe_microbatches=64)) != d0
     assert setup_digest("llama3.2_1b", base, s) != d0
-    bf16 = dict(s, precision="bf16")  # --precision bf16: a set-up of its own
-    assert _cfg(settings=bf16).train.precision == "bf16"
-    assert setup_digest("gpt3_1.3b", _cfg(settings=bf16), bf16) != d0
+    assert base.train.precision == "bf16"  # rule 0
+    fp32 = dict(s, precision="fp32")  # --precision fp32: a set-up of its own
+    assert _cfg(settings=fp32).train.precision == "fp32"
+    assert setup_digest("gpt3_1.3b", _cfg(settings=fp32), fp32) != d0
 
 
 def test_calibration_from_a_result_checks_its_recorded_set_up(tmp_path):
