@@ -37,6 +37,10 @@ from pathlib import Path  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+# the proxies' train.precision: fp32, as its committed result was measured (the TTP
+# bench's default became bf16 after it; bench/cona_ttp.py rule 0)
+PRECISION = "fp32"
+
 
 def calibrate(family: str, fractions: list[float], cache_dir: str | None) -> dict:
     """The trend growth of the directly measured noise scale at each target ``fractions``
@@ -53,7 +57,7 @@ def calibrate(family: str, fractions: list[float], cache_dir: str | None) -> dic
 
     spec = MODELS[family]
     worker_setup(spec["proxy"])
-    settings = dict(FULL, gpu="A100-80GB", num_gpus=64)
+    settings = dict(FULL, gpu="A100-80GB", num_gpus=64, precision=PRECISION)
     cfg = family_config(family, spec, settings, cache_dir)
     ctx, _ = seed_context(cfg, cfg.train.warmup_iters, probe_microbatches=PROBE_MICROBATCHES)
     unigram = corpus_unigram_perplexity(ctx.data.corpus, cfg.model.vocab_size)
@@ -92,7 +96,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if not all(0 < f < 1 for f in args.fractions):
         p.error(f"--fractions must lie in (0, 1), got {args.fractions}")
-    report = {**provenance(argv), **calibrate(args.family, args.fractions, args.cache_dir)}
+    report = {**provenance(argv), "precision": PRECISION,
+              **calibrate(args.family, args.fractions, args.cache_dir)}
     write_report(report, args.out, "cona_calibrate.json")
     return 0
 
