@@ -15,9 +15,9 @@ Rules fixed before any method runs (per family; none looks at a method's result)
    the full bench's many runs fit on 2 cores; the quick run keeps the presets.  Every
    proxy trains in bf16 mixed precision (:data:`PRECISION`: bf16 weights and matmuls,
    gradients reduced in fp32, fp32 main weights and Adam moments: megatron-core's
-   mixed-precision optimizer), as the target trains on its GPUs; on a CPU with
-   AVX512-BF16 its matmuls run about twice as fast as fp32 (``--precision fp32``: the
-   preset's CPU default, a set-up of its own).
+   mixed-precision optimizer), as the target trains on its GPUs (``--precision fp32``:
+   the presets' CPU default, a set-up of its own; how fast either runs depends on the
+   CPU's bf16 instructions).
 1. **Batches.** One proxy sequence stands for ``r = 8`` target sequences, every
    family (:data:`cona.mapping.BATCH_RATIO`, a constant: no measured quantity is
    rounded on the way to the table).
@@ -92,9 +92,10 @@ Prints one JSON object: ``{"clock": "emulated", "date", "commit", "machine",
 "target_tokens_per_run", "time_scale", "oracle", "static_fixed", "methods": {METHOD: {"ttp_s",
 "ttp_s_by_seed", "switches", "layout_switches", "chain", "evals", ...}}}}, "wall_s",
 "load_average_1min"}`` (``ttp_s``: mean over seeds, ``None`` if a seed missed;
-``load_average_1min``: the machine's load sampled through the run, whose ``max`` at
-most ``2 * jobs + 1`` says the wall time is the bench's alone, :mod:`bench.machine_load`); with
-``--out`` also a plot per family (``bench/cona_plot.py``).
+``load_average_1min``: the CPU seconds other processes used over the run, which say
+whether the wall time is the bench's alone, and the load average sampled through it,
+:mod:`bench.machine_load`); with ``--out`` also a plot per family
+(``bench/cona_plot.py``).
 """
 
 from __future__ import annotations
@@ -557,7 +558,7 @@ def main(argv=None) -> int:
     fresh = all(not w.get("reused") for m in report["models"].values()
                 for w in m["seed_runs"])
     report["wall_s"] = time.perf_counter() - t0 if fresh else None
-    # alone the run reads jobs to 2 * jobs + 1 (render_cona._load_note); more: not alone
+    # other processes' CPU over the run says whether it ran alone (render_cona._load_note)
     report["load_average_1min"] = dict(load.summary(), jobs=args.jobs)
     write_report(report, args.out, "cona_ttp.json")
     return 0

@@ -8,7 +8,9 @@ run that leaked process groups read 224 with nothing else on the machine; the le
 what others used directly: the machine's busy CPU time (``/proc/stat``: user, nice,
 system, irq, softirq and steal) over the block, less the CPU time of this process and of
 its children that ended within it (``resource.getrusage``; a process pool's workers are
-joined before the block ends).  It also samples the 1-minute load average every
+joined before the block ends).  What remains is other processes' time, the kernel's
+(interrupts, the hypervisor's steal) and that of a child still running at the end; a
+child started before the block counts as ours entirely.  It also samples the 1-minute load average every
 ``interval_s`` seconds in a daemon thread, reported beside (max and mean).
 """
 
@@ -32,6 +34,17 @@ def machine_busy_s() -> float | None:
     except OSError:
         return None
     return sum(int(fields[i]) for i in BUSY) / os.sysconf("SC_CLK_TCK")
+
+
+def machine_cpus() -> int:
+    """The CPUs ``/proc/stat`` sums over (its ``cpuN`` lines; ``os.cpu_count()`` where it
+    is absent): the denominator of a share of its busy time."""
+    try:
+        with open("/proc/stat") as f:
+            n = sum(1 for line in f if line.startswith("cpu") and line[3].isdigit())
+    except OSError:
+        n = 0
+    return n or os.cpu_count() or 1
 
 
 def own_cpu_s() -> float:
@@ -104,7 +117,7 @@ class LoadSampler:
         s = self.samples
         share = None
         if self.other_cpu_s is not None and self.wall_s:
-            share = self.other_cpu_s / (self.wall_s * (os.cpu_count() or 1))
+            share = self.other_cpu_s / (self.wall_s * machine_cpus())
         return {"other_cpu_s": self.other_cpu_s, "other_cpu_share": share,
                 "max": max(s) if s else None, "mean": statistics.fmean(s) if s else None,
                 "at_end": s[-1] if s else None, "samples": len(s),

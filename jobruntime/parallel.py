@@ -90,16 +90,21 @@ def init_distributed(timeout_s: float = 600.0) -> None:
 def model_parallel_groups() -> list[dist.ProcessGroup]:
     """The process groups megatron's ``parallel_state`` holds now, the default group
     excepted: its registry of every group ``create_group`` made with this rank a member
-    (``parallel_state._global_process_group_list``; megatron-core 0.16), which
-    ``destroy_model_parallel`` drops without destroying a group."""
+    (``parallel_state._global_process_group_list``; megatron-core 0.16), in creation
+    order (the same on every rank).  ``destroy_model_parallel`` forgets them and
+    destroys only its gloo data-parallel groups."""
     return [g for g in parallel_state._global_process_group_list or [] if g is not None]
 
 
 def destroy_groups(groups: list[dist.ProcessGroup]) -> None:
     """Destroy ``groups`` (``torch.distributed.destroy_process_group`` each: their
-    communicators, and gloo's two threads per group).  Every rank calls it for the groups
-    it is a member of, as it called ``new_group``.  A group that cannot be destroyed is
-    logged and skipped: it costs threads and sockets, never correctness."""
+    communicators, and gloo's three threads per group).  Every rank calls it for the
+    groups it is a member of, in the same order (:func:`model_parallel_groups`'), as it
+    called ``new_group``: on NCCL destroying a group waits for its members, so a rank that
+    died first leaves the others waiting (call it on the healthy path only).  A group
+    already destroyed (megatron destroys its gloo data-parallel groups itself) or that
+    cannot be destroyed is logged and skipped: it costs threads and sockets, not the
+    run's results."""
     for g in groups:
         try:
             dist.destroy_process_group(g)
@@ -111,7 +116,7 @@ def initialize_layout(cfg: JobConfig, *, release_old_groups: bool = True) -> Top
     """(Re)build megatron's process groups for ``cfg.parallel``; return the topology.
 
     A rebuild destroys the groups of the layout before it (``destroy_model_parallel``
-    only forgets them: each gloo group kept two threads, one of them polling, so a
+    only forgets them: each gloo group kept three threads, one of them polling, so a
     process that rebuilt its layout a few hundred times -- the CONA bench's runs, a long
     CONA run -- held thousands of threads that took its CPU), and collects the garbage
     that still referenced them.  ``release_old_groups=False`` leaves
