@@ -122,7 +122,8 @@ def initialize_layout(cfg: JobConfig, *, release_old_groups: bool = True) -> Top
     that still referenced them.  ``release_old_groups=False`` leaves
     them to the caller, who still needs them (a layout switch reshards over both
     layouts): destroy them with :func:`destroy_groups` (:func:`model_parallel_groups`
-    before the rebuild lists them).
+    before the rebuild lists them).  So a model or trainer built on the previous layout
+    cannot train after the rebuild: one job per process at a time, or a switch.
 
     Raises:
         ConfigError: the layout does not fit the world size or the model.

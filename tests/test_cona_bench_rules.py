@@ -224,6 +224,7 @@ def _warm_start(cache_dir, warm_dir):
     own = ctx.make_job(ctx.reference_strategy())  # the warm run's own job, measured directly
     for _ in range(3):
         own.train_step()
+    own_val_loss = own.evaluate()  # before the next job rebuilds the layout
     measure = lambda job: {"val_loss": job.evaluate()}  # noqa: E731
     warm, cached = load_or_train_warm(ctx, 3, measure)
     ctx.warm = warm
@@ -232,10 +233,12 @@ def _warm_start(cache_dir, warm_dir):
     other.cfg.data.cache_dir = warm_dir
     again, again_cached = load_or_train_warm(other, 3, measure)
     s128 = fastest_per_batch(ctx.candidates, ctx.cluster.iter_s)[128]
-    a, b = ctx.make_job(s128), ctx.make_job(s128)
+    # one job at a time: building a job rebuilds the layout, which destroys the process
+    # groups the job before it trains on (jobruntime.parallel.initialize_layout)
+    a = ctx.make_job(s128)
     params = cstate.snapshot(a.trainer)["params"]
     out = {"cached": (cached, load_or_train_warm(ctx, 3)[1], again_cached),
-           "val_loss": (warm["extra"]["val_loss"], own.evaluate(), again["extra"]["val_loss"]),
+           "val_loss": (warm["extra"]["val_loss"], own_val_loss, again["extra"]["val_loss"]),
            "val_samples": (ctx.data.val_samples, other.data.val_samples),
            "reference": ctx.reference_strategy().global_batch_size,
            "consumed": (a.consumed_samples, warm["consumed_samples"]),
@@ -244,11 +247,14 @@ def _warm_start(cache_dir, warm_dir):
            "max_lr": (a.trainer.scheduler.max_lr, cfg.train.lr * 2 ** 0.5),
            "start_lr": (a.start_lr, (cfg.train.lr, cfg.train.min_lr)),
            "sched": (a.trainer.scheduler.num_steps, warm["trainer"]["sched"][0]),
-           "clock": a.clock_s, "losses": (a.train_step()[0].loss, b.train_step()[0].loss)}
+           "clock": a.clock_s}
+    loss_a = a.train_step()[0].loss
     before = a.clock_s
     a.measure_noise_scale(microbatches=4)
     mb = a.trainer.cfg.parallel.micro_batch_size
     out["probe_charge"] = (a.clock_s - before, ctx.cluster.target_step_s(s128) * 4 * mb / 16)
+    b = ctx.make_job(s128)  # a second job from the same warm state: the same first loss
+    out["losses"] = (loss_a, b.train_step()[0].loss)
     # a job under other betas: the warm moments keep their bias-corrected values
     t = ctx.cfg.train
     t.adam_beta1, t.adam_beta2 = 0.975, 0.9875
