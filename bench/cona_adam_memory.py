@@ -57,10 +57,6 @@ import bench.cona_ttp as ttp  # noqa: E402
 from bench.cona_efficiency import static_run  # noqa: E402
 from bench.seeded_units import run_families, write_report  # noqa: E402
 
-# the proxies' train.precision: fp32, as its committed result was measured (the TTP
-# bench's default became bf16 after it; bench/cona_ttp.py rule 0)
-PRECISION = "fp32"
-
 BATCHES = (64, 128, 256)  # target sequences: the reference and the two CONA weighs next
 VARIANTS = ("beta1", "beta2", "sde")  # which of Adam's hyperparameters follow the rule
 
@@ -107,7 +103,7 @@ def memory_family(target: str, spec: dict, batches: tuple[int, ...], variants: t
     t0 = time.perf_counter()
     settings = dict(ttp.FULL, batches=list(batches), gpu="A100-80GB", num_gpus=64,
                     time_scale="measured",  # samples to the target do not depend on it
-                    precision=PRECISION)
+                    precision=ttp.STUDY_PRECISION)
     cfg, ctx0, _, _, _ = ttp.family_setup(target, spec, settings, cache_dir)
     cfg.cona.adam_beta2_batch = None  # each run at the betas set below, as they are
     if cfg.cona.lr_scaling != "sqrt":  # the rule's learning rate goes with sqrt(kappa)
@@ -180,8 +176,8 @@ def main(argv=None) -> int:
     models = {k: v for k, v in ttp.MODELS.items() if args.models is None or k in args.models}
     t0 = time.perf_counter()
     variants = tuple(v for v in VARIANTS if v in args.variants)
-    report = {**provenance(argv), "precision": PRECISION, "batches": list(batches),
-              "seeds": args.seeds,
+    report = {**provenance(argv), "precision": ttp.STUDY_PRECISION,
+              "batches": list(batches), "seeds": args.seeds,
               "models": run_families(memory_family, models, args.jobs, batches, variants,
                                      args.seeds, args.cache_dir)}
     report["wall_s"] = time.perf_counter() - t0

@@ -37,10 +37,6 @@ from pathlib import Path  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-# the proxies' train.precision: fp32, as its committed result was measured (the TTP
-# bench's default became bf16 after it; bench/cona_ttp.py rule 0)
-PRECISION = "fp32"
-
 
 def calibrate(family: str, fractions: list[float], cache_dir: str | None) -> dict:
     """The trend growth of the directly measured noise scale at each target ``fractions``
@@ -50,6 +46,7 @@ def calibrate(family: str, fractions: list[float], cache_dir: str | None) -> dic
         FULL,
         MODELS,
         PROBE_MICROBATCHES,
+        STUDY_PRECISION,
         family_config,
         worker_setup,
     )
@@ -57,7 +54,7 @@ def calibrate(family: str, fractions: list[float], cache_dir: str | None) -> dic
 
     spec = MODELS[family]
     worker_setup(spec["proxy"])
-    settings = dict(FULL, gpu="A100-80GB", num_gpus=64, precision=PRECISION)
+    settings = dict(FULL, gpu="A100-80GB", num_gpus=64, precision=STUDY_PRECISION)
     cfg = family_config(family, spec, settings, cache_dir)
     ctx, _ = seed_context(cfg, cfg.train.warmup_iters, probe_microbatches=PROBE_MICROBATCHES)
     unigram = corpus_unigram_perplexity(ctx.data.corpus, cfg.model.vocab_size)
@@ -83,7 +80,7 @@ def calibrate(family: str, fractions: list[float], cache_dir: str | None) -> dic
 
 
 def main(argv=None) -> int:
-    from bench.cona_ttp import MODELS
+    from bench.cona_ttp import MODELS, STUDY_PRECISION
     from bench.seeded_units import write_report
     from jobruntime.metrics import provenance
 
@@ -96,7 +93,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if not all(0 < f < 1 for f in args.fractions):
         p.error(f"--fractions must lie in (0, 1), got {args.fractions}")
-    report = {**provenance(argv), "precision": PRECISION,
+    report = {**provenance(argv), "precision": STUDY_PRECISION,
               **calibrate(args.family, args.fractions, args.cache_dir)}
     write_report(report, args.out, "cona_calibrate.json")
     return 0

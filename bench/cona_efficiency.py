@@ -61,10 +61,6 @@ import bench.cona_ttp as ttp  # noqa: E402
 from bench.cona_reference import static_loop  # noqa: E402
 from bench.seeded_units import run_families, write_report  # noqa: E402
 
-# the proxies' train.precision: fp32, as its committed result was measured (the TTP
-# bench's default became bf16 after it; bench/cona_ttp.py rule 0)
-PRECISION = "fp32"
-
 DIRECT = ("simple", "newton", "pollux")  # cona.probe.DEFINITIONS, measured directly
 ADAM = "adam"  # cona/adam_efficiency.py: an efficiency curve per point, not a noise scale
 DEFINITIONS = (*DIRECT, ADAM, "in_run_plain", "in_run_scale_free")
@@ -219,7 +215,7 @@ def efficiency_family(target: str, spec: dict, batches: list[int], every: int,
     t0 = time.perf_counter()
     # its measure (samples to the target) does not depend on the dilation: its own
     settings = dict(ttp.FULL, batches=batches, gpu="A100-80GB", num_gpus=64,
-                    time_scale="measured", precision=PRECISION)
+                    time_scale="measured", precision=ttp.STUDY_PRECISION)
     cfg, ctx0, ref, setup, _ = ttp.family_setup(target, spec, settings, cache_dir)
     # the preset's beta2 at every batch, as docs/results/cona_efficiency.json was measured
     # (the TTP bench's rule 5a makes it follow the batch)
@@ -278,7 +274,7 @@ def main(argv=None) -> int:
     from jobruntime.metrics import provenance
 
     t0 = time.perf_counter()
-    report = {**provenance(argv), "precision": PRECISION, "every": args.every,
+    report = {**provenance(argv), "precision": ttp.STUDY_PRECISION, "every": args.every,
               "models": run_families(efficiency_family, models, args.jobs, ttp.BATCHES,
                                      args.every, args.cache_dir, args.threads,
                                      tuple(sorted(set(args.lr_factors))))}

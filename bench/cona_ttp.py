@@ -160,6 +160,9 @@ MOVES = (-2, -1, 1, 2)
 GNS_ABLATIONS = ("simple", "newton", "pollux")
 # the proxies' train.precision (rule 0); a report records it, so a re-run can match it
 PRECISION = "bf16"
+# the side studies' (cona_efficiency, cona_adam_memory, cona_calibrate): their committed
+# results were measured in fp32, before rule 0's bf16, and re-run as they were
+STUDY_PRECISION = "fp32"
 FULL = {"windows": 6, "batches": BATCHES, "seeds": SEEDS, "lr_factors": (0.5, 1.0, 2.0),
         "val_sequences": VAL_SEQUENCES, "moves": MOVES, "prune": "dominated", "beam": 2,
         "probe_microbatches": PROBE_MICROBATCHES, "gns_ablations": GNS_ABLATIONS,

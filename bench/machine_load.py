@@ -10,8 +10,9 @@ system, irq, softirq and steal) over the block, less the CPU time of this proces
 its children that ended within it (``resource.getrusage``; a process pool's workers are
 joined before the block ends).  What remains is other processes' time, the kernel's
 (interrupts, the hypervisor's steal) and that of a child still running at the end; a
-child started before the block counts as ours entirely.  It also samples the 1-minute load average every
-``interval_s`` seconds in a daemon thread, reported beside (max and mean).
+child started before the block counts as ours entirely.  It also samples the 1-minute
+load average every ``interval_s`` seconds in a daemon thread, reported beside (max and
+mean).
 """
 
 from __future__ import annotations
