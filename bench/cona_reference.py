@@ -41,15 +41,20 @@ def seed_context(cfg, warm_steps: int, data=None, probe_microbatches: int = 64):
 
 
 
-def reference(ctx, quick_segment: int | None = None, probe_microbatches: int = 64) -> dict:
+def reference(ctx, quick_segment: int | None = None, probe_microbatches: int = 64,
+              probe_every_samples: int | None = None) -> dict:
     """Rule 4's reference: the preset batch (fastest layout, LR 1x) from the warm state to
     the target (``quick_segment``: for ``quick_segment`` steps, its perplexity there is
-    the target), the noise scale measured directly (``probe_microbatches``) at every
-    evaluation of its cadence and at its end.  The segment's ends: the warm state's own
+    the target), the noise scale measured directly (``probe_microbatches``) along it and
+    at its end: at every evaluation of its cadence, or (``probe_every_samples``) every
+    that many samples from the warm state, each with an evaluation of its own for the
+    loss (more probes than evaluations: the trend's precision grows with the probes,
+    :func:`cona.targets.trend_interval`).  The segment's ends: the warm state's own
     probe (one state, common to every method: ``noise_scale_warm_proxy``) and the
     probes' trend at the target's loss (:func:`segment_trend`: each method reaches the
     target in its own state, and single probes scatter ~2x along a run:
-    ``noise_scale_target_proxy``)."""
+    ``noise_scale_target_proxy``, with its 95 % bootstrap interval
+    ``noise_scale_target_interval_proxy``)."""
     from cona.run import Loop
 
     job = ctx.make_job(ctx.reference_strategy(), track_gns=False)  # probed directly instead
@@ -57,7 +62,8 @@ def reference(ctx, quick_segment: int | None = None, probe_microbatches: int = 6
                 eval_samples=ctx.eval_samples, keep_records=False)
     evals = loop.progress.evals
     warm = ctx.warm["extra"]
-    probes = [{"samples": ctx.warm["consumed_samples"], "val_loss": math.log(warm["val_ppl"]),
+    w0 = ctx.warm["consumed_samples"]
+    probes = [{"samples": w0, "val_loss": math.log(warm["val_ppl"]),
                "grad_sq": warm["grad_sq"], "grad_trace": warm["grad_trace"]}]
 
     def probe() -> None:
@@ -69,22 +75,32 @@ def reference(ctx, quick_segment: int | None = None, probe_microbatches: int = 6
 
     end = ctx.warm["steps"] + (quick_segment or 0)
     while not loop.done and not (quick_segment is not None and job.trainer.step >= end):
-        n = len(evals)
+        n, before = len(evals), job.consumed_samples
         loop.step()
-        if len(evals) > n and evals[-1]["cadence"] and not loop.done:
-            probe()  # at the cadence's evaluations (not at the dense ones near the target)
+        if loop.done:
+            break
+        if probe_every_samples is None:
+            if len(evals) > n and evals[-1]["cadence"]:
+                probe()  # at the cadence's evaluations (not at the dense ones near the target)
+        elif (job.consumed_samples - w0) // probe_every_samples > (before - w0) // probe_every_samples:
+            if not (len(evals) > n):  # no evaluation at this step yet: one for the loss
+                loop.evaluate()
+            if not loop.done:  # that evaluation may be the target's crossing: probed below
+                probe()
     if quick_segment is not None:
         loop.evaluate()
-    probe()  # at the end: the target's crossing
+    if probes[-1]["samples"] != job.consumed_samples:  # not probed at this state yet
+        probe()  # at the end: the target's crossing
     end_loss = math.log(loop.progress.last_val_ppl if quick_segment is not None
                         else ctx.cfg.train.target_ppl)
     phi0, fit = warm["noise_scale_proxy"], segment_trend(probes, end_loss)
-    phi1 = fit["at"][0]
     return {"reached": loop.progress.ttp.reached or quick_segment is not None,
             "val_ppl": loop.progress.last_val_ppl, "samples": job.consumed_samples,
-            "segment_samples": job.consumed_samples - ctx.warm["consumed_samples"],
-            "noise_scale_warm_proxy": phi0, "noise_scale_target_proxy": phi1,
+            "segment_samples": job.consumed_samples - w0,
+            "noise_scale_warm_proxy": phi0, "noise_scale_target_proxy": fit["at"][0],
+            "noise_scale_target_interval_proxy": segment_trend_interval(probes, end_loss),
             "noise_scale_fit": fit, "noise_scale_probes": probes,
+            "probe_every_samples": probe_every_samples,
             "evals": [{k: e[k] for k in ("samples", "val_ppl")} for e in evals]}
 
 
@@ -98,6 +114,16 @@ def segment_trend(probes: list[dict], loss: float) -> dict:
     seg = probes[1:]
     return fit_noise_scale([p["val_loss"] for p in seg], [p["grad_sq"] for p in seg],
                            [p["grad_trace"] for p in seg], [loss])
+
+
+def segment_trend_interval(probes: list[dict], loss: float) -> list[float]:
+    """The 95 % bootstrap interval of :func:`segment_trend` at ``loss``
+    (:func:`cona.targets.trend_interval`, the same probes)."""
+    from cona.targets import trend_interval
+
+    seg = probes[1:]
+    return trend_interval([p["val_loss"] for p in seg], [p["grad_sq"] for p in seg],
+                          [p["grad_trace"] for p in seg], loss)
 
 
 

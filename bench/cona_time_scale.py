@@ -53,7 +53,8 @@ CALIBRATION = ROOT / "docs" / "results" / "cona_time_scale.json"
 # controller's settings, the emulated GPU and cluster, caches, logging -- does not)
 SETUP_SECTIONS = ("model", "train", "data", "parallel")
 SETUP_CONA = ("batch_ratio", "target_model", "eval_clock", "ttp_resolution")
-SETUP_SETTINGS = ("probe_microbatches", "val_sequences", "quick_segment", "warm_steps")
+SETUP_SETTINGS = ("probe_microbatches", "probe_density", "val_sequences", "quick_segment",
+                  "warm_steps")
 NOT_SETUP = {("data", "cache_dir"), ("train", "target_ppl")}
 # an entry's keys (cona.targets.time_scale's record: step_dilation in target steps per
 # proxy step, target_tokens_per_run in tokens, the ranges in nats/token and tokens)

@@ -29,11 +29,13 @@ Rules fixed before any method runs (per family; none looks at a method's result)
    tokenizer) and the warm state's perplexity (:func:`cona.targets.target_ppl`: why
    0.5).
 4. **Time scale.** The reference (the preset batch at its LR, first seed, from the
-   warm state to the target) measures the noise scale directly at the warm state, at
-   every evaluation of its cadence and at the target (:data:`PROBE_MICROBATCHES`
-   micro-batches each); ``phi_0`` is the warm state's probe, ``phi_1`` the value at
-   the target's loss of a power law in the loss fitted robustly to the segment's probes
-   (:func:`bench.cona_reference.segment_trend`; single probes along a run scatter ~2x).  Kaplan et al. 2020's
+   warm state to the target) measures the noise scale directly at the warm state,
+   :data:`PROBE_DENSITY` times per evaluation interval and at the target
+   (:data:`PROBE_MICROBATCHES` micro-batches each); ``phi_0`` is the warm state's
+   probe, ``phi_1`` the value at the target's loss of a power law in the loss fitted
+   robustly to the segment's probes (:func:`bench.cona_reference.segment_trend`; single
+   probes along a run scatter ~2x), reported with its 95 % bootstrap interval
+   (``noise_scale_growth_direct_interval``).  Kaplan et al. 2020's
    ``B_crit(L)`` and ``L(N, S)`` turn the range ``r x [phi_0, phi_1]`` into the span of the target's training one run
    stands for (``target_tokens_per_run``) and so the step dilation ``k``
    (``cona.step_dilation``): one proxy step is charged ``k`` target steps
@@ -130,6 +132,12 @@ BATCHES = [64, 128, 256, 512, 1024]  # target sequences
 SEEDS = 3
 VAL_SEQUENCES = 256
 PROBE_MICROBATCHES = 256  # the reference's direct noise-scale probes (rule 4; quick: 64)
+# the reference probes this many times per evaluation interval (rule 4): the segment's
+# growth and the time scale rest on the probes' trend, and with one probe per evaluation
+# Llama's segment held 8 probes, whose trend named its growth only within 0.1-10x (95 %
+# bootstrap interval, cona.targets.trend_interval, at 792d30e); 4x the probes narrow the
+# interval in log about sqrt(4) = 2x
+PROBE_DENSITY = 4
 # the bench proxy (rule 0): the preset's tiny twin narrowed to 2 layers of width 128
 # (same architecture otherwise); per sequence ~3x cheaper to train and ~5x cheaper to
 # evaluate on one thread than the 4 x 256 preset, at a warm perplexity near the preset's
@@ -165,8 +173,8 @@ PRECISION = "bf16"
 STUDY_PRECISION = "fp32"
 FULL = {"windows": 6, "batches": BATCHES, "seeds": SEEDS, "lr_factors": (0.5, 1.0, 2.0),
         "val_sequences": VAL_SEQUENCES, "moves": MOVES, "prune": "dominated", "beam": 2,
-        "probe_microbatches": PROBE_MICROBATCHES, "gns_ablations": GNS_ABLATIONS,
-        "precision": PRECISION}
+        "probe_microbatches": PROBE_MICROBATCHES, "probe_density": PROBE_DENSITY,
+        "gns_ablations": GNS_ABLATIONS, "precision": PRECISION}
 # CI-sized: one family, one seed, three batches (with the recipe's 512), 32 validation
 # sequences, a short warmup and a shallow target (the reference's perplexity after
 # ``quick_segment`` steps: rule 3 needs thousands)
@@ -304,7 +312,9 @@ def family_setup(target: str, spec: dict, settings: dict, cache_dir: str | None)
     warm_ppl = ctx.warm["extra"]["val_ppl"]
     cfg.train.target_ppl = ctx.cfg.train.target_ppl = None if quick else target_ppl(unigram,
                                                                                     warm_ppl)
-    ref = reference(ctx, quick, probe)
+    density = settings.get("probe_density")
+    ref = reference(ctx, quick, probe,
+                    probe_every_samples=max(1, ctx.eval_samples // density) if density else None)
     if not ref["reached"]:
         raise SystemExit(f"{target}: the reference did not reach the target perplexity "
                          f"{cfg.train.target_ppl:.1f} within train.iters={cfg.train.iters} "
@@ -380,6 +390,9 @@ def setup_summary(target: str, spec: dict, setup: dict, settings: dict) -> dict:
         f"{TARGET_FRACTION} x min(unigram_ppl, warm_ppl) (cona/targets.py)",
         "noise_scale_growth_direct": ref["noise_scale_target_proxy"]
         / ref["noise_scale_warm_proxy"],
+        # the trend's 95 % bootstrap interval at the target over the warm state's probe
+        "noise_scale_growth_direct_interval": [
+            v / ref["noise_scale_warm_proxy"] for v in ref["noise_scale_target_interval_proxy"]],
         "target_tokens_per_run": ts["target_tokens_per_run"],
         "time_scale": ts,
         "layout_switch_s_median": statistics.median(setup["layout_s"])

@@ -182,6 +182,44 @@ def test_noise_scale_trend_is_robust_to_a_loss_spike():
         fit_noise_scale([7.0, 7.0, 7.0], [1.0] * 3, [1.0, 2.0, 3.0], [6.5])
 
 
+def test_trend_interval_covers_the_law_and_narrows_with_probes():
+    """Catches a growth reported without its precision, or an interval that does not
+    mean what it says: probes drawn from ``phi = 3 L^-4`` with a log scatter of 0.4 (the
+    order of the Llama proxy's, 0.52) along a segment; over 20 draws the 95 % bootstrap
+    interval at the segment's end holds the law on at least 16 (a fixed interval that
+    missed would fail), and with 32 probes it is in log at most 0.7x as wide as with 8
+    (about ``1/sqrt(4)``: the reason the bench probes 4x per evaluation).  Deterministic
+    in its seed; bad arguments are named."""
+    from cona.targets import trend_interval
+
+    truth = 3.0 * 6.1 ** -4.0
+
+    def draw(n, seed):
+        rng = np.random.default_rng(seed)
+        losses = np.linspace(7.6, 6.1, n)
+        g = np.ones(n)
+        return losses, g, 3.0 * losses ** -4.0 * np.exp(rng.normal(0.0, 0.4, n))
+
+    widths = {8: [], 32: []}
+    covered = 0
+    for seed in range(20):
+        for n in widths:
+            lo, hi = trend_interval(*draw(n, seed), 6.1, draws=300, seed=seed)
+            assert lo < hi
+            widths[n].append(math.log(hi / lo))
+            covered += n == 32 and lo <= truth <= hi
+    assert covered >= 16
+    assert np.mean(widths[32]) < 0.7 * np.mean(widths[8])
+    data = draw(12, 0)
+    assert trend_interval(*data, 6.1, draws=200) == trend_interval(*data, 6.1, draws=200)
+    with pytest.raises(ValueError, match="level"):
+        trend_interval(*data, 6.1, level=1.0)
+    with pytest.raises(ValueError, match="draws"):
+        trend_interval(*data, 6.1, draws=10)
+    with pytest.raises(ValueError, match="at least 3"):
+        trend_interval([7.0, 6.0], [1.0, 1.0], [1.0, 2.0], 6.5)
+
+
 def test_dilated_clock_charges_steps_not_switches():
     """Catches a dilation applied to switch costs (a batch switch is one real target step,
     a layout switch real seconds) or evaluations left uncharged: with k = 50 and an
@@ -313,6 +351,53 @@ def test_every_method_starts_from_the_warm_state(cache_dir, tmp_path):
         assert m_new == pytest.approx(m_old, rel=1e-5), name
         assert v_new == pytest.approx(v_old, rel=1e-5), name
     assert rb["same_betas_bitwise"]  # the same betas: restored bit for bit
+
+
+def _dense_reference(cache_dir, warm_dir):
+    """One process: a warm state of 3 steps, then the reference for 8 steps at batch 64
+    (proxy 8) probed every 16 samples (2 micro-batches a probe)."""
+    from bench.cona_reference import reference
+    from cona.context import build_context
+    from cona.warm import load_or_train_warm
+
+    cfg = load_config("tiny_gpt", [
+        f"data.cache_dir={cache_dir}", "model.seq_length=64", "logging.wandb=disabled",
+        "cona.enabled=true", "cona.clock=emulated", "cona.target_model=gpt3_1.3b",
+        "cona.num_gpus=8", "cona.batch_ratio=8", "cona.global_batch_sizes=[64,128]",
+        "train.iters=16", "train.warmup_iters=3", "train.eval_iters=1"])
+    ctx = build_context(cfg)
+    ctx.cfg.data.cache_dir = warm_dir
+
+    def measure(job):
+        g_sq, trace = job.measure_gradient_stats(2)
+        return {"val_ppl": math.exp(job.evaluate()), "grad_sq": g_sq, "grad_trace": trace,
+                "noise_scale_proxy": trace / g_sq if g_sq > 0 else None}
+
+    ctx.warm, _ = load_or_train_warm(ctx, 3, measure)
+    ref = reference(ctx, quick_segment=8, probe_microbatches=2, probe_every_samples=16)
+    evals = {e["samples"]: math.log(e["val_ppl"]) for e in ref["evals"]}
+    return {"w0": ctx.warm["consumed_samples"], "probes": ref["noise_scale_probes"],
+            "evals": evals, "interval": ref["noise_scale_target_interval_proxy"],
+            "every": ref["probe_every_samples"]}
+
+
+def test_reference_probes_on_its_own_grid_each_at_an_evaluated_state(cache_dir, tmp_path):
+    """Catches the reference's probes tied to its evaluation cadence again (one probe per
+    evaluation: the 8 probes Llama's trend rested on), a probe whose loss is an older
+    evaluation's, or the end's state probed twice: probed every 16 samples from the warm
+    state (24 samples), 8 steps of 8 samples give probes at 40, 56, 72 and 88, each
+    with the loss of an evaluation at that very state, the warm state's first; the
+    trend's interval is reported."""
+    from tests.dist_utils import launch
+
+    (out,) = launch(_dense_reference, 1, cache_dir, str(tmp_path))
+    w0, probes = out["w0"], out["probes"]
+    assert w0 == 24 and out["every"] == 16
+    assert [p["samples"] for p in probes] == [24, 40, 56, 72, 88]
+    for p in probes[1:]:
+        assert p["val_loss"] == pytest.approx(out["evals"][p["samples"]])
+    lo, hi = out["interval"]
+    assert 0 < lo <= hi
 
 
 def test_seeds_aggregate_to_a_mean_with_misses_as_null_and_layout_switches_counted():

@@ -173,10 +173,11 @@ def test_family_setup_charges_the_committed_dilation_and_keeps_its_own_beside(mo
     from bench.cona_time_scale import load_calibration
 
     ctx = SimpleNamespace(warm={"extra": {"val_ppl": 400.0}}, data=SimpleNamespace(corpus=None),
-                          cfg=SimpleNamespace(train=SimpleNamespace(target_ppl=None)))
+                          cfg=SimpleNamespace(train=SimpleNamespace(target_ppl=None)),
+                          eval_samples=160)
     monkeypatch.setattr(ttp, "seed_context", lambda cfg, steps, probe_microbatches: (ctx, True))
     monkeypatch.setattr(cona.targets, "corpus_unigram_perplexity", lambda corpus, v: 800.0)
-    monkeypatch.setattr(ttp, "reference", lambda ctx, quick, probe: {
+    monkeypatch.setattr(ttp, "reference", lambda ctx, quick, probe, **kw: {
         "reached": True, "val_ppl": 199.0, "noise_scale_warm_proxy": 13.0,
         "noise_scale_target_proxy": 60.0})
     monkeypatch.setattr(ttp, "time_scale_for", lambda ctx, ref: {

@@ -193,6 +193,16 @@ def _file(r: dict, file: str | None) -> str:
     return file or ("cona_ttp_quick" if r.get("quick") else "cona_ttp")
 
 
+def _interval_note(m: dict) -> str:
+    """`` (95 % interval lo-hi, n probes)`` for a family's growth where the run measured it."""
+    interval = m.get("noise_scale_growth_direct_interval")
+    if not interval:
+        return ""
+    n = ((m.get("reference") or {}).get("noise_scale_fit") or {}).get("points")
+    probes = f", {n} probes" if n else ""
+    return f" (95 % interval {interval[0]:.2f}-{interval[1]:.2f}x{probes})"
+
+
 def cona_ttp(r: dict, file: str | None = None) -> str:
     """bench/cona_ttp.py: per family its target (and the corpus's unigram perplexity),
     what one run stands for, and every method's TTP over the seeds with its switches
@@ -204,7 +214,8 @@ def cona_ttp(r: dict, file: str | None = None) -> str:
         proxy = f"`{m['proxy']}` ({narrowed})" if narrowed else f"`{m['proxy']}`"
         head = (f"**{name}** timed, {proxy} trained: target val ppl {m['target_ppl']:.1f} "
                 f"(unigram {m['unigram_ppl']:.1f}); noise scale grew "
-                f"{m['noise_scale_growth_direct']:.2f}x over the reference's segment")
+                f"{m['noise_scale_growth_direct']:.2f}x over the reference's segment"
+                f"{_interval_note(m)}")
         if tokens:
             head += f"; one run stands for {tokens / 1e9:.2f}B target tokens"
             head += _time_scale_origin(m.get("time_scale") or {})
@@ -414,10 +425,12 @@ def cona_ttp_bars(r: dict, families: tuple[str, ...] = ("gpt3_1.3b", "llama3.2_1
         ceiling = _ratio(recipe_s, chain_s)
         layout[f] = sum(cona.get("layout_switches_by_seed") or [cona.get("layout_switches", 0)])
         growth[f] = m.get("noise_scale_growth_direct")
+        interval = m.get("noise_scale_growth_direct_interval")
+        spread = f" ({interval[0]:.1f}-{interval[1]:.1f})" if interval else ""
         rows.append(f"| {f} | {above}{_fmt(recipe[f])} | {above if ceiling else ''}"
                     f"{_fmt(ceiling)} | "
                     f"{_fmt(oracle[f])} | {_fmt(chain[f])} | "
-                    f"{layout[f]} | {_fmt(growth[f])} | "
+                    f"{layout[f]} | {_fmt(growth[f])}{spread} | "
                     f"{m['target_ppl']:.0f} / {m['unigram_ppl']:.0f} |")
     run = [f for f in families if f in models]
 
@@ -448,6 +461,9 @@ def cona_ttp_bars(r: dict, families: tuple[str, ...] = ("gpt3_1.3b", "llama3.2_1
              "on a seed within 4x the budget, its clock there is a lower bound.  Oracle chain "
              "vs recipe: the recipe's mean TTP over the best chain the search found, what a "
              "controller on this grid can expect against the recipe (an estimate, not a "
-             "bound: the search is pruned and runs at the scaling rule's learning rate).", "",
+             "bound: the search is pruned and runs at the scaling rule's learning rate).  "
+             "Noise-scale growth: the reference's trend at the target over the warm state's "
+             "probe, in brackets its 95 % bootstrap interval where the run measured it "
+             "(the bar reads the growth itself).", "",
              _source(r, _file(r, None))]
     return "\n".join(rows) + "\n"
