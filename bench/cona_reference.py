@@ -94,11 +94,24 @@ def reference(ctx, quick_segment: int | None = None, probe_microbatches: int = 6
     end_loss = math.log(loop.progress.last_val_ppl if quick_segment is not None
                         else ctx.cfg.train.target_ppl)
     phi0, fit = warm["noise_scale_proxy"], segment_trend(probes, end_loss)
+    sparse = None
+    if probe_every_samples is not None:  # side by side: the same run's probes, one per
+        # evaluation interval as the cadence took them before (and the end's)
+        every = max(1, ctx.eval_samples // probe_every_samples) * probe_every_samples
+        sub = [probes[0], *(p for p in probes[1:-1] if (p["samples"] - w0) % every == 0),
+               probes[-1]]
+        try:
+            sparse = {"value": segment_trend(sub, end_loss)["at"][0],
+                      "interval": segment_trend_interval(sub, end_loss),
+                      "points": len(sub) - 1, "every_samples": every}
+        except ValueError:  # fewer than 3 usable probes
+            sparse = None
     return {"reached": loop.progress.ttp.reached or quick_segment is not None,
             "val_ppl": loop.progress.last_val_ppl, "samples": job.consumed_samples,
             "segment_samples": job.consumed_samples - w0,
             "noise_scale_warm_proxy": phi0, "noise_scale_target_proxy": fit["at"][0],
             "noise_scale_target_interval_proxy": segment_trend_interval(probes, end_loss),
+            "noise_scale_target_one_per_eval_proxy": sparse,
             "noise_scale_fit": fit, "noise_scale_probes": probes,
             "probe_every_samples": probe_every_samples,
             "evals": [{k: e[k] for k in ("samples", "val_ppl")} for e in evals]}

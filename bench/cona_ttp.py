@@ -393,6 +393,9 @@ def setup_summary(target: str, spec: dict, setup: dict, settings: dict) -> dict:
         # the trend's 95 % bootstrap interval at the target over the warm state's probe
         "noise_scale_growth_direct_interval": [
             v / ref["noise_scale_warm_proxy"] for v in ref["noise_scale_target_interval_proxy"]],
+        # the same run's trend through one probe per evaluation interval (the cadence before
+        # PROBE_DENSITY), side by side: what the denser probes buy
+        "noise_scale_growth_one_per_eval": _growth_one_per_eval(ref),
         "target_tokens_per_run": ts["target_tokens_per_run"],
         "time_scale": ts,
         "layout_switch_s_median": statistics.median(setup["layout_s"])
@@ -407,6 +410,17 @@ def setup_summary(target: str, spec: dict, setup: dict, settings: dict) -> dict:
         "wall_s": {"setup": setup["wall_s"]},
         "cpu_s": setup["cpu_s"],
     }
+
+
+def _growth_one_per_eval(ref: dict) -> dict | None:
+    """The reference's growth (and its 95 % interval) through one probe per evaluation
+    interval (:func:`bench.cona_reference.reference`'s side-by-side subset), or ``None``."""
+    sub = ref.get("noise_scale_target_one_per_eval_proxy")
+    if not sub:
+        return None
+    phi0 = ref["noise_scale_warm_proxy"]
+    return {"growth": sub["value"] / phi0, "interval": [v / phi0 for v in sub["interval"]],
+            "points": sub["points"]}
 
 
 def finish_family(target: str, spec: dict, setup: dict, seeds: list[dict], settings: dict,

@@ -354,8 +354,9 @@ def test_every_method_starts_from_the_warm_state(cache_dir, tmp_path):
 
 
 def _dense_reference(cache_dir, warm_dir):
-    """One process: a warm state of 3 steps, then the reference for 8 steps at batch 64
-    (proxy 8) probed every 16 samples (2 micro-batches a probe)."""
+    """One process: a warm state of 3 steps, then the reference for 12 steps at batch 64
+    (proxy 8, evaluated every 4 steps) probed every 16 samples (2 micro-batches a
+    probe)."""
     from bench.cona_reference import reference
     from cona.context import build_context
     from cona.warm import load_or_train_warm
@@ -364,7 +365,8 @@ def _dense_reference(cache_dir, warm_dir):
         f"data.cache_dir={cache_dir}", "model.seq_length=64", "logging.wandb=disabled",
         "cona.enabled=true", "cona.clock=emulated", "cona.target_model=gpt3_1.3b",
         "cona.num_gpus=8", "cona.batch_ratio=8", "cona.global_batch_sizes=[64,128]",
-        "train.iters=16", "train.warmup_iters=3", "train.eval_iters=1"])
+        "train.iters=20", "train.warmup_iters=3", "train.eval_iters=1",
+        "train.eval_interval=4"])
     ctx = build_context(cfg)
     ctx.cfg.data.cache_dir = warm_dir
 
@@ -374,30 +376,36 @@ def _dense_reference(cache_dir, warm_dir):
                 "noise_scale_proxy": trace / g_sq if g_sq > 0 else None}
 
     ctx.warm, _ = load_or_train_warm(ctx, 3, measure)
-    ref = reference(ctx, quick_segment=8, probe_microbatches=2, probe_every_samples=16)
+    ref = reference(ctx, quick_segment=12, probe_microbatches=2, probe_every_samples=16)
     evals = {e["samples"]: math.log(e["val_ppl"]) for e in ref["evals"]}
     return {"w0": ctx.warm["consumed_samples"], "probes": ref["noise_scale_probes"],
             "evals": evals, "interval": ref["noise_scale_target_interval_proxy"],
-            "every": ref["probe_every_samples"]}
+            "every": ref["probe_every_samples"], "eval_samples": ctx.eval_samples,
+            "sparse": ref["noise_scale_target_one_per_eval_proxy"]}
 
 
 def test_reference_probes_on_its_own_grid_each_at_an_evaluated_state(cache_dir, tmp_path):
     """Catches the reference's probes tied to its evaluation cadence again (one probe per
     evaluation: the 8 probes Llama's trend rested on), a probe whose loss is an older
     evaluation's, or the end's state probed twice: probed every 16 samples from the warm
-    state (24 samples), 8 steps of 8 samples give probes at 40, 56, 72 and 88, each
+    state (24 samples), 12 steps of 8 samples give probes at 40, 56, ..., 120, each
     with the loss of an evaluation at that very state, the warm state's first; the
-    trend's interval is reported."""
+    trend's interval is reported, and beside it the same run's trend through one probe
+    per evaluation interval (32 samples: 56, 88 and the end's 120)."""
     from tests.dist_utils import launch
 
     (out,) = launch(_dense_reference, 1, cache_dir, str(tmp_path))
     w0, probes = out["w0"], out["probes"]
     assert w0 == 24 and out["every"] == 16
-    assert [p["samples"] for p in probes] == [24, 40, 56, 72, 88]
+    assert [p["samples"] for p in probes] == [24, 40, 56, 72, 88, 104, 120]
     for p in probes[1:]:
         assert p["val_loss"] == pytest.approx(out["evals"][p["samples"]])
     lo, hi = out["interval"]
     assert 0 < lo <= hi
+    # side by side, the same run's probes one per evaluation interval (and the end's)
+    sparse = out["sparse"]
+    assert out["eval_samples"] == 32 and sparse["every_samples"] == 32
+    assert sparse["points"] == 3 and 0 < sparse["interval"][0] <= sparse["interval"][1]
 
 
 def test_seeds_aggregate_to_a_mean_with_misses_as_null_and_layout_switches_counted():

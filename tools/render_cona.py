@@ -200,7 +200,11 @@ def _interval_note(m: dict) -> str:
         return ""
     n = ((m.get("reference") or {}).get("noise_scale_fit") or {}).get("points")
     probes = f", {n} probes" if n else ""
-    return f" (95 % interval {interval[0]:.2f}-{interval[1]:.2f}x{probes})"
+    sparse = m.get("noise_scale_growth_one_per_eval")
+    before = (f"; through one probe per evaluation interval of the same run, as before, "
+              f"{sparse['growth']:.2f}x, 95 % interval {sparse['interval'][0]:.2f}-"
+              f"{sparse['interval'][1]:.2f}x, {sparse['points']} probes") if sparse else ""
+    return f" (95 % interval {interval[0]:.2f}-{interval[1]:.2f}x{probes}{before})"
 
 
 def cona_ttp(r: dict, file: str | None = None) -> str:
