@@ -52,9 +52,23 @@ def reference(ctx, quick_segment: int | None = None, probe_microbatches: int = 6
     :func:`cona.targets.trend_interval`).  The segment's ends: the warm state's own
     probe (one state, common to every method: ``noise_scale_warm_proxy``) and the
     probes' trend at the target's loss (:func:`segment_trend`: each method reaches the
-    target in its own state, and single probes scatter ~2x along a run:
-    ``noise_scale_target_proxy``, with its 95 % bootstrap interval
-    ``noise_scale_target_interval_proxy``)."""
+    target in its own state, and single probes scatter ~2x along a run).
+
+    Returns:
+        A JSON-ready record: ``reached``, ``val_ppl``, ``samples`` and
+        ``segment_samples`` (proxy samples), ``noise_scale_warm_proxy`` and
+        ``noise_scale_target_proxy`` (proxy sequences), ``noise_scale_target_interval_proxy``
+        (its 95 % bootstrap interval ``[low, high]``),
+        ``noise_scale_target_one_per_eval_proxy`` (with ``probe_every_samples``: the same
+        run's trend through one probe per evaluation interval, ``{"value", "interval",
+        "points", "every_samples"}``, or ``None`` where too few), ``noise_scale_fit``,
+        ``noise_scale_probes`` (``samples``, ``val_loss`` in nats, ``grad_sq``,
+        ``grad_trace``), ``probe_every_samples`` and ``evals``.
+
+    Raises:
+        ValueError: fewer than 3 usable probes along the segment
+            (:func:`cona.targets.fit_noise_scale`).
+    """
     from cona.run import Loop
 
     job = ctx.make_job(ctx.reference_strategy(), track_gns=False)  # probed directly instead
@@ -87,7 +101,7 @@ def reference(ctx, quick_segment: int | None = None, probe_microbatches: int = 6
                 loop.evaluate()
             if not loop.done:  # that evaluation may be the target's crossing: probed below
                 probe()
-    if quick_segment is not None:
+    if quick_segment is not None and evals[-1]["samples"] != job.consumed_samples:
         loop.evaluate()
     if probes[-1]["samples"] != job.consumed_samples:  # not probed at this state yet
         probe()  # at the end: the target's crossing
@@ -97,13 +111,15 @@ def reference(ctx, quick_segment: int | None = None, probe_microbatches: int = 6
     sparse = None
     if probe_every_samples is not None:  # side by side: the same run's probes, one per
         # evaluation interval as the cadence took them before (and the end's)
-        every = max(1, ctx.eval_samples // probe_every_samples) * probe_every_samples
-        sub = [probes[0], *(p for p in probes[1:-1] if (p["samples"] - w0) % every == 0),
+        per = max(1, ctx.eval_samples // probe_every_samples)  # grid points per interval
+        sub = [probes[0], *(p for p in probes[1:-1]
+                            if (p["samples"] - w0) // probe_every_samples % per == 0),
                probes[-1]]
         try:
-            sparse = {"value": segment_trend(sub, end_loss)["at"][0],
+            trend = segment_trend(sub, end_loss)
+            sparse = {"value": trend["at"][0],
                       "interval": segment_trend_interval(sub, end_loss),
-                      "points": len(sub) - 1, "every_samples": every}
+                      "points": trend["points"], "every_samples": per * probe_every_samples}
         except ValueError:  # fewer than 3 usable probes
             sparse = None
     return {"reached": loop.progress.ttp.reached or quick_segment is not None,
@@ -130,8 +146,9 @@ def segment_trend(probes: list[dict], loss: float) -> dict:
 
 
 def segment_trend_interval(probes: list[dict], loss: float) -> list[float]:
-    """The 95 % bootstrap interval of :func:`segment_trend` at ``loss``
-    (:func:`cona.targets.trend_interval`, the same probes)."""
+    """The 95 % bootstrap interval ``[low, high]`` (proxy sequences) of
+    :func:`segment_trend` at ``loss`` (:func:`cona.targets.trend_interval`, the same
+    probes; its ``ValueError`` where they are too few)."""
     from cona.targets import trend_interval
 
     seg = probes[1:]

@@ -184,8 +184,8 @@ def test_noise_scale_trend_is_robust_to_a_loss_spike():
 
 def test_trend_interval_covers_the_law_and_narrows_with_probes():
     """Catches a growth reported without its precision, or an interval that does not
-    mean what it says: probes drawn from ``phi = 3 L^-4`` with a log scatter of 0.4 (the
-    order of the Llama proxy's, 0.52) along a segment; over 20 draws the 95 % bootstrap
+    mean what it says: probes drawn from ``phi = 3 L^-4`` with a log scatter of sd 0.4
+    (median absolute deviation 0.27; the Llama proxy's probes: 0.52) along a segment; over 20 draws the 95 % bootstrap
     interval at the segment's end holds the law on at least 16 (a fixed interval that
     missed would fail), and with 32 probes it is in log at most 0.7x as wide as with 8
     (about ``1/sqrt(4)``: the reason the bench probes 4x per evaluation).  Deterministic
@@ -218,6 +218,8 @@ def test_trend_interval_covers_the_law_and_narrows_with_probes():
         trend_interval(*data, 6.1, draws=10)
     with pytest.raises(ValueError, match="at least 3"):
         trend_interval([7.0, 6.0], [1.0, 1.0], [1.0, 2.0], 6.5)
+    with pytest.raises(ValueError, match="too few to bootstrap"):  # 3 probes: most draws
+        trend_interval(*draw(3, 0), 6.1, draws=200)  # repeat one and have no slope
 
 
 def test_dilated_clock_charges_steps_not_switches():
@@ -354,8 +356,8 @@ def test_every_method_starts_from_the_warm_state(cache_dir, tmp_path):
 
 
 def _dense_reference(cache_dir, warm_dir):
-    """One process: a warm state of 3 steps, then the reference for 12 steps at batch 64
-    (proxy 8, evaluated every 4 steps) probed every 16 samples (2 micro-batches a
+    """One process: a warm state of 3 steps, then the reference for 16 steps at batch 64
+    (proxy 8, evaluated every 2 steps) probed every 8 samples (2 micro-batches a
     probe)."""
     from bench.cona_reference import reference
     from cona.context import build_context
@@ -365,8 +367,8 @@ def _dense_reference(cache_dir, warm_dir):
         f"data.cache_dir={cache_dir}", "model.seq_length=64", "logging.wandb=disabled",
         "cona.enabled=true", "cona.clock=emulated", "cona.target_model=gpt3_1.3b",
         "cona.num_gpus=8", "cona.batch_ratio=8", "cona.global_batch_sizes=[64,128]",
-        "train.iters=20", "train.warmup_iters=3", "train.eval_iters=1",
-        "train.eval_interval=4"])
+        "train.iters=24", "train.warmup_iters=3", "train.eval_iters=1",
+        "train.eval_interval=2"])
     ctx = build_context(cfg)
     ctx.cfg.data.cache_dir = warm_dir
 
@@ -376,7 +378,7 @@ def _dense_reference(cache_dir, warm_dir):
                 "noise_scale_proxy": trace / g_sq if g_sq > 0 else None}
 
     ctx.warm, _ = load_or_train_warm(ctx, 3, measure)
-    ref = reference(ctx, quick_segment=12, probe_microbatches=2, probe_every_samples=16)
+    ref = reference(ctx, quick_segment=16, probe_microbatches=2, probe_every_samples=8)
     evals = {e["samples"]: math.log(e["val_ppl"]) for e in ref["evals"]}
     return {"w0": ctx.warm["consumed_samples"], "probes": ref["noise_scale_probes"],
             "evals": evals, "interval": ref["noise_scale_target_interval_proxy"],
@@ -387,25 +389,25 @@ def _dense_reference(cache_dir, warm_dir):
 def test_reference_probes_on_its_own_grid_each_at_an_evaluated_state(cache_dir, tmp_path):
     """Catches the reference's probes tied to its evaluation cadence again (one probe per
     evaluation: the 8 probes Llama's trend rested on), a probe whose loss is an older
-    evaluation's, or the end's state probed twice: probed every 16 samples from the warm
-    state (24 samples), 12 steps of 8 samples give probes at 40, 56, ..., 120, each
+    evaluation's, or the end's state probed twice: probed every 8 samples from the warm
+    state (24 samples), 16 steps of 8 samples give probes at 32, 40, ..., 152, each
     with the loss of an evaluation at that very state, the warm state's first; the
     trend's interval is reported, and beside it the same run's trend through one probe
-    per evaluation interval (32 samples: 56, 88 and the end's 120)."""
+    per evaluation interval (16 samples: 40, 56, ..., 136 and the end's 152)."""
     from tests.dist_utils import launch
 
     (out,) = launch(_dense_reference, 1, cache_dir, str(tmp_path))
     w0, probes = out["w0"], out["probes"]
-    assert w0 == 24 and out["every"] == 16
-    assert [p["samples"] for p in probes] == [24, 40, 56, 72, 88, 104, 120]
+    assert w0 == 24 and out["every"] == 8
+    assert [p["samples"] for p in probes] == list(range(24, 153, 8))
     for p in probes[1:]:
         assert p["val_loss"] == pytest.approx(out["evals"][p["samples"]])
     lo, hi = out["interval"]
     assert 0 < lo <= hi
     # side by side, the same run's probes one per evaluation interval (and the end's)
     sparse = out["sparse"]
-    assert out["eval_samples"] == 32 and sparse["every_samples"] == 32
-    assert sparse["points"] == 3 and 0 < sparse["interval"][0] <= sparse["interval"][1]
+    assert out["eval_samples"] == 16 and sparse["every_samples"] == 16
+    assert sparse["points"] == 8 and 0 < sparse["interval"][0] <= sparse["interval"][1]
 
 
 def test_seeds_aggregate_to_a_mean_with_misses_as_null_and_layout_switches_counted():

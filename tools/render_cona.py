@@ -301,6 +301,7 @@ def cona_setup(r: dict, file: str = "cona_setup") -> str:
                   f"{'reached it' if ref['reached'] else '**did not reach it**'} after "
                   f"{ref['segment_samples']:,} proxy samples from the warm state; the noise "
                   f"scale grew {m['noise_scale_growth_direct']:.2f}x over that segment"
+                  f"{_interval_note(m)}"
                   f"{stands}; the set-up took {m['wall_s']['setup']:,.0f} s (wall, one "
                   f"process).", ""]
     lines.append(_source(r, file))
@@ -430,7 +431,7 @@ def cona_ttp_bars(r: dict, families: tuple[str, ...] = ("gpt3_1.3b", "llama3.2_1
         layout[f] = sum(cona.get("layout_switches_by_seed") or [cona.get("layout_switches", 0)])
         growth[f] = m.get("noise_scale_growth_direct")
         interval = m.get("noise_scale_growth_direct_interval")
-        spread = f" ({interval[0]:.1f}-{interval[1]:.1f})" if interval else ""
+        spread = f" ({interval[0]:.2g}-{interval[1]:.2g})" if interval else ""
         rows.append(f"| {f} | {above}{_fmt(recipe[f])} | {above if ceiling else ''}"
                     f"{_fmt(ceiling)} | "
                     f"{_fmt(oracle[f])} | {_fmt(chain[f])} | "
