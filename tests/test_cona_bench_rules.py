@@ -833,3 +833,69 @@ def test_adam_memory_family_runs_each_variant_with_its_betas(monkeypatch):
     assert out["efficiency_by_seed"]["beta2"][64] == pytest.approx([1564 / 1256, 2564 / 2256])
     assert out["efficiency"]["preset"][64] == pytest.approx(((1064 + 2064) / 2) / ((1256 + 2256) / 2))
     assert 256 not in out["runs"]["beta2"]
+
+
+_PARENT = """
+import sys, time
+sys.path.insert(0, {root!r})
+from bench.seeded_units import executor
+from tests.test_cona_bench_rules import _report_pid_and_sleep
+
+pool = executor(2)
+futures = [pool.submit(_report_pid_and_sleep, {out!r}, i) for i in range(2)]
+time.sleep(600)
+"""
+
+
+def _report_pid_and_sleep(folder: str, i: int) -> None:
+    import os
+    import time
+
+    Path(folder, f"{i}.pid").write_text(str(os.getpid()))
+    time.sleep(600)
+
+
+def test_bench_workers_end_when_the_bench_is_killed(tmp_path):
+    """Catches a bench's spawned workers outliving it: killed with SIGKILL (as ``kill -9
+    PID`` of the bench alone, not its process group), its two workers, each in a task of
+    10 minutes, are gone within 20 s (they ran on for an hour beside the next run before
+    ``bench.seeded_units._die_with_parent``)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    root = str(Path(__file__).resolve().parent.parent)
+    parent = subprocess.Popen([sys.executable, "-c", _PARENT.format(root=root, out=str(tmp_path))],
+                              cwd=root, start_new_session=True)
+    try:
+        deadline = time.time() + 120
+        while len(list(tmp_path.glob("*.pid"))) < 2 and time.time() < deadline:
+            time.sleep(0.2)
+        pids = [int(p.read_text()) for p in tmp_path.glob("*.pid")]
+        assert len(pids) == 2, "the workers did not start"
+        parent.send_signal(signal.SIGKILL)
+        parent.wait()
+
+        def alive(pid: int) -> bool:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                return False
+            state = Path(f"/proc/{pid}/stat").read_text().split()[2] \
+                if Path(f"/proc/{pid}/stat").exists() else "X"
+            return state != "Z"  # a zombie has ended
+
+        deadline = time.time() + 20
+        while any(alive(p) for p in pids) and time.time() < deadline:
+            time.sleep(0.2)
+        assert not any(alive(p) for p in pids)
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+        for p in tmp_path.glob("*.pid"):
+            try:
+                os.kill(int(p.read_text()), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
