@@ -246,6 +246,33 @@ def test_cona_bars_are_measured_against_their_thresholds():
     assert set(bars.values()) == {"met"}
 
 
+def test_growth_is_shown_with_its_interval_and_the_one_per_evaluation_side_by_side():
+    """Catches a growth rendered without the precision the run measured, the interval
+    shown as the point, or a result without intervals (runs before them) that no longer
+    renders: the bars table shows ``4.05x (2.5-5.2)``, the family's line the interval,
+    its probe count and the same run's one-probe-per-evaluation growth beside it."""
+    from tools.render_cona import _interval_note
+
+    m = {"target_ppl": 1.0, "unigram_ppl": 2.0, "noise_scale_growth_direct": 4.05,
+         "noise_scale_growth_direct_interval": [2.501, 5.196],
+         "noise_scale_growth_one_per_eval": {"growth": 3.96, "interval": [0.93, 5.04],
+                                             "points": 9},
+         "reference": {"noise_scale_fit": {"points": 38}},
+         "methods": {"cona": {"ttp_s": 100.0, "ttp_s_by_seed": [100.0],
+                              "layout_switches_by_seed": [0]}}}
+    out = render_results.cona_ttp_bars({"date": "2026-12-06", "commit": "c", "machine": "m",
+                                        "command": "c", "models": {"llama3.2_1b": m}})
+    assert "| 4.05x (2.5-5.2) |" in out
+    assert _interval_note(m) == (" (95 % interval 2.50-5.20x, 38 probes; through one probe per "
+                                 "evaluation interval of the same run, as before, 3.96x, 95 % "
+                                 "interval 0.93-5.04x, 9 probes)")
+    del m["noise_scale_growth_direct_interval"]
+    assert _interval_note(m) == ""
+    assert "| 4.05x |" in render_results.cona_ttp_bars(
+        {"date": "2026-12-06", "commit": "c", "machine": "m", "command": "c",
+         "models": {"llama3.2_1b": m}})
+
+
 def test_a_recipe_that_missed_the_target_counts_by_its_lower_bound():
     """Catches a recipe run that missed the target (it stopped at 4x the budget) shown as a
     plain ratio or dropped from the recipe bar: seeds at 150 s and missed at a clock of
