@@ -97,7 +97,7 @@ def reference(ctx, quick_segment: int | None = None, probe_microbatches: int = 6
             if len(evals) > n and evals[-1]["cadence"]:
                 probe()  # at the cadence's evaluations (not at the dense ones near the target)
         elif (job.consumed_samples - w0) // probe_every_samples > (before - w0) // probe_every_samples:
-            if not (len(evals) > n):  # no evaluation at this step yet: one for the loss
+            if len(evals) == n:  # no evaluation at this step yet: one for the loss
                 loop.evaluate()
             if not loop.done:  # that evaluation may be the target's crossing: probed below
                 probe()
@@ -140,9 +140,7 @@ def segment_trend(probes: list[dict], loss: float) -> dict:
     which is measured as it is), read at ``loss``."""
     from cona.targets import fit_noise_scale
 
-    seg = probes[1:]
-    return fit_noise_scale([p["val_loss"] for p in seg], [p["grad_sq"] for p in seg],
-                           [p["grad_trace"] for p in seg], [loss])
+    return fit_noise_scale(*_segment_columns(probes), [loss])
 
 
 def segment_trend_interval(probes: list[dict], loss: float) -> list[float]:
@@ -151,9 +149,15 @@ def segment_trend_interval(probes: list[dict], loss: float) -> list[float]:
     probes; its ``ValueError`` where they are too few)."""
     from cona.targets import trend_interval
 
+    return trend_interval(*_segment_columns(probes), loss)
+
+
+def _segment_columns(probes: list[dict]) -> tuple[list, list, list]:
+    """The segment's probes (``probes[1:]``: ``probes[0]`` is the warm state) as the
+    columns the trend is fitted to: losses (nats), ``|G|^2`` and ``tr(Sigma)``."""
     seg = probes[1:]
-    return trend_interval([p["val_loss"] for p in seg], [p["grad_sq"] for p in seg],
-                          [p["grad_trace"] for p in seg], loss)
+    return ([p["val_loss"] for p in seg], [p["grad_sq"] for p in seg],
+            [p["grad_trace"] for p in seg])
 
 
 

@@ -134,7 +134,7 @@ VAL_SEQUENCES = 256
 PROBE_MICROBATCHES = 256  # the reference's direct noise-scale probes (rule 4; quick: 64)
 # the reference probes this many times per evaluation interval (rule 4): the segment's
 # growth and the time scale rest on the probes' trend, and with one probe per evaluation
-# Llama's segment held 8 probes, whose trend named its growth only within 0.1-10x (95 %
+# Llama's trend rested on 8 probes, which named its growth only within 0.1-10x (95 %
 # bootstrap interval, cona.targets.trend_interval, at 792d30e); 4x the probes narrow the
 # interval in log about sqrt(4) = 2x
 PROBE_DENSITY = 4

@@ -252,8 +252,9 @@ def trend_interval(losses, grad_sq, trace, at: float, *, level: float = 0.95,
     It measures the scatter of the probes about the trend (states along a run read 2x
     apart, a loss spike's far more), which is what a segment's growth rests on: on the
     committed run at 792d30e, Llama's 8 probes gave a growth of 3.6x with an interval
-    of 0.1-10x; more probes along the segment narrow it about as ``1/sqrt(n)``.  It treats the probes as independent: probes close enough to share a
-    loss spike (a few hundred samples) are not, and there the interval is too narrow.
+    of 0.1-10x; more probes along the segment narrow it about as ``1/sqrt(n)``.  It
+    treats the probes as independent: probes close enough to share a loss spike (a few
+    hundred samples) are not, and there the interval is too narrow.
     Draws with fewer than 3 usable probes or all at one loss (no slope) are skipped; a
     draw is skipped only with few distinct probes, the widest draws, so where many are
     the interval is refused (``min_usable``).
