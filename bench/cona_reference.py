@@ -58,7 +58,8 @@ def reference(ctx, quick_segment: int | None = None, probe_microbatches: int = 6
         A JSON-ready record: ``reached``, ``val_ppl``, ``samples`` and
         ``segment_samples`` (proxy samples), ``noise_scale_warm_proxy`` and
         ``noise_scale_target_proxy`` (proxy sequences), ``noise_scale_target_interval_proxy``
-        (its 95 % bootstrap interval ``[low, high]``),
+        (its 95 % moving-block bootstrap interval ``[low, high]``, ``None`` where too few
+        probes), ``noise_scale_growth`` (:func:`segment_growth`),
         ``noise_scale_target_one_per_eval_proxy`` (with ``probe_every_samples``: the same
         run's trend through one probe per evaluation interval, ``{"value", "interval",
         "points", "every_samples"}``, or ``None`` where too few), ``noise_scale_fit``,
@@ -127,6 +128,7 @@ def reference(ctx, quick_segment: int | None = None, probe_microbatches: int = 6
             "segment_samples": job.consumed_samples - w0,
             "noise_scale_warm_proxy": phi0, "noise_scale_target_proxy": fit["at"][0],
             "noise_scale_target_interval_proxy": segment_trend_interval(probes, end_loss),
+            "noise_scale_growth": segment_growth(probes, end_loss, phi0),
             "noise_scale_target_one_per_eval_proxy": sparse,
             "noise_scale_fit": fit, "noise_scale_probes": probes,
             "probe_every_samples": probe_every_samples,
@@ -143,13 +145,55 @@ def segment_trend(probes: list[dict], loss: float) -> dict:
     return fit_noise_scale(*_segment_columns(probes), [loss])
 
 
-def segment_trend_interval(probes: list[dict], loss: float) -> list[float]:
-    """The 95 % bootstrap interval ``[low, high]`` (proxy sequences) of
+def segment_trend_interval(probes: list[dict], loss: float) -> list[float] | None:
+    """The 95 % moving-block bootstrap interval ``[low, high]`` (proxy sequences) of
     :func:`segment_trend` at ``loss`` (:func:`cona.targets.trend_interval`, the same
-    probes; its ``ValueError`` where they are too few)."""
-    from cona.targets import trend_interval
+    probes, blocks of :func:`cona.targets.bootstrap_block`); ``None`` where the probes are
+    too few to bootstrap (a short quick segment)."""
+    from cona.targets import bootstrap_block, trend_interval
 
-    return trend_interval(*_segment_columns(probes), loss)
+    cols = _segment_columns(probes)
+    try:
+        return trend_interval(*cols, loss, block=bootstrap_block(*cols))
+    except ValueError:
+        return None
+
+
+def segment_growth(probes: list[dict], end_loss: float, phi0: float) -> dict:
+    """The segment's noise-scale growth two ways, each with its 95 % moving-block bootstrap
+    interval (:func:`segment_trend_interval`'s blocks; ``None`` where too few probes):
+
+    - ``direct``: the probes' trend at the target's loss ``end_loss`` over the warm
+      state's own probe ``phi0`` (proxy sequences): what the bench's growth bar and its
+      time scale read (:func:`time_scale_for`).
+    - ``along``: the trend at the target over the trend at the warm state's loss,
+      ``(L_1 / L_0)^c``: the growth the segment's own probes show, without the warm
+      state's probe.  Where the two differ, the growth is a step between the warm state
+      and the segment's first probes, not a rise along it.
+    - ``kaplan``: ``(L_0 / L_1)^(1/alpha_B)``, what Kaplan et al. 2020's ``B_crit(L)``
+      (eq. 5.3) gives over the same loss range, beside ``slope`` ``c`` and Kaplan's
+      ``-1/alpha_B`` (a check of the trend's form, not of its level).
+
+    Losses in nats per token; growths are ratios.  Raises :func:`segment_trend`'s
+    ``ValueError`` (fewer than 3 usable probes)."""
+    from cona.targets import ALPHA_B, bootstrap_block, trend_interval
+
+    cols = _segment_columns(probes)
+    warm_loss = probes[0]["val_loss"]
+    fit = segment_trend(probes, end_loss)
+    block = bootstrap_block(*cols)
+    direct = segment_trend_interval(probes, end_loss)
+    try:
+        along = trend_interval(*cols, end_loss, over=warm_loss, block=block)
+    except ValueError:  # too few probes to bootstrap
+        along = None
+    return {"direct": fit["at"][0] / phi0,
+            "direct_interval": None if direct is None else [v / phi0 for v in direct],
+            "along": (end_loss / warm_loss) ** fit["slope"], "along_interval": along,
+            "kaplan": (warm_loss / end_loss) ** (1.0 / ALPHA_B),
+            "slope": fit["slope"], "kaplan_slope": -1.0 / ALPHA_B,
+            "warm_loss": warm_loss, "target_loss": end_loss,
+            "points": fit["points"], "bootstrap_block": block}
 
 
 def _segment_columns(probes: list[dict]) -> tuple[list, list, list]:

@@ -34,8 +34,10 @@ Rules fixed before any method runs (per family; none looks at a method's result)
    (:data:`PROBE_MICROBATCHES` micro-batches each); ``phi_0`` is the warm state's
    probe, ``phi_1`` the value at the target's loss of a power law in the loss fitted
    robustly to the segment's probes (:func:`bench.cona_reference.segment_trend`; single
-   probes along a run scatter ~2x), reported with its 95 % bootstrap interval
-   (``noise_scale_growth_direct_interval``).  Kaplan et al. 2020's
+   probes along a run scatter ~2x), reported with its 95 % moving-block bootstrap
+   interval (``noise_scale_growth_direct_interval``) and beside the growth along the
+   segment's own probes (``noise_scale_growth_along``: the trend at the target over the
+   trend at the warm state's loss; :func:`bench.cona_reference.segment_growth`).  Kaplan et al. 2020's
    ``B_crit(L)`` and ``L(N, S)`` turn the range ``r x [phi_0, phi_1]`` into the span of the target's training one run
    stands for (``target_tokens_per_run``) and so the step dilation ``k``
    (``cona.step_dilation``): one proxy step is charged ``k`` target steps
@@ -391,8 +393,10 @@ def setup_summary(target: str, spec: dict, setup: dict, settings: dict) -> dict:
         "noise_scale_growth_direct": ref["noise_scale_target_proxy"]
         / ref["noise_scale_warm_proxy"],
         # the trend's 95 % bootstrap interval at the target over the warm state's probe
-        "noise_scale_growth_direct_interval": [
-            v / ref["noise_scale_warm_proxy"] for v in ref["noise_scale_target_interval_proxy"]],
+        "noise_scale_growth_direct_interval": ref["noise_scale_growth"]["direct_interval"],
+        # the growth along the segment's own probes, Kaplan's over its loss range beside it
+        "noise_scale_growth_along": {k: ref["noise_scale_growth"][k] for k in (
+            "along", "along_interval", "kaplan", "slope", "kaplan_slope", "bootstrap_block")},
         # the same run's trend through one probe per evaluation interval (the cadence before
         # PROBE_DENSITY), side by side: what the denser probes buy
         "noise_scale_growth_one_per_eval": _growth_one_per_eval(ref),
@@ -416,7 +420,7 @@ def _growth_one_per_eval(ref: dict) -> dict | None:
     """The reference's growth (and its 95 % interval) through one probe per evaluation
     interval (:func:`bench.cona_reference.reference`'s side-by-side subset), or ``None``."""
     sub = ref.get("noise_scale_target_one_per_eval_proxy")
-    if not sub:
+    if not sub or not sub["interval"]:
         return None
     phi0 = ref["noise_scale_warm_proxy"]
     return {"growth": sub["value"] / phi0, "interval": [v / phi0 for v in sub["interval"]],

@@ -242,26 +242,37 @@ def fit_noise_scale(losses, grad_sq, trace, at) -> dict:
             "log_mad": float(np.median(np.abs(y - a - c * x)))}
 
 
-def trend_interval(losses, grad_sq, trace, at: float, *, level: float = 0.95,
-                   draws: int = 2000, seed: int = 0, min_usable: float = 0.9) -> list[float]:
-    """How precisely :func:`fit_noise_scale`'s trend reads the noise scale at one loss:
-    the percentile bootstrap interval of its value at ``at`` (Efron & Tibshirani 1993,
-    ch. 13), resampling the probes with replacement (pairs bootstrap: a probe's loss and
-    noise scale stay together) and refitting the Theil-Sen trend on each draw.
+def trend_interval(losses, grad_sq, trace, at: float, *, over: float | None = None,
+                   block: int = 1, level: float = 0.95, draws: int = 2000, seed: int = 0,
+                   min_usable: float = 0.9) -> list[float]:
+    """How precisely :func:`fit_noise_scale`'s trend reads the noise scale at one loss
+    (or its growth between two): the percentile bootstrap interval (Efron & Tibshirani
+    1993, ch. 13) of the trend's value at ``at``, or with ``over`` of the ratio of its
+    values at ``at`` and at ``over`` (``(at / over)^c``: the growth the trend names between
+    the two losses), refitting the Theil-Sen trend on each draw.
+
+    Draws resample the probes with replacement, a probe's loss and noise scale together,
+    in moving blocks of ``block`` consecutive probes (Kunsch 1989; ``arch.bootstrap.
+    MovingBlockBootstrap``, the probes in the order they were taken along the run):
+    probes that share a loss spike (a few hundred samples) are correlated, and resampled
+    one at a time (``block=1``, the pairs bootstrap) they would count as independent and
+    give too narrow an interval.  :func:`bootstrap_block` picks ``block`` from the data.
 
     It measures the scatter of the probes about the trend (states along a run read 2x
     apart, a loss spike's far more), which is what a segment's growth rests on: on the
     committed run at 792d30e, Llama's 8 probes gave a growth of 3.6x with an interval
-    of 0.1-10x; more probes along the segment narrow it about as ``1/sqrt(n)``.  It
-    treats the probes as independent: probes close enough to share a loss spike (a few
-    hundred samples) are not, and there the interval is too narrow.
+    of 0.1-10x; more probes along the segment narrow it about as ``1/sqrt(n)``.
     Draws with fewer than 3 usable probes or all at one loss (no slope) are skipped; a
     draw is skipped only with few distinct probes, the widest draws, so where many are
     the interval is refused (``min_usable``).
 
     Args:
-        losses, grad_sq, trace: as :func:`fit_noise_scale` (shape ``[n]``).
+        losses, grad_sq, trace: as :func:`fit_noise_scale` (shape ``[n]``, in the order
+            the probes were taken).
         at: the loss (nats per token) to read the trend at.
+        over: ``None``, or a second loss (nats per token): the interval is then of the
+            trend's growth from ``over`` to ``at`` (a ratio, no unit).
+        block: probes per resampled block, in ``[1, n]``.
         level: the interval's coverage, in (0, 1).
         draws: bootstrap draws.
         seed: the resampling's seed (the interval is deterministic in it).
@@ -269,33 +280,64 @@ def trend_interval(losses, grad_sq, trace, at: float, *, level: float = 0.95,
 
     Returns:
         ``[low, high]``: the ``(1 - level)/2`` and ``(1 + level)/2`` percentiles of the
-        trend's value at ``at`` (the probes' units: sequences).
+        trend's value at ``at`` (the probes' units: sequences), or of its growth.
 
     Raises:
-        ValueError: ``level`` outside (0, 1), ``draws`` < 100, the probes cannot be fitted
-            at all (:func:`fit_noise_scale`'s errors), or fewer than ``min_usable`` of the
-            draws could be fitted (too few probes to bootstrap).
+        ValueError: ``level`` outside (0, 1), ``draws`` < 100, ``block`` outside
+            ``[1, n]``, the probes cannot be fitted at all (:func:`fit_noise_scale`'s
+            errors), or fewer than ``min_usable`` of the draws could be fitted (too few
+            probes to bootstrap).
     """
+    from arch.bootstrap import MovingBlockBootstrap
+
     if not 0.0 < level < 1.0:
         raise ValueError(f"level must be in (0, 1), got {level}")
     if draws < 100:
         raise ValueError(f"need at least 100 bootstrap draws, got {draws}")
-    fit_noise_scale(losses, grad_sq, trace, [at])  # the probes' own errors, named once
-    x, g, t = (np.asarray(v, dtype=float) for v in (losses, grad_sq, trace))
-    rng = np.random.default_rng(seed)
-    values = []
-    for _ in range(draws):
-        i = rng.integers(0, len(x), len(x))
+    points = [at] if over is None else [at, over]
+    fit_noise_scale(losses, grad_sq, trace, points)  # the probes' own errors, named once
+    cols = [np.asarray(v, dtype=float) for v in (losses, grad_sq, trace)]
+    if not 1 <= block <= len(cols[0]):
+        raise ValueError(f"block must be in [1, {len(cols[0])}] (the probes), got {block}")
+
+    def value(x, g, t) -> np.ndarray:
         try:
-            values.append(fit_noise_scale(x[i], g[i], t[i], [at])["at"][0])
+            v = fit_noise_scale(x, g, t, points)["at"]
         except ValueError:  # a draw with fewer than 3 usable probes or one loss
-            continue
+            return np.array([np.nan])
+        return np.array([v[0] if over is None else v[0] / v[1]])
+
+    boot = MovingBlockBootstrap(block, *cols, seed=np.random.default_rng(seed))
+    values = boot.apply(value, reps=draws)[:, 0]
+    values = values[np.isfinite(values)]
     if len(values) < min_usable * draws:
         raise ValueError(f"only {len(values)} of {draws} bootstrap draws could be fitted: "
-                         f"{len(x)} probes are too few to bootstrap; probe more often")
+                         f"{len(cols[0])} probes are too few to bootstrap; probe more often")
     tail = 50.0 * (1.0 - level)
     low, high = np.percentile(values, [tail, 100.0 - tail])
     return [float(low), float(high)]
+
+
+def bootstrap_block(losses, grad_sq, trace) -> int:
+    """The block length (probes) for :func:`trend_interval`'s moving-block bootstrap:
+    Politis & White (2004)'s optimal block length, with Patton, Politis & White (2009)'s
+    correction, for the circular/moving-block bootstrap (``arch.bootstrap.
+    optimal_block_length``) of the probes' residuals about :func:`fit_noise_scale`'s
+    trend (``log phi_i`` less the trend, in the order taken), rounded up: 1 (the pairs
+    bootstrap) where the residuals are uncorrelated, longer the further their
+    correlation reaches; at most half the usable probes.
+
+    Raises:
+        ValueError: :func:`fit_noise_scale`'s errors.
+    """
+    from arch.bootstrap import optimal_block_length
+
+    fit = fit_noise_scale(losses, grad_sq, trace, [])
+    r = np.array([math.log(float(t) / float(g)) - fit["intercept"]
+                  - fit["slope"] * math.log(float(x))
+                  for x, g, t in zip(losses, grad_sq, trace) if g > 0 and t > 0])
+    b = float(optimal_block_length(r)["circular"].iloc[0])
+    return int(min(max(1, math.ceil(b)), max(1, len(r) // 2)))
 
 
 def time_scale(phi0_proxy: float, phi1_proxy: float, *, ratio: float, target_seq: int,

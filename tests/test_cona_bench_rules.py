@@ -222,6 +222,104 @@ def test_trend_interval_covers_the_law_and_narrows_with_probes():
         trend_interval(*draw(3, 0), 6.1, draws=200)  # repeat one and have no slope
 
 
+def _ar1_probes(n: int, seed: int, rho: float):
+    """Probes of ``phi = 3 L^-4`` along a segment whose log scatter (sd 0.4) is an AR(1)
+    in the probes' order with lag-1 correlation ``rho`` (neighbouring probes share a
+    loss spike): ``(losses, grad_sq, trace)``."""
+    rng = np.random.default_rng(seed)
+    losses = np.linspace(7.6, 6.1, n)
+    z = rng.normal(0.0, 0.4, n)
+    e = np.empty(n)
+    e[0] = z[0]
+    for k in range(1, n):
+        e[k] = rho * e[k - 1] + math.sqrt(1.0 - rho * rho) * z[k]
+    return losses, np.ones(n), 3.0 * losses ** -4.0 * np.exp(e)
+
+
+def test_block_bootstrap_widens_only_for_correlated_probes():
+    """Catches an interval that counts correlated probes as independent: with an AR(1)
+    scatter of lag-1 correlation 0.8 (60 probes, about 7 independent), the pairs
+    bootstrap's 95 % interval held the law on 13 of 20 draws; the moving-block one, with
+    :func:`cona.targets.bootstrap_block`'s length (Politis & White), is on average over
+    twice as wide in log and holds it on at least 15 (measured 16).  With uncorrelated
+    scatter the block stays short and the width within 1.3x of the pairs'."""
+    from cona.targets import bootstrap_block, trend_interval
+
+    truth = 3.0 * 6.1 ** -4.0
+    for rho in (0.0, 0.8):
+        covered, widths, blocks = {1: 0, "b": 0}, {1: [], "b": []}, []
+        for seed in range(20):
+            data = _ar1_probes(60, seed, rho)
+            blocks.append(bootstrap_block(*data))
+            for key, block in ((1, 1), ("b", blocks[-1])):
+                lo, hi = trend_interval(*data, 6.1, block=block, draws=300, seed=seed)
+                covered[key] += lo <= truth <= hi
+                widths[key].append(math.log(hi / lo))
+        ratio = np.mean(widths["b"]) / np.mean(widths[1])
+        if rho == 0.0:
+            assert np.median(blocks) <= 3 and ratio < 1.3
+        else:
+            assert np.median(blocks) >= 4 and ratio > 2.0
+            assert covered["b"] >= 15 and covered["b"] > covered[1]
+    with pytest.raises(ValueError, match="block"):
+        trend_interval(*_ar1_probes(10, 0, 0.0), 6.1, block=11, draws=100)
+
+
+def test_segment_growth_tells_a_step_from_a_rise():
+    """Catches a growth bar met by one low probe at the start: a warm state probed at
+    phi 5 and a segment whose noise scale is flat at ~20 (no trend) reads a direct
+    growth of ~4x, but its growth along the segment is ~1x, with 1 inside its interval;
+    probes on Kaplan's law ``phi ~ L^(-1/alpha_B)`` (the warm probe on it too) give the
+    same growth both ways, and Kaplan's over the loss range inside the interval."""
+    from bench.cona_reference import segment_growth
+    from cona.targets import ALPHA_B
+
+    rng = np.random.default_rng(0)
+    losses = np.linspace(7.4, 6.2, 40)
+
+    def probes(warm_phi, phis):
+        return ([{"samples": 0, "val_loss": 7.6, "grad_sq": 1.0, "grad_trace": warm_phi}]
+                + [{"samples": 40 * (i + 1), "val_loss": float(x), "grad_sq": 1.0,
+                    "grad_trace": float(p)} for i, (x, p) in enumerate(zip(losses, phis))])
+
+    noise = np.exp(rng.normal(0.0, 0.3, len(losses)))
+    step = segment_growth(probes(5.0, 20.0 * noise), 6.2, 5.0)
+    assert 3.0 < step["direct"] < 5.5
+    assert 0.6 < step["along"] < 1.6
+    assert step["along_interval"][0] < 1.0 < step["along_interval"][1]
+    law = 20.0 * (losses / 7.6) ** (-1.0 / ALPHA_B) * noise
+    rise = segment_growth(probes(20.0, law), 6.2, 20.0)
+    assert rise["kaplan"] == pytest.approx((7.6 / 6.2) ** (1.0 / ALPHA_B))
+    assert rise["along_interval"][0] < rise["kaplan"] < rise["along_interval"][1]
+    assert rise["direct"] == pytest.approx(rise["along"], rel=0.3)
+    assert rise["bootstrap_block"] >= 1 and rise["points"] == 40
+
+
+def test_growth_bench_reads_a_results_probes_and_names_one_without_them():
+    """Catches ``bench/cona_growth.py`` reading anything but the run's own probes, or
+    failing obscurely on a result from before the bench stored them: the direct growth
+    is the trend at the target over the warm probe (flat ~20 over 5: ~4x), the first
+    probes are the segment's, and a reference without probes is named."""
+    from bench.cona_growth import growth_from
+
+    rng = np.random.default_rng(1)
+    probes = [{"samples": 0, "val_loss": 7.6, "grad_sq": 1.0, "grad_trace": 5.0}] + [
+        {"samples": 40 * (i + 1), "val_loss": float(x), "grad_sq": 2.0,
+         "grad_trace": float(40.0 * math.exp(rng.normal(0.0, 0.2)))}
+        for i, x in enumerate(np.linspace(7.4, 6.2, 30))]
+    result = {"models": {"fam": {"target_ppl": math.exp(6.2), "reference": {
+        "noise_scale_probes": probes, "noise_scale_warm_proxy": 5.0,
+        "segment_samples": 1200}}}}
+    f = growth_from(result)["fam"]
+    assert f["probes"] == 30 and f["warm_probe"] == 5.0
+    assert f["first_probes"] == pytest.approx([p["grad_trace"] / 2.0 for p in probes[1:5]])
+    assert 3.0 < f["direct"] < 5.5 and f["direct_interval_pairs"][0] < f["direct"]
+    assert f["along_interval"][0] < 1.0 < f["along_interval"][1]
+    del result["models"]["fam"]["reference"]["noise_scale_probes"]
+    with pytest.raises(ValueError, match="stores no noise-scale probes"):
+        growth_from(result)
+
+
 def test_dilated_clock_charges_steps_not_switches():
     """Catches a dilation applied to switch costs (a batch switch is one real target step,
     a layout switch real seconds) or evaluations left uncharged: with k = 50 and an

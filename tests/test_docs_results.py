@@ -266,7 +266,15 @@ def test_growth_is_shown_with_its_interval_and_the_one_per_evaluation_side_by_si
     assert _interval_note(m) == (" (95 % interval 2.50-5.20x, 38 probes; through one probe per "
                                  "evaluation interval of the same run, as before, 3.96x, 95 % "
                                  "interval 0.93-5.04x, 9 probes)")
-    del m["noise_scale_growth_direct_interval"]
+    m["noise_scale_growth_along"] = {"along": 0.6, "along_interval": [0.14, 2.49],
+                                     "kaplan": 2.49, "bootstrap_block": 2}
+    assert _interval_note(m).endswith(
+        "9 probes); along the segment's own probes 0.60x (95 % interval 0.14-2.49x, moving "
+        "blocks of 2), where Kaplan's B_crit(L) gives 2.49x over its losses")
+    assert "| 4.05x (2.5-5.2); along 0.60x |" in render_results.cona_ttp_bars(
+        {"date": "2026-12-06", "commit": "c", "machine": "m", "command": "c",
+         "models": {"llama3.2_1b": m}})
+    del m["noise_scale_growth_direct_interval"], m["noise_scale_growth_along"]
     assert _interval_note(m) == ""
     assert "| 4.05x |" in render_results.cona_ttp_bars(
         {"date": "2026-12-06", "commit": "c", "machine": "m", "command": "c",

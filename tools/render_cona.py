@@ -204,7 +204,19 @@ def _interval_note(m: dict) -> str:
     before = (f"; through one probe per evaluation interval of the same run, as before, "
               f"{sparse['growth']:.2f}x, 95 % interval {sparse['interval'][0]:.2f}-"
               f"{sparse['interval'][1]:.2f}x, {sparse['points']} probes") if sparse else ""
-    return f" (95 % interval {interval[0]:.2f}-{interval[1]:.2f}x{probes}{before})"
+    return f" (95 % interval {interval[0]:.2f}-{interval[1]:.2f}x{probes}{before}){_along(m)}"
+
+
+def _along(m: dict) -> str:
+    """``; along the segment's own probes ...`` where the run measured the growth along
+    the segment (``noise_scale_growth_along``, :func:`bench.cona_reference.segment_growth`)."""
+    a = m.get("noise_scale_growth_along")
+    if not a:
+        return ""
+    spread = (f" (95 % interval {a['along_interval'][0]:.2f}-{a['along_interval'][1]:.2f}x, "
+              f"moving blocks of {a['bootstrap_block']})" if a.get("along_interval") else "")
+    return (f"; along the segment's own probes {a['along']:.2f}x{spread}, where Kaplan's "
+            f"B_crit(L) gives {a['kaplan']:.2f}x over its losses")
 
 
 def cona_ttp(r: dict, file: str | None = None) -> str:
@@ -432,6 +444,8 @@ def cona_ttp_bars(r: dict, families: tuple[str, ...] = ("gpt3_1.3b", "llama3.2_1
         growth[f] = m.get("noise_scale_growth_direct")
         interval = m.get("noise_scale_growth_direct_interval")
         spread = f" ({interval[0]:.2g}-{interval[1]:.2g})" if interval else ""
+        along = m.get("noise_scale_growth_along")
+        spread += f"; along {along['along']:.2f}x" if along else ""
         rows.append(f"| {f} | {above}{_fmt(recipe[f])} | {above if ceiling else ''}"
                     f"{_fmt(ceiling)} | "
                     f"{_fmt(oracle[f])} | {_fmt(chain[f])} | "
@@ -469,6 +483,7 @@ def cona_ttp_bars(r: dict, families: tuple[str, ...] = ("gpt3_1.3b", "llama3.2_1
              "bound: the search is pruned and runs at the scaling rule's learning rate).  "
              "Noise-scale growth: the reference's trend at the target over the warm state's "
              "probe, in brackets its 95 % bootstrap interval where the run measured it "
-             "(the bar reads the growth itself).", "",
+             "(the bar reads the growth itself); `along`: the growth of the trend itself "
+             "from the warm state's loss to the target's, where the run measured it.", "",
              _source(r, _file(r, None))]
     return "\n".join(rows) + "\n"
