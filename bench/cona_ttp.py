@@ -133,7 +133,12 @@ from bench.seeded_units import run_families, run_units, write_report  # noqa: E4
 BATCHES = [64, 128, 256, 512, 1024]  # target sequences
 SEEDS = 3
 VAL_SEQUENCES = 256
-PROBE_MICROBATCHES = 256  # the reference's direct noise-scale probes (rule 4; quick: 64)
+# micro-batches per direct noise-scale probe of the reference (rule 4; quick: the same): at
+# the warm states, 6 probes of 64, 128 or 256 micro-batches spread alike (sd of log phi
+# 0.02-0.12) against 0.27-0.49 between states along the reference, which no probe size
+# removes (docs/results/cona_probe_precision.json); 256 cost 4x as much for nothing the
+# trend could use
+PROBE_MICROBATCHES = 64
 # the reference probes this many times per evaluation interval (rule 4): the segment's
 # growth and the time scale rest on the probes' trend, and with one probe per evaluation
 # Llama's trend rested on 8 probes, which named its growth only within 0.1-10x (95 %

@@ -35,8 +35,8 @@ power law in the loss,
 ``log phi = a + c log L`` (the form of Kaplan et al.'s ``B_crit(L)``, eq. 5.3; McCandlish
 et al. 2018, Fig. 4: the noise scale rises as the loss falls), is fitted through all the
 probes by Theil-Sen regression (robust to the spike's points).  The segment's ends are
-the warm state's own probe ``phi_0`` (one state, the start of every method; 8 probes
-there read 6.0-6.5 on the Llama proxy) and the trend's value at the target's loss
+the warm state's own probe ``phi_0`` (one state, the start of every method; 18 probes
+there read 5.9-6.7 on the Llama proxy) and the trend's value at the target's loss
 ``phi_1`` (fixed by the rule above; each method reaches it in a state of its own), as
 ``bench/cona_reference.py``'s ``segment_trend`` reads them.
 
@@ -198,9 +198,9 @@ def fit_noise_scale(losses, grad_sq, trace, at) -> dict:
 
     Each probe ``i`` gives unbiased estimates ``|G|^2_i`` and ``tr(Sigma)_i``
     (:func:`cona.probe.measure_gradient_stats`; McCandlish et al. 2018, App. A.1) and so
-    ``phi_i = tr_i / |G|^2_i``.  Within one state a probe of 256 micro-batches is precise
-    (8 probes at the Llama proxy's warm state: 6.0-6.5), but along a run the noise scale
-    itself jumps: in a loss spike after the warmup ``tr(Sigma)`` rose 50-250x and
+    ``phi_i = tr_i / |G|^2_i``.  Within one state a probe of 64 micro-batches is precise
+    (6 probes at the Llama proxy's warm state: 5.9-6.7, ``bench/cona_probe_precision.py``),
+    but along a run the noise scale itself jumps: in a loss spike after the warmup ``tr(Sigma)`` rose 50-250x and
     ``phi`` 15-30x for a few hundred samples.  Least squares would follow such points
     (in ``log phi``, or in the sums of ``tr`` and ``|G|^2``, where they dominate), so the
     slope is the median of the pairwise slopes and the intercept the median of ``log

@@ -81,7 +81,7 @@ def test_set_up_digest_names_what_the_reference_depends_on_and_nothing_else():
         sec, key = change.split(".")
         setattr(getattr(c, sec), key, getattr(getattr(c, sec), key) * 2)
         assert setup_digest("gpt3_1.3b", c, s) != d0, change
-    assert setup_digest("gpt3_1.3b", base, dict(s, probe_microbatches=64)) != d0
+    assert setup_digest("gpt3_1.3b", base, dict(s, probe_microbatches=128)) != d0
     assert setup_digest("llama3.2_1b", base, s) != d0
     assert base.train.precision == "bf16"  # rule 0
     fp32 = dict(s, precision="fp32")  # --precision fp32: a set-up of its own
@@ -117,8 +117,8 @@ def test_calibration_from_a_result_checks_its_recorded_set_up(tmp_path):
     assert calibration_from(calibrated, "r.json", s)["families"]["gpt3_1.3b"][
         "step_dilation"] == 50.0
     wrong = copy.deepcopy(result)
-    wrong["models"]["gpt3_1.3b"]["reference"]["probe_microbatches"] = 64
-    with pytest.raises(ValueError, match="probe_microbatches was 64"):
+    wrong["models"]["gpt3_1.3b"]["reference"]["probe_microbatches"] = 128
+    with pytest.raises(ValueError, match="probe_microbatches was 128"):
         calibration_from(wrong, "r.json", s)
     with pytest.raises(ValueError, match="--quick"):
         calibration_from(dict(result, quick=True), "r.json", s)

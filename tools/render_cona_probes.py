@@ -1,0 +1,63 @@
+"""Renderers of the CONA bench's noise-scale probe studies for ``tools/render_results.py``:
+``bench/cona_growth.py`` (where a run's noise-scale growth happens: along the reference's
+segment or at its start) and ``bench/cona_probe_precision.py`` (how many micro-batches a
+probe needs)."""
+
+from __future__ import annotations
+
+from results_source import source_line as _source
+
+
+def _interval(v: list[float] | None) -> str:
+    return f"{v[0]:.2f}-{v[1]:.2f}x" if v else "too few probes"
+
+
+def cona_growth(r: dict, file: str = "cona_growth") -> str:
+    """bench/cona_growth.py: per family the direct growth (the bar's) with its pairs and
+    moving-block intervals, the growth along the segment's own probes with its interval,
+    the trend's exponent against Kaplan's and Kaplan's growth over the same losses, and
+    the warm probe beside the segment's first probes (the step, where there is one)."""
+    src = r["from"]
+    rows = ["| family | probes (segment, proxy samples) | warm probe → first probes "
+            "(proxy sequences) | growth, warm probe to the trend at the target (the bar's) "
+            "| 95 % interval: pairs / moving blocks | growth along the segment's trend "
+            "| its 95 % interval | trend's exponent in the loss (Kaplan's) "
+            "| Kaplan's growth over the same losses |",
+            "|---|---:|---|---:|---:|---:|---:|---:|---:|"]
+    for name, f in r["families"].items():
+        first = ", ".join("—" if p is None else f"{p:.0f}" for p in f["first_probes"])
+        rows.append(
+            f"| {name} | {f['probes']} ({f['segment_samples']:,}) | {f['warm_probe']:.1f} → "
+            f"{first} | {f['direct']:.2f}x | {_interval(f['direct_interval_pairs'])} / "
+            f"{_interval(f['direct_interval'])} (blocks of {f['bootstrap_block']}) | "
+            f"{f['along']:.2f}x | {_interval(f['along_interval'])} | {f['slope']:+.2f} "
+            f"({f['kaplan_slope']:+.2f}) | {f['kaplan']:.2f}x |")
+    rows += ["", f"From `{src['file']}` (measured {src['date'][:10]} at `{src['commit']}` on "
+             f"{src['machine']}), its stored probes read again; no training.", "",
+             _source(r, file)]
+    return "\n".join(rows) + "\n"
+
+
+def cona_probe_precision(r: dict, file: str = "cona_probe_precision") -> str:
+    """bench/cona_probe_precision.py: per family and probe size, the repeated probes at
+    the warm state, the standard deviation of their ``log phi`` and its share of a
+    probe's variance beside the scatter between states along the committed run."""
+    rows = ["| family | micro-batches per probe (sequences) | noise scale, each probe "
+            "(proxy sequences) | sd of log, within the state | sd of log, between states "
+            "along the run | within-state share of a probe's variance |",
+            "|---|---:|---|---:|---:|---:|"]
+    for name, f in r["families"].items():
+        between = f["between_states_log_sd"]
+        for m, x in f["sizes"].items():
+            phis = ", ".join("—" if v is None else f"{v:.1f}" for v in x["noise_scale_proxy"])
+            share = x["share_of_variance"]
+            rows.append(f"| {name} | {m} ({int(m) * f['microbatch_sequences']:,}) | {phis} | "
+                        f"{x['log_sd']:.3f} | {'—' if between is None else f'{between:.3f}'} | "
+                        f"{'—' if share is None else f'{100 * share:.1f} %'} |")
+    src = r["from"]
+    rows += ["", f"{r['repeats']} probes of each size at each family's warm state, every "
+             "probe on micro-batches of its own; the scatter between states from "
+             f"`{src['file']}` (measured {src['date'][:10]} at `{src['commit']}`: 1.4826 x "
+             "the median absolute deviation of its reference probes' log noise scale about "
+             "their trend).", "", _source(r, file)]
+    return "\n".join(rows) + "\n"
