@@ -53,7 +53,7 @@ def growth_from(result: dict) -> dict:
         ValueError: a family's reference holds no probes (a result from before the bench
             stored them) or too few to fit (:func:`cona.targets.fit_noise_scale`).
     """
-    from bench.cona_reference import _segment_columns, segment_growth
+    from bench.cona_reference import segment_columns, segment_growth
     from cona.targets import trend_interval
 
     families = {}
@@ -65,7 +65,7 @@ def growth_from(result: dict) -> dict:
                              "bench/cona_ttp.py again")
         end_loss = math.log(m["target_ppl"])
         phi0 = ref["noise_scale_warm_proxy"]
-        pairs = trend_interval(*_segment_columns(probes), end_loss)
+        pairs = trend_interval(*segment_columns(probes), end_loss)
         families[name] = {
             "probes": len(probes) - 1, "segment_samples": ref["segment_samples"],
             **segment_growth(probes, end_loss, phi0),

@@ -109,6 +109,7 @@ def reference(ctx, quick_segment: int | None = None, probe_microbatches: int = 6
     end_loss = math.log(loop.progress.last_val_ppl if quick_segment is not None
                         else ctx.cfg.train.target_ppl)
     phi0, fit = warm["noise_scale_proxy"], segment_trend(probes, end_loss)
+    growth = segment_growth(probes, end_loss, phi0)
     sparse = None
     if probe_every_samples is not None:  # side by side: the same run's probes, one per
         # evaluation interval as the cadence took them before (and the end's)
@@ -127,8 +128,9 @@ def reference(ctx, quick_segment: int | None = None, probe_microbatches: int = 6
             "val_ppl": loop.progress.last_val_ppl, "samples": job.consumed_samples,
             "segment_samples": job.consumed_samples - w0,
             "noise_scale_warm_proxy": phi0, "noise_scale_target_proxy": fit["at"][0],
-            "noise_scale_target_interval_proxy": segment_trend_interval(probes, end_loss),
-            "noise_scale_growth": segment_growth(probes, end_loss, phi0),
+            "noise_scale_target_interval_proxy": None if growth["direct_interval"] is None
+            else [v * phi0 for v in growth["direct_interval"]],
+            "noise_scale_growth": growth,
             "noise_scale_target_one_per_eval_proxy": sparse,
             "noise_scale_fit": fit, "noise_scale_probes": probes,
             "probe_every_samples": probe_every_samples,
@@ -142,7 +144,7 @@ def segment_trend(probes: list[dict], loss: float) -> dict:
     which is measured as it is), read at ``loss``."""
     from cona.targets import fit_noise_scale
 
-    return fit_noise_scale(*_segment_columns(probes), [loss])
+    return fit_noise_scale(*segment_columns(probes), [loss])
 
 
 def segment_trend_interval(probes: list[dict], loss: float) -> list[float] | None:
@@ -152,7 +154,7 @@ def segment_trend_interval(probes: list[dict], loss: float) -> list[float] | Non
     too few to bootstrap (a short quick segment)."""
     from cona.targets import bootstrap_block, trend_interval
 
-    cols = _segment_columns(probes)
+    cols = segment_columns(probes)
     try:
         return trend_interval(*cols, loss, block=bootstrap_block(*cols))
     except ValueError:
@@ -178,7 +180,7 @@ def segment_growth(probes: list[dict], end_loss: float, phi0: float) -> dict:
     ``ValueError`` (fewer than 3 usable probes)."""
     from cona.targets import ALPHA_B, bootstrap_block, trend_interval
 
-    cols = _segment_columns(probes)
+    cols = segment_columns(probes)
     warm_loss = probes[0]["val_loss"]
     fit = segment_trend(probes, end_loss)
     block = bootstrap_block(*cols)
@@ -196,7 +198,7 @@ def segment_growth(probes: list[dict], end_loss: float, phi0: float) -> dict:
             "points": fit["points"], "bootstrap_block": block}
 
 
-def _segment_columns(probes: list[dict]) -> tuple[list, list, list]:
+def segment_columns(probes: list[dict]) -> tuple[list, list, list]:
     """The segment's probes (``probes[1:]``: ``probes[0]`` is the warm state) as the
     columns the trend is fitted to: losses (nats), ``|G|^2`` and ``tr(Sigma)``."""
     seg = probes[1:]

@@ -478,10 +478,14 @@ def _dense_reference(cache_dir, warm_dir):
     ctx.warm, _ = load_or_train_warm(ctx, 3, measure)
     ref = reference(ctx, quick_segment=16, probe_microbatches=2, probe_every_samples=8)
     evals = {e["samples"]: math.log(e["val_ppl"]) for e in ref["evals"]}
+    from bench.cona_probe_precision import probe_spread
+
     return {"w0": ctx.warm["consumed_samples"], "probes": ref["noise_scale_probes"],
             "evals": evals, "interval": ref["noise_scale_target_interval_proxy"],
             "every": ref["probe_every_samples"], "eval_samples": ctx.eval_samples,
-            "sparse": ref["noise_scale_target_one_per_eval_proxy"]}
+            "sparse": ref["noise_scale_target_one_per_eval_proxy"],
+            "growth": ref["noise_scale_growth"], "warm_phi": ctx.warm["extra"]["noise_scale_proxy"],
+            "spread": probe_spread(ctx, (2, 4), 2)}
 
 
 def test_reference_probes_on_its_own_grid_each_at_an_evaluated_state(cache_dir, tmp_path):
@@ -506,6 +510,14 @@ def test_reference_probes_on_its_own_grid_each_at_an_evaluated_state(cache_dir, 
     sparse = out["sparse"]
     assert out["eval_samples"] == 16 and sparse["every_samples"] == 16
     assert sparse["points"] == 8 and 0 < sparse["interval"][0] <= sparse["interval"][1]
+    # the growth record: its direct interval is the trend's over the warm state's probe
+    g = out["growth"]
+    assert g["direct_interval"] == pytest.approx([v / out["warm_phi"] for v in out["interval"]])
+    assert 3 <= g["points"] <= len(probes) - 1 and g["bootstrap_block"] >= 1
+    # bench/cona_probe_precision.py: repeated probes at the warm state draw micro-batches of
+    # their own (the same ones would read the same noise scale: no spread measured)
+    phis = [v for m in (2, 4) for v in out["spread"]["phis"][m]]
+    assert len(phis) == 4 and len(set(phis)) == 4
 
 
 def test_seeds_aggregate_to_a_mean_with_misses_as_null_and_layout_switches_counted():
