@@ -10,6 +10,10 @@ and measured (``bench/cona_time_scale.py``): a run that measured its own scales 
 TTP with it (switch costs, which are not dilated, aside), and CONA's ratios to the other
 methods, which move with it only through the switch costs.
 
+``--across-setups`` compares two set-ups on purpose (a change to the set-up, e.g. the
+probes' size, with the warm states and everything else the same): the digests are
+recorded, not required to match, and the report says so (``across_setups``).
+
 Usage::
 
     python bench/cona_repro.py docs/results/cona_ttp.json runs/other/cona_ttp.json
@@ -58,14 +62,16 @@ def compare_method(a: dict | None, b: dict | None, dilation_a_over_b: float | No
             "within_seed_spread": abs(tb - ta) <= spread if known else None}
 
 
-def compare(a: dict, b: dict) -> dict:
+def compare(a: dict, b: dict, across_setups: bool = False) -> dict:
     """Runs ``a`` and ``b`` (two ``bench/cona_ttp.py`` JSONs) over their common families
-    (module docstring).
+    (module docstring); ``across_setups``: their set-ups may differ (each family records
+    both digests).
 
     Raises:
         ValueError: the runs share no family, one is a quick run and the other not, or a
             family's recorded set-up digests differ (``time_scale.setup_digest``, in
-            results made since it exists: another proxy, recipe or rule).
+            results made since it exists: another proxy, recipe or rule) and
+            ``across_setups`` is not set.
     """
     if bool(a.get("quick")) != bool(b.get("quick")):
         raise ValueError("one run is --quick and the other is not: compare like with like")
@@ -76,7 +82,7 @@ def compare(a: dict, b: dict) -> dict:
     for f in common:
         ma, mb = a["models"][f], b["models"][f]
         da, db = ((m.get("time_scale") or {}).get("setup_digest") for m in (ma, mb))
-        if da and db and da != db:
+        if da and db and da != db and not across_setups:
             raise ValueError(f"{f}: the runs were made on different set-ups (digests {da} "
                              f"and {db}): compare like with like")
         (ka, kma), (kb, kmb) = _dilations(ma), _dilations(mb)
@@ -92,9 +98,11 @@ def compare(a: dict, b: dict) -> dict:
         models[f] = {"step_dilation": {"a": ka, "b": kb},
                      "step_dilation_measured": {"a": kma, "b": kmb},
                      "target_ppl": {"a": ma.get("target_ppl"), "b": mb.get("target_ppl")},
+                     "setup_digest": {"a": da, "b": db},
                      "methods": methods,
                      "cona_ratios": {"a": ma.get("ratios"), "b": mb.get("ratios")}}
-    return {"models": models, "within_seed_spread": {"methods": inside, "of": total}}
+    return {"models": models, "within_seed_spread": {"methods": inside, "of": total},
+            "across_setups": across_setups}
 
 
 def main(argv=None) -> int:
@@ -103,12 +111,14 @@ def main(argv=None) -> int:
     p.add_argument("a", type=Path, help="a bench/cona_ttp.py result JSON")
     p.add_argument("b", type=Path, help="another run's, same set-up")
     p.add_argument("--out", type=Path, default=None, help="also write the JSON here")
+    p.add_argument("--across-setups", action="store_true",
+                   help="compare two set-ups on purpose (module docstring)")
     args = p.parse_args(argv)
     from jobruntime.metrics import provenance, write_json_atomic
 
     try:
         ra, rb = (json.loads(x.read_text()) for x in (args.a, args.b))
-        report = compare(ra, rb)
+        report = compare(ra, rb, args.across_setups)
     except KeyError as e:
         p.error(f"cannot compare {args.a} and {args.b}: a result lacks the key {e} "
                 "(is each a bench/cona_ttp.py JSON?)")

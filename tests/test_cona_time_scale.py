@@ -241,6 +241,9 @@ def test_repro_compares_methods_within_the_larger_seed_sd_and_at_equal_dilation(
     y["models"]["gpt3_1.3b"]["time_scale"]["setup_digest"] = "b" * 20
     with pytest.raises(ValueError, match="different set-ups"):
         compare(x, y)
+    on_purpose = compare(x, y, across_setups=True)  # a set-up change, compared on purpose
+    assert on_purpose["across_setups"] is True
+    assert on_purpose["models"]["gpt3_1.3b"]["setup_digest"] == {"a": "a" * 20, "b": "b" * 20}
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
     from render_cona import cona_repro
 
@@ -251,6 +254,9 @@ def test_repro_compares_methods_within_the_larger_seed_sd_and_at_equal_dilation(
     assert "| CONA | 4,000 ± 300 s | 4,250 ± 200 s | 1.062x |" in out
     assert "Within the seed spread: 1 of 2 methods." in out
     assert "measured 65.8 / 49.1" in out and "docs/results/cona_repro.json" in out
+    assert "--across-setups" not in out
+    on_purpose.update({k: same[k] for k in ("a", "b", "date", "commit", "machine", "command")})
+    assert "Two set-ups compared on purpose (`--across-setups`)" in cona_repro(on_purpose)
 
 
 def test_the_table_says_where_its_time_scale_came_from():

@@ -160,8 +160,10 @@ def cona_repro(r: dict, file: str = "cona_repro") -> str:
     method both runs' TTP (mean ± sd over seeds), their ratio, the ratio at equal
     dilation, and whether the difference lies within the larger seed sd."""
     a, b = r["a"], r["b"]
+    across = (" Two set-ups compared on purpose (`--across-setups`): their digests differ."
+              if r.get("across_setups") else "")
     lines = [f"Run a: `{a['commit']}` on {a['machine']} (`{a['file']}`); run b: "
-             f"`{b['commit']}` on {b['machine']} (`{b['file']}`).", ""]
+             f"`{b['commit']}` on {b['machine']} (`{b['file']}`).{across}", ""]
     for name, m in r["models"].items():
         k, km = m["step_dilation"], m["step_dilation_measured"]
         lines += [f"**{name}**: step dilation charged {_fmt(k['a'], '.1f', '')} / "
