@@ -364,6 +364,8 @@ RENDERERS: dict[str, Callable[[dict], str]] = {"four_shape_cpu": four_shape_cpu,
                                                    cona_setup, file="cona_setup_bert_large"),
                                                "cona_repro_before": partial(
                                                    cona_repro, file="cona_repro_before"),
+                                               "cona_repro_probes": partial(
+                                                   cona_repro, file="cona_repro_probes"),
                                                "cona_ttp_quick": cona_ttp}
 VIEWS: dict[tuple[str, str], Callable[[dict], str]] = {
     ("h200_2026-11-30", "headline"): h200_headline,
