@@ -14,13 +14,24 @@ touched), and the standard deviation of their ``log phi``; beside it the second,
 from a committed full run (``--from``: its reference's trend, ``1.4826 x`` the median
 absolute deviation of the probes' ``log phi`` about it, a robust standard deviation).
 
+The warm state is one state, where the noise scale is low.  Along the segment a probe's
+own spread is read from two full runs whose references trained the same states (the same
+warm states and data: every probe at the same samples and loss) with probes of different
+sizes (``--paired-with``): the difference of their ``log phi`` at each state, whose
+standard deviation is at most the smaller probe's own (its micro-batches are the larger
+one's first ones, so the two readings share them), and each run's scatter about its trend.
+
 Usage::
 
-    python bench/cona_probe_precision.py --from docs/results/cona_ttp.json --cache-dir DIR
+    python bench/cona_probe_precision.py --from docs/results/cona_ttp.json --cache-dir DIR \
+        --paired-with docs/results/cona_ttp_2026-12-06_dense.json
 
 Prints one JSON object: ``{"families": {NAME: {"proxy", "microbatch_sequences",
 "sizes": {M: {"noise_scale_proxy": [...], "log_sd", "share_of_variance"}},
-"between_states_log_sd"}}, "repeats", "from", "date", "commit", "machine", "command"}``
+"between_states_log_sd", "paired"}}, "repeats", "from", "paired_with", "date", "commit",
+"machine", "command"}`` (``paired``, with ``--paired-with``: ``{"probes", "microbatches":
+[this run's, the other's], "log_diff_sd", "log_diff_robust_sd", "trend_log_sd": [this
+run's, the other's]}``)
 (noise scales in proxy sequences; ``share_of_variance``: the within-state variance over
 the sum of both, at that size).
 """
@@ -72,6 +83,35 @@ def between_states_log_sd(result: dict, family: str) -> float | None:
     return MAD_TO_SD * fit["log_mad"] if "log_mad" in fit else None
 
 
+def paired(result: dict, other: dict, family: str) -> dict | None:
+    """The same states probed by two runs (``result`` and ``other``, each a
+    ``bench/cona_ttp.py`` JSON; module docstring): the probes of ``family``'s reference
+    that sit at the same samples and loss in both, the standard deviation of the
+    difference of their ``log phi`` (plain and ``1.4826 x`` MAD), both runs' probe sizes
+    (micro-batches) and their scatter about their own trends; ``None`` where the family
+    is not in both or no probe matches."""
+    refs = [((r.get("models", {}).get(family) or {}).get("reference") or {})
+            for r in (result, other)]
+    if not all(ref.get("noise_scale_probes") for ref in refs):
+        return None
+
+    def phi(p) -> float | None:
+        return p["grad_trace"] / p["grad_sq"] if p["grad_sq"] > 0 and p["grad_trace"] > 0 \
+            else None
+
+    theirs = {(p["samples"], p["val_loss"]): phi(p) for p in refs[1]["noise_scale_probes"]}
+    diffs = [math.log(a) - math.log(b) for p in refs[0]["noise_scale_probes"]
+             if (a := phi(p)) and (b := theirs.get((p["samples"], p["val_loss"])))]
+    if len(diffs) < 2:
+        return None
+    med = statistics.median(diffs)
+    return {"probes": len(diffs),
+            "microbatches": [ref.get("probe_microbatches") for ref in refs],
+            "log_diff_sd": statistics.stdev(diffs),
+            "log_diff_robust_sd": MAD_TO_SD * statistics.median(abs(d - med) for d in diffs),
+            "trend_log_sd": [between_states_log_sd(r, family) for r in (result, other)]}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -80,6 +120,9 @@ def main(argv=None) -> int:
     p.add_argument("--cache-dir", help="where the warm states are cached (as the bench's)")
     p.add_argument("--repeats", type=int, default=REPEATS)
     p.add_argument("--sizes", type=int, nargs="+", default=list(SIZES))
+    p.add_argument("--paired-with", type=Path,
+                   help="a full run whose reference trained the same states with probes of "
+                        "another size (module docstring)")
     p.add_argument("--out", type=Path, help="also write the JSON here")
     args = p.parse_args(argv)
     if args.repeats < 2:
@@ -90,8 +133,9 @@ def main(argv=None) -> int:
 
     try:
         result = json.loads(args.source.read_text())
+        other = json.loads(args.paired_with.read_text()) if args.paired_with else None
     except (OSError, ValueError) as e:
-        p.error(f"cannot read {args.source}: {e}")
+        p.error(f"cannot read {args.source} or {args.paired_with}: {e}")
     settings = dict(FULL, gpu="A100-80GB", num_gpus=64, precision=result.get("precision"))
     families = {}
     for name in result["models"]:
@@ -110,10 +154,14 @@ def main(argv=None) -> int:
                         if sd is not None and between else None}
         families[name] = {"proxy": spec["proxy"],
                           "microbatch_sequences": spread["microbatch_sequences"],
-                          "sizes": sizes, "between_states_log_sd": between}
+                          "sizes": sizes, "between_states_log_sd": between,
+                          "paired": paired(result, other, name) if other else None}
     out = {"families": families, "repeats": args.repeats,
            "from": {"file": str(args.source),
-                    **{k: result.get(k) for k in ("date", "commit", "machine")}}}
+                    **{k: result.get(k) for k in ("date", "commit", "machine")}},
+           "paired_with": None if other is None else {
+               "file": str(args.paired_with),
+               **{k: other.get(k) for k in ("date", "commit", "machine")}}}
     out.update(provenance(argv))
     if args.out:
         write_json_atomic(args.out, out)

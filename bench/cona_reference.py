@@ -163,7 +163,8 @@ def segment_trend_interval(probes: list[dict], loss: float) -> list[float] | Non
 
 def segment_growth(probes: list[dict], end_loss: float, phi0: float) -> dict:
     """The segment's noise-scale growth two ways, each with its 95 % moving-block bootstrap
-    interval (:func:`segment_trend_interval`'s blocks; ``None`` where too few probes):
+    interval (:func:`segment_trend_interval`'s blocks; ``None`` where too few probes),
+    and Kaplan's over the same losses:
 
     - ``direct``: the probes' trend at the target's loss ``end_loss`` over the warm
       state's own probe ``phi0`` (proxy sequences): what the bench's growth bar and its
@@ -175,6 +176,9 @@ def segment_growth(probes: list[dict], end_loss: float, phi0: float) -> dict:
     - ``kaplan``: ``(L_0 / L_1)^(1/alpha_B)``, what Kaplan et al. 2020's ``B_crit(L)``
       (eq. 5.3) gives over the same loss range, beside ``slope`` ``c`` and Kaplan's
       ``-1/alpha_B`` (a check of the trend's form, not of its level).
+
+    ``along`` reads the trend at the warm state's loss, which lies before the segment's
+    first probe (a step of one or more optimizer steps): there it is extrapolated.
 
     Losses in nats per token; growths are ratios.  Raises :func:`segment_trend`'s
     ``ValueError`` (fewer than 3 usable probes)."""

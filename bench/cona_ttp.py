@@ -133,11 +133,13 @@ from bench.seeded_units import run_families, run_units, write_report  # noqa: E4
 BATCHES = [64, 128, 256, 512, 1024]  # target sequences
 SEEDS = 3
 VAL_SEQUENCES = 256
-# micro-batches per direct noise-scale probe of the reference (rule 4; quick: the same): at
-# the warm states, 6 probes of 64, 128 or 256 micro-batches spread alike (sd of log phi
-# 0.02-0.12) against 0.27-0.49 between states along the reference, which no probe size
-# removes (docs/results/cona_probe_precision.json); 256 cost 4x as much for nothing the
-# trend could use
+# micro-batches per direct noise-scale probe of the reference (rule 4; quick runs: 64 too,
+# the default where the settings name none).  A probe's own spread is small against the
+# scatter between states along the reference, which no probe size removes
+# (docs/results/cona_probe_precision.json): sd of log phi 0.02-0.12 at the warm states for
+# 64, 128 and 256 alike; along the segment 64 against 256 at the same states differ by sd
+# 0.08-0.18, against a scatter of 0.27-0.70.  256 cost 4x as much (most of the set-up's
+# 21 / 32 minutes), and the growth's intervals and the time scale moved little with 64
 PROBE_MICROBATCHES = 64
 # the reference probes this many times per evaluation interval (rule 4): the segment's
 # growth and the time scale rest on the probes' trend, and with one probe per evaluation

@@ -261,7 +261,8 @@ def trend_interval(losses, grad_sq, trace, at: float, *, over: float | None = No
     It measures the scatter of the probes about the trend (states along a run read 2x
     apart, a loss spike's far more), which is what a segment's growth rests on: on the
     committed run at 792d30e, Llama's 8 probes gave a growth of 3.6x with an interval
-    of 0.1-10x; more probes along the segment narrow it about as ``1/sqrt(n)``.
+    of 0.1-10x; more probes along the segment narrow it about as ``1/sqrt(n)`` where
+    they are uncorrelated, more slowly where they are not.
     Draws with fewer than 3 usable probes or all at one loss (no slope) are skipped; a
     draw is skipped only with few distinct probes, the widest draws, so where many are
     the interval is refused (``min_usable``).
@@ -318,14 +319,25 @@ def trend_interval(losses, grad_sq, trace, at: float, *, over: float | None = No
     return [float(low), float(high)]
 
 
+MIN_BLOCK_PROBES = 20  # fewer usable probes: no block length is estimated (pairs bootstrap)
+
+
 def bootstrap_block(losses, grad_sq, trace) -> int:
     """The block length (probes) for :func:`trend_interval`'s moving-block bootstrap:
     Politis & White (2004)'s optimal block length, with Patton, Politis & White (2009)'s
     correction, for the circular/moving-block bootstrap (``arch.bootstrap.
-    optimal_block_length``) of the probes' residuals about :func:`fit_noise_scale`'s
-    trend (``log phi_i`` less the trend, in the order taken), rounded up: 1 (the pairs
-    bootstrap) where the residuals are uncorrelated, longer the further their
-    correlation reaches; at most half the usable probes.
+    optimal_block_length``; the two share their first-order optimal length) of the
+    probes' residuals about :func:`fit_noise_scale`'s trend (``log phi_i`` less the
+    trend, in the order taken), rounded up: 1 (the pairs bootstrap) where the residuals
+    are uncorrelated, longer the further their correlation reaches; at most half the
+    usable probes.  The rule is derived for a sample mean and applied here to a robust
+    trend's residuals, a heuristic; below :data:`MIN_BLOCK_PROBES` usable probes it is
+    too noisy to use (white noise of 8-16 points mostly returns its cap), so the result
+    is 1 there and the interval treats the probes as independent.
+
+    Args:
+        losses, grad_sq, trace: as :func:`fit_noise_scale` (shape ``[n]``), in the order
+            the probes were taken.
 
     Raises:
         ValueError: :func:`fit_noise_scale`'s errors.
@@ -336,8 +348,12 @@ def bootstrap_block(losses, grad_sq, trace) -> int:
     r = np.array([math.log(float(t) / float(g)) - fit["intercept"]
                   - fit["slope"] * math.log(float(x))
                   for x, g, t in zip(losses, grad_sq, trace) if g > 0 and t > 0])
+    if len(r) < MIN_BLOCK_PROBES:
+        return 1
     b = float(optimal_block_length(r)["circular"].iloc[0])
-    return int(min(max(1, math.ceil(b)), max(1, len(r) // 2)))
+    if not math.isfinite(b):
+        return 1
+    return int(min(max(1, math.ceil(b)), len(r) // 2))
 
 
 def time_scale(phi0_proxy: float, phi1_proxy: float, *, ratio: float, target_seq: int,

@@ -292,7 +292,11 @@ def test_segment_growth_tells_a_step_from_a_rise():
     assert rise["kaplan"] == pytest.approx((7.6 / 6.2) ** (1.0 / ALPHA_B))
     assert rise["along_interval"][0] < rise["kaplan"] < rise["along_interval"][1]
     assert rise["direct"] == pytest.approx(rise["along"], rel=0.3)
-    assert rise["bootstrap_block"] >= 1 and rise["points"] == 40
+    assert rise["bootstrap_block"] <= 3 and rise["points"] == 40  # uncorrelated scatter
+    # a segment too short to bootstrap (a quick run's): the growths, no intervals, no error
+    short = segment_growth(probes(5.0, 20.0 * noise)[:6], 6.2, 5.0)
+    assert short["direct"] > 0 and short["bootstrap_block"] == 1
+    assert short["direct_interval"] is None or short["direct_interval"][0] > 0
 
 
 def test_growth_bench_reads_a_results_probes_and_names_one_without_them():
@@ -510,10 +514,10 @@ def test_reference_probes_on_its_own_grid_each_at_an_evaluated_state(cache_dir, 
     sparse = out["sparse"]
     assert out["eval_samples"] == 16 and sparse["every_samples"] == 16
     assert sparse["points"] == 8 and 0 < sparse["interval"][0] <= sparse["interval"][1]
-    # the growth record: its direct interval is the trend's over the warm state's probe
+    # the growth record: fewer than MIN_BLOCK_PROBES probes are resampled one at a time
+    # (a block length estimated from 14 points is noise: white noise mostly returns the cap)
     g = out["growth"]
-    assert g["direct_interval"] == pytest.approx([v / out["warm_phi"] for v in out["interval"]])
-    assert 3 <= g["points"] <= len(probes) - 1 and g["bootstrap_block"] >= 1
+    assert g["points"] <= len(probes) - 1 and g["bootstrap_block"] == 1
     # bench/cona_probe_precision.py: repeated probes at the warm state draw micro-batches of
     # their own (the same ones would read the same noise scale: no spread measured)
     phis = [v for m in (2, 4) for v in out["spread"]["phis"][m]]

@@ -51,13 +51,30 @@ def cona_probe_precision(r: dict, file: str = "cona_probe_precision") -> str:
         for m, x in f["sizes"].items():
             phis = ", ".join("—" if v is None else f"{v:.1f}" for v in x["noise_scale_proxy"])
             share = x["share_of_variance"]
+            sd = x["log_sd"]
             rows.append(f"| {name} | {m} ({int(m) * f['microbatch_sequences']:,}) | {phis} | "
-                        f"{x['log_sd']:.3f} | {'—' if between is None else f'{between:.3f}'} | "
+                        f"{'—' if sd is None else f'{sd:.3f}'} | "
+                        f"{'—' if between is None else f'{between:.3f}'} | "
                         f"{'—' if share is None else f'{100 * share:.1f} %'} |")
-    src = r["from"]
+    src, pw = r["from"], r.get("paired_with")
+    pairs = [(name, f["paired"]) for name, f in r["families"].items() if f.get("paired")]
+    if pw and pairs:
+        rows += ["", f"Along the segment, the same states probed by two runs (`{src['file']}` "
+                 f"at `{src['commit']}` and `{pw['file']}` at `{pw['commit']}`):", "",
+                 "| family | states | micro-batches per probe (this run, the other) | sd of "
+                 "the difference of log phi (robust) | scatter about each run's trend, sd of "
+                 "log |", "|---|---:|---|---:|---:|"]
+        for name, x in pairs:
+            a, b = x["microbatches"]
+            ta, tb = x["trend_log_sd"]
+            rows.append(f"| {name} | {x['probes']} | {a}, {b} | {x['log_diff_sd']:.3f} "
+                        f"({x['log_diff_robust_sd']:.3f}) | {ta:.2f}, {tb:.2f} |")
     rows += ["", f"{r['repeats']} probes of each size at each family's warm state, every "
              "probe on micro-batches of its own; the scatter between states from "
              f"`{src['file']}` (measured {src['date'][:10]} at `{src['commit']}`: 1.4826 x "
              "the median absolute deviation of its reference probes' log noise scale about "
-             "their trend).", "", _source(r, file)]
+             "their trend)."
+             + (" The difference of two probes at one state sharing their first micro-batches "
+                "has an sd at most the smaller probe's own." if pairs else ""),
+             "", _source(r, file)]
     return "\n".join(rows) + "\n"
