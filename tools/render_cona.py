@@ -199,7 +199,7 @@ def _interval_note(m: dict) -> str:
     """`` (95 % interval lo-hi, n probes)`` for a family's growth where the run measured it."""
     interval = m.get("noise_scale_growth_direct_interval")
     if not interval:
-        return ""
+        return _along(m)
     n = ((m.get("reference") or {}).get("noise_scale_fit") or {}).get("points")
     probes = f", {n} probes" if n else ""
     sparse = m.get("noise_scale_growth_one_per_eval")
