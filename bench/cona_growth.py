@@ -83,7 +83,7 @@ def main(argv=None) -> int:
                    help="a bench/cona_ttp.py result JSON")
     p.add_argument("--out", type=Path, help="also write the JSON here")
     args = p.parse_args(argv)
-    from jobruntime.metrics import provenance, write_json_atomic
+    from jobruntime.metrics import publish_json
 
     try:
         result = json.loads(args.source.read_text())
@@ -94,10 +94,7 @@ def main(argv=None) -> int:
     out["from"] = {"file": str(source.relative_to(ROOT)) if source.is_relative_to(ROOT)
                    else str(args.source),
                    **{k: result.get(k) for k in ("date", "commit", "machine", "command")}}
-    out.update(provenance(argv))
-    if args.out:
-        write_json_atomic(args.out, out)
-    print(json.dumps(out, indent=2))
+    publish_json(out, args.out, argv)
     return 0
 
 

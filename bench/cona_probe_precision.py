@@ -129,7 +129,7 @@ def main(argv=None) -> int:
         p.error("--repeats must be at least 2 (a standard deviation)")
     from bench.cona_reference import seed_context
     from bench.cona_ttp import FULL, MODELS, family_config, worker_setup
-    from jobruntime.metrics import provenance, write_json_atomic
+    from jobruntime.metrics import publish_json
 
     try:
         result = json.loads(args.source.read_text())
@@ -162,10 +162,7 @@ def main(argv=None) -> int:
            "paired_with": None if other is None else {
                "file": str(args.paired_with),
                **{k: other.get(k) for k in ("date", "commit", "machine")}}}
-    out.update(provenance(argv))
-    if args.out:
-        write_json_atomic(args.out, out)
-    print(json.dumps(out, indent=2))
+    publish_json(out, args.out, argv)
     return 0
 
 

@@ -114,7 +114,7 @@ def main(argv=None) -> int:
     p.add_argument("--across-setups", action="store_true",
                    help="compare two set-ups on purpose (module docstring)")
     args = p.parse_args(argv)
-    from jobruntime.metrics import provenance, write_json_atomic
+    from jobruntime.metrics import publish_json
 
     try:
         ra, rb = (json.loads(x.read_text()) for x in (args.a, args.b))
@@ -127,10 +127,7 @@ def main(argv=None) -> int:
     for key, path, r in (("a", args.a, ra), ("b", args.b, rb)):
         report[key] = {"file": str(path), **{k: r.get(k) for k in ("date", "commit", "machine",
                                                                     "command")}}
-    report.update(provenance(argv))
-    if args.out is not None:
-        write_json_atomic(args.out, report)
-    print(json.dumps(report, indent=2))
+    publish_json(report, args.out, argv)
     return 0
 
 

@@ -81,6 +81,17 @@ def write_json_atomic(path: Path, obj: Any) -> None:
     write_text_atomic(path, json.dumps(obj, indent=2, default=float) + "\n")
 
 
+def publish_json(report: dict, out: Path | None = None, argv: list[str] | None = None) -> dict:
+    """A bench's result as it leaves the bench: ``report`` with :func:`provenance` added
+    (``argv``: the command; default ``sys.argv``), written to ``out`` (atomically) where
+    given, and printed as JSON; returns the report."""
+    report.update(provenance(argv))
+    if out is not None:
+        write_json_atomic(out, report)
+    print(json.dumps(report, indent=2, default=float))
+    return report
+
+
 def crossing_fraction(ppl_above: float, ppl_at: float, target: float) -> float:
     """Where between two evaluations the validation perplexity crossed ``target``.
 
