@@ -23,8 +23,8 @@ one's first ones, so the two readings share them), and each run's scatter about 
 
 Usage::
 
-    python bench/cona_probe_precision.py --from docs/results/cona_ttp.json --cache-dir DIR \
-        --paired-with docs/results/cona_ttp_2026-12-06_dense.json
+    python bench/cona_probe_precision.py --from docs/results/cona_ttp.json \\
+        --paired-with docs/results/cona_ttp_2026-12-06_dense.json --cache-dir DIR
 
 Prints one JSON object: ``{"families": {NAME: {"proxy", "microbatch_sequences",
 "sizes": {M: {"noise_scale_proxy": [...], "log_sd", "share_of_variance"}},
