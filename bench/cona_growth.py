@@ -53,7 +53,7 @@ def growth_from(result: dict) -> dict:
         ValueError: a family's reference holds no probes (a result from before the bench
             stored them) or too few to fit (:func:`cona.targets.fit_noise_scale`).
     """
-    from bench.cona_reference import segment_columns, segment_growth
+    from bench.cona_reference import probe_noise_scale, segment_columns, segment_growth
     from cona.targets import trend_interval
 
     families = {}
@@ -71,8 +71,7 @@ def growth_from(result: dict) -> dict:
             **segment_growth(probes, end_loss, phi0),
             "direct_interval_pairs": [v / phi0 for v in pairs],
             "warm_probe": phi0,
-            "first_probes": [p["grad_trace"] / p["grad_sq"] if p["grad_sq"] > 0 else None
-                             for p in probes[1:1 + FIRST_PROBES]]}
+            "first_probes": [probe_noise_scale(p) for p in probes[1:1 + FIRST_PROBES]]}
     return families
 
 

@@ -95,9 +95,7 @@ def paired(result: dict, other: dict, family: str) -> dict | None:
     if not all(ref.get("noise_scale_probes") for ref in refs):
         return None
 
-    def phi(p) -> float | None:
-        return p["grad_trace"] / p["grad_sq"] if p["grad_sq"] > 0 and p["grad_trace"] > 0 \
-            else None
+    from bench.cona_reference import probe_noise_scale as phi
 
     theirs = {(p["samples"], p["val_loss"]): phi(p) for p in refs[1]["noise_scale_probes"]}
     diffs = [math.log(a) - math.log(b) for p in refs[0]["noise_scale_probes"]

@@ -147,16 +147,17 @@ def segment_trend(probes: list[dict], loss: float) -> dict:
     return fit_noise_scale(*segment_columns(probes), [loss])
 
 
-def segment_trend_interval(probes: list[dict], loss: float) -> list[float] | None:
+def segment_trend_interval(probes: list[dict], loss: float,
+                           block: int | None = None) -> list[float] | None:
     """The 95 % moving-block bootstrap interval ``[low, high]`` (proxy sequences) of
     :func:`segment_trend` at ``loss`` (:func:`cona.targets.trend_interval`, the same
-    probes, blocks of :func:`cona.targets.bootstrap_block`); ``None`` where the probes are
-    too few to bootstrap (a short quick segment)."""
+    probes, blocks of ``block`` or else :func:`cona.targets.bootstrap_block`'s); ``None``
+    where the probes are too few to bootstrap (a short quick segment)."""
     from cona.targets import bootstrap_block, trend_interval
 
     cols = segment_columns(probes)
     try:
-        return trend_interval(*cols, loss, block=bootstrap_block(*cols))
+        return trend_interval(*cols, loss, block=block or bootstrap_block(*cols))
     except ValueError:
         return None
 
@@ -188,7 +189,7 @@ def segment_growth(probes: list[dict], end_loss: float, phi0: float) -> dict:
     warm_loss = probes[0]["val_loss"]
     fit = segment_trend(probes, end_loss)
     block = bootstrap_block(*cols)
-    direct = segment_trend_interval(probes, end_loss)
+    direct = segment_trend_interval(probes, end_loss, block)
     try:
         along = trend_interval(*cols, end_loss, over=warm_loss, block=block)
     except ValueError:  # too few probes to bootstrap
@@ -200,6 +201,13 @@ def segment_growth(probes: list[dict], end_loss: float, phi0: float) -> dict:
             "slope": fit["slope"], "kaplan_slope": -1.0 / ALPHA_B,
             "warm_loss": warm_loss, "target_loss": end_loss,
             "points": fit["points"], "bootstrap_block": block}
+
+
+def probe_noise_scale(probe: dict) -> float | None:
+    """A stored probe's noise scale ``tr(Sigma) / |G|^2`` (proxy sequences), ``None``
+    where it read no positive signal or noise (a probe the trend leaves out)."""
+    g, t = probe["grad_sq"], probe["grad_trace"]
+    return t / g if g > 0 and t > 0 else None
 
 
 def segment_columns(probes: list[dict]) -> tuple[list, list, list]:
