@@ -104,14 +104,16 @@ def adam_samples(trajectory: list[dict], batch: int, reference_batch: int) -> fl
     return total
 
 
-def prediction_error(batches: dict, measured_key: str = "measured") -> dict:
-    """Per definition, how far its predicted efficiencies are from the measured ones where
-    the controller uses them: in ratios between two batches (a ranking compares candidates'
-    ``E(M)`` at one moment; ``M0`` cancels), the mean over every pair of batches that
-    reached the target of ``|ln(pred ratio / measured ratio)|`` (0: exact; 0.1: ratios off
-    by ~10 %); ``None`` for a definition without a prediction at two of them."""
+def prediction_error(batches: dict, measured_key: str = "measured",
+                     keys=DEFINITIONS) -> dict:
+    """Per definition (of ``keys``), how far its predicted efficiencies are from the
+    measured ones where the controller uses them: in ratios between two batches (a ranking
+    compares candidates' ``E(M)`` at one moment; ``M0`` cancels), the mean over every pair
+    of batches that reached the target of ``|ln(pred ratio / measured ratio)|`` (0: exact;
+    0.1: ratios off by ~10 %); ``None`` for a definition without a prediction at two of
+    them."""
     out = {}
-    for key in DEFINITIONS:
+    for key in keys:
         eff = {b: (x["predicted"][key]["efficiency"], x[measured_key]["efficiency"])
                for b, x in batches.items()
                if "efficiency" in x.get(measured_key, {}) and x["predicted"][key] is not None}
@@ -121,8 +123,19 @@ def prediction_error(batches: dict, measured_key: str = "measured") -> dict:
     return out
 
 
+def trajectory_point(job, adam_batches=()) -> dict:
+    """The direct measurements at one point of the trajectory (module docstring, step 1),
+    none charged to the clock (it times the evaluations, cona.eval_clock, and the
+    reference's must fall where an unprobed run's do)."""
+    return {**{d: job.measure_noise_scale(PROBE_MICROBATCHES, d, charge=False) for d in DIRECT},
+            ADAM: {str(b): v for b, v in job.measure_adam_progress(
+                PROBE_MICROBATCHES, adam_batches).items()},
+            "in_run_plain": job.gns.noise_scale_plain,
+            "in_run_scale_free": job.gns.noise_scale_scale_free}
+
+
 def static_run(ctx, strategy, measure_every: int | None = None, lr_factor: float = 1.0,
-               bound_samples: int | None = None, adam_batches=()):
+               bound_samples: int | None = None, adam_batches=(), measure=None):
     """Train ``strategy`` at ``lr_factor`` x the scaling rule's LR from the initial weights
     until the target, the budget, or past ``bound_samples`` proxy samples (a run that
     cannot need fewer samples than one already measured at this batch: not reached).
@@ -130,21 +143,15 @@ def static_run(ctx, strategy, measure_every: int | None = None, lr_factor: float
     With ``measure_every`` (steps) the noise scale is measured directly along the way
     (trajectory points; the last at the stop), and Adam's progress per sequence at each of
     ``adam_batches`` (target sequences; :meth:`cona.job.EmulatedJob.measure_adam_progress`,
-    under ``"adam"`` by ``str(batch)``).  Returns ``(record, trajectory)``."""
+    under ``"adam"`` by ``str(batch)``): :func:`trajectory_point`, or ``measure(job)``
+    (a dict) where given.  Returns ``(record, trajectory)``."""
     job, loop = static_loop(ctx, strategy, lr_factor)
     trajectory = []
     while measure_every and not loop.done:
         nxt = job.trainer.step + measure_every
         loop.run(until=lambda nxt=nxt: job.trainer.step >= nxt)
         trajectory.append({"step": job.trainer.step, "samples": job.consumed_samples,
-                           # not charged: the clock times the evaluations (cona.eval_clock),
-                           # and the reference's must fall where an unprobed run's do
-                           **{d: job.measure_noise_scale(PROBE_MICROBATCHES, d, charge=False)
-                              for d in DIRECT},
-                           ADAM: {str(b): v for b, v in job.measure_adam_progress(
-                               PROBE_MICROBATCHES, adam_batches).items()},
-                           "in_run_plain": job.gns.noise_scale_plain,
-                           "in_run_scale_free": job.gns.noise_scale_scale_free})
+                           **(measure(job) if measure else trajectory_point(job, adam_batches))})
     loop.run(until=None if bound_samples is None
              else lambda: job.consumed_samples > bound_samples)
     evals = [e["val_ppl"] for e in loop.progress.evals]

@@ -51,10 +51,45 @@ if TYPE_CHECKING:  # torch is only needed by the helpers; keep the import cheap
     import torch
 
 
+def two_batch_estimate(
+    small_value: float, small_batch: float, big_value: float, big_batch: float
+) -> tuple[float, float]:
+    """Unbiased ``(signal, noise)`` from a quadratic form of batch-mean gradients at two
+    batch sizes (McCandlish et al. 2018, App. A.1).
+
+    For any fixed quadratic form ``Q`` (``|.|^2`` here; ``v' H v`` in
+    :mod:`cona.curvature`) of the mean gradient of ``B`` samples,
+    ``E[Q(g_B)] = Q(G) + tr(Q Sigma) / B``; two batch sizes give both terms.  No sign
+    check: a quadratic form that is not positive definite (a Hessian) may give negative
+    values; :func:`estimate_from_norms` checks norms.
+
+    Args:
+        small_value: ``Q(G_small)`` (mean over several small batches is fine).
+        small_batch: ``B_small`` (samples per small batch).
+        big_value: ``Q(G_big)``.
+        big_batch: ``B_big``, larger than ``B_small``.
+
+    Returns:
+        ``(Q(G), tr(Q Sigma))``; ``Sigma`` is one sample's gradient covariance.
+
+    Raises:
+        ValueError: batch sizes not ``0 < B_small < B_big``, or a value not finite.
+    """
+    if not 0 < small_batch < big_batch:
+        raise ValueError(f"need 0 < small_batch < big_batch, got {small_batch}, {big_batch}")
+    for name, v in (("small_value", small_value), ("big_value", big_value)):
+        if not math.isfinite(v):
+            raise ValueError(f"{name} must be finite, got {v}")
+    signal = (big_batch * big_value - small_batch * small_value) / (big_batch - small_batch)
+    noise = (small_value - big_value) / (1.0 / small_batch - 1.0 / big_batch)
+    return signal, noise
+
+
 def estimate_from_norms(
     small_sq_norm: float, small_batch: float, big_sq_norm: float, big_batch: float
 ) -> tuple[float, float]:
-    """One-step unbiased estimates ``(|G|^2, tr(Sigma))`` (McCandlish App. A.1).
+    """One-step unbiased estimates ``(|G|^2, tr(Sigma))`` (McCandlish App. A.1):
+    :func:`two_batch_estimate` of squared norms.
 
     Args:
         small_sq_norm: ``|G_small|^2`` (mean over several small batches is fine).
@@ -66,14 +101,10 @@ def estimate_from_norms(
         ValueError: batch sizes not ``0 < B_small < B_big``, or a norm negative
             or not finite.
     """
-    if not 0 < small_batch < big_batch:
-        raise ValueError(f"need 0 < small_batch < big_batch, got {small_batch}, {big_batch}")
     for name, v in (("small_sq_norm", small_sq_norm), ("big_sq_norm", big_sq_norm)):
         if not (v >= 0 and math.isfinite(v)):
             raise ValueError(f"{name} must be a finite non-negative number, got {v}")
-    g_sq = (big_batch * big_sq_norm - small_batch * small_sq_norm) / (big_batch - small_batch)
-    trace = (small_sq_norm - big_sq_norm) / (1.0 / small_batch - 1.0 / big_batch)
-    return g_sq, trace
+    return two_batch_estimate(small_sq_norm, small_batch, big_sq_norm, big_batch)
 
 
 class GradientNoiseScale:

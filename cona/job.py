@@ -452,6 +452,26 @@ class EmulatedJob(Job):
             pps = progress_per_sample(self.trainer, mbs, sorted(set(proxy.values())), eps)
         return {b: pps[p] for b, p in proxy.items()}
 
+    def measure_curvature_stats(self, microbatches: int = 64, curvature_microbatches: int = 16,
+                                preconditioned: bool = True,
+                                delta: float | None = None) -> tuple[float, float] | None:
+        """``(G' P H P G, tr(P H P Sigma))`` at the current weights, the curvature measured
+        (:func:`cona.curvature.measure_curvature_stats`: gradients of ``microbatches``
+        fresh micro-batches, curvature on the next ``curvature_microbatches``); ``P`` is
+        Adam's preconditioner (``None`` before the first step), or ``I`` where not
+        ``preconditioned``; ``delta``: the second difference's step (default
+        :data:`cona.curvature.DELTA`).  Not charged to the clock (a measurement); the data
+        position, RNG and training state are left as they were."""
+        from .curvature import DELTA, measure_curvature_stats
+        from .probe import adam_preconditioner
+
+        weights = adam_preconditioner(self.trainer) if preconditioned else None
+        if preconditioned and weights is None:
+            return None
+        with self._probe_microbatches(microbatches + curvature_microbatches, False) as mbs:
+            return measure_curvature_stats(self.trainer, mbs[:microbatches],
+                                           mbs[microbatches:], weights, delta=delta or DELTA)
+
     @contextlib.contextmanager
     def _probe_microbatches(self, microbatches: int, charge: bool):
         """``microbatches`` fresh micro-batches to probe with, the clock charged what the

@@ -9,6 +9,7 @@ measured switch in ``metrics.jsonl`` and a summary naming the chain.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -423,6 +424,8 @@ def _probe_by_hand(cfg):
     got = probe.last
     precond = _preconditioner_checks(trainer, mbs)
     restore(trainer, state)
+    curvature = _curvature_checks(trainer, mbs)
+    restore(trainer, state)
     online_precond = _preconditioned_probe_by_hand(trainer, mbs)
     restore(trainer, state)
 
@@ -435,7 +438,45 @@ def _probe_by_hand(cfg):
         want_small = sum(sq_norm_after(mbs[i : i + 1]) for i in range(len(mbs))) / len(mbs)
         want_big = sq_norm_after(mbs)
     return {"probe": got, "small": want_small, "big": want_big, "precond": precond,
-            "online_precond": online_precond}
+            "online_precond": online_precond, "curvature": curvature}
+
+
+def _curvature_checks(trainer, mbs):
+    """cona.curvature on the real model: its float64 copy's loss beside the trainer's, its
+    second difference of the loss along a direction beside the change of the trainer's
+    own gradients along it (backward passes: another path), and whether a measurement
+    leaves the weights and the RNG as they were."""
+    import math
+
+    import torch
+
+    from cona.curvature import float64_probe, measure_curvature_stats
+    from cona.probe import _grad, _is_counted
+
+    before, rng = trainer.get_params(), torch.get_rng_state()
+    stats = measure_curvature_stats(trainer, mbs[:2], mbs[2:], directions=2)
+    after = trainer.get_params()
+    unchanged = (all(torch.equal(before[k], after[k]) for k in before)
+                 and torch.equal(rng, torch.get_rng_state()))
+    probe = float64_probe(trainer, mbs)
+    counted = {n: p for n, p in trainer.module.named_parameters() if _is_counted(p)}
+    g = torch.Generator().manual_seed(0)
+    v = {n: torch.randn(p.shape, generator=g, dtype=torch.float64) for n, p in counted.items()}
+    quad = probe.quadratic_form(v)
+    h = 1e-2 * probe.theta_norm / math.sqrt(sum(float(x.pow(2).sum()) for x in v.values()))
+
+    def along(sign: float) -> float:  # v . grad L(theta + sign h v), from the trainer
+        trainer.set_params({n: before[n] + (sign * h * v[n]).float() if n in v else before[n]
+                            for n in before})
+        trainer.zero_grad()
+        trainer._run_schedule(mbs, forward_only=False)
+        return sum(float((_grad(p).double() * v[n]).sum()) for n, p in counted.items())
+
+    by_grads = (along(1.0) - along(-1.0)) / (2 * h)
+    trainer.set_params(before)
+    trainer.zero_grad()
+    return {"stats": stats, "unchanged": unchanged, "copy_loss": probe.loss0,
+            "trainer_loss": trainer.evaluate([mbs]), "quad": quad, "by_grads": by_grads}
 
 
 def _preconditioned_probe_by_hand(trainer, mbs):
@@ -660,6 +701,19 @@ def test_adam_preconditioner_and_preconditioned_noise_scale(emulated):
     assert p["mixed"] != pytest.approx(p["plain"], rel=1e-3)  # the weights are applied
     assert p["short"] is not None and "weights for" in p["short"]
     assert p["root_err"] < 1e-9  # newton's P^(1/2), squared, is P
+
+
+def test_curvature_probe_on_the_real_model(emulated):
+    """Catches a float64 copy loaded with other weights or another loss (its loss must be
+    the trainer's within fp32 rounding), a second difference off the model's curvature
+    (``v' H v`` must match the change of the trainer's own gradients along ``v``, a
+    backward-pass path, within 2 %), and a measurement that leaves the weights or the RNG
+    changed (cona/curvature.py)."""
+    _, probe, _ = emulated
+    c = probe["curvature"]
+    assert c["unchanged"] and all(math.isfinite(x) for x in c["stats"])
+    assert c["copy_loss"] == pytest.approx(c["trainer_loss"], rel=1e-5)
+    assert abs(c["quad"]) > 0 and c["quad"] == pytest.approx(c["by_grads"], rel=0.02)
 
 
 def test_gns_probe_preconditioned_norms_match_direct_computation(emulated):
