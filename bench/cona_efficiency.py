@@ -16,7 +16,13 @@ batch ratio ``r``, grid, sqrt LR rule, schedule in samples):
    ``cona.gns_average`` plain and scale-free), and, from the same micro-batches per
    coordinate, Adam's best progress per sequence at each grid batch (``adam``:
    :mod:`cona.adam_efficiency`, Adam's second moment at each batch rather than a fixed
-   preconditioner).
+   preconditioner).  With ``--curvature`` also the noise scale with the curvature
+   measured rather than assumed, ``tr(P H P Sigma) / (G' P H P G)`` (McCandlish et al.
+   2018, eq. 2.7-2.8, for the step ``-eps P g``: the ``phi`` that makes ``E(M)`` exact on
+   a locally quadratic loss; :mod:`cona.curvature`, float64 second differences of the
+   loss on 16 held-out micro-batches), with Adam's ``P`` (``curvature``) and ``P = I``
+   (``curvature_sgd``), and at the warm state at a tenth of the second difference's step
+   (``curvature_delta_check``).
 2. **Measured.**  Every other grid batch trained static in its fastest layout until the
    target or the budget: proxy samples to the target (at evaluation granularity) and
    whether the validation perplexity ever more than doubled between two evaluations
@@ -35,6 +41,7 @@ Usage::
 
     python bench/cona_efficiency.py --models gpt3_1.3b llama3.2_1b --every 20  # ~35 min
     python bench/cona_efficiency.py --models gpt3_1.3b llama3.2_1b --every 20 --lr-factors 0.5 1 2
+    python bench/cona_efficiency.py --models gpt3_1.3b llama3.2_1b --every 20 --curvature
     python bench/cona_efficiency.py --models bert_large --jobs 1   # hours: its proxy is slow
 
 Prints one JSON object ``{"date", "commit", "machine", "command", "every", "models":
@@ -64,6 +71,9 @@ from bench.seeded_units import run_families, write_report  # noqa: E402
 DIRECT = ("simple", "newton", "pollux")  # cona.probe.DEFINITIONS, measured directly
 ADAM = "adam"  # cona/adam_efficiency.py: an efficiency curve per point, not a noise scale
 DEFINITIONS = (*DIRECT, ADAM, "in_run_plain", "in_run_scale_free")
+# --curvature: tr(P H P Sigma) / (G' P H P G), Adam's P and P = I (cona/curvature.py)
+CURVATURE = ("curvature", "curvature_sgd")
+CURVATURE_MICROBATCHES = 16  # held out for the second differences
 PROBE_MICROBATCHES = 64  # per direct measurement (job.measure_noise_scale's default)
 
 
@@ -123,19 +133,47 @@ def prediction_error(batches: dict, measured_key: str = "measured",
     return out
 
 
-def trajectory_point(job, adam_batches=()) -> dict:
+def trajectory_point(job, adam_batches=(), curvature: bool = False) -> dict:
     """The direct measurements at one point of the trajectory (module docstring, step 1),
     none charged to the clock (it times the evaluations, cona.eval_clock, and the
-    reference's must fall where an unprobed run's do)."""
-    return {**{d: job.measure_noise_scale(PROBE_MICROBATCHES, d, charge=False) for d in DIRECT},
-            ADAM: {str(b): v for b, v in job.measure_adam_progress(
-                PROBE_MICROBATCHES, adam_batches).items()},
-            "in_run_plain": job.gns.noise_scale_plain,
-            "in_run_scale_free": job.gns.noise_scale_scale_free}
+    reference's must fall where an unprobed run's do); with ``curvature`` also
+    :data:`CURVATURE` (:func:`curvature_point`)."""
+    point = {**{d: job.measure_noise_scale(PROBE_MICROBATCHES, d, charge=False)
+                for d in DIRECT},
+             ADAM: {str(b): v for b, v in job.measure_adam_progress(
+                 PROBE_MICROBATCHES, adam_batches).items()},
+             "in_run_plain": job.gns.noise_scale_plain,
+             "in_run_scale_free": job.gns.noise_scale_scale_free}
+    return {**point, **curvature_point(job)} if curvature else point
+
+
+def curvature_point(job, delta: float | None = None) -> dict:
+    """Both :data:`CURVATURE` noise scales at the job's state (``None`` where a term is not
+    positive), each with its signal and noise terms, from 64 gradient micro-batches and
+    :data:`CURVATURE_MICROBATCHES` curvature ones; ``delta``: the second difference's step
+    (default :data:`cona.curvature.DELTA`)."""
+    out = {}
+    for key in CURVATURE:
+        stats = job.measure_curvature_stats(PROBE_MICROBATCHES, CURVATURE_MICROBATCHES,
+                                            preconditioned=key == "curvature", delta=delta)
+        signal, noise = stats if stats else (None, None)
+        out[key] = noise / signal if stats and signal > 0 and noise > 0 else None
+        out[f"{key}_terms"] = None if stats is None else {"signal": signal, "noise": noise}
+    return out
+
+
+def delta_check(job) -> dict:
+    """:func:`curvature_point` at the job's state at :data:`cona.curvature.DELTA` and at a
+    tenth of it (the second difference's step: the quadratic model at that scale), by
+    ``str(delta)``."""
+    from cona.curvature import DELTA
+
+    return {str(d): {k: v for k, v in curvature_point(job, d).items() if k in CURVATURE}
+            for d in (DELTA, DELTA / 10)}
 
 
 def static_run(ctx, strategy, measure_every: int | None = None, lr_factor: float = 1.0,
-               bound_samples: int | None = None, adam_batches=(), measure=None):
+               bound_samples: int | None = None, adam_batches=(), curvature: bool = False):
     """Train ``strategy`` at ``lr_factor`` x the scaling rule's LR from the initial weights
     until the target, the budget, or past ``bound_samples`` proxy samples (a run that
     cannot need fewer samples than one already measured at this batch: not reached).
@@ -143,15 +181,15 @@ def static_run(ctx, strategy, measure_every: int | None = None, lr_factor: float
     With ``measure_every`` (steps) the noise scale is measured directly along the way
     (trajectory points; the last at the stop), and Adam's progress per sequence at each of
     ``adam_batches`` (target sequences; :meth:`cona.job.EmulatedJob.measure_adam_progress`,
-    under ``"adam"`` by ``str(batch)``): :func:`trajectory_point`, or ``measure(job)``
-    (a dict) where given.  Returns ``(record, trajectory)``."""
+    under ``"adam"`` by ``str(batch)``): :func:`trajectory_point` (``curvature``: with
+    the curvature noise scales).  Returns ``(record, trajectory)``."""
     job, loop = static_loop(ctx, strategy, lr_factor)
     trajectory = []
     while measure_every and not loop.done:
         nxt = job.trainer.step + measure_every
         loop.run(until=lambda nxt=nxt: job.trainer.step >= nxt)
         trajectory.append({"step": job.trainer.step, "samples": job.consumed_samples,
-                           **(measure(job) if measure else trajectory_point(job, adam_batches))})
+                           **trajectory_point(job, adam_batches, curvature)})
     loop.run(until=None if bound_samples is None
              else lambda: job.consumed_samples > bound_samples)
     evals = [e["val_ppl"] for e in loop.progress.evals]
@@ -189,13 +227,14 @@ def compare(by_lr: dict[int, dict[float, dict]], trajectory: list[dict], m0: int
         trajectory: :func:`static_run`'s points along the reference.
         m0: the reference batch (target sequences); ratio: target sequences per proxy one.
     """
+    keys = (*DEFINITIONS, *(k for k in CURVATURE if any(k in p for p in trajectory)))
     rule = {b: runs[1.0] for b, runs in by_lr.items()}
     s0, s0_best = rule[m0]["samples"], best_lr(by_lr[m0])["samples"]
     out = {}
     for b, rec in sorted(rule.items()):
         label = "efficiency" if rec["reached"] else "efficiency_at_most"
         predicted = {key: predicted_samples(trajectory, b, m0, ratio, key)
-                     for key in DEFINITIONS}
+                     for key in keys}
         out[b] = {"measured": {**rec, label: s0 / rec["samples"]},
                   "predicted": {key: None if s is None else {"samples": s, "efficiency": s0 / s}
                                 for key, s in predicted.items()}}
@@ -207,14 +246,14 @@ def compare(by_lr: dict[int, dict[float, dict]], trajectory: list[dict], m0: int
                 "by_lr": {str(f): {"samples": x["samples"], "reached": x["reached"]}
                           for f, x in sorted(by_lr[b].items())}}
     several = any(len(runs) > 1 for runs in by_lr.values())
-    return {"batches": out, "prediction_error": prediction_error(out),
-            "prediction_error_best_lr": (prediction_error(out, measured_key="measured_best_lr")
+    return {"batches": out, "prediction_error": prediction_error(out, keys=keys),
+            "prediction_error_best_lr": (prediction_error(out, "measured_best_lr", keys)
                                          if several else None)}
 
 
 def efficiency_family(target: str, spec: dict, batches: list[int], every: int,
                       cache_dir: str | None, threads: int,
-                      lr_factors: tuple[float, ...] = (1.0,)) -> dict:
+                      lr_factors: tuple[float, ...] = (1.0,), curvature: bool = False) -> dict:
     ttp.worker_setup(spec["proxy"])
     from cona.baselines import fastest_per_batch
     from cona.context import build_context
@@ -236,7 +275,7 @@ def efficiency_family(target: str, spec: dict, batches: list[int], every: int,
                          f"candidate batch {sorted(per)}; the prediction needs it as M0")
     measured = {}
     measured[m0], trajectory = static_run(ctx, per[m0], measure_every=every,
-                                          adam_batches=sorted(per))
+                                          adam_batches=sorted(per), curvature=curvature)
     if not measured[m0]["reached"]:
         raise SystemExit(f"{target}: the reference batch did not reach its own target")
     for b in sorted(per):
@@ -248,8 +287,9 @@ def efficiency_family(target: str, spec: dict, batches: list[int], every: int,
         for b in sorted(per):
             bound = min((x["samples"] for x in by_lr[b].values() if x["reached"]), default=None)
             by_lr[b][f], _ = static_run(ctx, per[b], lr_factor=f, bound_samples=bound)
+    extra = {"curvature_delta_check": delta_check(ctx.make_job(per[m0]))} if curvature else {}
     return {"proxy": spec["proxy"], "target_ppl": cfg.train.target_ppl, "ratio": r,
-            "lr_factors": list(lr_factors), **compare(by_lr, trajectory, m0, r),
+            "lr_factors": list(lr_factors), **compare(by_lr, trajectory, m0, r), **extra,
             "reference_batch": m0, "lr": cfg.train.lr, "setup": setup,
             "trajectory": trajectory, "wall_s": time.perf_counter() - t0}
 
@@ -269,6 +309,10 @@ def main(argv=None) -> int:
                    help="also train every batch at these multiples of the scaling rule's LR "
                    "and report the efficiency at each batch's best (Pollux's E(M) assumes "
                    "an LR that suits every batch); e.g. 0.5 1 2, the TTP bench's choices")
+    p.add_argument("--curvature", action="store_true",
+                   help="also measure the noise scale with the curvature measured "
+                   "(cona/curvature.py) at each trajectory point, Adam's P and P = I, and "
+                   "predict from it (about 40 s more per point on 2 cores)")
     args = p.parse_args(argv)
     from jobruntime.outputs import refuse_output_folder
 
@@ -284,7 +328,7 @@ def main(argv=None) -> int:
     report = {**provenance(argv), "precision": ttp.STUDY_PRECISION, "every": args.every,
               "models": run_families(efficiency_family, models, args.jobs, ttp.BATCHES,
                                      args.every, args.cache_dir, args.threads,
-                                     tuple(sorted(set(args.lr_factors))))}
+                                     tuple(sorted(set(args.lr_factors))), args.curvature)}
     report["wall_s"] = time.perf_counter() - t0
     write_report(report, args.out, "cona_efficiency.json")
     return 0

@@ -821,6 +821,14 @@ def test_efficiency_at_the_best_lr_takes_each_batch_and_the_reference_at_its_own
     assert one["prediction_error_best_lr"] is None
     assert "measured_best_lr" not in one["batches"][128]
     assert one["prediction_error"] == out["prediction_error"]
+    assert "curvature" not in out["prediction_error"]  # not measured: not reported
+    # --curvature: its noise scales are predicted from and scored like the others'
+    curved = [{**p, "curvature": 4000.0, "curvature_sgd": None} for p in trajectory]
+    with_curv = compare({b: {1.0: runs[1.0]} for b, runs in by_lr.items()}, curved, 64, 8)
+    assert with_curv["prediction_error"]["curvature"] is not None
+    assert with_curv["prediction_error"]["curvature_sgd"] is None  # never positive
+    assert with_curv["batches"][128]["predicted"]["curvature"]["efficiency"] > \
+        with_curv["batches"][128]["predicted"]["simple"]["efficiency"]  # larger phi
 
 
 def test_adam_prediction_integrates_each_points_efficiency_curve():
