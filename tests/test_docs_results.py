@@ -369,6 +369,20 @@ def test_cona_efficiency_table_and_the_best_definition_from_a_synthetic_result()
     assert "`simple` 0.30, `newton` 0.25, `pollux` 0.50; lowest: `newton`" in out
     r["models"]["b"]["prediction_error"]["newton"] = None
     assert best_gns_definition(r) == "simple"  # newton not measured on every family
+    assert "curvature" not in out  # not measured: no column
+    # --curvature: a column per curvature noise scale, its error, the step check and the
+    # source line under the file it was committed as
+    for m in r["models"].values():
+        for x in m["batches"].values():
+            x["predicted"]["curvature"] = {"efficiency": 0.5}
+        m["prediction_error"]["curvature"] = 0.7
+        m["curvature_delta_check"] = {"0.001": {"curvature": 123.4, "curvature_sgd": None},
+                                      "0.0001": {"curvature": 120.0, "curvature_sgd": 5.0}}
+    out = cona_efficiency(r, file="cona_efficiency_curvature")
+    assert "| 1024 | 4,000 | ≤ 0.25 (missed) | 0.90 | 0.90 | 0.90 | 0.50 |" in out
+    assert "`curvature` 123.4 and 120.0." in out and "`curvature_sgd`" not in out
+    assert "`pollux` 0.60, `curvature` 0.70." in out
+    assert "(`docs/results/cona_efficiency_curvature.json`)" in out
 
 
 def test_cona_adam_memory_table_from_a_synthetic_result():

@@ -8,8 +8,10 @@ from __future__ import annotations
 from render_cona import GNS_DEFINITIONS, _fmt
 from results_source import source_line as _source
 
+CURVATURE = ("curvature", "curvature_sgd")  # bench/cona_efficiency.py --curvature
 
-def cona_efficiency(r: dict) -> str:
+
+def cona_efficiency(r: dict, file: str = "cona_efficiency") -> str:
     """bench/cona_efficiency.py: per family, each grid batch's measured efficiency (proxy
     samples to the target at the reference batch over at this batch, the scaling rule's
     LR) against what Pollux's ``E(M)`` predicts with each noise-scale definition measured
@@ -17,13 +19,20 @@ def cona_efficiency(r: dict) -> str:
     and the one that ranks best over the families; where the run swept LR factors
     (``--lr-factors``), each batch's best factor, its samples and efficiency, and the
     errors there; and the Adam-consistent efficiency (``adam``, a measurement, not one of
-    the controller's definitions) where the run holds it."""
-    adam = any((x["predicted"].get("adam") or {}) for m in r["models"].values()
-               for x in m["batches"].values())
-    defs = GNS_DEFINITIONS + ("adam",) * adam  # adam: cona/adam_efficiency.py, a curve
+    the controller's definitions) and the noise scales with the curvature measured
+    (``--curvature``, with the check of the second difference's step) where the run holds
+    them.  ``file``: the result's name in docs/results (its source line)."""
+    def held(key: str) -> bool:
+        return any((x["predicted"].get(key) or {}) for m in r["models"].values()
+                   for x in m["batches"].values())
+
+    adam = held("adam")
+    curv = tuple(d for d in CURVATURE if held(d))
+    defs = GNS_DEFINITIONS + ("adam",) * adam + curv  # adam: cona/adam_efficiency.py, a curve
     lines = []
     for name, m in r["models"].items():
-        med = {d: sorted(t[d] for t in m["trajectory"] if t.get(d)) for d in GNS_DEFINITIONS}
+        med = {d: sorted(t[d] for t in m["trajectory"] if t.get(d))
+               for d in GNS_DEFINITIONS + curv}
         medians = ", ".join(f"`{d}` {v[len(v) // 2]:,.0f}" for d, v in med.items() if v)
         swept = m.get("prediction_error_best_lr") is not None
         extra = (" | best LR factor | samples there | efficiency at the best LR" if swept else "")
@@ -42,6 +51,12 @@ def cona_efficiency(r: dict) -> str:
                 best = x["measured_best_lr"]
                 row += f" {best['lr_factor']:g}x | {best['samples']:,} | {_efficiency(best)} |"
             lines.append(row)
+        if check := m.get("curvature_delta_check"):
+            lines += ["", "At the warm state, the curvature noise scales at the second "
+                      "difference's step and at a tenth of it: " + "; ".join(
+                          f"`{d}` " + " and ".join(_fmt(v.get(d), ",.1f", "")
+                                                   for v in check.values())
+                          for d in curv) + "."]
         err = m.get("prediction_error") or {}
         lines += ["", "Error in ratios between batches (mean |ln(predicted / measured)| over "
                   "pairs of batches): " + ", ".join(f"`{d}` {_fmt(err.get(d), '.2f', '')}"
@@ -62,7 +77,7 @@ def cona_efficiency(r: dict) -> str:
         best = min((d for d in GNS_DEFINITIONS if d in mean), key=mean.get)
         lines += ["At the best LR, mean over the families: " + ", ".join(
             f"`{d}` {v:.2f}" for d, v in mean.items()) + f"; {lowest}: `{best}`.", ""]
-    lines.append(_source(r, "cona_efficiency"))
+    lines.append(_source(r, file))
     return "\n".join(lines) + "\n"
 
 
