@@ -378,7 +378,10 @@ def test_cona_efficiency_table_and_the_best_definition_from_a_synthetic_result()
         m["prediction_error"]["curvature"] = 0.7
         m["curvature_delta_check"] = {"0.001": {"curvature": 123.4, "curvature_sgd": None},
                                       "0.0001": {"curvature": 120.0, "curvature_sgd": 5.0}}
+    r["models"]["a"]["trajectory"] = [{"simple": 10.0, "curvature": 5.0, "curvature_sgd": 1.0},
+                                      {"simple": 20.0, "curvature": 30.0}]
     out = cona_efficiency(r, file="cona_efficiency_curvature")
+    assert "`curvature` over `simple` at the same point: median 1.00x (2 points)" in out
     assert "| 1024 | 4,000 | ≤ 0.25 (missed) | 0.90 | 0.90 | 0.90 | 0.50 |" in out
     assert "`curvature` 123.4 and 120.0." in out and "`curvature_sgd`" not in out
     assert "`pollux` 0.60, `curvature` 0.70." in out

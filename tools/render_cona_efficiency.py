@@ -5,6 +5,9 @@ samples)."""
 
 from __future__ import annotations
 
+import math
+import statistics
+
 from render_cona import GNS_DEFINITIONS, _fmt
 from results_source import source_line as _source
 
@@ -51,6 +54,8 @@ def cona_efficiency(r: dict, file: str = "cona_efficiency") -> str:
                 best = x["measured_best_lr"]
                 row += f" {best['lr_factor']:g}x | {best['samples']:,} | {_efficiency(best)} |"
             lines.append(row)
+        if curv:
+            lines += ["", _curvature_spread(m["trajectory"], curv)]
         if check := m.get("curvature_delta_check"):
             lines += ["", "At the warm state, the curvature noise scales at the second "
                       "difference's step and at a tenth of it: " + "; ".join(
@@ -79,6 +84,25 @@ def cona_efficiency(r: dict, file: str = "cona_efficiency") -> str:
             f"`{d}` {v:.2f}" for d, v in mean.items()) + f"; {lowest}: `{best}`.", ""]
     lines.append(_source(r, file))
     return "\n".join(lines) + "\n"
+
+
+def _curvature_spread(trajectory: list[dict], curv: tuple[str, ...]) -> str:
+    """Along the reference: the median of ``curvature / simple`` at the same point, and
+    each noise scale's scatter (1.4826 x the median absolute deviation of ``log phi``, a
+    robust standard deviation)."""
+    def robust_sd(values: list[float]) -> float | None:
+        if len(values) < 2:
+            return None
+        logs = sorted(math.log(v) for v in values)
+        med = statistics.median(logs)
+        return 1.4826 * statistics.median(abs(x - med) for x in logs)
+
+    ratios = [t[curv[0]] / t["simple"] for t in trajectory if t.get(curv[0]) and t.get("simple")]
+    spread = ", ".join(f"`{d}` {_fmt(robust_sd([t[d] for t in trajectory if t.get(d)]), '.2f', '')}"
+                       for d in ("simple", *curv))
+    return (f"Along the reference, `{curv[0]}` over `simple` at the same point: median "
+            f"{_fmt(statistics.median(ratios) if ratios else None)} ({len(ratios)} points); "
+            f"robust standard deviation of `log phi`: {spread}.")
 
 
 def _efficiency(measured: dict) -> str:
