@@ -12,8 +12,9 @@ so ``phi = B_noise`` makes Pollux's ``E(M) = (phi + M0) / (phi + M)`` exact
 (:mod:`cona.surrogate`).  The three definitions the controller can read
 (:data:`cona.probe.DEFINITIONS`) each stand in for it under an assumption about ``H``;
 this module measures it, curvature included, as a check of those assumptions (a
-measurement, ``bench/cona_curvature.py``; no controller option: it costs ~30 forward
-passes over a held-out batch per direction pair).
+measurement, ``bench/cona_efficiency.py --curvature``; no controller option: each
+estimate costs ``2 x directions + 3`` forward passes over the held-out micro-batches
+beside the gradients' backward passes).
 
 Estimator.  With ``Q(v) = v' H v``, ``E[Q(P g_B)] = G' P H P G + tr(P H P Sigma) / B``
 for the mean gradient ``g_B`` of ``B`` samples, so the quadratic form at two batch sizes
@@ -40,7 +41,9 @@ import torch
 
 from .grad_stats import two_batch_estimate
 
-DELTA = 1e-3  # |h v| / |theta| of the second difference (bench/cona_curvature.py: 1e-3 vs 1e-4)
+# |h v| / |theta| of the second difference; docs/results/cona_efficiency_curvature.json's
+# curvature_delta_check: within 0.5 % (GPT-3's proxy) and 12 % (Llama's) of a tenth of it
+DELTA = 1e-3
 DIRECTIONS = 16  # micro-batch gradients whose quadratic form is averaged (B_small's term)
 
 
@@ -103,7 +106,8 @@ def curvature_stats(gradients: Iterable[Sequence[torch.Tensor]], names: Sequence
 
     Args:
         gradients: per micro-batch, its (already preconditioned) mean gradient, one tensor
-            per name of ``names``; at least two micro-batches.
+            per name of ``names`` (the first one's are summed into in place); at least two
+            micro-batches.
         names: the parameter names of each gradient's tensors (``probe.params``' keys).
         microbatch_size: samples per micro-batch (``B_small``).
         probe: the curvature's second differences.
@@ -119,8 +123,7 @@ def curvature_stats(gradients: Iterable[Sequence[torch.Tensor]], names: Sequence
     for grads in gradients:
         if len(small) < directions:
             small.append(probe.quadratic_form(dict(zip(names, grads))))
-        total = ([g.clone() for g in grads] if total is None
-                 else [a.add_(g) for a, g in zip(total, grads)])
+        total = grads if total is None else [a.add_(g) for a, g in zip(total, grads)]
         n += 1
     if n < 2:
         raise ValueError("need at least two micro-batches")

@@ -312,8 +312,8 @@ def adam_preconditioner(trainer: Trainer, power: float = 1.0) -> list[torch.Tens
 def microbatch_gradients(trainer: Trainer, microbatches: list,
                          weights: list[torch.Tensor] | None = None):
     """Each micro-batch's own mean gradient at the trainer's current weights, one at a
-    time: yields, per micro-batch, a list of fp64 tensors (one per counted parameter of
-    ``trainer.module``, in its order), each times ``weights``' tensor where given (e.g.
+    time: yields, per micro-batch, a list of new fp64 tensors (one per counted parameter
+    of ``trainer.module``, in its order), each times ``weights``' tensor where given (e.g.
     :func:`adam_preconditioner`).  No optimizer step; the gradient buffers are left
     zeroed once the generator is exhausted.  One process with ``dp = pp = 1`` (the
     emulated proxy).
@@ -333,7 +333,7 @@ def microbatch_gradients(trainer: Trainer, microbatches: list,
         trainer._run_schedule([mb], forward_only=False)
         grads = []
         for p, w in zip(params, weights):
-            g = _grad(p).detach().double()
+            g = _grad(p).detach().to(torch.float64, copy=True)  # not a view of the buffer
             grads.append(g * w if w is not None else g)
         yield grads
     trainer.zero_grad()

@@ -17,7 +17,8 @@ lowers the loss in expectation by ``eps G'PG - eps^2/2 (G'PHPG + tr(PHP Sigma)/B
 at the best ``eps`` that is ``dL_max / (1 + B_noise/B)`` with
 ``B_noise = tr(PHP Sigma) / (G'PHPG)`` (McCandlish et al. 2018, eq. 2.7-2.8,
 for the preconditioned step), so ``phi = B_noise`` makes ``E(M)`` exact.  It
-needs the curvature, which the probe does not measure; the three definitions of
+needs the curvature, which the in-run probe does not measure (:mod:`cona.curvature`
+measures it, a check: docs/cona.md, "The curvature, measured"); the three definitions of
 ``cona.gns_definition`` (:data:`cona.probe.DEFINITIONS`: the norms of ``P^a g``) each
 assume one:
 
