@@ -85,15 +85,23 @@ def plot_probes(ax, result: dict) -> None:
     against its validation perplexity, the warm state's marked, and the trend the time
     scale reads at the target (``bench/cona_ttp.py``'s ``segment_trend``)."""
     import math
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from bench.cona_reference import probe_noise_scale
 
     ref, r = result["reference"], result["mapping"]["ratio"]
-    pts = [(math.exp(p["val_loss"]), r * p["grad_trace"] / p["grad_sq"])
-           for p in ref["noise_scale_probes"] if p["grad_sq"] > 0 and p["grad_trace"] > 0]
-    ax.plot(*zip(*pts[1:]), "o", color="tab:purple", ms=3, label="reference, direct probes")
-    ax.plot(*pts[0], "s", color="black", ms=5, label="warm state")
+    # (val ppl, target sequences) per probe, None where it read no positive signal or noise
+    pts = [(math.exp(p["val_loss"]), r * phi) if (phi := probe_noise_scale(p)) else None
+           for p in ref["noise_scale_probes"]]
+    ax.plot(*zip(*(x for x in pts[1:] if x)), "o", color="tab:purple", ms=3,
+            label="reference, direct probes")
+    warm_ppl = math.exp(ref["noise_scale_probes"][0]["val_loss"])
+    if pts[0]:  # the first probe is the warm state's (bench.cona_reference)
+        ax.plot(*pts[0], "s", color="black", ms=5, label="warm state")
     fit = ref.get("noise_scale_fit") or {}
     if "slope" in fit:
-        xs = [pts[0][0], result["target_ppl"]]
+        xs = [warm_ppl, result["target_ppl"]]
         ax.plot(xs, [r * math.exp(fit["intercept"] + fit["slope"] * math.log(math.log(x)))
                      for x in xs], color="tab:purple", lw=1, label="trend (Theil-Sen)")
     ax.axvline(result["target_ppl"], color="black", lw=0.8)
