@@ -549,6 +549,37 @@ def test_seeds_aggregate_to_a_mean_with_misses_as_null_and_layout_switches_count
     assert switch_points(a["cona"]) == [(1.0, "batch"), (2.0, "layout")]
 
 
+def test_probe_plot_marks_the_warm_state_only_where_its_probe_read_a_signal():
+    """Catches the plot's warm-state marker put on the segment's first probe when the warm
+    state's own probe read no positive signal (it was filtered out and the next probe took
+    its place), and probes scaled other than by the batch ratio (target sequences)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from bench.cona_plot import plot_probes
+
+    def probe(loss, g, t):
+        return {"val_loss": loss, "grad_sq": g, "grad_trace": t}
+
+    result = {"mapping": {"ratio": 8.0}, "target_ppl": 100.0,
+              "reference": {"noise_scale_probes": [probe(5.0, -1.0, 3.0), probe(4.9, 1.0, 2.0),
+                                                   probe(4.8, 1.0, 4.0)]}}
+    fig, ax = plt.subplots()
+    plot_probes(ax, result)
+    labels = [ln.get_label() for ln in ax.get_lines()]
+    assert "warm state" not in labels
+    seg = ax.get_lines()[labels.index("reference, direct probes")]
+    assert list(seg.get_ydata()) == [16.0, 32.0]
+    result["reference"]["noise_scale_probes"][0] = probe(5.0, 1.0, 1.0)
+    ax.clear()
+    plot_probes(ax, result)
+    warm = [ln for ln in ax.get_lines() if ln.get_label() == "warm state"]
+    assert [list(w.get_ydata()) for w in warm] == [[8.0]]
+    plt.close(fig)
+
+
 def test_best_static_chosen_once_is_the_lowest_mean_and_sizes_the_selection(monkeypatch):
     """Catches a "best static chosen once" that is each seed's own best again (no
     selection sized), a mean over seeds taken from one seed, or a cut run's lower bound
