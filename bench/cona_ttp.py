@@ -113,119 +113,38 @@ import argparse  # noqa: E402
 import copy  # noqa: E402
 import json  # noqa: E402
 import logging  # noqa: E402
-import statistics  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 from functools import partial  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.cona_aggregate import aggregate, oracle_finding, ratios, static_fixed  # noqa: E402
+from bench.cona_family_report import finish_family, setup_summary  # noqa: E402
 from bench.cona_reference import (  # noqa: E402
     RECIPE_BUDGET_SCALE,
     reference,
     seed_context,
     time_scale_for,
 )
+from bench.cona_ttp_settings import (  # noqa: E402, F401 - every setting still importable here
+    BATCHES,
+    COMMON,
+    FULL,
+    GNS_ABLATIONS,
+    MODELS,
+    MOVES,
+    NARROW,
+    PRECISION,
+    PROBE_DENSITY,
+    PROBE_MICROBATCHES,
+    QUICK,
+    SEEDS,
+    STUDY_PRECISION,
+    VAL_SEQUENCES,
+    family_config,
+)
 from bench.machine_load import LoadSampler  # noqa: E402
 from bench.seeded_units import run_families, run_units, write_report  # noqa: E402
-
-BATCHES = [64, 128, 256, 512, 1024]  # target sequences
-SEEDS = 3
-VAL_SEQUENCES = 256
-# micro-batches per direct noise-scale probe of the reference (rule 4; quick runs: 64 too,
-# the default where the settings name none).  A probe's own spread is small against the
-# scatter between states along the reference, which no probe size removes
-# (docs/results/cona_probe_precision.json): sd of log phi 0.02-0.12 at the warm states for
-# 64, 128 and 256 alike; along the segment 64 against 256 at the same states differ by sd
-# 0.08-0.18, against a scatter of 0.27-0.70.  256 cost 4x as much (most of the set-up's
-# 21 / 32 minutes), and the growth's intervals and the time scale moved little with 64
-PROBE_MICROBATCHES = 64
-# the reference probes this many times per evaluation interval (rule 4): the segment's
-# growth and the time scale rest on the probes' trend, and with one probe per evaluation
-# Llama's trend rested on 8 probes, which named its growth only within 0.1-10x (95 %
-# bootstrap interval, cona.targets.trend_interval, at 792d30e); 4x the probes narrow the
-# interval in log about sqrt(4) = 2x
-PROBE_DENSITY = 4
-# the bench proxy (rule 0): the preset's tiny twin narrowed to 2 layers of width 128
-# (same architecture otherwise); per sequence ~3x cheaper to train and ~5x cheaper to
-# evaluate on one thread than the 4 x 256 preset, at a warm perplexity near the preset's
-NARROW = ["model.hidden_size=128", "model.num_layers=2"]
-# target -> proxy preset, its narrowing, sequence, budget (train.iters at the preset's
-# batch, warmup included: the reference must reach the target within it) and evaluation
-# interval (steps at the preset's batch)
-MODELS = {  # the longest first, so that --jobs 2 ends soonest
-    # BERT's proxy masks 40 % of its tokens, not BERT's 15 % (Wettig et al. 2023, "Should
-    # You Mask 15% in Masked Language Modeling?": 40 % trains BERT-Large as well or
-    # better), at sequence 64 like the others: at 15 % and sequence 128 the reference
-    # was at perplexity 810 after 900 steps (7 min, one thread) against a target of 531,
-    # at 40 % and 64 at 567 after 1,900 steps (7.5 min): 2.7x more loss tokens per
-    # proxy FLOP, the one way its segment fits the bench
-    "bert_large": {"proxy": "tiny_bert", "seq": 64, "iters": 3000, "eval_interval": 20,
-                   "overrides": [*NARROW, "model.num_attention_heads=2",
-                                 "model.ffn_hidden_size=512", "model.mask_prob=0.4"]},
-    "llama3.2_1b": {"proxy": "tiny_llama", "seq": 64, "iters": 3000, "eval_interval": 20,
-                    "overrides": [*NARROW, "model.num_attention_heads=4",
-                                  "model.num_query_groups=1", "model.ffn_hidden_size=352"]},
-    "gpt3_1.3b": {"proxy": "tiny_gpt", "seq": 64, "iters": 3000, "eval_interval": 20,
-                  "overrides": [*NARROW, "model.num_attention_heads=2"]},
-}
-# the oracle's moves at a window boundary: up to two grid steps, either way (cona/oracle.py)
-MOVES = (-2, -1, 1, 2)
-# CONA again with each other noise-scale definition (cona.gns_definition; rows
-# cona_gns_<definition>): which the controller ranks by is an ablation, side by side
-GNS_ABLATIONS = ("simple", "newton", "pollux")
-# the proxies' train.precision (rule 0); a report records it, so a re-run can match it
-PRECISION = "bf16"
-# the side studies' (cona_efficiency, cona_adam_memory, cona_calibrate): their committed
-# results were measured in fp32, before rule 0's bf16, and re-run as they were
-STUDY_PRECISION = "fp32"
-FULL = {"windows": 6, "batches": BATCHES, "seeds": SEEDS, "lr_factors": (0.5, 1.0, 2.0),
-        "val_sequences": VAL_SEQUENCES, "moves": MOVES, "prune": "dominated", "beam": 2,
-        "probe_microbatches": PROBE_MICROBATCHES, "probe_density": PROBE_DENSITY,
-        "gns_ablations": GNS_ABLATIONS, "precision": PRECISION}
-# CI-sized: one family, one seed, three batches (with the recipe's 512), 32 validation
-# sequences, a short warmup and a shallow target (the reference's perplexity after
-# ``quick_segment`` steps: rule 3 needs thousands)
-QUICK = {"windows": 2, "batches": [64, 128, 512], "seeds": 1, "lr_factors": (1.0,), "moves": MOVES,
-         "val_sequences": 32, "warm_steps": 20, "quick_segment": 60, "precision": PRECISION,
-         "models": {"gpt3_1.3b": {"proxy": "tiny_gpt", "seq": 64, "iters": 200,
-                                  "eval_interval": 8}}}
-COMMON = [
-    "cona.enabled=true",
-    "cona.clock=emulated",
-    "cona.decision_interval=10",
-    "train.stop_at_target=true",
-    "cona.ttp_resolution=0.01",  # the TTP crossing bracketed within 1 % of every run
-    "cona.eval_clock=true",  # every method evaluated at the same clock times (rule 5)
-    "logging.wandb=disabled",
-]
-
-
-def family_config(target: str, spec: dict, settings: dict, cache_dir: str | None,
-                  seed_index: int = 0):
-    """The proxy's config for ``target`` (rules 1, 5): batch ratio, grid, cluster, budget,
-    evaluation every ``eval_interval`` steps on ``settings["val_sequences"]`` sequences
-    (:data:`VAL_SEQUENCES` in full runs), the preset's seed + ``seed_index``."""
-    from cona.mapping import BATCH_RATIO
-    from jobruntime.config import load_config
-
-    overrides = [*COMMON, *spec.get("overrides", []), f"cona.target_model={target}",
-                 f"train.iters={spec['iters']}",
-                 f"model.seq_length={spec['seq']}", f"cona.batch_ratio={BATCH_RATIO}",
-                 f"cona.gpu={settings['gpu']}", f"cona.num_gpus={settings['num_gpus']}",
-                 f"train.eval_interval={spec['eval_interval']}"]
-    if settings.get("precision"):
-        overrides.append(f"train.precision={settings['precision']}")
-    if cache_dir:
-        overrides.append(f"data.cache_dir={cache_dir}")
-    cfg = load_config(spec["proxy"], overrides)
-    cfg.train.eval_iters = -(-settings["val_sequences"] // cfg.parallel.global_batch_size)
-    cfg.train.seed += seed_index
-    cfg.cona.global_batch_sizes = list(settings["batches"])
-    if "warm_steps" in settings:
-        cfg.train.warmup_iters = settings["warm_steps"]
-    return cfg
 
 
 def seed_methods(ctx, settings: dict, boundaries: list[int],
@@ -379,100 +298,6 @@ def seed_task(target: str, spec: dict, setup: dict, seed_index: int, settings: d
             "phase_wall_s": phases}
 
 
-def setup_summary(target: str, spec: dict, setup: dict, settings: dict) -> dict:
-    """What a family's set-up (rules 1-5, :func:`setup_task`) measured, JSON-ready: proxy,
-    unigram and target perplexity, the direct noise-scale growth, the time scale and the
-    span of the target's training one run stands for, the reference and the set-up's cost
-    (wall and CPU seconds)."""
-    from cona.mapping import PUBLISHED_BATCH, recipe_batch
-    from cona.targets import TARGET_FRACTION
-
-    cfg, ref, ts = setup["cfg"], setup["ref"], setup["ts"]
-    return {
-        "proxy": spec["proxy"],
-        "proxy_overrides": spec.get("overrides", []),
-        "unigram_ppl": setup["unigram"],
-        "target_ppl": cfg.train.target_ppl,
-        "cona_gns_definition": cfg.cona.gns_definition,
-        "target_rule": "quick: the reference's perplexity after a short segment"
-        if settings.get("quick_segment") else
-        f"{TARGET_FRACTION} x min(unigram_ppl, warm_ppl) (cona/targets.py)",
-        "noise_scale_growth_direct": ref["noise_scale_target_proxy"]
-        / ref["noise_scale_warm_proxy"],
-        # the trend's 95 % bootstrap interval at the target over the warm state's probe
-        "noise_scale_growth_direct_interval": ref["noise_scale_growth"]["direct_interval"],
-        # the growth along the segment's own probes, Kaplan's over its loss range beside it
-        "noise_scale_growth_along": {k: ref["noise_scale_growth"][k] for k in (
-            "along", "along_interval", "kaplan", "slope", "kaplan_slope", "bootstrap_block")},
-        # the same run's trend through one probe per evaluation interval (the cadence before
-        # PROBE_DENSITY), side by side: what the denser probes buy
-        "noise_scale_growth_one_per_eval": _growth_one_per_eval(ref),
-        "target_tokens_per_run": ts["target_tokens_per_run"],
-        "time_scale": ts,
-        "layout_switch_s_median": statistics.median(setup["layout_s"])
-        if setup["layout_s"] else None,
-        "recipe": {"batch": recipe_batch(target), "source": PUBLISHED_BATCH[target][1],
-                   "adam_beta2": cfg.train.adam_beta2,
-                   "adam_beta2_batch": cfg.cona.adam_beta2_batch},
-        "reference": {**ref, "warm_steps": cfg.train.warmup_iters,
-                      "probe_microbatches": settings.get("probe_microbatches", 64)},
-        "mapping": {**setup["mapping"], "step_dilation": cfg.cona.step_dilation},
-        "candidates": setup["candidates"],
-        "wall_s": {"setup": setup["wall_s"]},
-        "cpu_s": setup["cpu_s"],
-    }
-
-
-def _growth_one_per_eval(ref: dict) -> dict | None:
-    """The reference's growth (and its 95 % interval) through one probe per evaluation
-    interval (:func:`bench.cona_reference.reference`'s side-by-side subset), or ``None``."""
-    sub = ref.get("noise_scale_target_one_per_eval_proxy")
-    if not sub or not sub["interval"]:
-        return None
-    phi0 = ref["noise_scale_warm_proxy"]
-    return {"growth": sub["value"] / phi0, "interval": [v / phi0 for v in sub["interval"]],
-            "points": sub["points"]}
-
-
-def finish_family(target: str, spec: dict, setup: dict, seeds: list[dict], settings: dict,
-                  out: str | None) -> dict:
-    """A family's report entry from its setup (:func:`setup_summary`) and its seeds'
-    results (module docstring); with ``out`` also ``out/target/result.json`` and its
-    plot."""
-    per_seed = [s["methods"] for s in seeds]
-    methods = aggregate(per_seed)
-    if methods.get("static_oracle"):  # the sweeps stay in the seed files (static_fixed)
-        methods["static_oracle"].pop("runs", None)
-    recipe_ttp = methods["static_recipe"]["ttp_s"]
-    result = setup_summary(target, spec, setup, settings)
-    layout_s = result["layout_switch_s_median"]
-    result["reference"]["warm"] = [s["warm"] for s in seeds]
-    result.update({
-        # what a layout switch costs against a run (the issue's bar: a few percent at most)
-        "layout_switch_share_of_recipe_ttp": layout_s / recipe_ttp
-        if layout_s is not None and recipe_ttp else None,
-        "oracle": oracle_finding(per_seed),
-        "static_fixed": (fixed := static_fixed(per_seed)),
-        # a lower bound where static_fixed's ttp_s is null (a cut run)
-        "ratios": {**ratios(methods), "static_fixed_over_cona":
-                   fixed["ttp_lower_bound_s"] / methods["cona"]["ttp_s"]
-                   if fixed and methods["cona"]["ttp_s"] else None},
-        "methods": methods,
-        "wall_s": {"setup": setup["wall_s"], "seeds": [s["wall_s"] for s in seeds]},
-        "cpu_s": setup["cpu_s"] + sum(s["cpu_s"] for s in seeds),
-        "seeds_done": len(seeds),
-        "seed_runs": [{k: s.get(k) for k in ("seed_index", "setup_key", "reused", "wall_s",
-                                              "cpu_s", "phase_wall_s")} for s in seeds],
-    })
-    if out is not None:
-        d = Path(out) / target
-        d.mkdir(parents=True, exist_ok=True)
-        from bench.cona_plot import plot_family
-        from jobruntime.metrics import write_json_atomic
-
-        write_json_atomic(d / "result.json", result)
-        plot_family(target, result, d / "ppl_vs_time.png")
-    return result
 
 
 def setup_only_task(target: str, spec: dict, settings: dict, cache_dir: str | None) -> dict:
