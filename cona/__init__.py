@@ -8,8 +8,9 @@ sizes), :mod:`cona.picks` (static picks: fastest, start strategy),
 :mod:`cona.controller` (when to switch),
 :mod:`cona.candidates` (the candidate set), :mod:`cona.mapping` (the one
 proxy-to-target rule), :mod:`cona.emulated` (the emulated cluster's clock),
-:mod:`cona.oracle` (exact search over chains; :mod:`cona.oracle_pruned`, its beam
-search; :mod:`cona.oracle_greedy`, the greedy reference).
+:mod:`cona.oracle` (exact search over chains; :mod:`cona.oracle_types`, what it works
+with; :mod:`cona.oracle_pruned`, its beam search; :mod:`cona.oracle_greedy`, the greedy
+reference).
 
 Runtime (megatron-core, imported on use): :mod:`cona.context` (decides the
 clock once and builds a run), :mod:`cona.state` (sample-based LR schedule,
