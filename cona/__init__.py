@@ -17,8 +17,8 @@ clock once and builds a run), :mod:`cona.state` (sample-based LR schedule,
 named optimizer state, snapshots), :mod:`cona.probe` (GNS from the training
 step), :mod:`cona.switch` (rebuild groups, reshard weights and optimizer state
 in memory), :mod:`cona.job` (real / emulated job), :mod:`cona.run`
-(``run(cfg, run_dir)``, the loop ``train.py`` calls) and :mod:`cona.baselines`
-(CONA, static and oracle-chain runs of ``bench/cona_ttp.py``).
+(``run(cfg, run_dir)``, what ``train.py`` calls), :mod:`cona.loop` (its loop) and
+:mod:`cona.baselines` (CONA, static and oracle-chain runs of ``bench/cona_ttp.py``).
 """
 
 from .controller import Controller, Decision

@@ -46,7 +46,7 @@ TRAIN_IN_GEOMESH = {
     "eval_interval": "it evaluates every geomesh.eval_interval outer steps; set that",
     "max_wall_s": "it stops after geomesh.outer_steps rounds; set that",
 }
-# checkpoint.* keys of saving (jobruntime/loop.py, cona/run.py, geomesh/state.py).
+# checkpoint.* keys of saving (jobruntime/loop.py, cona/run.py and cona/loop.py, geomesh/state.py).
 CHECKPOINT_SAVES = ("save_interval", "save_final", "keep_last")
 # GeoMesh methods without checkpoints (geomesh/baselines.py run_async, geomesh/streaming.py).
 NO_CHECKPOINTS = ("async", "streaming_diloco")
