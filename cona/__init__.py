@@ -16,7 +16,9 @@ Runtime (megatron-core, imported on use): :mod:`cona.context` (decides the
 clock once and builds a run), :mod:`cona.state` (sample-based LR schedule,
 named optimizer state, snapshots), :mod:`cona.probe` (GNS from the training
 step), :mod:`cona.switch` (rebuild groups, reshard weights and optimizer state
-in memory), :mod:`cona.job` (real / emulated job), :mod:`cona.run`
+in memory), :mod:`cona.job` (real / emulated job; :mod:`cona.direct_probes`, the
+emulated job's direct measurements: :mod:`cona.curvature`, the noise scale with the
+curvature measured), :mod:`cona.run`
 (``run(cfg, run_dir)``, what ``train.py`` calls), :mod:`cona.loop` (its loop) and
 :mod:`cona.baselines` (CONA, static and oracle-chain runs of ``bench/cona_ttp.py``).
 """
