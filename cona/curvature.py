@@ -24,7 +24,8 @@ probe micro-batches (``B_big``).  ``Q`` along ``v`` is the central second differ
 the loss, ``(L(theta + h v) - 2 L(theta) + L(theta - h v)) / h^2`` with
 ``|h v| = delta |theta|``, on curvature micro-batches held apart from the gradients'
 (so ``E[v' H_C v | v] = v' H v``), in float64 on a copy of the model (in eval mode: no
-dropout), so that rounding stays far below the second difference.  ``H`` may be
+dropout), its cross entropy included (:func:`float64_probe`), so that rounding stays far
+below the second difference.  ``H`` may be
 indefinite: a non-positive signal or noise term gives no noise scale.
 
 ``tests/test_cona_curvature.py`` recovers ``tr(H Sigma) / (G' H G)`` of a least-squares
@@ -41,9 +42,10 @@ import torch
 
 from .grad_stats import two_batch_estimate
 
-# |h v| / |theta| of the second difference; docs/results/cona_efficiency_curvature.json's
-# curvature_delta_check: within 0.5 % (GPT-3's proxy) and 12 % (Llama's) of a tenth of it
-DELTA = 1e-3
+# |h v| / |theta| of the second difference: small enough that the loss's higher orders
+# do not show (docs/results/cona_efficiency_curvature.json's curvature_delta_check: the
+# same at a tenth of it), large enough that float64 rounding does not
+DELTA = 1e-4
 DIRECTIONS = 16  # micro-batch gradients whose quadratic form is averaged (B_small's term)
 
 
@@ -133,15 +135,38 @@ def curvature_stats(gradients: Iterable[Sequence[torch.Tensor]], names: Sequence
 
 
 def float64_probe(trainer, microbatches: list, delta: float = DELTA) -> CurvatureProbe:
-    """A :class:`CurvatureProbe` on a float64 copy of ``trainer.module`` (built for the
-    trainer's config, loaded with :meth:`jobruntime.trainer.Trainer.get_params`, the fp32
-    main parameters under bf16; eval mode), whose loss is the token mean of the trainer's
-    own forward over ``microbatches``.  The default RNG is left as it was (building
-    draws an initialisation)."""
-    from jobruntime.model import build_model
+    """A :class:`CurvatureProbe` on a float64 copy of ``trainer.module``.
 
-    with torch.random.fork_rng(devices=[]):
+    The copy is built for the trainer's config (megatron-core's layers as the trainer's;
+    Transformer Engine's do not run in float64), loaded with
+    :meth:`jobruntime.trainer.Trainer.get_params` (the fp32 main parameters under bf16)
+    and put in eval mode.  Its loss is the token mean over ``microbatches`` of the cross
+    entropy of its logits, taken in float64 here: megatron's own per-token loss
+    (``vocab_parallel_cross_entropy``) casts the logits to float32, whose rounding
+    (~1e-7 of the loss) would swamp second differences at small steps.  The default
+    generators (CPU and the current CUDA device) are left as they were (building draws an
+    initialisation).
+
+    Args:
+        trainer: a one-process trainer (``dp = tp = pp = 1``: the emulated proxy).
+        microbatches: the held-out micro-batches, dicts of ``[micro_batch, seq]``
+            tensors as :class:`jobruntime.data.GlobalBatchSampler` yields them (with
+            ``labels`` and ``loss_mask``).
+        delta: the second difference's step (:class:`CurvatureProbe`).
+
+    Raises:
+        ValueError: no micro-batches, or none with a loss token.
+    """
+    from jobruntime.model import build_model
+    from jobruntime.parallel import default_generators, set_default_generators
+
+    if not microbatches:
+        raise ValueError("the curvature needs at least one held-out micro-batch")
+    rng = default_generators()
+    try:
         copy = build_model(trainer.cfg.model, trainer.cfg.parallel).double()
+    finally:
+        set_default_generators(rng)
     copy.eval()
     params = dict(copy.named_parameters())
     with torch.no_grad():
@@ -152,13 +177,19 @@ def float64_probe(trainer, microbatches: list, delta: float = DELTA) -> Curvatur
         pad = mb.get("padding_mask")
         batches.append({**{k: v.to(trainer.device) for k, v in mb.items()},
                         "unpadded": pad is not None and bool(pad.all())})
+    if not sum(float(b["loss_mask"].sum()) for b in batches) > 0:
+        raise ValueError("the held-out micro-batches have no loss token")
 
     @torch.no_grad()
     def loss() -> float:
         total = tokens = 0.0
-        for batch in batches:  # megatron's per-token loss, summed in float64
-            mask = batch["loss_mask"].double()
-            total += float((trainer._forward(batch, copy).double() * mask).sum())
+        for batch in batches:
+            # the trainer's forward without labels: logits [b, s, vocab] (padding ids -inf)
+            logits = trainer._forward({**batch, "labels": None}, copy).double()
+            labels, mask = batch["labels"], batch["loss_mask"].double()
+            per_token = torch.nn.functional.cross_entropy(
+                logits.flatten(0, 1), labels.clamp(min=0).flatten(), reduction="none")
+            total += float((per_token.view(labels.shape) * mask).sum())
             tokens += float(mask.sum())
         return total / tokens
 
@@ -176,10 +207,13 @@ def measure_curvature_stats(trainer, microbatches: list, curvature_microbatches:
     is ``B_noise``; the gradient buffers are left zeroed, the weights as they were.
 
     Raises:
-        ValueError: as :func:`curvature_stats` and :func:`cona.probe.microbatch_gradients`.
+        ValueError: as :func:`curvature_stats`, :func:`float64_probe` and
+            :func:`cona.probe.microbatch_gradients`.
     """
     from .probe import _is_counted, microbatch_gradients
 
+    if len(microbatches) < 2:  # before the copy is built (the gradients come lazily)
+        raise ValueError("need at least two micro-batches")
     names = [n for n, p in trainer.module.named_parameters() if _is_counted(p)]
     probe = float64_probe(trainer, curvature_microbatches, delta)
     b = int(next(iter(microbatches[0].values())).shape[0])

@@ -9,7 +9,7 @@ advanced by and what the controller is told.  :class:`EmulatedJob`
 (``cona.clock=emulated``) trains the proxy at the proxy batch the strategy's
 global batch stands for (:mod:`cona.mapping`) and takes step and switch times
 from :class:`cona.emulated.EmulatedCluster`.  Both expose the same interface
-to the loop in :mod:`cona.run`: :meth:`Job.train_step`, :meth:`Job.evaluate`,
+to the loop in :mod:`cona.loop`: :meth:`Job.train_step`, :meth:`Job.evaluate`,
 :meth:`Job.apply` (switch), ``clock_s``, ``consumed_samples``.
 
 Validation uses one fixed set of sequences whatever the strategy (its size

@@ -395,6 +395,7 @@ def _warm_start(cache_dir, warm_dir):
     a.measure_noise_scale(microbatches=4)
     mb = a.trainer.cfg.parallel.micro_batch_size
     out["probe_charge"] = (a.clock_s - before, ctx.cluster.target_step_s(s128) * 4 * mb / 16)
+    out["curvature"] = _direct_curvature(a)
     b = ctx.make_job(s128)  # a second job from the same warm state: the same first loss
     out["losses"] = (loss_a, b.train_step()[0].loss)
     # a job under other betas: the warm moments keep their bias-corrected values
@@ -420,6 +421,42 @@ def _warm_start(cache_dir, warm_dir):
     return out
 
 
+def _direct_curvature(job):
+    """The emulated job's curvature measurement (DirectProbes.measure_curvature_stats) as
+    cona.curvature sees it: which micro-batches (tokens) go to the gradients and which to
+    the curvature, the preconditioner and step passed, and the job's data position, RNG,
+    clock and weights before and after."""
+    import torch
+
+    import cona.curvature as curv
+    from cona import state as cstate
+
+    calls, real = [], curv.measure_curvature_stats
+
+    def spy(trainer, mbs, held_out, weights, delta):
+        calls.append({"grad_rows": {tuple(r.tolist()) for m in mbs for r in m["tokens"]},
+                      "held_rows": {tuple(r.tolist()) for m in held_out for r in m["tokens"]},
+                      "first": tuple(mbs[0]["tokens"][0].tolist()),
+                      "sizes": (len(mbs), len(held_out)), "p": weights is not None,
+                      "delta": delta})
+        return real(trainer, mbs, held_out, weights, delta=delta)
+
+    before = (job.consumed_samples, torch.get_rng_state(), job.clock_s,
+              cstate.snapshot(job.trainer)["params"])
+    curv.measure_curvature_stats = spy
+    try:
+        stats = [job.measure_curvature_stats(3, 2, preconditioned=False, delta=1e-3),
+                 job.measure_curvature_stats(3, 2)]
+    finally:
+        curv.measure_curvature_stats = real
+    after = (job.consumed_samples, torch.get_rng_state(), job.clock_s,
+             cstate.snapshot(job.trainer)["params"])
+    same = (before[0] == after[0] and torch.equal(before[1], after[1]) and before[2] == after[2]
+            and all(torch.equal(before[3][n], after[3][n]) for n in before[3]))
+    return {"calls": calls, "stats": stats, "unchanged": same, "default_delta": curv.DELTA,
+            "next_first": tuple(job.sampler.next()[0]["tokens"][0].tolist())}
+
+
 def test_every_method_starts_from_the_warm_state(cache_dir, tmp_path):
     """Catches a method that starts from the initial weights, at data position 0, with the
     warm run's LR instead of its own batch's, or at another schedule position; a warm
@@ -430,7 +467,10 @@ def test_every_method_starts_from_the_warm_state(cache_dir, tmp_path):
     (proxy 16) must hold the warm weights, continue at sample 24 with sqrt(2) x the LR as
     its peak (a Loop ramps to it from the warm run's LR, which the job records), and two
     such jobs take the same first step; a probe of 4 micro-batches costs the target
-    the forward-backward of 4 x mb proxy sequences (target_step_s x 4 mb / 16)."""
+    the forward-backward of 4 x mb proxy sequences (target_step_s x 4 mb / 16).  The
+    direct curvature measurement (cona/direct_probes.py) must draw its held-out
+    micro-batches apart from the gradients', pass the preconditioner and step asked for,
+    and leave data position, RNG, clock and weights as they were (_direct_curvature)."""
     from tests.dist_utils import launch
 
     (out,) = launch(_warm_start, 1, cache_dir, str(tmp_path))
@@ -445,6 +485,18 @@ def test_every_method_starts_from_the_warm_state(cache_dir, tmp_path):
     assert out["sched"][0] == out["sched"][1] == 24 and out["clock"] == 0.0
     assert out["losses"][0] == out["losses"][1]
     assert out["probe_charge"][0] == pytest.approx(out["probe_charge"][1]) and out["probe_charge"][0] > 0
+    # the direct curvature measurement: gradient and held-out micro-batches disjoint, the
+    # preconditioner and step as asked, nothing of the job's state moved, not charged
+    cv = out["curvature"]
+    plain, adam = cv["calls"]
+    assert plain["sizes"] == adam["sizes"] == (3, 2)
+    assert not plain["grad_rows"] & plain["held_rows"]
+    assert (plain["p"], adam["p"]) == (False, True)
+    assert (plain["delta"], adam["delta"]) == (1e-3, cv["default_delta"])
+    assert plain["grad_rows"] | plain["held_rows"] == adam["grad_rows"] | adam["held_rows"]
+    assert cv["unchanged"] and all(len(x) == 2 for x in cv["stats"])
+    # the data position came back: training goes on with the probe's first sequence
+    assert cv["next_first"] == plain["first"] == adam["first"]
     # a job under other betas (0.975, 0.9875) from the warm state's (0.9, 0.95): its moments
     # are rescaled so that Adam's bias-corrected estimates are the warm state's (without
     # it, after 3 steps the first moment would read 0.9/0.975 x 2.4 = 2.2x its value)
