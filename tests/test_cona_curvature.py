@@ -92,3 +92,23 @@ def test_two_batch_estimate_takes_any_quadratic_form_and_norms_stay_checked():
         estimate_from_norms(-1.0, 4, 1.0, 64)
     with pytest.raises(ValueError, match="small_batch < big_batch"):
         two_batch_estimate(1.0, 64, 1.0, 4)
+
+
+def test_identity_curvature_gives_the_simple_noise_scale_exactly():
+    """Catches batch sizes wired wrongly into the estimate (``B_big`` not ``n x B_small``,
+    or directions not the first micro-batches): with ``H = I`` the curvature's terms are
+    ``B_simple``'s, ``|G|^2`` and ``tr(Sigma)`` of the same gradients
+    (:func:`cona.grad_stats.estimate_from_norms`), to rounding, here with 3 directions of
+    8 micro-batches of 4."""
+
+    class Identity:  # v' I v
+        def quadratic_form(self, v):
+            return float(sum(t.pow(2).sum() for t in v.values()))
+
+    g = torch.Generator().manual_seed(3)
+    grads = [[torch.randn(5, generator=g, dtype=torch.float64) + 1.0] for _ in range(8)]
+    got = curvature_stats(iter([[t.clone() for t in x] for x in grads]), ["w"], 4, Identity(),
+                          directions=3)
+    small = sum(float(x[0].pow(2).sum()) for x in grads[:3]) / 3
+    big = float(torch.stack([x[0] for x in grads]).mean(0).pow(2).sum())
+    assert got == pytest.approx(estimate_from_norms(small, 4, big, 32), rel=1e-12)
