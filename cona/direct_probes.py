@@ -25,11 +25,12 @@ class DirectProbes:
         ``microbatches`` fresh micro-batches (:func:`cona.probe.measure_gradient_stats`);
         ``definition`` other than ``simple``: of gradients times a power of Adam's
         preconditioner (:data:`cona.probe.DEFINITIONS`; ``None`` before the first step).
-        The data position, RNG and training state are left as they were.  The clock is charged what the probe costs the target: forward and
-        backward over the probe's sequences at the current layout (``target_step_s`` x
-        probe sequences / proxy batch), undilated (it is run once, not per target step);
-        ``charge=False``: not charged (a run whose clock is no result, e.g. the bench's
-        reference, whose evaluation cadence on the clock must not jump past its steps)."""
+        The data position, RNG and training state are left as they were.  The clock is
+        charged what the probe costs the target: forward and backward over the probe's
+        sequences at the current layout (``target_step_s`` x probe sequences / proxy
+        batch), undilated (it is run once, not per target step); ``charge=False``: not
+        charged (a run whose clock is no result, e.g. the bench's reference, whose
+        evaluation cadence on the clock must not jump past its steps)."""
         from .probe import adam_preconditioner, measure_gradient_stats, preconditioner_power
 
         power = preconditioner_power(definition)
