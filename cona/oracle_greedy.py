@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING, Any
 
 from jobruntime.metrics import crossing_fraction
 
+from .oracle_types import _entry, _past
+
 if TYPE_CHECKING:
     from .oracle import ChainResult, Node, OracleSearch, WindowRun
 
@@ -60,8 +62,6 @@ def greedy(search: OracleSearch, known: dict | None = None) -> ChainResult | Non
         first); also kept as ``search.greedy_chain``.  Its window-runs are counted in
         ``greedy_windows`` and ``windows_trained``.
     """
-    from .oracle import _entry, _past  # cona.oracle imports this module
-
     known = known or {}
     tm = search.tm
     parent, state, chain = None, search.branch.snapshot(), None
@@ -104,8 +104,6 @@ def greedy(search: OracleSearch, known: dict | None = None) -> ChainResult | Non
 def greedy_pick(search: OracleSearch, parent: Node | None,
                 runs: dict[int, WindowRun]) -> tuple[int, Any]:
     """The (batch, layout) of :func:`greedy`'s rule among the window ``runs`` per batch."""
-    from .oracle import _entry  # cona.oracle imports this module
-
     tm = search.tm
     current = parent.batches[-1] if parent is not None else search.batches[0]
     points = {b: [(k, e["val_ppl"]) for k, e in zip(run.eval_steps, run.evals)

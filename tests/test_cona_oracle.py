@@ -12,15 +12,12 @@ chain of the grid and every layout sequence.
 from __future__ import annotations
 
 import copy
-import gc
 import itertools
 import math
-import weakref
 
 import pytest
 
-from cona.oracle import Node, OracleSearch, WindowRun
-from cona.oracle_pruned import dominates
+from cona.oracle import OracleSearch, WindowRun
 from jobruntime.metrics import TTPTracker
 
 MOVES = (-2, -1, 1, 2)  # the search's default: up to two grid steps, either way
@@ -385,77 +382,6 @@ def test_oracle_finds_a_chain_that_goes_down_in_batch():
     assert best.ttp_s < 0.95 * monotone
 
 
-def _myopic_runs() -> dict:
-    """The windows of the myopic problem (:func:`test_greedy_reference_is_myopic_and_the_
-    oracle_beats_it`): window-runs per batch sequence, evaluations evenly spread."""
-    def w(steps, ppls, reached=False):
-        at = tuple(steps * (i + 1) // len(ppls) for i in range(len(ppls)))
-        return WindowRun(steps, steps if reached else None, eval_steps=at,
-                         evals=[{"step": k, "val_ppl": p} for k, p in zip(at, ppls)])
-
-    return {(4,): w(4, [100.0, 80.0]), (8,): w(5, [90.0, 70.0]),
-            (4, 4): w(2, [60.0, 50.0], True), (4, 8): w(1, [50.0], True),
-            (8, 8): w(6, [60.0, 50.0], True), (8, 4): w(12, [55.0, 50.0], True)}
-
-
-def test_greedy_reference_is_myopic_and_the_oracle_beats_it():
-    """Catches a greedy reference that looks past its window or scores something else than
-    the time to the window's common perplexity, and an oracle no better than it.  Window 1
-    (1 s per step): batch 4 evaluates 100 at step 2 and 80 at step 4; batch 8 90 at step 2
-    and 70 at step 5.  The common perplexity is 80 (the higher of the two lowest); batch 8
-    reaches it after 2 + 3 ln(90/80)/ln(90/70) = 3.41 s (log-interpolated), batch 4 after
-    4 s, so the greedy takes batch 8, although its window ends later (5 s against 4: a
-    rule on the window's end, or on the first evaluation at or below 80 without
-    interpolation, would take batch 4).  From there batch 8 needs 6 more steps (batch 4:
-    12): greedy TTP 5 + 6 = 11 s.  Starting at batch 4 (4 s) and taking batch 8 (1 step)
-    reaches at 5 s; the best static, (4, 4), at 6 s.  By hand: oracle 5 s with one change,
-    6/5 = 1.2x the best static; the greedy 11/5 = 2.2x the oracle."""
-    runs = _myopic_runs()
-    search = OracleSearch(Scripted(runs), Linear(1.0, 0.0), [4, 8], [10])
-    best = search.run()
-    assert search.greedy_chain.batches == (8, 8) and search.greedy_chain.ttp_s == 11.0
-    assert best.batches == (4, 8) and best.ttp_s == 5.0
-    s = search.summary()
-    assert (s["oracle_changes"], s["oracle_batch_changes"], s["greedy_changes"]) == (1, 1, 0)
-    assert s["static_best_batch"] == 4 and s["chain_over_static"] == pytest.approx(1.2)
-    assert s["greedy_over_oracle"] == pytest.approx(2.2)
-    assert s["greedy_windows"] == 2  # window 2 at 8 and 4 (window 1: the static chains' own)
-
-
-class StopScripted(Scripted):
-    """:class:`Scripted` that honours ``stop`` at each evaluation, as training does, and
-    records the steps each batch sequence trained (its last run)."""
-
-    def __init__(self, runs):
-        super().__init__(runs)
-        self.trained = {}
-
-    def run_window(self, batch, end, stop):
-        run = super().run_window(batch, end, stop)
-        for i, k in enumerate(run.eval_steps):
-            if k != run.reached_step and stop(k):
-                run = WindowRun(k, stopped=True, eval_steps=run.eval_steps[:i + 1],
-                                evals=run.evals[:i + 1])
-                break
-        self.trained[self.prefix] = run.steps
-        return run
-
-
-def test_greedy_last_window_stops_a_candidate_past_the_least_time_to_target():
-    """Catches the greedy reference's last window run out to the target for every
-    candidate (on the bench, batch 1024 from late in the segment trained thousands of
-    samples to lose): on the myopic problem above the greedy chain is at batch 8 after
-    window 1 (5 s); in window 2, staying at 8 reaches the target after 6 steps (11 s), so
-    batch 4, whose run would reach only after 12 steps (17 s), is stopped at its
-    evaluation at step 6 (5 + 6 = 11 s, not before the least time) and not scored: the
-    greedy chain is unchanged, (8, 8) at 11 s."""
-    runs = _myopic_runs()
-    branch = StopScripted(runs)
-    chain = OracleSearch(branch, Linear(1.0, 0.0), [4, 8], [10]).greedy()
-    assert chain.batches == (8, 8) and chain.ttp_s == 11.0
-    assert branch.trained[(8, 8)] == 6 and branch.trained[(8, 4)] == 6
-
-
 def test_layout_switch_cost_is_charged():
     """Catches a chain timed without its layout switch (or a switch charged where there is
     none): batch 4 is fast on "dp" (1 s/step), batch 8 on "tp" (1 s/step; "dp" 3 s, "tp"
@@ -506,120 +432,6 @@ def test_oracle_window_budget_stops_the_search_and_says_so():
     best = part.run()
     assert part.windows_trained == cap and not part.summary()["exact"]
     assert best.ttp_s <= min(v["ttp_s"] for v in part.static.values() if v["ttp_s"])
-
-
-class LiveStates(Synthetic):
-    """:class:`Synthetic` whose snapshots are tracked: ``peak`` is the most alive at the
-    start of any window (a state the search still references)."""
-
-    class State:
-        def __init__(self, inner):
-            self.inner = inner
-
-    def __init__(self, *args, **kw):
-        super().__init__(*args, **kw)
-        self.alive, self.peak = weakref.WeakSet(), 0
-
-    def snapshot(self):
-        state = self.State(super().snapshot())
-        self.alive.add(state)
-        return state
-
-    def restore(self, snap):
-        super().restore(snap.inner)
-
-    def run_window(self, batch, end, stop):
-        gc.collect()
-        self.peak = max(self.peak, len(self.alive))
-        return super().run_window(batch, end, stop)
-
-
-def bench_grid(growth):
-    """The CONA bench's search grid on a synthetic problem: 5 batches, 6 windows over the
-    samples batch 8 needs, evaluations every 160 samples, a noise scale growing
-    ``growth`` times over that segment (measured on the proxies: 2.4-4x)."""
-    def make(cls=Synthetic):
-        return cls(lambda p: 40.0 * (1 + (growth - 1) * p / 4000.0), target=4000.0,
-                   eval_every=160, budget=400_000)
-
-    ref = make()
-    ref.run_window(8, None, lambda s: False)
-    return make, ref.s, [8, 16, 32, 64, 128], [round(ref.s * k / 6) for k in range(1, 6)]
-
-
-@pytest.mark.slow  # ~100-175 s: the exact search it is compared with
-def test_pruned_search_finds_the_exact_optimum_for_a_fiftieth_of_the_training():
-    """Catches a pruned mode that is not cheaper, loses the optimum or holds more training
-    states than it reports: on the bench's grid (noise scale growing 2.4, 4 and 10x),
-    ``prune="dominated", beam=2`` must return the exact search's best chain (1e-12: the
-    same chain, timed the same way) while training at most 1/50 of its window-runs (here
-    1.2-1.7 %: 70-81 against 4,700-5,850) and at most 3x the static chains' samples (the
-    exact search: 150-260x); report ``exact`` False; and hold no more training states at
-    once than ``max_snapshots`` says (counted here by weak references), itself far below
-    what dominance alone keeps (~250 states without a beam)."""
-    for growth in (2.4, 4.0, 10.0):
-        make, seg, batches, bounds = bench_grid(growth)
-        exact = OracleSearch(make(), Layouts(), batches, bounds, unpruned=128)
-        want = exact.run()
-        sim = make(LiveStates)
-        pruned = OracleSearch(sim, Layouts(), batches, bounds, unpruned=128, prune="dominated",
-                              beam=2)
-        best = pruned.run()
-        s = pruned.summary()
-        print(f"\ngrowth {growth}: exact {exact.windows_trained} window-runs "
-              f"{exact.samples_trained / seg:.0f} segments, pruned {pruned.windows_trained} "
-              f"{pruned.samples_trained / seg:.1f} (statics {pruned.static_samples / seg:.1f}), "
-              f"TTP ratio {best.ttp_s / want.ttp_s:.6f}, states {sim.peak} <= {s['max_snapshots']}")
-        assert best.ttp_s == pytest.approx(want.ttp_s, rel=1e-12) and best.batches == want.batches
-        assert pruned.windows_trained * 50 <= exact.windows_trained
-        assert pruned.samples_trained <= 3 * pruned.static_samples
-        assert not s["exact"] and s["prune"] == "dominated" and s["beam"] == 2
-        assert s["pruned_beam"] > 0
-        assert sim.peak <= s["max_snapshots"] <= 50
-
-
-def test_dominated_node_dropped_and_a_trade_off_kept():
-    """Catches a dominance test that drops a node which is better in one criterion, or
-    keeps one that is worse in all.  By hand (1 s per step, one layout, no switch cost),
-    at the first boundary with batch 8: (8, 8) has perplexity 70 at 4 s, (4, 8) 80 at 6 s:
-    dominated, so its children are never trained (the scripted branch has no window for
-    them: training one raises).  With batch 4: (4, 4) has 60 at 8 s, (8, 4) 75 at 6 s:
-    better perplexity but later, so both are kept, their children trained, and the best
-    chain, (8, 4, 4) at 8 s, found.  With two layouts, a node later at one layout and
-    earlier at the other is not dominated either, nor one of another batch."""
-    def w(steps, ppl, reached=False):
-        return WindowRun(steps, steps if reached else None, eval_steps=(steps,),
-                         evals=[{"step": steps, "val_ppl": ppl}])
-
-    runs = {(4,): w(4, 100.0), (8,): w(2, 120.0),
-            (4, 4): w(4, 60.0), (4, 8): w(2, 80.0), (8, 4): w(4, 75.0), (8, 8): w(2, 70.0),
-            (4, 4, 4): w(10, 50.0, True), (4, 4, 8): w(3, 50.0, True),
-            (8, 4, 4): w(2, 50.0, True), (8, 4, 8): w(6, 50.0, True),
-            (8, 8, 8): w(10, 50.0, True), (8, 8, 4): w(8, 50.0, True)}
-    trained = []
-
-    class Tracing(Scripted):
-        def run_window(self, batch, end, stop):
-            trained.append((*self.prefix, batch))
-            return super().run_window(batch, end, stop)
-
-    search = OracleSearch(Tracing(runs), Linear(1.0, 0.0), [4, 8], [10, 20], greedy=False,
-                          prune="dominated")
-    best = search.run()
-    assert best.batches == (8, 4, 4) and best.ttp_s == 8.0
-    assert {(4, 4, 8), (8, 4, 4), (8, 4, 8), (8, 8, 4)} <= set(trained)
-    assert search.summary()["pruned_dominated"] == 1
-
-    def node(batch, ppl, dp, tp):
-        run = WindowRun(1, eval_steps=(1,), evals=[{"step": 1, "val_ppl": ppl}])
-        return Node((batch,), {("dp", batch): (dp, None), ("tp", batch): (tp, None)}, None,
-                    run, 0)
-
-    tm, a = Layouts(), node(8, 100.0, 10.0, 12.0)
-    assert dominates(a, node(8, 100.0, 10.0, 13.0), tm)  # equal but one: dominated
-    assert not dominates(a, node(8, 100.0, 9.0, 13.0), tm)  # earlier at "dp"
-    assert not dominates(a, node(8, 90.0, 12.0, 13.0), tm)  # better perplexity
-    assert not dominates(a, node(16, 100.0, 10.0, 13.0), tm)  # another batch
 
 
 def test_oracle_rejects_bad_grid():

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.dist_utils import launch
-from tests.test_cona_run import _constant_scheduler, _fake_loop, _FakeJob
+from tests.test_cona_run_loop import _constant_scheduler, _fake_loop, _FakeJob
 
 PP2, DP2 = "dp1-tp1-pp2-mb2-gb16", "dp2-tp1-pp1-mb2-gb16"
 
