@@ -23,8 +23,9 @@ shortest paths).  **It is not exact**: a training state is not its perplexity
 (weights, optimizer moments, schedule and noise scale differ between two runs
 of equal perplexity), so a dropped node could have trained faster afterwards.
 Where progress is the whole state (the synthetic problems of
-``tests/test_cona_oracle.py``, tested in ``tests/test_cona_oracle_pruned.py``) it loses nothing but for the perplexity being
-read at the last evaluation rather than at the boundary.
+``tests/test_cona_oracle.py``, searched in ``tests/test_cona_oracle_pruned.py``) it loses
+nothing but for the perplexity being read at the last evaluation rather than at the
+boundary.
 
 **Beam.**  Dominance alone keeps a Pareto front of time against perplexity per
 batch: hundreds of nodes per boundary on the bench's grid (6 windows, 5
