@@ -125,7 +125,8 @@ class Job:
         self.lr_factor = lr_factor
         self.reference_batch = ctx.cfg.parallel.global_batch_size
         self.gns = GradientNoiseScale.from_config(ctx.cfg.cona)
-        self.probe = GNSProbe(self.gns, definition=ctx.cfg.cona.gns_definition)
+        self.probe = GNSProbe(self.gns, definition=ctx.cfg.cona.gns_definition,
+                              split_every=ctx.cfg.cona.gns_split_every)
 
     # -- helpers ------------------------------------------------------------
     def proxy_batch(self, strategy: Strategy) -> int:
@@ -255,7 +256,7 @@ class RealJob(Job):
 
     def train_step(self) -> tuple[StepResult, float]:
         t0 = time.perf_counter()
-        result = self.trainer.train_step(self.sampler.next())
+        result = self.trainer.train_step(self.probe.prepare(self.sampler.next()))
         dt = max_over_ranks([time.perf_counter() - t0])[0]  # identical controller inputs on all ranks
         self.fresh = False
         return result, dt
@@ -372,7 +373,7 @@ class EmulatedJob(DirectProbes, Job):
         return self.topo.is_logging_rank
 
     def train_step(self) -> tuple[StepResult, float]:
-        result = self.trainer.train_step(self.sampler.next())
+        result = self.trainer.train_step(self.probe.prepare(self.sampler.next()))
         dt = self.cluster.iter_s(self.strategy)
         self._clock += dt
         return result, dt

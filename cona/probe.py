@@ -23,6 +23,15 @@ estimator in :mod:`cona.grad_stats`):
   true noise scale on least squares; with both, 0.8-1.3x), ``B_small`` the
   micro-batch size.  (With PP > 1 the 1F1B schedule runs several forwards
   before the first backward, so these points do not exist; no estimate then.)
+- **DP = 1, PP = 1, one micro-batch per step** (``"split"``): every
+  ``cona.gns_split_every``-th step runs its micro-batch as equal parts (its smallest
+  divisor >= 2 of them; the same samples, and the same gradient up to summation order:
+  the loss is a sum over tokens), and reads them as in ``"microbatch"`` mode, ``B_small``
+  the part's size; the other steps run as they are and add nothing.  A split step costs
+  what that many smaller micro-batches cost.  The difference of consecutive steps'
+  gradients (AdaptDL's estimate for one gradient per step) would need no split, but it
+  also holds the gradient's change over a step, which reads as noise: on tiny_gpt it
+  read several times the within-step estimate (``bench/cona_consecutive.py``).
 
 Squared norms follow megatron's gradient-norm rules: TP-duplicated parameters
 count once, the last stage's tied copy of the word embedding (``shared``) is
@@ -75,6 +84,12 @@ def preconditioner_power(definition: str) -> float:
     return DEFINITIONS[definition]
 
 
+def _parts(micro_batch_size: int) -> int:
+    """Equal parts a micro-batch splits into for ``"split"`` mode: its smallest divisor
+    ``>= 2`` (0 for one sequence: it does not split)."""
+    return next((k for k in range(2, micro_batch_size + 1) if micro_batch_size % k == 0), 0)
+
+
 def _is_counted(param: torch.nn.Parameter) -> bool:
     if getattr(param, "shared", False):
         return False
@@ -118,16 +133,25 @@ class GNSProbe:
         estimator: the estimator the controller reads.
         definition: ``simple``, ``newton`` or ``pollux`` (:data:`DEFINITIONS`): the norms
             of the gradients or of Adam-preconditioned ones (module docstring).
+        split_every: in ``"split"`` mode, split every this many steps' micro-batch
+            (``cona.gns_split_every``); 0: never, and no estimate there.
 
     Attributes:
-        mode: ``"replica"``, ``"microbatch"`` or ``None`` (no estimate possible).
+        mode: ``"replica"``, ``"microbatch"``, ``"split"`` or ``None`` (no estimate
+            possible).
         no_estimate: why no estimate is possible at the attached layout, with the fix
             (:func:`no_estimate_reason`); ``None`` if one is.
         last: the last step's ``(small_sq, small_batch, big_sq, big_batch)``.
     """
 
-    def __init__(self, estimator: GradientNoiseScale, definition: str = "simple"):
+    def __init__(self, estimator: GradientNoiseScale, definition: str = "simple",
+                 split_every: int = 4):
+        if split_every < 0:
+            raise ValueError(f"split_every must be >= 0, got {split_every}")
         self.estimator, self.power = estimator, preconditioner_power(definition)
+        self.split_every = split_every
+        self._steps = 0  # steps prepared since attach ("split" mode)
+        self._parts = 0  # parts this step's micro-batch runs as; 0: not split
         self.preconditioned = self.power > 0
         self._weight: dict[int, torch.Tensor] | None = None  # id(param) -> P this step
         self.trainer: Trainer | None = None
@@ -151,6 +175,11 @@ class GNSProbe:
             self.mode = "replica"
         elif self.no_estimate is None:
             self.mode = "microbatch"
+        elif p.pp == 1 and m == 1 and self.split_every and _parts(p.micro_batch_size):
+            self.mode, self.no_estimate = "split", None
+            log.info("GNS probe: one micro-batch of %d per step at DP = 1; every %d-th step "
+                     "runs it as %d parts to measure the noise scale", p.micro_batch_size,
+                     self.split_every, _parts(p.micro_batch_size))
         else:
             self.mode = None
             log.warning("GNS probe: no noise-scale estimate at this layout: %s; CONA then "
@@ -159,8 +188,24 @@ class GNSProbe:
         self.trainer, self._dp = trainer, dp
         self._orig = trainer.tcfg.finalize_model_grads_func
         trainer.tcfg.finalize_model_grads_func = self._finalize
-        if self.mode == "microbatch":
+        if self.mode in ("microbatch", "split"):
             trainer.microbatch_hook = self._on_microbatch
+        self._steps, self._parts = 0, 0
+
+    def prepare(self, microbatches: list[dict]) -> list[dict]:
+        """The micro-batches to run this step: in ``"split"`` mode, on every
+        ``split_every``-th step since :meth:`attach`, each split along its batch dimension
+        into equal parts (module docstring); otherwise ``microbatches`` as they are.  Call
+        once per training step, before :meth:`jobruntime.trainer.Trainer.train_step`."""
+        if self.mode != "split":
+            return microbatches
+        self._steps += 1
+        self._parts = 0
+        if (self._steps - 1) % self.split_every:
+            return microbatches
+        self._parts = _parts(self.trainer.cfg.parallel.micro_batch_size)
+        return [{k: v for k, v in zip(mb, vals)} for mb in microbatches
+                for vals in zip(*(t.chunk(self._parts) for t in mb.values()))]
 
     def detach(self) -> None:
         if self.trainer is not None:
@@ -214,8 +259,8 @@ class GNSProbe:
         return self._ready()
 
     def _grads(self) -> list[torch.Tensor]:
-        """Copies of this rank's counted gradients (``dp = pp = 1``: the whole model),
-        preconditioned when asked."""
+        """Copies of this rank's counted gradients (``dp = pp = 1``: its TP shard of the
+        model), preconditioned when asked."""
         return [self._weighted(p, g).detach().clone() for p in self.trainer.module.parameters()
                 if _is_counted(p) and (g := _grad(p)) is not None]
 
@@ -235,6 +280,8 @@ class GNSProbe:
         self._prev = now
 
     def _on_microbatch(self, index: int, num_tokens: int) -> None:
+        if self.mode == "split" and not self._parts:
+            return  # a step run as it is: nothing to read
         if index == 0:
             self._prev, self._small, self._tokens = None, [], []
             self._load_weights()
@@ -261,11 +308,15 @@ class GNSProbe:
                                  dtype=torch.float64, device=self.trainer.device)
             _all_reduce(local, self.trainer.grad_dp_group)
             small, small_batch = float(local[0]) / self._dp, p.global_batch_size // self._dp
-        elif self.mode == "microbatch" and self._tokens and self._ready():
+        elif self.mode in ("microbatch", "split") and self._tokens and self._ready():
             self._microbatch_sq()  # the last micro-batch
             finite = [x for x in self._small if x is not None]  # micro-batches with loss tokens
-            if finite:
-                small, small_batch = float(sum(finite)) / len(finite), p.micro_batch_size
+            if finite:  # every TP rank reads the same micro-batches: the same Nones
+                shards = torch.stack(finite)  # this rank's shard of each micro-batch's norm
+                _all_reduce(shards, parallel_state.get_model_parallel_group())
+                small, small_batch = float(shards.mean()), p.micro_batch_size
+                if self.mode == "split":
+                    small_batch //= self._parts
             self._small, self._prev, self._tokens = [], None, []
         out = self._orig(model, num_tokens, *args, **kwargs)
         if small is not None:

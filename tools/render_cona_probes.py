@@ -1,7 +1,8 @@
 """Renderers of the CONA bench's noise-scale probe studies for ``tools/render_results.py``:
 ``bench/cona_growth.py`` (where a run's noise-scale growth happens: along the reference's
-segment or at its start) and ``bench/cona_probe_precision.py`` (how many micro-batches a
-probe needs)."""
+segment or at its start), ``bench/cona_probe_precision.py`` (how many micro-batches a
+probe needs) and ``bench/cona_consecutive.py`` (the noise scale from consecutive steps
+against the within-step one)."""
 
 from __future__ import annotations
 
@@ -78,3 +79,29 @@ def cona_probe_precision(r: dict, file: str = "cona_probe_precision") -> str:
                 "has an sd at most the smaller probe's own." if pairs else ""),
              "", _source(r, file)]
     return "\n".join(rows) + "\n"
+
+
+def cona_consecutive(r: dict, file: str = "cona_consecutive", rows: int = 5) -> str:
+    """bench/cona_consecutive.py: along one run, the noise scale from within each step
+    and from consecutive steps, at ``rows`` evenly spaced recorded points (every point is
+    in the JSON), and the median ratio over the run and by phase of the schedule."""
+    pts = r["points"]
+    shown = pts[len(pts) // rows - 1::len(pts) // rows] if len(pts) >= rows else pts
+
+    def ratio(x: float | None) -> str:
+        return "—" if x is None else f"{x:.2f}x"
+
+    out = [f"`{r['config']}`, global batch {r['global_batch_size']} in micro-batches of "
+           f"{r['micro_batch_size']}, {r['steps']} steps in one process:", "",
+           "| step | learning rate | training loss | noise scale within the step (sequences) "
+           "| from consecutive steps | ratio |", "|---:|---:|---:|---:|---:|---:|"]
+    for x in shown:
+        w, c = x["within_step"], x["consecutive"]
+        out.append(f"| {x['step']} | {x['lr']:.2e} | {x['loss']:.2f} | "
+                   f"{'—' if w is None else f'{w:.1f}'} | {'—' if c is None else f'{c:.1f}'} | "
+                   f"{ratio(c / w if c and w else None)} |")
+    phase = r["median_ratio_by_phase"]
+    out += ["", f"Median ratio over the {len(pts)} recorded points: "
+            f"{ratio(r['median_ratio'])} (warmup {ratio(phase['warmup'])}, after it "
+            f"{ratio(phase['after'])}).", "", _source(r, file)]
+    return "\n".join(out) + "\n"

@@ -73,6 +73,15 @@ class ConaConfig:
     where the Hessian is isotropic (each tested on a quadratic with known efficiency,
     ``tests/test_cona_controller.py``).  (Was ``gns_preconditioned``: ``true`` =
     ``pollux``.)"""
+    gns_split_every: int = 4
+    """Where a step runs one micro-batch at DP = 1 and PP = 1 (nothing to measure the
+    noise scale from within the step), run every this many steps' micro-batch as equal
+    parts (``cona/probe.py``, ``"split"``: the same samples and gradient; that step costs
+    what the smaller micro-batches cost) and measure it from them; 4 = one estimate per
+    4 steps, 5 per default ``decision_interval``, each split step's overhead on a quarter
+    of the steps.  0 = never: no estimate at such a layout, and the controller ranks only
+    strategies of its global batch there (``cona/controller.py``, "No estimate").  With
+    PP > 1 at DP = 1 the 1F1B schedule reads no micro-batch gradient: no estimate."""
     efficiency_correction: Literal["off", "progress"] = "off"
     """``progress``: once ``horizon_steps`` steps after a batch change (and its LR ramp)
     are in, fit the factor ``k`` in ``phi_true = k * phi`` from the training loss either
@@ -167,7 +176,7 @@ class ConaConfig:
         for key in ("decision_interval", "horizon_steps", "gns_decision_window"):
             if getattr(self, key) <= 0:
                 raise ConfigError(f"cona.{key}={getattr(self, key)} must be positive")
-        for key in ("start_probe_updates", "lr_ramp_steps"):
+        for key in ("start_probe_updates", "lr_ramp_steps", "gns_split_every"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"cona.{key}={getattr(self, key)} must be >= 0 (0 = off)")
         if not 0 <= self.min_gain < float("inf"):

@@ -1,0 +1,132 @@
+"""CONA's noise-scale probe at DP = 1 and PP = 1: a step of one micro-batch split to
+measure it (``"split"`` mode of :mod:`cona.probe`) against a step of two micro-batches,
+and both at TP = 2 on real gloo ranks against the single process."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from tests.dist_utils import launch
+
+STEPS, EVERY = 6, 2  # split steps: the 1st, 3rd and 5th
+GB = 4
+OVERRIDES = ["model.num_layers=2", "model.hidden_size=128", "model.seq_length=64",
+             f"parallel.global_batch_size={GB}", f"train.iters={STEPS}",
+             "train.warmup_iters=2", "train.eval_interval=0", "logging.wandb=disabled"]
+
+
+def _run(cache_dir, tp, mb, split_every=EVERY):
+    """``STEPS`` steps of tiny_gpt at DP = 1, PP = 1, TP = ``tp``, micro-batch ``mb``, from
+    the seed, the probe attached and asked for each step's micro-batches: its mode and
+    reason, ``last`` after each step, its updates and each step's loss."""
+    from cona.grad_stats import GradientNoiseScale
+    from cona.probe import GNSProbe
+    from cona.state import build_trainer
+    from jobruntime.config import load_config
+    from jobruntime.loop import build_data
+    from jobruntime.parallel import initialize_layout, set_seed
+
+    cfg = load_config("tiny_gpt", [f"data.cache_dir={cache_dir}", *OVERRIDES,
+                                   f"parallel.tp={tp}", f"parallel.micro_batch_size={mb}"])
+    topo = initialize_layout(cfg)
+    set_seed(cfg.train.seed)
+    trainer = build_trainer(cfg, GB)
+    probe = GNSProbe(GradientNoiseScale(), split_every=split_every)
+    probe.attach(trainer)
+    data = build_data(cfg, topo, 0)
+    lasts, losses, sizes = [], [], []
+    for _ in range(STEPS):
+        mbs = probe.prepare(data.train.next())
+        sizes.append([len(m["tokens"]) for m in mbs])
+        losses.append(trainer.train_step(mbs).loss)
+        lasts.append(probe.last)
+    out = {"mode": probe.mode, "no_estimate": probe.no_estimate, "last": lasts,
+           "losses": losses, "updates": probe.estimator.num_updates, "sizes": sizes}
+    probe.detach()
+    return out
+
+
+def _reference(cache_dir):
+    torch.set_num_threads(1)
+    return {"mb2": _run(cache_dir, 1, 2), "split": _run(cache_dir, 1, GB),
+            "off": _run(cache_dir, 1, GB, split_every=0)}
+
+
+def _tp2(cache_dir):
+    torch.set_num_threads(1)  # 2 ranks share 2 cores
+    return {"mb2": _run(cache_dir, 2, 2), "split": _run(cache_dir, 2, GB)}
+
+
+@pytest.fixture(scope="module")
+def results(cache_dir):
+    (ref,) = launch(_reference, 1, cache_dir)
+    return ref, launch(_tp2, 2, cache_dir)
+
+
+def test_one_microbatch_per_step_is_measured_on_split_steps(results):
+    """Catches a probe blind at DP = 1 with one micro-batch per step (the old behaviour:
+    no estimate, and the controller held at its global batch for the rest of the run) and
+    a split that changes training or misreads its parts: every ``EVERY``-th step runs as
+    two micro-batches of 2, trains as the layout of micro-batch 2 does (losses within
+    1e-6: the same samples and gradient) and reads the same norms at ``B_small`` 2 (rel
+    1e-6); the steps between run one micro-batch of 4 and add nothing.  With
+    ``split_every=0`` the old rule stands: no estimate, and the reason says why."""
+    ref, _ = results
+    split, mb2, off = ref["split"], ref["mb2"], ref["off"]
+    assert split["mode"] == "split" and split["no_estimate"] is None and mb2["mode"] == "microbatch"
+    assert split["sizes"] == [[2, 2], [4]] * (STEPS // EVERY)
+    assert split["losses"] == pytest.approx(mb2["losses"], abs=1e-6)
+    assert split["updates"] == STEPS // EVERY and mb2["updates"] == STEPS
+    for i in range(0, STEPS, EVERY):
+        got, want = split["last"][i], mb2["last"][i]
+        assert got[1::2] == want[1::2] == (2, GB)
+        assert got[0] == pytest.approx(want[0], rel=1e-6) and got[2] == pytest.approx(want[2], rel=1e-6)
+        assert split["last"][i + 1] == got  # the step between adds nothing
+    assert off["mode"] is None and "1 micro-batch" in off["no_estimate"]
+    assert off["last"] == [None] * STEPS and off["updates"] == 0
+    assert off["losses"] == pytest.approx(split["losses"], abs=1e-6)
+
+
+@pytest.mark.parametrize("run", ["mb2", "split"])
+def test_tp2_reads_the_single_process_norms(results, run):
+    """Catches micro-batch norms of one TP shard taken for the model's (the probe summed
+    them over the model-parallel group only for the global batch: at DP = 1, TP = 2 the
+    small-batch norm was one rank's shard, about half of it, and the estimate garbage):
+    at TP = 2 every step's norms match the single process's within 1e-4 relative (fp32
+    reduction order between layouts), on both ranks alike."""
+    ref, per_rank = results
+    want = ref[run]["last"]
+    for rank_out in per_rank:
+        got = rank_out[run]["last"]
+        assert [g is None for g in got] == [w is None for w in want]
+        for g, w in zip(got, want):
+            if w is not None:
+                assert g[1::2] == w[1::2]
+                assert g[0] == pytest.approx(w[0], rel=1e-4)
+                assert g[2] == pytest.approx(w[2], rel=1e-4)
+    assert per_rank[0][run]["last"] == per_rank[1][run]["last"]
+
+
+def test_prepare_splits_into_equal_parts_on_its_steps():
+    """Catches a split that loses or reorders sequences, splits unequally (the estimator
+    needs one ``B_small``) or splits on the wrong steps: parts are the smallest divisor
+    >= 2 of the micro-batch (none for one sequence), they concatenate to the original,
+    and only every ``split_every``-th step since attach is split."""
+    from cona.grad_stats import GradientNoiseScale
+    from cona.probe import GNSProbe, _parts
+
+    assert [_parts(n) for n in (1, 2, 3, 4, 6, 9)] == [0, 2, 3, 2, 2, 3]
+    with pytest.raises(ValueError, match="split_every"):
+        GNSProbe(GradientNoiseScale(), split_every=-1)
+    probe = GNSProbe(GradientNoiseScale(), split_every=3)
+    probe.mode = "split"
+    probe.trainer = SimpleNamespace(cfg=SimpleNamespace(parallel=SimpleNamespace(micro_batch_size=6)))
+    mb = {"tokens": torch.arange(12).reshape(6, 2), "loss_mask": torch.ones(6, 2)}
+    got = [probe.prepare([mb]) for _ in range(4)]
+    assert [len(g) for g in got] == [2, 1, 1, 2]
+    assert torch.equal(torch.cat([p["tokens"] for p in got[0]]), mb["tokens"])
+    assert all(set(p) == set(mb) and len(p["tokens"]) == 3 for p in got[0])
+    assert got[1] == [mb]
