@@ -31,7 +31,8 @@ estimator in :mod:`cona.grad_stats`):
   what that many smaller micro-batches cost.  The difference of consecutive steps'
   gradients (AdaptDL's estimate for one gradient per step) would need no split, but it
   also holds the gradient's change over a step, which reads as noise: on tiny_gpt it
-  read several times the within-step estimate (``bench/cona_consecutive.py``).
+  read several times the within-step estimate while the learning rate was high
+  (``bench/cona_consecutive.py``, ``docs/results/cona_consecutive.json``).
 
 Squared norms follow megatron's gradient-norm rules: TP-duplicated parameters
 count once, the last stage's tied copy of the word embedding (``shared``) is
