@@ -6,8 +6,8 @@ steps' gradients, ``g_{t-1}`` and ``g_t``, as two batches of ``B`` samples (McCa
 al. 2018, App. A.1, with ``B_small = B`` and ``B_big = 2B``).  The weights move between
 the two, so their difference also holds the gradient's change over one step, which the
 estimate reads as noise.  This bench trains one model and measures, along the same run,
-the noise scale two ways, each into its own estimator of the controller's kind
-(:class:`cona.grad_stats.GradientNoiseScale`, its defaults):
+the noise scale two ways, each into its own estimator as the controller builds it
+(:meth:`cona.grad_stats.GradientNoiseScale.from_config`: ``cona.gns_average``):
 
 - ``within_step``: the probe's own ``"microbatch"`` mode, from the step's micro-batches
   at one set of weights (what a split step measures);
@@ -21,7 +21,7 @@ Usage::
     python bench/cona_consecutive.py --config tiny_gpt --steps 400 --out FILE
 
 Prints one JSON object: ``{"config", "overrides", "global_batch_size",
-"micro_batch_size", "steps", "points": [{"step", "loss", "lr", "within_step",
+"micro_batch_size", "gns_average", "steps", "points": [{"step", "loss", "lr", "within_step",
 "consecutive"}], "median_ratio", "median_ratio_by_phase": {"warmup", "after"},
 "date", "commit", "machine", "command"}`` (noise scales in sequences;
 ``median_ratio``: of ``consecutive / within_step`` over the points; the phases split at
@@ -72,7 +72,7 @@ def measure(config: str, overrides: list[str], steps: int, every: int) -> dict:
     topo = initialize_layout(cfg)
     set_seed(cfg.train.seed)
     trainer = build_trainer(cfg, p.global_batch_size)
-    within, consecutive = GradientNoiseScale(), GradientNoiseScale()
+    within, consecutive = (GradientNoiseScale.from_config(cfg.cona) for _ in range(2))
     probe = GNSProbe(within)
     probe.attach(trainer)
     inner = trainer.tcfg.finalize_model_grads_func  # the probe's
@@ -105,7 +105,8 @@ def measure(config: str, overrides: list[str], steps: int, every: int) -> dict:
     probe.detach()
     shutdown()
     return {"global_batch_size": p.global_batch_size, "micro_batch_size": p.micro_batch_size,
-            "warmup_steps": cfg.train.warmup_iters, "points": points}
+            "gns_average": cfg.cona.gns_average, "warmup_steps": cfg.train.warmup_iters,
+            "points": points}
 
 
 def _median_ratio(points: list[dict]) -> float | None:

@@ -25,10 +25,12 @@ estimator in :mod:`cona.grad_stats`):
   before the first backward, so these points do not exist; no estimate then.)
 - **DP = 1, PP = 1, one micro-batch per step** (``"split"``): every
   ``cona.gns_split_every``-th step runs its micro-batch as equal parts (its smallest
-  divisor >= 2 of them; the same samples, and the same gradient up to summation order:
-  the loss is a sum over tokens), and reads them as in ``"microbatch"`` mode, ``B_small``
-  the part's size; the other steps run as they are and add nothing.  A split step costs
-  what that many smaller micro-batches cost.  The difference of consecutive steps'
+  divisor >= 2 of them, single sequences for a prime size; the same samples, and the same
+  gradient up to summation order: the loss is a sum over tokens; with dropout, other
+  masks), and reads them as in ``"microbatch"`` mode, ``B_small`` the part's size; the
+  other steps run as they are and add nothing.  A split step costs more than a plain one
+  (smaller micro-batches, and the copies of the gradient every mode that reads
+  micro-batches makes), and its time enters the measured step time like any other.  The difference of consecutive steps'
   gradients (AdaptDL's estimate for one gradient per step) would need no split, but it
   also holds the gradient's change over a step, which reads as noise: on tiny_gpt it
   read several times the within-step estimate while the learning rate was high
@@ -42,6 +44,9 @@ gradient lacks the output-layer part (megatron adds it inside
 ``finalize_model_grads``), so the probe sums a copy over the embedding group.
 The replica norms are averaged over DP.  All results are identical on every
 rank.  Cost: two passes over the gradients and a few scalar all-reduces per step.
+Not handled: with sequence parallelism megatron sums the layer norms' gradients over
+TP inside ``finalize_model_grads`` too, so the small-batch norms (read before it) hold
+one rank's share of those few parameters (not run: it needs Transformer Engine or apex).
 
 Definitions (``cona.gns_definition``; :data:`DEFINITIONS`): every gradient is
 multiplied by a power ``a`` of Adam's preconditioner ``P = 1/(sqrt(v_hat) + eps)``
@@ -183,6 +188,10 @@ class GNSProbe:
                      self.split_every, _parts(p.micro_batch_size))
         else:
             self.mode = None
+            if p.pp == 1 and m == 1:  # dp = 1: a split step would have measured it
+                self.no_estimate += (" (a micro-batch of one sequence cannot be split)"
+                                     if self.split_every else
+                                     " (or set cona.gns_split_every > 0 to split a step)")
             log.warning("GNS probe: no noise-scale estimate at this layout: %s; CONA then "
                         "ranks only strategies of the current global batch, by throughput",
                         self.no_estimate)
@@ -214,7 +223,7 @@ class GNSProbe:
             if self.trainer.microbatch_hook == self._on_microbatch:
                 self.trainer.microbatch_hook = None
         self.trainer, self._orig, self._prev, self._small, self._tokens = None, None, None, [], []
-        self._weight = None
+        self._weight, self.mode, self._parts = None, None, 0
 
     # -- norms --------------------------------------------------------------
     def _sq_norm(self, fix_tied: bool) -> float:
@@ -309,7 +318,8 @@ class GNSProbe:
                                  dtype=torch.float64, device=self.trainer.device)
             _all_reduce(local, self.trainer.grad_dp_group)
             small, small_batch = float(local[0]) / self._dp, p.global_batch_size // self._dp
-        elif self.mode in ("microbatch", "split") and self._tokens and self._ready():
+        elif (self.mode == "microbatch" or self.mode == "split" and self._parts) \
+                and self._tokens and self._ready():
             self._microbatch_sq()  # the last micro-batch
             finite = [x for x in self._small if x is not None]  # micro-batches with loss tokens
             if finite:  # every TP rank reads the same micro-batches: the same Nones
@@ -319,6 +329,7 @@ class GNSProbe:
                 if self.mode == "split":
                     small_batch //= self._parts
             self._small, self._prev, self._tokens = [], None, []
+        self._parts = 0  # read: the next step is split only if prepare() says so
         out = self._orig(model, num_tokens, *args, **kwargs)
         if small is not None:
             big = self._sq_norm(fix_tied=False)

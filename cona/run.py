@@ -27,7 +27,8 @@ as the noise scale has ``cona.start_probe_updates`` estimates (the steps before
 it are the probe, on the clock); at DP = 1 and PP = 1 with one micro-batch per step
 the probe splits every ``cona.gns_split_every``-th step's micro-batch to measure it
 (:meth:`cona.probe.GNSProbe.prepare`); where the current layout allows no estimate
-(PP > 1 at DP = 1), the controller is told why
+(PP > 1 at DP = 1; one micro-batch of one sequence; splitting off), the controller is
+told why
 (:attr:`cona.probe.GNSProbe.no_estimate`) and falls back to ranking the current global
 batch by throughput.
 

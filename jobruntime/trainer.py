@@ -294,14 +294,16 @@ class Trainer:
         worker's LR with its batch size); the schedule itself is unchanged."""
         self.microbatch_hook: Callable[[int, int], None] | None = None
         """Called with the micro-batch index and its loss-token count before each forward
-        (after the previous backward)."""
+        (after the previous backward) of a schedule with backward passes; evaluations
+        (forward only) do not call it."""
+        self._backward = False  # the running schedule has backward passes
 
     # -- schedule ---------------------------------------------------------
     def _forward_step(self, data_iterator, model):
         index, batch = next(data_iterator)
         pad = batch.get("padding_mask")
         unpadded = pad is not None and pad.device.type == "cpu" and bool(pad.all())  # no GPU sync
-        if self.microbatch_hook is not None:
+        if self.microbatch_hook is not None and self._backward:
             self.microbatch_hook(index, _host_count(batch["loss_mask"]))
         batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
         batch["unpadded"] = unpadded
@@ -309,6 +311,7 @@ class Trainer:
         return output, partial(_token_sum_loss, batch["loss_mask"])
 
     def _run_schedule(self, microbatches: list[dict], forward_only: bool) -> list[dict]:
+        self._backward = not forward_only
         fwd_bwd = get_forward_backward_func()
         return fwd_bwd(
             forward_step_func=self._forward_step,

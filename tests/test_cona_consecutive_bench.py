@@ -27,6 +27,10 @@ def test_renderer_shows_spaced_points_and_the_medians():
     assert rows[0].endswith("| 10.0 | 20.0 | 2.00x |") and rows[1].endswith("| — | — |")
     assert "Median ratio over the 10 recorded points: 5.50x (warmup 3.00x, after it —)" in out
     assert "docs/results/cona_consecutive.json" in out
+    r["points"] = pts[:7] + pts[7:] + pts[:5]  # 15 points: still 5 rows, the last one last
+    rows = [line for line in cona_consecutive(r).splitlines()
+            if line.startswith("| ") and line[2].isdigit()]
+    assert len(rows) == 5 and rows[-1].startswith("| 100 |")
 
 
 def test_bench_needs_two_micro_batches_and_measures_both(cache_dir):

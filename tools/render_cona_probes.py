@@ -86,13 +86,16 @@ def cona_consecutive(r: dict, file: str = "cona_consecutive", rows: int = 5) -> 
     and from consecutive steps, at ``rows`` evenly spaced recorded points (every point is
     in the JSON), and the median ratio over the run and by phase of the schedule."""
     pts = r["points"]
-    shown = pts[len(pts) // rows - 1::len(pts) // rows] if len(pts) >= rows else pts
+    n = len(pts)
+    shown = [pts[round((i + 1) * n / rows) - 1] for i in range(rows)] if n >= rows else pts
 
     def ratio(x: float | None) -> str:
         return "—" if x is None else f"{x:.2f}x"
 
+    avg = f" ({r['gns_average'].replace('_', '-')} average)" if r.get("gns_average") else ""
     out = [f"`{r['config']}`, global batch {r['global_batch_size']} in micro-batches of "
-           f"{r['micro_batch_size']}, {r['steps']} steps in one process:", "",
+           f"{r['micro_batch_size']}, {r['steps']} steps in one process; both estimates "
+           f"averaged as the controller averages them{avg}:", "",
            "| step | learning rate | training loss | noise scale within the step (sequences) "
            "| from consecutive steps | ratio |", "|---:|---:|---:|---:|---:|---:|"]
     for x in shown:
