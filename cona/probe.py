@@ -30,11 +30,12 @@ estimator in :mod:`cona.grad_stats`):
   masks), and reads them as in ``"microbatch"`` mode, ``B_small`` the part's size; the
   other steps run as they are and add nothing.  A split step costs more than a plain one
   (smaller micro-batches, and the copies of the gradient every mode that reads
-  micro-batches makes), and its time enters the measured step time like any other.  The difference of consecutive steps'
-  gradients (AdaptDL's estimate for one gradient per step) would need no split, but it
-  also holds the gradient's change over a step, which reads as noise: on tiny_gpt it
-  read several times the within-step estimate while the learning rate was high
-  (``bench/cona_consecutive.py``, ``docs/results/cona_consecutive.json``).
+  micro-batches makes), and its time enters the measured step time like any other.
+  The difference of consecutive steps' gradients (AdaptDL's estimate for one gradient
+  per step) would need no split, but it also holds the gradient's change over a step,
+  which reads as noise: on tiny_gpt it read several times the within-step estimate
+  while the learning rate was high (``bench/cona_consecutive.py``,
+  ``docs/results/cona_consecutive.json``).
 
 Squared norms follow megatron's gradient-norm rules: TP-duplicated parameters
 count once, the last stage's tied copy of the word embedding (``shared``) is
