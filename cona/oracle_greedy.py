@@ -16,7 +16,8 @@ from jobruntime.metrics import crossing_fraction
 from .oracle_types import _entry, _past
 
 if TYPE_CHECKING:
-    from .oracle import ChainResult, Node, OracleSearch, WindowRun
+    from .oracle import OracleSearch
+    from .oracle_types import ChainResult, Node, WindowRun
 
 log = logging.getLogger("cona")
 

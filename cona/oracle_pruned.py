@@ -72,7 +72,8 @@ from typing import TYPE_CHECKING, Any
 from jobruntime.metrics import crossing_fraction
 
 if TYPE_CHECKING:
-    from .oracle import Node, OracleSearch, TimeModel
+    from .oracle import OracleSearch
+    from .oracle_types import Node, TimeModel
 
 
 def last_eval(node: Node | None, tm: TimeModel) -> tuple[float, float] | None:
