@@ -80,8 +80,9 @@ def measure(config: str, overrides: list[str], steps: int, every: int) -> dict:
 
     def finalize(*args, **kwargs):
         out = inner(*args, **kwargs)
-        now = [_grad(q).detach().double() for q in trainer.module.parameters()
-               if _is_counted(q) and _grad(q) is not None]
+        # fp64 copies, not views of the buffers the next step zeroes
+        now = [_grad(q).detach().to(torch.float64, copy=True)
+               for q in trainer.module.parameters() if _is_counted(q) and _grad(q) is not None]
         sq = float(sum(g.pow(2).sum() for g in now))
         if last:
             prev, prev_sq = last.pop()
@@ -90,7 +91,7 @@ def measure(config: str, overrides: list[str], steps: int, every: int) -> dict:
             # squared norm of their mean (batch 2B)
             consecutive.update((prev_sq + sq) / 2, p.global_batch_size,
                                (prev_sq + sq + 2 * dot) / 4, 2 * p.global_batch_size)
-        last.append(([g.clone() for g in now], sq))
+        last.append((now, sq))
         return out
 
     trainer.tcfg.finalize_model_grads_func = finalize

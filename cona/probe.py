@@ -215,7 +215,7 @@ class GNSProbe:
         if (self._steps - 1) % self.split_every:
             return microbatches
         self._parts = _parts(self.trainer.cfg.parallel.micro_batch_size)
-        return [{k: v for k, v in zip(mb, vals)} for mb in microbatches
+        return [dict(zip(mb, vals)) for mb in microbatches
                 for vals in zip(*(t.chunk(self._parts) for t in mb.values()))]
 
     def detach(self) -> None:
