@@ -57,8 +57,9 @@ strategy is ranked at a measured noise scale after a few steps instead of
 being kept for a whole decision interval (:meth:`Controller.wants_start_decision`).
 
 No estimate: where the noise scale cannot be measured at the current strategy
-(:func:`cona.probe.no_estimate_reason`: DP = 1 with PP > 1, or with one micro-batch per
-step of one sequence, or when ``cona.gns_split_every`` is 0) the caller says so
+(:func:`cona.probe.no_estimate_reason`: DP = 1 with one micro-batch of one sequence per
+step, or with PP > 1 or one micro-batch per step when ``cona.gns_split_every`` is 0) the
+caller says so
 (``decide(no_estimate=...)``);
 the controller then
 ignores any estimate left from an earlier strategy and falls back to the stated

@@ -256,7 +256,8 @@ class RealJob(Job):
 
     def train_step(self) -> tuple[StepResult, float]:
         t0 = time.perf_counter()
-        result = self.trainer.train_step(self.probe.prepare(self.sampler.next()))
+        microbatches = self.probe.prepare(self.sampler.next())
+        result = self.trainer.train_step(microbatches, self.probe.schedule_calls)
         dt = max_over_ranks([time.perf_counter() - t0])[0]  # identical controller inputs on all ranks
         self.fresh = False
         return result, dt
@@ -373,7 +374,8 @@ class EmulatedJob(DirectProbes, Job):
         return self.topo.is_logging_rank
 
     def train_step(self) -> tuple[StepResult, float]:
-        result = self.trainer.train_step(self.probe.prepare(self.sampler.next()))
+        microbatches = self.probe.prepare(self.sampler.next())
+        result = self.trainer.train_step(microbatches, self.probe.schedule_calls)
         dt = self.cluster.iter_s(self.strategy)
         self._clock += dt
         return result, dt

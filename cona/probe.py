@@ -22,7 +22,7 @@ estimator in :mod:`cona.grad_stats`):
   (measured: with only micro-batch 0, a batch of 8 gave estimates 0.7-6.5x the
   true noise scale on least squares; with both, 0.8-1.3x), ``B_small`` the
   micro-batch size.  (With PP > 1 the 1F1B schedule runs several forwards
-  before the first backward, so these points do not exist; no estimate then.)
+  before the first backward, so these points do not exist: ``"calls"`` mode.)
 - **DP = 1, PP = 1, one micro-batch per step** (``"split"``): every
   ``cona.gns_split_every``-th step runs its micro-batch as equal parts (its smallest
   divisor >= 2 of them, single sequences for a prime size; the same samples, and the same
@@ -31,6 +31,15 @@ estimator in :mod:`cona.grad_stats`):
   other steps run as they are and add nothing.  A split step costs more than a plain one
   (smaller micro-batches, and the copies of the gradient every mode that reads
   micro-batches makes), and its time enters the measured step time like any other.
+- **DP = 1, PP > 1** (``"calls"``): every ``cona.gns_split_every``-th step runs as
+  ``k`` schedule calls (``schedule_calls`` of :meth:`jobruntime.trainer.Trainer.train_step`:
+  the gradients accumulate and are finalised once, the same step): ``k`` the smallest
+  divisor >= 2 of the step's micro-batches, each call an equal group of them, or, with
+  one micro-batch, its parts as in ``"split"``, one per call.  Between calls
+  (:attr:`Trainer.schedule_call_hook`) and before the last finalisation the probe reads
+  the buffer's change, the summed gradient of that call's loss tokens, as in
+  ``"microbatch"`` mode; ``B_small`` is the global batch over ``k``.  Each extra call
+  costs a pipeline fill and drain on that step.
   The difference of consecutive steps' gradients (AdaptDL's estimate for one gradient
   per step) would need no split, but it also holds the gradient's change over a step,
   which reads as noise: on tiny_gpt it read several times the within-step estimate
@@ -91,10 +100,11 @@ def preconditioner_power(definition: str) -> float:
     return DEFINITIONS[definition]
 
 
-def _parts(micro_batch_size: int) -> int:
-    """Equal parts a micro-batch splits into for ``"split"`` mode: its smallest divisor
-    ``>= 2`` (0 for one sequence: it does not split)."""
-    return next((k for k in range(2, micro_batch_size + 1) if micro_batch_size % k == 0), 0)
+def _parts(n: int) -> int:
+    """The smallest divisor ``>= 2`` of ``n`` (0 for ``n = 1``): the equal parts a
+    micro-batch of ``n`` sequences (``"split"``), or a step of ``n`` micro-batches
+    (``"calls"``), is run as."""
+    return next((k for k in range(2, n + 1) if n % k == 0), 0)
 
 
 def _is_counted(param: torch.nn.Parameter) -> bool:
@@ -117,20 +127,49 @@ def _grad(param) -> torch.Tensor | None:
     return getattr(param, "main_grad", None) if hasattr(param, "main_grad") else param.grad
 
 
-def no_estimate_reason(dp: int, pp: int, num_microbatches: int) -> str | None:
-    """Why no noise-scale estimate is possible at a layout, with the fix; ``None`` if one is.
+def estimate_mode(dp: int, pp: int, num_microbatches: int, micro_batch_size: int,
+                  split_every: int) -> str | None:
+    """How the probe measures the noise scale at a layout (module docstring):
+    ``"replica"``, ``"microbatch"``, ``"split"``, ``"calls"``, or ``None`` where it
+    cannot (:func:`no_estimate_reason` says why).
+
+    Args:
+        dp, pp: the layout's data- and pipeline-parallel sizes.
+        num_microbatches: micro-batches per step on one DP rank.
+        micro_batch_size: sequences per micro-batch.
+        split_every: ``cona.gns_split_every`` (0: never split a step).
+    """
+    if dp > 1:
+        return "replica"
+    if pp == 1 and num_microbatches >= 2:
+        return "microbatch"
+    if not split_every or (num_microbatches == 1 and not _parts(micro_batch_size)):
+        return None
+    return "split" if pp == 1 else "calls"
+
+
+def no_estimate_reason(dp: int, pp: int, num_microbatches: int, micro_batch_size: int,
+                       split_every: int) -> str | None:
+    """Why no noise-scale estimate is possible at a layout, with the fix; ``None`` if
+    one is (:func:`estimate_mode`, the same arguments).
 
     An estimate needs two gradients of different batch sizes from the step itself
-    (module docstring): DP replicas (``dp > 1``), or ``>= 2`` micro-batches read between
-    backward passes, which 1F1B does not allow with ``pp > 1``.
+    (module docstring): DP replicas (``dp > 1``), or gradients of parts of the step
+    (its micro-batches, or with ``split_every`` a split step's parts or schedule calls),
+    of which a step of one single-sequence micro-batch at DP = 1 has none.
     """
-    if dp > 1 or (num_microbatches >= 2 and pp == 1):
+    if estimate_mode(dp, pp, num_microbatches, micro_batch_size, split_every) is not None:
         return None
-    why = (f"dp=1 with pp={pp} (1F1B runs forwards ahead of backwards)" if pp > 1
-           else "dp=1 with 1 micro-batch per step")
-    return (f"{why}; for one, run >= 2 data-parallel processes"
-            + ("" if pp > 1 else " or set parallel.global_batch_size >= 2 x "
-               "parallel.micro_batch_size"))
+    fixes = ["run >= 2 data-parallel processes"]
+    if num_microbatches == 1:
+        fixes.append("set parallel.global_batch_size >= 2 x parallel.micro_batch_size")
+    if not split_every:
+        why = (f"dp=1 with pp={pp}" if pp > 1 else "dp=1 with 1 micro-batch per step")
+        why += " and cona.gns_split_every=0 (no step is split)"
+        fixes.append("set cona.gns_split_every > 0")
+    else:
+        why = "dp=1 with 1 micro-batch of one sequence per step (it cannot be split)"
+    return f"{why}; for one, " + " or ".join(fixes)
 
 
 class GNSProbe:
@@ -157,8 +196,11 @@ class GNSProbe:
             raise ValueError(f"split_every must be >= 0, got {split_every}")
         self.estimator, self.power = estimator, preconditioner_power(definition)
         self.split_every = split_every
-        self._steps = 0  # steps prepared since attach ("split" mode)
-        self._parts = 0  # parts this step's micro-batch runs as; 0: not split
+        self._steps = 0  # steps prepared since attach ("split", "calls")
+        self._split = 0  # parts ("split") or schedule calls ("calls") of this step; 0: none
+        self.schedule_calls = 1
+        """Schedule calls to run the step :meth:`prepare` returned as
+        (``Trainer.train_step``'s ``schedule_calls``)."""
         self.preconditioned = self.power > 0
         self._weight: dict[int, torch.Tensor] | None = None  # id(param) -> P this step
         self.trainer: Trainer | None = None
@@ -169,6 +211,7 @@ class GNSProbe:
         self._prev: list | None = None
         self._small: list[torch.Tensor | None] = []  # 0-d fp64 on the compute device; None: no loss tokens
         self._tokens: list[int] = []  # loss tokens of the micro-batches begun this step
+        self._read = 0  # "calls": loss tokens of this step's calls read so far
 
     # -- wiring -------------------------------------------------------------
     def attach(self, trainer: Trainer) -> None:
@@ -177,80 +220,107 @@ class GNSProbe:
         p = trainer.cfg.parallel
         dp = dist.get_world_size(trainer.grad_dp_group)
         m = p.global_batch_size // (p.micro_batch_size * dp)
-        self.no_estimate = no_estimate_reason(dp, p.pp, m)
-        if dp > 1:
-            self.mode = "replica"
-        elif self.no_estimate is None:
-            self.mode = "microbatch"
-        elif p.pp == 1 and m == 1 and self.split_every and _parts(p.micro_batch_size):
-            self.mode, self.no_estimate = "split", None
-            log.info("GNS probe: one micro-batch of %d per step at DP = 1; every %d-th step "
-                     "runs it as %d parts to measure the noise scale", p.micro_batch_size,
-                     self.split_every, _parts(p.micro_batch_size))
-        else:
-            self.mode = None
-            if p.pp == 1 and m == 1:  # dp = 1: a split step would have measured it
-                self.no_estimate += (" (a micro-batch of one sequence cannot be split)"
-                                     if self.split_every else
-                                     " (or set cona.gns_split_every > 0 to split a step)")
+        self.mode = estimate_mode(dp, p.pp, m, p.micro_batch_size, self.split_every)
+        self.no_estimate = no_estimate_reason(dp, p.pp, m, p.micro_batch_size, self.split_every)
+        if self.mode in ("split", "calls"):
+            log.info("GNS probe: DP = 1 with %s; every %d-th step runs as %d %s to measure "
+                     "the noise scale", f"PP = {p.pp}" if p.pp > 1 else "one micro-batch",
+                     self.split_every, _parts(m) or _parts(p.micro_batch_size),
+                     "schedule calls" if self.mode == "calls" else "parts")
+        elif self.mode is None:
             log.warning("GNS probe: no noise-scale estimate at this layout: %s; CONA then "
                         "ranks only strategies of the current global batch, by throughput",
                         self.no_estimate)
         self.trainer, self._dp = trainer, dp
         self._orig = trainer.tcfg.finalize_model_grads_func
         trainer.tcfg.finalize_model_grads_func = self._finalize
-        if self.mode in ("microbatch", "split"):
+        if self.mode in ("microbatch", "split", "calls"):
             trainer.microbatch_hook = self._on_microbatch
-        self._steps, self._parts = 0, 0
+        if self.mode == "calls":
+            trainer.schedule_call_hook = self._on_call
+        self._steps, self._split, self.schedule_calls = 0, 0, 1
 
     def prepare(self, microbatches: list[dict]) -> list[dict]:
-        """The micro-batches to run this step: in ``"split"`` mode, on every
-        ``split_every``-th step since :meth:`attach`, each split along its batch dimension
-        into equal parts (module docstring); otherwise ``microbatches`` as they are.  Call
-        once per training step, before :meth:`jobruntime.trainer.Trainer.train_step`."""
-        if self.mode != "split":
+        """The micro-batches to run this step, and :attr:`schedule_calls`: on every
+        ``split_every``-th step since :meth:`attach` in ``"split"`` mode, each micro-batch
+        split along its batch dimension into equal parts; in ``"calls"`` mode, the
+        micro-batches in ``k`` schedule calls (one micro-batch split into ``k`` parts
+        first); otherwise ``microbatches`` as they are, in one call (module docstring).
+        Call once per training step, before :meth:`jobruntime.trainer.Trainer.train_step`."""
+        self._split, self.schedule_calls = 0, 1
+        if self.mode not in ("split", "calls"):
             return microbatches
         self._steps += 1
-        self._parts = 0
         if (self._steps - 1) % self.split_every:
             return microbatches
-        self._parts = _parts(self.trainer.cfg.parallel.micro_batch_size)
+        if self.mode == "calls" and len(microbatches) > 1:
+            self._split = self.schedule_calls = _parts(len(microbatches))
+            return microbatches
+        self._split = _parts(self.trainer.cfg.parallel.micro_batch_size)
+        if self.mode == "calls":
+            self.schedule_calls = self._split
         return [dict(zip(mb, vals)) for mb in microbatches
-                for vals in zip(*(t.chunk(self._parts) for t in mb.values()))]
+                for vals in zip(*(t.chunk(self._split) for t in mb.values()))]
 
     def detach(self) -> None:
         if self.trainer is not None:
             self.trainer.tcfg.finalize_model_grads_func = self._orig
             if self.trainer.microbatch_hook == self._on_microbatch:
                 self.trainer.microbatch_hook = None
+            if self.trainer.schedule_call_hook == self._on_call:
+                self.trainer.schedule_call_hook = None
         self.trainer, self._orig, self._prev, self._small, self._tokens = None, None, None, [], []
-        self._weight, self.mode, self._parts = None, None, 0
+        self._weight, self.mode, self._split, self.schedule_calls = None, None, 0, 1
 
     # -- norms --------------------------------------------------------------
+    def _tied(self) -> torch.nn.Parameter | None:
+        """This stage's copy of the tied word embedding where its gradient lacks the other
+        stage's part until ``finalize_model_grads`` (``pp > 1``, tied, in the embedding
+        group); else ``None``."""
+        module = self.trainer.module
+        if (parallel_state.get_pipeline_model_parallel_world_size() > 1
+                and getattr(module, "share_embeddings_and_output_weights", False)
+                and module._is_in_embd_group()):
+            return module.shared_embedding_or_output_weight()
+        return None
+
     def _sq_norm(self, fix_tied: bool) -> float:
         """Squared norm of this replica's gradient, summed over the model-parallel group."""
-        module = self.trainer.module
         total = torch.zeros(1, dtype=torch.float64, device=self.trainer.device)
-        tied = None
-        if (
-            fix_tied
-            and parallel_state.get_pipeline_model_parallel_world_size() > 1
-            and getattr(module, "share_embeddings_and_output_weights", False)
-            and module._is_in_embd_group()
-        ):
-            w = module.shared_embedding_or_output_weight()
-            g = _grad(w).detach().clone()
-            dist.all_reduce(g, group=module.embd_group)  # input + output parts
-            tied = w
-            if _is_counted(w):
-                total += _sq(self._weighted(w, g))
-        for param in module.parameters():
+        tied = self._tied() if fix_tied else None
+        if tied is not None:
+            g = _grad(tied).detach().clone()
+            dist.all_reduce(g, group=self.trainer.module.embd_group)  # input + output parts
+            if _is_counted(tied):
+                total += _sq(self._weighted(tied, g))
+        for param in self.trainer.module.parameters():
             g = _grad(param)
             if g is None or param is tied or not _is_counted(param):
                 continue
             total += _sq(self._weighted(param, g))
         _all_reduce(total, parallel_state.get_model_parallel_group())
         return float(total[0])
+
+    def _call_sq(self) -> None:
+        """``"calls"`` mode: add the squared norm of the schedule call just finished (this
+        rank's share: the buffer's change since the last read over the call's loss tokens,
+        the tied embedding's change summed over the embedding group and counted once)."""
+        tied = self._tied()
+        params = [p for p in self.trainer.module.parameters()
+                  if _grad(p) is not None and (p is tied or _is_counted(p))]
+        now = [_grad(p).detach().clone() for p in params]
+        n = sum(self._tokens) - self._read
+        self._read += n
+        sq = torch.zeros((), dtype=torch.float64, device=self.trainer.device)
+        for param, a, b in zip(params, now, self._prev or [None] * len(now)):
+            d = a if b is None else a - b
+            if param is tied:  # summed in a tensor of its own: ``now`` stays this stage's part
+                d = a.clone() if b is None else d
+                dist.all_reduce(d, group=self.trainer.module.embd_group)
+            if _is_counted(param):
+                sq += _sq(self._weighted(param, d))
+        self._small.append(sq / n**2 if n > 0 else None)
+        self._prev = now
 
     def _weighted(self, param, g: torch.Tensor) -> torch.Tensor:
         """``P^a g`` when preconditioned (fp64, like the norms), else ``g``."""
@@ -291,14 +361,19 @@ class GNSProbe:
         self._prev = now
 
     def _on_microbatch(self, index: int, num_tokens: int) -> None:
-        if self.mode == "split" and not self._parts:
+        if self.mode in ("split", "calls") and not self._split:
             return  # a step run as it is: nothing to read
         if index == 0:
-            self._prev, self._small, self._tokens = None, [], []
+            self._prev, self._small, self._tokens, self._read = None, [], [], 0
             self._load_weights()
-        elif self._ready():
+        elif self.mode != "calls" and self._ready():
             self._microbatch_sq()
         self._tokens.append(num_tokens)
+
+    def _on_call(self) -> None:
+        """Between a step's schedule calls (:attr:`Trainer.schedule_call_hook`)."""
+        if self._split and self._tokens and self._ready():
+            self._call_sq()
 
     def _replica_tokens(self, num_tokens: torch.Tensor | None) -> float:
         """This replica's loss-token count: the schedule's (last stage only) on every stage."""
@@ -319,18 +394,21 @@ class GNSProbe:
                                  dtype=torch.float64, device=self.trainer.device)
             _all_reduce(local, self.trainer.grad_dp_group)
             small, small_batch = float(local[0]) / self._dp, p.global_batch_size // self._dp
-        elif (self.mode == "microbatch" or self.mode == "split" and self._parts) \
-                and self._tokens and self._ready():
-            self._microbatch_sq()  # the last micro-batch
-            finite = [x for x in self._small if x is not None]  # micro-batches with loss tokens
-            if finite:  # every TP rank reads the same micro-batches: the same Nones
-                shards = torch.stack(finite)  # this rank's shard of each micro-batch's norm
+        elif (self.mode == "microbatch" or self._split) and self._tokens and self._ready():
+            if self.mode == "calls":  # the last call
+                self._call_sq()
+            else:  # the last micro-batch
+                self._microbatch_sq()
+            finite = [x for x in self._small if x is not None]  # parts with loss tokens
+            if finite:  # every model-parallel rank reads the same parts: the same Nones
+                shards = torch.stack(finite)  # this rank's share of each part's norm
                 _all_reduce(shards, parallel_state.get_model_parallel_group())
-                small, small_batch = float(shards.mean()), p.micro_batch_size
-                if self.mode == "split":
-                    small_batch //= self._parts
-            self._small, self._prev, self._tokens = [], None, []
-        self._parts = 0  # read: the next step is split only if prepare() says so
+                small = float(shards.mean())
+                small_batch = {"microbatch": p.micro_batch_size,
+                               "split": p.micro_batch_size // max(self._split, 1),
+                               "calls": p.global_batch_size // max(self._split, 1)}[self.mode]
+            self._small, self._prev, self._tokens, self._read = [], None, [], 0
+        self._split = 0  # read: the next step is split only if prepare() says so
         out = self._orig(model, num_tokens, *args, **kwargs)
         if small is not None:
             big = self._sq_norm(fix_tied=False)

@@ -24,10 +24,11 @@ LR it trained at is such a switch, for every method alike) and every decision is
 (``metrics.jsonl`` and one line on the ``cona`` logger: what it does, the scores
 of the chosen and the current strategy, why).  A start decision comes as soon
 as the noise scale has ``cona.start_probe_updates`` estimates (the steps before
-it are the probe, on the clock); at DP = 1 and PP = 1 with one micro-batch per step
-the probe splits every ``cona.gns_split_every``-th step's micro-batch to measure it
+it are the probe, on the clock); at DP = 1 with one micro-batch per step or with
+PP > 1 the probe splits every ``cona.gns_split_every``-th step (its micro-batch into
+parts, or its micro-batches into schedule calls) to measure it
 (:meth:`cona.probe.GNSProbe.prepare`); where the current layout allows no estimate
-(PP > 1 at DP = 1; one micro-batch of one sequence; splitting off), the controller is
+(one micro-batch of one sequence at DP = 1; splitting off), the controller is
 told why
 (:attr:`cona.probe.GNSProbe.no_estimate`) and falls back to ranking the current global
 batch by throughput.

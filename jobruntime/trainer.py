@@ -154,6 +154,14 @@ def _token_sum_loss(loss_mask: torch.Tensor, output: torch.Tensor):
     return loss_sum, num_tokens, {"lm loss": report}
 
 
+def _finalize_with(finalize, earlier: list, model, num_tokens=None, *args, **kwargs):
+    """``finalize`` (megatron's ``finalize_model_grads`` signature) after the last of a
+    step's schedule calls, with the loss-token count of all of them."""
+    if num_tokens is not None:
+        num_tokens = num_tokens + sum(earlier)
+    return finalize(model, num_tokens, *args, **kwargs)
+
+
 def _host_count(mask: torch.Tensor) -> int:
     """Number of ones in a micro-batch's mask, read from host memory where the batch
     still sits there (NumPy: no device sync, no torch op); a device tensor is synced."""
@@ -296,6 +304,10 @@ class Trainer:
         """Called with the micro-batch index and its loss-token count before each forward
         (after the previous backward) of a schedule with backward passes; evaluations
         (forward only) do not call it."""
+        self.schedule_call_hook: Callable[[], None] | None = None
+        """Called between the schedule calls of a step run as several
+        (:meth:`train_step`'s ``schedule_calls``): after one call's last backward,
+        before the next call's first forward, the gradients not yet finalised."""
         self._backward = False  # the running schedule has backward passes
 
     # -- schedule ---------------------------------------------------------
@@ -310,20 +322,49 @@ class Trainer:
         output = self._forward(batch, model)
         return output, partial(_token_sum_loss, batch["loss_mask"])
 
-    def _run_schedule(self, microbatches: list[dict], forward_only: bool) -> list[dict]:
+    def _run_schedule(self, microbatches: list[dict], forward_only: bool,
+                      calls: int = 1) -> list[dict]:
+        """megatron's schedule over ``microbatches``; with ``calls > 1`` over ``calls``
+        equal consecutive groups of them, one schedule call each: the gradients
+        accumulate in the buffers, and ``finalize_model_grads`` runs once, after the
+        last call, with the loss-token count of all of them (the same step as one
+        call: the loss is a sum over tokens)."""
         self._backward = not forward_only
-        fwd_bwd = get_forward_backward_func()
-        return fwd_bwd(
-            forward_step_func=self._forward_step,
-            data_iterator=iter(enumerate(microbatches)),
-            model=self.model,
-            num_microbatches=len(microbatches),
-            seq_length=self.cfg.model.seq_length,
-            micro_batch_size=self.cfg.parallel.micro_batch_size,
-            forward_only=forward_only,
-            pg_collection=self._schedule_pgs,
-            p2p_communicator=self._p2p,
-        )
+        if calls < 1 or len(microbatches) % calls:
+            raise ValueError(f"{len(microbatches)} micro-batches do not split into "
+                             f"{calls} equal schedule calls")
+        size = len(microbatches) // calls
+        finalize = self.tcfg.finalize_model_grads_func
+        earlier: list = []  # the loss-token counts of the calls before the last
+        losses: list[dict] = []
+        try:
+            for i in range(calls):
+                if calls > 1:
+                    self.tcfg.finalize_model_grads_func = (
+                        partial(_finalize_with, finalize, earlier) if i == calls - 1
+                        else partial(self._between_calls, earlier))
+                chunk = microbatches[i * size:(i + 1) * size]
+                losses += get_forward_backward_func()(
+                    forward_step_func=self._forward_step,
+                    data_iterator=iter(enumerate(chunk, start=i * size)),
+                    model=self.model,
+                    num_microbatches=size,
+                    seq_length=self.cfg.model.seq_length,
+                    micro_batch_size=int(chunk[0]["loss_mask"].shape[0]),
+                    forward_only=forward_only,
+                    pg_collection=self._schedule_pgs,
+                    p2p_communicator=self._p2p,
+                )
+        finally:
+            self.tcfg.finalize_model_grads_func = finalize
+        return losses
+
+    def _between_calls(self, earlier: list, model, num_tokens=None, *args, **kwargs) -> None:
+        """Stands in for ``finalize_model_grads`` after a schedule call that is not the
+        step's last: keeps its loss-token count, finalises nothing."""
+        earlier.append(num_tokens)
+        if self.schedule_call_hook is not None:
+            self.schedule_call_hook()
 
     def _loss_sums(self, losses: list[dict]) -> torch.Tensor:
         """``[loss_sum, loss_tokens]`` (float64) of this rank's micro-batches; zeros
@@ -356,15 +397,24 @@ class Trainer:
             m.zero_grad_buffer()
         self.optimizer.zero_grad()
 
-    def train_step(self, microbatches: list[dict]) -> StepResult:
+    def train_step(self, microbatches: list[dict], schedule_calls: int = 1) -> StepResult:
         """One optimizer step on this rank's micro-batches of a global batch.
 
         Args:
             microbatches: ``global_batch / (dp * micro_batch)`` dicts of
                 ``[micro_batch, seq]`` tensors from :class:`GlobalBatchSampler`.
+            schedule_calls: run them as this many equal consecutive groups, one
+                schedule call each, the gradients finalised once after the last (the
+                same step; :attr:`schedule_call_hook` runs between calls: CONA's
+                noise-scale probe reads the gradient there at DP = 1 with PP > 1,
+                :mod:`cona.probe`).  Each extra call costs a pipeline fill and drain.
+
+        Raises:
+            ValueError: the micro-batches do not split into ``schedule_calls`` equal
+                groups.
         """
         self.zero_grad()
-        losses = self._run_schedule(microbatches, forward_only=False)
+        losses = self._run_schedule(microbatches, forward_only=False, calls=schedule_calls)
         samples = sum(int(mb["loss_mask"].shape[0]) for mb in microbatches)
         samples *= dist.get_world_size(self.grad_dp_group)
         if self.lr_scale != 1.0:  # the scheduler resets every group's lr after each step

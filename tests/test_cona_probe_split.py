@@ -1,6 +1,7 @@
-"""CONA's noise-scale probe at DP = 1 and PP = 1: a step of one micro-batch split to
-measure it (``"split"`` mode of :mod:`cona.probe`) against a step of two micro-batches,
-and both at TP = 2 on real gloo ranks against the single process."""
+"""CONA's noise-scale probe at DP = 1: a step of one micro-batch split to measure it
+(``"split"`` mode of :mod:`cona.probe`) against a step of two micro-batches, both at
+TP = 2 on real gloo ranks against the single process, and at PP = 2 a step run as two
+schedule calls (``"calls"`` mode) against the same single process."""
 
 from __future__ import annotations
 
@@ -18,8 +19,8 @@ OVERRIDES = ["model.num_layers=2", "model.hidden_size=128", "model.seq_length=64
              "train.warmup_iters=2", "train.eval_interval=0", "logging.wandb=disabled"]
 
 
-def _run(cache_dir, tp, mb, split_every=EVERY, evaluate=False):
-    """``STEPS`` steps of tiny_gpt at DP = 1, PP = 1, TP = ``tp``, micro-batch ``mb``, from
+def _run(cache_dir, tp, mb, split_every=EVERY, evaluate=False, pp=1):
+    """``STEPS`` steps of tiny_gpt at DP = 1, PP = ``pp``, TP = ``tp``, micro-batch ``mb``, from
     the seed, the probe attached and asked for each step's micro-batches (``evaluate``:
     a validation pass after each step, as a run's evaluations come between steps): its
     mode and reason, ``last`` after each step, its updates and each step's loss."""
@@ -31,23 +32,26 @@ def _run(cache_dir, tp, mb, split_every=EVERY, evaluate=False):
     from jobruntime.parallel import initialize_layout, set_seed
 
     cfg = load_config("tiny_gpt", [f"data.cache_dir={cache_dir}", *OVERRIDES,
-                                   f"parallel.tp={tp}", f"parallel.micro_batch_size={mb}"])
+                                   f"parallel.tp={tp}", f"parallel.pp={pp}",
+                                   f"parallel.micro_batch_size={mb}"])
     topo = initialize_layout(cfg)
     set_seed(cfg.train.seed)
     trainer = build_trainer(cfg, GB)
     probe = GNSProbe(GradientNoiseScale(), split_every=split_every)
     probe.attach(trainer)
     data = build_data(cfg, topo, 0)
-    lasts, losses, sizes = [], [], []
+    lasts, losses, sizes, calls = [], [], [], []
     for _ in range(STEPS):
         mbs = probe.prepare(data.train.next())
         sizes.append([len(m["tokens"]) for m in mbs])
-        losses.append(trainer.train_step(mbs).loss)
+        calls.append(probe.schedule_calls)
+        losses.append(trainer.train_step(mbs, probe.schedule_calls).loss)
         lasts.append(probe.last)
         if evaluate:
             trainer.evaluate(data.val_batches)
     out = {"mode": probe.mode, "no_estimate": probe.no_estimate, "last": lasts,
-           "losses": losses, "updates": probe.estimator.num_updates, "sizes": sizes}
+           "losses": losses, "updates": probe.estimator.num_updates, "sizes": sizes,
+           "calls": calls}
     probe.detach()
     return out
 
@@ -63,10 +67,21 @@ def _tp2(cache_dir):
     return {"mb2": _run(cache_dir, 2, 2), "split": _run(cache_dir, 2, GB)}
 
 
+def _pp2(cache_dir):
+    torch.set_num_threads(1)
+    return {f"mb{mb}": _run(cache_dir, 1, mb, pp=2) for mb in (1, 2, GB)} | {
+        "off": _run(cache_dir, 1, 2, pp=2, split_every=0)}
+
+
 @pytest.fixture(scope="module")
 def results(cache_dir):
     (ref,) = launch(_reference, 1, cache_dir)
     return ref, launch(_tp2, 2, cache_dir)
+
+
+@pytest.fixture(scope="module")
+def pp2(cache_dir):
+    return launch(_pp2, 2, cache_dir)
 
 
 def test_one_microbatch_per_step_is_measured_on_split_steps(results):
@@ -136,3 +151,44 @@ def test_prepare_splits_into_equal_parts_on_its_steps():
     assert torch.equal(torch.cat([p["tokens"] for p in got[0]]), mb["tokens"])
     assert all(set(p) == set(mb) and len(p["tokens"]) == 3 for p in got[0])
     assert got[1] == [mb]
+
+
+@pytest.mark.parametrize("mb", [1, 2, GB])
+def test_pp2_split_steps_read_the_single_process_norms(results, pp2, mb):
+    """Catches a probe blind at DP = 1 with PP > 1 (the old behaviour: 1F1B reads no
+    gradient between backward passes, so no estimate, and the controller held at its
+    global batch for the rest of the run) and a step run as schedule calls that trains
+    differently or misreads them: at PP = 2 on 2 ranks, every ``EVERY``-th step runs as
+    two schedule calls of 2 sequences each (two groups of two micro-batches of 1, one
+    micro-batch of 2 each, or a micro-batch of 4 split in two), trains as the single
+    process at micro-batch 2 does (losses within 1e-4: the gradients finalised once
+    with every call's loss tokens; finalised per call, the first half's gradient would
+    be scaled by the wrong count) and reads its norms (rel 1e-4; the tied embedding's
+    two stages summed: read on one stage alone its norm is wrong); the steps between run
+    in one call and add nothing, and both ranks read the same."""
+    ref, _ = results
+    want = ref["mb2"]
+    for rank_out in pp2:
+        got = rank_out[f"mb{mb}"]
+        assert got["mode"] == "calls" and got["no_estimate"] is None
+        assert got["calls"] == [2, 1] * (STEPS // EVERY)
+        assert got["sizes"][0] == [min(mb, 2)] * (GB // min(mb, 2))
+        assert got["losses"] == pytest.approx(want["losses"], abs=1e-4)
+        assert got["updates"] == STEPS // EVERY
+        for i in range(0, STEPS, EVERY):
+            g, w = got["last"][i], want["last"][i]
+            assert g[1::2] == w[1::2] == (2, GB)
+            assert g[0] == pytest.approx(w[0], rel=1e-4) and g[2] == pytest.approx(w[2], rel=1e-4)
+            assert got["last"][i + 1] == g
+    assert pp2[0] == pp2[1]
+
+
+def test_pp2_without_split_steps_names_the_setting(pp2):
+    """Catches a silent fallback: with ``cona.gns_split_every=0`` at DP = 1, PP = 2 there
+    is no estimate, the reason names the setting and the data-parallel fix, and every step
+    runs in one call, training as the split run does."""
+    off = pp2[0]["off"]
+    assert off["mode"] is None and off["updates"] == 0 and off["calls"] == [1] * STEPS
+    assert "pp=2" in off["no_estimate"] and "cona.gns_split_every > 0" in off["no_estimate"]
+    assert "data-parallel" in off["no_estimate"]
+    assert off["losses"] == pytest.approx(pp2[0]["mb2"]["losses"], abs=1e-6)

@@ -150,10 +150,12 @@ def test_loop_tells_the_controller_when_no_estimate_is_possible(caplog):
     from cona.probe import no_estimate_reason
     from cona.strategy import Strategy
 
-    why = no_estimate_reason(1, 1, 1)
+    why = no_estimate_reason(1, 1, 1, micro_batch_size=1, split_every=4)
     assert "parallel.global_batch_size >= 2 x parallel.micro_batch_size" in why
-    assert "data-parallel" in why and "pp=2" in no_estimate_reason(1, 2, 4)
-    assert no_estimate_reason(2, 1, 1) is None and no_estimate_reason(1, 1, 2) is None
+    assert "data-parallel" in why and "cannot be split" in why
+    assert "pp=2" in no_estimate_reason(1, 2, 4, micro_batch_size=2, split_every=0)
+    for dp, pp, m, mb in ((2, 1, 1, 1), (1, 1, 2, 1), (1, 1, 1, 2), (1, 2, 4, 1), (1, 4, 1, 2)):
+        assert no_estimate_reason(dp, pp, m, mb, split_every=4) is None, (dp, pp, m, mb)
     small, big = Strategy(8, 1, 1, 1, 64), Strategy(8, 1, 1, 4, 512)
     job = _FakeJob(small, phi=1e4)
     job.probe = SimpleNamespace(no_estimate=why)

@@ -74,16 +74,18 @@ class ConaConfig:
     ``tests/test_cona_controller.py``).  (Was ``gns_preconditioned``: ``true`` =
     ``pollux``.)"""
     gns_split_every: int = 4
-    """Where a step runs one micro-batch at DP = 1 and PP = 1 (nothing to measure the
-    noise scale from within the step), run every this many steps' micro-batch as equal
-    parts (``cona/probe.py``, ``"split"``: the same samples and gradient; that step costs
-    more, as smaller micro-batches do) and measure it from them.  4 = a split step's
-    overhead on a quarter of the steps and one estimate per 4 steps, 5 per default
-    ``decision_interval``: the estimator's average then spans 4x the steps, and the
-    start decision (``start_probe_updates`` estimates) comes after 13 steps, not 4.
-    0 = never: no estimate at such a layout, and the controller ranks only strategies
-    of its global batch there (``cona/controller.py``, "No estimate").  With PP > 1 at
-    DP = 1 the 1F1B schedule reads no micro-batch gradient: no estimate."""
+    """Where a step at DP = 1 has nothing to measure the noise scale from within it (one
+    micro-batch at PP = 1; any number at PP > 1, where 1F1B reads no micro-batch's
+    gradient), run every this many steps split (``cona/probe.py``): its micro-batch as
+    equal parts (``"split"``), or at PP > 1 its micro-batches as equal schedule calls,
+    finalised once (``"calls"``); the same samples and gradient, and the noise scale
+    measured from the parts.  That step costs more (smaller micro-batches; at PP > 1 a
+    pipeline fill and drain per extra call).  4 = that overhead on a quarter of the
+    steps and one estimate per 4 steps, 5 per default ``decision_interval``: the
+    estimator's average then spans 4x the steps, and the start decision
+    (``start_probe_updates`` estimates) comes after 13 steps, not 4.  0 = never: no
+    estimate at such a layout, and the controller ranks only strategies of its global
+    batch there (``cona/controller.py``, "No estimate")."""
     efficiency_correction: Literal["off", "progress"] = "off"
     """``progress``: once ``horizon_steps`` steps after a batch change (and its LR ramp)
     are in, fit the factor ``k`` in ``phi_true = k * phi`` from the training loss either
