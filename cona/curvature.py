@@ -201,16 +201,17 @@ def measure_curvature_stats(trainer, microbatches: list, curvature_microbatches:
                             directions: int = DIRECTIONS,
                             delta: float = DELTA) -> tuple[float, float]:
     """``(G' P H P G, tr(P H P Sigma))`` at the trainer's current weights (module
-    docstring): gradients of ``microbatches`` (:func:`cona.probe.microbatch_gradients`,
+    docstring): gradients of ``microbatches`` (:func:`cona.direct_gns.microbatch_gradients`,
     times ``weights``: ``P``, e.g. :func:`cona.probe.adam_preconditioner`; ``None``:
     ``P = I``), curvature on ``curvature_microbatches`` (others than those).  Their ratio
     is ``B_noise``; the gradient buffers are left zeroed, the weights as they were.
 
     Raises:
         ValueError: as :func:`curvature_stats`, :func:`float64_probe` and
-            :func:`cona.probe.microbatch_gradients`.
+            :func:`cona.direct_gns.microbatch_gradients`.
     """
-    from .probe import _is_counted, microbatch_gradients
+    from .direct_gns import microbatch_gradients
+    from .probe import _is_counted
 
     if len(microbatches) < 2:  # before the copy is built (the gradients come lazily)
         raise ValueError("need at least two micro-batches")

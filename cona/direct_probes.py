@@ -4,7 +4,7 @@ state, data position and RNG left as they were.
 
 :class:`DirectProbes` is a mixin of :class:`cona.job.EmulatedJob` (one process, the
 proxy); it reads the job's ``trainer``, ``sampler``, ``probe`` and clock.  The
-estimators themselves live in :mod:`cona.probe`, :mod:`cona.adam_efficiency` and
+estimators themselves live in :mod:`cona.direct_gns`, :mod:`cona.adam_efficiency` and
 :mod:`cona.curvature`; the bench's reference (``bench/cona_reference.py``) and the
 analysis benches call these.
 """
@@ -22,7 +22,7 @@ class DirectProbes:
     def measure_gradient_stats(self, microbatches: int = 64, definition: str = "simple",
                                charge: bool = True) -> tuple[float, float] | None:
         """Direct ``(|G|^2, tr(Sigma))`` estimates at the current weights from
-        ``microbatches`` fresh micro-batches (:func:`cona.probe.measure_gradient_stats`);
+        ``microbatches`` fresh micro-batches (:func:`cona.direct_gns.measure_gradient_stats`);
         ``definition`` other than ``simple``: of gradients times a power of Adam's
         preconditioner (:data:`cona.probe.DEFINITIONS`; ``None`` before the first step).
         The data position, RNG and training state are left as they were.  The clock is
@@ -31,7 +31,8 @@ class DirectProbes:
         batch), undilated (it is run once, not per target step); ``charge=False``: not
         charged (a run whose clock is no result, e.g. the bench's reference, whose
         evaluation cadence on the clock must not jump past its steps)."""
-        from .probe import adam_preconditioner, measure_gradient_stats, preconditioner_power
+        from .direct_gns import measure_gradient_stats
+        from .probe import adam_preconditioner, preconditioner_power
 
         power = preconditioner_power(definition)
         weights = adam_preconditioner(self.trainer, power) if power > 0 else None

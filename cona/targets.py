@@ -197,7 +197,7 @@ def fit_noise_scale(losses, grad_sq, trace, at) -> dict:
     at the losses ``at``.
 
     Each probe ``i`` gives unbiased estimates ``|G|^2_i`` and ``tr(Sigma)_i``
-    (:func:`cona.probe.measure_gradient_stats`; McCandlish et al. 2018, App. A.1) and so
+    (:func:`cona.direct_gns.measure_gradient_stats`; McCandlish et al. 2018, App. A.1) and so
     ``phi_i = tr_i / |G|^2_i``.  Within one state a probe of 64 micro-batches is precise
     (6 probes at the Llama proxy's warm state: 5.9-6.7, ``bench/cona_probe_precision.py``),
     but along a run the noise scale itself jumps: in a loss spike after the warmup ``tr(Sigma)`` rose 50-250x and

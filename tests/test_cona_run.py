@@ -225,7 +225,8 @@ def _preconditioner_checks(trainer, mbs):
     Also the direct measurement with a constant weight (scale-free) and with ``P``."""
     import torch
 
-    from cona.probe import _grad, _is_counted, adam_preconditioner, measure_noise_scale
+    from cona.direct_gns import measure_noise_scale
+    from cona.probe import _grad, _is_counted, adam_preconditioner
 
     weights = adam_preconditioner(trainer)
     root = adam_preconditioner(trainer, 0.5)  # the newton definition's P^(1/2)
