@@ -1,7 +1,8 @@
 """Feed the gradient noise scale from the training step, without an extra backward.
 
-Two small/big gradient pairs come for free (McCandlish et al. 2018, App. A.1;
-estimator in :mod:`cona.grad_stats`):
+Small- and big-batch gradient pairs from the step itself (McCandlish et al. 2018,
+App. A.1; estimator in :mod:`cona.grad_stats`); the first two modes cost no extra
+computation, the last two run some steps split:
 
 - **DP > 1** (``"replica"``): the loss is a sum over tokens (megatron's
   per-token loss, :mod:`jobruntime.trainer`), DDP sums and megatron's
@@ -24,22 +25,23 @@ estimator in :mod:`cona.grad_stats`):
   micro-batch size.  (With PP > 1 the 1F1B schedule runs several forwards
   before the first backward, so these points do not exist: ``"calls"`` mode.)
 - **DP = 1, PP = 1, one micro-batch per step** (``"split"``): every
-  ``cona.gns_split_every``-th step runs its micro-batch as equal parts (its smallest
-  divisor >= 2 of them, single sequences for a prime size; the same samples, and the same
-  gradient up to summation order: the loss is a sum over tokens; with dropout, other
-  masks), and reads them as in ``"microbatch"`` mode, ``B_small`` the part's size; the
-  other steps run as they are and add nothing.  A split step costs more than a plain one
-  (smaller micro-batches, and the copies of the gradient every mode that reads
-  micro-batches makes), and its time enters the measured step time like any other.
-- **DP = 1, PP > 1** (``"calls"``): every ``cona.gns_split_every``-th step runs as
-  ``k`` schedule calls (``schedule_calls`` of :meth:`jobruntime.trainer.Trainer.train_step`:
-  the gradients accumulate and are finalised once, the same step): ``k`` the smallest
-  divisor >= 2 of the step's micro-batches, each call an equal group of them, or, with
-  one micro-batch, its parts as in ``"split"``, one per call.  Between calls
-  (:attr:`Trainer.schedule_call_hook`) and before the last finalisation the probe reads
-  the buffer's change, the summed gradient of that call's loss tokens, as in
-  ``"microbatch"`` mode; ``B_small`` is the global batch over ``k``.  Each extra call
-  costs a pipeline fill and drain on that step.
+  ``cona.gns_split_every``-th step runs its micro-batch as two parts (sizes differing by
+  at most one; the same samples, and the same gradient up to summation order: the loss
+  is a sum over tokens; with dropout, other masks), and reads them as in
+  ``"microbatch"`` mode; the other steps run as they are and add nothing.
+- **DP = 1, PP > 1** (``"calls"``): every ``cona.gns_split_every``-th step runs as two
+  schedule calls (``schedule_calls`` of :meth:`jobruntime.trainer.Trainer.train_step`:
+  the gradients accumulate and are finalised once, the same step), each half of its
+  micro-batches, or with one micro-batch, one of its two parts.  Between the calls
+  (:attr:`Trainer.schedule_call_hook`) and before the finalisation the probe reads the
+  buffer's change, the summed gradient of that call's loss tokens, as in
+  ``"microbatch"`` mode.
+
+  In both, ``B_small`` is the harmonic mean of the two parts' sizes (sequences):
+  ``E mean_i |G_i|^2 = |G|^2 + tr(Sigma) mean_i(1 / b_i)``, exact for unequal parts.
+  A split step costs more than a plain one: smaller micro-batches, or at PP > 1 one more
+  pipeline fill and drain (``bench/cona_split_cost.py``), and the gradient copy below;
+  its time enters the measured step time like any other.
   The difference of consecutive steps' gradients (AdaptDL's estimate for one gradient
   per step) would need no split, but it also holds the gradient's change over a step,
   which reads as noise: on tiny_gpt it read several times the within-step estimate
@@ -53,7 +55,11 @@ all-reduce with ``pp > 1`` and tied embeddings, the first stage's embedding
 gradient lacks the output-layer part (megatron adds it inside
 ``finalize_model_grads``), so the probe sums a copy over the embedding group.
 The replica norms are averaged over DP.  All results are identical on every
-rank.  Cost: two passes over the gradients and a few scalar all-reduces per step.
+rank.  Cost: two passes over the gradients and a few scalar all-reduces per step; in the
+modes that read parts of a step, one fp32 copy of this rank's gradients held through the
+step (the previous part's: :data:`GRADIENT_COPY_BYTES`, counted by CONA's memory filter)
+and, at PP > 1 with tied embeddings, the word embedding's gradient change all-reduced
+over the embedding group per part.
 Not handled: with sequence parallelism megatron sums the layer norms' gradients over
 TP inside ``finalize_model_grads`` too, so the small-batch norms (read before it) hold
 one rank's share of those few parameters (not run: it needs Transformer Engine or apex).
@@ -83,6 +89,11 @@ from .grad_stats import GradientNoiseScale
 
 log = logging.getLogger("cona")
 
+GRADIENT_COPY_BYTES = 4.0
+"""Bytes per parameter the probe keeps at DP = 1, where it reads parts of a step: one
+copy of the gradient buffers (fp32: the trainer's ``grad_reduce_in_fp32``); in
+:mod:`jobruntime.memory` as ``extra_bytes_per_param_at_dp1`` for CONA's candidates."""
+
 # noise-scale definition -> the power of Adam's preconditioner P applied to each gradient
 # before its norm (module docstring; cona/surrogate.py: which curvature makes each exact)
 DEFINITIONS = {"simple": 0.0, "newton": 0.5, "pollux": 1.0}
@@ -100,11 +111,16 @@ def preconditioner_power(definition: str) -> float:
     return DEFINITIONS[definition]
 
 
-def _parts(n: int) -> int:
-    """The smallest divisor ``>= 2`` of ``n`` (0 for ``n = 1``): the equal parts a
-    micro-batch of ``n`` sequences (``"split"``), or a step of ``n`` micro-batches
-    (``"calls"``), is run as."""
-    return next((k for k in range(2, n + 1) if n % k == 0), 0)
+def _halves(mb: dict) -> list[dict]:
+    """A micro-batch's two parts along its batch dimension (the first one sequence larger
+    for an odd size; ``torch.tensor_split``)."""
+    return [dict(zip(mb, vals)) for vals in zip(*(t.tensor_split(2) for t in mb.values()))]
+
+
+def _harmonic(sizes: list[int]) -> float:
+    """``1 / mean(1 / b)``: the ``B_small`` of small batches of unequal sizes (module
+    docstring)."""
+    return len(sizes) / sum(1 / b for b in sizes)
 
 
 def _is_counted(param: torch.nn.Parameter) -> bool:
@@ -143,7 +159,7 @@ def estimate_mode(dp: int, pp: int, num_microbatches: int, micro_batch_size: int
         return "replica"
     if pp == 1 and num_microbatches >= 2:
         return "microbatch"
-    if not split_every or (num_microbatches == 1 and not _parts(micro_batch_size)):
+    if not split_every or (num_microbatches == 1 and micro_batch_size < 2):
         return None
     return "split" if pp == 1 else "calls"
 
@@ -160,13 +176,14 @@ def no_estimate_reason(dp: int, pp: int, num_microbatches: int, micro_batch_size
     """
     if estimate_mode(dp, pp, num_microbatches, micro_batch_size, split_every) is not None:
         return None
-    fixes = ["run >= 2 data-parallel processes"]
-    if num_microbatches == 1:
+    fixes = ["run >= 2 data-parallel processes"]  # every fix listed gives an estimate
+    if num_microbatches == 1 and estimate_mode(1, pp, 2, micro_batch_size, split_every):
         fixes.append("set parallel.global_batch_size >= 2 x parallel.micro_batch_size")
-    if not split_every:
+    splittable = estimate_mode(1, pp, num_microbatches, micro_batch_size, 1) is not None
+    if not split_every and splittable:
+        fixes.append("set cona.gns_split_every > 0")
         why = (f"dp=1 with pp={pp}" if pp > 1 else "dp=1 with 1 micro-batch per step")
         why += " and cona.gns_split_every=0 (no step is split)"
-        fixes.append("set cona.gns_split_every > 0")
     else:
         why = "dp=1 with 1 micro-batch of one sequence per step (it cannot be split)"
     return f"{why}; for one, " + " or ".join(fixes)
@@ -179,12 +196,12 @@ class GNSProbe:
         estimator: the estimator the controller reads.
         definition: ``simple``, ``newton`` or ``pollux`` (:data:`DEFINITIONS`): the norms
             of the gradients or of Adam-preconditioned ones (module docstring).
-        split_every: in ``"split"`` mode, split every this many steps' micro-batch
+        split_every: in ``"split"`` and ``"calls"`` modes, split every this many steps
             (``cona.gns_split_every``); 0: never, and no estimate there.
 
     Attributes:
-        mode: ``"replica"``, ``"microbatch"``, ``"split"`` or ``None`` (no estimate
-            possible).
+        mode: ``"replica"``, ``"microbatch"``, ``"split"``, ``"calls"`` or ``None`` (no
+            estimate possible; :func:`estimate_mode`).
         no_estimate: why no estimate is possible at the attached layout, with the fix
             (:func:`no_estimate_reason`); ``None`` if one is.
         last: the last step's ``(small_sq, small_batch, big_sq, big_batch)``.
@@ -198,6 +215,7 @@ class GNSProbe:
         self.split_every = split_every
         self._steps = 0  # steps prepared since attach ("split", "calls")
         self._split = 0  # parts ("split") or schedule calls ("calls") of this step; 0: none
+        self._sizes: list[int] | None = None  # sequences of each part read; None: micro-batches
         self.schedule_calls = 1
         """Schedule calls to run the step :meth:`prepare` returned as
         (``Trainer.train_step``'s ``schedule_calls``)."""
@@ -223,10 +241,9 @@ class GNSProbe:
         self.mode = estimate_mode(dp, p.pp, m, p.micro_batch_size, self.split_every)
         self.no_estimate = no_estimate_reason(dp, p.pp, m, p.micro_batch_size, self.split_every)
         if self.mode in ("split", "calls"):
-            log.info("GNS probe: DP = 1 with %s; every %d-th step runs as %d %s to measure "
+            log.info("GNS probe: DP = 1 with %s; one step in %d runs as two %s to measure "
                      "the noise scale", f"PP = {p.pp}" if p.pp > 1 else "one micro-batch",
-                     self.split_every, _parts(m) or _parts(p.micro_batch_size),
-                     "schedule calls" if self.mode == "calls" else "parts")
+                     self.split_every, "schedule calls" if self.mode == "calls" else "parts")
         elif self.mode is None:
             log.warning("GNS probe: no noise-scale estimate at this layout: %s; CONA then "
                         "ranks only strategies of the current global batch, by throughput",
@@ -242,25 +259,32 @@ class GNSProbe:
 
     def prepare(self, microbatches: list[dict]) -> list[dict]:
         """The micro-batches to run this step, and :attr:`schedule_calls`: on every
-        ``split_every``-th step since :meth:`attach` in ``"split"`` mode, each micro-batch
-        split along its batch dimension into equal parts; in ``"calls"`` mode, the
-        micro-batches in ``k`` schedule calls (one micro-batch split into ``k`` parts
-        first); otherwise ``microbatches`` as they are, in one call (module docstring).
-        Call once per training step, before :meth:`jobruntime.trainer.Trainer.train_step`."""
-        self._split, self.schedule_calls = 0, 1
+        ``split_every``-th step since :meth:`attach` in ``"split"`` mode, the micro-batch
+        as two parts; in ``"calls"`` mode, the micro-batches in two schedule calls (one
+        micro-batch as two parts, one per call); otherwise ``microbatches`` as they are,
+        in one call (module docstring).  A preconditioned definition splits no step
+        before the optimizer has state (nothing to read).  Call once per training step,
+        before :meth:`jobruntime.trainer.Trainer.train_step`."""
+        self._split, self._sizes, self.schedule_calls = 0, None, 1
         if self.mode not in ("split", "calls"):
             return microbatches
         self._steps += 1
         if (self._steps - 1) % self.split_every:
             return microbatches
-        if self.mode == "calls" and len(microbatches) > 1:
-            self._split = self.schedule_calls = _parts(len(microbatches))
+        if not self._load_weights():  # no optimizer state yet: split the next step
+            self._steps -= 1
             return microbatches
-        self._split = _parts(self.trainer.cfg.parallel.micro_batch_size)
+        self._split = 2
         if self.mode == "calls":
-            self.schedule_calls = self._split
-        return [dict(zip(mb, vals)) for mb in microbatches
-                for vals in zip(*(t.chunk(self._split) for t in mb.values()))]
+            self.schedule_calls = 2
+        n = len(microbatches)
+        if n >= 2:  # "calls": two groups of micro-batches, sizes as Trainer groups them
+            mb = self.trainer.cfg.parallel.micro_batch_size
+            self._sizes = [(n - n // 2) * mb, n // 2 * mb]
+            return microbatches
+        parts = _halves(microbatches[0])
+        self._sizes = [int(part["loss_mask"].shape[0]) for part in parts]
+        return parts
 
     def detach(self) -> None:
         if self.trainer is not None:
@@ -271,6 +295,7 @@ class GNSProbe:
                 self.trainer.schedule_call_hook = None
         self.trainer, self._orig, self._prev, self._small, self._tokens = None, None, None, [], []
         self._weight, self.mode, self._split, self.schedule_calls = None, None, 0, 1
+        self._sizes = None
 
     # -- norms --------------------------------------------------------------
     def _tied(self) -> torch.nn.Parameter | None:
@@ -301,26 +326,33 @@ class GNSProbe:
         _all_reduce(total, parallel_state.get_model_parallel_group())
         return float(total[0])
 
-    def _call_sq(self) -> None:
-        """``"calls"`` mode: add the squared norm of the schedule call just finished (this
-        rank's share: the buffer's change since the last read over the call's loss tokens,
-        the tied embedding's change summed over the embedding group and counted once)."""
+    def _read_part(self, n: int, keep: bool = True) -> None:
+        """Add the squared norm (this rank's share) of the part of the step just finished,
+        a micro-batch or a schedule call: the buffer's change since the last read, its
+        summed gradient, over its ``n`` loss tokens (none without any), the tied
+        embedding's change summed over the embedding group and counted once.  One fp32
+        copy of the gradients is kept for the next part (``keep``; the last part's read
+        keeps none); the changes are formed one parameter at a time."""
         tied = self._tied()
         params = [p for p in self.trainer.module.parameters()
                   if _grad(p) is not None and (p is tied or _is_counted(p))]
-        now = [_grad(p).detach().clone() for p in params]
-        n = sum(self._tokens) - self._read
-        self._read += n
+        first = self._prev is None
+        prev = [] if first else self._prev
         sq = torch.zeros((), dtype=torch.float64, device=self.trainer.device)
-        for param, a, b in zip(params, now, self._prev or [None] * len(now)):
-            d = a if b is None else a - b
-            if param is tied:  # summed in a tensor of its own: ``now`` stays this stage's part
-                d = a.clone() if b is None else d
+        for i, param in enumerate(params):
+            g = _grad(param).detach()
+            d = g if first else g - prev[i]
+            if param is tied:  # summed in a tensor of its own: the buffer stays this stage's
+                d = d.clone() if first else d
                 dist.all_reduce(d, group=self.trainer.module.embd_group)
-            if _is_counted(param):
+            if _is_counted(param) and n > 0:  # summed on the device: no host sync per tensor
                 sq += _sq(self._weighted(param, d))
+            if keep and first:
+                prev.append(g.clone())
+            elif keep:
+                prev[i].copy_(g)
         self._small.append(sq / n**2 if n > 0 else None)
-        self._prev = now
+        self._prev = prev if keep else None
 
     def _weighted(self, param, g: torch.Tensor) -> torch.Tensor:
         """``P^a g`` when preconditioned (fp64, like the norms), else ``g``."""
@@ -339,41 +371,27 @@ class GNSProbe:
                 id(p): w for p, w in zip(counted, weights, strict=True)}
         return self._ready()
 
-    def _grads(self) -> list[torch.Tensor]:
-        """Copies of this rank's counted gradients (``dp = pp = 1``: its TP shard of the
-        model), preconditioned when asked."""
-        return [self._weighted(p, g).detach().clone() for p in self.trainer.module.parameters()
-                if _is_counted(p) and (g := _grad(p)) is not None]
-
-    def _microbatch_sq(self) -> None:
-        """Add the squared norm of the micro-batch just finished: the buffer's change
-        (its summed gradient) over its loss tokens; none for a micro-batch without any."""
-        now = self._grads()
-        prev = self._prev or [torch.zeros_like(g) for g in now]
-        n = self._tokens[len(self._small)] if len(self._small) < len(self._tokens) else 0
-        if n > 0:
-            sq = torch.zeros((), dtype=torch.float64, device=self.trainer.device)
-            for a, b in zip(now, prev):  # summed on the device: no host sync per parameter
-                sq += _sq(a - b)
-            self._small.append(sq / n**2)
-        else:
-            self._small.append(None)
-        self._prev = now
-
     def _on_microbatch(self, index: int, num_tokens: int) -> None:
         if self.mode in ("split", "calls") and not self._split:
             return  # a step run as it is: nothing to read
         if index == 0:
             self._prev, self._small, self._tokens, self._read = None, [], [], 0
-            self._load_weights()
-        elif self.mode != "calls" and self._ready():
-            self._microbatch_sq()
+            if not self._split:  # a split step's were loaded by prepare()
+                self._load_weights()
+        elif self.mode != "calls" and self._ready():  # micro-batch index - 1 just ended
+            self._read_part(self._tokens[-1])
         self._tokens.append(num_tokens)
 
     def _on_call(self) -> None:
         """Between a step's schedule calls (:attr:`Trainer.schedule_call_hook`)."""
         if self._split and self._tokens and self._ready():
-            self._call_sq()
+            self._read_part(self._call_tokens())
+
+    def _call_tokens(self) -> int:
+        """``"calls"``: the loss tokens of the call just finished (its micro-batches')."""
+        n = sum(self._tokens) - self._read
+        self._read += n
+        return n
 
     def _replica_tokens(self, num_tokens: torch.Tensor | None) -> float:
         """This replica's loss-token count: the schedule's (last stage only) on every stage."""
@@ -395,18 +413,20 @@ class GNSProbe:
             _all_reduce(local, self.trainer.grad_dp_group)
             small, small_batch = float(local[0]) / self._dp, p.global_batch_size // self._dp
         elif (self.mode == "microbatch" or self._split) and self._tokens and self._ready():
-            if self.mode == "calls":  # the last call
-                self._call_sq()
-            else:  # the last micro-batch
-                self._microbatch_sq()
-            finite = [x for x in self._small if x is not None]  # parts with loss tokens
-            if finite:  # every model-parallel rank reads the same parts: the same Nones
-                shards = torch.stack(finite)  # this rank's share of each part's norm
+            # the last call or micro-batch
+            self._read_part(self._call_tokens() if self.mode == "calls" else self._tokens[-1],
+                            keep=False)
+            sizes = self._sizes or [p.micro_batch_size] * len(self._small)
+            # parts with loss tokens; every model-parallel rank reads the same parts
+            finite = [(x, b) for x, b in zip(self._small, sizes) if x is not None]
+            if len(self._small) != len(sizes):
+                log.warning("GNS update skipped: %d of this step's %d parts were read (run "
+                            "the step with the probe's schedule_calls)", len(self._small),
+                            len(sizes))
+            elif finite:
+                shards = torch.stack([x for x, _ in finite])  # this rank's share of each
                 _all_reduce(shards, parallel_state.get_model_parallel_group())
-                small = float(shards.mean())
-                small_batch = {"microbatch": p.micro_batch_size,
-                               "split": p.micro_batch_size // max(self._split, 1),
-                               "calls": p.global_batch_size // max(self._split, 1)}[self.mode]
+                small, small_batch = float(shards.mean()), _harmonic([b for _, b in finite])
             self._small, self._prev, self._tokens, self._read = [], None, [], 0
         self._split = 0  # read: the next step is split only if prepare() says so
         out = self._orig(model, num_tokens, *args, **kwargs)

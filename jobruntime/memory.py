@@ -20,7 +20,9 @@ params, grads, Adam m, v)
 The trainer keeps fp32 gradient buffers (``grad_reduce_in_fp32``), so its
 bf16 runs are ``mixed`` and its CPU runs ``fp32``.  ``extra_bytes_per_param``
 adds state kept next to the shard (GeoMesh: θ_global and the outer momentum,
-fp32 each).
+fp32 each); ``extra_bytes_per_param_at_dp1`` state kept only where ``dp = 1``
+(CONA's noise-scale probe keeps one fp32 copy of the gradients there between
+the parts of a step it reads, :data:`cona.probe.GRADIENT_COPY_BYTES`).
 
 Parameters are split across TP (layer weights and the word embedding; norms
 and biases that megatron replicates are counted as split, a < 0.1 % error for
@@ -189,6 +191,8 @@ class MemoryModel:
         seq_length: sequence length override; ``None`` = ``model.seq_length``.
         extra_bytes_per_param: more state per parameter of the shard (e.g.
             GeoMesh's θ_global and outer momentum, 8).
+        extra_bytes_per_param_at_dp1: more state per parameter where ``dp = 1`` only
+            (CONA's noise-scale probe's gradient copy, 4).
 
     Raises:
         ValueError: unknown ``precision``.
@@ -203,6 +207,7 @@ class MemoryModel:
     overhead_bytes: float = GPU_OVERHEAD_BYTES
     seq_length: int | None = None
     extra_bytes_per_param: float = 0.0
+    extra_bytes_per_param_at_dp1: float = 0.0
 
     def __post_init__(self) -> None:
         if self.flash_attention is None:
@@ -252,11 +257,13 @@ class MemoryModel:
     def state_bytes_parts(self, dp: int) -> dict[str, float]:
         """Bytes per parameter on one device by kind: ``weights``, ``grads``,
         ``optimizer`` (fp32 master weights and Adam moments; over ``dp`` with the
-        distributed optimizer) and ``extra`` (``extra_bytes_per_param``)."""
+        distributed optimizer) and ``extra`` (``extra_bytes_per_param``, and
+        ``extra_bytes_per_param_at_dp1`` at ``dp = 1``)."""
         w, g, opt = STATE_BYTES[self.precision]
         return {"weights": w, "grads": g,
                 "optimizer": opt / dp if self.distributed_optimizer else opt,
-                "extra": self.extra_bytes_per_param}
+                "extra": self.extra_bytes_per_param
+                + (self.extra_bytes_per_param_at_dp1 if dp == 1 else 0.0)}
 
     def state_bytes_per_param(self, dp: int) -> float:
         """Weights + grads + optimizer (+ extra) bytes per parameter on one device."""

@@ -325,15 +325,19 @@ class Trainer:
     def _run_schedule(self, microbatches: list[dict], forward_only: bool,
                       calls: int = 1) -> list[dict]:
         """megatron's schedule over ``microbatches``; with ``calls > 1`` over ``calls``
-        equal consecutive groups of them, one schedule call each: the gradients
-        accumulate in the buffers, and ``finalize_model_grads`` runs once, after the
-        last call, with the loss-token count of all of them (the same step as one
-        call: the loss is a sum over tokens)."""
+        consecutive groups of them (sizes as ``numpy.array_split``'s: the first
+        ``len % calls`` one larger), one schedule call each: the gradients accumulate in
+        the buffers, and ``finalize_model_grads`` runs once, after the last call, with
+        the loss-token count of all of them (the same step as one call: the loss is a
+        sum over tokens).  Within a call the micro-batches must be of one size."""
         self._backward = not forward_only
-        if calls < 1 or len(microbatches) % calls:
-            raise ValueError(f"{len(microbatches)} micro-batches do not split into "
-                             f"{calls} equal schedule calls")
-        size = len(microbatches) // calls
+        n = len(microbatches)
+        if not 1 <= calls <= n:
+            raise ValueError(f"{n} micro-batches cannot run as {calls} schedule calls "
+                             f"(1 to {n})")
+        bounds = [0]
+        for i in range(calls):
+            bounds.append(bounds[-1] + n // calls + (i < n % calls))
         finalize = self.tcfg.finalize_model_grads_func
         earlier: list = []  # the loss-token counts of the calls before the last
         losses: list[dict] = []
@@ -343,12 +347,12 @@ class Trainer:
                     self.tcfg.finalize_model_grads_func = (
                         partial(_finalize_with, finalize, earlier) if i == calls - 1
                         else partial(self._between_calls, earlier))
-                chunk = microbatches[i * size:(i + 1) * size]
+                chunk = microbatches[bounds[i]:bounds[i + 1]]
                 losses += get_forward_backward_func()(
                     forward_step_func=self._forward_step,
-                    data_iterator=iter(enumerate(chunk, start=i * size)),
+                    data_iterator=iter(enumerate(chunk, start=bounds[i])),
                     model=self.model,
-                    num_microbatches=size,
+                    num_microbatches=len(chunk),
                     seq_length=self.cfg.model.seq_length,
                     micro_batch_size=int(chunk[0]["loss_mask"].shape[0]),
                     forward_only=forward_only,
@@ -403,15 +407,16 @@ class Trainer:
         Args:
             microbatches: ``global_batch / (dp * micro_batch)`` dicts of
                 ``[micro_batch, seq]`` tensors from :class:`GlobalBatchSampler`.
-            schedule_calls: run them as this many equal consecutive groups, one
-                schedule call each, the gradients finalised once after the last (the
-                same step; :attr:`schedule_call_hook` runs between calls: CONA's
-                noise-scale probe reads the gradient there at DP = 1 with PP > 1,
-                :mod:`cona.probe`).  Each extra call costs a pipeline fill and drain.
+            schedule_calls: run them as this many consecutive groups (sizes
+                differing by at most one), one schedule call each, the gradients
+                finalised once after the last (the same step; :attr:`schedule_call_hook`
+                runs between calls: CONA's noise-scale probe reads the gradient there at
+                DP = 1 with PP > 1, :mod:`cona.probe`).  Each extra call costs a
+                pipeline fill and drain.
 
         Raises:
-            ValueError: the micro-batches do not split into ``schedule_calls`` equal
-                groups.
+            ValueError: ``schedule_calls`` is not between 1 and the number of
+                micro-batches.
         """
         self.zero_grad()
         losses = self._run_schedule(microbatches, forward_only=False, calls=schedule_calls)

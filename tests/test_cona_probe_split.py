@@ -19,7 +19,8 @@ OVERRIDES = ["model.num_layers=2", "model.hidden_size=128", "model.seq_length=64
              "train.warmup_iters=2", "train.eval_interval=0", "logging.wandb=disabled"]
 
 
-def _run(cache_dir, tp, mb, split_every=EVERY, evaluate=False, pp=1):
+def _run(cache_dir, tp, mb, split_every=EVERY, evaluate=False, pp=1, definition="simple",
+         one_call=False):
     """``STEPS`` steps of tiny_gpt at DP = 1, PP = ``pp``, TP = ``tp``, micro-batch ``mb``, from
     the seed, the probe attached and asked for each step's micro-batches (``evaluate``:
     a validation pass after each step, as a run's evaluations come between steps): its
@@ -37,7 +38,7 @@ def _run(cache_dir, tp, mb, split_every=EVERY, evaluate=False, pp=1):
     topo = initialize_layout(cfg)
     set_seed(cfg.train.seed)
     trainer = build_trainer(cfg, GB)
-    probe = GNSProbe(GradientNoiseScale(), split_every=split_every)
+    probe = GNSProbe(GradientNoiseScale(), definition=definition, split_every=split_every)
     probe.attach(trainer)
     data = build_data(cfg, topo, 0)
     lasts, losses, sizes, calls = [], [], [], []
@@ -45,7 +46,7 @@ def _run(cache_dir, tp, mb, split_every=EVERY, evaluate=False, pp=1):
         mbs = probe.prepare(data.train.next())
         sizes.append([len(m["tokens"]) for m in mbs])
         calls.append(probe.schedule_calls)
-        losses.append(trainer.train_step(mbs, probe.schedule_calls).loss)
+        losses.append(trainer.train_step(mbs, 1 if one_call else probe.schedule_calls).loss)
         lasts.append(probe.last)
         if evaluate:
             trainer.evaluate(data.val_batches)
@@ -59,7 +60,8 @@ def _run(cache_dir, tp, mb, split_every=EVERY, evaluate=False, pp=1):
 def _reference(cache_dir):
     torch.set_num_threads(1)
     return {"mb2": _run(cache_dir, 1, 2), "split": _run(cache_dir, 1, GB, evaluate=True),
-            "off": _run(cache_dir, 1, GB, split_every=0)}
+            "off": _run(cache_dir, 1, GB, split_every=0),
+            "newton": _run(cache_dir, 1, GB, definition="newton")}
 
 
 def _tp2(cache_dir):
@@ -70,7 +72,8 @@ def _tp2(cache_dir):
 def _pp2(cache_dir):
     torch.set_num_threads(1)
     return {f"mb{mb}": _run(cache_dir, 1, mb, pp=2) for mb in (1, 2, GB)} | {
-        "off": _run(cache_dir, 1, 2, pp=2, split_every=0)}
+        "off": _run(cache_dir, 1, 2, pp=2, split_every=0),
+        "one_call": _run(cache_dir, 1, 2, pp=2, one_call=True)}
 
 
 @pytest.fixture(scope="module")
@@ -110,6 +113,16 @@ def test_one_microbatch_per_step_is_measured_on_split_steps(results):
     assert off["losses"] == pytest.approx(split["losses"], abs=1e-6)
 
 
+def test_preconditioned_probe_splits_once_the_optimizer_has_state(results):
+    """Catches a split step that costs time and measures nothing: a preconditioned noise
+    scale (``newton``) has no preconditioner before the first optimizer step, so the
+    first step runs whole and the next one is split (steps 2, 4, 6 here: three updates;
+    splitting step 1 wasted it and delayed every later estimate by a step)."""
+    newton = results[0]["newton"]
+    assert newton["sizes"] == [[GB], [2, 2]] * (STEPS // EVERY)
+    assert newton["updates"] == STEPS // EVERY and newton["last"][0] is None
+
+
 @pytest.mark.parametrize("run", ["mb2", "split"])
 def test_tp2_reads_the_single_process_norms(results, run):
     """Catches micro-batch norms of one TP shard taken for the model's (the probe summed
@@ -131,26 +144,35 @@ def test_tp2_reads_the_single_process_norms(results, run):
     assert per_rank[0][run]["last"] == per_rank[1][run]["last"]
 
 
-def test_prepare_splits_into_equal_parts_on_its_steps():
-    """Catches a split that loses or reorders sequences, splits unequally (the estimator
-    needs one ``B_small``) or splits on the wrong steps: parts are the smallest divisor
-    >= 2 of the micro-batch (none for one sequence), they concatenate to the original,
-    and only every ``split_every``-th step since attach is split."""
+def test_prepare_splits_into_two_parts_on_its_steps():
+    """Catches a split that loses or reorders sequences, splits into more than two parts
+    (a prime size split into single sequences made a split step far slower, and at
+    PP > 1 one pipeline fill and drain per part) or splits on the wrong steps: two
+    parts, sizes differing by at most one, concatenating to the original, only every
+    ``split_every``-th step since attach; ``B_small`` of unequal parts is their
+    harmonic mean (``E mean |G_i|^2 = |G|^2 + tr(Sigma) mean(1 / b_i)``)."""
     from cona.grad_stats import GradientNoiseScale
-    from cona.probe import GNSProbe, _parts
+    from cona.probe import GNSProbe, _harmonic
 
-    assert [_parts(n) for n in (1, 2, 3, 4, 6, 9)] == [0, 2, 3, 2, 2, 3]
+    assert _harmonic([2, 2]) == 2 and _harmonic([4, 3]) == pytest.approx(24 / 7)
     with pytest.raises(ValueError, match="split_every"):
         GNSProbe(GradientNoiseScale(), split_every=-1)
-    probe = GNSProbe(GradientNoiseScale(), split_every=3)
-    probe.mode = "split"
-    probe.trainer = SimpleNamespace(cfg=SimpleNamespace(parallel=SimpleNamespace(micro_batch_size=6)))
-    mb = {"tokens": torch.arange(12).reshape(6, 2), "loss_mask": torch.ones(6, 2)}
-    got = [probe.prepare([mb]) for _ in range(4)]
-    assert [len(g) for g in got] == [2, 1, 1, 2]
-    assert torch.equal(torch.cat([p["tokens"] for p in got[0]]), mb["tokens"])
-    assert all(set(p) == set(mb) and len(p["tokens"]) == 3 for p in got[0])
-    assert got[1] == [mb]
+    for size, want in ((6, [3, 3]), (7, [4, 3]), (2, [1, 1])):
+        probe = GNSProbe(GradientNoiseScale(), split_every=3)
+        probe.mode = "split"
+        probe.trainer = SimpleNamespace(
+            cfg=SimpleNamespace(parallel=SimpleNamespace(micro_batch_size=size)))
+        mb = {"tokens": torch.arange(2 * size).reshape(size, 2), "loss_mask": torch.ones(size, 2)}
+        got = [probe.prepare([mb]) for _ in range(4)]
+        assert [len(g) for g in got] == [2, 1, 1, 2]
+        assert [len(p["tokens"]) for p in got[0]] == want
+        assert torch.equal(torch.cat([p["tokens"] for p in got[0]]), mb["tokens"])
+        assert all(set(p) == set(mb) for p in got[0]) and got[1] == [mb]
+        assert probe.schedule_calls == 1
+    probe.mode = "calls"  # at PP > 1: two schedule calls of the micro-batches (5: 3 + 2)
+    probe._steps = 0
+    assert probe.prepare([mb] * 5) == [mb] * 5 and probe.schedule_calls == 2
+    assert probe._sizes == [3 * 2, 2 * 2]  # sequences, micro-batches of 2
 
 
 @pytest.mark.parametrize("mb", [1, 2, GB])
@@ -192,3 +214,13 @@ def test_pp2_without_split_steps_names_the_setting(pp2):
     assert "pp=2" in off["no_estimate"] and "cona.gns_split_every > 0" in off["no_estimate"]
     assert "data-parallel" in off["no_estimate"]
     assert off["losses"] == pytest.approx(pp2[0]["mb2"]["losses"], abs=1e-6)
+
+
+def test_pp2_step_run_in_one_call_updates_nothing(pp2):
+    """Catches a silent zero noise scale: a caller that runs a step the probe asked to
+    split into schedule calls in one call (``train_step`` without ``schedule_calls``)
+    reads one part, whose norm is the global batch's; the probe must skip the update
+    (it updated the estimator with a noise scale of 0), the step train as usual."""
+    one = pp2[0]["one_call"]
+    assert one["updates"] == 0 and one["last"] == [None] * STEPS
+    assert one["losses"] == pytest.approx(pp2[0]["mb2"]["losses"], abs=1e-6)

@@ -156,6 +156,13 @@ def test_loop_tells_the_controller_when_no_estimate_is_possible(caplog):
     assert "pp=2" in no_estimate_reason(1, 2, 4, micro_batch_size=2, split_every=0)
     for dp, pp, m, mb in ((2, 1, 1, 1), (1, 1, 2, 1), (1, 1, 1, 2), (1, 2, 4, 1), (1, 4, 1, 2)):
         assert no_estimate_reason(dp, pp, m, mb, split_every=4) is None, (dp, pp, m, mb)
+    # only fixes that give an estimate are named: splitting cannot split one sequence,
+    # and at PP > 1 more micro-batches need splitting too
+    one_seq = no_estimate_reason(1, 1, 1, micro_batch_size=1, split_every=0)
+    assert "gns_split_every" not in one_seq and "global_batch_size" in one_seq
+    pp_one_seq = no_estimate_reason(1, 2, 1, micro_batch_size=1, split_every=0)
+    assert "gns_split_every" not in pp_one_seq and "global_batch_size" not in pp_one_seq
+    assert "data-parallel" in pp_one_seq
     small, big = Strategy(8, 1, 1, 1, 64), Strategy(8, 1, 1, 4, 512)
     job = _FakeJob(small, phi=1e4)
     job.probe = SimpleNamespace(no_estimate=why)

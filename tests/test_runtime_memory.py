@@ -53,6 +53,29 @@ def test_state_bytes_per_param():
         MemoryModel(GPT3, precision="fp8")
 
 
+def test_cona_counts_the_probes_gradient_copy_at_dp1():
+    """Catches a CONA memory filter blind to the noise-scale probe's gradient copy (it
+    keeps one fp32 copy of the gradients where DP = 1, to read parts of a step: at
+    PP = 2 a layout the filter passed could run out of memory on its split step): 4 more
+    bytes per parameter at DP = 1 only, and a DP = 1 layout that fits without the copy
+    but not with it is no longer a candidate (with room for the copy it is)."""
+    from cona.candidates import build_candidates
+    from cona.probe import GRADIENT_COPY_BYTES
+
+    mem = MemoryModel(GPT3, extra_bytes_per_param_at_dp1=GRADIENT_COPY_BYTES)
+    assert GRADIENT_COPY_BYTES == 4  # the trainer's fp32 gradient buffers
+    assert mem.state_bytes_per_param(1) == 18 + 4 and mem.state_bytes_per_param(2) == 18
+    pp2 = Strategy(1, 1, 2, 1, 8)
+    plain = MemoryModel(GPT3).peak_bytes(pp2)
+    limit = (plain + mem.peak_bytes(pp2)) / 2  # between the two
+    cfg = load_config("gpt3_1.3b", ["parallel.global_batch_size=8", "cona.global_batch_sizes=[8]"])
+    labels = {c.label for c in build_candidates(cfg, GPT3, 2, memory_limit_bytes=limit)}
+    assert pp2.num_microbatches == 8 and "dp1-tp1-pp2-mb1-gb8" not in labels
+    roomy = mem.peak_bytes(pp2)
+    labels = {c.label for c in build_candidates(cfg, GPT3, 2, memory_limit_bytes=roomy)}
+    assert "dp1-tp1-pp2-mb1-gb8" in labels
+
+
 @pytest.mark.parametrize("model", [GPT3, LLAMA], ids=["gpt3", "llama"])
 def test_params_partition_matches_num_params(model):
     """Catches double- or under-counting embeddings across stages: at pp=1 the device holds

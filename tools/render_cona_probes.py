@@ -1,8 +1,8 @@
 """Renderers of the CONA bench's noise-scale probe studies for ``tools/render_results.py``:
 ``bench/cona_growth.py`` (where a run's noise-scale growth happens: along the reference's
 segment or at its start), ``bench/cona_probe_precision.py`` (how many micro-batches a
-probe needs) and ``bench/cona_consecutive.py`` (the noise scale from consecutive steps
-against the within-step one)."""
+probe needs), ``bench/cona_consecutive.py`` (the noise scale from consecutive steps
+against the within-step one) and ``bench/cona_split_cost.py`` (what a split step costs)."""
 
 from __future__ import annotations
 
@@ -108,3 +108,26 @@ def cona_consecutive(r: dict, file: str = "cona_consecutive", rows: int = 5) -> 
             f"{ratio(r['median_ratio'])} (warmup {ratio(phase['warmup'])}, after it "
             f"{ratio(phase['after'])}).", "", _source(r, file)]
     return "\n".join(out) + "\n"
+
+
+def cona_split_cost(r: dict, file: str = "cona_split_cost") -> str:
+    """bench/cona_split_cost.py: per DP = 1 layout the median plain and split step, their
+    ratio and the mean step's overhead when every 4th step is split (the default)."""
+    out = [f"`{r['preset']}` at global batch {r['global_batch_size']}, {r['steps']} steps per "
+           f"layout (the first {r['warmup']} not counted), split and plain steps alternating; "
+           "wall clock on CPU processes (gloo), max over ranks:", "",
+           "| layout | processes | how a step splits | plain step (median) "
+           "| split step (median) | split over plain | mean step, every 4th split |",
+           "|---|---:|---|---:|---:|---:|---:|"]
+    for name, x in r["layouts"].items():
+        how = (f"{x['micro_batch_size']} sequences into 2 parts" if x["mode"] == "split" else
+               f"{r['global_batch_size'] // x['micro_batch_size']} micro-batch(es) of "
+               f"{x['micro_batch_size']} into 2 schedule calls")
+        out.append(f"| `{name}` | {x['processes']} | {how} | {x['plain_step_s']:.3f} s "
+                   f"| {x['split_step_s']:.3f} s | {x['split_over_plain']:.2f}x "
+                   f"| +{100 * x['overhead_at_every_4']:.1f} % |")
+    load = r.get("load_average_1min") or {}
+    if load.get("other_cpu_share") is not None:
+        out += ["", f"Other processes used {100 * load['other_cpu_share']:.0f} % of the "
+                "machine's CPU time while it ran."]
+    return "\n".join([*out, "", _source(r, file)]) + "\n"

@@ -36,7 +36,12 @@ from render_cona import (  # noqa: E402
     cona_ttp_headline,
 )
 from render_cona_efficiency import cona_adam_memory, cona_efficiency  # noqa: E402
-from render_cona_probes import cona_consecutive, cona_growth, cona_probe_precision  # noqa: E402
+from render_cona_probes import (  # noqa: E402
+    cona_consecutive,
+    cona_growth,
+    cona_probe_precision,
+    cona_split_cost,
+)
 from render_gpu import h200_check, h200_check_headline  # noqa: E402
 from render_gpu import ratio as _ratio  # noqa: E402
 from results_source import source_line as _source  # noqa: E402
@@ -358,6 +363,7 @@ RENDERERS: dict[str, Callable[[dict], str]] = {"four_shape_cpu": four_shape_cpu,
                                                    file="cona_efficiency_curvature"),
                                                "cona_growth": cona_growth,
                                                "cona_consecutive": cona_consecutive,
+                                               "cona_split_cost": cona_split_cost,
                                                "cona_probe_precision": cona_probe_precision,
                                                "cona_adam_memory": cona_adam_memory,
                                                "cona_repro": cona_repro,

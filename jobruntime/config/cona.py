@@ -77,13 +77,15 @@ class ConaConfig:
     """Where a step at DP = 1 has nothing to measure the noise scale from within it (one
     micro-batch at PP = 1; any number at PP > 1, where 1F1B reads no micro-batch's
     gradient), run every this many steps split (``cona/probe.py``): its micro-batch as
-    equal parts (``"split"``), or at PP > 1 its micro-batches as equal schedule calls,
+    two parts (``"split"``), or at PP > 1 its micro-batches as two schedule calls,
     finalised once (``"calls"``); the same samples and gradient, and the noise scale
-    measured from the parts.  That step costs more (smaller micro-batches; at PP > 1 a
-    pipeline fill and drain per extra call).  4 = that overhead on a quarter of the
-    steps and one estimate per 4 steps, 5 per default ``decision_interval``: the
-    estimator's average then spans 4x the steps, and the start decision
-    (``start_probe_updates`` estimates) comes after 13 steps, not 4.  0 = never: no
+    measured from the parts.  That step costs more (smaller micro-batches; at PP > 1
+    one more pipeline fill and drain; ``bench/cona_split_cost.py``).  4 = that overhead
+    on a quarter of the steps and one estimate per 4 steps, 5 per default
+    ``decision_interval``: the estimator's average then spans 4x the steps, and the
+    start decision (``start_probe_updates`` estimates) comes after 13 steps, not 4 (14
+    with a preconditioned ``gns_definition``: no split before the optimizer has
+    state).  0 = never: no
     estimate at such a layout, and the controller ranks only strategies of its global
     batch there (``cona/controller.py``, "No estimate")."""
     efficiency_correction: Literal["off", "progress"] = "off"
