@@ -25,8 +25,10 @@ def test_renderer_states_each_layout_from_its_json():
     out = cona_split_cost(r)
     assert ("| `dp1-pp1-mb8` | 1 | 8 sequences into 2 parts | 0.500 s | 0.600 s | 1.20x "
             "| +5.0 % |") in out
-    assert ("| `dp1-pp2-mb2` | 2 | 4 micro-batch(es) of 2 into 2 schedule calls | 0.400 s "
+    assert ("| `dp1-pp2-mb2` | 2 | 4 micro-batches of 2 into 2 schedule calls | 0.400 s "
             "| 0.500 s | 1.25x | +6.2 % |") in out
+    r["layouts"]["dp1-pp2-mb2"]["micro_batch_size"] = 8  # one micro-batch: its two parts
+    assert "| 1 micro-batch of 8 as 2 parts, one schedule call each |" in cona_split_cost(r)
     assert "40 steps per layout (the first 4 not counted)" in out
     assert "docs/results/cona_split_cost.json" in out
 

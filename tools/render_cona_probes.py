@@ -120,9 +120,11 @@ def cona_split_cost(r: dict, file: str = "cona_split_cost") -> str:
            "| split step (median) | split over plain | mean step, every 4th split |",
            "|---|---:|---|---:|---:|---:|---:|"]
     for name, x in r["layouts"].items():
+        m = r["global_batch_size"] // x["micro_batch_size"]  # micro-batches per step (DP = 1)
         how = (f"{x['micro_batch_size']} sequences into 2 parts" if x["mode"] == "split" else
-               f"{r['global_batch_size'] // x['micro_batch_size']} micro-batch(es) of "
-               f"{x['micro_batch_size']} into 2 schedule calls")
+               f"{m} micro-batches of {x['micro_batch_size']} into 2 schedule calls" if m > 1
+               else f"1 micro-batch of {x['micro_batch_size']} as 2 parts, one schedule "
+               "call each")
         out.append(f"| `{name}` | {x['processes']} | {how} | {x['plain_step_s']:.3f} s "
                    f"| {x['split_step_s']:.3f} s | {x['split_over_plain']:.2f}x "
                    f"| +{100 * x['overhead_at_every_4']:.1f} % |")
