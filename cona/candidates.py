@@ -4,8 +4,9 @@
 with global batch sizes ``cona.global_batch_sizes`` (target sequences; default:
 the target batch of the configured global batch times 1, 2, 4, 8, see
 :mod:`cona.mapping`) and micro-batch sizes 1, 2, 4, 8, filtered by per-device
-memory (:class:`cona.memory_model.MemoryModel`, with the noise-scale probe's gradient
-copy at DP = 1) when a limit is known.  Every
+memory (:class:`cona.memory_model.MemoryModel`, with what the noise-scale probe holds:
+a gradient copy at DP = 1, a preconditioned definition's preconditioner) when a limit is
+known.  Every
 candidate's global batch must map to a whole number of proxy sequences.
 """
 
@@ -15,7 +16,7 @@ from jobruntime.config import JobConfig, ModelConfig
 
 from .mapping import ProxyMapping
 from .memory_model import MemoryModel
-from .probe import GRADIENT_COPY_BYTES
+from .probe import GRADIENT_COPY_BYTES, PRECONDITIONER_BYTES, preconditioner_power
 from .strategy import Strategy, enumerate_strategies, strategies_from_dicts
 
 AUTO_MICRO_BATCH_SIZES = (1, 2, 4, 8)
@@ -49,8 +50,10 @@ def build_candidates(
     if cfg.cona.candidates:
         cands = strategies_from_dicts(cfg.cona.candidates, model, world_size)
     else:
-        # at DP = 1 the noise-scale probe keeps a copy of the gradients (cona.probe)
-        mem = (MemoryModel(model, precision=precision,
+        # what the noise-scale probe holds (cona.probe): at DP = 1 a copy of the
+        # gradients, and a preconditioned definition Adam's preconditioner at any DP
+        precond = PRECONDITIONER_BYTES if preconditioner_power(cfg.cona.gns_definition) else 0.0
+        mem = (MemoryModel(model, precision=precision, extra_bytes_per_param=precond,
                            extra_bytes_per_param_at_dp1=GRADIENT_COPY_BYTES)
                if memory_limit_bytes else None)
         cands = enumerate_strategies(

@@ -72,7 +72,8 @@ so the estimate is ``tr(P^a Sigma P^a) / |P^a G|^2``: ``simple`` (``a = 0``,
 (``a = 1``, Qiao et al., OSDI'21, Sec. 3.1).  Which one makes Pollux's efficiency
 exact depends on the curvature (:mod:`cona.surrogate`).  No estimate on the first step
 of a preconditioned definition (no optimizer state yet).  Cost: one more pass over
-the optimizer state per step.
+the optimizer state per step, and the preconditioner held in fp64 through the step
+(:data:`PRECONDITIONER_BYTES`).
 """
 
 from __future__ import annotations
@@ -88,6 +89,11 @@ from jobruntime.trainer import Trainer
 from .grad_stats import GradientNoiseScale
 
 log = logging.getLogger("cona")
+
+PRECONDITIONER_BYTES = 8.0
+"""Bytes per parameter a preconditioned definition (``newton``, ``pollux``) holds during a
+step, at any DP: Adam's preconditioner in fp64 (:func:`adam_preconditioner`); in
+:mod:`jobruntime.memory` as ``extra_bytes_per_param`` for CONA's candidates."""
 
 GRADIENT_COPY_BYTES = 4.0
 """Bytes per parameter the probe keeps at DP = 1, where it reads parts of a step: one
@@ -130,7 +136,8 @@ def _is_counted(param: torch.nn.Parameter) -> bool:
 
 
 def _sq(t: torch.Tensor) -> torch.Tensor:
-    """Squared L2 norm accumulated in fp64 (without an fp64 copy of ``t``)."""
+    """Squared L2 norm accumulated in fp64 (torch may form a transient fp64 copy of
+    ``t``, one tensor at a time: on CPU it does)."""
     return torch.linalg.vector_norm(t.detach(), dtype=torch.float64) ** 2
 
 
@@ -365,6 +372,7 @@ class GNSProbe:
     def _load_weights(self) -> bool:
         """Fetch this step's preconditioner (when preconditioned); :meth:`_ready` after."""
         if self.preconditioned:
+            self._weight = None  # not two preconditioners alive at once
             weights = adam_preconditioner(self.trainer, self.power)
             counted = [p for p in self.trainer.module.parameters() if _is_counted(p)]
             self._weight = None if weights is None else {
@@ -406,6 +414,7 @@ class GNSProbe:
     def _finalize(self, model, num_tokens=None, *args, **kwargs):
         small = None
         p = self.trainer.cfg.parallel
+        big_batch = p.global_batch_size
         if self.mode == "replica" and self._load_weights():
             n = self._replica_tokens(num_tokens)
             local = torch.tensor([self._sq_norm(fix_tied=True) / max(n, 1.0) ** 2],
@@ -417,26 +426,32 @@ class GNSProbe:
             self._read_part(self._call_tokens() if self.mode == "calls" else self._tokens[-1],
                             keep=False)
             sizes = self._sizes or [p.micro_batch_size] * len(self._small)
-            # parts with loss tokens; every model-parallel rank reads the same parts
+            # parts with loss tokens (every model-parallel rank reads the same parts): the
+            # big batch is theirs, a part without any adds nothing to the gradient
             finite = [(x, b) for x, b in zip(self._small, sizes) if x is not None]
             if len(self._small) != len(sizes):
                 log.warning("GNS update skipped: %d of this step's %d parts were read (run "
                             "the step with the probe's schedule_calls)", len(self._small),
                             len(sizes))
-            elif finite:
+            elif len(finite) < 2:
+                log.warning("GNS update skipped: %d of this step's parts hold loss tokens, "
+                            "two are needed", len(finite))
+            else:
                 shards = torch.stack([x for x, _ in finite])  # this rank's share of each
                 _all_reduce(shards, parallel_state.get_model_parallel_group())
                 small, small_batch = float(shards.mean()), _harmonic([b for _, b in finite])
+                big_batch = sum(b for _, b in finite)
             self._small, self._prev, self._tokens, self._read = [], None, [], 0
         self._split = 0  # read: the next step is split only if prepare() says so
         out = self._orig(model, num_tokens, *args, **kwargs)
         if small is not None:
             big = self._sq_norm(fix_tied=False)
-            self.last = (small, small_batch, big, p.global_batch_size)
+            self.last = (small, small_batch, big, big_batch)
             try:
-                self.estimator.update(small, small_batch, big, p.global_batch_size)
+                self.estimator.update(small, small_batch, big, big_batch)
             except ValueError as e:  # a non-finite norm (diverged step): skip it
                 log.warning("GNS update skipped: %s", e)
+        self._weight = None  # the preconditioner is this step's: not held between steps
         return out
 
 

@@ -224,3 +224,62 @@ def test_pp2_step_run_in_one_call_updates_nothing(pp2):
     one = pp2[0]["one_call"]
     assert one["updates"] == 0 and one["last"] == [None] * STEPS
     assert one["losses"] == pytest.approx(pp2[0]["mb2"]["losses"], abs=1e-6)
+
+
+def _unequal(cache_dir):
+    """One process, one micro-batch of 3 split 2 + 1: each part's gradient and the whole
+    batch's measured directly at the start weights (:func:`cona.direct_gns.microbatch_gradients`,
+    no optimizer step), then the probe's reading of the split step from there; then a
+    split step whose second part has no loss tokens."""
+    from cona.direct_gns import microbatch_gradients
+    from cona.grad_stats import GradientNoiseScale
+    from cona.probe import GNSProbe, _halves
+    from cona.state import build_trainer
+    from jobruntime.config import load_config
+    from jobruntime.loop import build_data
+    from jobruntime.parallel import initialize_layout, set_seed
+
+    torch.set_num_threads(1)
+    cfg = load_config("tiny_gpt", [f"data.cache_dir={cache_dir}", *OVERRIDES,
+                                   "parallel.global_batch_size=3", "parallel.micro_batch_size=3"])
+    topo = initialize_layout(cfg)
+    set_seed(cfg.train.seed)
+    trainer = build_trainer(cfg, 3)
+    data = build_data(cfg, topo, 0)
+    batch = data.train.next()
+
+    def sq(grads):
+        return sum(float(g.pow(2).sum()) for g in grads)
+
+    parts = [sq(g) for g in microbatch_gradients(trainer, _halves(batch[0]))]
+    whole = sq(next(microbatch_gradients(trainer, batch)))
+    probe = GNSProbe(GradientNoiseScale(), split_every=1)
+    probe.attach(trainer)
+    mbs = probe.prepare(batch)
+    sizes = [len(m["tokens"]) for m in mbs]
+    trainer.train_step(mbs, probe.schedule_calls)
+    read = probe.last
+    mbs = probe.prepare(data.train.next())
+    mbs[1]["loss_mask"] = torch.zeros_like(mbs[1]["loss_mask"])
+    loss = trainer.train_step(mbs, probe.schedule_calls).loss
+    return {"sizes": sizes, "direct": (sum(parts) / 2, whole), "read": read,
+            "after_empty": probe.last, "updates": probe.estimator.num_updates, "loss": loss}
+
+
+def test_unequal_parts_read_their_own_gradients(cache_dir):
+    """Catches a split into unequal parts read at the wrong ``B_small`` or a part with no
+    loss tokens read as a batch: a micro-batch of 3 splits 2 + 1, the probe's small- and
+    big-batch norms equal each part's and the batch's gradient measured alone at the same
+    weights (rel 1e-5), ``B_small`` is the harmonic mean 4/3 (the arithmetic 1.5 biases
+    ``tr(Sigma)``), and a split step whose second part has no loss tokens adds no update
+    (it read small == big: a noise scale of 0) and still trains."""
+    import math
+
+    (out,) = launch(_unequal, 1, cache_dir)
+    assert out["sizes"] == [2, 1]
+    small, small_batch, big, big_batch = out["read"]
+    assert (small_batch, big_batch) == (pytest.approx(4 / 3), 3)
+    assert small == pytest.approx(out["direct"][0], rel=1e-5)
+    assert big == pytest.approx(out["direct"][1], rel=1e-5)
+    assert out["updates"] == 1 and out["after_empty"] == out["read"]
+    assert math.isfinite(out["loss"])

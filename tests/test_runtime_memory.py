@@ -58,9 +58,10 @@ def test_cona_counts_the_probes_gradient_copy_at_dp1():
     keeps one fp32 copy of the gradients where DP = 1, to read parts of a step: at
     PP = 2 a layout the filter passed could run out of memory on its split step): 4 more
     bytes per parameter at DP = 1 only, and a DP = 1 layout that fits without the copy
-    but not with it is no longer a candidate (with room for the copy it is)."""
+    but not with it is no longer a candidate (with room for the copy it is, unless a
+    preconditioned noise scale adds Adam's preconditioner, 8 bytes at any DP)."""
     from cona.candidates import build_candidates
-    from cona.probe import GRADIENT_COPY_BYTES
+    from cona.probe import GRADIENT_COPY_BYTES, PRECONDITIONER_BYTES
 
     mem = MemoryModel(GPT3, extra_bytes_per_param_at_dp1=GRADIENT_COPY_BYTES)
     assert GRADIENT_COPY_BYTES == 4  # the trainer's fp32 gradient buffers
@@ -74,6 +75,12 @@ def test_cona_counts_the_probes_gradient_copy_at_dp1():
     roomy = mem.peak_bytes(pp2)
     labels = {c.label for c in build_candidates(cfg, GPT3, 2, memory_limit_bytes=roomy)}
     assert "dp1-tp1-pp2-mb1-gb8" in labels
+    # a preconditioned noise scale holds Adam's preconditioner in fp64 too, at any DP
+    assert PRECONDITIONER_BYTES == 8
+    newton = load_config("gpt3_1.3b", ["parallel.global_batch_size=8",
+                                       "cona.global_batch_sizes=[8]", "cona.gns_definition=newton"])
+    with pytest.raises(ValueError, match="no valid CONA candidate"):  # it was the one left
+        build_candidates(newton, GPT3, 2, memory_limit_bytes=roomy)
 
 
 @pytest.mark.parametrize("model", [GPT3, LLAMA], ids=["gpt3", "llama"])

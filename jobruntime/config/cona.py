@@ -83,9 +83,9 @@ class ConaConfig:
     one more pipeline fill and drain; ``bench/cona_split_cost.py``).  4 = that overhead
     on a quarter of the steps and one estimate per 4 steps, 5 per default
     ``decision_interval``: the estimator's average then spans 4x the steps, and the
-    start decision (``start_probe_updates`` estimates) comes after 13 steps, not 4 (14
-    with a preconditioned ``gns_definition``: no split before the optimizer has
-    state).  0 = never: no
+    start decision (``start_probe_updates`` estimates) comes after 13 steps (14 with a
+    preconditioned ``gns_definition``: no split before the optimizer has state), not
+    after 4 (5).  0 = never: no
     estimate at such a layout, and the controller ranks only strategies of its global
     batch there (``cona/controller.py``, "No estimate")."""
     efficiency_correction: Literal["off", "progress"] = "off"
