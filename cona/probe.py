@@ -84,7 +84,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 
-from jobruntime.trainer import Trainer
+from jobruntime.trainer import Trainer, call_bounds
 
 from .grad_stats import GradientNoiseScale
 
@@ -221,8 +221,9 @@ class GNSProbe:
         self.estimator, self.power = estimator, preconditioner_power(definition)
         self.split_every = split_every
         self._steps = 0  # steps prepared since attach ("split", "calls")
-        self._split = 0  # parts ("split") or schedule calls ("calls") of this step; 0: none
-        self._sizes: list[int] | None = None  # sequences of each part read; None: micro-batches
+        # sequences of each part of a step prepare() split (parts or schedule calls); None:
+        # this step is not split (its micro-batches, if any, are the parts)
+        self._sizes: list[int] | None = None
         self.schedule_calls = 1
         """Schedule calls to run the step :meth:`prepare` returned as
         (``Trainer.train_step``'s ``schedule_calls``)."""
@@ -262,7 +263,7 @@ class GNSProbe:
             trainer.microbatch_hook = self._on_microbatch
         if self.mode == "calls":
             trainer.schedule_call_hook = self._on_call
-        self._steps, self._split, self.schedule_calls = 0, 0, 1
+        self._steps, self._sizes, self.schedule_calls = 0, None, 1
 
     def prepare(self, microbatches: list[dict]) -> list[dict]:
         """The micro-batches to run this step, and :attr:`schedule_calls`: on every
@@ -272,7 +273,7 @@ class GNSProbe:
         in one call (module docstring).  A preconditioned definition splits no step
         before the optimizer has state (nothing to read).  Call once per training step,
         before :meth:`jobruntime.trainer.Trainer.train_step`."""
-        self._split, self._sizes, self.schedule_calls = 0, None, 1
+        self._sizes, self.schedule_calls = None, 1
         if self.mode not in ("split", "calls"):
             return microbatches
         self._steps += 1
@@ -281,13 +282,12 @@ class GNSProbe:
         if not self._load_weights():  # no optimizer state yet: split the next step
             self._steps -= 1
             return microbatches
-        self._split = 2
         if self.mode == "calls":
             self.schedule_calls = 2
-        n = len(microbatches)
-        if n >= 2:  # "calls": two groups of micro-batches, sizes as Trainer groups them
-            mb = self.trainer.cfg.parallel.micro_batch_size
-            self._sizes = [(n - n // 2) * mb, n // 2 * mb]
+        if len(microbatches) >= 2:  # "calls": two groups of micro-batches, as Trainer runs them
+            bounds = call_bounds(len(microbatches), 2)
+            self._sizes = [sum(int(mb["loss_mask"].shape[0]) for mb in microbatches[a:b])
+                           for a, b in zip(bounds, bounds[1:])]
             return microbatches
         parts = _halves(microbatches[0])
         self._sizes = [int(part["loss_mask"].shape[0]) for part in parts]
@@ -301,8 +301,7 @@ class GNSProbe:
             if self.trainer.schedule_call_hook == self._on_call:
                 self.trainer.schedule_call_hook = None
         self.trainer, self._orig, self._prev, self._small, self._tokens = None, None, None, [], []
-        self._weight, self.mode, self._split, self.schedule_calls = None, None, 0, 1
-        self._sizes = None
+        self._weight, self.mode, self._sizes, self.schedule_calls = None, None, None, 1
 
     # -- norms --------------------------------------------------------------
     def _tied(self) -> torch.nn.Parameter | None:
@@ -380,11 +379,11 @@ class GNSProbe:
         return self._ready()
 
     def _on_microbatch(self, index: int, num_tokens: int) -> None:
-        if self.mode in ("split", "calls") and not self._split:
+        if self.mode in ("split", "calls") and self._sizes is None:
             return  # a step run as it is: nothing to read
         if index == 0:
             self._prev, self._small, self._tokens, self._read = None, [], [], 0
-            if not self._split:  # a split step's were loaded by prepare()
+            if self._sizes is None:  # a split step's were loaded by prepare()
                 self._load_weights()
         elif self.mode != "calls" and self._ready():  # micro-batch index - 1 just ended
             self._read_part(self._tokens[-1])
@@ -392,7 +391,7 @@ class GNSProbe:
 
     def _on_call(self) -> None:
         """Between a step's schedule calls (:attr:`Trainer.schedule_call_hook`)."""
-        if self._split and self._tokens and self._ready():
+        if self._sizes is not None and self._tokens and self._ready():
             self._read_part(self._call_tokens())
 
     def _call_tokens(self) -> int:
@@ -421,7 +420,8 @@ class GNSProbe:
                                  dtype=torch.float64, device=self.trainer.device)
             _all_reduce(local, self.trainer.grad_dp_group)
             small, small_batch = float(local[0]) / self._dp, p.global_batch_size // self._dp
-        elif (self.mode == "microbatch" or self._split) and self._tokens and self._ready():
+        elif ((self.mode == "microbatch" or self._sizes is not None) and self._tokens
+              and self._ready()):
             # the last call or micro-batch
             self._read_part(self._call_tokens() if self.mode == "calls" else self._tokens[-1],
                             keep=False)
@@ -442,7 +442,7 @@ class GNSProbe:
                 small, small_batch = float(shards.mean()), _harmonic([b for _, b in finite])
                 big_batch = sum(b for _, b in finite)
             self._small, self._prev, self._tokens, self._read = [], None, [], 0
-        self._split = 0  # read: the next step is split only if prepare() says so
+        self._sizes = None  # read: the next step is split only if prepare() says so
         out = self._orig(model, num_tokens, *args, **kwargs)
         if small is not None:
             big = self._sq_norm(fix_tied=False)

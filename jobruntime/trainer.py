@@ -154,6 +154,16 @@ def _token_sum_loss(loss_mask: torch.Tensor, output: torch.Tensor):
     return loss_sum, num_tokens, {"lm loss": report}
 
 
+def call_bounds(n: int, calls: int) -> list[int]:
+    """Where ``n`` micro-batches split into ``calls`` consecutive schedule calls
+    (:meth:`Trainer.train_step`'s ``schedule_calls``): ``calls + 1`` indices, group sizes
+    as ``numpy.array_split``'s (the first ``n % calls`` one larger)."""
+    bounds = [0]
+    for i in range(calls):
+        bounds.append(bounds[-1] + n // calls + (i < n % calls))
+    return bounds
+
+
 def _finalize_with(finalize, earlier: list, model, num_tokens=None, *args, **kwargs):
     """``finalize`` (megatron's ``finalize_model_grads`` signature) after the last of a
     step's schedule calls, with the loss-token count of all of them."""
@@ -335,9 +345,7 @@ class Trainer:
         if not 1 <= calls <= n:
             raise ValueError(f"{n} micro-batches cannot run as {calls} schedule calls "
                              f"(1 to {n})")
-        bounds = [0]
-        for i in range(calls):
-            bounds.append(bounds[-1] + n // calls + (i < n % calls))
+        bounds = call_bounds(n, calls)
         finalize = self.tcfg.finalize_model_grads_func
         earlier: list = []  # the loss-token counts of the calls before the last
         losses: list[dict] = []
