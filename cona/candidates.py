@@ -16,7 +16,7 @@ from jobruntime.config import JobConfig, ModelConfig
 
 from .mapping import ProxyMapping
 from .memory_model import MemoryModel
-from .probe import GRADIENT_COPY_BYTES, PRECONDITIONER_BYTES, preconditioner_power
+from .probe import probe_state_bytes
 from .strategy import Strategy, enumerate_strategies, strategies_from_dicts
 
 AUTO_MICRO_BATCH_SIZES = (1, 2, 4, 8)
@@ -52,9 +52,9 @@ def build_candidates(
     else:
         # what the noise-scale probe holds (cona.probe): at DP = 1 a copy of the
         # gradients, and a preconditioned definition Adam's preconditioner at any DP
-        precond = PRECONDITIONER_BYTES if preconditioner_power(cfg.cona.gns_definition) else 0.0
-        mem = (MemoryModel(model, precision=precision, extra_bytes_per_param=precond,
-                           extra_bytes_per_param_at_dp1=GRADIENT_COPY_BYTES)
+        any_dp, at_dp1 = probe_state_bytes(cfg.cona.gns_definition)
+        mem = (MemoryModel(model, precision=precision, extra_bytes_per_param=any_dp,
+                           extra_bytes_per_param_at_dp1=at_dp1)
                if memory_limit_bytes else None)
         cands = enumerate_strategies(
             model,

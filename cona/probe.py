@@ -117,6 +117,20 @@ def preconditioner_power(definition: str) -> float:
     return DEFINITIONS[definition]
 
 
+def probe_state_bytes(definition: str) -> tuple[float, float]:
+    """Bytes per parameter the probe holds during a step for noise-scale ``definition``:
+    ``(at any DP, more at DP = 1)`` (:data:`PRECONDITIONER_BYTES` for a preconditioned
+    definition, :data:`GRADIENT_COPY_BYTES`), as :class:`jobruntime.memory.MemoryModel`'s
+    ``extra_bytes_per_param`` and ``extra_bytes_per_param_at_dp1``: what CONA's candidate
+    filter and each layout's launch check (:func:`jobruntime.memory.check_job_fits`) count.
+
+    Raises:
+        ValueError: unknown definition (as :func:`preconditioner_power`).
+    """
+    precond = PRECONDITIONER_BYTES if preconditioner_power(definition) else 0.0
+    return precond, GRADIENT_COPY_BYTES
+
+
 def _halves(mb: dict) -> list[dict]:
     """A micro-batch's two parts along its batch dimension (the first one sequence larger
     for an odd size; ``torch.tensor_split``)."""

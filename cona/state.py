@@ -26,6 +26,7 @@ from jobruntime.config import JobConfig
 from jobruntime.parallel import default_generators, set_default_generators
 from jobruntime.trainer import Trainer
 
+from .probe import probe_state_bytes
 from .strategy import Strategy
 
 
@@ -93,8 +94,15 @@ def build_trainer(
     model: torch.nn.Module | None = None,
     num_samples: int = 0,
 ) -> Trainer:
-    """A :class:`Trainer` for ``cfg`` with a :class:`SampleScheduler` at ``num_samples``."""
-    trainer = Trainer(cfg, model=model)
+    """A :class:`Trainer` for ``cfg`` with a :class:`SampleScheduler` at ``num_samples``;
+    its launch memory check counts what CONA's noise-scale probe holds
+    (:func:`cona.probe.probe_state_bytes`).
+
+    Raises:
+        ConfigError: the layout does not fit the device (:func:`jobruntime.memory.check_job_fits`).
+    """
+    trainer = Trainer(cfg, model=model,
+                      extra_state_bytes=probe_state_bytes(cfg.cona.gns_definition))
     trainer.scheduler = build_scheduler(trainer, cfg, reference_batch, num_samples)
     return trainer
 

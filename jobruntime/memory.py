@@ -406,7 +406,9 @@ def device_memory_limit(device) -> tuple[float, str]:
     return host_memory_bytes() / local, what
 
 
-def check_job_fits(cfg: JobConfig, *, dp: int, device, dtype_name: str) -> MemoryEstimate:
+def check_job_fits(cfg: JobConfig, *, dp: int, device, dtype_name: str,
+                   extra_bytes_per_param: float = 0.0,
+                   extra_bytes_per_param_at_dp1: float = 0.0) -> MemoryEstimate:
     """Refuse a job whose estimated peak per device exceeds the device's memory.
 
     Called before the model is built, so that a model too large for the machine is one
@@ -418,6 +420,9 @@ def check_job_fits(cfg: JobConfig, *, dp: int, device, dtype_name: str) -> Memor
         dp: data-parallel size (sets the micro-batches per step).
         device: the compute device (``torch.device``).
         dtype_name: the parameters' dtype, e.g. ``"float32"``, ``"bfloat16"``.
+        extra_bytes_per_param, extra_bytes_per_param_at_dp1: state a caller keeps
+            beside the trainer's, as :class:`MemoryModel`'s (CONA's noise-scale probe:
+            :func:`cona.probe.probe_state_bytes`).
 
     Returns:
         The estimate of the largest pipeline stage.
@@ -429,7 +434,9 @@ def check_job_fits(cfg: JobConfig, *, dp: int, device, dtype_name: str) -> Memor
     par = cfg.parallel
     mem = MemoryModel(cfg.model, precision=precision_of(dtype_name),
                       sequence_parallel=par.sequence_parallel,
-                      overhead_bytes=GPU_OVERHEAD_BYTES if device.type == "cuda" else CPU_OVERHEAD_BYTES)
+                      overhead_bytes=GPU_OVERHEAD_BYTES if device.type == "cuda" else CPU_OVERHEAD_BYTES,
+                      extra_bytes_per_param=extra_bytes_per_param,
+                      extra_bytes_per_param_at_dp1=extra_bytes_per_param_at_dp1)
     layout = PipelineLayout(tp=par.tp, pp=par.pp, dp=dp, micro_batch_size=par.micro_batch_size,
                             num_microbatches=max(par.global_batch_size // (par.micro_batch_size * dp), 1))
     est = mem.estimate(layout)
@@ -437,10 +444,13 @@ def check_job_fits(cfg: JobConfig, *, dp: int, device, dtype_name: str) -> Memor
         return est
     limit, what = device_memory_limit(device)
     if est.total_bytes > limit:
+        extra = est.params * mem.state_bytes_parts(dp)["extra"]
+        of_which = f", of which {extra / GIB:,.1f} GiB beside the trainer's" if extra else ""
         raise ConfigError(
             f"the model does not fit: estimated peak {est.total_gib:,.1f} GiB per device "
             f"(stage {est.stage}: {est.params / 1e9:,.2f} B parameters, state "
-            f"{est.state_bytes / GIB:,.1f} GiB, activations {est.activation_bytes / GIB:,.1f} GiB) "
+            f"{est.state_bytes / GIB:,.1f} GiB{of_which}, activations "
+            f"{est.activation_bytes / GIB:,.1f} GiB) "
             f"> {limit / GIB:,.1f} GiB ({what}); shrink the model or parallel.micro_batch_size, "
             "raise parallel.tp/pp, or set train.check_memory=false to build it anyway")
     return est

@@ -212,6 +212,9 @@ class Trainer:
             group of one worker's replicas, so that workers sharing one
             ``parallel_state`` world do not all-reduce each other's gradients
             or count each other's tokens.
+        extra_state_bytes: bytes per parameter the caller keeps beside the trainer's
+            state, ``(at any DP, more at DP = 1)``, counted by the launch memory
+            check (:func:`jobruntime.memory.check_job_fits`; CONA's noise-scale probe).
 
     Raises:
         ConfigError: via the config's validation.
@@ -219,14 +222,17 @@ class Trainer:
     """
 
     def __init__(self, cfg: JobConfig, model: torch.nn.Module | None = None, *,
-                 dp_group: dist.ProcessGroup | None = None):
+                 dp_group: dist.ProcessGroup | None = None,
+                 extra_state_bytes: tuple[float, float] = (0.0, 0.0)):
         self.cfg = cfg
         self.dtype = resolve_dtype(cfg.train.precision)
         self.device = cpu_compat.device()
         if model is None:  # refuse what cannot fit before allocating it
             dp = (dist.get_world_size(dp_group) if dp_group is not None
                   else parallel_state.get_data_parallel_world_size())
-            check_job_fits(cfg, dp=dp, device=self.device, dtype_name=str(self.dtype).split(".")[-1])
+            check_job_fits(cfg, dp=dp, device=self.device, dtype_name=str(self.dtype).split(".")[-1],
+                           extra_bytes_per_param=extra_state_bytes[0],
+                           extra_bytes_per_param_at_dp1=extra_state_bytes[1])
         if model is None:
             m = cfg.model
             with phase(log, "building the %s model (%d layers, hidden %d, %s)", m.family,

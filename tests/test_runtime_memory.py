@@ -83,6 +83,50 @@ def test_cona_counts_the_probes_gradient_copy_at_dp1():
         build_candidates(newton, GPT3, 2, memory_limit_bytes=roomy)
 
 
+def _launch_with_probe(cache_dir):
+    """tiny_gpt at DP = 1 on one gloo rank: CONA's trainer (:func:`cona.state.build_trainer`)
+    against a device whose memory lies between the launch estimate without the probe's
+    state and with it; then the plain trainer on that device."""
+    import torch
+
+    from cona.probe import probe_state_bytes
+    from cona.state import build_trainer
+    from jobruntime import memory
+    from jobruntime.config import ConfigError
+    from jobruntime.parallel import initialize_layout
+    from jobruntime.trainer import Trainer
+
+    cfg = load_config("tiny_gpt", [f"data.cache_dir={cache_dir}", "model.num_layers=2",
+                                   "model.hidden_size=128", "parallel.global_batch_size=4",
+                                   "parallel.micro_batch_size=4", "logging.wandb=disabled"])
+    initialize_layout(cfg)
+    cpu = torch.device("cpu")
+    kw = dict(dp=1, device=cpu, dtype_name="float32")
+    plain = memory.check_job_fits(cfg, **kw).total_bytes
+    any_dp, at_dp1 = probe_state_bytes("simple")
+    probed = memory.check_job_fits(cfg, **kw, extra_bytes_per_param=any_dp,
+                                   extra_bytes_per_param_at_dp1=at_dp1).total_bytes
+    memory.device_memory_limit = lambda device: ((plain + probed) / 2, "a test device")
+    try:
+        build_trainer(cfg, 4)
+        refused = ""
+    except ConfigError as e:
+        refused = str(e)
+    Trainer(cfg)  # without the probe it fits
+    return {"plain": plain, "probed": probed, "refused": refused}
+
+
+def test_cona_launch_check_counts_the_probe(cache_dir):
+    """Catches a launch memory check blind to CONA's noise-scale probe: CONA's candidate
+    filter counted the probe's gradient copy at DP = 1, but each layout's trainer was
+    built after a check without it, so a layout the filter would drop passed at launch.
+    CONA's trainer is refused on a device that holds the trainer alone (the message says
+    how much is the probe's), and the plain trainer still builds there."""
+    out = launch(_launch_with_probe, 1, cache_dir)[0]
+    assert out["probed"] > out["plain"]
+    assert "does not fit" in out["refused"] and "beside the trainer's" in out["refused"]
+
+
 @pytest.mark.parametrize("model", [GPT3, LLAMA], ids=["gpt3", "llama"])
 def test_params_partition_matches_num_params(model):
     """Catches double- or under-counting embeddings across stages: at pp=1 the device holds
