@@ -1,5 +1,5 @@
 """How often BERT batches are free of padding on a corpus (so SDPA can take its
-no-mask, flash path: ``jobruntime.trainer._bert_forward``).
+no-mask, flash path: ``jobruntime.objective.bert_forward``).
 
 Builds the preset's training and validation datasets exactly as ``train.py`` does
 (megatron-core's ``BERTMaskedWordPieceDataset`` through ``jobruntime.data``) and

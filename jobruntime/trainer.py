@@ -18,18 +18,8 @@ Transformer Engine provides one),
 ``megatron.core.pipeline_parallel.get_forward_backward_func`` (no pipelining
 or 1F1B, chosen by the PP size).
 
-The objective is megatron-core's per-token loss
-(``TransformerConfig.calculate_per_token_loss``, set in
-:func:`jobruntime.model.to_transformer_config`): the loss function returns the
-*sum* of the per-token losses of a micro-batch and its loss-token count; the
-schedule adds up the counts, DDP *sums* the gradients over the DP group, and
-``finalize_model_grads`` all-reduces the count over that group and scales the
-gradients by ``1 / N`` (``N`` = loss tokens of the global batch).  The gradient
-is therefore that of the mean loss over the global batch's tokens, whatever the
-micro-batch size, the number of micro-batches and the DP size (which CONA
-changes mid-run); a mean of micro-batch means would weigh a token of a
-micro-batch with few loss tokens (BERT's MLM masks) more.  The logged training
-and validation losses are token-weighted the same way.
+The objective (each family's forward and megatron-core's per-token loss) is
+:mod:`jobruntime.objective`.
 """
 
 from __future__ import annotations
@@ -62,6 +52,7 @@ from .kernels import install_multi_tensor_ops
 from .logging_utils import phase
 from .memory import check_job_fits
 from .model import build_model
+from .objective import forward_fn, token_sum_loss
 
 log = logging.getLogger("jobruntime")
 
@@ -120,38 +111,6 @@ def _use_fused_adamw(optimizer) -> None:
     for group in inner.param_groups:
         group["fused"], group["foreach"] = True, False
     inner.defaults.update(fused=True, foreach=False)
-
-
-def _gpt_forward(batch, model):
-    return model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
-
-
-def _bert_forward(batch, model):
-    # no padding in the micro-batch (checked on the host): no mask, flash attention
-    mask = None if batch.get("unpadded") else batch["padding_mask"]
-    out = model(batch["text"], mask, tokentype_ids=batch["types"], lm_labels=batch["labels"])
-    # last stage: (per-token loss, binary logits); earlier pipeline stages: hidden states
-    return out[0] if isinstance(out, tuple) else out
-
-
-def _token_sum_loss(loss_mask: torch.Tensor, output: torch.Tensor):
-    """megatron-core's per-token loss contract (``calculate_per_token_loss``).
-
-    Args:
-        loss_mask: ``[b, s]``, 1 where a token's loss counts.
-        output: ``[b, s]`` per-token losses (nats) from the model.
-
-    Returns:
-        ``(loss_sum, num_tokens, {"lm loss": [loss_sum, num_tokens]})``: the
-        summed loss (scalar, fp32, backpropagated), the loss-token count (int
-        scalar, which the schedule accumulates and ``finalize_model_grads``
-        divides the gradients by), and both as a float64 pair for logging.
-    """
-    mask = loss_mask.float()
-    loss_sum = (output.float() * mask).sum()
-    num_tokens = mask.sum().to(torch.int)
-    report = torch.stack([loss_sum.detach().double(), num_tokens.double()])
-    return loss_sum, num_tokens, {"lm loss": report}
 
 
 def call_bounds(n: int, calls: int) -> list[int]:
@@ -306,7 +265,7 @@ class Trainer:
         self.tcfg.finalize_model_grads_func = finalize_model_grads
         self.tcfg.no_sync_func = self.model[0].no_sync
         self.tcfg.grad_scale_func = self.optimizer.scale_loss
-        self._forward = _bert_forward if cfg.model.family == "bert" else _gpt_forward
+        self._forward = forward_fn(cfg.model.family)
         self.step = 0
         self.consumed_tokens = 0
         """Tokens of every global batch trained so far (sequences x their length, padding
@@ -336,7 +295,7 @@ class Trainer:
         batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
         batch["unpadded"] = unpadded
         output = self._forward(batch, model)
-        return output, partial(_token_sum_loss, batch["loss_mask"])
+        return output, partial(token_sum_loss, batch["loss_mask"])
 
     def _run_schedule(self, microbatches: list[dict], forward_only: bool,
                       calls: int = 1) -> list[dict]:
