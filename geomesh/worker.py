@@ -47,6 +47,7 @@ from jobruntime.parallel import set_seed
 from jobruntime.trainer import StepResult, Trainer, lr_scheduler, mean_loss
 
 from .fleet.plan import Plan, WorkerPlan
+from .fleet.worker_models import OUTER_STATE_BYTES
 
 
 @dataclass(frozen=True)
@@ -259,6 +260,11 @@ class InnerWorker:
             per-worker batch ``G/K``); steps of other sizes scale the LR by
             ``geomesh.inner_lr_scaling``.
         dp_group, dp_in, dp_in_rank: the worker's replicas (real mode).
+
+    Raises:
+        ConfigError: the worker's layout does not fit its device with GeoMesh's outer
+            state (:data:`geomesh.fleet.worker_models.OUTER_STATE_BYTES`) beside the
+            inner job's (:func:`jobruntime.memory.check_job_fits`).
     """
 
     def __init__(self, cfg: JobConfig, index: int, dataset, *, inner_iters: int,
@@ -272,7 +278,8 @@ class InnerWorker:
         self.lr_scaling = cfg.geomesh.inner_lr_rule
         self.dp_in, self.dp_in_rank = dp_in, dp_in_rank
         set_seed(cfg.train.seed)  # every worker builds the same initial model
-        self.trainer = Trainer(self.cfg, dp_group=dp_group)
+        self.trainer = Trainer(self.cfg, dp_group=dp_group,
+                               extra_state_bytes=(OUTER_STATE_BYTES, 0.0))
 
     def lr_scale(self, batch: int) -> float:
         """Inner LR multiplier for a step of ``batch`` sequences (``geomesh.inner_lr_scaling``)."""

@@ -83,14 +83,18 @@ def test_cona_counts_the_probes_gradient_copy_at_dp1():
         build_candidates(newton, GPT3, 2, memory_limit_bytes=roomy)
 
 
-def _launch_with_probe(cache_dir):
-    """tiny_gpt at DP = 1 on one gloo rank: CONA's trainer (:func:`cona.state.build_trainer`)
-    against a device whose memory lies between the launch estimate without the probe's
-    state and with it; then the plain trainer on that device."""
+def _launch_beside(cache_dir, caller):
+    """tiny_gpt at DP = 1 on one gloo rank: ``caller``'s trainer (``cona``:
+    :func:`cona.state.build_trainer`, whose noise-scale probe keeps state; ``geomesh``:
+    :class:`geomesh.worker.InnerWorker`, which keeps the outer state) against a device
+    whose memory lies between the launch estimate without that state and with it; then
+    the plain trainer on that device."""
     import torch
 
     from cona.probe import probe_state_bytes
     from cona.state import build_trainer
+    from geomesh.fleet.worker_models import OUTER_STATE_BYTES
+    from geomesh.worker import InnerWorker
     from jobruntime import memory
     from jobruntime.config import ConfigError
     from jobruntime.parallel import initialize_layout
@@ -100,30 +104,36 @@ def _launch_with_probe(cache_dir):
                                    "model.hidden_size=128", "parallel.global_batch_size=4",
                                    "parallel.micro_batch_size=4", "logging.wandb=disabled"])
     initialize_layout(cfg)
-    cpu = torch.device("cpu")
-    kw = dict(dp=1, device=cpu, dtype_name="float32")
+    any_dp, at_dp1 = (probe_state_bytes("simple") if caller == "cona"
+                      else (OUTER_STATE_BYTES, 0.0))
+    kw = dict(dp=1, device=torch.device("cpu"), dtype_name="float32")
     plain = memory.check_job_fits(cfg, **kw).total_bytes
-    any_dp, at_dp1 = probe_state_bytes("simple")
-    probed = memory.check_job_fits(cfg, **kw, extra_bytes_per_param=any_dp,
+    beside = memory.check_job_fits(cfg, **kw, extra_bytes_per_param=any_dp,
                                    extra_bytes_per_param_at_dp1=at_dp1).total_bytes
-    memory.device_memory_limit = lambda device: ((plain + probed) / 2, "a test device")
+    memory.device_memory_limit = lambda device: ((plain + beside) / 2, "a test device")
     try:
-        build_trainer(cfg, 4)
+        if caller == "cona":
+            build_trainer(cfg, 4)
+        else:
+            InnerWorker(cfg, 0, None, inner_iters=4, warmup_iters=1, reference_batch=4)
         refused = ""
     except ConfigError as e:
         refused = str(e)
-    Trainer(cfg)  # without the probe it fits
-    return {"plain": plain, "probed": probed, "refused": refused}
+    Trainer(cfg)  # without that state it fits
+    return {"plain": plain, "beside": beside, "refused": refused}
 
 
-def test_cona_launch_check_counts_the_probe(cache_dir):
-    """Catches a launch memory check blind to CONA's noise-scale probe: CONA's candidate
-    filter counted the probe's gradient copy at DP = 1, but each layout's trainer was
-    built after a check without it, so a layout the filter would drop passed at launch.
-    CONA's trainer is refused on a device that holds the trainer alone (the message says
-    how much is the probe's), and the plain trainer still builds there."""
-    out = launch(_launch_with_probe, 1, cache_dir)[0]
-    assert out["probed"] > out["plain"]
+@pytest.mark.parametrize("caller", ["cona", "geomesh"])
+def test_launch_check_counts_state_beside_the_trainer(cache_dir, caller):
+    """Catches a launch memory check blind to what a caller keeps on the device beside
+    the trainer: CONA's candidate filter counted its noise-scale probe's gradient copy at
+    DP = 1, and GeoMesh's region-shape check its outer state (θ_global, outer momentum,
+    message), but the trainer each builds was checked without it, so a layout that cannot
+    hold it passed at launch.  The caller's trainer is refused on a device that holds the
+    trainer alone (the message says how much is beside it), and the plain trainer still
+    builds there."""
+    out = launch(_launch_beside, 1, cache_dir, caller)[0]
+    assert out["beside"] > out["plain"]
     assert "does not fit" in out["refused"] and "beside the trainer's" in out["refused"]
 
 

@@ -22,7 +22,7 @@ from jobruntime.config import ConfigError, JobConfig, load_config
 from .cluster import ClusterError, ClusterSpec, WorkerSpec, load_cluster
 from .schedule import check_schedule
 from .shapes import check_region_shapes
-from .worker_models import MemoryModel
+from .worker_models import OUTER_STATE_BYTES, MemoryModel
 
 METHODS = ("geomesh", "diloco", "streaming_diloco", "ddp", "async")
 
@@ -109,7 +109,7 @@ def check_job(cfg: JobConfig, world_size: int) -> CheckedJob:
                    else ""))
     target = load_config(g.target_model) if emulated and g.target_model else cfg
     memory = MemoryModel(model=target.model, seq_length=target.model.seq_length,
-                         extra_bytes_per_param=8.0 + 0.25)
+                         extra_bytes_per_param=OUTER_STATE_BYTES)
     check_region_shapes(cluster, target.model, memory, model_name=(
         f"the target model {target.name} (geomesh.target_model)" if target is not cfg
         else f"the model {cfg.name}"))

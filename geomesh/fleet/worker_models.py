@@ -17,6 +17,14 @@ from jobruntime.memory import MemoryModel as RuntimeMemoryModel
 from .clock import worker_tokens_per_s
 from .cluster import ClusterError, WorkerSpec
 
+OUTER_STATE_BYTES = 8.0 + 0.25
+"""Bytes per parameter GeoMesh keeps on each worker's devices beside the inner job's
+state: ``θ_global`` and the outer Nesterov momentum (fp32, 4 each) and the packed
+pseudo-gradient message (sign bits, scales and header: under 0.25); what a run holds is
+measured and reported (:func:`geomesh.report.memory_overhead`).  Counted by the job's
+region-shape check (:func:`geomesh.fleet.job_check.check_job`) and by each worker's
+launch check (:class:`geomesh.worker.InnerWorker`, :func:`jobruntime.memory.check_job_fits`)."""
+
 
 class PlanError(ClusterError):
     """No feasible plan; the message names the worker and the fix (a
