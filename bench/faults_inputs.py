@@ -164,7 +164,7 @@ def bad_inputs(n: int, tmp: Path) -> tuple[int, int]:
 
     from geomesh.fleet.cluster import ClusterError, cluster_from_dict
     from geomesh.fleet.shapes import check_region_shapes
-    from geomesh.fleet.worker_models import MemoryModel
+    from geomesh.fleet.worker_models import OUTER_STATE_BYTES, MemoryModel
     from geomesh.state import load_state
     from geomesh.wire.canonical_codec import join_parts
     from geomesh.wire.compression import MessageError
@@ -216,7 +216,7 @@ def bad_inputs(n: int, tmp: Path) -> tuple[int, int]:
 
     shape_rng = random.Random(1)  # its own draws: the other loaders' stay as they were
     target = load_config("gpt3_1.3b").model
-    memory = MemoryModel(model=target, extra_bytes_per_param=8.25)
+    memory = MemoryModel(model=target, extra_bytes_per_param=OUTER_STATE_BYTES)
 
     def shape():
         raw = json.loads(json.dumps(base))
