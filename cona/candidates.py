@@ -6,17 +6,18 @@ the target batch of the configured global batch times 1, 2, 4, 8, see
 :mod:`cona.mapping`) and micro-batch sizes 1, 2, 4, 8, filtered by per-device
 memory (:class:`cona.memory_model.MemoryModel`, with what the noise-scale probe holds:
 a gradient copy at DP = 1, a preconditioned definition's preconditioner) when a limit is
-known.  Every
+known; an explicit candidate that does not fit is refused.  Every
 candidate's global batch must map to a whole number of proxy sequences.
 """
 
 from __future__ import annotations
 
-from jobruntime.config import JobConfig, ModelConfig
+from jobruntime.config import ConfigError, JobConfig, ModelConfig
+from jobruntime.memory import GIB, GPU_OVERHEAD_BYTES
 
 from .mapping import ProxyMapping
 from .memory_model import MemoryModel
-from .probe import probe_state_bytes
+from .probe import probe_state
 from .strategy import Strategy, enumerate_strategies, strategies_from_dicts
 
 AUTO_MICRO_BATCH_SIZES = (1, 2, 4, 8)
@@ -39,23 +40,39 @@ def build_candidates(
     mapping: ProxyMapping | None = None,
     memory_limit_bytes: float | None = None,
     precision: str = "mixed",
+    overhead_bytes: float = GPU_OVERHEAD_BYTES,
 ) -> list[Strategy]:
     """Candidate strategies for ``model`` on ``world_size`` devices (module docstring).
 
+    Args:
+        memory_limit_bytes: per-device memory (bytes); ``None`` checks none.
+        precision, overhead_bytes: the trainer's state precision and fixed allowance
+            (:class:`jobruntime.memory.MemoryModel`).
+
     Raises:
-        ValueError: an explicit candidate is invalid, a global batch does not map to
-            whole proxy sequences, or no candidate is left.
+        ValueError: an explicit candidate is invalid or does not fit
+            ``memory_limit_bytes`` (:class:`~jobruntime.config.ConfigError`, naming it),
+            a global batch does not map to whole proxy sequences, or no candidate is left.
     """
     mapping = mapping or ProxyMapping()
+    # what the noise-scale probe holds (cona.probe): at DP = 1 a copy of the gradients,
+    # and a preconditioned definition Adam's preconditioner at any DP
+    probe = probe_state(cfg.cona.gns_definition)
+    mem = (MemoryModel(model, precision=precision, overhead_bytes=overhead_bytes,
+                       extra_bytes_per_param=probe.bytes_per_param,
+                       extra_bytes_per_param_at_dp1=probe.bytes_per_param_at_dp1)
+           if memory_limit_bytes else None)
     if cfg.cona.candidates:
         cands = strategies_from_dicts(cfg.cona.candidates, model, world_size)
+        over = [c for c in cands if mem is not None and mem.peak_bytes(c) > memory_limit_bytes]
+        if over:
+            need = ", ".join(f"{c.label} {mem.peak_bytes(c) / GIB:,.2f} GiB" for c in over)
+            raise ConfigError(
+                f"cona.candidates: {len(over)} of them do not fit {memory_limit_bytes / GIB:,.2f} "
+                f"GiB per device (estimated peak with CONA's noise-scale probe: {need}); drop "
+                "them from cona.candidates (real mode: or set train.check_memory=false to run "
+                "them anyway)")
     else:
-        # what the noise-scale probe holds (cona.probe): at DP = 1 a copy of the
-        # gradients, and a preconditioned definition Adam's preconditioner at any DP
-        any_dp, at_dp1 = probe_state_bytes(cfg.cona.gns_definition)
-        mem = (MemoryModel(model, precision=precision, extra_bytes_per_param=any_dp,
-                           extra_bytes_per_param_at_dp1=at_dp1)
-               if memory_limit_bytes else None)
         cands = enumerate_strategies(
             model,
             world_size,

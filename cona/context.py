@@ -26,8 +26,16 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from jobruntime import cpu_compat
 from jobruntime.config import ConfigError, JobConfig, ModelConfig, load_config
+from jobruntime.memory import (
+    CPU_OVERHEAD_BYTES,
+    GPU_OVERHEAD_BYTES,
+    device_memory_limit,
+    precision_of,
+)
 from jobruntime.parallel import init_distributed
+from jobruntime.trainer import resolve_dtype
 
 from .candidates import build_candidates
 from .controller import Controller
@@ -197,9 +205,16 @@ def _real(cfg: JobConfig, world: int):
         raise ValueError("cona.batch_ratio applies to the emulated clock; set cona.clock=emulated")
     cfg.validate(world)
     gpu = torch.cuda.is_available()
-    limit = torch.cuda.get_device_properties(0).total_memory if gpu else None
     precision = "mixed" if gpu else "fp32"
-    cands = build_candidates(cfg, cfg.model, world, memory_limit_bytes=limit, precision=precision)
+    # every candidate must fit this device as the trainer's launch check counts it
+    # (jobruntime.memory.check_job_fits): on CPU the host memory over the node's ranks
+    device = cpu_compat.device()
+    limit = device_memory_limit(device)[0] if cfg.train.check_memory else None
+    dtype_name = str(resolve_dtype(cfg.train.precision)).split(".")[-1]
+    cands = build_candidates(cfg, cfg.model, world, memory_limit_bytes=limit,
+                             precision=precision_of(dtype_name),
+                             overhead_bytes=GPU_OVERHEAD_BYTES if device.type == "cuda"
+                             else CPU_OVERHEAD_BYTES)
     cost_model = CostModel(cfg.model, cfg.cona.gpu, precision=precision)
     p = cfg.parallel
     units = [s.dp * s.micro_batch_size for s in cands]

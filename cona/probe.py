@@ -5,7 +5,7 @@ App. A.1; estimator in :mod:`cona.grad_stats`); the first two modes cost no extr
 computation, the last two run some steps split:
 
 - **DP > 1** (``"replica"``): the loss is a sum over tokens (megatron's
-  per-token loss, :mod:`jobruntime.trainer`), DDP sums and megatron's
+  per-token loss, :mod:`jobruntime.objective`), DDP sums and megatron's
   ``finalize_model_grads`` divides by the global batch's loss-token count
   ``N``.  Just before it, each replica's buffer holds the summed gradient of its
   ``n_r`` loss tokens (``B/dp`` samples), so ``G_small`` is the buffer over
@@ -84,6 +84,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 
+from jobruntime.memory import ExtraState
 from jobruntime.trainer import Trainer, call_bounds
 
 from .grad_stats import GradientNoiseScale
@@ -92,13 +93,13 @@ log = logging.getLogger("cona")
 
 PRECONDITIONER_BYTES = 8.0
 """Bytes per parameter a preconditioned definition (``newton``, ``pollux``) holds during a
-step, at any DP: Adam's preconditioner in fp64 (:func:`adam_preconditioner`); in
-:mod:`jobruntime.memory` as ``extra_bytes_per_param`` for CONA's candidates."""
+step, at any DP: Adam's preconditioner in fp64 (:func:`adam_preconditioner`); counted by
+CONA's candidate filter and launch check (:func:`probe_state`)."""
 
 GRADIENT_COPY_BYTES = 4.0
 """Bytes per parameter the probe keeps at DP = 1, where it reads parts of a step: one
-copy of the gradient buffers (fp32: the trainer's ``grad_reduce_in_fp32``); in
-:mod:`jobruntime.memory` as ``extra_bytes_per_param_at_dp1`` for CONA's candidates."""
+copy of the gradient buffers (fp32: the trainer's ``grad_reduce_in_fp32``); counted by
+CONA's candidate filter and launch check (:func:`probe_state`)."""
 
 # noise-scale definition -> the power of Adam's preconditioner P applied to each gradient
 # before its norm (module docstring; cona/surrogate.py: which curvature makes each exact)
@@ -117,18 +118,22 @@ def preconditioner_power(definition: str) -> float:
     return DEFINITIONS[definition]
 
 
-def probe_state_bytes(definition: str) -> tuple[float, float]:
-    """Bytes per parameter the probe holds during a step for noise-scale ``definition``:
-    ``(at any DP, more at DP = 1)`` (:data:`PRECONDITIONER_BYTES` for a preconditioned
-    definition, :data:`GRADIENT_COPY_BYTES`), as :class:`jobruntime.memory.MemoryModel`'s
-    ``extra_bytes_per_param`` and ``extra_bytes_per_param_at_dp1``: what CONA's candidate
-    filter and each layout's launch check (:func:`jobruntime.memory.check_job_fits`) count.
+def probe_state(definition: str) -> ExtraState:
+    """What the probe holds on the device during a step for noise-scale ``definition``,
+    per parameter: :data:`PRECONDITIONER_BYTES` at any DP for ``newton`` / ``pollux`` (0
+    for ``simple``) and :data:`GRADIENT_COPY_BYTES` more at DP = 1.  An upper bound: at
+    DP = 1 no copy is held where the probe reads nothing (``cona.gns_split_every = 0``
+    with one micro-batch or PP > 1).  Counted by CONA's candidate filter
+    (:func:`cona.candidates.build_candidates`) and the start layout's launch check
+    (:func:`cona.state.build_trainer`).
 
     Raises:
         ValueError: unknown definition (as :func:`preconditioner_power`).
     """
     precond = PRECONDITIONER_BYTES if preconditioner_power(definition) else 0.0
-    return precond, GRADIENT_COPY_BYTES
+    return ExtraState("CONA's noise-scale probe", precond, GRADIENT_COPY_BYTES,
+                      fix="run at DP >= 2 (no gradient copy)"
+                      + (", cona.gns_definition=simple (no preconditioner)" if precond else ""))
 
 
 def _halves(mb: dict) -> list[dict]:

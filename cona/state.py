@@ -26,7 +26,7 @@ from jobruntime.config import JobConfig
 from jobruntime.parallel import default_generators, set_default_generators
 from jobruntime.trainer import Trainer
 
-from .probe import probe_state_bytes
+from .probe import probe_state
 from .strategy import Strategy
 
 
@@ -94,15 +94,18 @@ def build_trainer(
     model: torch.nn.Module | None = None,
     num_samples: int = 0,
 ) -> Trainer:
-    """A :class:`Trainer` for ``cfg`` with a :class:`SampleScheduler` at ``num_samples``;
-    its launch memory check counts what CONA's noise-scale probe holds
-    (:func:`cona.probe.probe_state_bytes`).
+    """A :class:`Trainer` for ``cfg`` with a :class:`SampleScheduler` at ``num_samples``.
+
+    Without ``model`` (a run's start layout) the trainer's launch memory check counts
+    what CONA's noise-scale probe holds (:func:`cona.probe.probe_state`); a switch passes
+    the resharded model and checks nothing here: the layouts it can reach passed CONA's
+    candidate filter (:func:`cona.candidates.build_candidates`).
 
     Raises:
-        ConfigError: the layout does not fit the device (:func:`jobruntime.memory.check_job_fits`).
+        ConfigError: (``model`` None) the layout does not fit the device
+            (:func:`jobruntime.memory.check_job_fits`).
     """
-    trainer = Trainer(cfg, model=model,
-                      extra_state_bytes=probe_state_bytes(cfg.cona.gns_definition))
+    trainer = Trainer(cfg, model=model, extra_state=probe_state(cfg.cona.gns_definition))
     trainer.scheduler = build_scheduler(trainer, cfg, reference_batch, num_samples)
     return trainer
 

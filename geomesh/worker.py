@@ -47,7 +47,7 @@ from jobruntime.parallel import set_seed
 from jobruntime.trainer import StepResult, Trainer, lr_scheduler, mean_loss
 
 from .fleet.plan import Plan, WorkerPlan
-from .fleet.worker_models import OUTER_STATE_BYTES
+from .fleet.worker_models import OUTER_STATE
 
 
 @dataclass(frozen=True)
@@ -263,7 +263,7 @@ class InnerWorker:
 
     Raises:
         ConfigError: the worker's layout does not fit its device with GeoMesh's outer
-            state (:data:`geomesh.fleet.worker_models.OUTER_STATE_BYTES`) beside the
+            state (:data:`geomesh.fleet.worker_models.OUTER_STATE`) beside the
             inner job's (:func:`jobruntime.memory.check_job_fits`).
     """
 
@@ -278,8 +278,7 @@ class InnerWorker:
         self.lr_scaling = cfg.geomesh.inner_lr_rule
         self.dp_in, self.dp_in_rank = dp_in, dp_in_rank
         set_seed(cfg.train.seed)  # every worker builds the same initial model
-        self.trainer = Trainer(self.cfg, dp_group=dp_group,
-                               extra_state_bytes=(OUTER_STATE_BYTES, 0.0))
+        self.trainer = Trainer(self.cfg, dp_group=dp_group, extra_state=OUTER_STATE)
 
     def lr_scale(self, batch: int) -> float:
         """Inner LR multiplier for a step of ``batch`` sequences (``geomesh.inner_lr_scaling``)."""

@@ -117,6 +117,26 @@ CPU_OVERHEAD_BYTES = 24.0 * 2**20
 Precision = Literal["mixed", "mixed_bf16_grads", "fp32"]
 
 
+@dataclass(frozen=True)
+class ExtraState:
+    """State a caller keeps on the device beside the trainer's, in bytes per parameter of
+    the device's shard, for the trainer's launch check (:func:`check_job_fits`):
+    CONA's noise-scale probe (:func:`cona.probe.probe_state`), GeoMesh's outer state
+    (:data:`geomesh.fleet.worker_models.OUTER_STATE`).
+
+    Attributes:
+        what: what holds it, named when the check refuses a layout.
+        bytes_per_param: at any DP (:class:`MemoryModel`'s ``extra_bytes_per_param``).
+        bytes_per_param_at_dp1: more where DP = 1 only (``extra_bytes_per_param_at_dp1``).
+        fix: how to run without it, added to the refusal's fixes ("" for none).
+    """
+
+    what: str
+    bytes_per_param: float = 0.0
+    bytes_per_param_at_dp1: float = 0.0
+    fix: str = ""
+
+
 class Layout(Protocol):
     """What the model needs to know of a layout (``cona.strategy.Strategy`` is one)."""
 
@@ -406,9 +426,13 @@ def device_memory_limit(device) -> tuple[float, str]:
     return host_memory_bytes() / local, what
 
 
+def _size(nbytes: float) -> str:
+    """``nbytes`` as GiB, or MiB under one GiB (a refusal's numbers stay distinct)."""
+    return f"{nbytes / GIB:,.1f} GiB" if nbytes >= GIB else f"{nbytes / 2**20:,.1f} MiB"
+
+
 def check_job_fits(cfg: JobConfig, *, dp: int, device, dtype_name: str,
-                   extra_bytes_per_param: float = 0.0,
-                   extra_bytes_per_param_at_dp1: float = 0.0) -> MemoryEstimate:
+                   extra: ExtraState | None = None) -> MemoryEstimate:
     """Refuse a job whose estimated peak per device exceeds the device's memory.
 
     Called before the model is built, so that a model too large for the machine is one
@@ -420,9 +444,8 @@ def check_job_fits(cfg: JobConfig, *, dp: int, device, dtype_name: str,
         dp: data-parallel size (sets the micro-batches per step).
         device: the compute device (``torch.device``).
         dtype_name: the parameters' dtype, e.g. ``"float32"``, ``"bfloat16"``.
-        extra_bytes_per_param, extra_bytes_per_param_at_dp1: state a caller keeps
-            beside the trainer's, as :class:`MemoryModel`'s (CONA's noise-scale probe:
-            :func:`cona.probe.probe_state_bytes`).
+        extra: state a caller keeps beside the trainer's (counted, and named in the
+            refusal with its fix).
 
     Returns:
         The estimate of the largest pipeline stage.
@@ -432,11 +455,12 @@ def check_job_fits(cfg: JobConfig, *, dp: int, device, dtype_name: str,
             ``train.check_memory`` is true; names both numbers and the fixes.
     """
     par = cfg.parallel
+    extra = extra or ExtraState("")
     mem = MemoryModel(cfg.model, precision=precision_of(dtype_name),
                       sequence_parallel=par.sequence_parallel,
                       overhead_bytes=GPU_OVERHEAD_BYTES if device.type == "cuda" else CPU_OVERHEAD_BYTES,
-                      extra_bytes_per_param=extra_bytes_per_param,
-                      extra_bytes_per_param_at_dp1=extra_bytes_per_param_at_dp1)
+                      extra_bytes_per_param=extra.bytes_per_param,
+                      extra_bytes_per_param_at_dp1=extra.bytes_per_param_at_dp1)
     layout = PipelineLayout(tp=par.tp, pp=par.pp, dp=dp, micro_batch_size=par.micro_batch_size,
                             num_microbatches=max(par.global_batch_size // (par.micro_batch_size * dp), 1))
     est = mem.estimate(layout)
@@ -444,13 +468,13 @@ def check_job_fits(cfg: JobConfig, *, dp: int, device, dtype_name: str,
         return est
     limit, what = device_memory_limit(device)
     if est.total_bytes > limit:
-        extra = est.params * mem.state_bytes_parts(dp)["extra"]
-        of_which = f", of which {extra / GIB:,.1f} GiB beside the trainer's" if extra else ""
+        beside = est.params * mem.state_bytes_parts(dp)["extra"]
+        of_which = f", of which {_size(beside)} {extra.what}" if beside else ""
+        fix = f"{extra.fix}, " if beside and extra.fix else ""
         raise ConfigError(
-            f"the model does not fit: estimated peak {est.total_gib:,.1f} GiB per device "
+            f"the job does not fit: estimated peak {_size(est.total_bytes)} per device "
             f"(stage {est.stage}: {est.params / 1e9:,.2f} B parameters, state "
-            f"{est.state_bytes / GIB:,.1f} GiB{of_which}, activations "
-            f"{est.activation_bytes / GIB:,.1f} GiB) "
-            f"> {limit / GIB:,.1f} GiB ({what}); shrink the model or parallel.micro_batch_size, "
+            f"{_size(est.state_bytes)}{of_which}, activations {_size(est.activation_bytes)}) "
+            f"> {_size(limit)} ({what}); {fix}shrink the model or parallel.micro_batch_size, "
             "raise parallel.tp/pp, or set train.check_memory=false to build it anyway")
     return est

@@ -49,8 +49,8 @@ def to_transformer_config(
     * the fused cross entropy under bf16 only: its backward casts the logit
       gradients to bf16 (``fused_cross_entropy.calculate_gradients``), which
       under fp32 would round every logit gradient to 8 mantissa bits.
-    ``calculate_per_token_loss`` is on: :class:`jobruntime.trainer.Trainer`'s loss
-    function returns token sums.
+    ``calculate_per_token_loss`` is on: the loss function
+    (:func:`jobruntime.objective.token_sum_loss`) returns token sums.
     """
     k = available_kernels() if model.kernel_fusions == "auto" else Kernels.none()
     swiglu = model.activation == "swiglu"
@@ -85,7 +85,7 @@ def to_transformer_config(
         gradient_accumulation_fusion=k.grad_accumulation,
         persist_layer_norm=k.persist_layer_norm,
         # the loss is a sum over tokens, normalised once per global batch
-        # (jobruntime.trainer: independent of the micro-batch and DP split)
+        # (jobruntime.objective: independent of the micro-batch and DP split)
         calculate_per_token_loss=True,
     )
 

@@ -23,16 +23,17 @@ from collections.abc import Callable
 import torch
 
 
-def gpt_forward(batch: dict, model) -> torch.Tensor:
-    """GPT / Llama: ``model(tokens, position_ids, None, labels)``; per-token losses
-    ``[b, s]`` on the last pipeline stage, hidden states before it."""
+def gpt_forward(batch: dict, model: torch.nn.Module) -> torch.Tensor:
+    """GPT / Llama: ``model(tokens, position_ids, None, labels)`` of a megatron
+    ``GPTModel`` chunk; per-token losses ``[b, s]`` (nats) on the last pipeline stage,
+    hidden states ``[s, b, h]`` before it."""
     return model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
 
 
-def bert_forward(batch: dict, model) -> torch.Tensor:
+def bert_forward(batch: dict, model: torch.nn.Module) -> torch.Tensor:
     """BERT (masked LM, no binary head): ``model(text, padding_mask, tokentype_ids,
-    lm_labels)``; per-token losses ``[b, s]`` on the last pipeline stage, hidden states
-    before it."""
+    lm_labels)`` of a megatron ``BertModel`` chunk; per-token losses ``[b, s]`` (nats) on
+    the last pipeline stage, hidden states ``[s, b, h]`` before it."""
     # no padding in the micro-batch (checked on the host): no mask, flash attention
     mask = None if batch.get("unpadded") else batch["padding_mask"]
     out = model(batch["text"], mask, tokentype_ids=batch["types"], lm_labels=batch["labels"])
@@ -40,7 +41,8 @@ def bert_forward(batch: dict, model) -> torch.Tensor:
     return out[0] if isinstance(out, tuple) else out
 
 
-def token_sum_loss(loss_mask: torch.Tensor, output: torch.Tensor):
+def token_sum_loss(loss_mask: torch.Tensor,
+                   output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
     """megatron-core's per-token loss contract (``calculate_per_token_loss``).
 
     Args:
@@ -62,5 +64,11 @@ def token_sum_loss(loss_mask: torch.Tensor, output: torch.Tensor):
 
 def forward_fn(family: str) -> Callable[[dict, torch.nn.Module], torch.Tensor]:
     """The forward of one micro-batch for a model ``family`` (``gpt``, ``llama``: causal
-    LM; ``bert``: masked LM)."""
+    LM; ``bert``: masked LM).
+
+    Raises:
+        ValueError: another family.
+    """
+    if family not in ("gpt", "llama", "bert"):
+        raise ValueError(f"model family {family!r} has no forward: gpt, llama or bert")
     return bert_forward if family == "bert" else gpt_forward

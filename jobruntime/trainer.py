@@ -50,7 +50,7 @@ from .config import JobConfig, TrainConfig
 from .devices import check_module_devices
 from .kernels import install_multi_tensor_ops
 from .logging_utils import phase
-from .memory import check_job_fits
+from .memory import ExtraState, check_job_fits
 from .model import build_model
 from .objective import forward_fn, token_sum_loss
 
@@ -171,18 +171,18 @@ class Trainer:
             group of one worker's replicas, so that workers sharing one
             ``parallel_state`` world do not all-reduce each other's gradients
             or count each other's tokens.
-        extra_state_bytes: bytes per parameter the caller keeps beside the trainer's
-            state, ``(at any DP, more at DP = 1)``, counted by the launch memory
-            check (:func:`jobruntime.memory.check_job_fits`; CONA's noise-scale probe).
+        extra_state: state the caller keeps on the device beside the trainer's
+            (:class:`jobruntime.memory.ExtraState`), counted by the launch memory check.
 
     Raises:
-        ConfigError: via the config's validation.
+        ConfigError: via the config's validation, or (``model`` None) the launch memory
+            check refuses the layout (:func:`jobruntime.memory.check_job_fits`).
         ValueError: ``model``'s config lacks ``calculate_per_token_loss``.
     """
 
     def __init__(self, cfg: JobConfig, model: torch.nn.Module | None = None, *,
                  dp_group: dist.ProcessGroup | None = None,
-                 extra_state_bytes: tuple[float, float] = (0.0, 0.0)):
+                 extra_state: ExtraState | None = None):
         self.cfg = cfg
         self.dtype = resolve_dtype(cfg.train.precision)
         self.device = cpu_compat.device()
@@ -190,8 +190,7 @@ class Trainer:
             dp = (dist.get_world_size(dp_group) if dp_group is not None
                   else parallel_state.get_data_parallel_world_size())
             check_job_fits(cfg, dp=dp, device=self.device, dtype_name=str(self.dtype).split(".")[-1],
-                           extra_bytes_per_param=extra_state_bytes[0],
-                           extra_bytes_per_param_at_dp1=extra_state_bytes[1])
+                           extra=extra_state)
         if model is None:
             m = cfg.model
             with phase(log, "building the %s model (%d layers, hidden %d, %s)", m.family,

@@ -83,6 +83,58 @@ def test_cona_counts_the_probes_gradient_copy_at_dp1():
         build_candidates(newton, GPT3, 2, memory_limit_bytes=roomy)
 
 
+def test_cona_explicit_candidates_that_do_not_fit_are_refused():
+    """Catches explicit ``cona.candidates`` that skipped the memory filter: a layout the
+    user listed that cannot hold the model, its state and the probe's gradient copy was
+    switched into mid-run (a switch reuses the model: no launch check).  Now it is
+    refused at the start, named, with its estimate; with room it is kept."""
+    from cona.candidates import build_candidates
+    from cona.probe import GRADIENT_COPY_BYTES
+    from jobruntime.config import ConfigError
+
+    pp2 = Strategy(1, 1, 2, 1, 8)
+    probed = MemoryModel(GPT3, extra_bytes_per_param_at_dp1=GRADIENT_COPY_BYTES).peak_bytes(pp2)
+    limit = (MemoryModel(GPT3).peak_bytes(pp2) + probed) / 2
+    tp2 = Strategy(1, 2, 1, 1, 8)
+    roomy = max(probed, MemoryModel(GPT3, extra_bytes_per_param_at_dp1=4).peak_bytes(tp2))
+    listed = ["parallel.global_batch_size=8", "cona.candidates=[{dp: 1, tp: 2, pp: 1, "
+              "micro_batch_size: 1, global_batch_size: 8}, {dp: 1, tp: 1, pp: 2, "
+              "micro_batch_size: 1, global_batch_size: 8}]"]
+    cfg = load_config("gpt3_1.3b", listed)
+    with pytest.raises(ConfigError, match="do not fit.*dp1-tp1-pp2-mb1-gb8"):
+        build_candidates(cfg, GPT3, 2, memory_limit_bytes=limit)
+    labels = {c.label for c in build_candidates(cfg, GPT3, 2, memory_limit_bytes=roomy)}
+    assert labels == {"dp1-tp2-pp1-mb1-gb8", "dp1-tp1-pp2-mb1-gb8"}
+
+
+def test_cona_real_mode_filters_candidates_on_cpu(monkeypatch):
+    """Catches real mode on CPU building candidates with no memory limit (only GPUs had
+    one): a layout the trainer's own launch check would refuse, e.g. at DP = 1 with the
+    probe's gradient copy, stayed a candidate and could be switched into.  Now the limit
+    is the launch check's (host memory over the node's ranks) at the trainer's precision:
+    a DP = 1 layout that fits only without the copy is dropped, others stay, and with
+    ``train.check_memory=false`` it is kept."""
+    import torch
+
+    import cona.context
+    from jobruntime.memory import CPU_OVERHEAD_BYTES
+
+    if torch.cuda.is_available():
+        pytest.skip("the CPU path")
+    cfg = load_config("gpt3_1.3b", ["parallel.global_batch_size=8", "cona.global_batch_sizes=[8]",
+                                    "train.precision=fp32"])
+    pp2 = Strategy(1, 1, 2, 1, 8)
+    kw = dict(precision="fp32", overhead_bytes=CPU_OVERHEAD_BYTES)
+    plain = MemoryModel(GPT3, **kw).peak_bytes(pp2)
+    probed = MemoryModel(GPT3, **kw, extra_bytes_per_param_at_dp1=4.0).peak_bytes(pp2)
+    monkeypatch.setattr(cona.context, "device_memory_limit",
+                        lambda device: ((plain + probed) / 2, "a test host"))
+    labels = {c.label for c in cona.context._real(cfg, 2)[3]}
+    assert labels and "dp1-tp1-pp2-mb1-gb8" not in labels
+    cfg.train.check_memory = False
+    assert "dp1-tp1-pp2-mb1-gb8" in {c.label for c in cona.context._real(cfg, 2)[3]}
+
+
 def _launch_beside(cache_dir, caller):
     """tiny_gpt at DP = 1 on one gloo rank: ``caller``'s trainer (``cona``:
     :func:`cona.state.build_trainer`, whose noise-scale probe keeps state; ``geomesh``:
@@ -91,9 +143,9 @@ def _launch_beside(cache_dir, caller):
     the plain trainer on that device."""
     import torch
 
-    from cona.probe import probe_state_bytes
+    from cona.probe import probe_state
     from cona.state import build_trainer
-    from geomesh.fleet.worker_models import OUTER_STATE_BYTES
+    from geomesh.fleet.worker_models import OUTER_STATE
     from geomesh.worker import InnerWorker
     from jobruntime import memory
     from jobruntime.config import ConfigError
@@ -104,12 +156,10 @@ def _launch_beside(cache_dir, caller):
                                    "model.hidden_size=128", "parallel.global_batch_size=4",
                                    "parallel.micro_batch_size=4", "logging.wandb=disabled"])
     initialize_layout(cfg)
-    any_dp, at_dp1 = (probe_state_bytes("simple") if caller == "cona"
-                      else (OUTER_STATE_BYTES, 0.0))
+    extra = probe_state("simple") if caller == "cona" else OUTER_STATE
     kw = dict(dp=1, device=torch.device("cpu"), dtype_name="float32")
     plain = memory.check_job_fits(cfg, **kw).total_bytes
-    beside = memory.check_job_fits(cfg, **kw, extra_bytes_per_param=any_dp,
-                                   extra_bytes_per_param_at_dp1=at_dp1).total_bytes
+    beside = memory.check_job_fits(cfg, **kw, extra=extra).total_bytes
     memory.device_memory_limit = lambda device: ((plain + beside) / 2, "a test device")
     try:
         if caller == "cona":
@@ -130,11 +180,13 @@ def test_launch_check_counts_state_beside_the_trainer(cache_dir, caller):
     DP = 1, and GeoMesh's region-shape check its outer state (θ_global, outer momentum,
     message), but the trainer each builds was checked without it, so a layout that cannot
     hold it passed at launch.  The caller's trainer is refused on a device that holds the
-    trainer alone (the message says how much is beside it), and the plain trainer still
-    builds there."""
+    trainer alone (the message says how much is whose, and CONA's fix), and the plain
+    trainer still builds there."""
     out = launch(_launch_beside, 1, cache_dir, caller)[0]
     assert out["beside"] > out["plain"]
-    assert "does not fit" in out["refused"] and "beside the trainer's" in out["refused"]
+    what = "CONA's noise-scale probe" if caller == "cona" else "GeoMesh's outer state"
+    assert "does not fit" in out["refused"] and f"MiB {what}" in out["refused"], out["refused"]
+    assert ("run at DP >= 2" in out["refused"]) == (caller == "cona")
 
 
 @pytest.mark.parametrize("model", [GPT3, LLAMA], ids=["gpt3", "llama"])

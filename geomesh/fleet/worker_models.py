@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from jobruntime.config import ModelConfig
-from jobruntime.memory import MemoryEstimate, PipelineLayout
+from jobruntime.memory import ExtraState, MemoryEstimate, PipelineLayout
 from jobruntime.memory import MemoryModel as RuntimeMemoryModel
 
 from .clock import worker_tokens_per_s
@@ -23,7 +23,12 @@ state: ``θ_global`` and the outer Nesterov momentum (fp32, 4 each) and the pack
 pseudo-gradient message (sign bits, scales and header: under 0.25); what a run holds is
 measured and reported (:func:`geomesh.report.memory_overhead`).  Counted by the job's
 region-shape check (:func:`geomesh.fleet.job_check.check_job`) and by each worker's
-launch check (:class:`geomesh.worker.InnerWorker`, :func:`jobruntime.memory.check_job_fits`)."""
+launch check (:class:`geomesh.worker.InnerWorker`, as :data:`OUTER_STATE`)."""
+
+OUTER_STATE = ExtraState("GeoMesh's outer state (θ_global, outer momentum, message)",
+                         OUTER_STATE_BYTES)
+""":data:`OUTER_STATE_BYTES` for the trainer's launch check
+(:func:`jobruntime.memory.check_job_fits`)."""
 
 
 class PlanError(ClusterError):

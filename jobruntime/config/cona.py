@@ -25,7 +25,8 @@ class ConaConfig:
     """Steps between controller decisions (K)."""
     candidates: list | None = None
     """Explicit candidates ``[{dp, tp, pp, micro_batch_size, global_batch_size}]``;
-    ``None`` enumerates them."""
+    ``None`` enumerates them.  Each must fit the device's memory with the noise-scale
+    probe's state (``cona.candidates.build_candidates``), or the run is refused."""
     global_batch_sizes: list | None = None
     """Global batch sizes (sequences) the enumeration tries; ``None`` =
     ``parallel.global_batch_size`` times 1, 2, 4 and 8."""
