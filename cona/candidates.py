@@ -12,8 +12,10 @@ candidate's global batch must map to a whole number of proxy sequences.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from jobruntime.config import ConfigError, JobConfig, ModelConfig
-from jobruntime.memory import GIB, GPU_OVERHEAD_BYTES
+from jobruntime.memory import ExtraState, format_bytes
 
 from .mapping import ProxyMapping
 from .memory_model import MemoryModel
@@ -39,15 +41,21 @@ def build_candidates(
     *,
     mapping: ProxyMapping | None = None,
     memory_limit_bytes: float | None = None,
-    precision: str = "mixed",
-    overhead_bytes: float = GPU_OVERHEAD_BYTES,
+    memory_limit_what: str = "",
+    memory_model: MemoryModel | None = None,
+    check_explicit: bool = True,
 ) -> list[Strategy]:
     """Candidate strategies for ``model`` on ``world_size`` devices (module docstring).
 
     Args:
         memory_limit_bytes: per-device memory (bytes); ``None`` checks none.
-        precision, overhead_bytes: the trainer's state precision and fixed allowance
-            (:class:`jobruntime.memory.MemoryModel`).
+        memory_limit_what: where that limit comes from, for a refusal (e.g. "host
+            memory / 2 ranks on this node").
+        memory_model: estimates each candidate's peak without the probe, which is
+            added (default: ``MemoryModel(model)``, mixed precision on a GPU; real
+            mode passes the trainer's, :func:`jobruntime.memory.trainer_memory_model`).
+        check_explicit: refuse explicit candidates that do not fit (real mode with
+            ``train.check_memory=false``: keep them).
 
     Raises:
         ValueError: an explicit candidate is invalid or does not fit
@@ -58,20 +66,17 @@ def build_candidates(
     # what the noise-scale probe holds (cona.probe): at DP = 1 a copy of the gradients,
     # and a preconditioned definition Adam's preconditioner at any DP
     probe = probe_state(cfg.cona.gns_definition)
-    mem = (MemoryModel(model, precision=precision, overhead_bytes=overhead_bytes,
-                       extra_bytes_per_param=probe.bytes_per_param,
-                       extra_bytes_per_param_at_dp1=probe.bytes_per_param_at_dp1)
+    plain = memory_model or MemoryModel(model)
+    mem = (replace(plain, extra_bytes_per_param=probe.bytes_per_param,
+                   extra_bytes_per_param_at_dp1=probe.bytes_per_param_at_dp1)
            if memory_limit_bytes else None)
     if cfg.cona.candidates:
         cands = strategies_from_dicts(cfg.cona.candidates, model, world_size)
-        over = [c for c in cands if mem is not None and mem.peak_bytes(c) > memory_limit_bytes]
+        over = [c for c in cands if check_explicit and mem is not None
+                and mem.peak_bytes(c) > memory_limit_bytes]
         if over:
-            need = ", ".join(f"{c.label} {mem.peak_bytes(c) / GIB:,.2f} GiB" for c in over)
-            raise ConfigError(
-                f"cona.candidates: {len(over)} of them do not fit {memory_limit_bytes / GIB:,.2f} "
-                f"GiB per device (estimated peak with CONA's noise-scale probe: {need}); drop "
-                "them from cona.candidates (real mode: or set train.check_memory=false to run "
-                "them anyway)")
+            raise ConfigError(_refusal(over, mem, plain, memory_limit_bytes, memory_limit_what,
+                                       probe))
     else:
         cands = enumerate_strategies(
             model,
@@ -89,3 +94,22 @@ def build_candidates(
             "cona.candidates or change cona.global_batch_sizes"
         )
     return cands
+
+
+def _refusal(over: list[Strategy], mem: MemoryModel, plain: MemoryModel, limit: float,
+             what: str, probe: ExtraState) -> str:
+    """The message refusing explicit candidates ``over``: each one's estimate and the
+    probe's share of it, the limit and where it comes from, and the fixes."""
+    def need(c: Strategy) -> str:
+        share = mem.peak_bytes(c) - plain.peak_bytes(c)
+        of_which = f", of which {format_bytes(share)} {probe.what}" if share > 0 else ""
+        return f"{c.label} needs {format_bytes(mem.peak_bytes(c))}{of_which}"
+
+    fixes = sorted({f for c in over for f in probe.fixes(c.dp)
+                    if mem.peak_bytes(c) > plain.peak_bytes(c)})
+    where = f" ({what})" if what else ""
+    return (f"cona.candidates: {'; '.join(need(c) for c in over)}: more than "
+            f"{format_bytes(limit)} per device{where}; drop "
+            f"{'it' if len(over) == 1 else 'them'} from cona.candidates"
+            + "".join(f", or {f}" for f in fixes)
+            + " (real mode: or set train.check_memory=false to run anyway)")

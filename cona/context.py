@@ -28,12 +28,7 @@ import torch.distributed as dist
 
 from jobruntime import cpu_compat
 from jobruntime.config import ConfigError, JobConfig, ModelConfig, load_config
-from jobruntime.memory import (
-    CPU_OVERHEAD_BYTES,
-    GPU_OVERHEAD_BYTES,
-    device_memory_limit,
-    precision_of,
-)
+from jobruntime.memory import device_memory_limit, trainer_memory_model
 from jobruntime.parallel import init_distributed
 from jobruntime.trainer import resolve_dtype
 
@@ -207,14 +202,20 @@ def _real(cfg: JobConfig, world: int):
     gpu = torch.cuda.is_available()
     precision = "mixed" if gpu else "fp32"
     # every candidate must fit this device as the trainer's launch check counts it
-    # (jobruntime.memory.check_job_fits): on CPU the host memory over the node's ranks
+    # (jobruntime.memory.check_job_fits): a GPU's memory, on CPU the host's over the
+    # node's ranks; the smallest over the ranks, so that every rank has the same list
     device = cpu_compat.device()
-    limit = device_memory_limit(device)[0] if cfg.train.check_memory else None
+    limit, what = device_memory_limit(device)
+    if dist.is_initialized():
+        t = torch.tensor([limit], dtype=torch.float64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        limit = float(t.item())
     dtype_name = str(resolve_dtype(cfg.train.precision)).split(".")[-1]
     cands = build_candidates(cfg, cfg.model, world, memory_limit_bytes=limit,
-                             precision=precision_of(dtype_name),
-                             overhead_bytes=GPU_OVERHEAD_BYTES if device.type == "cuda"
-                             else CPU_OVERHEAD_BYTES)
+                             memory_limit_what=what,
+                             memory_model=trainer_memory_model(cfg, device=device,
+                                                               dtype_name=dtype_name),
+                             check_explicit=cfg.train.check_memory)
     cost_model = CostModel(cfg.model, cfg.cona.gpu, precision=precision)
     p = cfg.parallel
     units = [s.dp * s.micro_batch_size for s in cands]

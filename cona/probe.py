@@ -132,8 +132,8 @@ def probe_state(definition: str) -> ExtraState:
     """
     precond = PRECONDITIONER_BYTES if preconditioner_power(definition) else 0.0
     return ExtraState("CONA's noise-scale probe", precond, GRADIENT_COPY_BYTES,
-                      fix="run at DP >= 2 (no gradient copy)"
-                      + (", cona.gns_definition=simple (no preconditioner)" if precond else ""))
+                      fix="cona.gns_definition=simple (no preconditioner)",
+                      fix_at_dp1="run at DP >= 2 (no gradient copy)")
 
 
 def _halves(mb: dict) -> list[dict]:

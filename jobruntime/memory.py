@@ -128,13 +128,21 @@ class ExtraState:
         what: what holds it, named when the check refuses a layout.
         bytes_per_param: at any DP (:class:`MemoryModel`'s ``extra_bytes_per_param``).
         bytes_per_param_at_dp1: more where DP = 1 only (``extra_bytes_per_param_at_dp1``).
-        fix: how to run without it, added to the refusal's fixes ("" for none).
+        fix, fix_at_dp1: how to run without each part, added to a refusal's fixes where
+            that part is held ("" for none).
     """
 
     what: str
     bytes_per_param: float = 0.0
     bytes_per_param_at_dp1: float = 0.0
     fix: str = ""
+    fix_at_dp1: str = ""
+
+    def fixes(self, dp: int) -> list[str]:
+        """The fixes of the parts held at data-parallel size ``dp``."""
+        held = [(self.bytes_per_param, self.fix),
+                (self.bytes_per_param_at_dp1 if dp == 1 else 0.0, self.fix_at_dp1)]
+        return [fix for nbytes, fix in held if nbytes and fix]
 
 
 class Layout(Protocol):
@@ -426,9 +434,25 @@ def device_memory_limit(device) -> tuple[float, str]:
     return host_memory_bytes() / local, what
 
 
-def _size(nbytes: float) -> str:
+def format_bytes(nbytes: float) -> str:
     """``nbytes`` as GiB, or MiB under one GiB (a refusal's numbers stay distinct)."""
     return f"{nbytes / GIB:,.1f} GiB" if nbytes >= GIB else f"{nbytes / 2**20:,.1f} MiB"
+
+
+def trainer_memory_model(cfg: JobConfig, *, device, dtype_name: str,
+                         extra: ExtraState | None = None) -> MemoryModel:
+    """The memory model of :class:`jobruntime.trainer.Trainer` for ``cfg`` on ``device``:
+    its state precision (:func:`precision_of` the parameters' dtype), sequence
+    parallelism, :data:`CPU_OVERHEAD_BYTES` or :data:`GPU_OVERHEAD_BYTES`, and ``extra``
+    beside it; what the launch check (:func:`check_job_fits`) and CONA's real-mode
+    candidate filter estimate every layout with."""
+    extra = extra or ExtraState("")
+    return MemoryModel(cfg.model, precision=precision_of(dtype_name),
+                       sequence_parallel=cfg.parallel.sequence_parallel,
+                       overhead_bytes=GPU_OVERHEAD_BYTES if device.type == "cuda"
+                       else CPU_OVERHEAD_BYTES,
+                       extra_bytes_per_param=extra.bytes_per_param,
+                       extra_bytes_per_param_at_dp1=extra.bytes_per_param_at_dp1)
 
 
 def check_job_fits(cfg: JobConfig, *, dp: int, device, dtype_name: str,
@@ -456,11 +480,7 @@ def check_job_fits(cfg: JobConfig, *, dp: int, device, dtype_name: str,
     """
     par = cfg.parallel
     extra = extra or ExtraState("")
-    mem = MemoryModel(cfg.model, precision=precision_of(dtype_name),
-                      sequence_parallel=par.sequence_parallel,
-                      overhead_bytes=GPU_OVERHEAD_BYTES if device.type == "cuda" else CPU_OVERHEAD_BYTES,
-                      extra_bytes_per_param=extra.bytes_per_param,
-                      extra_bytes_per_param_at_dp1=extra.bytes_per_param_at_dp1)
+    mem = trainer_memory_model(cfg, device=device, dtype_name=dtype_name, extra=extra)
     layout = PipelineLayout(tp=par.tp, pp=par.pp, dp=dp, micro_batch_size=par.micro_batch_size,
                             num_microbatches=max(par.global_batch_size // (par.micro_batch_size * dp), 1))
     est = mem.estimate(layout)
@@ -469,12 +489,13 @@ def check_job_fits(cfg: JobConfig, *, dp: int, device, dtype_name: str,
     limit, what = device_memory_limit(device)
     if est.total_bytes > limit:
         beside = est.params * mem.state_bytes_parts(dp)["extra"]
-        of_which = f", of which {_size(beside)} {extra.what}" if beside else ""
-        fix = f"{extra.fix}, " if beside and extra.fix else ""
+        of_which = f", of which {format_bytes(beside)} {extra.what}" if beside else ""
+        fix = "".join(f"{f}, " for f in extra.fixes(dp))
         raise ConfigError(
-            f"the job does not fit: estimated peak {_size(est.total_bytes)} per device "
+            f"the job does not fit: estimated peak {format_bytes(est.total_bytes)} per device "
             f"(stage {est.stage}: {est.params / 1e9:,.2f} B parameters, state "
-            f"{_size(est.state_bytes)}{of_which}, activations {_size(est.activation_bytes)}) "
-            f"> {_size(limit)} ({what}); {fix}shrink the model or parallel.micro_batch_size, "
+            f"{format_bytes(est.state_bytes)}{of_which}, activations "
+            f"{format_bytes(est.activation_bytes)}) > {format_bytes(limit)} ({what}); "
+            f"{fix}shrink the model or parallel.micro_batch_size, "
             "raise parallel.tp/pp, or set train.check_memory=false to build it anyway")
     return est

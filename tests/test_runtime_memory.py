@@ -101,10 +101,19 @@ def test_cona_explicit_candidates_that_do_not_fit_are_refused():
               "micro_batch_size: 1, global_batch_size: 8}, {dp: 1, tp: 1, pp: 2, "
               "micro_batch_size: 1, global_batch_size: 8}]"]
     cfg = load_config("gpt3_1.3b", listed)
-    with pytest.raises(ConfigError, match="do not fit.*dp1-tp1-pp2-mb1-gb8"):
-        build_candidates(cfg, GPT3, 2, memory_limit_bytes=limit)
+    with pytest.raises(ConfigError) as refused:
+        build_candidates(cfg, GPT3, 2, memory_limit_bytes=limit, memory_limit_what="a test GPU")
+    msg = str(refused.value)
+    assert msg.startswith("cona.candidates: dp1-tp1-pp2-mb1-gb8 needs ") and "tp2" not in msg
+    assert "GiB CONA's noise-scale probe" in msg and "(a test GPU)" in msg
+    assert "run at DP >= 2" in msg and "gns_definition" not in msg  # simple: no preconditioner
     labels = {c.label for c in build_candidates(cfg, GPT3, 2, memory_limit_bytes=roomy)}
     assert labels == {"dp1-tp2-pp1-mb1-gb8", "dp1-tp1-pp2-mb1-gb8"}
+    # a refusal's fixes are those of the parts held at the layout's DP
+    from cona.probe import probe_state
+    newton = probe_state("newton")
+    assert newton.fixes(2) == ["cona.gns_definition=simple (no preconditioner)"]
+    assert len(newton.fixes(1)) == 2 and probe_state("simple").fixes(2) == []
 
 
 def test_cona_real_mode_filters_candidates_on_cpu(monkeypatch):
@@ -112,8 +121,9 @@ def test_cona_real_mode_filters_candidates_on_cpu(monkeypatch):
     one): a layout the trainer's own launch check would refuse, e.g. at DP = 1 with the
     probe's gradient copy, stayed a candidate and could be switched into.  Now the limit
     is the launch check's (host memory over the node's ranks) at the trainer's precision:
-    a DP = 1 layout that fits only without the copy is dropped, others stay, and with
-    ``train.check_memory=false`` it is kept."""
+    a DP = 1 layout that fits only without the copy is dropped, others stay; listed
+    explicitly it is refused, unless ``train.check_memory=false`` (which keeps filtering
+    the enumerated candidates: a switch into one is checked by nothing else)."""
     import torch
 
     import cona.context
@@ -132,7 +142,13 @@ def test_cona_real_mode_filters_candidates_on_cpu(monkeypatch):
     labels = {c.label for c in cona.context._real(cfg, 2)[3]}
     assert labels and "dp1-tp1-pp2-mb1-gb8" not in labels
     cfg.train.check_memory = False
-    assert "dp1-tp1-pp2-mb1-gb8" in {c.label for c in cona.context._real(cfg, 2)[3]}
+    assert {c.label for c in cona.context._real(cfg, 2)[3]} == labels
+    cfg.cona.candidates = [{"dp": 1, "tp": 1, "pp": 2, "micro_batch_size": 1,
+                            "global_batch_size": 8}]
+    assert [c.label for c in cona.context._real(cfg, 2)[3]] == ["dp1-tp1-pp2-mb1-gb8"]
+    cfg.train.check_memory = True
+    with pytest.raises(ValueError, match="dp1-tp1-pp2-mb1-gb8 needs .*a test host"):
+        cona.context._real(cfg, 2)
 
 
 def _launch_beside(cache_dir, caller):

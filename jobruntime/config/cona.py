@@ -25,8 +25,10 @@ class ConaConfig:
     """Steps between controller decisions (K)."""
     candidates: list | None = None
     """Explicit candidates ``[{dp, tp, pp, micro_batch_size, global_batch_size}]``;
-    ``None`` enumerates them.  Each must fit the device's memory with the noise-scale
-    probe's state (``cona.candidates.build_candidates``), or the run is refused."""
+    ``None`` enumerates them.  Each must fit with the noise-scale probe's state
+    (``cona.candidates.build_candidates``), or the run is refused: in real mode the
+    device's memory as the launch check counts it (``train.check_memory=false`` keeps
+    them), emulated the cluster's GPU."""
     global_batch_sizes: list | None = None
     """Global batch sizes (sequences) the enumeration tries; ``None`` =
     ``parallel.global_batch_size`` times 1, 2, 4 and 8."""

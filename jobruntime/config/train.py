@@ -40,7 +40,8 @@ class TrainConfig:
     (:class:`jobruntime.memory.MemoryModel`: weights, gradients, Adam state, the
     activations of the micro-batches in flight, a fixed overhead) exceed the GPU's memory,
     or on CPU the host's memory (its cgroup limit if lower) divided among the node's
-    ranks; ``false`` builds it anyway (the allocator then has the last word)."""
+    ranks; ``false`` builds it anyway (the allocator then has the last word), and keeps
+    explicit ``cona.candidates`` that the same estimate refuses."""
     log_interval: int = 1
     """Steps between metrics records."""
     eval_interval: int = 20
