@@ -275,7 +275,7 @@ class Loop:
                 samples // self.eval_samples > prev // self.eval_samples)  # passed a multiple
             val_loss = self.evaluate(cadence=cadence)
             record.update(val_loss=val_loss, val_ppl=p.last_val_ppl)
-            gap = dense_eval_gap([(e["samples"], e["val_ppl"]) for e in p.evals[-2:]],
+            gap = dense_eval_gap([(e["samples"], e["val_ppl"]) for e in p.evals],
                                  self.cfg.train.target_ppl, self.cfg.cona.ttp_resolution,
                                  start=self.samples0)
             if gap is not None:  # near the target: earlier than the fixed cadence
