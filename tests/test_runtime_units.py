@@ -158,12 +158,19 @@ def test_dense_eval_gap_survives_a_noisy_evaluation_near_the_target():
     rose = dense_eval_gap([*run, (4256, 190.9)], target, 0.01, start=1600)
     assert rose is not None and rose <= 0.01 * (4256 - 1600) * 1.0001  # the finest gap
     level = dense_eval_gap([*run, (4256, 190.39)], target, 0.01, start=1600)
-    assert level is not None and level < 100  # a flat pair alone predicts ~40k samples
+    assert level is not None and level < 100  # a flat pair alone predicts ~3.6k samples
     # the run's secant is steeper than the local rate, so the gap errs short
     trend = dense_eval_gap(run[:-1], target, 0.0001, start=1600)
     local = (math.log(196.9) - math.log(target)) / ((math.log(214.2) - math.log(196.9)) / 608)
     assert trend < local / 2
     assert dense_eval_gap([(0, 300.0), (10, 320.0), (20, 330.0)], 50.0, 0.01) is None
+    # a drop after a plateau: the last pair is steeper than the run and decides
+    plateau = [(0, 300.0), (1000, 290.0), (1100, 200.0)]
+    to_go = (math.log(200.0) - math.log(190.0)) / ((math.log(290.0) - math.log(200.0)) / 100)
+    assert dense_eval_gap(plateau, 190.0, 0.0001) == pytest.approx(to_go / 2)
+    # nothing usable last (NaN, or a perplexity that is not positive): no rule
+    assert dense_eval_gap([*run, (4300, math.nan)], target, 0.01) is None
+    assert dense_eval_gap([*run, (4300, 0.0)], target, 0.01) is None
 
 
 def test_provenance_takes_the_commit_it_is_given(monkeypatch):

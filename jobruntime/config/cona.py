@@ -146,10 +146,11 @@ class ConaConfig:
     at the slowdown you accept in that case.  Must be below ``min_gain``, or the controller undoes the start."""
     ttp_resolution: float = 0.0
     """Evaluate more often as the validation perplexity nears ``train.target_ppl``, so
-    the two evaluations that bracket the TTP crossing are at most this fraction of the
-    run's samples apart (``jobruntime.metrics.dense_eval_gap``: the next evaluation
-    after half the samples predicted to the target by the steeper of the last two
-    evaluations' secant and the run's, at least this fraction of the samples so far); never later than the ``train.eval_interval``
+    the two evaluations that bracket the TTP crossing are about this fraction of the
+    run's samples apart (a target, not a bound; ``jobruntime.metrics.dense_eval_gap``:
+    the next evaluation after half the samples predicted to the target by the steeper
+    of the last two evaluations' secant and the run's, at least this fraction of the
+    samples so far); never later than the ``train.eval_interval``
     cadence.  0 = that cadence only.  The emulated clock charges the cadence alone
     (``cona/emulated.py``): the added evaluations measure the crossing.  In real mode
     they take wall time.  ``bench/cona_ttp.py`` sets 0.01."""
