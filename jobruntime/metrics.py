@@ -123,7 +123,7 @@ def dense_eval_gap(evals: list[tuple[float, float]], target: float | None,
     The TTP interpolation (:func:`crossing_fraction`) is only as fine as the gap
     between the two evaluations that bracket the crossing.  Evaluating at a fixed
     cadence makes that gap a different share of each run's time to target (a run at
-    a large batch crosses within one gap of a few steps); this rule makes it at most
+    a large batch crosses within one gap of a few steps); this rule aims to make it
     ``resolution`` of the samples trained since ``start``.  It predicts the samples
     still to go, ``d = (log p_last - log target) / (-slope)``, and returns
     ``max(d / 2, resolution * (s_last - start))``: the gaps halve as the target nears,

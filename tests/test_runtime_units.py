@@ -150,7 +150,7 @@ def test_dense_eval_gap_halves_towards_the_target_down_to_the_resolution():
 
 def test_dense_eval_gap_survives_a_noisy_evaluation_near_the_target():
     """Near the target the curve is flat and one evaluation's noise can make the last
-    two rise (seed 2 of GPT-3 in ``docs/results/cona_ttp_seeds``: 189.9 then 190.4
+    two rise (CONA on GPT-3's seed 2 in the run at ``813f09b``: 189.9 then 190.4
     against 189.26) or stay level: the rule must keep bracketing finely from the run's
     trend, not hand the crossing back to a cadence 8 % of the run away."""
     target = 189.26
