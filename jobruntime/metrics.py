@@ -157,8 +157,13 @@ def dense_eval_gap(evals: list[tuple[float, float]], target: float | None,
     """
     if resolution <= 0 or target is None or target <= 0:
         return None
-    points = [(s, math.log(p)) for s, p in evals if math.isfinite(p) and p > 0]
-    if len(points) < 2 or not (math.isfinite(evals[-1][1]) and evals[-1][1] > 0):
+    def usable(p: float) -> bool:
+        return math.isfinite(p) and p > 0
+
+    if not evals or not usable(evals[-1][1]):
+        return None
+    points = [(s, math.log(p)) for s, p in evals if usable(p)]
+    if len(points) < 2:
         return None
     (s_first, y_first), (s0, y0), (s1, y1) = points[0], points[-2], points[-1]
     if y1 <= math.log(target):
