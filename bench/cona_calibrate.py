@@ -5,7 +5,9 @@ directly measured noise scale grows at least 4x over the evaluated segment (issu
 This bench measures that growth as a function of the fraction, on the full bench's proxy
 of one family (``bench/cona_ttp.py``: narrowed preset, warm state, one torch thread): the
 bench's own reference (:func:`bench.cona_reference.reference`: preset batch, the scaling rule's
-LR, the noise scale probed directly at every evaluation of its cadence) trains from the
+LR, the noise scale probed directly at every evaluation of its cadence, or
+``--probe-density`` times per evaluation interval as the TTP bench probes since
+``PROBE_DENSITY``) trains from the
 warm state to the deepest fraction's target, and for each ``f`` in ``--fractions`` the
 trend of the probes up to the first crossing of ``f x min(unigram, warm ppl)``
 (:func:`bench.cona_reference.segment_trend`, as the bench reads it) at that target's loss over
@@ -14,6 +16,12 @@ the warm state's own probe gives the growth.  No CONA method runs.
 Usage::
 
     python bench/cona_calibrate.py --family gpt3_1.3b --cache-dir C > out.json
+    # as the TTP bench's full run sets up its reference (bf16, 4 probes per interval)
+    python bench/cona_calibrate.py --family gpt3_1.3b --precision bf16 --probe-density 4
+
+``--precision`` defaults to ``STUDY_PRECISION`` (fp32), the one the committed
+``docs/results/cona_calibrate_*.json`` were measured in (before the TTP bench's rule 0
+made its proxies bf16); the warm state is the one that precision's bench starts from.
 
 Prints one JSON object: ``{"family", "proxy", "unigram_ppl", "warm_ppl", "probes",
 "rows": [{"fraction", "target_ppl", "reached", "samples", "growth", "noise_scale_proxy",
@@ -38,9 +46,13 @@ from pathlib import Path  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
-def calibrate(family: str, fractions: list[float], cache_dir: str | None) -> dict:
+def calibrate(family: str, fractions: list[float], cache_dir: str | None,
+              precision: str | None = None, probe_density: int | None = None) -> dict:
     """The trend growth of the directly measured noise scale at each target ``fractions``
-    of ``min(unigram, warm ppl)`` along ``family``'s reference run (module docstring)."""
+    of ``min(unigram, warm ppl)`` along ``family``'s reference run (module docstring).
+
+    ``precision``: the proxies' ``train.precision`` (default ``STUDY_PRECISION``);
+    ``probe_density``: probes per evaluation interval (``None``: one per evaluation)."""
     from bench.cona_reference import reference, seed_context, segment_trend
     from bench.cona_ttp import (
         FULL,
@@ -54,14 +66,15 @@ def calibrate(family: str, fractions: list[float], cache_dir: str | None) -> dic
 
     spec = MODELS[family]
     worker_setup(spec["proxy"])
-    settings = dict(FULL, gpu="A100-80GB", num_gpus=64, precision=STUDY_PRECISION)
+    settings = dict(FULL, gpu="A100-80GB", num_gpus=64, precision=precision or STUDY_PRECISION)
     cfg = family_config(family, spec, settings, cache_dir)
     ctx, _ = seed_context(cfg, cfg.train.warmup_iters, probe_microbatches=PROBE_MICROBATCHES)
     unigram = corpus_unigram_perplexity(ctx.data.corpus, cfg.model.vocab_size)
     warm_ppl = ctx.warm["extra"]["val_ppl"]
     base = min(unigram, warm_ppl)
     ctx.cfg.train.target_ppl = min(fractions) * base  # the deepest: every fraction on the way
-    ref = reference(ctx, probe_microbatches=PROBE_MICROBATCHES)
+    ref = reference(ctx, probe_microbatches=PROBE_MICROBATCHES, probe_every_samples=(
+        max(1, ctx.eval_samples // probe_density) if probe_density else None))
     probes, w0 = ref["noise_scale_probes"], ctx.warm["consumed_samples"]
     phi0 = ref["noise_scale_warm_proxy"]
     rows = []
@@ -80,7 +93,7 @@ def calibrate(family: str, fractions: list[float], cache_dir: str | None) -> dic
 
 
 def main(argv=None) -> int:
-    from bench.cona_ttp import MODELS, STUDY_PRECISION
+    from bench.cona_ttp import MODELS, PRECISION, STUDY_PRECISION
     from bench.seeded_units import write_report
     from jobruntime.metrics import provenance
 
@@ -90,11 +103,21 @@ def main(argv=None) -> int:
     p.add_argument("--fractions", type=float, nargs="+", default=[0.6, 0.55, 0.5, 0.45, 0.4])
     p.add_argument("--cache-dir", default=None, help="data and warm-checkpoint cache")
     p.add_argument("--out", type=Path, default=None, help="folder for the JSON")
+    p.add_argument("--precision", choices=sorted({PRECISION, STUDY_PRECISION}),
+                   default=STUDY_PRECISION, help="the proxies' train.precision (default: "
+                   f"the committed study's; the TTP bench's full run: {PRECISION})")
+    p.add_argument("--probe-density", type=int, default=None,
+                   help="probes per evaluation interval (default: one per evaluation; the "
+                   "TTP bench's full run: its PROBE_DENSITY)")
     args = p.parse_args(argv)
     if not all(0 < f < 1 for f in args.fractions):
         p.error(f"--fractions must lie in (0, 1), got {args.fractions}")
-    report = {**provenance(argv), "precision": STUDY_PRECISION,
-              **calibrate(args.family, args.fractions, args.cache_dir)}
+    if args.probe_density is not None and args.probe_density < 1:
+        p.error(f"--probe-density must be at least 1, got {args.probe_density}")
+    report = {**provenance(argv), "precision": args.precision,
+              "probe_density": args.probe_density,
+              **calibrate(args.family, args.fractions, args.cache_dir, args.precision,
+                          args.probe_density)}
     write_report(report, args.out, "cona_calibrate.json")
     return 0
 
