@@ -46,6 +46,22 @@ class SampleScheduler(OptimizerParamScheduler):
     def step(self, increment: int) -> None:
         super().step(increment=increment * self.global_batch_size)
 
+    def load_state_dict(self, state_dict: dict) -> None:
+        """megatron's ``load_state_dict``, with the saved position taken as it was saved:
+        in samples.  The parent re-applies it as ``self.step(increment=num_steps)``, which
+        :meth:`step` would multiply by the global batch (a resumed run then stood
+        ``global_batch_size`` times further into its warmup and decay).  The position is
+        set, not added: it replaces whatever this scheduler was built at.
+
+        Raises:
+            AssertionError: as megatron's, where a saved setting the run does not override
+                differs (``_check_and_set``)."""
+        batch, self.global_batch_size, self.num_steps = self.global_batch_size, 1, 0
+        try:
+            super().load_state_dict(state_dict)
+        finally:
+            self.global_batch_size = batch
+
 
 def build_scheduler(
     trainer: Trainer, cfg: JobConfig, reference_batch: int, num_samples: int = 0

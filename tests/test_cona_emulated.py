@@ -87,8 +87,9 @@ def test_val_set_size_fits_every_layout():
 
 def test_sample_schedule_and_lr_scaling():
     """Catches a schedule that counts steps instead of samples (warmup would end 8x later
-    in samples at an 8x larger batch) and an LR change that megatron's per-group max_lr
-    silently overrides."""
+    in samples at an 8x larger batch), an LR change that megatron's per-group max_lr
+    silently overrides, and a checkpoint's schedule that loads ``global_batch_size``
+    times further on than it was saved (a resumed run's LR deep in its decay)."""
     p = torch.nn.Parameter(torch.zeros(2))
     opt = torch.optim.AdamW([{"params": [p], "max_lr": 1e-3, "min_lr": 1e-4}], lr=0.0)
     sched = SampleScheduler(
@@ -112,6 +113,17 @@ def test_sample_schedule_and_lr_scaling():
     sched.step(1)
     assert sched.num_steps == 40
     assert opt.param_groups[0]["lr"] == pytest.approx(2e-3 * 40 / 64)
+    # a checkpoint's schedule loads where it was saved, in samples (megatron's
+    # load_state_dict re-applies the count through step(), which multiplied it again)
+    fresh = SampleScheduler(
+        opt, global_batch_size=32, init_lr=0.0, max_lr=2e-3, min_lr=2e-4,
+        lr_warmup_steps=64, lr_decay_steps=640, lr_decay_style="cosine", start_wd=0.0,
+        end_wd=0.0, wd_incr_steps=640, wd_incr_style="constant")
+    fresh.load_state_dict(sched.state_dict())
+    assert fresh.num_steps == 40 and fresh.global_batch_size == 32
+    assert opt.param_groups[0]["lr"] == pytest.approx(2e-3 * 40 / 64)
+    fresh.step(1)
+    assert fresh.num_steps == 72
     cfg = strategy_config(_cfg(), Strategy(2, 2, 1, 2, 16), lr=5e-3, min_lr=5e-4)
     assert (
         cfg.parallel.tp,

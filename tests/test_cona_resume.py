@@ -11,6 +11,7 @@ probe, and jumped to the new learning rate in the middle of a ramp.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -34,7 +35,10 @@ def _real(cache_dir, run_dir, iters, load):
         f"data.cache_dir={cache_dir}", "model.seq_length=64", "logging.wandb=disabled",
         "cona.enabled=true", "train.warmup_iters=2", "parallel.pp=2",
         "parallel.micro_batch_size=2", "parallel.global_batch_size=16",
-        f"train.iters={iters}", "train.eval_interval=4", "cona.decision_interval=4",
+        # one schedule for both runs (decay over 16 steps): the resumed run must go on
+        # along it (by default megatron keeps the checkpoint's schedule settings)
+        f"train.iters={iters}", "train.lr_decay_iters=16", "train.eval_interval=4",
+        "cona.decision_interval=4",
         "cona.horizon_steps=1000", f"cona.candidates={cands}",
         f"checkpoint.save_interval={8 if load is None else 0}",
         *([f"checkpoint.load={load}"] if load else [])])
@@ -77,6 +81,17 @@ def test_resumed_run_goes_on_from_its_checkpoint(resumed):
     assert not any(d.get("start") for d in b["decisions"])  # no second start decision
     assert b["evals"][:len(a["evals"])] == a["evals"]
     steps_a, steps_b = _steps(first), _steps(second)
+    # the LR schedule goes on where it stopped: warmup 2 and cosine decay over 16 steps
+    # of 16 samples, at every step of both runs (a checkpoint's schedule once loaded 16x
+    # further on: the resumed run trained at the final LR)
+    def lr(step: int) -> float:  # megatron's convention: step s trains at s - 1 steps done
+        done, warm, decay = (step - 1) * 16, 2 * 16, 16 * 16
+        if done <= warm:
+            return 2e-3 * done / warm
+        return 2e-4 + (2e-3 - 2e-4) * 0.5 * (1 + math.cos(math.pi * (done - warm) / (decay - warm)))
+
+    assert [r["lr"] for r in steps_a + steps_b] == pytest.approx(
+        [lr(r["step"]) for r in steps_a + steps_b], rel=1e-6)
     # the clock goes on from the one saved with step 8 (its save itself is not counted)
     assert steps_b[0]["step"] == 9 and steps_b[0]["time_s"] > steps_a[-1]["time_s"] > 0
     assert steps_b[0]["time_s"] - steps_a[-1]["time_s"] < steps_a[-1]["time_s"]
