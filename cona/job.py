@@ -99,6 +99,27 @@ def val_set_size(cfg: JobConfig, batch_units: list[int], reference_batch: int) -
     return -(-want // unit) * unit
 
 
+def load_start(cfg: JobConfig, trainer) -> tuple[int, dict]:
+    """Load ``cfg.checkpoint.load`` (an ``iter_`` checkpoint of any layout, e.g. one saved
+    before a switch) into ``trainer`` and return where the job starts: ``(consumed
+    samples, CONA state)``.  A resume (``checkpoint.load_optimizer``) goes on at the
+    checkpoint's data position with the CONA state saved under its ``extra["cona"]``
+    (:meth:`cona.run.Loop.state_dict`; ``{}`` where it holds none); a weights-only load
+    starts both afresh, as :func:`jobruntime.loop.train` does.  ``(0, {})`` without
+    ``checkpoint.load``.
+
+    Raises:
+        CheckpointError: as :func:`jobruntime.checkpoint.load_checkpoint`.
+    """
+    c = cfg.checkpoint
+    if not c.load:
+        return 0, {}
+    state = load_checkpoint(c.load, trainer, load_optimizer=c.load_optimizer)
+    if not c.load_optimizer:
+        return 0, {}
+    return state["consumed_samples"], state["extra"].get("cona") or {}
+
+
 class Job:
     """Shared state and interface of real and emulated jobs (see module docstring).
 
@@ -225,16 +246,9 @@ class RealJob(Job):
         build_s = max_over_ranks([time.perf_counter() - t0])[0]
         batch_s = switch_batch(self.trainer, run_cfg).seconds
         self.measured_costs = {"layout": build_s, "batch": batch_s}
-        consumed = 0
         # a resume's CONA state (:meth:`cona.run.Loop.state_dict`, saved under the
         # checkpoint's ``extra["cona"]``); empty on a fresh start or a fine-tune
-        self.resume_state: dict = {}
-        if cfg.checkpoint.load:  # an iter_ checkpoint of any layout (e.g. saved before a switch)
-            state = load_checkpoint(cfg.checkpoint.load, self.trainer,
-                                    load_optimizer=cfg.checkpoint.load_optimizer)
-            consumed = state["consumed_samples"]
-            if cfg.checkpoint.load_optimizer:
-                self.resume_state = state["extra"].get("cona") or {}
+        consumed, self.resume_state = load_start(cfg, self.trainer)
         self.probe.attach(self.trainer)
         self.sampler = self._sampler(self.topo, consumed)
         self.val_batches = self._val_batches(self.topo, start.micro_batch_size)
@@ -337,10 +351,8 @@ class EmulatedJob(DirectProbes, Job):
             consumed = ctx.warm["consumed_samples"]
             # the warm run trained at the preset's batch and LR (cona/warm.py)
             self.start_lr = (ctx.cfg.train.lr, ctx.cfg.train.min_lr)
-        elif ctx.cfg.checkpoint.load:  # an iter_ checkpoint of any layout (e.g. saved before a switch)
-            consumed = load_checkpoint(ctx.cfg.checkpoint.load, self.trainer,
-                                       load_optimizer=ctx.cfg.checkpoint.load_optimizer
-                                       )["consumed_samples"]
+        else:  # a checkpoint's weights, if one is given (JobConfig.validate_sections
+            consumed, _ = load_start(ctx.cfg, self.trainer)  # refuses a resume here)
         self._attach_probe()
         self.sampler = self._sampler(self.topo, consumed)
         self.val_batches = self._val_batches(self.topo, ctx.val_micro_batch)

@@ -119,6 +119,10 @@ def run(cfg: JobConfig, run_dir: Path) -> dict:
         log.warning("%s holds no CONA state (saved without CONA, or by a version that did "
                     "not save it): the clock, the evaluations and the controller start "
                     "afresh", cfg.checkpoint.load)
+    if job.consumed_samples >= ctx.budget_samples and job.is_logging_rank:
+        log.warning("nothing to train: the checkpoint %s has trained %d samples, the budget "
+                    "(train.iters x the preset's global batch) is %d; raise train.iters to "
+                    "train on", cfg.checkpoint.load, job.consumed_samples, ctx.budget_samples)
     loop.reporter = StepProgress(cfg.logging.progress, enabled=job.is_logging_rank,
                                  total=ctx.budget_samples, unit="sample", logger=log,
                                  initial=job.consumed_samples)

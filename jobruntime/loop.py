@@ -103,6 +103,9 @@ def run(cfg: JobConfig, run_dir: Path,
     t0 = time.perf_counter() - start_time
     last_val_ppl = extra.get("final_val_ppl")
     stop = False
+    if trainer.step >= t.iters:
+        log.warning("nothing to train: the checkpoint %s is at step %d, train.iters=%d; raise "
+                    "train.iters to train on", cfg.checkpoint.load, trainer.step, t.iters)
     while trainer.step < t.iters and not stop:
         step_t0 = time.perf_counter()
         result = trainer.train_step(data.train.next())

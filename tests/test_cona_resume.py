@@ -22,7 +22,7 @@ from tests.test_cona_run_loop import _constant_scheduler, _fake_loop, _FakeJob
 PP2, DP2 = "dp1-tp1-pp2-mb2-gb16", "dp2-tp1-pp1-mb2-gb16"
 
 
-def _real(cache_dir, run_dir, iters, load):
+def _real(cache_dir, run_dir, iters, load, extra=()):
     import torch
 
     torch.set_num_threads(1)
@@ -41,7 +41,7 @@ def _real(cache_dir, run_dir, iters, load):
         "cona.decision_interval=4",
         "cona.horizon_steps=1000", f"cona.candidates={cands}",
         f"checkpoint.save_interval={8 if load is None else 0}",
-        *([f"checkpoint.load={load}"] if load else [])])
+        *([f"checkpoint.load={load}"] if load else []), *extra])
     return run(cfg, Path(run_dir))
 
 
@@ -118,6 +118,22 @@ def test_a_finished_real_run_saves_its_last_step_once(resumed):
     # self-contained, as an ordinary run's folder: the tokenizer with the config (the
     # tools' conversion reads it; a CONA folder had none)
     assert (first / "config.yaml").is_file() and (first / "tokenizer.model").is_file()
+
+
+def test_weights_only_load_starts_a_fresh_run(resumed, cache_dir, tmp_path):
+    """Catches ``checkpoint.load_optimizer=false`` (start afresh from the weights) that
+    took the checkpoint's data position anyway: a real-mode CONA run loaded from the
+    first run's step-8 checkpoint with ``train.iters=4`` trained nothing and exited 0.
+    It must train its 4 steps from sample 0 at the start of its schedule, with no earlier
+    decision or clock."""
+    _, _, first, _ = resumed
+    c = launch(_real, 2, cache_dir, str(tmp_path), 4, str(first / "checkpoints" / "iter_0000008"),
+               ("checkpoint.load_optimizer=false",))[0]
+    steps = _steps(tmp_path)
+    assert [r["step"] for r in steps] == [1, 2, 3, 4]
+    assert steps[0]["lr"] == 0.0 and steps[0]["time_s"] < steps[-1]["time_s"]
+    assert c["decisions_before_resume"] == 0 and c["chain"][0] == {"strategy": PP2,
+                                                                  "start_step": 0}
 
 
 def test_lr_ramp_goes_on_across_a_resume():

@@ -360,6 +360,9 @@ def test_no_message_advises_checkpoint_load_without_looking():
      "error: cona.schedule switches the layouts of GeoMesh regions; it needs a GeoMesh run"),
     (["train.py", "cona.enabled=true", "train.zero_shot_tasks=[tools/samples/piqa_synthetic.jsonl]"],
      "error: train.zero_shot_tasks scores the model after an ordinary job"),
+    # it trained nothing (a real-mode checkpoint's budget used up) or went on at time 0
+    (["train.py", "cona.enabled=true", "cona.clock=emulated", "checkpoint.load=runs/x/checkpoints"],
+     "error: CONA's emulated clock cannot resume a run"),
     (["tools/convert_checkpoint.py", "hf-to-mcore", "--model", "llama", "--input", "hf/missing",
       "--output", "unused"], "error: --input hf/missing does not exist"),
     (["tools/zero_shot.py", "--config", "tiny_gpt", "--checkpoint", "runs/missing/checkpoints",

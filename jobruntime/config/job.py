@@ -38,7 +38,8 @@ class JobConfig:
         Raises:
             ConfigError: the first out-of-range setting, named; or a setting that the
                 job kind ignores (``cona.schedule`` outside GeoMesh, zero-shot tasks in a
-                GeoMesh or CONA run).
+                GeoMesh or CONA run), or a resume that CONA's emulated clock cannot make
+                (``checkpoint.load`` with ``load_optimizer``).
         """
         self.model.validate()
         self.train.validate()
@@ -50,6 +51,13 @@ class JobConfig:
             raise ConfigError("cona.schedule switches the layouts of GeoMesh regions; it needs "
                               "a GeoMesh run (geomesh.method, a real-mode cluster), or unset "
                               "it: CONA on its own chooses its layouts")
+        if (self.cona.enabled and self.cona.clock == "emulated" and not geomesh
+                and self.checkpoint.load and self.checkpoint.load_optimizer):
+            raise ConfigError("CONA's emulated clock cannot resume a run: it saves no clock "
+                              "and no CONA state, so a resume would go on with the "
+                              "checkpoint's optimizer and data position at emulated time 0; "
+                              "set checkpoint.load_optimizer=false to start it from the "
+                              "checkpoint's weights, or resume with cona.clock=wall")
         if self.train.zero_shot_tasks and (geomesh or self.cona.enabled):
             raise ConfigError("train.zero_shot_tasks scores the model after an ordinary job; "
                               "GeoMesh and CONA runs do not run it: unset it")
