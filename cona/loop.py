@@ -290,15 +290,21 @@ class Loop:
                                  tokens_per_s=result.tokens / step_s if job.ctx.clock == "wall" else None,
                                  evaluated="val_loss" in record,
                                  note=f"{job.strategy.label} ({job.ctx.clock} clock)")
+        self.maybe_decide()
+        # after the step's decision (and its switch): a checkpoint holds every record
+        # that metrics.jsonl keeps up to its step (a resume replaces only later ones)
         every = self.cfg.checkpoint.save_interval
         if every and job.trainer.step % every == 0:
             self.save()
-        # No decision when less than one decision interval of training remains:
-        # a switch could not run (let alone repay its cost) before the end.  Both
-        # sides in proxy samples: the budget and consumed samples are proxy
-        # sequences, and one interval is ``decision_interval`` steps of the proxy
-        # batch (the strategy's global batch is in target sequences, r x larger).
-        ctl = self.controller
+
+    def maybe_decide(self) -> None:
+        """After a step: the start decision once the probe is over, else a decision every
+        ``cona.decision_interval`` steps.  No decision when less than one decision
+        interval of training remains: a switch could not run (let alone repay its cost)
+        before the end.  Both sides in proxy samples: the budget and consumed samples are
+        proxy sequences, and one interval is ``decision_interval`` steps of the proxy
+        batch (the strategy's global batch is in target sequences, r x larger)."""
+        job, ctl = self.job, self.controller
         if ctl is None:
             return
         left = self.budget_samples - job.consumed_samples

@@ -136,6 +136,25 @@ def test_weights_only_load_starts_a_fresh_run(resumed, cache_dir, tmp_path):
                                                                   "start_step": 0}
 
 
+def test_a_checkpoint_holds_the_decision_and_switch_of_its_step():
+    """Catches a checkpoint saved before its step's decision: metrics.jsonl kept the
+    decision (a resume replaces only later records) while the checkpoint's state had
+    neither it nor its switch, so a resumed run never made a switch its log shows.  With
+    the start decision (a switch to batch 512) at step 3 and a save every 3 steps, the
+    save at step 3 must hold the decision and the chain with the switch."""
+    from cona.strategy import Strategy
+
+    small, big = Strategy(8, 1, 1, 1, 64), Strategy(8, 1, 1, 4, 512)
+    job = _FakeJob(small, phi=1e4)
+    loop, ctl = _fake_loop(job, ["cona.start_probe_updates=3", "cona.decision_interval=20",
+                                 "checkpoint.save_interval=3"], 16 * 64, [small, big])
+    saved = []
+    loop.save = lambda: saved.append((job.trainer.step, len(ctl.decisions),
+                                      [c["strategy"] for c in loop.progress.chain]))
+    loop.run(until=lambda: job.trainer.step >= 3)
+    assert saved == [(3, 1, [small.label, big.label])]
+
+
 def test_lr_ramp_goes_on_across_a_resume():
     """Catches a resume in the middle of an LR ramp that jumps to the new rate (the old
     known limit): a run that switched from proxy batch 16 to 128 with a 4-step ramp and
