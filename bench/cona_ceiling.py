@@ -55,9 +55,12 @@ def samples_per_s(target: str, gpu: str, gpus: int, batches: list[int]) -> dict[
 
 
 def main(argv=None) -> int:
+    from jobruntime.hardware import gpu_profile_arg
+
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--gpu", default="A100-80GB")
+    p.add_argument("--gpu", default="A100-80GB", type=gpu_profile_arg,
+                   help="emulated GPU profile (jobruntime/gpu_profiles.yaml)")
     p.add_argument("--gpus", type=int, nargs="*", default=[64, 128, 256, 512])
     p.add_argument("--phi0", type=float, default=64.0,
                    help="noise scale at the start, target sequences (default 64: the "

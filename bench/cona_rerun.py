@@ -128,10 +128,29 @@ def rerun_seed(target: str, spec: dict, setup: dict, seed_index: int, settings: 
             "wall_s": wall, "cpu_s": time.process_time() - c0, "phase_wall_s": {"cona": wall}}
 
 
+def read_seed(path: Path) -> dict:
+    """The earlier run's seed file at ``path`` (``bench/cona_ttp.py --out``'s
+    ``FAMILY/seed_K.json``), checked to hold what a re-run reads: a ``setup_key`` and
+    CONA's record (``methods.cona`` with ``ttp_s``).
+
+    Raises:
+        ValueError: naming ``path``: missing, not JSON (e.g. cut short), or without those.
+    """
+    try:
+        seed = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise ValueError(f"{path} cannot be read as a seed file ({e})") from None
+    cona = seed.get("methods", {}).get("cona") if isinstance(seed, dict) else None
+    if not isinstance(cona, dict) or "ttp_s" not in cona or "setup_key" not in seed:
+        raise ValueError(f"{path} is not a bench/cona_ttp.py seed file (it needs setup_key "
+                         "and methods.cona with ttp_s)")
+    return seed
+
+
 def earlier_cona(folder: Path, target: str, seeds: int) -> dict:
     """The earlier run's CONA per seed, from its seed files: ``{"ttp_s_by_seed",
     "chain_by_seed"}`` (each seed's TTP in emulated seconds, its chain's labels)."""
-    runs = [json.loads((folder / target / f"seed_{i}.json").read_text())["methods"]["cona"]
+    runs = [read_seed(folder / target / f"seed_{i}.json")["methods"]["cona"]
             for i in range(seeds)]
     return {"ttp_s_by_seed": [r["ttp_s"] for r in runs],
             "chain_by_seed": [[c["strategy"] for c in r.get("chain") or []] for r in runs]}
@@ -145,7 +164,8 @@ def check_earlier(report: Path, families: list[str] | None, given: Path | None,
     Raises:
         ValueError: the report is not a full run's (unreadable, quick, set-up only, a
             re-run, no families, families with different seed counts), a family is not
-            in it, a seed file is missing or was made by another run (its key is not the
+            in it, a seed file is missing, cannot be read or holds no CONA record
+            (:func:`read_seed`), or was made by another run (its key is not the
             one the report names) or by a re-run, or ``out`` is the seed folder (the
             re-run's seed files would overwrite the earlier ones).
     """
@@ -171,7 +191,7 @@ def check_earlier(report: Path, families: list[str] | None, given: Path | None,
     for n in names:
         for i, run in enumerate(runs[n]):
             path = folder / n / f"seed_{i}.json"
-            key = json.loads(path.read_text()).get("setup_key") if path.is_file() else None
+            key = read_seed(path)["setup_key"] if path.is_file() else None
             if key is None or key.startswith("rerun-") or key != run.get("setup_key", key):
                 raise ValueError(f"{path} is missing or not the seed {i} that {report} "
                                  "names (--seeds-dir)")

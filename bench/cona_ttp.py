@@ -89,7 +89,7 @@ Usage::
 
     python bench/cona_ttp.py --quick              # tiny_gpt / GPT-3 1.3B, CI-sized
     python bench/cona_ttp.py --out runs/cona_ttp  # all three families
-    python bench/cona_ttp.py --families bert_large --gpu H100-80GB --num-gpus 32
+    python bench/cona_ttp.py --families bert_large --gpu H100 --num-gpus 32
 
 Prints one JSON object: ``{"clock": "emulated", "date", "commit", "machine",
 "command", "models": {NAME: {"unigram_ppl", "target_ppl", "noise_scale_growth_direct",
@@ -145,6 +145,7 @@ from bench.cona_ttp_settings import (  # noqa: E402, F401 - every setting still 
 )
 from bench.machine_load import LoadSampler  # noqa: E402
 from bench.seeded_units import run_families, run_units, write_report  # noqa: E402
+from jobruntime.hardware import gpu_profile_arg  # noqa: E402
 
 
 def seed_methods(ctx, settings: dict, boundaries: list[int],
@@ -340,7 +341,8 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="GPT-3 1.3B / tiny_gpt, short, CI-sized")
     p.add_argument("--families", "--models", nargs="*", default=None, choices=sorted(MODELS),
                    dest="families", help="subset of the full benchmark's families")
-    p.add_argument("--gpu", default="A100-80GB", help="emulated GPU profile (cona.gpu)")
+    p.add_argument("--gpu", default="A100-80GB", type=gpu_profile_arg,
+                   help="emulated GPU profile (cona.gpu; jobruntime/gpu_profiles.yaml)")
     p.add_argument("--num-gpus", type=int, default=64, help="emulated devices (cona.num_gpus)")
     p.add_argument("--out", type=Path, default=None, help="folder for JSON and plots")
     p.add_argument("--cache-dir", default=None,

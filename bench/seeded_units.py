@@ -23,10 +23,19 @@ log = logging.getLogger("bench")
 
 
 def reusable(path: Path, key: str) -> dict | None:
-    """The seed result at ``path`` if it was made under ``key``, else ``None`` (logged)."""
+    """The seed result at ``path`` if it was made under ``key``, else ``None`` (logged):
+    also where it cannot be read as a seed result (cut short, edited), so the seed runs
+    again and its file is rewritten whole."""
     if not path.is_file():
         return None
-    seed = json.loads(path.read_text())
+    try:
+        seed = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        log.warning("%s cannot be read (%s): not reused", path, e)
+        return None
+    if not isinstance(seed, dict):
+        log.warning("%s holds no seed result (a JSON %s): not reused", path, type(seed).__name__)
+        return None
     if seed.get("setup_key") != key:
         log.warning("%s was made under another set-up (key %s, now %s): not reused", path,
                     seed.get("setup_key"), key)

@@ -72,6 +72,23 @@ def get_gpu_profile(name: str) -> GPUProfile:
     raise KeyError(f"unknown GPU type '{name}'; known: {sorted(profiles)}")
 
 
+def gpu_profile_arg(name: str) -> str:
+    """``argparse`` ``type=`` for an emulated GPU's name (a bench's ``--gpu``): ``name``
+    itself where a bundled profile has it (case-insensitive, :func:`get_gpu_profile`).
+
+    Raises:
+        argparse.ArgumentTypeError: unknown GPU; the message lists the known ones (so the
+            bench stops with a usage error before any set-up, not a traceback in a worker).
+    """
+    import argparse
+
+    try:
+        get_gpu_profile(name)
+    except KeyError as e:
+        raise argparse.ArgumentTypeError(e.args[0]) from None
+    return name
+
+
 def profile_for_device(name: str | None = None) -> GPUProfile | None:
     """The profile of a CUDA device by its name (``torch.cuda.get_device_name``).
 

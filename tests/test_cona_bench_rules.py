@@ -313,3 +313,20 @@ def test_cona_ablation_runs_with_its_override_and_leaves_the_config_as_it_was():
                           "methods": {"cona": {}, "cona_gns_newton": {}, "static_recipe": {}}}))
     assert rows["cona"] == "CONA (`simple` noise scale)"
     assert rows["cona_gns_newton"] == "CONA, `newton` noise scale (ablation)"
+
+
+@pytest.mark.parametrize("bench", ["cona_ttp", "cona_ceiling"])
+def test_an_unknown_emulated_gpu_is_a_usage_error_before_any_set_up(bench, capsys):
+    """Catches ``--gpu`` checked only inside a worker after the set-up began (a 50-line
+    traceback; the bench's own docstring example named ``H100-80GB``, which no profile
+    has): argparse's exit 2, naming the known profiles; a known name in any case passes."""
+    import importlib
+
+    from jobruntime.hardware import gpu_profile_arg
+
+    main = importlib.import_module(f"bench.{bench}").main
+    with pytest.raises(SystemExit) as e:
+        main(["--gpu", "H100-80GB"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "unknown GPU type 'H100-80GB'; known: [" in err, err
+    assert "'H100'" in err and gpu_profile_arg("h100") == "h100"

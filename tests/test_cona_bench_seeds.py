@@ -84,7 +84,8 @@ def test_bench_runs_each_seed_of_a_family_after_its_setup_and_reuses_only_its_ow
     a seed made under another set-up: two families of three seeds (in-process executor)
     must each get seeds 0, 1, 2 with their own setup, every seed's result must reach its
     family's report and ``out/NAME/seed_K.json``; a second run with ``reuse`` and no
-    training reports the same seeds from disk, except one whose set-up key changed."""
+    training reports the same seeds from disk, except one whose set-up key changed or
+    whose file cannot be read (run again with training)."""
     import json
 
     from bench.seeded_units import run_units
@@ -113,6 +114,15 @@ def test_bench_runs_each_seed_of_a_family_after_its_setup_and_reuses_only_its_ow
     assert [x["seed_index"] for x in again["a"]["seeds"]] == [0, 1, 2]
     assert [x["seed_index"] for x in again["b"]["seeds"]] == [0, 2]
     assert all(x["reused"] for f in "ab" for x in again[f]["seeds"])
+    # a seed file cut short or of another shape is not reused (it crashed the bench
+    # after its set-up, naming no file); with training, the seed runs again
+    (tmp_path / "a" / "seed_0.json").write_text('{"setup_key": "a0", "seed')
+    (tmp_path / "a" / "seed_1.json").write_text("[]")
+    again = run_units(models, 1, 3, str(tmp_path), reuse=True, train=False, **fns)
+    assert [x["seed_index"] for x in again["a"]["seeds"]] == [2]
+    run_units(models, 1, 3, str(tmp_path), reuse=True, **fns)
+    assert sorted(c for c in calls if c[0] == "a") == [("a", "a", 0), ("a", "a", 1)]
+    assert json.loads((tmp_path / "a" / "seed_0.json").read_text())["setup_key"] == "a0"
 
 
 def test_a_seed_file_is_written_as_soon_as_its_seed_ends(monkeypatch, tmp_path):

@@ -53,10 +53,15 @@ def _report(tmp_path, seeds=(("gpt3_1.3b", 2),), **extra):
         models[name] = {"seed_runs": [{"setup_key": f"k{i}"} for i in range(n)]}
         (tmp_path / name).mkdir(exist_ok=True)
         for i in range(n):
-            (tmp_path / name / f"seed_{i}.json").write_text(json.dumps({"setup_key": f"k{i}"}))
+            (tmp_path / name / f"seed_{i}.json").write_text(json.dumps(_seed(f"k{i}")))
     path = tmp_path / "cona_ttp.json"
     path.write_text(json.dumps({"gpu": "A100-80GB", "num_gpus": 64, "models": models, **extra}))
     return path
+
+
+def _seed(key: str) -> dict:
+    """The least of a seed file a re-run reads: its key and CONA's record."""
+    return {"setup_key": key, "methods": {"cona": {"ttp_s": 1.0, "chain": []}}}
 
 
 def test_only_a_full_runs_report_with_its_own_seed_files_is_accepted(tmp_path, capsys):
@@ -83,10 +88,18 @@ def test_only_a_full_runs_report_with_its_own_seed_files_is_accepted(tmp_path, c
     refused([str(path), "--families", "bert_large"], "not families of")
     refused([str(path), "--jobs", "0"], "--jobs must be >= 1")
     refused([str(path), "--out", str(tmp_path)], "is the earlier run's seed folder")
-    (tmp_path / "gpt3_1.3b" / "seed_1.json").write_text(json.dumps({"setup_key": "rerun-k1"}))
+    seed1 = tmp_path / "gpt3_1.3b" / "seed_1.json"
+    seed1.write_text(json.dumps(_seed("rerun-k1")))
     refused([str(path)], "seed_1.json is missing or not the seed 1")
-    (tmp_path / "gpt3_1.3b" / "seed_1.json").write_text(json.dumps({"setup_key": "other"}))
+    seed1.write_text(json.dumps(_seed("other")))
     refused([str(path)], "seed_1.json is missing or not the seed 1")
+    # a seed file cut short, of another shape, or without CONA's record: named, before
+    # any set-up (a traceback or an unnamed JSON error once)
+    seed1.write_text(json.dumps(_seed("k1"))[:20])
+    refused([str(path)], f"{seed1} cannot be read as a seed file")
+    for bad in ([], {"setup_key": "k1"}, {"setup_key": "k1", "methods": {"cona": {}}}):
+        seed1.write_text(json.dumps(bad))
+        refused([str(path)], f"{seed1} is not a bench/cona_ttp.py seed file")
     (tmp_path / "gpt3_1.3b" / "seed_1.json").unlink()
     refused([str(path)], "seed_1.json is missing")
     refused([str(_report(tmp_path, (("gpt3_1.3b", 2), ("llama3.2_1b", 3))))],
