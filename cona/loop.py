@@ -247,6 +247,9 @@ class Loop:
         if self.controller is not None and not fresh:
             self.controller.record_iteration(step_s, job.strategy)
             self.controller.record_progress(samples, result.loss)
+        # as train.py's step records; the emulated clock's step_s times the target model,
+        # not the proxy's tokens
+        tokens_per_s = result.tokens / step_s if job.ctx.clock == "wall" and step_s > 0 else None
         record = {
             "event": "step",
             "step": job.trainer.step,
@@ -257,6 +260,7 @@ class Loop:
             "lr": result.lr,
             "grad_norm": result.grad_norm,
             "step_s": step_s,
+            **({"tokens_per_s": tokens_per_s} if tokens_per_s is not None else {}),
             "strategy": job.strategy.label,
             "global_batch_size": job.strategy.global_batch_size,
             **job.gns.to_dict(),
@@ -287,7 +291,7 @@ class Loop:
         if self.reporter is not None:
             self.reporter.update(samples, step=job.trainer.step, loss=result.loss,
                                  val_ppl=p.last_val_ppl, time_s=job.clock_s,
-                                 tokens_per_s=result.tokens / step_s if job.ctx.clock == "wall" else None,
+                                 tokens_per_s=tokens_per_s,
                                  evaluated="val_loss" in record,
                                  note=f"{job.strategy.label} ({job.ctx.clock} clock)")
         self.maybe_decide()

@@ -90,6 +90,8 @@ def test_resumed_run_goes_on_from_its_checkpoint(resumed):
             return 2e-3 * done / warm
         return 2e-4 + (2e-3 - 2e-4) * 0.5 * (1 + math.cos(math.pi * (done - warm) / (decay - warm)))
 
+    # every step record has train.py's throughput field (the wall clock's; it had none)
+    assert all(r["tokens_per_s"] > 0 for r in steps_a + steps_b)
     assert [r["lr"] for r in steps_a + steps_b] == pytest.approx(
         [lr(r["step"]) for r in steps_a + steps_b], rel=1e-6)
     # the clock goes on from the one saved with step 8 (its save itself is not counted)
