@@ -114,7 +114,8 @@ def find_checkpoint(path: str | Path) -> Path:
     """Resolve a ``checkpoints/`` folder (via ``latest``) or one ``iter_*`` folder.
 
     Raises:
-        CheckpointError: no complete checkpoint there.
+        CheckpointError: ``path`` does not exist (naming the checkpoints its folder still
+            holds), or holds no complete checkpoint.
     """
     path = Path(path)
     if path.name.startswith("outer_") or (list(path.glob("outer_*"))
@@ -133,6 +134,14 @@ def find_checkpoint(path: str | Path) -> Path:
     complete = sorted(p for p in path.glob("iter_*") if (p / COMPLETE).is_file())
     if complete:
         return complete[-1]
+    if not path.is_dir():
+        kept = sorted(p.name for p in path.parent.glob("iter_*")
+                      if (p / COMPLETE).is_file()) if path.parent.is_dir() else []
+        raise CheckpointError(
+            f"'{path}' does not exist" + (
+                f"; its folder holds {', '.join(kept)} (checkpoint.keep_last deletes older "
+                f"ones): point checkpoint.load at one of those, or at '{path.parent}' for "
+                "the latest" if kept else ""))
     raise CheckpointError(
         f"no complete checkpoint in '{path}'; point checkpoint.load (a tool's --input / "
         "--checkpoint) at a run's checkpoints/ folder or an iter_XXXXXXX folder that has a "

@@ -384,3 +384,12 @@ def test_a_save_cut_short_leaves_no_tmp_folder(tmp_path, stop):
         "iter_0000002", "iter_0000008", "latest", "outer_0000001.tmp"]
     assert find_checkpoint(root) == root / "iter_0000008"
     assert (root / "iter_0000002" / COMPLETE).is_file()
+    # a checkpoint that keep_last deleted (or a typo) is named missing, with what is left
+    # ("no complete checkpoint in" it, before)
+    from jobruntime.checkpoint import CheckpointError
+
+    with pytest.raises(CheckpointError, match=r"iter_0000004' does not exist; its folder "
+                       r"holds iter_0000002, iter_0000008 \(checkpoint.keep_last"):
+        find_checkpoint(root / "iter_0000004")
+    with pytest.raises(CheckpointError, match=r"nowhere' does not exist$"):
+        find_checkpoint(tmp_path / "nowhere")
