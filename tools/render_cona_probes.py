@@ -2,7 +2,8 @@
 ``bench/cona_growth.py`` (where a run's noise-scale growth happens: along the reference's
 segment or at its start), ``bench/cona_probe_precision.py`` (how many micro-batches a
 probe needs), ``bench/cona_consecutive.py`` (the noise scale from consecutive steps
-against the within-step one) and ``bench/cona_split_cost.py`` (what a split step costs)."""
+against the within-step one), ``bench/cona_split_cost.py`` (what a split step costs) and
+``bench/cona_calibrate.py`` (the noise-scale growth against the target's depth)."""
 
 from __future__ import annotations
 
@@ -133,3 +134,27 @@ def cona_split_cost(r: dict, file: str = "cona_split_cost") -> str:
         out += ["", f"Other processes used {100 * load['other_cpu_share']:.0f} % of the "
                 "machine's CPU time while it ran."]
     return "\n".join([*out, "", _source(r, file)]) + "\n"
+
+
+def cona_calibrate(r: dict, file: str) -> str:
+    """bench/cona_calibrate.py: per target fraction of ``min(unigram, warm ppl)`` the
+    target perplexity, the reference's proxy samples from the warm state to it (and
+    over the shallowest fraction's: what a bench at that target would train, roughly),
+    the direct noise-scale growth as the bench reads it, and the probes behind it."""
+    precision = r.get("precision", "fp32")  # files before the field: fp32, before rule 0
+    rows = [f"**{r['family']}** (`{r['proxy']}`, {precision}, probes "
+            + (f"{r['probe_density']} per evaluation interval" if r.get("probe_density")
+               else "one per evaluation") + f"): unigram ppl {r['unigram_ppl']:.1f}, warm "
+            f"state {r['warm_ppl']:.1f}.", "",
+            "| target fraction | target val ppl | reference's proxy samples to it "
+            "| samples over the shallowest fraction's | noise-scale growth (the bar's) "
+            "| probes |",
+            "|---:|---:|---:|---:|---:|---:|"]
+    base = next((x["samples"] for x in r["rows"] if x["reached"]), None)
+    for x in r["rows"]:
+        if not x["reached"]:
+            rows.append(f"| {x['fraction']:g} | {x['target_ppl']:.1f} | not reached | | | |")
+            continue
+        rows.append(f"| {x['fraction']:g} | {x['target_ppl']:.1f} | {x['samples']:,} | "
+                    f"{x['samples'] / base:.2f}x | {x['growth']:.2f}x | {x['probes']} |")
+    return "\n".join(rows + ["", _source(r, file)]) + "\n"

@@ -37,6 +37,7 @@ from render_cona import (  # noqa: E402
 )
 from render_cona_efficiency import cona_adam_memory, cona_efficiency  # noqa: E402
 from render_cona_probes import (  # noqa: E402
+    cona_calibrate,
     cona_consecutive,
     cona_growth,
     cona_probe_precision,
@@ -376,7 +377,11 @@ RENDERERS: dict[str, Callable[[dict], str]] = {"four_shape_cpu": four_shape_cpu,
                                                    cona_repro, file="cona_repro_before"),
                                                "cona_repro_probes": partial(
                                                    cona_repro, file="cona_repro_probes"),
-                                               "cona_ttp_quick": cona_ttp}
+                                               "cona_ttp_quick": cona_ttp,
+                                               **{f"cona_calibrate_bf16_{f}": partial(
+                                                   cona_calibrate,
+                                                   file=f"cona_calibrate_bf16_{f}")
+                                                  for f in ("gpt3_1.3b", "llama3.2_1b")}}
 VIEWS: dict[tuple[str, str], Callable[[dict], str]] = {
     ("h200_2026-11-30", "headline"): h200_headline,
     ("h200_2026-12-04", "headline"): h200_check_headline,
