@@ -133,6 +133,12 @@ def find_state(path: str | Path) -> Path:
     )
 
 
+# what a method's state must hold to resume: the outer loop's (checkpoint_state), or the
+# DDP baseline's one job (geomesh.baselines.run_ddp: no outer step, no workers)
+_STATE_KEYS = {None: {"method", "round", "outer"},
+               "ddp": {"method", "round", "position", "params", "optimizer", "scheduler"}}
+
+
 def load_state(path: str | Path, *, rank: int) -> dict:
     """This rank's state from a checkpoint.
 
@@ -162,8 +168,10 @@ def load_state(path: str | Path, *, rank: int) -> dict:
             "resume from "
             "an earlier outer_XXXXXXX folder or start without checkpoint.load"
         ) from None
-    if not isinstance(state, dict) or not {"method", "round", "outer"} <= set(state):
-        raise CheckpointError(f"'{f}' is not a GeoMesh state (no method, round and outer state); "
+    need = _STATE_KEYS.get(state.get("method"), _STATE_KEYS[None]) if isinstance(state, dict) \
+        else _STATE_KEYS[None]
+    if not isinstance(state, dict) or not need <= set(state):
+        raise CheckpointError(f"'{f}' is not a GeoMesh state (it needs {', '.join(sorted(need))}); "
                               "resume from an earlier outer_XXXXXXX folder")
     return state
 

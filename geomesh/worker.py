@@ -144,11 +144,14 @@ def worker_schedule(cfg: JobConfig, inner_iters: int, warmup_iters: int):
 def set_schedule(sched, inner_iters: int, warmup_iters: int) -> None:
     """Give a worker's LR schedule (megatron's ``OptimizerParamScheduler``) a new
     length, as ``lr_scheduler(worker_schedule(cfg, inner_iters, warmup_iters))``
-    builds it; its position (``num_steps``) is kept."""
+    builds it; its position (``num_steps``) is kept and every param group's LR is
+    recomputed there (megatron sets it only in ``step``: the next inner step would
+    train at the old schedule's LR)."""
     iters = max(inner_iters, 1)
     sched.lr_warmup_steps = warmup_iters
     sched.lr_decay_steps = max(iters, warmup_iters + 1)  # megatron needs warmup < decay
     sched.wd_incr_steps = iters
+    sched.step(0)
 
 
 def follow_replan(schedules: list[tuple[int, int]], old: list[ProxyStep], new: list[ProxyStep],

@@ -66,7 +66,12 @@ def _all(cache_dir: str, root: str) -> dict:
     out["summary"]["resumed"] = run(cfg("geomesh", "geomesh.outer_steps=3", ef,
                                         f"checkpoint.load={ckpt}"), root / "resumed")
     for m in ("ddp", "diloco", "async"):
-        out["summary"][m] = run(cfg(m, "geomesh.outer_steps=2"), root / m)
+        saves = ["checkpoint.save_interval=1", "checkpoint.keep_last=5"] if m == "ddp" else []
+        out["summary"][m] = run(cfg(m, "geomesh.outer_steps=2", *saves), root / m)
+    out["summary"]["ddp-resumed"] = run(
+        cfg("ddp", "geomesh.outer_steps=2",
+            f"checkpoint.load={root / 'ddp' / 'checkpoints' / 'outer_0000001'}"),
+        root / "ddp-resumed")
     # A 4x slowdown: the re-plan changes the workers' proxy inner steps (3, 1 -> 2, 2).
     raw4 = dict(raw, name="slow4", slowdown={"worker": "h100-eastus", "factor": 4, "from_round": 1})
     slow4 = root / "slow4.yaml"
@@ -122,6 +127,18 @@ def test_resume_equals_uninterrupted_run(results):
         assert s_full[key] == s_res[key], key
 
 
+def test_the_ddp_baseline_resumes_from_its_checkpoint(results):
+    """Catches DDP checkpoints that no resume accepts (the state check asked every
+    method for the outer loop's state, which DDP has none of): resumed from its step-1
+    checkpoint, DDP's step 2 equals the uninterrupted run's."""
+    root, out = results
+    full, resumed = _metrics(root / "ddp"), _metrics(root / "ddp-resumed")
+    assert [r["step"] for r in resumed] == [2]
+    for key in ("loss", "tokens", "time_s", "bytes"):
+        assert full[1][key] == resumed[0][key], key
+    assert out["summary"]["ddp"]["final_val_ppl"] == out["summary"]["ddp-resumed"]["final_val_ppl"]
+
+
 def test_slowdown_triggers_replan(results):
     """Catches a planner that ignores drift: the H100 worker becomes 2x slower
     in outer step 2 (its straggler-free plan now leaves the T4 waiting); GeoMesh
@@ -161,6 +178,29 @@ def test_lr_schedules_follow_a_replan(results):
         assert [s["lr_decay_steps"] for s in scheds] == [8, 4], name
     resumed = _metrics(root / "slow4-resumed")
     assert resumed[0]["step"] == 3 and resumed[0]["loss"] == m[2]["loss"]
+
+
+def test_a_replan_sets_the_lr_of_the_next_inner_step():
+    """Catches a re-plan that resized a worker's schedule but left its param groups at
+    the LR the old schedule had set (megatron sets it in ``step``): the first inner
+    step after every re-plan trained at the old schedule's LR (measured: 0.0016 where
+    the new one gives 0.00178)."""
+    import torch
+
+    from geomesh.worker import set_schedule, worker_schedule
+    from jobruntime.config import load_config
+    from jobruntime.trainer import lr_scheduler
+
+    cfg = load_config("tiny_gpt", ["train.warmup_iters=4"])
+    opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))])
+    opt.param_groups[0].update(max_lr=cfg.train.lr, min_lr=cfg.train.min_lr)
+    sched = lr_scheduler(opt, worker_schedule(cfg, inner_iters=12, warmup_iters=4))
+    sched.step(increment=6)  # six inner steps trained, in decay
+    before = opt.param_groups[0]["lr"]
+    set_schedule(sched, inner_iters=20, warmup_iters=4)
+    assert sched.num_steps == 6
+    assert opt.param_groups[0]["lr"] == pytest.approx(sched.get_lr(opt.param_groups[0]))
+    assert opt.param_groups[0]["lr"] > before * 1.05  # a longer decay: a higher LR at step 6
 
 
 def test_overlap_without_delay_equals_blocking_rounds(results):
