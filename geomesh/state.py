@@ -273,6 +273,7 @@ def load_heal(loop, st: dict) -> None:
     """Take a live worker's :func:`heal_state`: the round, data position, plan, outer
     state, and each inner LR schedule where the others' is."""
     from geomesh.fleet.membership_plan import plan_from_dict
+    from geomesh.worker import schedule_position
 
     ctx = loop.ctx
     loop.r, loop.position, loop.replans = int(st["round"]), int(st["position"]), int(st["replans"])
@@ -281,14 +282,16 @@ def load_heal(loop, st: dict) -> None:
     loop.members = [int(k) for k in st["members"]]
     loop.outer.load_state_dict(st["outer"])
     loop.guard.load_state_dict(st["guard"])
-    loop.lr_scales.load_state_dict(
-        st.get("lr_scale", {"done": [loop.r * s.inner_steps for s in loop.steps]}))
     ctx.planner.speed = {k: float(v) for k, v in st["speed"].items()}
     ctx.planner.fit.load_state_dict(st.get("fit", {}))
     loop.plan = plan_from_dict(st["plan"], ctx.planner.tolerance)
     loop.steps, loop.next_steps, loop.history = proxy_steps_for(ctx, loop.plan), None, {}
+    loop.lr_scales.load_state_dict(st.get("lr_scale", {"done": [  # a peer without it
+        schedule_position(n, s.inner_steps, loop.r, loop.g.outer_steps)
+        for (n, _), s in zip(loop.schedules, loop.steps)]}))
     for w in loop.workers.values():  # the inner LR schedule where the others' is
-        at = loop.r * loop.steps[w.index].inner_steps
+        at = schedule_position(loop.schedules[w.index][0], loop.steps[w.index].inner_steps,
+                               loop.r, loop.g.outer_steps)
         w.trainer.scheduler.step(increment=max(at - w.trainer.step, 0))
         w.trainer.step = max(w.trainer.step, at)
     log.info("healed from a live peer: round %d", loop.r)

@@ -102,7 +102,7 @@ from .wire.canonical import CanonicalSchema, layout_map
 from .wire.canonical_codec import CanonicalCodec
 from .wire.compression import ErrorFeedback
 from .wire.guard import Guard
-from .worker import InnerWorker, LrScale, ProxyStep, follow_replan
+from .worker import InnerWorker, LrScale, ProxyStep, follow_replan, schedule_position
 
 log = logging.getLogger(__name__)
 
@@ -482,9 +482,10 @@ class OuterLoop(RoundFigures):
         """Guard, decode and aggregate ``Δ`` on this rank's shards, take the outer step;
         returns each worker's accepted tokens (0: absent or rejected)."""
         rsteps, lr = rnd.steps, self.lr_scales
-        if self.ft is not None:  # a worker that joined healed its schedule to at least r·H_i
+        if self.ft is not None:  # a worker that joined healed its schedule to the others'
             for i in self.members:
-                lr.done[i] = max(lr.done[i], rnd.r * rsteps[i].inner_steps)
+                lr.done[i] = max(lr.done[i], schedule_position(
+                    self.schedules[i][0], rsteps[i].inner_steps, rnd.r, self.g.outer_steps))
         self.guard.expect({i: rsteps[i].samples * self.cfg.model.seq_length
                            for i in range(self.K)},
                           {i: lr.round(i, rsteps[i]) for i in range(self.K)})

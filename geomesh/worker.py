@@ -154,6 +154,16 @@ def set_schedule(sched, inner_iters: int, warmup_iters: int) -> None:
     sched.step(0)
 
 
+def schedule_position(inner_iters: int, inner_steps: int, round_: int, outer_steps: int) -> int:
+    """The inner steps a worker's LR schedule stands at when round ``round_`` (0-based:
+    the rounds before it done) starts: its length less the rounds left at its current
+    ``H_i`` (``inner_steps``).  Every schedule ends with the run (:func:`follow_replan`
+    keeps that across re-plans), so this holds after any re-plan; ``round_ · H_i``, what
+    a joining worker and the guard's expected scale were set to, holds only while
+    ``H_i`` never changed (after one that raised it, it stood rounds ahead)."""
+    return inner_iters - (outer_steps - round_) * inner_steps
+
+
 def follow_replan(schedules: list[tuple[int, int]], old: list[ProxyStep], new: list[ProxyStep],
                   round_: int, outer_steps: int) -> list[tuple[int, int]]:
     """Every worker's ``(inner_iters, warmup_iters)`` after a re-plan that takes

@@ -203,6 +203,22 @@ def test_a_replan_sets_the_lr_of_the_next_inner_step():
     assert opt.param_groups[0]["lr"] > before * 1.05  # a longer decay: a higher LR at step 6
 
 
+def test_a_schedules_position_follows_a_replan():
+    """Catches a worker's schedule position taken as ``r · H_i`` (what a healed worker was
+    stepped to, and the guard's expected scale assumed): after a re-plan from H = 3 to 5
+    at round 2 of 5, a worker that trained 3 + 3 + 5 steps before round 3 stands at 11,
+    not 15; without a re-plan both agree."""
+    from geomesh.worker import ProxyStep, follow_replan, schedule_position
+
+    def step(h):
+        return ProxyStep(target=None, batches=(4,) * h)
+
+    (total, _), = follow_replan([(5 * 3, 2)], [step(3)], [step(5)], 2, 5)
+    assert total == 3 + 3 + 3 * 5
+    assert [schedule_position(total, 5, r, 5) for r in (2, 3, 4, 5)] == [6, 11, 16, 21]
+    assert [schedule_position(15, 3, r, 5) for r in range(6)] == [3 * r for r in range(6)]
+
+
 def test_overlap_without_delay_equals_blocking_rounds(results):
     """Catches overlap machinery that changes the math or the clock when nothing
     overlaps (a rebase that is not exactly θ_global, records or re-plans shifted
