@@ -104,9 +104,10 @@ def load_start(cfg: JobConfig, trainer) -> tuple[int, dict]:
     before a switch) into ``trainer`` and return where the job starts: ``(consumed
     samples, CONA state)``.  A resume (``checkpoint.load_optimizer``) goes on at the
     checkpoint's data position with the CONA state saved under its ``extra["cona"]``
-    (:meth:`cona.run.Loop.state_dict`; ``{}`` where it holds none); a weights-only load
-    starts both afresh, as :func:`jobruntime.loop.train` does.  ``(0, {})`` without
-    ``checkpoint.load``.
+    (:meth:`cona.run.Loop.state_dict`; ``{}`` where it holds none: an ordinary run's,
+    whose LR schedule counted steps, so the sample schedule's position is set to the
+    samples it trained); a weights-only load starts both afresh, as
+    :func:`jobruntime.loop.run` does.  ``(0, {})`` without ``checkpoint.load``.
 
     Raises:
         CheckpointError: as :func:`jobruntime.checkpoint.load_checkpoint`.
@@ -117,7 +118,11 @@ def load_start(cfg: JobConfig, trainer) -> tuple[int, dict]:
     state = load_checkpoint(c.load, trainer, load_optimizer=c.load_optimizer)
     if not c.load_optimizer:
         return 0, {}
-    return state["consumed_samples"], state["extra"].get("cona") or {}
+    consumed, cona = state["consumed_samples"], state["extra"].get("cona") or {}
+    if not cona:  # an ordinary run's schedule: num_steps came in steps, not samples
+        trainer.scheduler.num_steps = consumed
+        trainer.scheduler.step(0)
+    return consumed, cona
 
 
 class Job:
@@ -265,7 +270,7 @@ class RealJob(Job):
 
     def resume_clock(self, seconds: float) -> None:
         """Go on from a resumed run's clock: ``clock_s`` reads ``seconds`` now (the
-        restart itself is not counted, as in :func:`jobruntime.loop.train`)."""
+        restart itself is not counted, as in :func:`jobruntime.loop.run`)."""
         self._t0 = time.perf_counter() - seconds
 
     def train_step(self) -> tuple[StepResult, float]:

@@ -121,7 +121,7 @@ def run(cfg: JobConfig, run_dir: Path) -> dict:
                     "afresh", cfg.checkpoint.load)
     if job.consumed_samples >= ctx.budget_samples and job.is_logging_rank:
         log.warning("nothing to train: the checkpoint %s has trained %d samples, the budget "
-                    "(train.iters x the preset's global batch) is %d; raise train.iters to "
+                    "(train.iters x parallel.global_batch_size) is %d; raise train.iters to "
                     "train on", cfg.checkpoint.load, job.consumed_samples, ctx.budget_samples)
     loop.reporter = StepProgress(cfg.logging.progress, enabled=job.is_logging_rank,
                                  total=ctx.budget_samples, unit="sample", logger=log,

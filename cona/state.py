@@ -37,25 +37,32 @@ class SampleScheduler(OptimizerParamScheduler):
     this class turns that into ``+global_batch_size`` samples, so warmup and
     cosine decay (given in samples) are independent of the batch size.
     :attr:`global_batch_size` must follow the current strategy.
+
+    The schedule's settings (peak and final LR, warmup, decay) are the run's own, a
+    checkpoint's are not taken (megatron's ``override_opt_param_scheduler``, on by
+    default here): a layout switch rebuilds the scheduler from the config
+    (:func:`build_scheduler`), so a schedule read from a checkpoint would hold only until
+    the next layout switch (a run resumed with a larger ``train.iters`` trained at the
+    final LR, then jumped back up at its first layout switch).
     """
 
     def __init__(self, optimizer, *, global_batch_size: int, **kwargs):
         self.global_batch_size = global_batch_size
+        kwargs.setdefault("override_opt_param_scheduler", True)
+        kwargs.setdefault("use_checkpoint_opt_param_scheduler", False)  # megatron: not both
         super().__init__(optimizer, **kwargs)
 
     def step(self, increment: int) -> None:
         super().step(increment=increment * self.global_batch_size)
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """megatron's ``load_state_dict``, with the saved position taken as it was saved:
-        in samples.  The parent re-applies it as ``self.step(increment=num_steps)``, which
-        :meth:`step` would multiply by the global batch (a resumed run then stood
-        ``global_batch_size`` times further into its warmup and decay).  The position is
-        set, not added: it replaces whatever this scheduler was built at.
-
-        Raises:
-            AssertionError: as megatron's, where a saved setting the run does not override
-                differs (``_check_and_set``)."""
+        """The position of a :class:`SampleScheduler`'s ``state_dict`` (samples), set, not
+        added: it replaces whatever this scheduler was built at; the settings stay this
+        run's (class docstring).  megatron's ``load_state_dict`` re-applies the position
+        as ``self.step(increment=num_steps)``, which :meth:`step` would multiply by the
+        global batch (a resumed run then stood ``global_batch_size`` times further into
+        its warmup and decay).  A step-counted schedule (an ordinary run's) is not this
+        class's: :func:`cona.job.load_start` sets its position from the samples."""
         batch, self.global_batch_size, self.num_steps = self.global_batch_size, 1, 0
         try:
             super().load_state_dict(state_dict)

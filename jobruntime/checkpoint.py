@@ -134,7 +134,7 @@ def find_checkpoint(path: str | Path) -> Path:
     complete = sorted(p for p in path.glob("iter_*") if (p / COMPLETE).is_file())
     if complete:
         return complete[-1]
-    if not path.is_dir():
+    if not path.exists():
         kept = sorted(p.name for p in path.parent.glob("iter_*")
                       if (p / COMPLETE).is_file()) if path.parent.is_dir() else []
         raise CheckpointError(

@@ -103,7 +103,7 @@ def run(cfg: JobConfig, run_dir: Path,
     t0 = time.perf_counter() - start_time
     last_val_ppl = extra.get("final_val_ppl")
     stop = False
-    if trainer.step >= t.iters:
+    if trainer.step >= t.iters and topo.is_logging_rank:
         log.warning("nothing to train: the checkpoint %s is at step %d, train.iters=%d; raise "
                     "train.iters to train on", cfg.checkpoint.load, trainer.step, t.iters)
     while trainer.step < t.iters and not stop:

@@ -124,6 +124,11 @@ def test_sample_schedule_and_lr_scaling():
     assert opt.param_groups[0]["lr"] == pytest.approx(2e-3 * 40 / 64)
     fresh.step(1)
     assert fresh.num_steps == 72
+    # the run's own settings stay (a layout switch rebuilds them from the config): a
+    # state saved under a shorter decay and another peak moves only the position
+    saved = dict(sched.state_dict(), lr_decay_steps=320, max_lr=9e-3)
+    fresh.load_state_dict(saved)
+    assert (fresh.num_steps, fresh.lr_decay_steps, fresh.max_lr) == (40, 640, 2e-3)
     cfg = strategy_config(_cfg(), Strategy(2, 2, 1, 2, 16), lr=5e-3, min_lr=5e-4)
     assert (
         cfg.parallel.tp,

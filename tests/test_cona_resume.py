@@ -157,6 +157,42 @@ def test_a_checkpoint_holds_the_decision_and_switch_of_its_step():
     assert saved == [(3, 1, [small.label, big.label])]
 
 
+def test_a_resume_from_an_ordinary_runs_checkpoint_counts_its_schedule_in_samples(monkeypatch):
+    """Catches a CONA resume that read an ordinary train.py checkpoint's step-counted
+    schedule as samples: 4 steps of 16 sequences must put the sample schedule at 64
+    samples (at 4 once, 7x too low an LR in warmup); a CONA checkpoint's position, in
+    samples already, is kept as saved."""
+    import types
+
+    import cona.job as cjob
+    from cona.state import SampleScheduler
+    from jobruntime.config import load_config
+    from jobruntime.trainer import lr_scheduler
+
+    cfg = load_config("tiny_gpt", ["cona.enabled=true", "checkpoint.load=/nowhere"])
+    ordinary = lr_scheduler(types.SimpleNamespace(param_groups=[]), cfg.train)  # steps
+    ordinary.step(increment=4)
+
+    def trainer():
+        opt = types.SimpleNamespace(param_groups=[])
+        return types.SimpleNamespace(scheduler=SampleScheduler(
+            opt, global_batch_size=16, init_lr=0.0, max_lr=1e-3, min_lr=1e-4,
+            lr_warmup_steps=320, lr_decay_steps=3200, lr_decay_style="cosine", start_wd=0.0,
+            end_wd=0.0, wd_incr_steps=3200, wd_incr_style="constant"))
+
+    saved = ordinary.state_dict()
+    for extra, position in (({}, 64), ({"cona": {"clock_s": 1.0}}, 4)):
+        t = trainer()
+
+        def load(path, tr, load_optimizer, extra=extra):
+            tr.scheduler.load_state_dict(saved)
+            return {"step": 4, "consumed_samples": 64, "extra": extra}
+
+        monkeypatch.setattr(cjob, "load_checkpoint", load)
+        assert cjob.load_start(cfg, t) == (64, extra.get("cona", {}))
+        assert t.scheduler.num_steps == position
+
+
 def test_lr_ramp_goes_on_across_a_resume():
     """Catches a resume in the middle of an LR ramp that jumps to the new rate (the old
     known limit): a run that switched from proxy batch 16 to 128 with a 4-step ramp and

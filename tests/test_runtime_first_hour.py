@@ -363,6 +363,9 @@ def test_no_message_advises_checkpoint_load_without_looking():
     # it trained nothing (a real-mode checkpoint's budget used up) or went on at time 0
     (["train.py", "cona.enabled=true", "cona.clock=emulated", "checkpoint.load=runs/x/checkpoints"],
      "error: CONA's emulated clock cannot resume a run"),
+    # GeoMesh resumed the whole state anyway (it has no weights-only start)
+    (["train.py", "geomesh.method=diloco", "geomesh.cluster=four_region", "checkpoint.load=x",
+      "checkpoint.load_optimizer=false"], "error: geomesh.method=diloco resumes a run's whole"),
     (["tools/convert_checkpoint.py", "hf-to-mcore", "--model", "llama", "--input", "hf/missing",
       "--output", "unused"], "error: --input hf/missing does not exist"),
     (["tools/zero_shot.py", "--config", "tiny_gpt", "--checkpoint", "runs/missing/checkpoints",

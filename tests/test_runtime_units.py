@@ -393,3 +393,5 @@ def test_a_save_cut_short_leaves_no_tmp_folder(tmp_path, stop):
         find_checkpoint(root / "iter_0000004")
     with pytest.raises(CheckpointError, match=r"nowhere' does not exist$"):
         find_checkpoint(tmp_path / "nowhere")
+    with pytest.raises(CheckpointError, match=r"no complete checkpoint in '.*latest'"):
+        find_checkpoint(root / "latest")  # there, but a file: not "does not exist"

@@ -28,7 +28,9 @@ class CheckpointConfig:
     load_optimizer: bool = True
     """Resume optimizer, LR schedule, step, data position and clock from
     ``load``; ``false`` loads only the model weights and starts training afresh
-    (fine-tuning, e.g. from ``tools/convert_checkpoint.py`` output)."""
+    (fine-tuning, e.g. from ``tools/convert_checkpoint.py`` output).  A GeoMesh run
+    only resumes (``false`` is refused); CONA's emulated clock only starts from the
+    weights (``true`` with ``load`` is refused)."""
     keep_last: int = 2
     """Number of checkpoints kept; older ones are deleted (0 keeps all)."""
     load_exact: bool = True

@@ -38,8 +38,9 @@ class JobConfig:
         Raises:
             ConfigError: the first out-of-range setting, named; or a setting that the
                 job kind ignores (``cona.schedule`` outside GeoMesh, zero-shot tasks in a
-                GeoMesh or CONA run), or a resume that CONA's emulated clock cannot make
-                (``checkpoint.load`` with ``load_optimizer``).
+                GeoMesh or CONA run), a resume that CONA's emulated clock cannot make
+                (``checkpoint.load`` with ``load_optimizer``), or a weights-only start
+                that GeoMesh cannot make (``load_optimizer=false``).
         """
         self.model.validate()
         self.train.validate()
@@ -58,6 +59,11 @@ class JobConfig:
                               "checkpoint's optimizer and data position at emulated time 0; "
                               "set checkpoint.load_optimizer=false to start it from the "
                               "checkpoint's weights, or resume with cona.clock=wall")
+        if geomesh and self.checkpoint.load and not self.checkpoint.load_optimizer:
+            raise ConfigError(f"geomesh.method={self.geomesh.method} resumes a run's whole state "
+                              "from checkpoint.load and starts no run from a checkpoint's "
+                              "weights alone: drop checkpoint.load_optimizer=false to resume, "
+                              "or unset checkpoint.load")
         if self.train.zero_shot_tasks and (geomesh or self.cona.enabled):
             raise ConfigError("train.zero_shot_tasks scores the model after an ordinary job; "
                               "GeoMesh and CONA runs do not run it: unset it")
