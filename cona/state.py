@@ -68,6 +68,11 @@ class SampleScheduler(OptimizerParamScheduler):
             super().load_state_dict(state_dict)
         finally:
             self.global_batch_size = batch
+        # megatron reads the peak and final LR per param group, and an optimizer loaded
+        # before this (jobruntime.checkpoint) brought the checkpoint's: the run's again
+        for group in self.optimizer.param_groups:
+            group["max_lr"], group["min_lr"] = self.max_lr, self.min_lr
+        self.step(0)
 
 
 def build_scheduler(

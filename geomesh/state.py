@@ -196,7 +196,7 @@ def checkpoint_state(loop, step: int) -> dict:
         "stats": loop.stats.state_dict(), "rng": torch.get_rng_state(), "history": loop.history,
         "guard": loop.guard.state_dict(), "lr_scale": loop.lr_scales.state_dict(),
         "eager": loop.eager.state_dict() if loop.eager is not None else None,
-        "schedules": loop.saved_schedules(step),
+        "schedules": loop.saved_schedules(step), "schedule_rounds": loop.schedule_rounds,
     }
 
 
@@ -235,6 +235,9 @@ def resume(loop, st: dict) -> None:
     if "schedules" in st:  # the schedules as re-plans resized them, a pending one included
         loop.schedules = [(int(n), int(w)) for n, w in st["schedules"]]
         loop.lr_scales.set_schedules(loop.schedules)
+        # they end with the saved run's outer_steps (a resume may raise it); states
+        # before the field: this run's, as then
+        loop.schedule_rounds = int(st.get("schedule_rounds", g.outer_steps))
     for i, w in loop.workers.items():
         w.load_state_dict(st["workers"][i])  # megatron takes the saved scheduler's lengths:
         w.set_schedule(*loop.schedules[i])  # a re-plan pending at the save is not in them
@@ -265,7 +268,8 @@ def heal_state(loop) -> dict:
     return {"round": loop.r, "position": loop.position, "replans": loop.replans,
             "members": loop.members, "plan": loop.plan.to_dict(),
             "speed": dict(ctx.planner.speed), "fit": ctx.planner.fit.state_dict(),
-            "schedules": loop.saved_schedules(loop.r), "outer": loop.outer.state_dict(),
+            "schedules": loop.saved_schedules(loop.r), "schedule_rounds": loop.schedule_rounds,
+            "outer": loop.outer.state_dict(),
             "guard": loop.guard.state_dict(), "lr_scale": loop.lr_scales.state_dict()}
 
 
@@ -279,6 +283,7 @@ def load_heal(loop, st: dict) -> None:
     loop.r, loop.position, loop.replans = int(st["round"]), int(st["position"]), int(st["replans"])
     if "schedules" in st:
         loop.set_schedules([(int(n), int(w)) for n, w in st["schedules"]])
+        loop.schedule_rounds = int(st.get("schedule_rounds", loop.g.outer_steps))
     loop.members = [int(k) for k in st["members"]]
     loop.outer.load_state_dict(st["outer"])
     loop.guard.load_state_dict(st["guard"])
@@ -287,11 +292,11 @@ def load_heal(loop, st: dict) -> None:
     loop.plan = plan_from_dict(st["plan"], ctx.planner.tolerance)
     loop.steps, loop.next_steps, loop.history = proxy_steps_for(ctx, loop.plan), None, {}
     loop.lr_scales.load_state_dict(st.get("lr_scale", {"done": [  # a peer without it
-        schedule_position(n, s.inner_steps, loop.r, loop.g.outer_steps)
+        schedule_position(n, s.inner_steps, loop.r, loop.schedule_rounds)
         for (n, _), s in zip(loop.schedules, loop.steps)]}))
     for w in loop.workers.values():  # the inner LR schedule where the others' is
         at = schedule_position(loop.schedules[w.index][0], loop.steps[w.index].inner_steps,
-                               loop.r, loop.g.outer_steps)
+                               loop.r, loop.schedule_rounds)
         w.trainer.scheduler.step(increment=max(at - w.trainer.step, 0))
         w.trainer.step = max(w.trainer.step, at)
     log.info("healed from a live peer: round %d", loop.r)

@@ -175,6 +175,9 @@ class OuterLoop(RoundFigures):
         self.steps = _proxy(ctx, self.plan)
         # each worker's LR schedule: its own length, warmup scaled by H_i / H; a re-plan
         # resizes the rest of it (follow_replan), a resume and a heal restore it
+        # the round the schedules end with: outer_steps, or the saved run's where a resume
+        # raised outer_steps (its schedules were sized for that; geomesh.state.resume)
+        self.schedule_rounds = g.outer_steps
         self.schedules = [(g.outer_steps * s.inner_steps,
                            round(cfg.train.warmup_iters * s.inner_steps / g.inner_steps))
                           for s in self.steps]
@@ -258,12 +261,12 @@ class OuterLoop(RoundFigures):
         if self.next_steps is None:
             return [list(x) for x in self.schedules]
         return [list(x) for x in follow_replan(self.schedules, self.steps, self.next_steps, rnd,
-                                               self.g.outer_steps)]
+                                               self.schedule_rounds)]
 
     def adopt(self, rnd: int) -> None:
         """The pending re-plan's steps from round ``rnd`` on; every LR schedule follows it."""
         self.set_schedules(follow_replan(self.schedules, self.steps, self.next_steps, rnd,
-                                         self.g.outer_steps))
+                                         self.schedule_rounds))
         self.steps, self.next_steps = self.next_steps, None
 
     def set_schedules(self, schedules: list[tuple[int, int]]) -> None:
@@ -485,7 +488,7 @@ class OuterLoop(RoundFigures):
         if self.ft is not None:  # a worker that joined healed its schedule to the others'
             for i in self.members:
                 lr.done[i] = max(lr.done[i], schedule_position(
-                    self.schedules[i][0], rsteps[i].inner_steps, rnd.r, self.g.outer_steps))
+                    self.schedules[i][0], rsteps[i].inner_steps, rnd.r, self.schedule_rounds))
         self.guard.expect({i: rsteps[i].samples * self.cfg.model.seq_length
                            for i in range(self.K)},
                           {i: lr.round(i, rsteps[i]) for i in range(self.K)})

@@ -127,8 +127,11 @@ def test_sample_schedule_and_lr_scaling():
     # the run's own settings stay (a layout switch rebuilds them from the config): a
     # state saved under a shorter decay and another peak moves only the position
     saved = dict(sched.state_dict(), lr_decay_steps=320, max_lr=9e-3)
+    opt.param_groups[0].update(max_lr=9e-3, min_lr=9e-4)  # as a loaded optimizer holds them
     fresh.load_state_dict(saved)
     assert (fresh.num_steps, fresh.lr_decay_steps, fresh.max_lr) == (40, 640, 2e-3)
+    assert (opt.param_groups[0]["max_lr"], opt.param_groups[0]["min_lr"]) == (2e-3, 2e-4)
+    assert opt.param_groups[0]["lr"] == pytest.approx(2e-3 * 40 / 64)
     cfg = strategy_config(_cfg(), Strategy(2, 2, 1, 2, 16), lr=5e-3, min_lr=5e-4)
     assert (
         cfg.parallel.tp,

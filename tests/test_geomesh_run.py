@@ -65,6 +65,13 @@ def _all(cache_dir: str, root: str) -> dict:
     }
     out["summary"]["resumed"] = run(cfg("geomesh", "geomesh.outer_steps=3", ef,
                                         f"checkpoint.load={ckpt}"), root / "resumed")
+    # a finished run trained further (outer_steps raised on the resume)
+    run(cfg("geomesh", "geomesh.outer_steps=4", ef, "checkpoint.save_interval=1",
+            f"checkpoint.load={root / 'full' / 'checkpoints' / 'outer_0000003'}"),
+        root / "extended")
+    out["extended"] = [torch.load(root / run_dir / "checkpoints" / f"outer_000000{k}" /
+                                  "rank00000.pt", weights_only=False)
+                       for run_dir, k in (("full", 3), ("extended", 4))]
     for m in ("ddp", "diloco", "async"):
         saves = ["checkpoint.save_interval=1", "checkpoint.keep_last=5"] if m == "ddp" else []
         out["summary"][m] = run(cfg(m, "geomesh.outer_steps=2", *saves), root / m)
@@ -217,6 +224,25 @@ def test_a_schedules_position_follows_a_replan():
     assert total == 3 + 3 + 3 * 5
     assert [schedule_position(total, 5, r, 5) for r in (2, 3, 4, 5)] == [6, 11, 16, 21]
     assert [schedule_position(15, 3, r, 5) for r in range(6)] == [3 * r for r in range(6)]
+
+
+def test_a_run_trained_further_keeps_its_schedules_end(results):
+    """Catches schedule positions read against the raised ``outer_steps`` of a resume
+    that trains a finished run further: its schedules were sized for the saved run's 3
+    rounds, so position = length - (rounds left of those) x H_i must give each worker's
+    trained steps after round 4; against 4 rounds it stood H_i behind (a healed worker
+    was not moved, a negative position failed the guard's scale)."""
+    from geomesh.worker import schedule_position
+
+    _, out = results
+    before, st = out["extended"]
+    assert st["round"] == 4 and st["schedule_rounds"] == 3
+    trained = [w["scheduler"]["num_steps"] for w in st["workers"].values()]
+    h = [t - w["scheduler"]["num_steps"] for t, w in zip(trained, before["workers"].values())]
+    assert all(x > 0 for x in h)  # each worker's H_i in round 4
+    assert [schedule_position(n, x, 4, st["schedule_rounds"])
+            for (n, _), x in zip(st["schedules"], h)] == trained
+    assert [schedule_position(n, x, 4, 4) for (n, _), x in zip(st["schedules"], h)] != trained
 
 
 def test_overlap_without_delay_equals_blocking_rounds(results):
