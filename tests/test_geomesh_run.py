@@ -231,7 +231,8 @@ def test_a_run_trained_further_keeps_its_schedules_end(results):
     that trains a finished run further: its schedules were sized for the saved run's 3
     rounds, so position = length - (rounds left of those) x H_i must give each worker's
     trained steps after round 4; against 4 rounds it stood H_i behind (a healed worker
-    was not moved, a negative position failed the guard's scale)."""
+    was not moved, a negative position failed the guard's scale).  The added round
+    trains past the schedules' end, at the final LR."""
     from geomesh.worker import schedule_position
 
     _, out = results
@@ -243,6 +244,10 @@ def test_a_run_trained_further_keeps_its_schedules_end(results):
     assert [schedule_position(n, x, 4, st["schedule_rounds"])
             for (n, _), x in zip(st["schedules"], h)] == trained
     assert [schedule_position(n, x, 4, 4) for (n, _), x in zip(st["schedules"], h)] != trained
+    # the schedules end where the saved run's did: the added round trained past their
+    # decay, at the final LR (docs/geomesh.md)
+    assert all(w["scheduler"]["num_steps"] > w["scheduler"]["lr_decay_steps"]
+               for w in st["workers"].values())
 
 
 def test_overlap_without_delay_equals_blocking_rounds(results):
