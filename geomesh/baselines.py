@@ -39,7 +39,7 @@ from .context import RunContext
 from .fleet.clock import async_schedule, ddp_schedule, inner_step_time_s
 from .outer import OuterNesterov
 from .report import RunStats
-from .state import check_workers, load_state, save_state, worker_identity
+from .state import check_rounds_left, check_workers, load_state, save_state, worker_identity
 from .wire.codec import DenseCodec
 from .wire.compression import TensorSchema
 from .worker import InnerWorker, proxy_steps
@@ -80,6 +80,7 @@ def run_ddp(ctx: RunContext) -> dict:
         if st["method"] != "ddp":
             raise CheckpointError(f"checkpoint is from method {st['method']}, not ddp")
         check_workers(st, cl)
+        check_rounds_left(st, g.outer_steps)
         trainer.set_params(st["params"])
         trainer.optimizer.load_state_dict(st["optimizer"])
         trainer.scheduler.load_state_dict(st["scheduler"])

@@ -136,7 +136,20 @@ def find_state(path: str | Path) -> Path:
 # what a method's state must hold to resume: the outer loop's (checkpoint_state), or the
 # DDP baseline's one job (geomesh.baselines.run_ddp: no outer step, no workers)
 _STATE_KEYS = {None: {"method", "round", "outer"},
-               "ddp": {"method", "round", "position", "params", "optimizer", "scheduler"}}
+               "ddp": {"method", "round", "position", "params", "optimizer", "scheduler",
+                       "step", "stats"}}
+
+
+def check_rounds_left(st: dict, outer_steps: int) -> None:
+    """Refuse a resume with no round left to train.
+
+    Raises:
+        CheckpointError: the state's round is at or past ``outer_steps``, naming the fix.
+    """
+    if st["round"] >= outer_steps:
+        raise CheckpointError(
+            f"checkpoint is at outer step {st['round']}, geomesh.outer_steps={outer_steps}: "
+            "nothing left to run; raise geomesh.outer_steps")
 
 
 def load_state(path: str | Path, *, rank: int) -> dict:
@@ -222,11 +235,7 @@ def resume(loop, st: dict) -> None:
             f"{'on' if loop.local_mom else 'off'}: resume with the cluster file, "
             "geomesh.error_feedback and geomesh.compress_update it was saved with"
         )
-    if st["round"] >= g.outer_steps:
-        raise CheckpointError(
-            f"checkpoint is at outer step {st['round']}, geomesh.outer_steps={g.outer_steps}: "
-            "nothing left to run; raise geomesh.outer_steps"
-        )
+    check_rounds_left(st, g.outer_steps)
     loop.outer.load_state_dict(st["outer"])  # copies into θ_global
     for i, fb in loop.feedback.items():
         fb.load_state_dict(st["feedback"][i])

@@ -37,6 +37,7 @@ def _all(cache_dir: str, root: str) -> dict:
 
     from geomesh.fleet.cluster import CLUSTERS_DIR
     from geomesh.run import run
+    from jobruntime.checkpoint import CheckpointError
     from jobruntime.config import load_config
 
     root = Path(root)
@@ -75,6 +76,12 @@ def _all(cache_dir: str, root: str) -> dict:
     for m in ("ddp", "diloco", "async"):
         saves = ["checkpoint.save_interval=1", "checkpoint.keep_last=5"] if m == "ddp" else []
         out["summary"][m] = run(cfg(m, "geomesh.outer_steps=2", *saves), root / m)
+    try:  # a finished DDP run resumed with no round left (it trained none, silently)
+        run(cfg("ddp", "geomesh.outer_steps=2",
+                f"checkpoint.load={root / 'ddp' / 'checkpoints' / 'outer_0000002'}"),
+            root / "ddp-done")
+    except CheckpointError as e:
+        out["ddp_done"] = str(e)
     out["summary"]["ddp-resumed"] = run(
         cfg("ddp", "geomesh.outer_steps=2",
             f"checkpoint.load={root / 'ddp' / 'checkpoints' / 'outer_0000001'}"),
@@ -137,13 +144,15 @@ def test_resume_equals_uninterrupted_run(results):
 def test_the_ddp_baseline_resumes_from_its_checkpoint(results):
     """Catches DDP checkpoints that no resume accepts (the state check asked every
     method for the outer loop's state, which DDP has none of): resumed from its step-1
-    checkpoint, DDP's step 2 equals the uninterrupted run's."""
+    checkpoint, DDP's step 2 equals the uninterrupted run's; resumed from its last one
+    with no round left, it says so (it trained nothing and exited 0)."""
     root, out = results
     full, resumed = _metrics(root / "ddp"), _metrics(root / "ddp-resumed")
     assert [r["step"] for r in resumed] == [2]
     for key in ("loss", "tokens", "time_s", "bytes"):
         assert full[1][key] == resumed[0][key], key
     assert out["summary"]["ddp"]["final_val_ppl"] == out["summary"]["ddp-resumed"]["final_val_ppl"]
+    assert out.get("ddp_done", "").startswith("checkpoint is at outer step 2, geomesh.outer_steps=2")
 
 
 def test_slowdown_triggers_replan(results):
