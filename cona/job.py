@@ -356,8 +356,8 @@ class EmulatedJob(DirectProbes, Job):
             consumed = ctx.warm["consumed_samples"]
             # the warm run trained at the preset's batch and LR (cona/warm.py)
             self.start_lr = (ctx.cfg.train.lr, ctx.cfg.train.min_lr)
-        else:  # a checkpoint's weights, if one is given (JobConfig.validate_sections
-            consumed, _ = load_start(ctx.cfg, self.trainer)  # refuses a resume here)
+        else:  # a checkpoint's weights, if given (JobConfig refuses a resume here)
+            consumed, _ = load_start(ctx.cfg, self.trainer)
         self._attach_probe()
         self.sampler = self._sampler(self.topo, consumed)
         self.val_batches = self._val_batches(self.topo, ctx.val_micro_batch)
