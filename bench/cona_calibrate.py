@@ -53,7 +53,7 @@ def calibrate(family: str, fractions: list[float], cache_dir: str | None,
 
     ``precision``: the proxies' ``train.precision`` (default ``STUDY_PRECISION``);
     ``probe_density``: probes per evaluation interval (``None``: one per evaluation)."""
-    from bench.cona_reference import reference, seed_context, segment_trend
+    from bench.cona_reference import probe_spacing, reference, seed_context, segment_trend
     from bench.cona_ttp import (
         FULL,
         MODELS,
@@ -73,8 +73,8 @@ def calibrate(family: str, fractions: list[float], cache_dir: str | None,
     warm_ppl = ctx.warm["extra"]["val_ppl"]
     base = min(unigram, warm_ppl)
     ctx.cfg.train.target_ppl = min(fractions) * base  # the deepest: every fraction on the way
-    ref = reference(ctx, probe_microbatches=PROBE_MICROBATCHES, probe_every_samples=(
-        max(1, ctx.eval_samples // probe_density) if probe_density else None))
+    ref = reference(ctx, probe_microbatches=PROBE_MICROBATCHES,
+                    probe_every_samples=probe_spacing(ctx, probe_density))
     probes, w0 = ref["noise_scale_probes"], ctx.warm["consumed_samples"]
     phi0 = ref["noise_scale_warm_proxy"]
     rows = []

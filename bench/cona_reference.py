@@ -41,6 +41,13 @@ def seed_context(cfg, warm_steps: int, data=None, probe_microbatches: int = 64):
 
 
 
+def probe_spacing(ctx, density: int | None) -> int | None:
+    """Proxy samples between the reference's direct probes at ``density`` probes per
+    evaluation interval (``ctx.eval_samples``); ``None`` (no density): one probe per
+    evaluation, :func:`reference`'s default."""
+    return max(1, ctx.eval_samples // density) if density else None
+
+
 def reference(ctx, quick_segment: int | None = None, probe_microbatches: int = 64,
               probe_every_samples: int | None = None) -> dict:
     """Rule 4's reference: the preset batch (fastest layout, LR 1x) from the warm state to

@@ -122,6 +122,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.cona_family_report import finish_family, setup_summary  # noqa: E402
 from bench.cona_reference import (  # noqa: E402
     RECIPE_BUDGET_SCALE,
+    probe_spacing,
     reference,
     seed_context,
     time_scale_for,
@@ -243,7 +244,7 @@ def family_setup(target: str, spec: dict, settings: dict, cache_dir: str | None)
                                                                                     warm_ppl)
     density = settings.get("probe_density")
     ref = reference(ctx, quick, probe,
-                    probe_every_samples=max(1, ctx.eval_samples // density) if density else None)
+                    probe_every_samples=probe_spacing(ctx, density))
     if not ref["reached"]:
         raise SystemExit(f"{target}: the reference did not reach the target perplexity "
                          f"{cfg.train.target_ppl:.1f} within train.iters={cfg.train.iters} "

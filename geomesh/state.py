@@ -181,8 +181,8 @@ def load_state(path: str | Path, *, rank: int) -> dict:
             "resume from "
             "an earlier outer_XXXXXXX folder or start without checkpoint.load"
         ) from None
-    need = _STATE_KEYS.get(state.get("method"), _STATE_KEYS[None]) if isinstance(state, dict) \
-        else _STATE_KEYS[None]
+    method = state.get("method") if isinstance(state, dict) else None
+    need = _STATE_KEYS.get(method, _STATE_KEYS[None])
     if not isinstance(state, dict) or not need <= set(state):
         raise CheckpointError(f"'{f}' is not a GeoMesh state (it needs {', '.join(sorted(need))}); "
                               "resume from an earlier outer_XXXXXXX folder")
