@@ -284,7 +284,8 @@ def heal_state(loop) -> dict:
 
 def load_heal(loop, st: dict) -> None:
     """Take a live worker's :func:`heal_state`: the round, data position, plan, outer
-    state, and each inner LR schedule where the others' is."""
+    state, and each inner LR schedule where the others' is once they trained the round
+    (the state is served in its exchange: ``schedule_position`` of round ``r + 1``)."""
     from geomesh.fleet.membership_plan import plan_from_dict
     from geomesh.worker import schedule_position
 
@@ -303,9 +304,11 @@ def load_heal(loop, st: dict) -> None:
     loop.lr_scales.load_state_dict(st.get("lr_scale", {"done": [  # a peer without it
         schedule_position(n, s.inner_steps, loop.r, loop.schedule_rounds)
         for (n, _), s in zip(loop.schedules, loop.steps)]}))
-    for w in loop.workers.values():  # the inner LR schedule where the others' is
+    # the inner LR schedule where the others' is: a heal comes in round r's exchange,
+    # after the others trained round r (this worker trains from round r + 1 on)
+    for w in loop.workers.values():
         at = schedule_position(loop.schedules[w.index][0], loop.steps[w.index].inner_steps,
-                               loop.r, loop.schedule_rounds)
+                               loop.r + 1, loop.schedule_rounds)
         w.trainer.scheduler.step(increment=max(at - w.trainer.step, 0))
         w.trainer.step = max(w.trainer.step, at)
     log.info("healed from a live peer: round %d", loop.r)

@@ -97,7 +97,10 @@ def test_late_join_heals_across_layouts(scenario, cache_dir, tmp_path):
     ``compress_update``, whose outer optimizer holds no momentum: the old code
     raised KeyError in the server's quorum thread), and every job ends with the same
     ``global_weights_sha256`` (bit-identical θ_global; the independent reference
-    is the survivor, which never healed) after all rounds, exit 0."""
+    is the survivor, which never healed) after all rounds, exit 0.  Also catches a
+    healed worker whose inner LR schedule lags the others' by a round (it was set to
+    the healed round's start, which the others had trained: 34 of 36 steps at the end,
+    where every job's expected scale said 36)."""
     from bench.faults import SCENARIOS, geomesh
 
     res = geomesh(tmp_path, cache_dir, scenario, 12, **SCENARIOS[scenario])
@@ -106,6 +109,23 @@ def test_late_join_heals_across_layouts(scenario, cache_dir, tmp_path):
     assert res["same_digest"] and res["survived"] and res["bytes_lost"] == 0, res
     healed = (tmp_path / scenario / "re1.log").read_text(errors="replace")
     assert "healed from a live peer" in healed, healed[-3000:]
+    assert _schedule_positions(tmp_path / scenario / "re1") == _schedule_positions(
+        tmp_path / scenario / "re1", expected=True)
+
+
+def _schedule_positions(run_dir, expected: bool = False) -> dict:
+    """Each local worker's inner LR schedule position in every rank's last checkpoint of
+    ``run_dir``: what its trainer stepped, or (``expected``) what every job's
+    :class:`geomesh.worker.LrScale` holds for it (the guard's expected update scale)."""
+    last = sorted((run_dir / "checkpoints").glob("outer_*"))[-1]
+    out = {}
+    for f in sorted(last.glob("rank*.pt")):
+        st = torch.load(f, map_location="cpu", weights_only=False)
+        for i, w in st["workers"].items():
+            out[(f.name, int(i))] = st["lr_scale"]["done"][int(i)] if expected \
+                else w["scheduler"]["num_steps"]
+    assert out, last
+    return out
 
 
 @pytest.mark.slow
