@@ -32,7 +32,7 @@ from jobruntime.checkpoint import CheckpointError
 from jobruntime.config import ConfigError
 from jobruntime.data import GlobalBatchSampler
 from jobruntime.metrics import perplexity, target_reached_line
-from jobruntime.parallel import set_seed
+from jobruntime.parallel import rng_state, set_rng_state, set_seed
 from jobruntime.trainer import Trainer, mean_loss
 
 from .context import RunContext
@@ -87,6 +87,8 @@ def run_ddp(ctx: RunContext) -> dict:
         trainer.step = st["step"]
         sampler.consumed_samples, start = st["position"], st["round"]
         stats.load_state_dict(st["stats"])
+        if "rng" in st:  # saved before it was: the generators as they are
+            set_rng_state(st["rng"])
     t0 = time.perf_counter() - stats.time_s
     wall0 = time.perf_counter()
     for r in range(start, g.outer_steps):
@@ -126,7 +128,7 @@ def run_ddp(ctx: RunContext) -> dict:
                      "cluster": worker_identity(cl),
                      "params": trainer.get_params(), "optimizer": trainer.optimizer.state_dict(),
                      "scheduler": trainer.scheduler.state_dict(), "step": trainer.step,
-                     "stats": stats.state_dict()}
+                     "stats": stats.state_dict(), "rng": rng_state()}
             save_state(ctx.run_dir / "checkpoints", step, state, rank=pl.rank,
                        job_leader=pl.is_logging_rank, keep_last=cfg.checkpoint.keep_last)
         if stop:

@@ -31,6 +31,7 @@ from geomesh.fleet.plan import Plan, WorkerPlan
 from jobruntime.checkpoint import COMPLETE, CheckpointError, committed_folder
 from jobruntime.faults import fault_point
 from jobruntime.outputs import round_folder
+from jobruntime.parallel import rng_state, set_rng_state
 
 log = logging.getLogger(__name__)
 # Modules that held the plan classes when older checkpoints pickled them: the planner's
@@ -206,7 +207,7 @@ def checkpoint_state(loop, step: int) -> dict:
         "planner_speed": dict(ctx.planner.speed), "planner_fit": ctx.planner.fit.state_dict(),
         "plan": loop.plan,
         "clock": loop.clock.state_dict() if loop.clock is not None else None,
-        "stats": loop.stats.state_dict(), "rng": torch.get_rng_state(), "history": loop.history,
+        "stats": loop.stats.state_dict(), "rng": rng_state(), "history": loop.history,
         "guard": loop.guard.state_dict(), "lr_scale": loop.lr_scales.state_dict(),
         "eager": loop.eager.state_dict() if loop.eager is not None else None,
         "schedules": loop.saved_schedules(step), "schedule_rounds": loop.schedule_rounds,
@@ -266,7 +267,7 @@ def resume(loop, st: dict) -> None:
         loop.lr_scales.load_state_dict(st["lr_scale"])
     else:  # saved before it existed: the same position on every rank
         loop.lr_scales.done = [loop.start * s.inner_steps for s in loop.steps]
-    torch.set_rng_state(st["rng"])
+    set_rng_state(st["rng"])
     log.info("resumed %s at outer step %d", ctx.method, loop.start)
 
 

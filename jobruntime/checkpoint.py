@@ -25,14 +25,14 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch.distributed as dist
-from megatron.core import dist_checkpointing, tensor_parallel
+from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing import ShardedObject
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 
 from .config import ModelConfig
 from .faults import die_with_parent, fault_point
 from .logging_utils import phase
-from .parallel import default_generators, set_default_generators
+from .parallel import rng_state, set_rng_state
 
 log = logging.getLogger(__name__)
 
@@ -219,19 +219,6 @@ def _rng_object(state: dict | None) -> ShardedObject:
     return ShardedObject("rng_state", state, (_world(),), (_rank(),), replica_id=0)
 
 
-def _rng_state() -> dict:
-    """This rank's generators: Python's, NumPy's, torch's (CPU and the current CUDA
-    device's) and megatron's model-parallel tracker (its named states: TP-region dropout,
-    e.g. attention's), as Megatron-LM's ``get_rng_state`` keeps them."""
-    return {**default_generators(), "tracker": tensor_parallel.get_cuda_rng_tracker().get_states()}
-
-
-def _set_rng_state(state: dict) -> None:
-    set_default_generators(state)
-    if state.get("tracker"):  # older checkpoints: none saved
-        tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
-
-
 def save_queue_dies_with_rank() -> None:
     """Start the process behind dist_checkpointing's write-results queue so that it dies
     with this rank.
@@ -287,7 +274,7 @@ def save_checkpoint(root: Path, trainer, *, consumed_samples: int, extra: dict |
         "step": trainer.step,
         "consumed_samples": consumed_samples,
         "consumed_tokens": trainer.consumed_tokens,
-        "rng": _rng_object(_rng_state()),
+        "rng": _rng_object(rng_state()),
         "rng_layout": _layout(),  # each rank's generators fit this layout only
         "arch": _arch(trainer.cfg.model),
         "format_version": FORMAT_VERSION,
@@ -381,9 +368,9 @@ def load_checkpoint(path: str | Path, trainer, *, load_optimizer: bool = True) -
         trainer.step = int(common["step"])
         trainer.consumed_tokens = int(tokens)
         if "rng" in loaded:
-            _set_rng_state(loaded["rng"])
+            set_rng_state(loaded["rng"])
         elif "rng" in common:  # saved before each rank's was: rank 0's, on every rank
-            _set_rng_state(common["rng"])
+            set_rng_state(common["rng"])
         elif _rank() == 0:  # another layout: a rank's generators fit its old place only
             log.info("%s was saved at TP/PP/DP %s, resumed at %s: each rank keeps the "
                      "generators seeded at start (dropout draws differ from an "

@@ -210,6 +210,25 @@ def set_default_generators(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
+def rng_state() -> dict:
+    """This rank's generators: :func:`default_generators` and megatron's model-parallel
+    tracker (its named states: TP-region dropout, e.g. attention's), as Megatron-LM's
+    ``get_rng_state`` keeps them.  What every checkpoint saves, so that a resumed run
+    draws the dropout masks the uninterrupted one would."""
+    return {**default_generators(), "tracker": tensor_parallel.get_cuda_rng_tracker().get_states()}
+
+
+def set_rng_state(state: dict | torch.Tensor) -> None:
+    """Set what :func:`rng_state` returned (a bare tensor: torch's CPU generator alone,
+    what GeoMesh states saved before; a dict without ``tracker``: the tracker as is)."""
+    if isinstance(state, torch.Tensor):
+        torch.set_rng_state(state)
+        return
+    set_default_generators(state)
+    if state.get("tracker"):
+        tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+
+
 def same_run_dir(run_dir, group: dist.ProcessGroup | None = None, src: int = 0) -> Path:
     """Rank 0's ``run_dir`` on every rank of the default process group.
 
