@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from pathlib import Path
 
 import torch
@@ -275,7 +276,9 @@ def heal_state(loop) -> dict:
     """What a live worker hands one that (re)joins (:mod:`geomesh.exchange.region` makes its
     outer tensors canonical, so any layout can load it)."""
     ctx = loop.ctx
-    return {"round": loop.r, "position": loop.position, "replans": loop.replans,
+    stats = loop.stats.state_dict()  # the run's totals (tokens, TTP) and its clock, now
+    stats["scalars"]["time_s"] = time.perf_counter() - loop.t0
+    return {"round": loop.r, "position": loop.position, "replans": loop.replans, "stats": stats,
             "members": loop.members, "plan": loop.plan.to_dict(),
             "speed": dict(ctx.planner.speed), "fit": ctx.planner.fit.state_dict(),
             "schedules": loop.saved_schedules(loop.r), "schedule_rounds": loop.schedule_rounds,
@@ -285,8 +288,9 @@ def heal_state(loop) -> dict:
 
 def load_heal(loop, st: dict) -> None:
     """Take a live worker's :func:`heal_state`: the round, data position, plan, outer
-    state, and each inner LR schedule where the others' is once they trained the round
-    (the state is served in its exchange: ``schedule_position`` of round ``r + 1``)."""
+    state, the run's statistics (tokens, TTP, its clock), and each inner LR schedule
+    where the others' is once they trained the round (the state is served in its
+    exchange: ``schedule_position`` of round ``r + 1``)."""
     from geomesh.fleet.membership_plan import plan_from_dict
     from geomesh.worker import schedule_position
 
@@ -296,6 +300,9 @@ def load_heal(loop, st: dict) -> None:
         loop.set_schedules([(int(n), int(w)) for n, w in st["schedules"]])
         loop.schedule_rounds = int(st.get("schedule_rounds", loop.g.outer_steps))
     loop.members = [int(k) for k in st["members"]]
+    if "stats" in st:  # the run's tokens, TTP and clock go on from the peer's, not from 0
+        loop.stats.load_state_dict(st["stats"])
+        loop.t0 = time.perf_counter() - loop.stats.time_s
     loop.outer.load_state_dict(st["outer"])
     loop.guard.load_state_dict(st["guard"])
     ctx.planner.speed = {k: float(v) for k, v in st["speed"].items()}

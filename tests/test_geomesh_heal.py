@@ -100,7 +100,9 @@ def test_late_join_heals_across_layouts(scenario, cache_dir, tmp_path):
     is the survivor, which never healed) after all rounds, exit 0.  Also catches a
     healed worker whose inner LR schedule lags the others' by a round (it was set to
     the healed round's start, which the others had trained: 34 of 36 steps at the end,
-    where every job's expected scale said 36)."""
+    where every job's expected scale said 36), and one whose run totals restart at the
+    heal (its summary counted the tokens since it rejoined: 5,120 where the survivor's
+    run trained 5,664)."""
     from bench.faults import SCENARIOS, geomesh
 
     res = geomesh(tmp_path, cache_dir, scenario, 12, **SCENARIOS[scenario])
@@ -111,6 +113,9 @@ def test_late_join_heals_across_layouts(scenario, cache_dir, tmp_path):
     assert "healed from a live peer" in healed, healed[-3000:]
     assert _schedule_positions(tmp_path / scenario / "re1") == _schedule_positions(
         tmp_path / scenario / "re1", expected=True)
+    survivor, healed = (json.loads((tmp_path / scenario / d / "summary.json").read_text())
+                        for d in ("w0", "re1"))
+    assert healed["tokens"] == survivor["tokens"] and healed["outer_steps"] == survivor["outer_steps"]
 
 
 def _schedule_positions(run_dir, expected: bool = False) -> dict:
