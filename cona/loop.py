@@ -122,6 +122,7 @@ class Loop:
         progress = {k: copy.deepcopy(getattr(p, k)) for k in _RESUMED}
         progress["ttp"] = asdict(p.ttp)
         return {"clock_s": self.job.clock_s, "samples0": self.samples0, "progress": progress,
+                "reference_batch": getattr(self.job, "reference_batch", None),
                 "controller": None if self.controller is None else self.controller.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
@@ -132,7 +133,9 @@ class Loop:
         after a switch (:meth:`follow_lr`).
 
         Raises:
-            CheckpointError: ``state`` is not a CONA state (names the missing part).
+            CheckpointError: ``state`` is not a CONA state (names the missing part), or
+                the run was launched with another ``parallel.global_batch_size`` (its
+                budget and the learning-rate rule's reference batch: names the saved one).
         """
         from jobruntime.checkpoint import CheckpointError
 
@@ -145,6 +148,15 @@ class Loop:
                 f"the checkpoint's CONA state lacks {', '.join(missing)}: it was not saved "
                 f"by this version of CONA; resume with checkpoint.load_optimizer=false to "
                 f"start CONA afresh from its weights")
+        saved, now = state.get("reference_batch"), getattr(job, "reference_batch", None)
+        if saved is not None and now is not None and saved != now:
+            raise CheckpointError(
+                f"the checkpoint's CONA run was launched with parallel.global_batch_size="
+                f"{saved}, which sets its budget (train.iters of it) and the learning-rate "
+                f"rule's reference batch; this resume has {now}: resume with "
+                f"parallel.global_batch_size={saved} (the launch layout's other settings are "
+                f"free), or start CONA afresh from its weights with "
+                f"checkpoint.load_optimizer=false")
         for k in _RESUMED:
             setattr(p, k, copy.deepcopy(state["progress"][k]))
         p.ttp = TTPTracker.from_state(state["progress"]["ttp"], self.cfg.train.target_ppl)

@@ -244,6 +244,27 @@ def test_state_from_another_version_is_refused():
         loop.load_state_dict({"clock_s": 1.0, "samples0": 0, "controller": None})
 
 
+def test_a_resume_with_another_launch_batch_is_refused():
+    """Catches a resume whose ``parallel.global_batch_size`` differs from the saved run's
+    (e.g. launched at the batch the chain had moved to): it silently changed the run's
+    budget (``train.iters`` of it) and the learning-rate rule's reference batch, so every
+    later step trained at another LR.  Refused naming the saved batch; the same batch
+    resumes."""
+    from cona.strategy import Strategy
+    from jobruntime.checkpoint import CheckpointError
+
+    def loop_at(batch):
+        job = _FakeJob(Strategy(8, 1, 1, 1, batch))
+        job.reference_batch, job.resume_clock = batch, lambda s: setattr(job, "clock_s", s)
+        return _fake_loop(job, [], 10**6, [job.strategy])[0]
+
+    saved = loop_at(64).state_dict()
+    assert saved["reference_batch"] == 64
+    with pytest.raises(CheckpointError, match="global_batch_size=64.*this resume has 128"):
+        loop_at(128).load_state_dict(saved)
+    loop_at(64).load_state_dict(saved)
+
+
 def test_saved_state_does_not_grow_with_the_decisions():
     """Catches a checkpoint that carries every decision record (each with every
     candidate's score): a run of hours makes thousands.  The state after 400 decisions
