@@ -170,7 +170,7 @@ def geomesh(root: Path, cache: str, name: str, rounds: int, *, fault: tuple[int,
             policy: str = "continue", rejoin: bool = False, stall: bool = False,
             act: Callable[[list[Run], Run], Run] | None = None,
             shapes: list[dict] | None = None, slowdown: list[float] | None = None,
-            overrides: tuple[str, ...] = ()) -> dict:
+            overrides: tuple[str, ...] = (), heartbeat_s: float = HEARTBEAT_S) -> dict:
     """One GeoMesh scenario (module docstring); returns its result record.
 
     ``shapes``: one dict per region of worker fields over one process at TP1
@@ -180,7 +180,9 @@ def geomesh(root: Path, cache: str, name: str, rounds: int, *, fault: tuple[int,
     ``slowdown``: each region's factor (default :data:`SLOWDOWN`): a survivor slower
     than the victim is still running when a restarted multi-process job is back
     (with ``stall``, the victim's is 1: its stall is not slept off again).
-    ``overrides``: more ``section.key=value`` for every job.
+    ``overrides``: more ``section.key=value`` for every job.  ``heartbeat_s``: the
+    lighthouse's and the jobs' (a long one keeps a restarted region in the quorum: it
+    heals without a membership change).
     ``act(jobs, lighthouse)``, if given, runs once the victim has finished round 2
     and returns the lighthouse the run goes on with (the same, or a new one).
     With ``continue``, survived also means that every job alive at the end holds
@@ -206,11 +208,11 @@ def geomesh(root: Path, cache: str, name: str, rounds: int, *, fault: tuple[int,
         # rounds of seconds, not a fraction of one: a restart or a stall lands mid-run
         "slowdown": [{"worker": w["name"], "factor": f} for w, f in zip(workers, slowdown)]}))
     lh = Run([sys.executable, "-m", "geomesh.lighthouse", "--bind", f"127.0.0.1:{port}",
-              "--heartbeat-s", str(HEARTBEAT_S), "--join-timeout-s", "120"], d / "lighthouse.log",
+              "--heartbeat-s", str(heartbeat_s), "--join-timeout-s", "120"], d / "lighthouse.log",
              _env(secret))
     common = [*SMALL, f"data.cache_dir={cache}", f"geomesh.cluster={cluster}",
               "geomesh.method=geomesh", "geomesh.inner_steps=2", f"geomesh.outer_steps={rounds}",
-              "geomesh.replan=false", f"geomesh.heartbeat_s={HEARTBEAT_S}", "geomesh.timeout_s=120",
+              "geomesh.replan=false", f"geomesh.heartbeat_s={heartbeat_s}", "geomesh.timeout_s=120",
               f"geomesh.on_worker_loss={policy}", "checkpoint.save_interval=1",
               "checkpoint.keep_last=0", *overrides]
 

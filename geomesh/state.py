@@ -282,15 +282,16 @@ def heal_state(loop) -> dict:
             "members": loop.members, "plan": loop.plan.to_dict(),
             "speed": dict(ctx.planner.speed), "fit": ctx.planner.fit.state_dict(),
             "schedules": loop.saved_schedules(loop.r), "schedule_rounds": loop.schedule_rounds,
-            "outer": loop.outer.state_dict(),
+            "history": loop.history, "outer": loop.outer.state_dict(),
             "guard": loop.guard.state_dict(), "lr_scale": loop.lr_scales.state_dict()}
 
 
 def load_heal(loop, st: dict) -> None:
-    """Take a live worker's :func:`heal_state`: the round, data position, plan, outer
-    state, the run's statistics (tokens, TTP, its clock), and each inner LR schedule
-    where the others' is once they trained the round (the state is served in its
-    exchange: ``schedule_position`` of round ``r + 1``)."""
+    """Take a live worker's :func:`heal_state`: the round, data position, plan (the
+    planner's too) and the step times it re-plans from, outer state, the run's
+    statistics (tokens, TTP, its clock), and each inner LR schedule where the others'
+    is once they trained the round (the state is served in its exchange:
+    ``schedule_position`` of round ``r + 1``)."""
     from geomesh.fleet.membership_plan import plan_from_dict
     from geomesh.worker import schedule_position
 
@@ -307,8 +308,11 @@ def load_heal(loop, st: dict) -> None:
     loop.guard.load_state_dict(st["guard"])
     ctx.planner.speed = {k: float(v) for k, v in st["speed"].items()}
     ctx.planner.fit.load_state_dict(st.get("fit", {}))
-    loop.plan = plan_from_dict(st["plan"], ctx.planner.tolerance)
-    loop.steps, loop.next_steps, loop.history = proxy_steps_for(ctx, loop.plan), None, {}
+    # the planner re-plans from the peer's plan (the same object: a re-plan that keeps it
+    # is no re-plan) and the same measurements, or the regions' plans part
+    ctx.planner.current = loop.plan = plan_from_dict(st["plan"], ctx.planner.tolerance)
+    loop.steps, loop.next_steps = proxy_steps_for(ctx, loop.plan), None
+    loop.history = {str(n): [float(x) for x in v] for n, v in st.get("history", {}).items()}
     loop.lr_scales.load_state_dict(st.get("lr_scale", {"done": [  # a peer without it
         schedule_position(n, s.inner_steps, loop.r, loop.schedule_rounds)
         for (n, _), s in zip(loop.schedules, loop.steps)]}))

@@ -118,6 +118,27 @@ def test_late_join_heals_across_layouts(scenario, cache_dir, tmp_path):
     assert healed["tokens"] == survivor["tokens"] and healed["outer_steps"] == survivor["outer_steps"]
 
 
+@pytest.mark.slow
+def test_a_region_healed_without_a_membership_change_replans_with_the_others(cache_dir, tmp_path):
+    """Catches a healed region that re-plans from its own start-up plan and an empty
+    measurement history: restarted within the heartbeat (it heals, the quorum never
+    changes) with ``geomesh.replan=true``, its plans parted from the survivor's at the
+    next re-plan (b_i [9, 7] against [1, 7]), each region's guard then rejected the
+    other's messages and both trained alone to exit 0 with different weights.  Both
+    must end with the same ``global_weights_sha256`` and the same re-plans."""
+    from bench.faults import geomesh
+
+    name = "quick_restart_replan"
+    res = geomesh(tmp_path, cache_dir, name, 8, fault=(1, "train@2"), rejoin=True,
+                  slowdown=[8.0, 3.0], heartbeat_s=20.0, overrides=("geomesh.replan=true",))
+    print(json.dumps(res))
+    assert res["exit_codes"][0] == 0 and res["exit_codes"][-1] == 0, res
+    assert res["same_digest"] and res["survived"], res
+    survivor, healed = (json.loads((tmp_path / name / d / "summary.json").read_text())
+                        for d in ("w0", "re1"))
+    assert healed["replans"] == survivor["replans"] and healed["plan"] == survivor["plan"]
+
+
 def _schedule_positions(run_dir, expected: bool = False) -> dict:
     """Each local worker's inner LR schedule position in every rank's last checkpoint of
     ``run_dir``: what its trainer stepped, or (``expected``) what every job's
