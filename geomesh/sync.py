@@ -374,7 +374,9 @@ class OuterLoop(RoundFigures):
                 done[i] += self.workers[i].train_steps(s, start, taus[i], s.inner_steps)
                 res = self.workers[i].result(self.theta, s, done[i])
             fault_point("train", self.r)
-            self.charge(i, rnd, self._true_s(i, s) - rnd.compute.get(i, 0.0)
+            # the round's profile seconds less what its overlapped steps were charged
+            # (at tau = H_i that is all of it: 0, or a rounding error below 0)
+            self.charge(i, rnd, max(self._true_s(i, s) - rnd.compute.get(i, 0.0), 0.0)
                         if self.ctx.emulated else 0.0, w0)
             rnd.msgs[i] = self.encode(i, res)
             rnd.losses[i] = res.loss

@@ -107,6 +107,14 @@ def _all(cache_dir: str, root: str) -> dict:
     for name, extra in (("plain", ["geomesh.overlap=null"]), ("overlap0", ["geomesh.overlap=0"]),
                         ("overlap1", ["geomesh.overlap=1", "checkpoint.save_interval=2"])):
         out["summary"][name] = run(cfg("geomesh", "geomesh.outer_steps=4", *extra), root / name)
+    # Every step overlapped (tau = H) when a slowdown starts: the profile seconds left to
+    # charge after them are 0, or a rounding error below it
+    raw3 = dict(raw, name="slow3", slowdown={"worker": "h100-eastus", "factor": 3, "from_round": 3})
+    slow3 = root / "slow3.yaml"
+    slow3.write_text(yaml.safe_dump(raw3))
+    out["summary"]["overlap1-slow3"] = run(
+        cfg("geomesh", "geomesh.outer_steps=5", "geomesh.overlap=1", f"geomesh.cluster={slow3}"),
+        root / "overlap1-slow3")
     # One worker: its eager estimate is the aggregate itself (token share 1).
     raw["workers"], raw["name"] = raw["workers"][:1], "solo"
     solo = root / "solo.yaml"
@@ -314,6 +322,15 @@ def test_one_round_delay_hides_the_wan_and_resumes(results):
     for a, b in zip(m[2:], resumed):
         for key in ("loss", "val_loss", "tokens", "time_s", "batch_sizes"):
             assert a[key] == b[key], key
+
+
+def test_fully_overlapped_rounds_survive_a_slowdown(results):
+    """Catches a negative compute time charged to the emulated clock: with
+    ``geomesh.overlap=1`` every inner step runs while the exchange travels, so the round's
+    profile seconds less those already charged are 0, and a slowdown from round 3 made
+    the float difference -1.4e-14 (ValueError, exit 1).  The run finishes its rounds."""
+    _, out = results
+    assert out["summary"]["overlap1-slow3"]["outer_steps"] == 5
 
 
 def test_one_worker_overlap_equals_blocking_rounds(results):
