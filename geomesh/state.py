@@ -291,7 +291,8 @@ def load_heal(loop, st: dict) -> None:
     planner's too) and the step times it re-plans from, outer state, the run's
     statistics (tokens, TTP, its clock), and each inner LR schedule where the others'
     is once they trained the round (the state is served in its exchange:
-    ``schedule_position`` of round ``r + 1``)."""
+    ``schedule_position`` of round ``r + 1``).  This worker's error-feedback residuals
+    and local outer momentum start afresh."""
     from geomesh.fleet.membership_plan import plan_from_dict
     from geomesh.worker import schedule_position
 
@@ -306,6 +307,13 @@ def load_heal(loop, st: dict) -> None:
         loop.t0 = time.perf_counter() - loop.stats.time_s
     loop.outer.load_state_dict(st["outer"])
     loop.guard.load_state_dict(st["guard"])
+    # this worker's own exchange state (error-feedback residuals, compress_update's
+    # momentum) is of another point of the run, e.g. a checkpoint its restart loaded:
+    # start both afresh, as a worker that joins new does
+    for fb in loop.feedback.values():
+        fb.residuals = {}
+    for lm in loop.local_mom.values():
+        lm.buffers = {}
     ctx.planner.speed = {k: float(v) for k, v in st["speed"].items()}
     ctx.planner.fit.load_state_dict(st.get("fit", {}))
     # the planner re-plans from the peer's plan (the same object: a re-plan that keeps it

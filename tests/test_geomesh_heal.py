@@ -167,3 +167,79 @@ def test_lost_region_in_a_mixed_shape_cluster(cache_dir, tmp_path):
     print(json.dumps(res))
     assert res["exit_codes"][:2] == [0, 0] and res["exit_codes"][2] != 0, res
     assert res["same_digest"] and res["survived"] and res["bytes_lost"] == 0, res
+
+
+# -- in process: what a heal takes, on an emulated run's loops ----------------------------
+
+
+def _heal_in_process(cache_dir: str, root: str) -> dict:
+    """Loop ``a`` trains; its heal state is taken in round 1's exchange (where torchft
+    serves it), sent through the wire format and loaded into a fresh loop ``b`` whose
+    error-feedback residuals hold something stale."""
+    import torch
+
+    torch.set_num_threads(1)
+    from pathlib import Path
+
+    import yaml
+
+    from geomesh.context import build_context
+    from geomesh.exchange.heal_payload import pack_state, unpack_state
+    from geomesh.fleet.cluster import CLUSTERS_DIR
+    from geomesh.state import heal_state, load_heal
+    from geomesh.sync import OuterLoop
+    from jobruntime.config import load_config
+    from tests.test_geomesh_run import OVERRIDES
+
+    root = Path(root)
+    raw = yaml.safe_load((CLUSTERS_DIR / "two_worker.yaml").read_text())
+    raw["slowdown"] = {"worker": "h100-eastus", "factor": 4, "from_round": 1}  # re-plans
+    cluster = root / "slow.yaml"
+    cluster.write_text(yaml.safe_dump(raw))
+    cfg = [f"data.cache_dir={cache_dir}", f"geomesh.cluster={cluster}", "geomesh.method=geomesh",
+           *OVERRIDES, "geomesh.outer_steps=4", "geomesh.error_feedback=true"]
+    ctx = build_context(load_config("tiny_gpt", cfg), root / "a")
+    a, served = OuterLoop(ctx), {}
+    exchange = a.exchange
+
+    def serving(rnd, drain):
+        if rnd.r == 1:
+            served["state"] = unpack_state(pack_state(heal_state(a)))
+            served["steps"] = [w.trainer.step for w in a.workers.values()]
+            served["history"] = {n: list(v) for n, v in a.history.items()}
+        return exchange(rnd, drain)
+
+    a.exchange = serving
+    a.run()
+    ctx.close()
+    ctx = build_context(load_config("tiny_gpt", cfg), root / "b")
+    b = OuterLoop(ctx)
+    for fb in b.feedback.values():
+        fb.residuals = {"stale": torch.ones(3)}
+    load_heal(b, served["state"])
+    out = {"steps": [w.trainer.step for w in b.workers.values()], "served": served["steps"],
+           "residuals": [len(fb.residuals) for fb in b.feedback.values()],
+           "planner_current_is_plan": ctx.planner.current is b.plan,
+           "history": b.history, "served_history": served["history"],
+           "replans": (a.replans, served["state"]["replans"]),
+           "tokens": (b.stats.tokens, served["state"]["stats"]["scalars"]["tokens"])}
+    ctx.close()
+    return out
+
+
+def test_a_heal_takes_the_others_position_plan_and_totals(cache_dir, tmp_path):
+    """Catches a heal that leaves the healed worker behind or apart (each found in real
+    runs): its inner LR schedule one round behind the others' (it was set to the healed
+    round's start, which the others had trained), its planner at its own start-up plan
+    and its step-time history empty (its next re-plan parted from the others'), the
+    run's totals at 0, and error-feedback residuals of another point of the run (a
+    restart that loaded a checkpoint) added to its next message."""
+    from tests.dist_utils import launch
+
+    (out,) = launch(_heal_in_process, 1, cache_dir, str(tmp_path))
+    assert out["replans"][0] >= 1  # the run re-plans (the history matters)
+    assert out["steps"] == out["served"]
+    assert out["planner_current_is_plan"]
+    assert out["history"] == out["served_history"] and out["history"]
+    assert out["tokens"][0] == out["tokens"][1] > 0
+    assert out["residuals"] == [0, 0]
