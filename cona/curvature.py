@@ -158,15 +158,15 @@ def float64_probe(trainer, microbatches: list, delta: float = DELTA) -> Curvatur
         ValueError: no micro-batches, or none with a loss token.
     """
     from jobruntime.model import build_model
-    from jobruntime.parallel import default_generators, set_default_generators
+    from jobruntime.parallel import rng_state, set_rng_state
 
     if not microbatches:
         raise ValueError("the curvature needs at least one held-out micro-batch")
-    rng = default_generators()
+    rng = rng_state()
     try:
         copy = build_model(trainer.cfg.model, trainer.cfg.parallel).double()
     finally:
-        set_default_generators(rng)
+        set_rng_state(rng)
     copy.eval()
     params = dict(copy.named_parameters())
     with torch.no_grad():

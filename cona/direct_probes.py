@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 
-from jobruntime.parallel import default_generators, set_default_generators
+from jobruntime.parallel import rng_state, set_rng_state
 
 
 class DirectProbes:
@@ -84,7 +84,7 @@ class DirectProbes:
         """``microbatches`` fresh micro-batches to probe with, the clock charged what the
         probe costs the target where ``charge`` (:meth:`measure_gradient_stats`); on exit
         the data position, RNG and the in-run probe are as they were."""
-        consumed, rng = self.consumed_samples, default_generators()
+        consumed, rng = self.consumed_samples, rng_state()
         self.probe.detach()
         mbs = []
         while len(mbs) < microbatches:
@@ -98,7 +98,7 @@ class DirectProbes:
         finally:
             self._attach_probe()
             self.sampler = self._sampler(self.topo, consumed)
-            set_default_generators(rng)
+            set_rng_state(rng)
 
     def measure_noise_scale(self, microbatches: int = 64, definition: str = "simple",
                             charge: bool = True) -> float | None:

@@ -23,7 +23,7 @@ import torch
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from jobruntime.config import JobConfig
-from jobruntime.parallel import default_generators, set_default_generators
+from jobruntime.parallel import rng_state, set_rng_state
 from jobruntime.trainer import Trainer
 
 from .probe import probe_state
@@ -323,7 +323,7 @@ def snapshot(trainer: Trainer) -> dict:
         "sched": (trainer.scheduler.num_steps, trainer.scheduler.max_lr, trainer.scheduler.min_lr),
         "step": trainer.step,
         "consumed_tokens": trainer.consumed_tokens,
-        "rng": default_generators(),
+        "rng": rng_state(),
         "adam": adam_hyperparameters(trainer),
         "group_step": [[_clone(g["step"]) if "step" in g else None for g in opt.param_groups]
                        for opt in _torch_optimizers(trainer.optimizer)],
@@ -361,4 +361,4 @@ def restore(trainer: Trainer, snap: dict) -> None:
     trainer.scheduler.num_steps = num
     set_peak_lr(trainer, trainer.scheduler, max_lr, min_lr)
     trainer.step, trainer.consumed_tokens = snap["step"], snap["consumed_tokens"]
-    set_default_generators(snap["rng"])
+    set_rng_state(snap["rng"])

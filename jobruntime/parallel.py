@@ -195,16 +195,22 @@ def share_tp_generators() -> None:
 
 def default_generators() -> dict:
     """This process's default generators: Python's, NumPy's, torch's CPU one and the
-    current CUDA device's (``None`` without CUDA)."""
-    return {"python": random.getstate(), "numpy": np.random.get_state(),
+    current CUDA device's (``None`` without CUDA).  NumPy's key array is held as a torch
+    tensor, so that a checkpoint of it loads with ``torch.load(weights_only=True)``
+    whatever registered NumPy's types."""
+    name, keys, pos, has_gauss, gauss = np.random.get_state()
+    return {"python": random.getstate(),
+            "numpy": (name, torch.from_numpy(keys.copy()), pos, has_gauss, gauss),
             "torch": torch.get_rng_state(),
             "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
 
 
 def set_default_generators(state: dict) -> None:
-    """Set what :func:`default_generators` returned (its CUDA state only with CUDA)."""
+    """Set what :func:`default_generators` returned (its CUDA state only with CUDA;
+    NumPy's keys as a tensor or, as older checkpoints saved them, an array)."""
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    name, keys, *rest = state["numpy"]
+    np.random.set_state((name, np.asarray(keys, dtype=np.uint32), *rest))
     torch.set_rng_state(state["torch"])
     if state.get("cuda") is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
@@ -213,20 +219,35 @@ def set_default_generators(state: dict) -> None:
 def rng_state() -> dict:
     """This rank's generators: :func:`default_generators` and megatron's model-parallel
     tracker (its named states: TP-region dropout, e.g. attention's), as Megatron-LM's
-    ``get_rng_state`` keeps them.  What every checkpoint saves, so that a resumed run
-    draws the dropout masks the uninterrupted one would."""
+    ``get_rng_state`` keeps them.  What every checkpoint saves, and what is put back
+    around work that must leave training's random draws as they were, so that a resumed
+    run draws the dropout masks the uninterrupted one would."""
     return {**default_generators(), "tracker": tensor_parallel.get_cuda_rng_tracker().get_states()}
 
 
 def set_rng_state(state: dict | torch.Tensor) -> None:
     """Set what :func:`rng_state` returned (a bare tensor: torch's CPU generator alone,
-    what GeoMesh states saved before; a dict without ``tracker``: the tracker as is)."""
+    what GeoMesh states saved before; a dict without ``tracker``: the tracker as is).
+
+    The tracker's states are the device's generator states (CUDA's on a GPU, the CPU's
+    here): saved on another kind of device they do not fit, and are left as seeded with
+    a warning (the dropout masks then differ from the uninterrupted run's), as the CUDA
+    state is without CUDA."""
     if isinstance(state, torch.Tensor):
         torch.set_rng_state(state)
         return
     set_default_generators(state)
-    if state.get("tracker"):
-        tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+    saved = state.get("tracker")
+    if not saved:
+        return
+    tracker = tensor_parallel.get_cuda_rng_tracker()
+    now = tracker.get_states()
+    if all(k in now and now[k].numel() == v.numel() for k, v in saved.items()) or not now:
+        tracker.set_states(saved)
+    else:
+        log.warning("the saved model-parallel RNG states (%s) are of another device kind than "
+                    "this run's: left as seeded, so dropout draws other masks than the "
+                    "uninterrupted run", ", ".join(sorted(saved)))
 
 
 def same_run_dir(run_dir, group: dist.ProcessGroup | None = None, src: int = 0) -> Path:

@@ -133,3 +133,54 @@ def test_switch_from_pp_to_tp_keeps_tp_peers_alike(cache_dir):
     ``share_tp_generators`` in :func:`cona.switch.switch_layout` they stay identical."""
     for drift in launch(_switched, 2, cache_dir):
         assert drift == 0.0
+
+
+def _portable() -> tuple[list[str], bool, bool]:
+    """One process, seeded: the places in :func:`rng_state` that hold a NumPy array;
+    whether a tracker state of another device kind (a CUDA Philox state, 16 bytes) left
+    the tracker as it was; whether a dropout draw under the tracker still works."""
+    import torch
+    from megatron.core import tensor_parallel
+
+    from jobruntime.config import load_config
+    from jobruntime.parallel import (
+        init_distributed,
+        initialize_layout,
+        rng_state,
+        set_rng_state,
+        set_seed,
+    )
+
+    init_distributed()
+    initialize_layout(load_config("tiny_gpt"))
+    set_seed(5)
+    state = rng_state()
+
+    def arrays(x, path="") -> list[str]:
+        if type(x).__module__ == "numpy":
+            return [path]
+        if isinstance(x, dict):
+            return [p for k, v in x.items() for p in arrays(v, f"{path}/{k}")]
+        if isinstance(x, (list, tuple)):
+            return [p for i, v in enumerate(x) for p in arrays(v, f"{path}/{i}")]
+        return []
+
+    tracker = tensor_parallel.get_cuda_rng_tracker()
+    before = tracker.get_states()
+    set_rng_state(dict(state, tracker={k: torch.zeros(16, dtype=torch.uint8) for k in before}))
+    kept = all(torch.equal(before[k], v) for k, v in tracker.get_states().items())
+    with tracker.fork():
+        drew = torch.nn.functional.dropout(torch.ones(8), 0.5).numel() == 8
+    return arrays(state), kept, drew
+
+
+def test_saved_generators_load_anywhere():
+    """Catches generator states that tie a checkpoint to where it was saved: NumPy's
+    state held as an array (a GeoMesh checkpoint, loaded with ``weights_only=True``,
+    then needs NumPy's types registered, which only megatron's import did), and a
+    tracker state saved on a GPU (CUDA's 16-byte Philox state) set on a CPU run, where
+    the first dropout under the tracker failed ("Expected a CPUGeneratorImplState of
+    size 5056 but found 16"): now left as seeded, with a warning."""
+    (res,) = launch(_portable, 1)
+    arrays, kept, drew = res
+    assert arrays == [] and kept and drew
