@@ -59,6 +59,36 @@ class Progress:
     lr_ramp: tuple | None = None
 
 
+def check_resume_state(state: dict, job) -> None:
+    """Refuse a CONA state that ``job`` cannot go on from, before the run writes
+    anything (:func:`cona.run.run` calls it right after the job loaded its checkpoint).
+
+    Raises:
+        CheckpointError: ``state`` is not a CONA state (names the missing part), or the
+            run was launched with another ``parallel.global_batch_size`` than ``job``'s
+            (its budget and the learning-rate rule's reference batch: names the saved one).
+    """
+    from jobruntime.checkpoint import CheckpointError
+
+    missing = [k for k in ("clock_s", "samples0", "progress", "controller")
+               if k not in state] + [k for k in ("ttp", *_RESUMED)
+                                     if k not in state.get("progress", {})]
+    if missing:
+        raise CheckpointError(
+            f"the checkpoint's CONA state lacks {', '.join(missing)}: it was not saved "
+            f"by this version of CONA; resume with checkpoint.load_optimizer=false to "
+            f"start CONA afresh from its weights")
+    saved, now = state.get("reference_batch"), getattr(job, "reference_batch", None)
+    if saved is not None and now is not None and saved != now:
+        raise CheckpointError(
+            f"the checkpoint's CONA run was launched with parallel.global_batch_size="
+            f"{saved}, which sets its budget (train.iters of it) and the learning-rate "
+            f"rule's reference batch; this resume has {now}: resume with "
+            f"parallel.global_batch_size={saved} (the launch layout's other settings are "
+            f"free), or start CONA afresh from its weights with "
+            f"checkpoint.load_optimizer=false")
+
+
 class Loop:
     """Steps a :class:`~cona.job.Job`, evaluates, decides and records (:mod:`cona.run`'s
     docstring).
@@ -133,30 +163,10 @@ class Loop:
         after a switch (:meth:`follow_lr`).
 
         Raises:
-            CheckpointError: ``state`` is not a CONA state (names the missing part), or
-                the run was launched with another ``parallel.global_batch_size`` (its
-                budget and the learning-rate rule's reference batch: names the saved one).
+            CheckpointError: as :func:`check_resume_state`.
         """
-        from jobruntime.checkpoint import CheckpointError
-
         job, p = self.job, self.progress
-        missing = [k for k in ("clock_s", "samples0", "progress", "controller")
-                   if k not in state] + [k for k in ("ttp", *_RESUMED)
-                                         if k not in state.get("progress", {})]
-        if missing:
-            raise CheckpointError(
-                f"the checkpoint's CONA state lacks {', '.join(missing)}: it was not saved "
-                f"by this version of CONA; resume with checkpoint.load_optimizer=false to "
-                f"start CONA afresh from its weights")
-        saved, now = state.get("reference_batch"), getattr(job, "reference_batch", None)
-        if saved is not None and now is not None and saved != now:
-            raise CheckpointError(
-                f"the checkpoint's CONA run was launched with parallel.global_batch_size="
-                f"{saved}, which sets its budget (train.iters of it) and the learning-rate "
-                f"rule's reference batch; this resume has {now}: resume with "
-                f"parallel.global_batch_size={saved} (the launch layout's other settings are "
-                f"free), or start CONA afresh from its weights with "
-                f"checkpoint.load_optimizer=false")
+        check_resume_state(state, job)
         for k in _RESUMED:
             setattr(p, k, copy.deepcopy(state["progress"][k]))
         p.ttp = TTPTracker.from_state(state["progress"]["ttp"], self.cfg.train.target_ppl)

@@ -73,7 +73,7 @@ from jobruntime.parallel import same_run_dir
 
 from .context import build_context
 from .job import RealJob
-from .loop import Loop, Progress  # noqa: F401 - Progress: importable from here as before
+from .loop import Loop, Progress, check_resume_state  # noqa: F401 - Progress: importable from here as before
 
 log = logging.getLogger("cona")
 
@@ -89,6 +89,8 @@ def run(cfg: JobConfig, run_dir: Path) -> dict:
     """
     ctx = build_context(cfg)
     job = ctx.make_job()
+    if getattr(job, "resume_state", None):  # refused before anything is written
+        check_resume_state(job.resume_state, job)
     controller = ctx.make_controller(job)
     run_dir = same_run_dir(run_dir)
     writer = MetricsWriter(

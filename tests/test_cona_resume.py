@@ -198,7 +198,9 @@ def test_lr_ramp_goes_on_across_a_resume():
     known limit): a run that switched from proxy batch 16 to 128 with a 4-step ramp and
     stopped 2 steps into it must, resumed from ``Loop.state_dict``, train the last two
     ramp steps at 3/4 and all of the way, as the run without a stop did; its clock goes on
-    from the saved one."""
+    from the saved one.  (The loop's state alone: a real run resumes only at its launch
+    batch, test_a_resume_with_another_launch_batch_is_refused, so there the ramp goes on
+    where the saved strategy is at that batch, e.g. a layout switch or the warm start's.)"""
     from cona.state import set_peak_lr
     from cona.strategy import Strategy
 
@@ -263,6 +265,44 @@ def test_a_resume_with_another_launch_batch_is_refused():
     with pytest.raises(CheckpointError, match="global_batch_size=64.*this resume has 128"):
         loop_at(128).load_state_dict(saved)
     loop_at(64).load_state_dict(saved)
+
+
+def _refused_in_place(cache_dir, run_dir):
+    """A 1-process real CONA run of 2 steps saved at step 2, then its resume into the same
+    folder at another global batch: the error and whether ``config.yaml`` and
+    ``metrics.jsonl`` are as the run left them."""
+    import torch
+
+    torch.set_num_threads(1)
+    from cona.run import run
+    from jobruntime.checkpoint import CheckpointError
+    from jobruntime.config import load_config
+
+    run_dir = Path(run_dir)
+    over = [f"data.cache_dir={cache_dir}", "model.seq_length=64", "logging.wandb=disabled",
+            "cona.enabled=true", "train.iters=2", "train.warmup_iters=1",
+            "checkpoint.save_interval=2"]
+    run(load_config("tiny_gpt", over), run_dir)
+    before = {f: (run_dir / f).read_bytes() for f in ("config.yaml", "metrics.jsonl")}
+    try:
+        run(load_config("tiny_gpt", [*over, "parallel.global_batch_size=16",
+                                     f"checkpoint.load={run_dir / 'checkpoints'}"]), run_dir)
+        err = None
+    except CheckpointError as e:
+        err = str(e)
+    return err, all((run_dir / f).read_bytes() == b for f, b in before.items())
+
+
+def test_a_refused_resume_leaves_the_run_folder_as_it_was(cache_dir, tmp_path):
+    """Catches a refusal that comes after the run wrote its inputs: a resume into the run's
+    own folder at another global batch rewrote ``config.yaml`` (with the refused batch,
+    so the documented resume command ``--config DIR/config.yaml`` was refused from then
+    on) before the CONA state was checked.  It is refused with the run's files as
+    they were."""
+    (res,) = launch(_refused_in_place, 1, cache_dir, str(tmp_path / "run"))
+    err, untouched = res
+    assert err is not None and "global_batch_size=8" in err
+    assert untouched
 
 
 def test_saved_state_does_not_grow_with_the_decisions():
