@@ -454,7 +454,8 @@ class Controller:
 
     def state_dict(self) -> dict[str, Any]:
         """What the controller decides from (for checkpoints): the current strategy,
-        measured switch costs and prediction errors, the number of decisions and the
+        measured switch costs and prediction errors (and the prediction of a switch not
+        yet measured), the number of decisions and the
         noise scales of the last ``cona.gns_decision_window`` ones, the estimator's and
         the cost model's state.  Not the decision records: a run of hours makes thousands
         (each with every candidate's score), and ``metrics.jsonl`` holds them."""
@@ -469,6 +470,10 @@ class Controller:
             "progress_fit": self.last_fit.to_dict() if self.last_fit else None,
             "tested_change": self._tested_change,
             "progress": [list(r) for r in self._progress],
+            # a switch's step-time prediction, scored at the first step after it (which
+            # a checkpoint saved right after the switch comes before)
+            "pending_prediction": None if self._pending is None else
+            [self._pending[0].label, self._pending[1], self._pending[2]],
             "gns": self.gns.state_dict(),
             "cost_model": self.cost_model.state_dict(),
         }
@@ -481,6 +486,9 @@ class Controller:
         self._pred_errors = {k: list(v) for k, v in state.get("prediction_errors", {}).items()}
         self.decisions, self.decisions_before = [], int(state["num_decisions"])
         self._phi_history = list(state.get("noise_scale_history", []))
+        pending = state.get("pending_prediction")
+        self._pending = None if pending is None else (
+            Strategy.from_label(pending[0]), float(pending[1]), str(pending[2]))
         self.noise_scale_factor, self.last_fit, self._tested_change = 1.0, None, None
         self._progress.clear()
         if self.cfg.efficiency_correction == "progress":  # else the saved factor is not used

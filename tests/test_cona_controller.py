@@ -214,6 +214,14 @@ def test_state_dict_roundtrip():
     assert other.decisions == [] and other.decisions_before == len(ctrl.decisions) == 1
     assert other.decision_noise_scale() == ctrl.decision_noise_scale()
     assert not other.wants_start_decision(11, 10)  # no second start decision
+    # a checkpoint saved right after a switch: the switch's prediction is scored at the
+    # resumed run's first step (it was lost, and with it that prediction's error)
+    ctrl.commit_switch(SLOW)
+    resumed = _controller([SLOW, FAST], SLOW)
+    resumed.load_state_dict(ctrl.state_dict())
+    for c in (ctrl, resumed):
+        c.record_iteration(6.0, SLOW)
+    assert resumed.state_dict()["prediction_errors"] == ctrl.state_dict()["prediction_errors"]
 
 
 def test_wrong_extrapolation_discounts_unmeasured_layouts():
