@@ -277,7 +277,8 @@ def heal_state(loop) -> dict:
     outer tensors canonical, so any layout can load it)."""
     ctx = loop.ctx
     stats = loop.stats.state_dict()  # the run's totals (tokens, TTP) and its clock, now
-    stats["scalars"]["time_s"] = time.perf_counter() - loop.t0
+    if not ctx.emulated:  # the wall clock runs on between rounds (emulated: the round's)
+        stats["scalars"]["time_s"] = time.perf_counter() - loop.t0
     return {"round": loop.r, "position": loop.position, "replans": loop.replans, "stats": stats,
             "members": loop.members, "plan": loop.plan.to_dict(),
             "speed": dict(ctx.planner.speed), "fit": ctx.planner.fit.state_dict(),

@@ -185,6 +185,7 @@ def _heal_in_process(cache_dir: str, root: str) -> dict:
 
     from geomesh.context import build_context
     from geomesh.exchange.heal_payload import pack_state, unpack_state
+    from geomesh.feedback import LocalMomentum
     from geomesh.fleet.cluster import CLUSTERS_DIR
     from geomesh.state import heal_state, load_heal
     from geomesh.sync import OuterLoop
@@ -205,9 +206,14 @@ def _heal_in_process(cache_dir: str, root: str) -> dict:
     def serving(rnd, drain):
         if rnd.r == 1:
             served["state"] = unpack_state(pack_state(heal_state(a)))
-            served["steps"] = [w.trainer.step for w in a.workers.values()]
+            served["steps"] = _positions(a)
             served["history"] = {n: list(v) for n, v in a.history.items()}
         return exchange(rnd, drain)
+
+    def _positions(loop) -> list:
+        """Each worker's step, its scheduler's position and the LR its next step takes."""
+        return [(w.trainer.step, w.trainer.scheduler.num_steps,
+                 w.trainer.optimizer.param_groups[0]["lr"]) for w in loop.workers.values()]
 
     a.exchange = serving
     a.run()
@@ -216,9 +222,14 @@ def _heal_in_process(cache_dir: str, root: str) -> dict:
     b = OuterLoop(ctx)
     for fb in b.feedback.values():
         fb.residuals = {"stale": torch.ones(3)}
+    b.local_mom = {i: LocalMomentum() for i in b.workers}  # compress_update's, stale too
+    for lm in b.local_mom.values():
+        lm.buffers = {"stale": torch.ones(3)}
     load_heal(b, served["state"])
-    out = {"steps": [w.trainer.step for w in b.workers.values()], "served": served["steps"],
-           "residuals": [len(fb.residuals) for fb in b.feedback.values()],
+    out = {"steps": _positions(b), "served": served["steps"],
+           "residuals": [len(fb.residuals) for fb in b.feedback.values()] +
+                        [len(lm.buffers) for lm in b.local_mom.values()],
+           "plan": (b.plan.to_dict(), served["state"]["plan"]),
            "planner_current_is_plan": ctx.planner.current is b.plan,
            "history": b.history, "served_history": served["history"],
            "replans": (a.replans, served["state"]["replans"]),
@@ -238,8 +249,8 @@ def test_a_heal_takes_the_others_position_plan_and_totals(cache_dir, tmp_path):
 
     (out,) = launch(_heal_in_process, 1, cache_dir, str(tmp_path))
     assert out["replans"][0] >= 1  # the run re-plans (the history matters)
-    assert out["steps"] == out["served"]
-    assert out["planner_current_is_plan"]
+    assert out["steps"] == out["served"]  # trainer step, scheduler position, LR
+    assert out["planner_current_is_plan"] and out["plan"][0] == out["plan"][1]
     assert out["history"] == out["served_history"] and out["history"]
     assert out["tokens"][0] == out["tokens"][1] > 0
-    assert out["residuals"] == [0, 0]
+    assert out["residuals"] == [0, 0, 0, 0]
