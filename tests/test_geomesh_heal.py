@@ -81,6 +81,42 @@ def test_pieces_that_miss_a_shard_are_refused():
         from_canonical(half, {"w_local": Shard("w", (6, 4), (0, 0), (6, 4))})
 
 
+def _serve_after_heal() -> tuple[dict, dict]:
+    """One process: a region's leader that received a heal in this call and not yet
+    applied it, asked to serve: what it serves, and what it received."""
+    import torch.distributed as dist
+
+    from geomesh.exchange.region import RegionMembership
+    from jobruntime.parallel import init_distributed
+
+    class _Leader:
+        def set_state_fns(self, save, load):
+            self.save = save
+
+    init_distributed()
+    leader = _Leader()
+    region = RegionMembership(leader, {}, contributes=True, cluster=None, worker=0,
+                              policy="continue")
+    region.set_state_fns(lambda: _state({}, False), lambda st: None)  # its own: round 3
+    healed = {"round": 7, "outer": {"lr": 0.7, "step": 7, "params": {}, "momentum_buffer": {}}}
+    region._stash(healed)  # torchft's load callback, earlier in the same leader call
+    served = leader.save()
+    dist.barrier()
+    return served, healed
+
+
+def test_a_region_serves_the_state_it_healed_from_until_it_applies_it():
+    """Catches a stale heal served: a region healed in one attempt of an exchange (the
+    state is applied only when the leader's call returns) and, its all-gather failed,
+    was asked in the next attempt's quorum to heal a new joiner: it served its own
+    state, the one the heal replaces (round 3 where the run was at round 7)."""
+    from tests.dist_utils import launch
+
+    (res,) = launch(_serve_after_heal, 1)
+    served, healed = res
+    assert served == healed
+
+
 # -- end to end: bench/faults.py's scenarios ---------------------------------------------
 
 

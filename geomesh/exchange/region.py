@@ -122,7 +122,12 @@ class RegionMembership:
         return to_canonical(self._save(), self.layout) if self.contributes else None
 
     def _serve(self) -> dict:
-        """Leader, in torchft's quorum thread: the region's state, gathered now."""
+        """Leader, in torchft's quorum thread: the region's state, gathered now; or, where
+        this region healed earlier in the same call (a quorum asked again after a failed
+        all-gather) and has not applied it yet, the state it healed from (its own is
+        the one the heal replaces)."""
+        if self._received is not None:
+            return self._received
         _bcast(("state",))
         states: list = [None] * dist.get_world_size()
         dist.gather_object(self._mine(), states, dst=0)
