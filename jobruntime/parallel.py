@@ -200,7 +200,9 @@ def default_generators() -> dict:
     whatever registered NumPy's types."""
     name, keys, pos, has_gauss, gauss = np.random.get_state()
     return {"python": random.getstate(),
-            "numpy": (name, torch.from_numpy(keys.copy()), pos, has_gauss, gauss),
+            # a tensor of its own (a from_numpy one does not survive pickle's legacy path)
+            "numpy": (name, torch.tensor(keys.tolist(), dtype=torch.int64, device="cpu"),  # host
+                      pos, has_gauss, gauss),
             "torch": torch.get_rng_state(),
             "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
 
