@@ -252,15 +252,11 @@ def resume(loop, st: dict) -> None:
     for i, w in loop.workers.items():
         w.load_state_dict(st["workers"][i])  # megatron takes the saved scheduler's lengths:
         w.set_schedule(*loop.schedules[i])  # a re-plan pending at the save is not in them
-    ctx.planner.speed = dict(st["planner_speed"])
-    ctx.planner.fit.load_state_dict(st.get("planner_fit", {}))
-    ctx.planner.current = loop.plan = st["plan"]
-    loop.steps = proxy_steps_for(ctx, loop.plan)
+    take_plan(loop, st["plan"], st["planner_speed"], st.get("planner_fit", {}), st["history"])
     if loop.clock is not None:
         loop.clock.load_state_dict(st["clock"])
     loop.stats.load_state_dict(st["stats"])
     loop.position, loop.start, loop.replans = st["position"], st["round"], st["replans"]
-    loop.history = st["history"]
     loop.guard.load_state_dict(st.get("guard", {}))
     if loop.eager is not None and st.get("eager") is not None:
         loop.eager.load_state_dict(st["eager"])
@@ -315,13 +311,8 @@ def load_heal(loop, st: dict) -> None:
         fb.residuals = {}
     for lm in loop.local_mom.values():
         lm.buffers = {}
-    ctx.planner.speed = {k: float(v) for k, v in st["speed"].items()}
-    ctx.planner.fit.load_state_dict(st.get("fit", {}))
-    # the planner re-plans from the peer's plan (the same object: a re-plan that keeps it
-    # is no re-plan) and the same measurements, or the regions' plans part
-    ctx.planner.current = loop.plan = plan_from_dict(st["plan"], ctx.planner.tolerance)
-    loop.steps, loop.next_steps = proxy_steps_for(ctx, loop.plan), None
-    loop.history = {str(n): [float(x) for x in v] for n, v in st.get("history", {}).items()}
+    take_plan(loop, plan_from_dict(st["plan"], ctx.planner.tolerance), st["speed"],
+              st.get("fit", {}), st.get("history", {}))
     loop.lr_scales.load_state_dict(st.get("lr_scale", {"done": [  # a peer without it
         schedule_position(n, s.inner_steps, loop.r, loop.schedule_rounds)
         for (n, _), s in zip(loop.schedules, loop.steps)]}))
@@ -333,6 +324,19 @@ def load_heal(loop, st: dict) -> None:
         w.trainer.scheduler.step(increment=max(at - w.trainer.step, 0))
         w.trainer.step = max(w.trainer.step, at)
     log.info("healed from a live peer: round %d", loop.r)
+
+
+def take_plan(loop, plan: Plan, speed: dict, fit: dict, history: dict) -> None:
+    """The plan ``loop`` goes on with and what its planner re-plans from (a resume's or a
+    live peer's): the speed corrections and fit, the plan as the planner's current one
+    (the same object: a re-plan that keeps it is no re-plan), its proxy steps, and the
+    step times measured since it changed.  Regions that take these re-plan alike."""
+    ctx = loop.ctx
+    ctx.planner.speed = {k: float(v) for k, v in speed.items()}
+    ctx.planner.fit.load_state_dict(fit)
+    ctx.planner.current = loop.plan = plan
+    loop.steps, loop.next_steps = proxy_steps_for(ctx, plan), None
+    loop.history = {str(n): [float(x) for x in v] for n, v in history.items()}
 
 
 def proxy_steps_for(ctx, plan) -> list:
