@@ -27,7 +27,7 @@ from jobruntime.model import build_model
 from jobruntime.outputs import save_run_inputs
 from jobruntime.parallel import initialize_layout, same_run_dir
 
-from .exchange.deploy import Placement, place_emulated, place_real
+from .exchange.deploy import Placement, join_region, place_emulated, place_real
 from .fleet.cluster import ClusterSpec
 from .fleet.job_check import check_job
 from .fleet.planner import Planner
@@ -174,6 +174,8 @@ def build_context(cfg: JobConfig, run_dir: Path) -> RunContext:
     schema = target_schema(target) if emulated else None
     t = cfg.train
     corpus = prepare_corpus(cfg.data, cfg.model)
+    if placement.per_region:  # its messages are bound to the settings and the tokenizer
+        join_region(placement, cfg, cluster, corpus.tokenizer)
     # Samples the rounds can read: emulated rounds take exactly H · G_p proxy
     # sequences whatever the plan; real rounds Σ H_i b_i ≤ (1 + plan_tolerance) · H · G_p,
     # the planner's token budget (plan_tolerance < 1; a re-plan never leaves it,

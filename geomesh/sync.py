@@ -61,8 +61,9 @@ of its time in the exchange.
 
 Every round's messages pass :class:`geomesh.wire.guard.Guard` before aggregation
 (every codec: ``codec.aggregate(received, guard=guard)``); a rejected message
-drops its worker from the round, except that a peer's message of another round in a
-job's first round stops the job (:meth:`OuterLoop.refuse_other_start`).  One job per
+drops its worker from the round, except that a peer's message of another run (other
+settings) or another round in a job's first round stops the job
+(:meth:`OuterLoop.refuse_other_start`).  One job per
 region (``geomesh.region``): each round's exchange is a torchft quorum
 (:mod:`geomesh.exchange.membership`), lost workers drop out (the plan is redone for the
 members left, :mod:`geomesh.fleet.membership_plan`), a joining worker heals from a live
@@ -82,6 +83,7 @@ from dataclasses import dataclass, field
 import torch
 
 from jobruntime.checkpoint import CheckpointError
+from jobruntime.config import ConfigError
 from jobruntime.faults import fault_point
 
 from .context import RunContext, target_canonical_schema
@@ -466,22 +468,43 @@ class OuterLoop(RoundFigures):
 
     def refuse_other_start(self, r: int) -> None:
         """Stop the job where round ``r`` is its first and a peer's message is of another
-        round (:class:`geomesh.wire.codec.OtherRoundError`): the regions started from
-        checkpoints of different outer steps, and each would drop the others and train
-        alone (:mod:`geomesh.launch_resume`).  Later in the run such a message is a replay,
-        dropped by the guard.
+        run or another round.  Another run: the regions were started with other
+        settings (model, recipe, tokenizer, GeoMesh settings, cluster file, batch:
+        :mod:`geomesh.exchange.run_identity`), and each would drop the others and train
+        alone to a different model.  Another round: the regions started from
+        checkpoints of different outer steps (:mod:`geomesh.launch_resume`).  Later
+        in the run, a region that comes back with other settings stops in its own
+        first round; the others drop it (an older round's message is a replay,
+        dropped by the guard).
 
         Raises:
-            CheckpointError: naming the peers and the fix (bad input: exit 2).
+            ConfigError: another run, naming the peers, the parts that differ and the fix.
+            CheckpointError: another round, naming the peers and the fix (exit 2 both).
         """
-        other = [k for k, why in self.guard.last_rejected.items() if why == "round"]
-        if r != self.start or not other:
+        if r != self.start:
             return
-        names = ", ".join(f"{self.ctx.cluster.workers[k].region!r}" for k in sorted(other))
-        raise CheckpointError(
-            f"{names} sent messages of another round in this job's first round ({r}): the "
-            "regions started from checkpoints of different outer steps; resume all from one "
-            "(launch_local --resume takes the newest that all saved)")
+        name = self.ctx.cluster.workers
+        other_run = self.ft.other_run if self.ft is not None else {}
+        if other_run:
+            parts = sorted({p for ps in other_run.values() for p in ps})
+            hint = (" (the tokenizer differs: copy one region's tokenizer file from its run "
+                    "folder to the others and set data.tokenizer=FILE)"
+                    if "tokenizer" in parts else "")
+            peers = [repr(name[k].region) for k in sorted(other_run)]
+            raise ConfigError(
+                f"{', '.join(peers)} {'runs' if len(peers) == 1 else 'run'} with other settings "
+                f"than this region (part(s) that differ: {', '.join(parts)}){hint}.  Every region "
+                "must be started with the same model, train, data, geomesh settings, cluster "
+                "file and parallel.global_batch_size (geomesh.exchange.run_identity lists "
+                "them); compare the regions' config.yaml and start them with the same "
+                "overrides")
+        other = [k for k, why in self.guard.last_rejected.items() if why == "round"]
+        if other:
+            raise CheckpointError(
+                f"{', '.join(repr(name[k].region) for k in sorted(other))} sent messages of "
+                f"another round in this job's first round ({r}): the regions started from "
+                "checkpoints of different outer steps; resume all from one (launch_local "
+                "--resume takes the newest that all saved)")
 
     def aggregate(self, rnd: _Round, received: list) -> list[int]:
         """Guard, decode and aggregate ``Δ`` on this rank's shards, take the outer step;

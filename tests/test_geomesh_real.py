@@ -201,6 +201,29 @@ def test_missing_region_fails_with_its_name(runs, cache_dir):
     assert line and "West Europe" in line[0] and "geomesh.timeout_s" in line[0], proc.stderr[-2000:]
 
 
+def test_regions_with_other_settings_stop_naming_what_differs(cache_dir, tmp_path):
+    """Catches regions that were started with other settings and each trained alone to
+    exit 0 on other weights: their messages named another run, each region dropped the
+    other as lost (break-test helper: outer_lr 0.7 vs 0.3, two digests, both exit 0).
+    Now each stops in its first round with exit 2 and one error line that names the
+    other region and the part of the settings that differs (``geomesh``)."""
+    cluster = _clusters(tmp_path, free_port())["jobs"]
+    lh = _lighthouse(cluster)
+    try:
+        procs = [_torchrun(cluster, region, tmp_path / f"job-{k}", cache_dir, *extra)
+                 for k, (region, extra) in enumerate((("East US", ()),
+                                                       ("West Europe", ("geomesh.outer_lr=0.3",))))]
+        outs = [p.communicate(timeout=600) for p in procs]
+    finally:
+        lh.terminate()
+        lh.wait(30)
+    for p, (_, err), other in zip(procs, outs, ("West Europe", "East US")):
+        lines = [x for x in err.splitlines() if x.startswith("error:")]
+        # torchrun exits 1 for any failed rank; its report holds the rank's own code
+        assert p.returncode == 1 and "exitcode  : 2" in err and lines, err[-3000:]
+        assert repr(other) in lines[0] and "differ: geomesh)" in lines[0], lines
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("scenario", ["late_join", "store_host_lost_fail_policy",
                                       "network_stall"])

@@ -41,7 +41,6 @@ region does not).
 from __future__ import annotations
 
 import copy
-import dataclasses
 import logging
 import os
 import secrets
@@ -61,7 +60,7 @@ from jobruntime.parallel import Topology, init_distributed, initialize_layout
 from ..fleet.cluster import ClusterError, ClusterSpec
 from ..fleet.job_check import check_world, job_worker_shape
 from ..wire.canonical_codec import join_parts
-from ..wire.envelope import Opener, load_secret, run_id
+from ..wire.envelope import Opener, load_secret
 from .transport import (
     TorchDistributedTransport,
     TransportGroups,
@@ -203,7 +202,8 @@ def global_rank(k: int, t: int, d: int, p: int, *, tp: int, dp_in: int, num_work
 
 
 def place_region(cfg: JobConfig, cluster: ClusterSpec) -> tuple[Placement, JobConfig]:
-    """One job per region: this job's own world, megatron's layout, and its torchft membership.
+    """One job per region: this job's own world and megatron's layout (its torchft
+    membership follows, :func:`join_region`).
 
     The region's worker runs at its own ``(tp, pp, dp)`` (the cluster file's
     ``tp``, ``pp`` and ``num_gpus``), whatever the other regions run
@@ -214,15 +214,10 @@ def place_region(cfg: JobConfig, cluster: ClusterSpec) -> tuple[Placement, JobCo
 
     The region, its one worker, the secret and the process count were checked before
     (:func:`geomesh.fleet.job_check.check_job`).
-
-    Raises:
-        ClusterError / ConfigError: no lighthouse at the cluster's ``rendezvous``.
     """
     g = cfg.geomesh
     tp, pp, dp_in = job_worker_shape(cluster, g.region)  # checked: geomesh.fleet.job_check
     worker = cluster.workers_in(g.region)[0]
-    secret = load_secret(g.secret_file)
-    host, port = cluster.rendezvous_host_port
     k = cluster.worker_index(worker.name)
     init_distributed(g.timeout_s)
     check_world(cluster, g.region, dist.get_world_size())  # the group's own size
@@ -241,17 +236,34 @@ def place_region(cfg: JobConfig, cluster: ClusterSpec) -> tuple[Placement, JobCo
                    mp_group=ps.get_model_parallel_group(),
                    worker_group=dist.group.WORLD if dist.get_world_size() > 1 else None,
                    leader_rank=0, layout_shape=(tp, pp, dp_in), per_region=True)
-    if pl.job_rank == 0:
-        run = run_id(cluster.name, [w.name for w in cluster.workers], g.method, cfg.train.seed,
-                     sorted(dataclasses.asdict(cfg.model).items()))
-        from .membership import Membership
-
-        pl.ft_leader = Membership(
-            cluster, k, shard=0, num_shards=1, lighthouse=f"http://{host}:{port}",
-            store_addr=os.environ["MASTER_ADDR"], store_port=int(os.environ["MASTER_PORT"]),
-            opener=Opener(secret, run), timeout_s=g.timeout_s, heartbeat_s=g.heartbeat_s,
-            on_worker_loss=g.on_worker_loss, report=True)
     return pl, layout
+
+
+def join_region(pl: Placement, cfg: JobConfig, cluster: ClusterSpec, tokenizer) -> None:
+    """The region's leader joins the run's torchft membership (``pl.ft_leader``).
+
+    Called once the job's tokenizer exists: its messages are bound to the run
+    identity (:mod:`geomesh.exchange.run_identity`), which covers the tokenizer, so a
+    region whose settings differ from the others' is told which ones
+    (:meth:`geomesh.sync.OuterLoop.refuse_other_start`) instead of training alone.
+
+    Raises:
+        ClusterError / ConfigError: no lighthouse at the cluster's ``rendezvous``.
+    """
+    if pl.job_rank != 0:
+        return
+    from .membership import Membership
+    from .run_identity import PARTS, run_identity, shared_settings
+
+    g = cfg.geomesh
+    host, port = cluster.rendezvous_host_port
+    run = run_identity(shared_settings(cfg, cluster, tokenizer))
+    log.info("GeoMesh run identity %016x (one byte per part: %s)", run, ", ".join(PARTS))
+    pl.ft_leader = Membership(
+        cluster, pl.workers[0], shard=0, num_shards=1, lighthouse=f"http://{host}:{port}",
+        store_addr=os.environ["MASTER_ADDR"], store_port=int(os.environ["MASTER_PORT"]),
+        opener=Opener(load_secret(g.secret_file), run), timeout_s=g.timeout_s,
+        heartbeat_s=g.heartbeat_s, on_worker_loss=g.on_worker_loss, report=True)
 
 
 def place_emulated() -> Placement:

@@ -70,6 +70,7 @@ from ..lighthouse import lighthouse_heartbeats, quorum_retries
 from ..wire.envelope import DATA, JOIN, EnvelopeError, Opener
 from .heal_payload import SignedHTTPTransport
 from .quorum_group import recording_group
+from .run_identity import differing_parts
 from .transport import WireBytes
 from .worker_loss import PeerLostError, lost_workers
 
@@ -116,6 +117,10 @@ class Membership:
         self.pg = recording_group(ProcessGroupNCCL if nccl else ProcessGroupGloo)(timeout=tout)
         self.members: list[int] = []
         self.wire = WireBytes()  # the exchange's payload bytes (geomesh.transport)
+        self.other_run: dict[int, list[str]] = {}
+        """Last exchange: workers whose message named another run identity, with the parts
+        of it that differ from this one's (a region started with other settings,
+        :func:`geomesh.exchange.run_identity.differing_parts`)."""
         self._healed: dict | None = None
         self._save: Callable[[], dict] | None = None
         self._load: Callable[[dict], None] | None = None
@@ -272,8 +277,8 @@ class Membership:
 
     def lost(self, r: int, lost: list[int], why: str | dict[int, str]) -> None:
         """Workers dropped from round ``r`` (:func:`lost_workers`)."""
-        lost_workers(self.cluster, self.policy, r, lost, why, members=len(self.members),
-                     report=self.report)
+        lost_workers(self.cluster, self.policy, r, lost, why,
+                     members=len(set(self.members) - set(lost)), report=self.report)
 
     def _report_lost(self, r: int, lost: list[int]) -> None:
         """Workers of the last quorum missing from round ``r``'s, each with its reason: the
@@ -465,12 +470,14 @@ class Membership:
                                 r_now, str(e).splitlines()[0][:120], attempt + 2)
                 continue
             out: list[bytes | None] = [None] * K
-            bad = []
+            bad, self.other_run = [], {}
             for k, data in zip(self.pg.members, got):
                 try:
                     env = self.opener.open(data, round=r_now, sender=k, shard=self.shard)
                 except EnvelopeError as e:
                     bad.append(k)
+                    if e.peer_run is not None:
+                        self.other_run[k] = differing_parts(self.opener.run, e.peer_run)
                     if self.report:
                         log.warning("GeoMesh round %d: rejected the message of %s: %s", r_now,
                                     self.name(k), e)
@@ -481,7 +488,10 @@ class Membership:
                 self.opener.forget_round(r_now)
                 continue
             if bad:
-                self.lost(r_now, bad, "message rejected")
+                self.lost(r_now, bad, {k: f"message sealed for another run (settings differ: "
+                                          f"{', '.join(self.other_run[k])})"
+                                       if k in self.other_run else "message rejected"
+                                       for k in bad})
             return out, healed_any
         raise PeerLostError(f"GeoMesh round {r}: the exchange failed {MAX_ATTEMPTS} times "
                             "(workers keep dropping out); restart the regions")

@@ -106,6 +106,9 @@ class RegionMembership:
         self.members: list[int] = []
         self.step = 0
         self.healed = False
+        self.other_run: dict[int, int] = {}
+        """:attr:`Membership.other_run <geomesh.exchange.membership.Membership.other_run>` of
+        the last exchange, on every rank."""
         self._save: Callable[[], dict] | None = None
         self._load: Callable[[dict], None] | None = None
         if leader is not None:
@@ -183,10 +186,11 @@ class RegionMembership:
             self._received = None
             out, healed = self.leader.exchange(self.leader.step, message, quorum_done=quorum_done)
             res = self._finish((healed, list(self.leader.members), self.leader.step,
-                                self._received, out))
+                                self._received, out, dict(self.leader.other_run)))
         else:
             res = self._follow()
         self._result(res[:4])
+        self.other_run = res[5]
         return res[4]
 
     def _result(self, res) -> bool:
@@ -198,7 +202,8 @@ class RegionMembership:
 
     def lost(self, r: int, lost: list[int], why: str | dict[int, str]) -> None:
         """Workers dropped from round ``r`` (:func:`geomesh.exchange.membership.lost_workers`)."""
-        lost_workers(self.cluster, self.policy, r, lost, why, members=len(self.members),
+        lost_workers(self.cluster, self.policy, r, lost, why,
+                     members=len(set(self.members) - set(lost)),
                      report=self.leader is not None and self.leader.report)
 
     def close(self) -> None:

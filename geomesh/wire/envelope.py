@@ -64,11 +64,13 @@ class EnvelopeError(ValueError):
         reason: one of ``truncated``, ``unauthenticated``, ``version``,
             ``other_run``, ``kind``, ``replay``, ``wrong_sender``, ``shard``,
             ``duplicate``, ``length``.
+        peer_run: the run identity the envelope names (``other_run`` only; else ``None``).
     """
 
-    def __init__(self, message: str, reason: str) -> None:
+    def __init__(self, message: str, reason: str, peer_run: int | None = None) -> None:
         super().__init__(message)
         self.reason = reason
+        self.peer_run = peer_run
 
 
 def load_secret(secret_file: str | None, *, required: bool = True) -> bytes | None:
@@ -111,12 +113,6 @@ def load_secret(secret_file: str | None, *, required: bool = True) -> bytes | No
     return raw
 
 
-def run_id(*parts: object) -> int:
-    """A 64-bit run identifier from the settings all jobs of a run share."""
-    text = "\x1f".join(map(str, parts)).encode()
-    return int.from_bytes(hashlib.sha256(text).digest()[:8], "little")
-
-
 @dataclass(frozen=True)
 class Sealed:
     """The checked header of an opened envelope, and its body."""
@@ -133,7 +129,7 @@ class Sealer:
 
     Args:
         secret: the run's secret (:func:`load_secret`).
-        run: :func:`run_id` of the run.
+        run: the run's 64-bit identity (:func:`geomesh.exchange.run_identity.run_identity`).
     """
 
     def __init__(self, secret: bytes, run: int) -> None:
@@ -161,9 +157,9 @@ class Opener(Sealer):
         self.opened = 0
         self._seen: set[tuple[int, int, int, int]] = set()  # (kind, round, worker, shard)
 
-    def _reject(self, message: str, reason: str) -> EnvelopeError:
+    def _reject(self, message: str, reason: str, peer_run: int | None = None) -> EnvelopeError:
         self.rejected[reason] += 1
-        return EnvelopeError(message, reason)
+        return EnvelopeError(message, reason, peer_run)
 
     def open(self, data: bytes | bytearray | memoryview, *, round: int, sender: int | None = None,
              shard: int = 0, kinds: tuple[int, ...] = (DATA, JOIN)) -> Sealed:
@@ -195,7 +191,7 @@ class Opener(Sealer):
                                "version")
         if run != self.run:
             raise self._reject(f"{who}: sealed for another run ({run:016x}, this is "
-                               f"{self.run:016x})", "other_run")
+                               f"{self.run:016x})", "other_run", run)
         if kind not in kinds:
             raise self._reject(f"{who}: kind {KINDS.get(kind, kind)!r} is not accepted here",
                                "kind")
