@@ -167,7 +167,7 @@ def _digest(run_dir: Path) -> str | None:
 
 
 def geomesh(root: Path, cache: str, name: str, rounds: int, *, fault: tuple[int, str] | None = None,
-            policy: str = "continue", rejoin: bool = False, stall: bool = False,
+            policy: str = "continue", rejoin: bool | str = False, stall: bool = False,
             act: Callable[[list[Run], Run], Run] | None = None,
             shapes: list[dict] | None = None, slowdown: list[float] | None = None,
             overrides: tuple[str, ...] = (), heartbeat_s: float = HEARTBEAT_S) -> dict:
@@ -183,6 +183,9 @@ def geomesh(root: Path, cache: str, name: str, rounds: int, *, fault: tuple[int,
     ``overrides``: more ``section.key=value`` for every job.  ``heartbeat_s``: the
     lighthouse's and the jobs' (a long one keeps a restarted region in the quorum: it
     heals without a membership change).
+    ``rejoin``: restart the victim once its fault killed it, in a new run folder
+    (``True``), or with its resume command, in its own folder with ``checkpoint.load``
+    of its checkpoints (``"resume"``: the command docs/geomesh.md gives).
     ``act(jobs, lighthouse)``, if given, runs once the victim has finished round 2
     and returns the lighthouse the run goes on with (the same, or a new one).
     With ``continue``, survived also means that every job alive at the end holds
@@ -216,10 +219,10 @@ def geomesh(root: Path, cache: str, name: str, rounds: int, *, fault: tuple[int,
               f"geomesh.on_worker_loss={policy}", "checkpoint.save_interval=1",
               "checkpoint.keep_last=0", *overrides]
 
-    def job(k: int, tag: str, fault_spec: str | None) -> Run:
+    def job(k: int, tag: str, fault_spec: str | None, *more: str, log: str = "") -> Run:
         return Run([*_job_cmd(workers[k]["num_gpus"]), "--config", "tiny_gpt", "--run-dir",
-                    str(d / f"{tag}{k}"), *common, f"geomesh.region={regions[k]}"],
-                   d / f"{tag}{k}.log", _env(secret, fault_spec))
+                    str(d / f"{tag}{k}"), *common, f"geomesh.region={regions[k]}", *more],
+                   d / (log or f"{tag}{k}.log"), _env(secret, fault_spec))
 
     t0 = time.monotonic()
     n = len(regions)
@@ -242,7 +245,9 @@ def geomesh(root: Path, cache: str, name: str, rounds: int, *, fault: tuple[int,
     if rejoin:
         jobs[victim].wait(600)  # killed by its fault
         time.sleep(2)
-        extra.append(job(victim, "re", None))
+        extra.append(job(victim, "w", None, f"checkpoint.load={d / f'w{victim}' / 'checkpoints'}",
+                         log=f"w{victim}_resumed.log") if rejoin == "resume"
+                     else job(victim, "re", None))
     rcs = [j.wait(1200) for j in jobs] + [j.wait(1200) for j in extra]
     seconds = time.monotonic() - t0
     lh.p.terminate()
@@ -268,7 +273,8 @@ def geomesh(root: Path, cache: str, name: str, rounds: int, *, fault: tuple[int,
             finals = [texts[i].rsplit("final val ppl", 1)[-1].split(",")[0] for i in alive]
             ok = ok and len(set(finals)) == 1
         # θ_global in canonical form: bit-identical in every job alive at the end
-        digests = [_digest(d / (f"w{i}" if i < n else f"re{victim}")) for i in alive]
+        rejoined = f"w{victim}" if rejoin == "resume" else f"re{victim}"
+        digests = [_digest(d / (f"w{i}" if i < n else rejoined)) for i in alive]
         ok = ok and None not in digests and len(set(digests)) == 1
         detect = None
     return {"scenario": name, "survived": bool(ok), "exit_codes": rcs, "bytes_lost": lost,

@@ -290,3 +290,32 @@ def test_a_heal_takes_the_others_position_plan_and_totals(cache_dir, tmp_path):
     assert out["history"] == out["served_history"] and out["history"]
     assert out["tokens"][0] == out["tokens"][1] > 0
     assert out["residuals"] == [0, 0, 0, 0]
+
+
+@pytest.mark.slow
+def test_a_region_restarted_with_its_resume_command_heals_in_its_own_folder(cache_dir, tmp_path):
+    """Catches docs that give a restart command the run refuses: docs/geomesh.md said a
+    lost region "restarted with the same command" joins, but the same ``--run-dir``
+    holds its results and is refused (break-test helper); the tested restarts used a
+    new folder.  The documented command, the same one with ``checkpoint.load`` of its
+    own checkpoints, loads its round-3 checkpoint, heals from the live region to the
+    round the run is at, ends on the survivor's ``global_weights_sha256`` with the
+    run's tokens, and keeps one history in its folder (every round once)."""
+    from bench.faults import geomesh
+
+    name = "resume_command"
+    # the survivor slower than the victim: it still runs when the restarted job is back
+    res = geomesh(tmp_path, cache_dir, name, 6, fault=(1, "train@3"), rejoin="resume",
+                  slowdown=[25.0, 1.0])
+    print(json.dumps(res))
+    assert res["exit_codes"][0] == 0 and res["exit_codes"][-1] == 0, res
+    assert res["same_digest"] and res["survived"], res
+    text = (tmp_path / name / "w1_resumed.log").read_text(errors="replace")
+    assert "healed from a live peer" in text, text[-3000:]
+    survivor, healed = (json.loads((tmp_path / name / d / "summary.json").read_text())
+                        for d in ("w0", "w1"))
+    assert healed["tokens"] == survivor["tokens"] and healed["outer_steps"] == 6
+    steps = [json.loads(x)["step"] for x in
+             (tmp_path / name / "w1" / "metrics.jsonl").read_text().splitlines()
+             if '"step"' in x and '"val_loss"' not in x]
+    assert steps == sorted(set(steps)), steps
