@@ -56,6 +56,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from geomesh.fleet.cluster import ClusterError, ClusterSpec, load_cluster, resolve_cluster
+from geomesh.fleet.job_check import check_settings
 from geomesh.wire.envelope import SECRET_ENV
 from jobruntime.config import (
     ConfigError,
@@ -230,6 +231,7 @@ def check_inputs(args: argparse.Namespace) -> tuple[ClusterSpec, Path, JobConfig
     if not (0 < g.heartbeat_s <= g.timeout_s < float("inf")):
         raise LaunchError(f"geomesh.heartbeat_s={g.heartbeat_s} and geomesh.timeout_s={g.timeout_s}"
                           " must be positive, heartbeat_s at most timeout_s")
+    check_settings(cfg)  # every region's shape, as each job would check its own
     return cluster, path, cfg
 
 
@@ -347,10 +349,12 @@ def failure_line(job: RegionJob) -> str:
 
 
 def bad_input_only(jobs: list[RegionJob]) -> bool:
-    """Every failed job's processes exited 2 (bad input), as torchrun's report says."""
+    """Every failed job failed on bad input, as torchrun's report says: a rank exited 2,
+    and its other ranks exited 2 too or were stopped by torchrun (SIGTERM, -15) once
+    the first had failed (which of those a rank reports is a race)."""
     failed = [j for j in jobs if j.rc != 0]
-    codes = [re.findall(r"exitcode\s*:\s*(-?\d+)", j.log_text()) for j in failed]
-    return bool(failed) and all(c and set(c) == {"2"} for c in codes)
+    codes = [set(re.findall(r"exitcode\s*:\s*(-?\d+)", j.log_text())) for j in failed]
+    return bool(failed) and all("2" in c and c <= {"2", "-15"} for c in codes)
 
 
 # -- the table ------------------------------------------------------------------------

@@ -30,13 +30,15 @@ SMALL = [*OVERRIDES, "geomesh.heartbeat_s=5", "geomesh.timeout_s=60"]
 REGIONS = ("East US", "West Europe")
 
 
-def _cluster(root: Path, port: int, mode: str = "real") -> Path:
-    """Two regions of one process each; GPUs of two speeds, so that their H_i differ."""
+def _cluster(root: Path, port: int, mode: str = "real", tp3: bool = False) -> Path:
+    """Two regions of one process each; GPUs of two speeds, so that their H_i differ
+    (``tp3``: the second region is 3 processes at TP3, which no test model splits)."""
     raw = {"name": "two_cpu", "mode": mode, "rendezvous": f"127.0.0.1:{port}",
            "regions": [{"name": r, "id": i} for i, r in enumerate(REGIONS)],
            "workers": [{"name": "w0", "gpu": "A100-80GB", "num_gpus": 1, "region": REGIONS[0]},
-                       {"name": "w1", "gpu": "V100", "num_gpus": 1, "region": REGIONS[1]}]}
-    path = root / f"two_{mode}.yaml"
+                       {"name": "w1", "gpu": "V100", "num_gpus": 3 if tp3 else 1,
+                        "region": REGIONS[1], **({"tp": 3} if tp3 else {})}]}
+    path = root / f"two_{mode}{'_tp3' if tp3 else ''}.yaml"
     path.write_text(yaml.safe_dump(raw))
     return path
 
@@ -108,6 +110,9 @@ def test_bad_inputs_exit_2_with_one_line(tmp_path):
         # each region's train.py refused these after every process had started (exit 1)
         ((real, tmp_path / "r6", "cona.decision_interval=3"), "has no effect: cona is off"),
         ((real, tmp_path / "r7", "geomesh.outer_steps=0"), "geomesh.outer_steps"),
+        # a region shape that does not split the model: each job refused it once its
+        # ranks had started, and the launcher said exit 1 (a rank stopped by torchrun)
+        ((_cluster(tmp_path, port, tp3=True), tmp_path / "r8"), "cannot split"),
     ]
     for args, word in cases:
         proc = _launch(*args, timeout=120)
@@ -436,6 +441,13 @@ def test_failure_lines_and_stalled_survivors(tmp_path):
                                f"with 1; TypeError: object of type 'NoneType' has no len()); "
                                f"log: {c.log}")
     assert bad_input_only([a]) and not bad_input_only([a, b]) and not bad_input_only([c])
+    # a job of two ranks: the other rank was stopped by torchrun once the first exited 2
+    # (its report lists -15; the launcher said exit 1 and offered a resume, helper 2026-12-07)
+    stopped = "[1]:\n  rank      : 1 (local_rank: 1)\n  exitcode  : -15 (pid: 18623)\n"
+    d = _job(tmp_path, "Japan West", log=bad.replace("  <NO_OTHER_FAILURES>\n", stopped))
+    e = _job(tmp_path, "Brazil", log=TORCHRUN_FAILURE.format(code=-15, signal="(SIGTERM)"))
+    d.rc = e.rc = 1
+    assert bad_input_only([d]) and not bad_input_only([e]) and not bad_input_only([d, e])
     jobs = [_job(tmp_path, "Japan East", [sys.executable, "-c", "import sys; sys.exit(1)"]),
             _job(tmp_path, "Australia East", ["sleep", "600"])]
     t0 = time.monotonic()

@@ -92,6 +92,20 @@ def check_job(cfg: JobConfig, world_size: int) -> CheckedJob:
         ConfigError: the first bad setting, named, with the fix.
         ClusterError: a bad cluster file, region, process count or region shape.
     """
+    job = check_settings(cfg)
+    if job.cluster.mode != "emulated":  # how the job was launched, once its settings hold
+        _check_processes(cfg, job.cluster, world_size)
+    return job
+
+
+def check_settings(cfg: JobConfig) -> CheckedJob:
+    """:func:`check_job` but how the job was launched: the method, the cluster file, every
+    region's shape against the model and its GPUs' memory, ``cona.schedule``.  The
+    launcher (:mod:`geomesh.launch_local`) runs it once before it starts any region.
+
+    Raises:
+        ConfigError, ClusterError: as :func:`check_job`.
+    """
     g = cfg.geomesh
     if g.method not in METHODS:
         raise ConfigError(f"geomesh.method={g.method!r}: use one of {list(METHODS)}")
@@ -114,8 +128,6 @@ def check_job(cfg: JobConfig, world_size: int) -> CheckedJob:
         f"the target model {target.name} (geomesh.target_model)" if target is not cfg
         else f"the model {cfg.name}"))
     check_schedule(cfg, cluster, memory, model_name=f"the model {cfg.name}")
-    if not emulated:  # how the job was launched, once its cluster and settings hold
-        _check_processes(cfg, cluster, world_size)
     return CheckedJob(cluster=cluster, target=target, memory=memory)
 
 
