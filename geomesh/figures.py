@@ -67,8 +67,11 @@ class RoundFigures:
             if self.overlap is not None:  # only the waiting after compute is idle
                 straggler = min(straggler, waited)
             losses[k] = mine[0][1]
+            # one job per region: another worker's exchange wait is not sent (its row
+            # carries this worker's), so its WAN idle is not measured here (None)
+            own = not self.pl.per_region or k == me
             per[cl.workers[k].name] = dict(compute_s=compute[k], straggler_idle_s=straggler,
-                                           wan_idle_s=max(waited - straggler, 0.0),
+                                           wan_idle_s=max(waited - straggler, 0.0) if own else None,
                                            sent_bytes=int(sum(x[4] for x in mine)))
         self.stats.time_s = time.perf_counter() - self.t0
         return present, counted, losses, (int(sum(x[4] for x in rows)),
@@ -94,7 +97,7 @@ class RoundFigures:
             step=step, tokens=stats.tokens, time_s=stats.time_s, loss=loss,
             compute_s=max(times), imbalance=(max(times) - min(times)) / max(max(times), 1e-12),
             straggler_idle_s=sum(p["straggler_idle_s"] for p in per.values()),
-            wan_idle_s=sum(p["wan_idle_s"] for p in per.values()), bytes=nbytes[0],
+            wan_idle_s=sum(p["wan_idle_s"] or 0.0 for p in per.values()), bytes=nbytes[0],
             batch_sizes=[s.batch_size for s in rsteps],
             target_batch_sizes=[s.target.batch_size for s in rsteps],
             inner_steps=[s.target.inner_steps for s in rsteps],

@@ -395,7 +395,8 @@ def region_row(job: RegionJob) -> dict[str, str]:
         row["sent"] = _bytes(sent)
     if s.get("bytes_received") is not None:
         row["received"] = _bytes(s["bytes_received"])
-    if mine and all("straggler_idle_s" in w and "wan_idle_s" in w for w in mine):
+    if mine and all(w.get("straggler_idle_s") is not None and w.get("wan_idle_s") is not None
+                    for w in mine):
         row["idle s (straggler/WAN)"] = (f"{sum(w['straggler_idle_s'] for w in mine):.1f}/"
                                          f"{sum(w['wan_idle_s'] for w in mine):.1f}")
     row["summary"] = str(path) if path.is_file() else "-"

@@ -7,7 +7,10 @@ worker's compute) or WAN idle (waiting for communication), see
     straggler_idle_frac = Σ_i straggler_i / Σ_i (compute_i + straggler_i + wan_i)
 
 and likewise ``wan_idle_frac``; ``sync_share`` is their sum, the share of
-worker time spent synchronising rather than computing.  ``bytes_per_outer_step`` counts the bytes
+worker time spent synchronising rather than computing.  One job per region
+measures its own worker's WAN idle only (another worker's exchange wait is
+not in its message): the others' ``wan_idle_s`` is ``None`` in its summary,
+and the fractions are over the workers whose WAN idle it measured.  ``bytes_per_outer_step`` counts the bytes
 the workers (and, for the async baseline, the parameter server) put on the
 links per outer step — for DDP per ``H`` synchronous steps, the same tokens
 as one outer step.  ``compression_ratio`` = fp32 bytes of the same tensors /
@@ -34,7 +37,8 @@ class WorkerTotals:
 
     compute_s: float = 0.0
     straggler_idle_s: float = 0.0
-    wan_idle_s: float = 0.0
+    wan_idle_s: float | None = 0.0
+    """``None``: not measured by this job (another region's worker)."""
     sent_bytes: int = 0
     tokens: int = 0
 
@@ -60,11 +64,13 @@ class RunStats:
                    target_ppl=target_ppl, ttp=TTPTracker(target_ppl))
 
     def add_worker(self, name: str, *, compute_s: float = 0.0, straggler_idle_s: float = 0.0,
-                   wan_idle_s: float = 0.0, sent_bytes: int = 0, tokens: int = 0) -> None:
+                   wan_idle_s: float | None = 0.0, sent_bytes: int = 0, tokens: int = 0) -> None:
+        """Add one round of worker ``name`` (seconds, bytes, tokens); ``wan_idle_s=None``:
+        not measured by this job (the total is ``None`` until a measured round)."""
         w = self.workers[name]
         w.compute_s += compute_s
         w.straggler_idle_s += straggler_idle_s
-        w.wan_idle_s += wan_idle_s
+        w.wan_idle_s = None if wan_idle_s is None else (w.wan_idle_s or 0.0) + wan_idle_s
         w.sent_bytes += int(sent_bytes)
         w.tokens += int(tokens)
 
@@ -74,10 +80,11 @@ class RunStats:
         return self.ttp.update(val_ppl, self.time_s, self.tokens, step)
 
     def _frac(self, attr: str) -> float | None:
-        total = sum(w.compute_s + w.straggler_idle_s + w.wan_idle_s for w in self.workers.values())
+        measured = [w for w in self.workers.values() if w.wan_idle_s is not None]
+        total = sum(w.compute_s + w.straggler_idle_s + w.wan_idle_s for w in measured)
         if total <= 0:
             return None
-        return sum(getattr(w, attr) for w in self.workers.values()) / total
+        return sum(getattr(w, attr) for w in measured) / total
 
     def summary(self, *, method: str, clock: str, cluster: ClusterSpec, model: torch.nn.Module,
                 extra: dict | None = None, worker_info: dict[str, dict] | None = None) -> dict:

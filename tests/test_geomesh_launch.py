@@ -186,6 +186,12 @@ def test_happy_path(tmp_path, cache_dir):
     # each region's folder is self-contained, as an ordinary run's (it had no tokenizer)
     assert all((run_dir / slug / "tokenizer.model").is_file() for slug in ("east-us", "west-europe"))
     assert summaries[0]["final_val_loss"] == summaries[1]["final_val_loss"]
+    # a region measures its own worker's WAN idle only: the other's exchange wait is not
+    # in its message (it reported its own wait as the other's, 2.12 s against 3.88 s)
+    for region, s in zip(REGIONS, summaries):
+        wan = {w["region"]: w["wan_idle_s"] for w in s["workers"]}
+        assert wan[region] is not None and wan[REGIONS[REGIONS.index(region) - 1]] is None, wan
+        assert s["wan_idle_frac"] is not None
     table = proc.stdout.splitlines()
     head = next(i for i, x in enumerate(table) if x.split()[:3] == ["region", "tp/pp/dp", "exit"])
     rows = table[head + 1:head + 3]

@@ -231,6 +231,27 @@ def test_ttp_tracker_state_round_trip_and_old_checkpoints():
     assert (back.ttp.ttp_s, back.ttp.reached_s, back.ttp.ttp_step) == (20.0, 20.0, 2)
 
 
+def test_a_wan_idle_not_measured_stays_out_of_the_fractions():
+    """Catches a region's summary that gives another region's worker this job's own exchange
+    wait as its WAN idle (one job per region measures its own only): a worker added with
+    ``wan_idle_s=None`` keeps ``None`` through a checkpoint, and the fractions are over the
+    measured workers (here the first: 2 s straggler, 1 s WAN of 10 s)."""
+    from geomesh.fleet.cluster import load_cluster
+    from geomesh.report import RunStats
+
+    cluster = load_cluster("two_worker")
+    a, b = (w.name for w in cluster.workers)
+    stats = RunStats.for_cluster(cluster, None)
+    for _ in range(2):
+        stats.add_worker(a, compute_s=3.5, straggler_idle_s=1.0, wan_idle_s=0.5)
+        stats.add_worker(b, compute_s=4.5, straggler_idle_s=0.0, wan_idle_s=None)
+    back = RunStats.for_cluster(cluster, None)
+    back.load_state_dict(json.loads(json.dumps(stats.state_dict())))
+    for s in (stats, back):
+        assert s.workers[b].wan_idle_s is None and s.workers[a].wan_idle_s == 1.0
+        assert s._frac("straggler_idle_s") == 0.2 and s._frac("wan_idle_s") == 0.1
+
+
 _CPU_LAYER_SCRIPT = r"""
 import torch
 from jobruntime import cpu_compat
