@@ -147,7 +147,8 @@ class Loop:
         chain, switches, the next evaluation, the LR ramp) and the controller's state
         (noise-scale estimator, calibrated cost model, measured switch costs, the number
         of decisions; :meth:`cona.controller.Controller.state_dict`).  Plain Python
-        values only; its size does not grow with the decisions made."""
+        values only; it grows with the evaluations and switches, not with the
+        decisions made."""
         p = self.progress
         progress = {k: copy.deepcopy(getattr(p, k)) for k in _RESUMED}
         progress["ttp"] = asdict(p.ttp)
