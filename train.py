@@ -59,10 +59,11 @@ def parse_args(argv):
     return args
 
 
-def _error(message: str) -> int:
+def _error(message: str, code: int = 2) -> int:
+    """Print ``error: message`` (rank 0) and return the exit code (2: bad input)."""
     if int(os.environ.get("RANK", "0")) == 0:
         print(f"error: {message}", file=sys.stderr)
-    return 2
+    return code
 
 
 def check_config(cfg, world_size: int, overrides: list[str] | tuple[str, ...] = ()) -> None:
@@ -316,6 +317,12 @@ def _run(cfg, run_dir: Path, folder, new_run_dir: bool, outcome: dict) -> int:
         for zs in summary.get("zero_shot", []):
             print(f"zero-shot {zs['task']}: accuracy {zs['accuracy']:.3f}, "
                   f"accuracy_norm {zs['accuracy_norm']:.3f} (n={zs['n']})")
+    if summary.get("diverged_at_step") is not None:  # a failed run, not a finished one
+        return _error(f"the loss is not finite (NaN or inf) at step "
+                      f"{summary['diverged_at_step']}: training stopped and those weights were "
+                      "not saved; lower train.lr (or raise train.warmup_iters, lower "
+                      "train.clip_grad) and start again, or resume from a checkpoint saved "
+                      "before the loss rose", code=1)
     return 0
 
 

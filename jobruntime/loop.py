@@ -22,7 +22,7 @@ from .logging_utils import StepProgress, phase
 from .metrics import MetricsWriter, TTPTracker, perplexity, target_reached_line
 from .outputs import save_run_inputs
 from .parallel import Topology, initialize_layout, same_run_dir, set_seed
-from .trainer import Trainer
+from .trainer import Trainer, reconcile_lr_schedule
 
 log = logging.getLogger("jobruntime")
 
@@ -77,6 +77,8 @@ def run(cfg: JobConfig, run_dir: Path,
         state = load_checkpoint(cfg.checkpoint.load, trainer,
                                 load_optimizer=cfg.checkpoint.load_optimizer)
         if cfg.checkpoint.load_optimizer:  # resume; else fine-tune from the weights only
+            reconcile_lr_schedule(trainer.scheduler, cfg.train, cfg.checkpoint.lr_schedule,
+                                  cfg.checkpoint.load)
             consumed, extra = state["consumed_samples"], state["extra"]
             start_time = float(extra.get("time_s", 0.0))
             log.info("resumed from %s at step %d", cfg.checkpoint.load, trainer.step)
@@ -102,10 +104,12 @@ def run(cfg: JobConfig, run_dir: Path,
                             initial=trainer.step, logger=log)
     t0 = time.perf_counter() - start_time
     last_val_ppl = extra.get("final_val_ppl")
-    stop = False
+    stop, diverged = False, None
     if trainer.step >= t.iters and topo.is_logging_rank:
         log.warning("nothing to train: the checkpoint %s is at step %d, train.iters=%d; raise "
-                    "train.iters to train on", cfg.checkpoint.load, trainer.step, t.iters)
+                    "train.iters to train on (with train.lr_decay_iters=%d to keep its LR "
+                    "schedule, or checkpoint.lr_schedule=config for a new one)",
+                    cfg.checkpoint.load, trainer.step, t.iters, trainer.scheduler.lr_decay_steps)
     while trainer.step < t.iters and not stop:
         step_t0 = time.perf_counter()
         result = trainer.train_step(data.train.next())
@@ -131,11 +135,12 @@ def run(cfg: JobConfig, run_dir: Path,
         progress.update(trainer.step, step=trainer.step, loss=result.loss, val_ppl=last_val_ppl,
                         tokens_per_s=record["tokens_per_s"], time_s=now,
                         evaluated="val_loss" in record)
-        if math.isnan(result.loss):
-            log.error("loss is NaN at step %d; stopping", trainer.step)
-            stop = True
+        if not math.isfinite(result.loss):  # stop; its weights are not saved (train.py exits 1)
+            log.error("loss is %s at step %d; stopping", result.loss, trainer.step)
+            stop, diverged = True, trainer.step
         end, every = trainer.step == t.iters or stop, cfg.checkpoint.save_interval
-        if (every and (trainer.step % every == 0 or end)) or (end and cfg.checkpoint.save_final):
+        saves = (every and (trainer.step % every == 0 or end)) or (end and cfg.checkpoint.save_final)
+        if saves and diverged is None:
             save_checkpoint(run_dir / "checkpoints", trainer,
                             consumed_samples=data.train.consumed_samples,
                             keep_last=cfg.checkpoint.keep_last,
@@ -148,8 +153,9 @@ def run(cfg: JobConfig, run_dir: Path,
         samples=data.train.consumed_samples, steps=trainer.step,
         wall_s=wall, world_size=topo.world_size, dp=topo.dp, tp=topo.tp, pp=topo.pp,
         model=cfg.name, **device_summary(trainer.module),
+        **({"diverged_at_step": diverged} if diverged is not None else {}),
     )
-    if end_of_run is not None:
+    if end_of_run is not None and diverged is None:
         summary.update(end_of_run(trainer, data.corpus))
     writer.summary(summary)
     summary["wandb_dir"] = writer.wandb_dir

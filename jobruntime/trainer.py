@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import math
+import types
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -143,7 +144,7 @@ def lr_scheduler(optimizer, t: TrainConfig) -> OptimizerParamScheduler:
     (default ``t.iters``), constant weight decay.  Step ``s`` (0-based) trains at
     ``get_lr`` with ``num_steps = s``, so the first step's lr is 0 when warming up
     (megatron's convention).  ``optimizer`` may be any object with a
-    ``param_groups`` list (``[]`` to evaluate the schedule alone)."""
+    ``param_groups`` list (an empty one to evaluate the schedule alone)."""
     return OptimizerParamScheduler(
         optimizer,
         init_lr=0.0,
@@ -158,6 +159,58 @@ def lr_scheduler(optimizer, t: TrainConfig) -> OptimizerParamScheduler:
         wd_incr_steps=t.iters,
         wd_incr_style="constant",
     )
+
+
+_SCHEDULE = (("max_lr", "train.lr"), ("min_lr", "train.min_lr"),
+             ("lr_warmup_steps", "train.warmup_iters"),
+             ("lr_decay_steps", "train.lr_decay_iters (default train.iters)"))
+
+
+def reconcile_lr_schedule(scheduler: OptimizerParamScheduler, t: TrainConfig, how: str,
+                          source: str) -> None:
+    """A resumed run's LR schedule against the one its config asks for (:func:`lr_scheduler`).
+
+    megatron-core's ``OptimizerParamScheduler.load_state_dict`` takes the checkpoint's
+    peak, floor, warmup and decay (``use_checkpoint_opt_param_scheduler``), so a resume
+    with another ``train.lr`` or ``train.iters`` trained on the old schedule while its
+    ``config.yaml`` recorded the new one.  ``how`` (``checkpoint.lr_schedule``):
+    ``same`` refuses a difference; ``config`` sets the config's schedule (the LR of the
+    next step is the new schedule's at the resumed step); ``checkpoint`` keeps the
+    checkpoint's and writes it into ``t`` (what ``config.yaml`` then records).
+
+    Raises:
+        CheckpointError: ``how == "same"`` and they differ (each field, both values, the fix).
+    """
+    from .checkpoint import CheckpointError
+
+    fresh = lr_scheduler(types.SimpleNamespace(param_groups=[]), t)
+    diff = [(attr, name, getattr(scheduler, attr), getattr(fresh, attr))
+            for attr, name in _SCHEDULE if getattr(scheduler, attr) != getattr(fresh, attr)]
+    if not diff:
+        return
+    told = "; ".join(f"{name}: checkpoint {old:g}, config {new:g}" for _, name, old, new in diff)
+    if how == "same":
+        raise CheckpointError(
+            f"{source} was trained on another LR schedule ({told}); resume with the "
+            "checkpoint's values (a longer run: train.lr_decay_iters="
+            f"{scheduler.lr_decay_steps} keeps its decay), or set "
+            "checkpoint.lr_schedule=config to train on with this config's schedule "
+            "(=checkpoint keeps the checkpoint's)")
+    if how == "config":
+        for group in scheduler.optimizer.param_groups:  # megatron's groups carry their own
+            for key in ("max_lr", "min_lr"):            # (the checkpoint's), lr_mult applied
+                old, cur = getattr(scheduler, key), group.get(key)
+                if cur is not None:
+                    group[key] = getattr(fresh, key) * (cur / old if old else 1.0)
+        for attr, _, _, new in diff:
+            setattr(scheduler, attr, new)
+        scheduler.step(0)  # the param groups' lr at the resumed step, on the new schedule
+        log.warning("LR schedule of this config, not of %s (checkpoint.lr_schedule=config): %s",
+                    source, told)
+        return
+    t.lr, t.min_lr = scheduler.max_lr, scheduler.min_lr
+    t.warmup_iters, t.lr_decay_iters = scheduler.lr_warmup_steps, scheduler.lr_decay_steps
+    log.info("LR schedule of %s kept (checkpoint.lr_schedule=checkpoint): %s", source, told)
 
 
 class Trainer:

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -76,6 +77,67 @@ def test_resume_reproduces_uninterrupted_run(base_run, cache_dir, tmp_path):
         assert r["loss"] == pytest.approx(full[r["step"]]["loss"], abs=1e-5)
         assert r["lr"] == pytest.approx(full[r["step"]]["lr"], rel=1e-9)
     assert again[-1]["val_loss"] == pytest.approx(full[8]["val_loss"], abs=1e-5)
+
+
+def test_a_resume_with_another_lr_schedule_is_refused_or_follows_the_choice(base_run, cache_dir,
+                                                                           tmp_path):
+    """Catches a resume that trained on the checkpoint's LR schedule while its config.yaml
+    recorded another (megatron's scheduler takes the checkpoint's peak, warmup and decay:
+    train.lr=0.001 on a 0.002 run trained at 0.00138 and 0.0011, break-test helper).
+    Refused by default, naming the setting; ``checkpoint.lr_schedule=config`` trains
+    steps 5-8 on the new schedule; ``=checkpoint`` on the old one, which config.yaml
+    then records."""
+    from jobruntime.config import load_config
+    from jobruntime.trainer import lr_scheduler
+
+    run_dir, _ = base_run
+    common = ["train.iters=8", "train.eval_interval=0", f"data.cache_dir={cache_dir}",
+              f"checkpoint.load={run_dir / 'checkpoints' / 'iter_0000004'}", "train.lr=0.0007"]
+    proc = train("--run-dir", tmp_path / "same", *common)
+    errors = [x for x in proc.stderr.splitlines() if x.startswith("error:")]
+    assert proc.returncode == 2 and len(errors) == 1, proc.stderr[-3000:]
+    assert "train.lr: checkpoint 0.002, config 0.0007" in errors[0], errors
+    assert "checkpoint.lr_schedule=config" in errors[0], errors
+    full = {r["step"]: r["lr"] for r in read_metrics(run_dir)}
+    for how in ("config", "checkpoint"):
+        proc = train("--run-dir", tmp_path / how, *common, f"checkpoint.lr_schedule={how}")
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        lrs = {r["step"]: r["lr"] for r in read_metrics(tmp_path / how)}
+        saved = load_config(str(tmp_path / how / "config.yaml"))
+        if how == "config":
+            sched = lr_scheduler(types.SimpleNamespace(param_groups=[]), saved.train)
+            want = {}
+            for step in range(5, 9):  # the step numbered s trains at num_steps = s - 1
+                sched.num_steps = step - 1
+                want[step] = sched.get_lr({})
+            assert saved.train.lr == 0.0007
+        else:
+            want = {s: full[s] for s in range(5, 9)}
+            assert saved.train.lr == 0.002
+        assert lrs == pytest.approx(want, rel=1e-9), (lrs, want)
+
+
+def test_a_run_whose_loss_becomes_nan_fails_and_saves_no_nan_checkpoint(base_run, cache_dir,
+                                                                        tmp_path):
+    """Catches a diverged run reported as done: with train.lr=1e6 the loss is NaN at step 2,
+    the run stopped there but exited 0, its summary did not say so and it saved the NaN
+    weights as the ``latest`` checkpoint that the resume advice loads (break-test helper).
+    Now: exit 1 with one error line, ``diverged_at_step`` in summary.json, and the last
+    checkpoint is the one before (step 4 of the base run, resumed here)."""
+    run_dir, _ = base_run
+    run = tmp_path / "nan"
+    proc = train("--run-dir", run, "train.iters=8", "train.eval_interval=0", "train.lr=1e6",
+                 "train.min_lr=0", "train.clip_grad=0", "checkpoint.save_interval=1",
+                 "checkpoint.lr_schedule=config", f"data.cache_dir={cache_dir}",
+                 f"checkpoint.load={run_dir / 'checkpoints' / 'iter_0000004'}")
+    errors = [x for x in proc.stderr.splitlines() if x.startswith("error:")]
+    assert proc.returncode == 1 and len(errors) == 1 and "not finite" in errors[0], \
+        proc.stderr[-3000:]
+    summary = json.loads((run / "summary.json").read_text())
+    step = summary["diverged_at_step"]
+    assert summary["steps"] == step and step < 8
+    saved = sorted(p.name for p in (run / "checkpoints").glob("iter_*"))
+    assert f"iter_{step:07d}" not in saved and all(int(n[5:]) < step for n in saved), saved
 
 
 @pytest.mark.parametrize(

@@ -58,7 +58,9 @@ def _runs(cache_dir, root):
                                        f"parallel.global_batch_size={B1}",
                                        "parallel.micro_batch_size=4", f"train.iters={ITERS}",
                                        "train.eval_interval=6", "train.target_ppl=1e9",
-                                       f"checkpoint.load={load}"])
+                                       f"checkpoint.load={load}",
+                                       # a longer run on the saved schedule (its decay ended)
+                                       "checkpoint.lr_schedule=checkpoint"])
         out[name] = run(cfg, root / name)
     return out
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from .base import (
     _need,
@@ -31,6 +32,14 @@ class CheckpointConfig:
     (fine-tuning, e.g. from ``tools/convert_checkpoint.py`` output).  A GeoMesh run
     only resumes (``false`` is refused); CONA's emulated clock only starts from the
     weights (``true`` with ``load`` is refused)."""
+    lr_schedule: Literal["same", "config", "checkpoint"] = "same"
+    """On a resume whose LR schedule (``train.lr``, ``min_lr``, ``warmup_iters``,
+    ``lr_decay_iters`` or, without it, ``iters``) differs from the checkpoint's:
+    ``same`` refuses it, naming each difference; ``config`` trains on with this config's
+    schedule (the LR moves to its value at the resumed step); ``checkpoint`` keeps the
+    checkpoint's, and ``config.yaml`` records it (Megatron-LM's
+    ``--override-opt_param-scheduler`` / ``--use-checkpoint-opt_param-scheduler``).
+    Ordinary runs; CONA and GeoMesh set their LR themselves."""
     keep_last: int = 2
     """Number of checkpoints kept; older ones are deleted (0 keeps all)."""
     load_exact: bool = True
