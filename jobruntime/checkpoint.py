@@ -138,10 +138,11 @@ def find_checkpoint(path: str | Path) -> Path:
         kept = sorted(p.name for p in path.parent.glob("iter_*")
                       if (p / COMPLETE).is_file()) if path.parent.is_dir() else []
         raise CheckpointError(
-            f"'{path}' does not exist" + (
+            f"checkpoint '{path}' does not exist" + (
                 f"; its folder holds {', '.join(kept)} (checkpoint.keep_last deletes older "
                 f"ones): point checkpoint.load at one of those, or at '{path.parent}' for "
-                "the latest" if kept else ""))
+                "the latest" if kept else "; point checkpoint.load (a tool's --input / "
+                "--checkpoint) at a run's checkpoints/ folder or one iter_XXXXXXX folder in it"))
     raise CheckpointError(
         f"no complete checkpoint in '{path}'; point checkpoint.load (a tool's --input / "
         "--checkpoint) at a run's checkpoints/ folder or an iter_XXXXXXX folder that has a "
