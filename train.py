@@ -309,7 +309,9 @@ def _run(cfg, run_dir: Path, folder, new_run_dir: bool, outcome: dict) -> int:
               f"{', wandb/' if summary.get('wandb_dir') else ''})")
         ppl = summary.get("final_val_ppl")  # null in summary.json: no evaluation ran
         target = summary.get("target_ppl")
-        print(f"final val ppl {f'{ppl:.1f}' if ppl is not None else 'none (no evaluation)'}, "
+        at = summary.get("final_val_step")  # a resumed run that did not evaluate: an earlier one
+        at = f" (at step {at})" if at is not None and at != summary.get("steps") else ""
+        print(f"final val ppl {f'{ppl:.1f}{at}' if ppl is not None else 'none (no evaluation)'}, "
               + (f"target {target:g}, time to target (TTP) "
                  f"{f'{ttp:,.1f} s' if ttp is not None else 'not reached'}"
                  f" ({summary.get('clock', 'wall')} clock)" if target is not None else "no target")

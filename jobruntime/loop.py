@@ -103,7 +103,8 @@ def run(cfg: JobConfig, run_dir: Path,
     progress = StepProgress(cfg.logging.progress, enabled=topo.is_logging_rank, total=t.iters,
                             initial=trainer.step, logger=log)
     t0 = time.perf_counter() - start_time
-    last_val_ppl = extra.get("final_val_ppl")
+    # the last evaluation and its step (a resumed run's, until it evaluates: the checkpoint's)
+    last_val_ppl, last_val_step = extra.get("final_val_ppl"), extra.get("final_val_step")
     stop, diverged = False, None
     if trainer.step >= t.iters and topo.is_logging_rank:
         log.warning("nothing to train: the checkpoint %s is at step %d, train.iters=%d; raise "
@@ -125,7 +126,7 @@ def run(cfg: JobConfig, run_dir: Path,
             stop = last = True
         if t.eval_interval and (trainer.step % t.eval_interval == 0 or last):
             val_loss = trainer.evaluate(data.val_batches)
-            last_val_ppl = perplexity(val_loss)
+            last_val_ppl, last_val_step = perplexity(val_loss), trainer.step
             record.update(val_loss=val_loss, val_ppl=last_val_ppl)
             if ttp.update(last_val_ppl, now, tokens, trainer.step):
                 log.info(target_reached_line(t.target_ppl, f"step {trainer.step}", now, "wall"))
@@ -144,12 +145,14 @@ def run(cfg: JobConfig, run_dir: Path,
             save_checkpoint(run_dir / "checkpoints", trainer,
                             consumed_samples=data.train.consumed_samples,
                             keep_last=cfg.checkpoint.keep_last,
-                            extra={"time_s": now, "ttp": asdict(ttp), "final_val_ppl": last_val_ppl})
+                            extra={"time_s": now, "ttp": asdict(ttp), "final_val_ppl": last_val_ppl,
+                                   "final_val_step": last_val_step})
     progress.close()
     wall = time.perf_counter() - t0
     summary = dict(
         target_ppl=t.target_ppl, **ttp.summary(),
-        final_val_ppl=last_val_ppl, tokens=trainer.consumed_tokens,
+        final_val_ppl=last_val_ppl, final_val_step=last_val_step if last_val_ppl is not None
+        else None, tokens=trainer.consumed_tokens,
         samples=data.train.consumed_samples, steps=trainer.step,
         wall_s=wall, world_size=topo.world_size, dp=topo.dp, tp=topo.tp, pp=topo.pp,
         model=cfg.name, **device_summary(trainer.module),

@@ -103,6 +103,10 @@ def test_a_resume_with_another_lr_schedule_is_refused_or_follows_the_choice(base
         proc = train("--run-dir", tmp_path / how, *common, f"checkpoint.lr_schedule={how}")
         assert proc.returncode == 0, proc.stderr[-3000:]
         lrs = {r["step"]: r["lr"] for r in read_metrics(tmp_path / how)}
+        # no evaluation of its own: the final val ppl is the checkpoint's, at its step
+        # (it was printed as this run's, break-test helper)
+        summary = json.loads((tmp_path / how / "summary.json").read_text())
+        assert summary["final_val_step"] == 4 and "(at step 4)" in proc.stdout, proc.stdout
         saved = load_config(str(tmp_path / how / "config.yaml"))
         if how == "config":
             sched = lr_scheduler(types.SimpleNamespace(param_groups=[]), saved.train)
