@@ -34,6 +34,15 @@ def write_text_atomic(path: Path, text: str) -> None:
     tmp.replace(path)
 
 
+def _cpu_has(flag: str) -> bool:
+    """Whether ``/proc/cpuinfo`` lists CPU flag ``flag`` (Linux; ``False`` elsewhere)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any(line.startswith("flags") and flag in line.split() for line in f)
+    except OSError:
+        return False
+
+
 def provenance(argv: list[str] | None = None) -> dict[str, Any]:
     """Where a bench result comes from, for the JSON it writes: ``date`` (UTC, ISO),
     ``commit`` (short hash of the repository's HEAD, ``+dirty`` with uncommitted
@@ -41,7 +50,8 @@ def provenance(argv: list[str] | None = None) -> dict[str, Any]:
     instead where set: a copy of the tree sent to another machine, such as the GPU
     machine's, may carry no ``.git`` or a stale one, and whoever sent it knows the commit),
     ``machine`` (CPU count and model, the
-    vector instruction set torch's CPU kernels use, e.g. ``AVX2`` or ``AVX512``: results
+    vector instruction set torch's CPU kernels use, e.g. ``AVX2`` or ``AVX512``, and
+    ``AMX-BF16`` where the CPU has it (oneDNN's bf16 matmuls then run on AMX): results
     of the same commit can differ between them; GPU name where CUDA is present) and
     ``command`` (``argv``, default ``sys.argv``)."""
     import datetime
@@ -67,6 +77,8 @@ def provenance(argv: list[str] | None = None) -> dict[str, Any]:
         import torch
 
         machine += f", {torch.backends.cpu.get_cpu_capability()}"
+        if _cpu_has("amx_bf16"):  # oneDNN's bf16 matmuls run on AMX tiles: other roundings
+            machine += ", AMX-BF16"
         if torch.cuda.is_available():
             machine += f", {torch.cuda.get_device_name()}"
     except ImportError:
