@@ -377,6 +377,8 @@ RENDERERS: dict[str, Callable[[dict], str]] = {"four_shape_cpu": four_shape_cpu,
                                                    cona_repro, file="cona_repro_before"),
                                                "cona_repro_probes": partial(
                                                    cona_repro, file="cona_repro_probes"),
+                                               "cona_repro_bf16": partial(
+                                                   cona_repro, file="cona_repro_bf16"),
                                                "cona_ttp_quick": cona_ttp,
                                                **{f"cona_calibrate_bf16_{f}": partial(
                                                    cona_calibrate,
