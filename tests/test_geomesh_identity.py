@@ -190,7 +190,7 @@ def test_a_peer_of_another_round_stops_a_job_only_in_its_first_round():
     from jobruntime.checkpoint import CheckpointError
 
     workers = [SimpleNamespace(name=f"w{k}", region=f"R{k}") for k in range(3)]
-    loop = SimpleNamespace(start=4, guard=SimpleNamespace(last_rejected={}),
+    loop = SimpleNamespace(start=4, guard=SimpleNamespace(last_rejected={}), ft=None,
                            ctx=SimpleNamespace(cluster=SimpleNamespace(workers=workers)))
     for first, rejected in ((4, {}), (4, {2: "identity"}), (5, {2: "round"})):
         loop.guard.last_rejected = rejected
@@ -199,4 +199,14 @@ def test_a_peer_of_another_round_stops_a_job_only_in_its_first_round():
     with pytest.raises(CheckpointError, match=r"^'R1' sent messages of another round in this "
                        r"job's first round \(4\): the regions started from checkpoints of "
                        "different outer steps"):
+        OuterLoop.refuse_other_start(loop, 4)
+    # a peer whose envelope names another run identity (other settings) in the first
+    # round: a ConfigError naming the region and the parts that differ; later, dropped
+    from jobruntime.config import ConfigError
+
+    loop.guard.last_rejected = {}
+    loop.ft = SimpleNamespace(other_run={2: ["geomesh", "tokenizer"]})
+    OuterLoop.refuse_other_start(loop, 5)  # no raise
+    with pytest.raises(ConfigError, match=r"^'R2' runs with other settings than this region "
+                       r"\(part\(s\) that differ: geomesh, tokenizer\) \(the tokenizer differs"):
         OuterLoop.refuse_other_start(loop, 4)
