@@ -231,7 +231,7 @@ def check_inputs(args: argparse.Namespace) -> tuple[ClusterSpec, Path, JobConfig
     if not (0 < g.heartbeat_s <= g.timeout_s < float("inf")):
         raise LaunchError(f"geomesh.heartbeat_s={g.heartbeat_s} and geomesh.timeout_s={g.timeout_s}"
                           " must be positive, heartbeat_s at most timeout_s")
-    check_settings(cfg)  # every region's shape, as each job would check its own
+    check_settings(cfg, schedule=False)  # every region's shape, as each job checks its own
     return cluster, path, cfg
 
 

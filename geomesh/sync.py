@@ -473,18 +473,22 @@ class OuterLoop(RoundFigures):
         :mod:`geomesh.exchange.run_identity`), and each would drop the others and train
         alone to a different model.  Another round: the regions started from
         checkpoints of different outer steps (:mod:`geomesh.launch_resume`).  Later
-        in the run, a region that comes back with other settings stops in its own
-        first round; the others drop it (an older round's message is a replay,
-        dropped by the guard).
+        in the run, a peer of another run is a lost worker of the round
+        (``geomesh.on_worker_loss`` decides, on every rank of the job), and an older
+        round's message is a replay, dropped by the guard.
 
         Raises:
             ConfigError: another run, naming the peers, the parts that differ and the fix.
             CheckpointError: another round, naming the peers and the fix (exit 2 both).
         """
-        if r != self.start:
-            return
         name = self.ctx.cluster.workers
         other_run = self.ft.other_run if self.ft is not None else {}
+        if other_run and r != self.start:  # lost for this round (on_worker_loss decides)
+            self.ft.lost(r, sorted(other_run), {
+                k: f"message sealed for another run (settings differ: {', '.join(ps)})"
+                for k, ps in other_run.items()})
+        if r != self.start:
+            return
         if other_run:
             parts = sorted({p for ps in other_run.values() for p in ps})
             hint = (" (the tokenizer differs: copy one region's tokenizer file from its run "

@@ -205,8 +205,12 @@ def test_a_peer_of_another_round_stops_a_job_only_in_its_first_round():
     from jobruntime.config import ConfigError
 
     loop.guard.last_rejected = {}
-    loop.ft = SimpleNamespace(other_run={2: ["geomesh", "tokenizer"]})
-    OuterLoop.refuse_other_start(loop, 5)  # no raise
+    lost = []
+    loop.ft = SimpleNamespace(other_run={2: ["geomesh", "tokenizer"]},
+                              lost=lambda r, ks, why: lost.append((r, ks, why)))
+    OuterLoop.refuse_other_start(loop, 5)  # later: a lost worker, the policy decides
+    assert lost == [(5, [2], {2: "message sealed for another run (settings differ: geomesh, "
+                                 "tokenizer)"})]
     with pytest.raises(ConfigError, match=r"^'R2' runs with other settings than this region "
                        r"\(part\(s\) that differ: geomesh, tokenizer\) \(the tokenizer differs"):
         OuterLoop.refuse_other_start(loop, 4)

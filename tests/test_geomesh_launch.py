@@ -135,6 +135,20 @@ def test_bad_inputs_exit_2_with_one_line(tmp_path):
     assert not _processes_naming(str(tmp_path))
 
 
+def test_a_layout_schedule_passes_the_launchers_checks(tmp_path):
+    """Catches a launcher that refused every ``cona.schedule`` (review helper): checking
+    each region's shape before the start ran the schedule's check, which needs the job's
+    own ``geomesh.region`` that the launcher sets per region; the command docs/geomesh.md
+    gives was refused naming the launcher itself as the fix."""
+    from geomesh.launch_local import check_inputs, parse_args
+
+    cluster, _, cfg = check_inputs(parse_args([
+        "--cluster", str(REPO / "geomesh/clusters/four_shape_cpu.yaml"), "--run-dir",
+        str(tmp_path / "run"), "geomesh.outer_steps=4", "cona.enabled=true",
+        "cona.schedule=[{after_step: 2, region: West Europe, tp: 2, pp: 1}]"]))
+    assert cfg.cona.schedule and not (tmp_path / "run").exists()
+
+
 def test_four_shape_cluster_jobs():
     """Catches a four-shape cluster or a launcher that runs a region with the wrong
     process count or layout, or GPU kinds the planner cannot tell apart: the

@@ -549,6 +549,19 @@ def test_saving_and_switch_keys_a_job_does_not_read_are_refused(job, key):
         check_overrides_used(load_config("tiny_gpt", [*reads, key]), [*reads, key])
 
 
+def test_checkpoint_lr_schedule_is_an_ordinary_runs_setting():
+    """Catches ``checkpoint.lr_schedule`` accepted and ignored by GeoMesh and CONA, which
+    set their learning rate themselves on a resume (review helper); an ordinary run reads it."""
+    from jobruntime.config import ConfigError, check_overrides_used, load_config
+
+    for job in (["geomesh.method=geomesh", "geomesh.cluster=two_worker"], ["cona.enabled=true"]):
+        key = "checkpoint.lr_schedule=config"
+        with pytest.raises(ConfigError, match=r"has no effect: GeoMesh and CONA set their"):
+            check_overrides_used(load_config("tiny_gpt", [*job, key]), [*job, key])
+    check_overrides_used(load_config("tiny_gpt", ["checkpoint.lr_schedule=config"]),
+                         ["checkpoint.lr_schedule=config"])
+
+
 @pytest.mark.parametrize("job", [["cona.enabled=true", "cona.clock=emulated"],
                                  ["geomesh.method=async", "geomesh.cluster=two_worker"],
                                  ["geomesh.method=streaming_diloco", "geomesh.cluster=two_worker"]])

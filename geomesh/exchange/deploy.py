@@ -7,7 +7,7 @@ Real mode: every worker is ``num_gpus`` processes (``tp · pp · dp_in``).  Eith
 each region runs its own job (``geomesh.region`` names it) as a torchft replica
 group whose only link to the others is its leader's membership
 (:mod:`geomesh.exchange.region`: quorum, healing, the exchange), with the torchft
-lighthouse at the cluster's ``rendezvous`` (:func:`place_region`); regions may
+lighthouse at the cluster's ``rendezvous`` (:func:`place_region`, :func:`join_region`); regions may
 then differ in ``tp``, ``pp`` and replicas, since messages are canonical
 (:mod:`geomesh.wire.canonical_codec`).  Or one ``torchrun`` runs the whole cluster as
 one ``torch.distributed`` world (one failure domain: a lost process stops the

@@ -487,11 +487,8 @@ class Membership:
             if not self.manager.should_commit():
                 self.opener.forget_round(r_now)
                 continue
-            if bad:
-                self.lost(r_now, bad, {k: f"message sealed for another run (settings differ: "
-                                          f"{', '.join(self.other_run[k])})"
-                                       if k in self.other_run else "message rejected"
-                                       for k in bad})
+            if bad := [k for k in bad if k not in self.other_run]:  # those: the job's
+                self.lost(r_now, bad, "message rejected")  # call, on every rank (refuse_other_start)
             return out, healed_any
         raise PeerLostError(f"GeoMesh round {r}: the exchange failed {MAX_ATTEMPTS} times "
                             "(workers keep dropping out); restart the regions")

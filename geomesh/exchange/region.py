@@ -106,7 +106,7 @@ class RegionMembership:
         self.members: list[int] = []
         self.step = 0
         self.healed = False
-        self.other_run: dict[int, int] = {}
+        self.other_run: dict[int, list[str]] = {}
         """:attr:`Membership.other_run <geomesh.exchange.membership.Membership.other_run>` of
         the last exchange, on every rank."""
         self._save: Callable[[], dict] | None = None

@@ -98,10 +98,12 @@ def check_job(cfg: JobConfig, world_size: int) -> CheckedJob:
     return job
 
 
-def check_settings(cfg: JobConfig) -> CheckedJob:
+def check_settings(cfg: JobConfig, *, schedule: bool = True) -> CheckedJob:
     """:func:`check_job` but how the job was launched: the method, the cluster file, every
-    region's shape against the model and its GPUs' memory, ``cona.schedule``.  The
-    launcher (:mod:`geomesh.launch_local`) runs it once before it starts any region.
+    region's shape against the model and its GPUs' memory, ``cona.schedule`` (with
+    ``schedule``: it needs the job's own ``geomesh.region``).  The launcher
+    (:mod:`geomesh.launch_local`) runs it once, without ``schedule``, before it starts
+    any region (it sets each job's region; each job checks its schedule).
 
     Raises:
         ConfigError, ClusterError: as :func:`check_job`.
@@ -127,7 +129,8 @@ def check_settings(cfg: JobConfig) -> CheckedJob:
     check_region_shapes(cluster, target.model, memory, model_name=(
         f"the target model {target.name} (geomesh.target_model)" if target is not cfg
         else f"the model {cfg.name}"))
-    check_schedule(cfg, cluster, memory, model_name=f"the model {cfg.name}")
+    if schedule:
+        check_schedule(cfg, cluster, memory, model_name=f"the model {cfg.name}")
     return CheckedJob(cluster=cluster, target=target, memory=memory)
 
 

@@ -98,6 +98,9 @@ def _why_ignored(cfg: JobConfig, section: str, key: str, value: Any,
             *CHECKPOINT_SAVES, "load", "load_optimizer"):
         return (f"geomesh.method={method} saves and loads no checkpoints (geomesh.method="
                 "geomesh, diloco or ddp do); drop it")
+    if section == "checkpoint" and key == "lr_schedule" and (geomesh or cfg.cona.enabled):
+        return ("GeoMesh and CONA set their learning rate themselves on a resume (an "
+                "ordinary run reads checkpoint.lr_schedule); drop it")
     if section == "checkpoint" and key in CHECKPOINT_SAVES:
         if geomesh and key == "save_final":
             return ("a GeoMesh run saves every checkpoint.save_interval outer steps and after "
