@@ -151,8 +151,7 @@ def run(cfg: JobConfig, run_dir: Path,
     wall = time.perf_counter() - t0
     summary = dict(
         target_ppl=t.target_ppl, **ttp.summary(),
-        final_val_ppl=last_val_ppl, final_val_step=last_val_step if last_val_ppl is not None
-        else None, tokens=trainer.consumed_tokens,
+        final_val_ppl=last_val_ppl, final_val_step=last_val_step, tokens=trainer.consumed_tokens,
         samples=data.train.consumed_samples, steps=trainer.step,
         wall_s=wall, world_size=topo.world_size, dp=topo.dp, tp=topo.tp, pp=topo.pp,
         model=cfg.name, **device_summary(trainer.module),

@@ -487,8 +487,9 @@ class Membership:
             if not self.manager.should_commit():
                 self.opener.forget_round(r_now)
                 continue
-            if bad := [k for k in bad if k not in self.other_run]:  # those: the job's
-                self.lost(r_now, bad, "message rejected")  # call, on every rank (refuse_other_start)
+            # a peer of another run is the job's call, on every rank (refuse_other_start)
+            if bad := [k for k in bad if k not in self.other_run]:
+                self.lost(r_now, bad, "message rejected")
             return out, healed_any
         raise PeerLostError(f"GeoMesh round {r}: the exchange failed {MAX_ATTEMPTS} times "
                             "(workers keep dropping out); restart the regions")

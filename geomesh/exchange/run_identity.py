@@ -9,27 +9,27 @@ So every envelope is bound to a 64-bit run identity
 (:class:`geomesh.wire.envelope.Sealer`) made of one byte per part below, each
 the first byte of SHA-256 over that part's settings:
 
-======== ==============================================================
-part     settings
-======== ==============================================================
-model    ``model.*`` but the kernel choices (``attention_backend``,
-         ``kernel_fusions``: a region picks what its GPUs run)
-train    the inner optimizer and its schedule (``train.lr``, ``min_lr``,
-         ``warmup_iters``, ``weight_decay``, Adam's, ``clip_grad``),
-         ``target_ppl``, ``stop_at_target``
-seed     ``train.seed``
-data     the corpus file's name and size, ``data.text_key``,
-         ``max_documents``, ``val_every`` (its path may differ per machine)
+========= =============================================================
+part      settings
+========= =============================================================
+model     ``model.*`` but the kernel choices (``attention_backend``,
+          ``kernel_fusions``: a region picks what its GPUs run)
+train     the inner optimizer and its schedule (``train.lr``, ``min_lr``,
+          ``warmup_iters``, ``weight_decay``, Adam's, ``clip_grad``),
+          ``target_ppl``, ``stop_at_target``
+seed      ``train.seed``
+data      the corpus file's name and size, ``data.text_key``,
+          ``max_documents``, ``val_every`` (its path may differ per machine)
 tokenizer the tokenizer's vocabulary and special ids (a region that
-         trained its own could number the tokens otherwise)
-geomesh  ``geomesh.*`` but the region's own (``region``, ``mode``,
-         ``cluster`` path, ``secret_file``, ``timeout_s``, ``heartbeat_s``,
-         ``eval_interval``, ``on_worker_loss``, the emulated-only
-         ``target_model`` and ``wan_bandwidth_scale``)
-cluster  the cluster file's name, workers and regions (not its
-         ``rendezvous`` address, links or injected slowdowns)
-batch    ``parallel.global_batch_size`` (the round's token budget)
-======== ==============================================================
+          trained its own could number the tokens otherwise)
+geomesh   ``geomesh.*`` but the region's own (``region``, ``mode``,
+          ``cluster`` path, ``secret_file``, ``timeout_s``, ``heartbeat_s``,
+          ``eval_interval``, ``on_worker_loss``, the emulated-only
+          ``target_model`` and ``wan_bandwidth_scale``)
+cluster   the cluster file's name, workers and regions (not its
+          ``rendezvous`` address, links or injected slowdowns)
+batch     ``parallel.global_batch_size`` (the round's token budget)
+========= =============================================================
 
 Local by design: each region's layout (``parallel.tp``, ``pp``,
 ``micro_batch_size``, from the cluster file), precision (a V100 has no bf16),
