@@ -423,8 +423,8 @@ def cona_switch(root: Path, cache: str) -> list[dict]:
     for layout, par in (("old", ["parallel.pp=2"]), ("new", ["parallel.tp=2"])):
         r = Run([*torchrun[:-3], "train.py", "--config", "tiny_gpt", "--run-dir",
                  str(d / f"resume_{layout}"), *base, *par, "train.iters=8",
-                 # CONA's schedule counts samples: an ordinary run goes on with it as saved
-                 "checkpoint.lr_schedule=checkpoint",
+                 # an ordinary run goes on with the CONA run's schedule as saved (in steps)
+                 "checkpoint.optimizer_settings=checkpoint",
                  f"checkpoint.load={run / 'checkpoints'}"], d / f"resume_{layout}.log",
                 _env("x" * 16))
         rc = r.wait(900)

@@ -36,7 +36,7 @@ from jobruntime.parallel import (
     initialize_layout,
     set_seed,
 )
-from jobruntime.trainer import StepResult
+from jobruntime.trainer import StepResult, reconcile_optimizer_settings
 
 from . import state as cstate
 from .direct_probes import DirectProbes
@@ -118,6 +118,10 @@ def load_start(cfg: JobConfig, trainer) -> tuple[int, dict]:
     state = load_checkpoint(c.load, trainer, load_optimizer=c.load_optimizer)
     if not c.load_optimizer:
         return 0, {}
+    # the run's own Adam betas and eps, as a layout switch's optimizer has them (torch's
+    # load brought the checkpoint's); its LR and weight decay: build_scheduler
+    reconcile_optimizer_settings(trainer, cfg.train, "config", c.load, lr=False,
+                                 lengths=False)
     consumed, cona = state["consumed_samples"], state["extra"].get("cona") or {}
     if not cona:  # an ordinary run's schedule: num_steps came in steps, not samples
         trainer.scheduler.num_steps = consumed

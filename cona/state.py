@@ -7,22 +7,27 @@ then end after the same amount of data whatever batch sizes were used.  The
 peak LR follows the global batch by the controller's rule
 (:func:`cona.lr_rule.scale_lr`), applied with :func:`set_peak_lr`.
 
-:func:`optimizer_state_by_name` exposes the megatron optimizer's per-parameter
-state (AdamW ``exp_avg``, ``exp_avg_sq``, ``step``; fp32 master weights under
-bf16) keyed by the model's parameter names, which is what resharding
-(:mod:`cona.switch`) and in-memory snapshots (:func:`snapshot` /
-:func:`restore`, used by the oracle-chain baseline) need.
+:func:`jobruntime.optimizer_state.optimizer_state_by_name` (re-exported here with
+Adam's betas helpers) exposes the megatron optimizer's per-parameter state keyed by
+the model's parameter names, which is what resharding (:mod:`cona.switch`) and
+in-memory snapshots (:func:`snapshot` / :func:`restore`, used by the oracle-chain
+baseline) need.
 """
 
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
 
 import torch
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from jobruntime.config import JobConfig
+from jobruntime.optimizer_state import ParamState as ParamState
+from jobruntime.optimizer_state import adam_hyperparameters as adam_hyperparameters
+from jobruntime.optimizer_state import optimizer_state_by_name as optimizer_state_by_name
+from jobruntime.optimizer_state import rebias_adam_moments as rebias_adam_moments
+from jobruntime.optimizer_state import set_adam_betas as set_adam_betas
+from jobruntime.optimizer_state import torch_optimizers
 from jobruntime.parallel import rng_state, set_rng_state
 from jobruntime.trainer import Trainer
 
@@ -161,139 +166,6 @@ def strategy_config(
 
 
 # ---------------------------------------------------------------------------
-# Optimizer state by parameter name
-# ---------------------------------------------------------------------------
-
-
-@dataclass
-class ParamState:
-    """One model parameter with its optimizer view.
-
-    Attributes:
-        param: the model parameter (bf16 or fp32).
-        main: the parameter the optimizer updates (fp32 master copy under
-            bf16, else ``param`` itself).
-        state: the torch optimizer's state dict of ``main`` (``exp_avg``,
-            ``exp_avg_sq``, ``step``); empty before the first step.
-        holder: the torch optimizer owning ``main``.
-        group: ``holder``'s param group holding ``main`` (its ``betas``, ``eps``, and
-            Transformer Engine's ``FusedAdam``'s ``step``).
-    """
-
-    param: torch.nn.Parameter
-    main: torch.Tensor
-    state: dict
-    holder: torch.optim.Optimizer
-    group: dict
-
-    @property
-    def step(self) -> float:
-        """Adam's step count ``t`` for ``main``: torch's per-parameter ``state["step"]``, or
-        the param group's ``"step"`` where the optimizer keeps it there (Transformer
-        Engine's ``FusedAdam``, which megatron-core uses where TE is installed); 0 before
-        the first step."""
-        return float(self.state.get("step", self.group.get("step", 0)))
-
-
-def _torch_optimizers(optimizer) -> list[torch.optim.Optimizer]:
-    inner = getattr(optimizer, "chained_optimizers", None) or [optimizer]
-    return [o.optimizer for o in inner if getattr(o, "optimizer", None) is not None]
-
-
-def optimizer_state_by_name(trainer: Trainer) -> dict[str, ParamState]:
-    """Map every parameter name of ``trainer.module`` to its optimizer state.
-
-    Raises:
-        KeyError: a parameter is not in the optimizer (never expected).
-    """
-    owners = {}
-    for opt in _torch_optimizers(trainer.optimizer):
-        for group in opt.param_groups:
-            for p in group["params"]:
-                owners[id(p)] = (opt, group)
-    out = {}
-    for name, p in trainer.module.named_parameters():
-        main = getattr(p, "main_param", p)
-        if id(main) not in owners:
-            raise KeyError(f"parameter {name} is not held by the optimizer")
-        opt, group = owners[id(main)]
-        out[name] = ParamState(p, main, opt.state[main], opt, group)
-    return out
-
-
-def adam_hyperparameters(trainer: Trainer) -> tuple[float, float, float]:
-    """``(beta1, beta2, eps)`` of ``trainer``'s Adam (the same in every param group).
-
-    Raises:
-        ValueError: the param groups disagree (a per-group betas rule is not modelled),
-            or there are none.
-        KeyError: an optimizer without ``betas`` (not Adam).
-    """
-    found = {(float(g["betas"][0]), float(g["betas"][1]), float(g["eps"]))
-             for opt in _torch_optimizers(trainer.optimizer) for g in opt.param_groups}
-    if len(found) != 1:
-        raise ValueError(f"Adam's betas and eps differ between param groups: {sorted(found)}"
-                         if found else "the optimizer has no param groups")
-    return found.pop()
-
-
-@torch.no_grad()
-def rebias_adam_moments(trainer: Trainer, built_with: tuple[float, float, float]) -> None:
-    """Rescale every parameter's Adam moments, accumulated under ``built_with``'s betas,
-    so that their bias-corrected values are unchanged under ``trainer``'s betas.
-
-    Adam divides its moments by ``1 - beta^t`` (``t``: the parameter's step count;
-    Kingma & Ba 2015, Alg. 1).  Moments restored into an optimizer with other betas
-    would be divided by the other betas' correction: after a 20-step warm state, a
-    ``beta1`` of 0.975 instead of 0.9 makes the first step 2.1x too large.  So
-    ``exp_avg *= (1 - b1_new^t) / (1 - b1_old^t)`` and ``exp_avg_sq`` likewise with
-    ``beta2``.  ``eps`` needs nothing.  A no-op where the betas agree.
-
-    Raises:
-        ValueError, KeyError: as :func:`adam_hyperparameters`.
-    """
-    b1, b2, _ = adam_hyperparameters(trainer)
-    o1, o2 = built_with[0], built_with[1]
-    if (b1, b2) == (o1, o2):
-        return
-    for s in optimizer_state_by_name(trainer).values():
-        t = s.step
-        if t <= 0:
-            continue
-        if "exp_avg" in s.state:
-            s.state["exp_avg"].mul_((1 - b1**t) / (1 - o1**t))
-        if "exp_avg_sq" in s.state:
-            s.state["exp_avg_sq"].mul_((1 - b2**t) / (1 - o2**t))
-
-
-def set_adam_betas(trainer: Trainer, betas: tuple[float, float], *,
-                   rescale: bool = True) -> None:
-    """Run ``trainer``'s Adam at ``betas = (beta1, beta2)`` from its next step.
-
-    ``rescale``: the moments were built under the current betas and are rescaled so that
-    their bias-corrected values are unchanged (:func:`rebias_adam_moments`): the
-    estimates carry over, only how fast they forget changes (``beta2`` following the
-    global batch, ``cona.adam_beta2_batch``; a warm state's moments in a trainer
-    configured with other betas).  ``False``: the moments already belong to ``betas``
-    (a :func:`snapshot` restored).  A no-op at the current betas.
-
-    Raises:
-        ValueError: a beta outside ``[0, 1)``; as :func:`adam_hyperparameters`.
-        KeyError: as :func:`adam_hyperparameters`.
-    """
-    if not all(0.0 <= b < 1.0 for b in betas):
-        raise ValueError(f"Adam's betas must be in [0, 1), got {tuple(betas)}")
-    before = adam_hyperparameters(trainer)
-    if before[:2] == tuple(float(b) for b in betas):
-        return
-    for opt in _torch_optimizers(trainer.optimizer):
-        for g in opt.param_groups:
-            g["betas"] = (float(betas[0]), float(betas[1]))
-    if rescale:
-        rebias_adam_moments(trainer, before)
-
-
-# ---------------------------------------------------------------------------
 # Single-process snapshots (oracle chain branches)
 # ---------------------------------------------------------------------------
 
@@ -326,7 +198,7 @@ def snapshot(trainer: Trainer) -> dict:
         "rng": rng_state(),
         "adam": adam_hyperparameters(trainer),
         "group_step": [[_clone(g["step"]) if "step" in g else None for g in opt.param_groups]
-                       for opt in _torch_optimizers(trainer.optimizer)],
+                       for opt in torch_optimizers(trainer.optimizer)],
     }
 
 
@@ -349,7 +221,7 @@ def restore(trainer: Trainer, snap: dict) -> None:
             s.main.copy_(snap["main"][n])
         s.holder.state[s.main] = {k: _clone(v) for k, v in snap["opt"][n].items()}
     saved = snap.get("group_step")  # None: a warm state cached before group steps were kept
-    for opt, steps in zip(_torch_optimizers(trainer.optimizer), saved or [], strict=bool(saved)):
+    for opt, steps in zip(torch_optimizers(trainer.optimizer), saved or [], strict=bool(saved)):
         for group, step in zip(opt.param_groups, steps, strict=True):
             if step is None:
                 group.pop("step", None)

@@ -33,7 +33,7 @@ from jobruntime.config import ConfigError
 from jobruntime.data import GlobalBatchSampler
 from jobruntime.metrics import perplexity, target_reached_line
 from jobruntime.parallel import rng_state, set_rng_state, set_seed
-from jobruntime.trainer import Trainer, mean_loss
+from jobruntime.trainer import Trainer, mean_loss, reconcile_optimizer_settings
 
 from .context import RunContext
 from .fleet.clock import async_schedule, ddp_schedule, inner_step_time_s
@@ -84,6 +84,9 @@ def run_ddp(ctx: RunContext) -> dict:
         trainer.set_params(st["params"])
         trainer.optimizer.load_state_dict(st["optimizer"])
         trainer.scheduler.load_state_dict(st["scheduler"])
+        reconcile_optimizer_settings(trainer, cfg.train,
+                                     cfg.checkpoint.optimizer_settings, str(cfg.checkpoint.load),
+                                     lengths=False)
         trainer.step = st["step"]
         sampler.consumed_samples, start = st["position"], st["round"]
         stats.load_state_dict(st["stats"])

@@ -33,6 +33,7 @@ from jobruntime.checkpoint import COMPLETE, CheckpointError, committed_folder
 from jobruntime.faults import fault_point
 from jobruntime.outputs import round_folder
 from jobruntime.parallel import rng_state, set_rng_state
+from jobruntime.trainer import reconcile_optimizer_settings
 
 log = logging.getLogger(__name__)
 # Modules that held the plan classes when older checkpoints pickled them: the planner's
@@ -252,6 +253,10 @@ def resume(loop, st: dict) -> None:
     for i, w in loop.workers.items():
         w.load_state_dict(st["workers"][i])  # megatron takes the saved scheduler's lengths:
         w.set_schedule(*loop.schedules[i])  # a re-plan pending at the save is not in them
+        # and its peak LR and weight decay, torch the saved Adam betas: the config's or none
+        reconcile_optimizer_settings(w.trainer, loop.cfg.train,
+                                     loop.cfg.checkpoint.optimizer_settings,
+                                     str(loop.cfg.checkpoint.load), lengths=False)
     take_plan(loop, st["plan"], st["planner_speed"], st.get("planner_fit", {}), st["history"])
     if loop.clock is not None:
         loop.clock.load_state_dict(st["clock"])

@@ -22,7 +22,7 @@ from .logging_utils import StepProgress, phase
 from .metrics import MetricsWriter, TTPTracker, perplexity, target_reached_line
 from .outputs import save_run_inputs
 from .parallel import Topology, initialize_layout, same_run_dir, set_seed
-from .trainer import Trainer, reconcile_lr_schedule
+from .trainer import Trainer, reconcile_optimizer_settings, schedule_in_steps
 
 log = logging.getLogger("jobruntime")
 
@@ -77,9 +77,12 @@ def run(cfg: JobConfig, run_dir: Path,
         state = load_checkpoint(cfg.checkpoint.load, trainer,
                                 load_optimizer=cfg.checkpoint.load_optimizer)
         if cfg.checkpoint.load_optimizer:  # resume; else fine-tune from the weights only
-            reconcile_lr_schedule(trainer.scheduler, cfg.train, cfg.checkpoint.lr_schedule,
-                                  cfg.checkpoint.load)
             consumed, extra = state["consumed_samples"], state["extra"]
+            if extra.get("cona"):  # a CONA run's: its schedule and steps counted samples
+                schedule_in_steps(trainer.scheduler, cfg.parallel.global_batch_size)
+                trainer.step = consumed // cfg.parallel.global_batch_size
+            reconcile_optimizer_settings(trainer, cfg.train,
+                                         cfg.checkpoint.optimizer_settings, cfg.checkpoint.load)
             start_time = float(extra.get("time_s", 0.0))
             log.info("resumed from %s at step %d", cfg.checkpoint.load, trainer.step)
         else:
@@ -109,7 +112,7 @@ def run(cfg: JobConfig, run_dir: Path,
     if trainer.step >= t.iters and topo.is_logging_rank:
         log.warning("nothing to train: the checkpoint %s is at step %d, train.iters=%d; raise "
                     "train.iters to train on (with train.lr_decay_iters=%d to keep its LR "
-                    "schedule, or checkpoint.lr_schedule=config for a new one)",
+                    "schedule, or checkpoint.optimizer_settings=config for a new one)",
                     cfg.checkpoint.load, trainer.step, t.iters, trainer.scheduler.lr_decay_steps)
     while trainer.step < t.iters and not stop:
         step_t0 = time.perf_counter()

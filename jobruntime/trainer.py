@@ -54,6 +54,7 @@ from .logging_utils import phase
 from .memory import ExtraState, check_job_fits
 from .model import build_model
 from .objective import forward_fn, token_sum_loss
+from .optimizer_state import set_adam_betas, torch_optimizers
 
 log = logging.getLogger("jobruntime")
 
@@ -161,56 +162,133 @@ def lr_scheduler(optimizer, t: TrainConfig) -> OptimizerParamScheduler:
     )
 
 
+def schedule_in_steps(scheduler: OptimizerParamScheduler, global_batch_size: int) -> None:
+    """Count a loaded schedule that counted samples (a CONA run's,
+    :class:`cona.state.SampleScheduler`: its position, warmup and decay in samples) in
+    steps of ``global_batch_size`` samples, as :func:`lr_scheduler` counts them: an
+    ordinary run that resumes a CONA checkpoint trained on a schedule stretched by its
+    batch (one step moved it one sample), and ``config.yaml`` recorded samples as steps.
+
+    Args:
+        scheduler: megatron's scheduler, after ``load_state_dict`` of the CONA state.
+        global_batch_size: the resuming run's (``parallel.global_batch_size``; CONA's
+            reference batch is its launch batch, so the same one gives the same steps).
+    """
+    g = global_batch_size
+    scheduler.lr_warmup_steps = round(scheduler.lr_warmup_steps / g)
+    scheduler.lr_decay_steps = max(round(scheduler.lr_decay_steps / g),
+                                   scheduler.lr_warmup_steps + 1)
+    scheduler.wd_incr_steps = max(round(scheduler.wd_incr_steps / g), 1)
+    scheduler.num_steps = scheduler.num_steps // g
+    scheduler.step(0)
+
+
 _SCHEDULE = (("max_lr", "train.lr"), ("min_lr", "train.min_lr"),
              ("lr_warmup_steps", "train.warmup_iters"),
              ("lr_decay_steps", "train.lr_decay_iters (default train.iters)"))
+_LENGTHS = ("lr_warmup_steps", "lr_decay_steps")
 
 
-def reconcile_lr_schedule(scheduler: OptimizerParamScheduler, t: TrainConfig, how: str,
-                          source: str) -> None:
-    """A resumed run's LR schedule against the one its config asks for (:func:`lr_scheduler`).
+def optimizer_settings(scheduler: OptimizerParamScheduler, *, lr: bool = True,
+                       lengths: bool = True) -> dict[str, float]:
+    """The optimizer settings a resume can carry over: config key -> value.
 
-    megatron-core's ``OptimizerParamScheduler.load_state_dict`` takes the checkpoint's
-    peak, floor, warmup and decay (``use_checkpoint_opt_param_scheduler``), so a resume
-    with another ``train.lr`` or ``train.iters`` trained on the old schedule while its
-    ``config.yaml`` recorded the new one.  ``how`` (``checkpoint.lr_schedule``):
-    ``same`` refuses a difference; ``config`` sets the config's schedule (the LR of the
-    next step is the new schedule's at the resumed step); ``checkpoint`` keeps the
-    checkpoint's and writes it into ``t`` (what ``config.yaml`` then records).
+    With ``lr``, the schedule's peak and floor (``train.lr``, ``train.min_lr``) and the
+    weight decay, and with ``lengths`` its warmup and decay (steps), are megatron's
+    ``OptimizerParamScheduler``'s; Adam's ``betas`` and ``eps`` are read from the first
+    param group that holds them (all groups share them).  ``scheduler.optimizer`` may
+    have no param groups (a schedule alone, as :func:`lr_scheduler` builds one to
+    compare with): then Adam's are not in the dict.
+    """
+    out = {name: getattr(scheduler, attr) for attr, name in _SCHEDULE
+           if (lengths if attr in _LENGTHS else lr)}
+    if lr:
+        out["train.weight_decay"] = scheduler.start_wd
+    group = next((g for g in scheduler.optimizer.param_groups if "betas" in g), None)
+    if group is not None:
+        out["train.adam_beta1"], out["train.adam_beta2"] = (float(b) for b in group["betas"])
+        out["train.adam_eps"] = group["eps"]
+    return out
+
+
+def reconcile_optimizer_settings(trainer: Trainer, t: TrainConfig, how: str, source: str, *,
+                                 lr: bool = True, lengths: bool = True) -> None:
+    """A resumed run's optimizer settings against those its config asks for.
+
+    Loading a checkpoint brings the saved settings with the state: megatron-core's
+    ``OptimizerParamScheduler.load_state_dict`` takes the saved peak, floor, warmup,
+    decay and weight decay (``use_checkpoint_opt_param_scheduler``) and
+    ``torch.optim.Optimizer.load_state_dict`` the saved param groups (Adam's ``betas``
+    and ``eps``), so a resume with another ``train.lr``, ``train.iters``,
+    ``train.weight_decay`` or ``train.adam_beta2`` trained on the old value while its
+    ``config.yaml`` recorded the new one.  ``how`` (``checkpoint.optimizer_settings``):
+    ``same`` refuses a difference; ``config`` sets the config's (the LR of the next step
+    is the new schedule's at the resumed step; Adam's moments are rescaled to keep their
+    bias-corrected values under the new betas,
+    :func:`jobruntime.optimizer_state.set_adam_betas`); ``checkpoint`` keeps the checkpoint's and
+    writes them into ``t`` (what ``config.yaml`` then records).  ``lengths=False``
+    leaves the warmup and decay lengths out (GeoMesh sizes each worker's schedule
+    itself); ``lr=False`` the peak, floor and weight decay too (CONA scales the LR with
+    its global batch and rebuilds the schedule from the config).
+
+    Args:
+        trainer: the trainer (its optimizer and scheduler), after the checkpoint's load
+            (:func:`jobruntime.checkpoint.load_checkpoint`).
+        t: the run's train config (written to with ``how="checkpoint"``).
+        how: ``same``, ``config`` or ``checkpoint``.
+        source: the checkpoint's path, for the messages.
 
     Raises:
         CheckpointError: ``how == "same"`` and they differ (each field, both values, the fix).
     """
     from .checkpoint import CheckpointError
 
-    fresh = lr_scheduler(types.SimpleNamespace(param_groups=[]), t)
-    diff = [(attr, name, getattr(scheduler, attr), getattr(fresh, attr))
-            for attr, name in _SCHEDULE if getattr(scheduler, attr) != getattr(fresh, attr)]
+    scheduler = trainer.scheduler
+    fresh_sched = lr_scheduler(types.SimpleNamespace(param_groups=[]), t)
+    want = {**optimizer_settings(fresh_sched, lr=lr, lengths=lengths),
+            "train.adam_beta1": t.adam_beta1, "train.adam_beta2": t.adam_beta2,
+            "train.adam_eps": t.adam_eps}
+    have = optimizer_settings(scheduler, lr=lr, lengths=lengths)
+    diff = {k: (have[k], want[k]) for k in have if have[k] != want[k]}
     if not diff:
         return
-    told = "; ".join(f"{name}: checkpoint {old:g}, config {new:g}" for _, name, old, new in diff)
+    told = "; ".join(f"{k}: checkpoint {old:g}, config {new:g}" for k, (old, new) in diff.items())
     if how == "same":
+        longer = (f" (a longer run: train.lr_decay_iters={scheduler.lr_decay_steps} keeps "
+                  "its decay)" if _SCHEDULE[3][1] in diff else "")
         raise CheckpointError(
-            f"{source} was trained on another LR schedule ({told}); resume with the "
-            "checkpoint's values (a longer run: train.lr_decay_iters="
-            f"{scheduler.lr_decay_steps} keeps its decay), or set "
-            "checkpoint.lr_schedule=config to train on with this config's schedule "
-            "(=checkpoint keeps the checkpoint's)")
+            f"{source} was trained with other optimizer settings ({told}); resume with the "
+            f"checkpoint's values{longer}, or set checkpoint.optimizer_settings=config to "
+            "train on with this config's (=checkpoint keeps the checkpoint's)")
     if how == "config":
         for group in scheduler.optimizer.param_groups:  # megatron's groups carry their own
-            for key in ("max_lr", "min_lr"):            # (the checkpoint's), lr_mult applied
+            for key in ("max_lr", "min_lr") if lr else ():  # (the checkpoint's), lr_mult
                 old, cur = getattr(scheduler, key), group.get(key)
                 if cur is not None:
-                    group[key] = getattr(fresh, key) * (cur / old if old else 1.0)
-        for attr, _, _, new in diff:
-            setattr(scheduler, attr, new)
-        scheduler.step(0)  # the param groups' lr at the resumed step, on the new schedule
-        log.warning("LR schedule of this config, not of %s (checkpoint.lr_schedule=config): %s",
+                    group[key] = getattr(fresh_sched, key) * (cur / old if old else 1.0)
+        for attr, _ in _SCHEDULE:
+            if lengths if attr in _LENGTHS else lr:
+                setattr(scheduler, attr, getattr(fresh_sched, attr))
+        if lr:
+            scheduler.start_wd = scheduler.end_wd = t.weight_decay
+        if "train.adam_beta1" in have:
+            set_adam_betas(trainer, (t.adam_beta1, t.adam_beta2))
+            for opt in torch_optimizers(trainer.optimizer):
+                for group in opt.param_groups:
+                    group["eps"] = t.adam_eps
+        scheduler.step(0)  # the param groups' lr and weight decay at the resumed step
+        log.warning("training on with this config's optimizer settings, not those of %s: %s",
                     source, told)
         return
-    t.lr, t.min_lr = scheduler.max_lr, scheduler.min_lr
-    t.warmup_iters, t.lr_decay_iters = scheduler.lr_warmup_steps, scheduler.lr_decay_steps
-    log.info("LR schedule of %s kept (checkpoint.lr_schedule=checkpoint): %s", source, told)
+    if lr:
+        t.lr, t.min_lr, t.weight_decay = scheduler.max_lr, scheduler.min_lr, scheduler.start_wd
+    if lengths:
+        t.warmup_iters, t.lr_decay_iters = scheduler.lr_warmup_steps, scheduler.lr_decay_steps
+    if "train.adam_beta1" in have:
+        t.adam_beta1, t.adam_beta2 = have["train.adam_beta1"], have["train.adam_beta2"]
+        t.adam_eps = have["train.adam_eps"]
+    log.info("training on with the optimizer settings of %s (config.yaml records them): %s",
+             source, told)
 
 
 class Trainer:

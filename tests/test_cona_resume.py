@@ -122,6 +122,43 @@ def test_a_finished_real_run_saves_its_last_step_once(resumed):
     assert (first / "config.yaml").is_file() and (first / "tokenizer.model").is_file()
 
 
+def test_an_ordinary_run_goes_on_from_a_cona_checkpoint_in_its_own_steps(resumed, cache_dir,
+                                                                         tmp_path):
+    """Catches an ordinary run that read a CONA checkpoint's sample-counted schedule as
+    steps: refused as "another LR schedule" (warmup 32 against 2) by default, and with
+    ``checkpoint.lr_schedule=checkpoint`` it trained on a schedule stretched 16x (one
+    step moved it one sample) while ``config.yaml`` recorded a warmup of 32 steps.  Now
+    steps 9-12 train at the uninterrupted schedule's LR (warmup 2, decay over 16 steps of
+    16 samples) and config.yaml holds the config's settings."""
+    import os
+    import subprocess
+    import sys
+
+    from jobruntime.config import load_config
+
+    _, _, first, _ = resumed
+    run = tmp_path / "ordinary"
+    proc = subprocess.run(
+        [sys.executable, "train.py", "--config", "tiny_gpt", "--run-dir", str(run),
+         f"data.cache_dir={cache_dir}", "model.seq_length=64", "logging.wandb=disabled",
+         "train.warmup_iters=2", "parallel.micro_batch_size=2", "parallel.global_batch_size=16",
+         "train.iters=12", "train.lr_decay_iters=16", "train.eval_interval=0",
+         "checkpoint.save_final=false", f"checkpoint.load={first / 'checkpoints' / 'iter_0000008'}"],
+        cwd=Path(__file__).resolve().parent.parent, capture_output=True, text=True, timeout=600,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "WANDB_SILENT": "true"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    steps = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in steps] == [9, 10, 11, 12]
+
+    def lr(step: int) -> float:  # as test_resumed_run_goes_on_from_its_checkpoint's
+        done, warm, decay = step - 1, 2, 16
+        return 2e-4 + (2e-3 - 2e-4) * 0.5 * (1 + math.cos(math.pi * (done - warm) / (decay - warm)))
+
+    assert [r["lr"] for r in steps] == pytest.approx([lr(r["step"]) for r in steps], rel=1e-6)
+    saved = load_config(str(run / "config.yaml"))
+    assert (saved.train.warmup_iters, saved.train.lr_decay_iters) == (2, 16)
+
+
 def test_weights_only_load_starts_a_fresh_run(resumed, cache_dir, tmp_path):
     """Catches ``checkpoint.load_optimizer=false`` (start afresh from the weights) that
     took the checkpoint's data position anyway: a real-mode CONA run loaded from the

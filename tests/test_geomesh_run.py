@@ -388,14 +388,15 @@ def test_summaries_have_the_comparison_fields(results):
 
 @pytest.mark.parametrize("case", ["ef-toggled", "nothing-left", "damaged", "outer-lr-0",
                                   "momentum-1.5", "does-not-fit", "ordinary-checkpoint",
-                                  "worker-renamed", "workers-reordered"])
+                                  "worker-renamed", "workers-reordered", "other-adam"])
 def test_bad_geomesh_input_is_one_line_exit_2(results, cache_dir, tmp_path, case):
     """Catches tracebacks (KeyError, ValueError, PlanError, a torch zip error),
     a silent no-op run, or a left-behind run folder (config.yaml, wandb/) on bad
     GeoMesh settings and checkpoints.  A resume on a cluster file whose workers
     are not the saved ones: a renamed worker crashed with a raw KeyError in
     geomesh/fleet/clock.py, reordered workers were accepted silently (each ran the
-    other's saved plan and optimizer state); both must be refused by identity."""
+    other's saved plan and optimizer state); both must be refused by identity.  A resume
+    with other Adam betas or weight decay trained on the checkpoint's."""
     import os
     import shutil
     import subprocess
@@ -411,6 +412,10 @@ def test_bad_geomesh_input_is_one_line_exit_2(results, cache_dir, tmp_path, case
                          "geomesh.error_feedback=true"],
         "outer-lr-0": ["geomesh.outer_lr=0"],
         "momentum-1.5": ["geomesh.outer_momentum=1.5"],
+        # the workers' Adam and weight decay came from the checkpoint, silently
+        "other-adam": [f"checkpoint.load={ckpt}", "geomesh.outer_steps=3",
+                       "geomesh.error_feedback=true", "train.adam_beta2=0.99",
+                       "train.weight_decay=0.05"],
     }.get(case, [])
     needle = {"ef-toggled": "error feedback", "nothing-left": "nothing left",
               "damaged": "is damaged", "outer-lr-0": "geomesh.outer_lr",
@@ -418,7 +423,9 @@ def test_bad_geomesh_input_is_one_line_exit_2(results, cache_dir, tmp_path, case
               "ordinary-checkpoint": "ordinary train.py run",
               "worker-renamed": "worker 1 is 't4-westeurope' (T4 x4, tp=4, pp=1), the cluster "
                                 "file's is 't4-northeurope'",
-              "workers-reordered": "list the workers in the saved order"}[case]
+              "workers-reordered": "list the workers in the saved order",
+              "other-adam": "train.weight_decay: checkpoint 0.1, config 0.05; "
+                            "train.adam_beta2: checkpoint 0.95, config 0.99"}[case]
     if case in ("worker-renamed", "workers-reordered"):
         raw = yaml.safe_load(cluster.read_text())
         assert [w["name"] for w in raw["workers"]] == ["h100-eastus", "t4-westeurope"]

@@ -84,7 +84,7 @@ def test_a_resume_with_another_lr_schedule_is_refused_or_follows_the_choice(base
     """Catches a resume that trained on the checkpoint's LR schedule while its config.yaml
     recorded another (megatron's scheduler takes the checkpoint's peak, warmup and decay:
     train.lr=0.001 on a 0.002 run trained at 0.00138 and 0.0011, break-test helper).
-    Refused by default, naming the setting; ``checkpoint.lr_schedule=config`` trains
+    Refused by default, naming the setting; ``checkpoint.optimizer_settings=config`` trains
     steps 5-8 on the new schedule; ``=checkpoint`` on the old one, which config.yaml
     then records."""
     from jobruntime.config import load_config
@@ -97,10 +97,10 @@ def test_a_resume_with_another_lr_schedule_is_refused_or_follows_the_choice(base
     errors = [x for x in proc.stderr.splitlines() if x.startswith("error:")]
     assert proc.returncode == 2 and len(errors) == 1, proc.stderr[-3000:]
     assert "train.lr: checkpoint 0.002, config 0.0007" in errors[0], errors
-    assert "checkpoint.lr_schedule=config" in errors[0], errors
+    assert "checkpoint.optimizer_settings=config" in errors[0], errors
     full = {r["step"]: r["lr"] for r in read_metrics(run_dir)}
     for how in ("config", "checkpoint"):
-        proc = train("--run-dir", tmp_path / how, *common, f"checkpoint.lr_schedule={how}")
+        proc = train("--run-dir", tmp_path / how, *common, f"checkpoint.optimizer_settings={how}")
         assert proc.returncode == 0, proc.stderr[-3000:]
         lrs = {r["step"]: r["lr"] for r in read_metrics(tmp_path / how)}
         # no evaluation of its own: the final val ppl is the checkpoint's, at its step
@@ -132,7 +132,7 @@ def test_a_run_whose_loss_becomes_nan_fails_and_saves_no_nan_checkpoint(base_run
     run = tmp_path / "nan"
     proc = train("--run-dir", run, "train.iters=8", "train.eval_interval=0", "train.lr=1e6",
                  "train.min_lr=0", "train.clip_grad=0", "checkpoint.save_interval=1",
-                 "checkpoint.lr_schedule=config", f"data.cache_dir={cache_dir}",
+                 "checkpoint.optimizer_settings=config", f"data.cache_dir={cache_dir}",
                  f"checkpoint.load={run_dir / 'checkpoints' / 'iter_0000004'}")
     errors = [x for x in proc.stderr.splitlines() if x.startswith("error:")]
     assert proc.returncode == 1 and len(errors) == 1 and "not finite" in errors[0], \

@@ -60,7 +60,7 @@ def _runs(cache_dir, root):
                                        "train.eval_interval=6", "train.target_ppl=1e9",
                                        f"checkpoint.load={load}",
                                        # a longer run on the saved schedule (its decay ended)
-                                       "checkpoint.lr_schedule=checkpoint"])
+                                       "checkpoint.optimizer_settings=checkpoint"])
         out[name] = run(cfg, root / name)
     return out
 

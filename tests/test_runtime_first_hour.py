@@ -549,17 +549,20 @@ def test_saving_and_switch_keys_a_job_does_not_read_are_refused(job, key):
         check_overrides_used(load_config("tiny_gpt", [*reads, key]), [*reads, key])
 
 
-def test_checkpoint_lr_schedule_is_an_ordinary_runs_setting():
-    """Catches ``checkpoint.lr_schedule`` accepted and ignored by GeoMesh and CONA, which
-    set their learning rate themselves on a resume (review helper); an ordinary run reads it."""
+def test_checkpoint_optimizer_settings_is_refused_where_no_resume_reads_it():
+    """Catches ``checkpoint.optimizer_settings`` accepted and ignored by CONA, which trains
+    with its config's settings on a resume (review helper), and by the GeoMesh methods
+    that load no checkpoint; an ordinary run and a GeoMesh resume read it."""
     from jobruntime.config import ConfigError, check_overrides_used, load_config
 
-    for job in (["geomesh.method=geomesh", "geomesh.cluster=two_worker"], ["cona.enabled=true"]):
-        key = "checkpoint.lr_schedule=config"
-        with pytest.raises(ConfigError, match=r"has no effect: GeoMesh and CONA set their"):
+    key = "checkpoint.optimizer_settings=config"
+    for job, why in ((["cona.enabled=true"], "CONA trains with its config's"),
+                     (["geomesh.method=async", "geomesh.cluster=two_worker"],
+                      "saves and loads no checkpoints")):
+        with pytest.raises(ConfigError, match=why):
             check_overrides_used(load_config("tiny_gpt", [*job, key]), [*job, key])
-    check_overrides_used(load_config("tiny_gpt", ["checkpoint.lr_schedule=config"]),
-                         ["checkpoint.lr_schedule=config"])
+    for job in ([], ["geomesh.method=geomesh", "geomesh.cluster=two_worker"]):
+        check_overrides_used(load_config("tiny_gpt", [*job, key]), [*job, key])
 
 
 @pytest.mark.parametrize("job", [["cona.enabled=true", "cona.clock=emulated"],

@@ -32,16 +32,21 @@ class CheckpointConfig:
     (fine-tuning, e.g. from ``tools/convert_checkpoint.py`` output).  A GeoMesh run
     only resumes (``false`` is refused); CONA's emulated clock only starts from the
     weights (``true`` with ``load`` is refused)."""
-    lr_schedule: Literal["same", "config", "checkpoint"] = "same"
-    """On a resume whose LR schedule (``train.lr``, ``min_lr``, ``warmup_iters``,
-    ``lr_decay_iters`` or, without it, ``iters``) differs from the checkpoint's:
+    optimizer_settings: Literal["same", "config", "checkpoint"] = "same"
+    """On a resume whose optimizer settings differ from the checkpoint's (the LR
+    schedule: ``train.lr``, ``min_lr``, ``warmup_iters``, ``lr_decay_iters`` or, without
+    it, ``iters``; ``train.weight_decay``, ``adam_beta1``, ``adam_beta2``, ``adam_eps``):
     ``same`` refuses it, naming each difference; ``config`` trains on with this config's
-    schedule (the LR moves to its value at the resumed step); ``checkpoint`` keeps the
-    checkpoint's, and ``config.yaml`` records it (Megatron-LM's
-    ``--override-opt_param-scheduler`` / ``--use-checkpoint-opt_param-scheduler``).
-    Ordinary runs; CONA and GeoMesh set their LR themselves."""
+    (the LR moves to the new schedule's value at the resumed step); ``checkpoint`` keeps
+    the checkpoint's, and ``config.yaml`` records them (Megatron-LM's
+    ``--override-opt_param-scheduler`` / ``--use-checkpoint-opt_param-scheduler``, which
+    cover the LR and weight decay).  GeoMesh reads ``same`` or ``config`` (its regions
+    train with the config's settings, the run identity they share; each worker sizes its
+    own warmup and decay); CONA trains with its config's."""
     keep_last: int = 2
-    """Number of checkpoints kept; older ones are deleted (0 keeps all)."""
+    """Number of checkpoints kept: the ones saved last, in the order they were saved (not
+    by step: after a resume from an older checkpoint, higher steps of the abandoned run
+    are deleted first), the one just saved always among them; 0 keeps all."""
     load_exact: bool = True
     """Whether the weights in ``load`` compute the function of the model they came from.
     ``false`` is written by ``tools/convert_checkpoint.py`` for an HF architecture that

@@ -64,6 +64,11 @@ class JobConfig:
                               "from checkpoint.load and starts no run from a checkpoint's "
                               "weights alone: drop checkpoint.load_optimizer=false to resume, "
                               "or unset checkpoint.load")
+        if geomesh and self.checkpoint.optimizer_settings == "checkpoint":
+            raise ConfigError("a GeoMesh run trains with its config's optimizer settings "
+                              "(every region shares them: the run identity), so "
+                              "checkpoint.optimizer_settings=checkpoint cannot keep a "
+                              "checkpoint's: put its values in the config, or set =config")
         if self.train.zero_shot_tasks and (geomesh or self.cona.enabled):
             raise ConfigError("train.zero_shot_tasks scores the model after an ordinary job; "
                               "GeoMesh and CONA runs do not run it: unset it")

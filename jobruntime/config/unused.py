@@ -95,12 +95,13 @@ def _why_ignored(cfg: JobConfig, section: str, key: str, value: Any,
             and _asks_for_nothing(key, value):
         return None  # saves (or loads) nothing, as the job does
     if section == "checkpoint" and method in NO_CHECKPOINTS and key in (
-            *CHECKPOINT_SAVES, "load", "load_optimizer"):
+            *CHECKPOINT_SAVES, "load", "load_optimizer", "optimizer_settings"):
         return (f"geomesh.method={method} saves and loads no checkpoints (geomesh.method="
                 "geomesh, diloco or ddp do); drop it")
-    if section == "checkpoint" and key == "lr_schedule" and (geomesh or cfg.cona.enabled):
-        return ("GeoMesh and CONA set their learning rate themselves on a resume (an "
-                "ordinary run reads checkpoint.lr_schedule); drop it")
+    if section == "checkpoint" and key == "optimizer_settings" and cfg.cona.enabled and \
+            not geomesh:
+        return ("CONA trains with its config's optimizer settings on a resume (its layout "
+                "switches rebuild them from it); drop it")
     if section == "checkpoint" and key in CHECKPOINT_SAVES:
         if geomesh and key == "save_final":
             return ("a GeoMesh run saves every checkpoint.save_interval outer steps and after "
