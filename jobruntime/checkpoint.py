@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import shutil
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -32,6 +33,7 @@ from torch.distributed.checkpoint.api import CheckpointException  # a BaseExcept
 from .config import ModelConfig
 from .faults import die_with_parent, fault_point
 from .logging_utils import phase
+from .outputs import saved_checkpoints
 from .parallel import rng_state, set_rng_state
 
 log = logging.getLogger(__name__)
@@ -67,8 +69,9 @@ def committed_folder(root: Path, name: str, *, leader: bool | None = None, keep_
     Yields ``root/<name>.tmp`` for every rank to write into.  When all ranks
     have left the block, the leader writes the ``COMPLETE`` marker, renames the
     folder to ``root/<name>``, points ``root/latest`` at it (atomically) and
-    deletes older complete folders with the same prefix (``iter_``,
-    ``outer_``) beyond ``keep_last`` (0 keeps all).  An exception inside the
+    deletes the complete folders with the same prefix (``iter_``, ``outer_``)
+    saved before the last ``keep_last`` saves, this one included
+    (:func:`stale_checkpoints`; 0 keeps all).  An exception inside the
     block (a failed write, a stop: ``StopRequested``, ``KeyboardInterrupt``)
     makes the leader remove the ``.tmp`` folder once it raises too (its own, or
     the barrier after the block when a peer failed: at once over gloo, at the
@@ -99,15 +102,35 @@ def committed_folder(root: Path, name: str, *, leader: bool | None = None, keep_
             shutil.rmtree(tmp, ignore_errors=True)
         raise
     if leader:
-        (tmp / COMPLETE).write_text(marker + "\n")
+        # when: the save order keep_last and the resume fallback read (not the file's
+        # mtime alone, which a copy of the run folder resets)
+        (tmp / COMPLETE).write_text(f"{marker}\nsaved_ns {time.time_ns()}\n")
         tmp.rename(final)
         latest_tmp = root / ".latest.tmp"
         latest_tmp.write_text(name + "\n")
         latest_tmp.replace(root / "latest")
-        complete = sorted(p for p in root.glob(f"{prefix}_*") if (p / COMPLETE).is_file())
-        for old in complete[:-keep_last] if keep_last > 0 else []:
+        for old in stale_checkpoints(root, prefix, final, keep_last):
             shutil.rmtree(old, ignore_errors=True)
     _barrier()
+
+
+def stale_checkpoints(root: Path, prefix: str, final: Path, keep_last: int) -> list[Path]:
+    """The complete ``root/<prefix>_*`` folders that ``keep_last`` drops once ``final`` is
+    saved: all but the ``keep_last`` saved last, ``final`` always kept (``[]`` for
+    ``keep_last=0``, keep all).
+
+    By save order (:func:`jobruntime.outputs.saved_checkpoints`), not by step: after a
+    resume from ``iter_0000004`` while ``iter_0000008`` exists (the same run folder),
+    ordering by name deleted the checkpoint just saved (``iter_0000005`` with
+    ``keep_last=1``, leaving ``iter_0000008`` for ``find_checkpoint``'s fallback) and
+    kept the abandoned ``iter_0000008`` for good; here ``iter_0000008`` is the oldest
+    save once ``keep_last`` newer ones exist.  (torchtitan's ``keep_latest_k`` sorts by
+    step, which is the same order in a run that never went back.)
+    """
+    if keep_last <= 0:
+        return []
+    older = [p for p in saved_checkpoints(root, prefix) if p.name != final.name]
+    return older[:max(len(older) - (keep_last - 1), 0)]
 
 
 def find_checkpoint(path: str | Path) -> Path:
@@ -131,7 +154,7 @@ def find_checkpoint(path: str | Path) -> Path:
         ckpt = path / latest.read_text().strip()
         if (ckpt / COMPLETE).is_file():
             return ckpt
-    complete = sorted(p for p in path.glob("iter_*") if (p / COMPLETE).is_file())
+    complete = saved_checkpoints(path, "iter")  # no (valid) latest: the one saved last
     if complete:
         return complete[-1]
     if not path.exists():
@@ -254,7 +277,8 @@ def save_checkpoint(root: Path, trainer, *, consumed_samples: int, extra: dict |
         consumed_samples: data position (samples of the training set consumed).
         extra: more picklable state (e.g. the run's clock), stored as common
             state under ``"extra"``: rank 0's (broadcast to the other ranks).
-        keep_last: delete older complete checkpoints beyond this many.
+        keep_last: keep this many checkpoints, the ones saved last (this one included),
+            deleting those saved before (:func:`stale_checkpoints`); 0 keeps all.
 
     Returns:
         The final checkpoint folder.

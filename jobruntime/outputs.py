@@ -20,12 +20,45 @@ from pathlib import Path
 RUN_OUTPUTS = ("metrics.jsonl", "summary.json", "checkpoints")
 
 
+def saved_checkpoints(root: str | Path, prefix: str = "*") -> list[Path]:
+    """The complete checkpoint folders ``root/<prefix>_*`` in the order they were saved,
+    oldest first.
+
+    Complete: holding its ``COMPLETE`` marker (:mod:`jobruntime.checkpoint`); a ``.tmp``
+    folder of a save cut short is not.  Saved: the time the marker records
+    (``saved_ns``, written at the commit; a copy of the folder keeps it), else, for a
+    marker from before it, the marker's modification time; folder names break ties.
+    Not by name alone: a run resumed from an older checkpoint of its folder
+    (``iter_0000004`` while ``iter_0000008`` exists) saves ``iter_0000005`` after
+    ``iter_0000008``.
+
+    Args:
+        root: a ``checkpoints/`` folder (it need not exist: then ``[]``).
+        prefix: ``iter`` (ordinary and CONA runs), ``outer`` (GeoMesh), ``*`` both.
+    """
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    marks = [m for m in root.glob(f"{prefix}_*/COMPLETE") if not m.parent.name.endswith(".tmp")]
+    stamped = []
+    for m in marks:
+        try:
+            text, mtime = m.read_text(errors="replace"), m.stat().st_mtime_ns
+        except FileNotFoundError:  # removed meanwhile (another process's rotation)
+            continue
+        saved = [int(w[1]) for w in (ln.split() for ln in text.splitlines())
+                 if len(w) == 2 and w[0] == "saved_ns" and w[1].isdigit()]
+        stamped.append((saved[0] if saved else mtime, m.parent.name, m.parent))
+    return [p for _, _, p in sorted(stamped)]
+
+
 def last_checkpoint(run_dir: str | Path) -> str | None:
     """The newest complete checkpoint in ``run_dir/checkpoints``, else ``None``.
 
-    Complete: an ``iter_*`` (or GeoMesh ``outer_*``) folder holding its ``COMPLETE``
-    marker (:mod:`jobruntime.checkpoint`); a ``.tmp`` folder of a save cut short is not.
-    What every piece of resume advice asks before it suggests ``checkpoint.load``: with
+    Newest: the one ``checkpoints/latest`` names (the last save), else the last saved
+    (:func:`saved_checkpoints`).  Complete: an ``iter_*`` (or GeoMesh ``outer_*``) folder
+    holding its ``COMPLETE`` marker (:mod:`jobruntime.checkpoint`).  What every piece of
+    resume advice asks before it suggests ``checkpoint.load``: with
     ``checkpoint.save_interval=0`` (the default) a run interrupted before its last step
     has none.
 
@@ -33,9 +66,14 @@ def last_checkpoint(run_dir: str | Path) -> str | None:
         The folder's name, e.g. ``"iter_0000020"``.
     """
     root = Path(run_dir) / "checkpoints"
-    done = sorted(p.parent.name for p in root.glob("*_*/COMPLETE")
-                  if not p.parent.name.endswith(".tmp")) if root.is_dir() else []
-    return done[-1] if done else None
+    try:
+        named = (root / "latest").read_text().strip()
+    except (OSError, UnicodeDecodeError):
+        named = ""
+    if named and "/" not in named and (root / named / "COMPLETE").is_file():
+        return named
+    done = saved_checkpoints(root)
+    return done[-1].name if done else None
 
 
 def round_folder(step: int) -> str:
