@@ -15,7 +15,6 @@ object; ``--out FILE`` also writes it (temp name, then rename):
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -47,7 +46,7 @@ def main() -> None:
     from jobruntime.config import ConfigError, load_config
     from jobruntime.data import build_dataset, prepare_corpus
     from jobruntime.logging_utils import setup_logging
-    from jobruntime.metrics import provenance, write_json_atomic
+    from jobruntime.metrics import json_text, provenance, write_json_atomic
     from jobruntime.parallel import init_distributed, shutdown
 
     setup_logging()
@@ -68,7 +67,7 @@ def main() -> None:
     report = {"preset": args.config, "data": cfg.data.path, "seq_length": cfg.model.seq_length,
               "micro_batch_size": mbs, "samples": args.samples, "splits": splits,
               **provenance()}
-    print(json.dumps(report, indent=2))
+    print(json_text(report, indent=2))
     if args.out:
         write_json_atomic(Path(args.out), report)
 

@@ -23,7 +23,6 @@ reaches 1.2 (the ceiling is not monotone in G: the best static batch moves with 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -56,6 +55,7 @@ def samples_per_s(target: str, gpu: str, gpus: int, batches: list[int]) -> dict[
 
 def main(argv=None) -> int:
     from jobruntime.hardware import gpu_profile_arg
+    from jobruntime.metrics import json_text
 
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -82,7 +82,7 @@ def main(argv=None) -> int:
             needed[target][n] = next(
                 (g for g in (2 ** k for k in range(1, 21))
                  if chaining_ceiling(speed, args.phi0, args.phi0 * g, m0)[1] >= 1.2), None)
-    print(json.dumps({"model_estimate": True, "gpu": args.gpu, "phi0": args.phi0,
+    print(json_text({"model_estimate": True, "gpu": args.gpu, "phi0": args.phi0,
                       "batches": BATCHES, "rows": rows, "growth_for_1.2x": needed}, indent=1))
     return 0
 

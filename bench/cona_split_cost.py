@@ -137,7 +137,9 @@ def main(argv=None) -> int:
     if args.worker:
         result = time_steps(*LAYOUTS[args.worker], args.steps, args.warmup, args.overrides)
         if int(os.environ.get("RANK", "0")) == 0:
-            args.out.write_text(json.dumps(result))
+            from jobruntime.metrics import json_text
+
+            args.out.write_text(json_text(result))
         return 0
     from bench.machine_load import LoadSampler
     from jobruntime.metrics import publish_json

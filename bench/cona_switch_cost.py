@@ -41,6 +41,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from jobruntime.metrics import json_text  # noqa: E402
 from jobruntime.ports import free_port  # noqa: E402
 
 MODELS = {
@@ -138,7 +139,7 @@ def worker(args) -> None:
         out["loaded_at"] = time.time()
         out["loss"] = trainer.train_step(sampler(cfg, topo, info["consumed_samples"]).next()).loss
     if dist.get_rank() == 0:
-        Path(args.out).write_text(json.dumps(out))
+        Path(args.out).write_text(json_text(out))
     shutdown()
 
 
@@ -204,7 +205,7 @@ def main(argv=None) -> int:
         report["models"][m] = measure(m, args.cache_dir, tmp)  # exits, keeping tmp, on failure
         report["models"][m]["load_average_1min"] = [load0, os.getloadavg()[0]]
     shutil.rmtree(tmp, ignore_errors=True)
-    print(json.dumps(report, indent=2))
+    print(json_text(report, indent=2))
     return 0
 
 

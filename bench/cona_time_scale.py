@@ -231,7 +231,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path, default=CALIBRATION, help=f"default {CALIBRATION}")
     args = p.parse_args(argv)
     from bench.cona_ttp import FULL
-    from jobruntime.metrics import provenance, write_json_atomic
+    from jobruntime.metrics import json_text, provenance, write_json_atomic
 
     try:
         result = json.loads(args.source.read_text())
@@ -241,7 +241,7 @@ def main(argv=None) -> int:
         p.error(f"cannot calibrate from {args.source}: {e}")
     cal.update(provenance(argv))
     write_json_atomic(args.out, cal)
-    print(json.dumps(cal, indent=2))
+    print(json_text(cal, indent=2))
     return 0
 
 

@@ -66,6 +66,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+from jobruntime.metrics import json_text  # noqa: E402
 from jobruntime.ports import free_port  # noqa: E402
 
 SMALL = ["model.num_layers=2", "model.hidden_size=64", "model.num_attention_heads=2",
@@ -205,7 +206,7 @@ def geomesh(root: Path, cache: str, name: str, rounds: int, *, fault: tuple[int,
     cluster = d / "cluster.yaml"
     workers = [{"name": f"w{i}", "gpu": "A100-80GB", "num_gpus": 1, "region": r, **shapes[i]}
                for i, r in enumerate(regions)]
-    cluster.write_text(json.dumps({
+    cluster.write_text(json_text({
         "name": name, "mode": "real", "rendezvous": f"127.0.0.1:{port}",
         "regions": [{"name": r, "id": i} for i, r in enumerate(regions)], "workers": workers,
         # rounds of seconds, not a fraction of one: a restart or a stall lands mid-run
@@ -443,7 +444,7 @@ def straggler_replan(root: Path, cache: str, rounds: int) -> dict:
     d = root / "straggler_replan"
     d.mkdir(parents=True, exist_ok=True)
     cluster = d / "cluster.yaml"
-    cluster.write_text(json.dumps({
+    cluster.write_text(json_text({
         "name": "straggler", "mode": "real", "rendezvous": f"127.0.0.1:{free_port()}",
         "regions": [{"name": r, "id": i} for i, r in enumerate(REGIONS[:2])],
         "workers": [{"name": f"w{i}", "gpu": "A100-80GB", "num_gpus": 1, "region": r}
@@ -493,13 +494,13 @@ def main(argv=None) -> int:
     for name, kw in SCENARIOS.items():
         res = geomesh(root, args.cache_dir, name, rounds * ROUNDS_SCALE.get(name, 1), **kw)
         results.append(res)
-        print(json.dumps(res), flush=True)
+        print(json_text(res), flush=True)
     for kind in (lighthouse_restart, lighthouse_lost, straggler_replan):
         results.append(kind(root, args.cache_dir, rounds))
-        print(json.dumps(results[-1]), flush=True)
+        print(json_text(results[-1]), flush=True)
     for res in cona_switch(root, args.cache_dir):
         results.append(res)
-        print(json.dumps(res), flush=True)
+        print(json_text(res), flush=True)
     from bench.faults_inputs import HOSTILE_KINDS, bad_inputs, hostile
 
     h_tried, h_rejected = hostile()
@@ -518,7 +519,7 @@ def main(argv=None) -> int:
 
     write_json_atomic(root / "faults.json", {"summary": summary, "scenarios": results,
                                              **provenance()})
-    print(json.dumps(summary), flush=True)
+    print(json_text(summary), flush=True)
     return 0
 
 

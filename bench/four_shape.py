@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None, help="also write the JSON here")
     p.add_argument("overrides", nargs="*", help="section.key=value for every run")
     args = p.parse_args(argv)
-    from jobruntime.metrics import provenance, write_json_atomic
+    from jobruntime.metrics import json_text, provenance, write_json_atomic
     from jobruntime.ports import free_port
 
     with tempfile.TemporaryDirectory(prefix="four_shape_") as tmp:
@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
                   "overrides": common, "clock": "wall (real), emulated (reference)",
                   "measured": measured(root, cluster, common),
                   "equality": equality(root, cluster, common), **provenance(argv)}
-    print(json.dumps(report, indent=1))
+    print(json_text(report, indent=1))
     if args.out:
         write_json_atomic(Path(args.out), report)
     return 0

@@ -235,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
         specs = [parse_row(n, args.mode) for n in dict.fromkeys(names)]
     except RowError as e:
         p.error(str(e))
-    from jobruntime.metrics import provenance, write_json_atomic
+    from jobruntime.metrics import json_text, provenance, write_json_atomic
 
     work = [(spec, seed) for spec in specs for seed in args.seeds]
     if args.no_train:
@@ -271,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
         report["best_lr"] = {b: r["outer_lr"] for b, r in best.items()}
     if args.out_json:
         write_json_atomic(Path(args.out_json), report)
-    print(json.dumps(report, indent=2))
+    print(json_text(report, indent=2))
     return 0
 
 

@@ -172,7 +172,8 @@ def main(argv=None) -> int:
                 mine["same_plan_as_reference"] = (r["imbalance"], r["total_tokens"]) == \
                     (mine["imbalance"], mine["total_tokens"])
     report["wall_s"] = time.perf_counter() - t0
-    print(json.dumps(report, indent=2))
+    # strict JSON without jobruntime.metrics.json_text: --reference imports another checkout
+    print(json.dumps(report, indent=2, allow_nan=False))
     return 0
 
 

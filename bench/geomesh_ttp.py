@@ -69,6 +69,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from jobruntime.metrics import json_text  # noqa: E402  (stdlib only)
 
 METHODS = ("ddp", "diloco", "async", "geomesh")
 # selectable with --methods, not in the default set (bench/geomesh_peers.py runs them)
@@ -225,7 +226,7 @@ def _parallel(args, runs, out: Path, mode: str) -> dict:
         rep = json.loads(proc.stdout)
         row = rep["ablation" if args.ablation else "methods"][name]
         row["child_cpu_s"] = rep["cpu_s"]
-        print(f"{name}: {json.dumps(row)}", file=sys.stderr, flush=True)
+        print(f"{name}: {json_text(row)}", file=sys.stderr, flush=True)
         return name, row
 
     with ThreadPoolExecutor(args.jobs) as pool:
@@ -299,7 +300,7 @@ def main(argv=None) -> int:
             else:  # its own wall time
                 results[name] = _row(summary, summary.get("wall_s", 0.0))
             results[name]["reused"] = summary is not None
-            print(f"{name}: {json.dumps(results[name])}", file=sys.stderr, flush=True)
+            print(f"{name}: {json_text(results[name])}", file=sys.stderr, flush=True)
     finally:
         shutdown()
     if args.ablation and "fp32" in results:
@@ -316,7 +317,7 @@ def main(argv=None) -> int:
               "wall_s": time.perf_counter() - t0,
               "cpu_s": time.process_time() - c0 + sum(r.pop("child_cpu_s", 0.0)
                                                       for r in results.values())}
-    print(json.dumps(report, indent=2))
+    print(json_text(report, indent=2))
     return 0
 
 

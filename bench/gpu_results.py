@@ -34,7 +34,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from jobruntime.metrics import write_json_atomic  # noqa: E402
+from jobruntime.metrics import json_text, write_json_atomic  # noqa: E402
 
 NAMES = {"gpt3_1.3b": "GPT-3 1.3B", "llama3.2_1b": "Llama-3.2-1B", "bert_large": "BERT-Large"}
 PEERS = (("peer", "hf_eager"), ("peer_compiled", "hf_compiled"))
@@ -158,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     result["file"] = args.out.name
     write_json_atomic(args.out, result)
-    print(json.dumps({k: result[k] for k in ("gpu", "commit", "complete", "problems")}))
+    print(json_text({k: result[k] for k in ("gpu", "commit", "complete", "problems")}))
     return 0
 
 

@@ -31,7 +31,12 @@ from xml.sax.saxutils import quoteattr
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from jobruntime.metrics import provenance, write_json_atomic, write_text_atomic  # noqa: E402
+from jobruntime.metrics import (  # noqa: E402
+    json_text,
+    provenance,
+    write_json_atomic,
+    write_text_atomic,
+)
 
 KEYS = ("tokens_per_s", "mfu", "achieved_tflops_per_device", "peak_memory_gib", "device",
         "precision")
@@ -164,7 +169,7 @@ def main() -> None:
         return
     summary = summarise(args.folder, wall_s=args.wall_s, bound_s=args.bound_s)
     write_json_atomic(args.folder / "summary.json", summary)
-    print(json.dumps(summary))
+    print(json_text(summary))
     tests = summary["tests"] or {}
     sys.exit(0 if summary["complete"] and not tests.get("failed") else 1)
 

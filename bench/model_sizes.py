@@ -11,7 +11,6 @@ so this runs on a laptop.  Prints one JSON object:
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -28,6 +27,7 @@ def main() -> None:
     setup_logging()
     from jobruntime.config import load_config
     from jobruntime.flops import flops_per_token, num_params
+    from jobruntime.metrics import json_text
     from jobruntime.model import meta_parameter_count
     from jobruntime.parallel import initialize_layout, shutdown
 
@@ -44,7 +44,7 @@ def main() -> None:
             "build_s": round(time.perf_counter() - t0, 3),
         }
     shutdown()
-    print(json.dumps({"models": out}, indent=2))
+    print(json_text({"models": out}, indent=2))
 
 
 if __name__ == "__main__":

@@ -145,12 +145,12 @@ def executor(jobs: int) -> cf.Executor:
 def write_report(report: dict, out: Path | None, name: str) -> None:
     """Print ``report`` as JSON; with ``out`` also write it to ``out/name`` (through a
     temporary name, so a killed run leaves no half-written report)."""
-    from jobruntime.metrics import write_json_atomic
+    from jobruntime.metrics import json_text, write_json_atomic
 
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
         write_json_atomic(out / name, report)
-    print(json.dumps(report, indent=2, default=float))
+    print(json_text(report, indent=2))
 
 
 def run_families(fn, models: dict, jobs: int, *args) -> dict:

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import sys
 import time
 from pathlib import Path
@@ -144,6 +143,7 @@ def main() -> None:
     from jobruntime.flops import flops_per_token
     from jobruntime.hardware import get_gpu_profile, profile_for_device
     from jobruntime.loop import build_data
+    from jobruntime.metrics import json_text
     from jobruntime.parallel import initialize_layout, set_seed, shutdown
     from jobruntime.trainer import Trainer
 
@@ -205,7 +205,7 @@ def main() -> None:
         out["efficiency_fit"] = fit_efficiency([(s["tokens_per_micro_batch"], s["mfu"]) for s in sweep])
     variants = [k for k, on in (("peer", args.peer), ("peer_compiled", args.peer_compile)) if on]
     out["peers_requested"] = variants if topo.world_size == 1 else []  # the summary checks these
-    emit = (lambda: print(json.dumps(out), flush=True)) if topo.rank == 0 else (lambda: None)
+    emit = (lambda: print(json_text(out), flush=True)) if topo.rank == 0 else (lambda: None)
     emit()  # one line per stage: a run stopped at a time limit keeps what it measured
     if variants and topo.world_size == 1:
         from bench.hf_peer import time_peers

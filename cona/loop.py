@@ -289,8 +289,11 @@ class Loop:
             **job.gns.to_dict(),
             "gns_target": self.target_gns,
         }
+        if not math.isfinite(result.loss):  # ends the run: its weights are not evaluated
+            log.error("loss is %s at step %d; stopping", result.loss, job.trainer.step)
+            p.nan = True
         on_clock = p.next_eval_s is not None and job.clock_s >= p.next_eval_s * (1 - 1e-9)
-        if on_clock or samples >= p.next_eval or samples >= self.budget_samples:
+        if not p.nan and (on_clock or samples >= p.next_eval or samples >= self.budget_samples):
             if self.eval_every_s:  # the next multiple of the clock cadence
                 k = math.floor(job.clock_s / self.eval_every_s + 1e-9)  # cadence points passed
                 p.next_eval_s = (k + 1) * self.eval_every_s
@@ -307,9 +310,6 @@ class Loop:
                                  start=self.samples0)
             if gap is not None:  # near the target: earlier than the fixed cadence
                 p.next_eval = min(p.next_eval, samples + math.ceil(gap))
-        if math.isnan(result.loss):
-            log.error("loss is NaN at step %d; stopping", job.trainer.step)
-            p.nan = True
         self.emit(record)
         if self.reporter is not None:
             self.reporter.update(samples, step=job.trainer.step, loss=result.loss,
@@ -380,9 +380,11 @@ class Loop:
         loadable at the current layout or any other (the last one before an interrupted
         switch resumes at either), with ``"cona"``, what the run goes on from
         (:meth:`load_state_dict`).  Once per step: a second call at the same step (the
-        final save after a periodic one) writes nothing."""
+        final save after a periodic one) writes nothing; nor after a step whose loss was not
+        finite (weights that diverged are never a checkpoint to resume from)."""
         job = self.job
-        if self.checkpoint_dir is None or self._saved_step == job.trainer.step:
+        if (self.checkpoint_dir is None or self._saved_step == job.trainer.step
+                or self.progress.nan):
             return
         save_checkpoint(self.checkpoint_dir, job.trainer, consumed_samples=job.consumed_samples,
                         extra={"strategy": job.strategy.label, "time_s": job.clock_s,
@@ -396,8 +398,11 @@ class Loop:
             self.step()
 
     def finish(self) -> None:
-        """Final evaluation unless the last step was just evaluated."""
+        """Final evaluation unless the last step was just evaluated or its loss was not
+        finite (the weights diverged)."""
         p = self.progress
+        if p.nan:
+            return
         if not p.evals or p.evals[-1]["samples"] != self.job.consumed_samples:
             val_loss = self.evaluate()
             self.emit(
@@ -412,6 +417,9 @@ class Loop:
             )
 
     def summary(self) -> dict:
+        """The run's ``summary.json`` fields that the loop knows (clock, TTP, the final
+        validation perplexity, switches, counters, evaluations), with ``diverged_at_step``
+        where a step's loss was not finite (the run stopped there)."""
         p, job = self.progress, self.job
         return {
             "clock": job.ctx.clock,
@@ -428,5 +436,7 @@ class Loop:
             "wall_s": time.perf_counter() - self._wall0,
             "final_strategy": job.strategy.label,
             "evals": p.evals,
+            # the step whose loss was not finite, where the run stopped (train.py exits 1)
+            **({"diverged_at_step": job.trainer.step} if p.nan else {}),
         }
 

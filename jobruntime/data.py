@@ -50,6 +50,47 @@ def val_document_mask(num_docs: int, val_every: int) -> np.ndarray:
     return (idx % val_every) == (val_every - 1)
 
 
+def split_documents(num_docs: int, val_every: int, *, source: str | Path,
+                    option: str = "data.val_every", limit: str | None = None) -> np.ndarray:
+    """The held-out mask of a corpus of ``num_docs`` documents (:func:`val_document_mask`),
+    refused where a split would be empty.
+
+    Both users of the split call it: ``train.py`` (:func:`prepare_corpus`, which needs
+    both splits: megatron's samplers loop forever on an empty one) and
+    ``tools/prepare_data.py``, which calls it before it writes anything, so that it
+    never leaves a corpus that ``train.py`` then refuses.
+
+    Args:
+        num_docs: documents in the corpus.
+        val_every: every ``val_every``-th document (by position) is held out.
+        source: the corpus, for the message.
+        option: the setting that gave ``val_every`` (``data.val_every``,
+            ``--val-every``), for the message.
+        limit: the setting that capped the document count where one did
+            (``data.max_documents``, ``--max-documents``), for the message.
+
+    Returns:
+        Boolean array of shape ``(num_docs,)``, True for a validation document.
+
+    Raises:
+        DataError: ``val_every < 2``, or no training or no validation document (fewer
+            than ``val_every`` documents); the message names the counts and the setting
+            to change.
+    """
+    if val_every < 2:
+        raise DataError(f"{option} must be >= 2 (every {option.lstrip('-')}-th document is "
+                        f"held out for validation), got {val_every}")
+    held = val_document_mask(num_docs, val_every)
+    n_val = int(held.sum())
+    if n_val == 0 or n_val == num_docs:
+        more = f" (raise {limit})" if limit else ""
+        raise DataError(
+            f"{source}: {num_docs} document(s) with {option}={val_every} leave "
+            f"{num_docs - n_val} for training and {n_val} for validation; give at least "
+            f"{val_every} documents{more} or lower {option} (>= 2)")
+    return held
+
+
 def tokenize_documents(docs: list[str], tokenizer: Tokenizer, bert: bool) -> list[list[list[int]]]:
     """Token sequences of each document, as the indexed dataset stores them.
 
@@ -194,16 +235,10 @@ def prepare_corpus(data: DataConfig, model: ModelConfig) -> Corpus:
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
     n_docs = len(IndexedDataset(str(prefix)).document_indices) - 1
-    held = val_document_mask(n_docs, data.val_every)
-    train_docs, val_docs = np.flatnonzero(~held), np.flatnonzero(held)
-    if len(val_docs) == 0 or len(train_docs) == 0:
-        # megatron's samplers would loop forever looking for tokens
-        raise DataError(
-            f"{src}: {n_docs} document(s) with data.val_every={data.val_every} leave "
-            f"{len(train_docs)} for training and {len(val_docs)} for validation; give at least "
-            f"{data.val_every} documents or lower data.val_every (>= 2)"
-        )
-    return Corpus(tokenizer, prefix, train_docs, val_docs)
+    # both splits non-empty: megatron's samplers would loop forever looking for tokens
+    held = split_documents(n_docs, data.val_every, source=src,
+                           limit="data.max_documents" if data.max_documents else None)
+    return Corpus(tokenizer, prefix, np.flatnonzero(~held), np.flatnonzero(held))
 
 
 def build_dataset(corpus: Corpus, model: ModelConfig, split: str, num_samples: int, seed: int,

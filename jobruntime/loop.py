@@ -127,21 +127,29 @@ def run(cfg: JobConfig, run_dir: Path,
         last = trainer.step == t.iters
         if t.max_wall_s is not None and now >= t.max_wall_s:
             stop = last = True
-        if t.eval_interval and (trainer.step % t.eval_interval == 0 or last):
+        # A non-finite loss, training or validation, is divergence: the run stops at this
+        # step (train.py exits 1), whose weights are neither saved nor (training loss)
+        # evaluated, and whose record is always logged (non-finite values as null).
+        if not math.isfinite(result.loss):
+            log.error("loss is %s at step %d; stopping", result.loss, trainer.step)
+            stop, diverged = True, trainer.step
+        elif t.eval_interval and (trainer.step % t.eval_interval == 0 or last):
             val_loss = trainer.evaluate(data.val_batches)
-            last_val_ppl, last_val_step = perplexity(val_loss), trainer.step
-            record.update(val_loss=val_loss, val_ppl=last_val_ppl)
-            if ttp.update(last_val_ppl, now, tokens, trainer.step):
-                log.info(target_reached_line(t.target_ppl, f"step {trainer.step}", now, "wall"))
-                stop = stop or t.stop_at_target
-        if trainer.step % t.log_interval == 0 or "val_loss" in record:
-            writer.log(record)
+            record.update(val_loss=val_loss, val_ppl=perplexity(val_loss))
+            if not math.isfinite(val_loss):  # this step's update broke the weights
+                log.error("validation loss is %s at step %d; stopping", val_loss, trainer.step)
+                stop, diverged = True, trainer.step
+            else:
+                last_val_ppl, last_val_step = record["val_ppl"], trainer.step
+                if ttp.update(last_val_ppl, now, tokens, trainer.step):
+                    log.info(target_reached_line(t.target_ppl, f"step {trainer.step}", now,
+                                                 "wall"))
+                    stop = stop or t.stop_at_target
+        if trainer.step % t.log_interval == 0 or "val_loss" in record or diverged is not None:
+            writer.log(record)  # a non-finite loss is written as null (metrics.json_text)
         progress.update(trainer.step, step=trainer.step, loss=result.loss, val_ppl=last_val_ppl,
                         tokens_per_s=record["tokens_per_s"], time_s=now,
                         evaluated="val_loss" in record)
-        if not math.isfinite(result.loss):  # stop; its weights are not saved (train.py exits 1)
-            log.error("loss is %s at step %d; stopping", result.loss, trainer.step)
-            stop, diverged = True, trainer.step
         end, every = trainer.step == t.iters or stop, cfg.checkpoint.save_interval
         saves = (every and (trainer.step % every == 0 or end)) or (end and cfg.checkpoint.save_final)
         if saves and diverged is None:

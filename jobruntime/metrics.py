@@ -88,19 +88,78 @@ def provenance(argv: list[str] | None = None) -> dict[str, Any]:
             "command": " ".join(["python", *(sys.argv if argv is None else argv)])}
 
 
+def finite_or_none(obj: Any) -> Any:
+    """``obj`` with every float that is not finite (NaN, +-inf) replaced by ``None``.
+
+    Recurses into dicts, lists and tuples (tuples become lists, as JSON has them);
+    numbers that are not ``float`` but convert to one (numpy scalars, 0-d tensors) are
+    converted first.  Other values are returned unchanged.
+    """
+    if isinstance(obj, bool) or obj is None or isinstance(obj, (int, str)):
+        return obj
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: finite_or_none(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [finite_or_none(v) for v in obj]
+    return obj
+
+
+def _json_number(obj: Any) -> Any:
+    """``json.dumps``'s ``default``: a number JSON does not know (numpy scalar, 0-d
+    tensor) as a float, ``None`` where it is not finite.
+
+    Raises:
+        TypeError: ``obj`` does not convert to a float (as ``json.dumps`` would).
+    """
+    try:
+        x = float(obj)
+    except (TypeError, ValueError):
+        raise TypeError(f"Object of type {type(obj).__name__} is not JSON serializable") from None
+    return x if math.isfinite(x) else None
+
+
+def json_text(obj: Any, **kwargs: Any) -> str:
+    """``obj`` as strict JSON text (RFC 8259): what every file and report of the project
+    that users or tools read is written with (``metrics.jsonl``, ``summary.json``, the
+    tools' and benches' JSON).
+
+    Python's ``json`` writes a float that is not finite as the bare tokens ``NaN`` /
+    ``Infinity``, which strict parsers (``jq``, JavaScript, many exporters) reject.  Here
+    such a value becomes ``null`` (:func:`finite_or_none`; numpy scalars and 0-d tensors
+    are converted to floats first), and the text is written with ``allow_nan=False``, so
+    that no value can slip through as a bare ``NaN``.
+
+    Args:
+        obj: dicts, lists, tuples, strings, numbers, bools, ``None`` (nested).
+        kwargs: passed to :func:`json.dumps` (``indent``, ``sort_keys`` ...; not
+            ``allow_nan`` or ``default``).
+
+    Raises:
+        TypeError: a value that is neither JSON nor convertible to a float.
+    """
+    return json.dumps(finite_or_none(obj), allow_nan=False, default=_json_number, **kwargs)
+
+
 def write_json_atomic(path: Path, obj: Any) -> None:
-    """Write JSON to ``path`` via a temp file and rename (never half-written)."""
-    write_text_atomic(path, json.dumps(obj, indent=2, default=float) + "\n")
+    """Write ``obj`` as strict JSON (:func:`json_text`: a non-finite number is ``null``,
+    indented by 2) to ``path`` via a temp file and rename (never half-written).
+
+    Raises:
+        TypeError: ``obj`` holds a value JSON cannot hold (:func:`json_text`).
+    """
+    write_text_atomic(path, json_text(obj, indent=2) + "\n")
 
 
 def publish_json(report: dict, out: Path | None = None, argv: list[str] | None = None) -> dict:
     """A bench's result as it leaves the bench: ``report`` with :func:`provenance` added
     (``argv``: the command; default ``sys.argv``), written to ``out`` (atomically) where
-    given, and printed as JSON; returns the report."""
+    given, and printed as JSON (both strict, :func:`json_text`); returns the report."""
     report.update(provenance(argv))
     if out is not None:
         write_json_atomic(out, report)
-    print(json.dumps(report, indent=2, default=float))
+    print(json_text(report, indent=2))
     return report
 
 
@@ -400,13 +459,15 @@ class MetricsWriter:
                 self._wandb = None
 
     def log(self, record: dict) -> None:
-        """Append one record (must contain ``step``) to metrics.jsonl and wandb."""
+        """Append one record (must contain ``step``) to metrics.jsonl (one line of strict
+        JSON, :func:`json_text`: a value that is not finite, such as the loss of a diverged
+        step, is ``null``) and wandb (as given: wandb plots NaN)."""
         if not self.enabled:
             return
         record = {"clock": self.clock, **record}
         if self._file is None:
             self._open(first_step=record["step"])
-        self._file.write(json.dumps(record, default=float) + "\n")
+        self._file.write(json_text(record) + "\n")  # a NaN loss: null
         if self._wandb is not None:
             self._wandb.log({k: v for k, v in record.items() if isinstance(v, (int, float))},
                             step=int(record["step"]))
@@ -432,10 +493,11 @@ class MetricsWriter:
         self._file = open(path, "a", buffering=1)
 
     def summary(self, summary: dict) -> Path | None:
-        """Write ``summary.json`` (atomically) and set the wandb run summary."""
+        """Write ``summary.json`` (atomically, strict JSON: a value that is not finite is
+        ``null``, :func:`json_text`) and set the wandb run summary (the same values)."""
         if not self.enabled:
             return None
-        summary = {"mode": self.mode, "clock": self.clock, **summary}
+        summary = finite_or_none({"mode": self.mode, "clock": self.clock, **summary})
         path = self.run_dir / "summary.json"
         write_json_atomic(path, summary)
         if self._wandb is not None:

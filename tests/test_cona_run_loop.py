@@ -311,3 +311,47 @@ def test_clock_cadence_evaluates_every_strategy_at_the_same_times():
         assert steps[1.0] == [10, 20, 30, 40]
         per = job.proxy_batch(job.strategy)
         assert steps[None] == sorted({-(-160 * k // per) for k in range(1, 40 * per // 160 + 1)})
+
+
+def test_a_non_finite_loss_ends_the_run_without_evaluating_or_saving_it(tmp_path):
+    """Catches CONA evaluating (and saving) the weights of a step whose loss is not
+    finite: the evaluation ran before the NaN check, ``finish`` evaluated again, and an
+    ``inf`` loss (``math.isnan`` only) did not stop the run at all.  With an evaluation
+    due every step and the loss ``inf`` at step 3: evaluations at steps 1 and 2 only, the
+    run stops at step 3 (its record logged, without ``val_loss``), no checkpoint, and
+    the summary says ``diverged_at_step`` 3 (train.py then exits 1)."""
+    import math
+    from types import SimpleNamespace
+
+    from cona.run import Loop
+    from cona.strategy import Strategy
+    from jobruntime.config import load_config
+
+    class Diverging(_FakeJob):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            self.evaluated = []
+
+        def evaluate(self):
+            self.evaluated.append(self.trainer.step)
+            return 5.0
+
+        def train_step(self):
+            result, step_s = super().train_step()
+            if self.trainer.step == 3:
+                result = SimpleNamespace(loss=math.inf, lr=result.lr, grad_norm=result.grad_norm)
+            return result, step_s
+
+    job = Diverging(Strategy(8, 1, 1, 2, 64))  # 16 proxy samples a step
+    loop = Loop(job, load_config("tiny_gpt", ["train.target_ppl=null"]), budget_samples=160,
+                eval_samples=16, checkpoint_dir=tmp_path)
+    loop.run()
+    loop.finish()
+    loop.save()  # cona.run's final save (checkpoint.save_final): nothing, not a crash
+    assert job.trainer.step == 3 and job.evaluated == [1, 2] and not list(tmp_path.iterdir())
+    steps = [r for r in loop.progress.records if r.get("event") == "step"]
+    assert [r["step"] for r in steps] == [1, 2, 3] and "val_loss" not in steps[-1]
+    assert loop.summary()["diverged_at_step"] == 3
+    assert "diverged_at_step" not in Loop(_FakeJob(Strategy(8, 1, 1, 2, 64)),
+                                          load_config("tiny_gpt"), budget_samples=16,
+                                          eval_samples=16).summary()

@@ -135,7 +135,9 @@ def test_prepare_data_summary_matches_indexed_dataset(prepared):
 
 
 def test_prepare_data_bert_lines_and_hf_tokenizer(tmp_path):
-    """--family bert stores one sequence per non-empty line; a tokenizer.json is applied."""
+    """--family bert stores one sequence per non-empty line; a tokenizer.json is applied.
+    (Two documents: ``val_every=2`` holds out the second; the default 20 holds out none,
+    which prepare refuses.)"""
     from megatron.core.datasets.indexed_dataset import IndexedDataset
     from tokenizers import Tokenizer, models, pre_tokenizers
 
@@ -149,7 +151,7 @@ def test_prepare_data_bert_lines_and_hf_tokenizer(tmp_path):
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.save(str(tmp_path / "tokenizer.json"))
     s = prepare(str(tmp_path / "c.jsonl"), str(tmp_path / "out"), tokenizer=str(tmp_path / "tokenizer.json"),
-                family="bert", text_key="body", progress=False)
+                family="bert", text_key="body", val_every=2, progress=False)
     ds = IndexedDataset(str(tmp_path / "out"))
     assert s["documents"] == 2 and s["sequences"] == len(ds) == 5
     assert [list(ds[i]) for i in range(len(ds))] == [[5, 6], [7], [6, 6], [8, 5], [1]]
@@ -339,7 +341,7 @@ def test_compare_runs_reads_an_interrupted_run_from_its_records(tmp_path, capsys
     ]
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     assert compare_runs.main([str(run), "--out", str(tmp_path / "out")]) == 0
-    row = _table(capsys.readouterr().out)["cona-stopped"]
+    row = _table(capsys.readouterr().out)["cona-stopped (interrupted at step 20)"]
     f = (math.log(500) - math.log(300)) / (math.log(500) - math.log(250))
     assert row["TTP (s)"] == f"{20.0 + f * 20.0:.1f}" == "34.7"
     assert (row["method"], row["switches"], row["final ppl"], row["tokens"]) == (

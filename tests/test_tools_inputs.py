@@ -211,3 +211,72 @@ def test_export_without_transformers_is_one_line_and_writes_nothing(tmp_path):
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr
     assert "pip install transformers" in lines[0]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["site"]
+
+
+def test_prepare_data_refuses_a_corpus_without_validation_documents(tmp_path, capsys):
+    """Catches ``prepare_data`` writing a corpus that ``train.py`` then refuses: 3
+    documents with ``--val-every 20`` hold out none (every 20th is held out), and the
+    tool wrote ``OUT.bin/.idx/.json`` and exited 0.  Now: exit 2 before anything is
+    written, one line naming the counts and the option to change; with ``--val-every 3``
+    the same corpus is prepared (document 3 held out)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from tools import prepare_data
+
+    (tmp_path / "c.jsonl").write_text("".join(json.dumps({"text": d}) + "\n"
+                                              for d in ("alpha beta", "beta gamma", "gamma")))
+    tok = Tokenizer(models.WordLevel({"<unk>": 0, "</s>": 1, "alpha": 2, "beta": 3, "gamma": 4},
+                                     unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    out = tmp_path / "out" / "corpus"
+    args = ["--input", str(tmp_path / "c.jsonl"), "--output", str(out), "--tokenizer",
+            str(tmp_path / "tokenizer.json"), "--no-progress"]
+    assert prepare_data.main([*args, "--val-every", "20"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "\n" not in err, err
+    assert "3 document(s) with --val-every=20 leave 3 for training and 0 for validation" in err
+    assert "lower --val-every" in err
+    assert not (tmp_path / "out").exists()  # nothing written, not even the folder
+    assert prepare_data.main([*args, "--val-every", "3", "--max-documents", "2"]) == 2
+    assert "(raise --max-documents)" in capsys.readouterr().err  # the cap is named too
+    assert not (tmp_path / "out").exists()
+    assert prepare_data.main([*args, "--val-every", "3"]) == 0
+    summary = json.loads(out.with_suffix(".json").read_text())
+    assert (summary["train_documents"], summary["val_documents"]) == (2, 1)
+
+
+def test_compare_runs_marks_runs_that_did_not_finish(tmp_path, capsys):
+    """Catches an interrupted or diverged run shown in the table like a finished one: a run
+    killed without ``summary.json``, one with train.py's partial summary
+    (``"interrupted": true``), one that diverged (``diverged_at_step``) and one whose
+    summary stops before ``train.iters`` are marked after their name; a finished run,
+    and one stopped early at its target with ``train.stop_at_target``, are not."""
+    import yaml
+
+    from tools import compare_runs
+
+    def run(name, summary, steps, **train):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "config.yaml").write_text(yaml.safe_dump({"train": {"iters": 8, **train}}))
+        (d / "metrics.jsonl").write_text("".join(
+            json.dumps({"clock": "wall", "step": s, "tokens": 64 * s, "time_s": float(s),
+                        "loss": 5.0}) + "\n" for s in range(1, steps + 1)))
+        if summary is not None:
+            (d / "summary.json").write_text(json.dumps(
+                {"clock": "wall", "mode": "single", "steps": steps, "tokens": 64 * steps,
+                 **summary}))
+        return str(d)
+
+    paths = [run("killed", None, 3), run("ctrl-c", {"interrupted": True}, 5),
+             run("nan", {"diverged_at_step": 2}, 2), run("short", {}, 6),
+             run("done", {}, 8), run("at-target", {"ttp_step": 4}, 4, stop_at_target=True)]
+    assert compare_runs.main([*paths, "--out", str(tmp_path / "out")]) == 0
+    table = capsys.readouterr().out
+    names = [line.split("  ")[0] for line in table.splitlines()[2:8]]
+    assert names == ["killed (interrupted at step 3)", "ctrl-c (interrupted at step 5)",
+                     "nan (diverged at step 2)", "short (interrupted at step 6 of 8)",
+                     "done", "at-target"], table
+    csv_rows = (tmp_path / "out" / "runs.csv").read_text().splitlines()
+    assert csv_rows[1].startswith("killed (interrupted at step 3),")

@@ -6,8 +6,13 @@ wandb offline log (``RUN/wandb/offline-run-*/run-*.wandb``) fills in; a path
 may also be an ``offline-run-*`` folder itself.  A run without ``summary.json``
 (interrupted) gets TTP, method and switches from its records and
 ``config.yaml`` (:func:`jobruntime.metrics.summary_from_records`: TTP interpolated
-at the crossing of ``train.target_ppl``, as the runs compute it).  ``--wandb-project`` adds the
-runs of an online wandb project (needs network access and a login).
+at the crossing of ``train.target_ppl``, as the runs compute it).  A run that did not
+finish is marked in the run column: ``NAME (interrupted at step N)`` (no
+``summary.json``, the partial one with ``"interrupted": true``, or an ordinary run
+that stopped before ``train.iters`` with no target or time limit to explain it) or
+``NAME (diverged at step N)`` (``diverged_at_step``: a loss that was not finite).
+``--wandb-project`` adds the runs of an online wandb project (needs network access and
+a login).
 
 Table columns: run, method, clock (``wall`` or ``emulated``), TTP (clock
 seconds to the target perplexity), final validation perplexity, tokens, and
@@ -35,7 +40,7 @@ from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from jobruntime.metrics import summary_from_records  # noqa: E402  (stdlib only)
+from jobruntime.metrics import run_method, summary_from_records  # noqa: E402  (stdlib only)
 from jobruntime.outputs import output_folder_error  # noqa: E402
 
 COLUMNS = ("run", "method", "clock", "TTP (s)", "final ppl", "tokens", "straggler idle",
@@ -50,6 +55,47 @@ class Run:
     summary: dict = field(default_factory=dict)
     records: list[dict] = field(default_factory=list)
     source: str = "files"
+    stopped: str | None = None  # how an unfinished run ended (:func:`stop_note`)
+
+
+def _last_step(summary: dict, records: list[dict]):
+    """The run's last step: the summary's ``steps``, else the last record's."""
+    if isinstance(summary.get("steps"), int) and not isinstance(summary.get("steps"), bool):
+        return summary["steps"]
+    steps = [r["step"] for r in records if isinstance(r.get("step"), int)]
+    return max(steps) if steps else "?"
+
+
+def stop_note(summary: dict, records: list[dict], *, finished: bool, config: dict) -> str | None:
+    """How a run that did not finish ended, for the table: ``"diverged at step N"``,
+    ``"interrupted at step N"`` or ``"interrupted at step N of M"``; ``None`` for a
+    finished run.
+
+    Args:
+        summary: what the run wrote at its end (``summary.json``, the wandb summary);
+            ``{}`` where it wrote none.
+        records: its ``metrics.jsonl`` records (for the last step where the summary has
+            none).
+        finished: whether the run wrote its final summary: a ``summary.json`` without
+            ``"interrupted": true`` (``train.py`` writes that partial one on Ctrl-C,
+            SIGTERM or a lost peer); a wandb summary with ``steps`` (a killed run's holds
+            only wandb's own).
+        config: the run's ``config.yaml`` (``{}`` where absent): a finished ordinary run
+            with fewer steps than ``train.iters`` that no ``train.stop_at_target`` (target
+            reached) or ``train.max_wall_s`` explains was stopped early too.
+    """
+    step = _last_step(summary, records)
+    if summary.get("diverged_at_step") is not None:  # a loss that was not finite
+        return f"diverged at step {summary['diverged_at_step']}"
+    if not finished or summary.get("interrupted"):
+        return f"interrupted at step {step}"
+    train = config.get("train") or {}
+    iters = train.get("iters")
+    if (run_method(config) == "single" and isinstance(iters, int) and isinstance(step, int)
+            and step < iters and train.get("max_wall_s") is None
+            and not (train.get("stop_at_target") and summary.get("ttp_step") is not None)):
+        return f"interrupted at step {step} of {iters}"
+    return None
 
 
 # ---------------------------------------------------------------------------
@@ -133,8 +179,10 @@ def fetch_wandb_project(project: str) -> list[Run]:
 
     out = []
     for r in wandb.Api().runs(project):
-        records = [dict(row) for row in r.scan_history()]
-        out.append(Run(name=r.name, summary=dict(r.summary), records=records, source="wandb-api"))
+        records, summary = [dict(row) for row in r.scan_history()], dict(r.summary)
+        out.append(Run(name=r.name, summary=summary, records=records, source="wandb-api",
+                       stopped=stop_note(summary, records, finished="steps" in summary,
+                                         config=dict(r.config))))
     return out
 
 
@@ -176,8 +224,13 @@ def load_run(path: str | Path) -> Run:
             run.records = run.records or wb.records
             run.source = "files+wandb" if (summary_f.is_file() or metrics_f.is_file()) else wb.source
     _check_numbers(path, run)
+    config = _config(path)
+    # finished: its own summary.json (not train.py's partial one), else a wandb summary
+    # with the run's fields (what MetricsWriter.summary sets at the end)
+    finished = summary_f.is_file() or "steps" in run.summary
+    run.stopped = stop_note(run.summary, run.records, finished=finished, config=config)
     if not summary_f.is_file() and run.records:  # an interrupted run: what its records tell
-        run.summary = {**summary_from_records(run.records, _config(path)), **run.summary}
+        run.summary = {**summary_from_records(run.records, config), **run.summary}
     return run
 
 
@@ -229,7 +282,9 @@ def _bytes(n) -> str:
 
 
 def format_row(run: Run) -> dict[str, str]:
-    """The table cells of one run (strings; ``-`` where a value is absent)."""
+    """The table cells of one run (strings; ``-`` where a value is absent; the run's name
+    followed by ``(interrupted at step N)`` or ``(diverged at step N)`` where it did not
+    finish, :func:`stop_note`)."""
     s = run.summary
 
     def get(key, fmt):
@@ -240,7 +295,7 @@ def format_row(run: Run) -> dict[str, str]:
     tokens = s.get("tokens", run.records[-1].get("tokens") if run.records else None)
     switches = s.get("switches")
     return {
-        "run": run.name,
+        "run": run.name if run.stopped is None else f"{run.name} ({run.stopped})",
         "method": get("method", str) if "method" in s else get("mode", str),
         "clock": get("clock", str) if "clock" in s else (run.records[0].get("clock", "-") if run.records else "-"),
         "TTP (s)": get("ttp_s", lambda v: f"{v:.1f}"),

@@ -99,6 +99,7 @@ from jobruntime.config import (  # noqa: E402
     load_config,
     save_config,
 )
+from jobruntime.metrics import json_text  # noqa: E402
 from jobruntime.tokenizer import load_tokenizer  # noqa: E402
 from tools.hf_mapping import (  # noqa: E402
     HF_CLASSES,
@@ -508,7 +509,7 @@ def main(argv=None) -> int:
     finally:
         shutdown()
     if int(os.environ.get("RANK", "0")) == 0:
-        print(json.dumps(summary, indent=2))
+        print(json_text(summary, indent=2))
     return 0
 
 

@@ -25,7 +25,6 @@ Exit codes: 0 done, 2 bad input (message on stderr).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -37,11 +36,11 @@ from jobruntime.data import (
     DataError,
     read_documents,
     resolve_data_path,
+    split_documents,
     tokenize_documents,
-    val_document_mask,
     write_indexed,
 )
-from jobruntime.metrics import write_json_atomic
+from jobruntime.metrics import json_text, write_json_atomic
 from jobruntime.outputs import output_folder_error
 from jobruntime.tokenizer import TokenizerError, check_specials, load_tokenizer, train_sentencepiece
 
@@ -63,14 +62,19 @@ def prepare(input_path: str, output: str, *, tokenizer: str | None = None, vocab
         tokenizer path and vocabulary size, output prefix, seconds.
 
     Raises:
-        DataError / TokenizerError: unreadable input or tokenizer.
+        DataError / TokenizerError: unreadable input or tokenizer; a corpus that leaves
+            no validation (or no training) document at ``val_every``, refused before
+            anything is written (:func:`jobruntime.data.split_documents`).
     """
     from tqdm import tqdm
 
     t0 = time.perf_counter()
     prefix = Path(output).absolute()
     docs = read_documents(resolve_data_path(input_path), text_key, max_documents)
-    held = val_document_mask(len(docs), val_every)
+    # refused before anything is written: a corpus without validation documents is one
+    # that train.py refuses (and the tokenizer would be trained on every document)
+    held = split_documents(len(docs), val_every, source=input_path, option="--val-every",
+                           limit="--max-documents" if max_documents else None)
     if tokenizer is None:
         tok_path = Path(f"{prefix}.model")
         train_sentencepiece((d for d, h in zip(docs, held) if not h), vocab_size, tok_path)
@@ -131,7 +135,7 @@ def main(argv=None) -> int:
     except (DataError, TokenizerError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(json.dumps(summary, indent=2))
+    print(json_text(summary, indent=2))
     return 0
 
 

@@ -310,6 +310,7 @@ def main(argv=None) -> int:
     from jobruntime.checkpoint import CheckpointError, load_checkpoint
     from jobruntime.config import ConfigError, load_config
     from jobruntime.logging_utils import setup_logging
+    from jobruntime.metrics import json_text
     from jobruntime.parallel import initialize_layout, set_seed, shutdown
     from jobruntime.tokenizer import TokenizerError
     from jobruntime.trainer import Trainer
@@ -332,7 +333,7 @@ def main(argv=None) -> int:
         rank = dist.get_rank() if dist.is_initialized() else 0
         shutdown()
     if rank == 0:
-        print(json.dumps(results if len(results) > 1 else results[0], indent=2))
+        print(json_text(results if len(results) > 1 else results[0], indent=2))
     return 0
 
 
