@@ -78,9 +78,11 @@ class RoundFigures:
                                           int(sum(x[5] for x in rows)))
 
     def record(self, rnd: _Round, per: dict[str, dict], tokens: list[int], present: list[int],
-               counted: list[int], losses: dict[int, float], nbytes: tuple[int, int]) -> dict:
+               counted: list[int], losses: dict[int, float], nbytes: tuple[int, int], *,
+               final: bool = False) -> dict:
         """The round's metrics record (and the run statistics); evaluates θ_global on the
-        validation batches at evaluation rounds."""
+        validation batches at evaluation rounds and at a ``final`` round (the run stops
+        after it: :meth:`geomesh.sync.OuterLoop.stop_agreed`)."""
         stats, cl, step, rsteps = self.stats, self.cl, rnd.r + 1, rnd.steps
         for k in counted:
             stats.add_worker(cl.workers[k].name, tokens=tokens[k], **per[cl.workers[k].name])
@@ -106,7 +108,7 @@ class RoundFigures:
         if len(present) < self.K or self.guard.last_rejected:
             record["workers_present"] = [cl.workers[k].name for k in present
                                          if k not in self.guard.last_rejected]
-        if self.ctx.is_eval_step(step):
+        if self.ctx.is_eval_step(step) or final:
             trainer, p = self.first.trainer, self.cfg.parallel
             keep = trainer.get_params() if self.keeps_local_weights else None
             trainer.set_params(self.theta)

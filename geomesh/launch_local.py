@@ -228,6 +228,10 @@ def check_inputs(args: argparse.Namespace) -> tuple[ClusterSpec, Path, JobConfig
     if g.method == "none":
         raise LaunchError("geomesh.method=none trains one ordinary job; the launcher runs a "
                           "GeoMesh method (geomesh, diloco): drop the override")
+    if g.method not in ("geomesh", "diloco"):  # ddp: one process group; the others emulated
+        raise LaunchError(f"geomesh.method={g.method} does not run as one job per region; the "
+                          "launcher runs geomesh or diloco (ddp: one torchrun for the whole "
+                          "cluster; async, streaming_diloco: emulated mode)")
     if not (0 < g.heartbeat_s <= g.timeout_s < float("inf")):
         raise LaunchError(f"geomesh.heartbeat_s={g.heartbeat_s} and geomesh.timeout_s={g.timeout_s}"
                           " must be positive, heartbeat_s at most timeout_s")

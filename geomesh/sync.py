@@ -69,6 +69,16 @@ region (``geomesh.region``): each round's exchange is a torchft quorum
 members left, :mod:`geomesh.fleet.membership_plan`), a joining worker heals from a live
 peer at a round boundary.  Those rounds are blocking: ``geomesh.overlap`` with
 ``geomesh.region`` is refused (:meth:`jobruntime.config.GeoMeshConfig.validate`).
+
+Stopping at the target (``train.stop_at_target``).  One job for the run stops after
+the round whose evaluation reached ``train.target_ppl``.  With one job per region,
+each region evaluates at its own cadence, size and precision, so their verdicts may
+differ by a round; a region that stopped on its own would leave the others to report
+it lost and train on alone.  So the stop is the run's decision, carried in the
+exchange: a region whose evaluation reached the target flags it in its next round's
+message (:data:`geomesh.exchange.deploy.STOP`), and every region stops after the first
+round whose messages carry a flag — all see the same messages — with the same
+``θ_global``, evaluated there.  The price is one more round after the target.
 """
 
 from __future__ import annotations
@@ -405,7 +415,8 @@ class OuterLoop(RoundFigures):
             x0 = time.perf_counter()
             rnd.received = pl.exchange(rnd.msgs.get(me, b""), quorum_done=self.joining,
                                        stats=(rnd.losses[me], rnd.compute[me])
-                                       if me in rnd.msgs else (0.0, 0.0))
+                                       if me in rnd.msgs else (0.0, 0.0),
+                                       stop=self.target_reached)
             rnd.wait_s, rnd.shared = time.perf_counter() - x0, True
             if pl.healed or self.joining:  # sent nothing: the others' round r, from their state
                 rnd = dataclasses.replace(rnd, r=self.r, steps=self.steps, msgs={}, losses={},
@@ -428,18 +439,37 @@ class OuterLoop(RoundFigures):
             self.workers[i].trainer.set_params(start)
             self.snapshots[i] = {k: v.cpu() for k, v in start.items()}
 
+    @property
+    def target_reached(self) -> bool:
+        """``train.stop_at_target`` and this job's evaluations reached ``train.target_ppl``."""
+        return self.cfg.train.stop_at_target and self.stats.ttp.reached
+
+    def stop_agreed(self, step: int) -> bool:
+        """One job per region: whether this round's messages carry a region's stop flag
+        (module docstring), the same verdict in every region; ``False`` otherwise."""
+        by = self.pl.stop_requests if self.ft is not None and self.cfg.train.stop_at_target \
+            else []
+        if by and self.pl.is_logging_rank:
+            log.info("outer step %d: %s reached train.target_ppl; every region stops after "
+                     "this round (train.stop_at_target)", step,
+                     ", ".join(repr(self.cl.workers[k].region) for k in by))
+        return bool(by)
+
     def finish(self, rnd: _Round) -> bool:
         """Check and aggregate round ``rnd``, take the outer step, record, re-plan,
-        checkpoint.  Returns whether the run should stop (target reached with
-        ``stop_at_target``)."""
+        checkpoint.  Returns whether the run should stop (``stop_at_target``: the target
+        reached by this job's evaluation, or with one job per region by any region's,
+        flagged in this round's messages: :meth:`stop_agreed`)."""
         step = rnd.r + 1
         received, per = self.receive(rnd)
         tokens = self.aggregate(rnd, received)
         present, counted, losses, nbytes = self.figures(rnd, per)
-        record = self.record(rnd, per, tokens, present, counted, losses, nbytes)
+        agreed = self.stop_agreed(step)
+        record = self.record(rnd, per, tokens, present, counted, losses, nbytes, final=agreed)
         self.replan(record, per, counted, rnd.steps)
         self.ctx.log_outer_step(record)
-        reached = self.cfg.train.stop_at_target and self.stats.ttp.reached
+        # one job per region never stops on its own evaluation: the others would lose it
+        reached = agreed if self.ft is not None else self.target_reached
         if self.save_round(step) or reached:
             save_state(self.ctx.run_dir / "checkpoints", step, checkpoint_state(self, step),
                        rank=self.pl.rank, job_leader=self.pl.is_logging_rank,

@@ -113,6 +113,8 @@ def test_bad_inputs_exit_2_with_one_line(tmp_path):
         # a region shape that does not split the model: each job refused it once its
         # ranks had started, and the launcher said exit 1 (a rank stopped by torchrun)
         ((_cluster(tmp_path, port, tp3=True), tmp_path / "r8"), "cannot split"),
+        # each region trained alone (ddp's all-reduce never crossed regions)
+        ((real, tmp_path / "r9", "geomesh.method=ddp"), "geomesh.method=ddp"),
     ]
     for args, word in cases:
         proc = _launch(*args, timeout=120)
@@ -133,6 +135,22 @@ def test_bad_inputs_exit_2_with_one_line(tmp_path):
     errors = _errors(proc.stderr)
     assert proc.returncode == 2 and len(errors) == 1 and "lighthouse" in errors[0], proc.stderr
     assert not _processes_naming(str(tmp_path))
+
+
+def test_ddp_as_one_job_per_region_is_refused():
+    """Catches ``geomesh.method=ddp`` with ``geomesh.region`` accepted: each region's job
+    all-reduced over its own processes only, so the regions trained alone to other
+    weights (helper's reading); one job per region runs geomesh or diloco."""
+    from geomesh.fleet.job_check import check_settings
+    from jobruntime.config import ConfigError, load_config
+
+    def job(method):
+        return load_config("tiny_gpt", [f"geomesh.method={method}", "geomesh.region=East US",
+                                        "geomesh.cluster=two_worker_real"])
+
+    with pytest.raises(ConfigError, match="geomesh.method=ddp all-reduces every step"):
+        check_settings(job("ddp"), schedule=False)
+    check_settings(job("diloco"), schedule=False)
 
 
 def test_a_layout_schedule_passes_the_launchers_checks(tmp_path):

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from jobruntime.outputs import round_folder
 from tests.dist_utils import free_port, launch
 
 REPO = Path(__file__).resolve().parent.parent
@@ -222,6 +223,66 @@ def test_regions_with_other_settings_stop_naming_what_differs(cache_dir, tmp_pat
         # torchrun exits 1 for any failed rank; its report holds the rank's own code
         assert p.returncode == 1 and "exitcode  : 2" in err and lines, err[-3000:]
         assert repr(other) in lines[0] and "differ: geomesh)" in lines[0], lines
+
+
+def test_stop_flag_rides_with_the_messages_stats():
+    """Catches a stop flag that is lost, or read into the codec's bytes, on its way
+    through a region's exchange (no processes; a stand-in for the torchft membership
+    all-gathers the bodies the regions' placements send, the third region joining
+    without one): only the flag of the region that set it is read back, and the codec
+    messages and stats come back unchanged."""
+    from geomesh.exchange.deploy import Placement
+
+    class Gather:  # the run's torchft exchange: one call per region, all see every body
+        healed, sent = False, {}
+
+        def __init__(self, k: int) -> None:
+            self.k = k
+
+        def exchange(self, body, *, quorum_done):
+            Gather.sent[self.k] = body
+            return [Gather.sent.get(j) for j in range(3)]
+
+    regions = [Placement(mode="real", workers=[k], per_region=True, membership=Gather(k))
+               for k in range(3)]
+    regions[1].exchange(b"msg1", stats=(2.5, 1.0), stop=True)
+    regions[2].exchange(b"", quorum_done=True)  # healed this round: no body, no flag
+    out = regions[0].exchange(b"msg0", stats=(3.0, 2.0), stop=False)
+    assert out == [b"msg0", b"msg1", None] and regions[0].stop_requests == [1]
+    assert [r[:3] for r in regions[0].rows] == [[0, 3.0, 2.0], [1, 2.5, 1.0]]
+
+
+def test_stop_at_target_ends_every_region_after_the_same_round(cache_dir, tmp_path):
+    """Catches regions that stop at different rounds under ``train.stop_at_target``
+    because each stopped on its own evaluation, whose cadence is region-local: East US
+    evaluates every round and reaches the target (ppl 1e9) after round 1, West Europe
+    evaluates only at the end.  Before, East US stopped after round 1 and West Europe
+    waited out the heartbeat, reported it lost and trained rounds 2-3 alone (two
+    digests).  Now East US flags the stop in its round-2 message and both end after
+    round 2, with one θ_global digest, an evaluation of it in each, the same
+    checkpoint step, and no region reported lost."""
+    cluster = _clusters(tmp_path, free_port())["jobs"]
+    stop = ("train.target_ppl=1e9", "train.stop_at_target=true")
+    lh = _lighthouse(cluster)
+    try:
+        procs = [_torchrun(cluster, region, tmp_path / f"job-{k}", cache_dir, *stop,
+                           f"geomesh.eval_interval={every}")
+                 for k, (region, every) in enumerate((("East US", 1), ("West Europe", 100)))]
+        outs = [p.communicate(timeout=600) for p in procs]
+    finally:
+        lh.terminate()
+        lh.wait(30)
+    for p, (_, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-3000:]
+        assert "lost worker" not in err, err[-3000:]
+    runs = [tmp_path / f"job-{k}" for k in range(2)]
+    steps = [[r["step"] for r in _metrics(d)] for d in runs]
+    assert steps == [[1, 2], [1, 2]], steps
+    summaries = [json.loads((d / "summary.json").read_text()) for d in runs]
+    assert summaries[0]["global_weights_sha256"] == summaries[1]["global_weights_sha256"]
+    assert all(_metrics(d)[-1].get("val_ppl") for d in runs)  # θ_global evaluated at the stop
+    assert [sorted(x.name for x in (d / "checkpoints").glob("outer_*")) for d in runs] == \
+        [[round_folder(2)], [round_folder(2)]]
 
 
 @pytest.mark.slow

@@ -70,7 +70,11 @@ from .transport import (
 )
 
 log = logging.getLogger(__name__)
-_STATS = struct.Struct("<dd")  # a worker's mean loss and compute seconds, before its message
+# before a region's message: its worker's mean loss and compute seconds, and flags
+_STATS = struct.Struct("<ddB")
+STOP = 1
+"""Flag: the sender's evaluation reached ``train.target_ppl`` under ``train.stop_at_target``;
+every region stops after the round whose messages carry it (:meth:`geomesh.sync.OuterLoop.finish`)."""
 
 if TYPE_CHECKING:
     from .membership import Membership
@@ -128,6 +132,9 @@ class Placement:
     rows: list[list[float]] = field(default_factory=list, repr=False)
     healed: bool = False
     """The last exchange healed this worker from a live peer (its message was not sent)."""
+    stop_requests: list[int] = field(default_factory=list)
+    """One job per region: the workers whose message of the last exchange carried
+    :data:`STOP` (the same on every rank of every region: all see the same messages)."""
 
     @property
     def is_logging_rank(self) -> bool:
@@ -145,16 +152,17 @@ class Placement:
         return join_parts([p for p in parts if p is not None])
 
     def exchange(self, message: bytes, *, stats: tuple[float, float] = (0.0, 0.0),
-                 quorum_done: bool = False) -> list[bytes | None]:
+                 stop: bool = False, quorum_done: bool = False) -> list[bytes | None]:
         """One job per region: the round's messages of every worker, over torchft.
 
         ``None`` for workers absent from the round (lost, joining, or whose
         message was rejected); ``stats`` (the worker's mean loss and compute
-        seconds) ride along for :meth:`gather_rows`, and :attr:`healed` tells
+        seconds) ride along for :meth:`gather_rows`, ``stop`` as :data:`STOP`
+        (read back into :attr:`stop_requests`), and :attr:`healed` tells
         whether this worker healed instead of sending.
         """
         x0 = time.perf_counter()
-        body = None if quorum_done else _STATS.pack(*stats) + message
+        body = None if quorum_done else _STATS.pack(*stats, STOP if stop else 0) + message
         out = self.membership.exchange(body, quorum_done=quorum_done)
         self.healed = self.membership.healed
         self._ft_rows(out, time.perf_counter() - x0)
@@ -175,12 +183,14 @@ class Placement:
         return decode_bundle(data)
 
     def _ft_rows(self, out: list[bytes | None], exchange_s: float) -> None:
-        """Rows of :meth:`gather_rows` from the stats in the messages."""
-        rows = []
+        """Rows of :meth:`gather_rows` and :attr:`stop_requests` from the messages' stats."""
+        rows, self.stop_requests = [], []
         for k, m in enumerate(out):
             if m is not None and len(m) >= _STATS.size:
-                loss, compute = _STATS.unpack_from(m)
+                loss, compute, flags = _STATS.unpack_from(m)
                 rows.append([k, loss, compute, exchange_s, len(m) - _STATS.size, 0.0])
+                if flags & STOP:
+                    self.stop_requests.append(k)
         self.rows = rows
 
     def gather_rows(self, row: list[float], fp32_bytes: int) -> list[list[float]]:

@@ -35,7 +35,9 @@ Local by design: each region's layout (``parallel.tp``, ``pp``,
 ``micro_batch_size``, from the cluster file), precision (a V100 has no bf16),
 ``checkpoint.*``, ``logging.*``, the evaluation's size and cadence, the run
 folder; ``train.iters`` and ``lr_decay_iters`` are not used by GeoMesh
-(:mod:`geomesh.run`).
+(:mod:`geomesh.run`).  Evaluations being local, so is the verdict that the
+target was reached: with ``stop_at_target`` the stop itself is agreed in the
+exchange (:mod:`geomesh.sync`, "Stopping at the target").
 
 A byte per part lets a receiver name the parts that differ
 (:func:`differing_parts`); two runs that differ in one part collide with

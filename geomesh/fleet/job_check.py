@@ -118,6 +118,10 @@ def check_settings(cfg: JobConfig, *, schedule: bool = True) -> CheckedJob:
     if emulated and g.region is not None:
         raise ConfigError("geomesh.region is for real mode (one torchrun per region); unset it")
     if not emulated:
+        if g.method == "ddp" and g.region is not None:  # each region would train alone
+            raise ConfigError("geomesh.method=ddp all-reduces every step over one process "
+                              "group: run the cluster as one torchrun (unset geomesh.region); "
+                              "one job per region runs geomesh or diloco")
         if g.method in ("async", "streaming_diloco"):
             raise ConfigError(
                 f"geomesh.method={g.method} runs in emulated mode only; set geomesh.mode=emulated"
