@@ -26,6 +26,7 @@ and injected slowdowns are not supported for this baseline.
 from __future__ import annotations
 
 import logging
+import math
 import time
 
 from jobruntime.checkpoint import CheckpointError
@@ -38,7 +39,7 @@ from jobruntime.trainer import Trainer, mean_loss, reconcile_optimizer_settings
 from .context import RunContext
 from .fleet.clock import async_schedule, ddp_schedule, inner_step_time_s
 from .outer import OuterNesterov
-from .report import RunStats
+from .report import RunStats, not_finite
 from .state import check_rounds_left, check_workers, load_state, save_state, worker_identity
 from .wire.codec import DenseCodec
 from .wire.compression import TensorSchema
@@ -121,9 +122,13 @@ def run_ddp(ctx: RunContext) -> dict:
         stats.outer_steps = step
         record = dict(step=step, tokens=stats.tokens, time_s=stats.time_s,
                       loss=mean_loss(results), bytes=round_bytes)
-        if ctx.is_eval_step(step):
+        # one trainer over the job's processes: its loss is the same on each
+        bad = [] if math.isfinite(record["loss"]) else ["the DDP job"]
+        if not bad and ctx.is_eval_step(step):
             _eval(ctx, stats, trainer, val, record, step)
         ctx.log_outer_step(record)
+        if stats.diverged(bad, step) or stats.diverged_at_step is not None:
+            break  # nothing of this step is saved (train.py exits 1)
         stop = cfg.train.stop_at_target and stats.ttp.reached
         every = cfg.checkpoint.save_interval
         if every and (step % every == 0 or step == g.outer_steps or stop):
@@ -181,17 +186,26 @@ def run_async(ctx: RunContext) -> dict:
     pending: dict[int, tuple[bytes, float]] = {}
     wall0 = time.perf_counter()
 
-    def pull_and_train(i: int) -> None:  # worker i reads θ_global now and trains H steps
+    def pull_and_train(i: int, step: int) -> None:  # worker i reads θ_global, trains H steps
         nonlocal position
         res = workers[i].train_round(theta, steps[i], position)
         position += steps[i].samples
+        if stats.diverged(not_finite(res.loss, res.delta.values(),
+                                     who=repr(cl.workers[i].name)), step):
+            return  # nothing to encode: the loop stops at this outer step
         pending[i] = (codec.encode(res.delta, res.tokens, worker=i, round=0), res.loss)
 
     for i in range(K):
-        pull_and_train(i)
+        if stats.diverged_at_step is None:
+            pull_and_train(i, 1)
     index = {w.name: i for i, w in enumerate(cl.workers)}
     staleness, window = [], []
     for e, ev in enumerate(events):
+        if stats.diverged_at_step is not None:  # a worker's round, or θ's validation
+            if stats.diverged_at_step > stats.outer_steps:  # that step is not logged yet
+                ctx.log_outer_step(dict(step=stats.diverged_at_step, tokens=stats.tokens,
+                                        time_s=stats.time_s, loss=float("nan")))
+            break
         i = index[ev.worker]
         msg, loss = pending.pop(i)
         delta, (n_i,) = codec.aggregate([msg], senders=[i])  # one message: its own fp32 Δ_i
@@ -201,7 +215,7 @@ def run_async(ctx: RunContext) -> dict:
         stats.tokens += n_i
         stats.time_s = ev.time_s
         if e + 1 < len(events):
-            pull_and_train(i)  # pulls the new weights, starts its next round
+            pull_and_train(i, e // K + 2)  # pulls the new weights, starts its next round
         if (e + 1) % K == 0:
             step = (e + 1) // K
             stats.outer_steps = step

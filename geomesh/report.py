@@ -21,14 +21,44 @@ say where this process's worker models ran, read from their parameters
 
 from __future__ import annotations
 
+import logging
+import math
 from dataclasses import asdict, dataclass, field
 
 import torch
+import torch.distributed as dist
 
 from jobruntime.devices import device_summary
 from jobruntime.metrics import TTPTracker
 
 from .fleet.cluster import ClusterSpec
+
+log = logging.getLogger(__name__)
+
+
+def not_finite(loss: float, tensors=(), *, who: str, group=None) -> list[str]:
+    """Which of the job's workers gave a non-finite round: ``who`` (this process's worker)
+    where ``loss`` or a value of ``tensors`` (its pseudo-gradient here) is NaN or inf,
+    gathered from every process of ``group`` (default: the job's world; an object
+    all-gather, whatever the backend, so that every process of the job stops at the
+    same round and none waits in a collective the others left).  Sorted, no repeats;
+    ``[]`` when all were finite.
+
+    Args:
+        loss: the worker's mean loss of the round (nats).
+        tensors: tensors of any shape (an iterable of them).
+        who: the worker's name, for the log and the error.
+        group: the process group that must agree; ``None`` = the default group (no
+            collective where ``torch.distributed`` is not initialised).
+    """
+    ok = math.isfinite(loss) and all(bool(torch.isfinite(t).all()) for t in tensors)
+    mine = None if ok else who
+    if dist.is_available() and dist.is_initialized():
+        seen = [None] * dist.get_world_size(group)
+        dist.all_gather_object(seen, mine, group=group)
+    else:
+        seen = [mine]
+    return sorted({w for w in seen if w is not None})
 
 
 @dataclass
@@ -57,6 +87,9 @@ class RunStats:
     final_val_ppl: float | None = None
     final_val_loss: float | None = None
     ttp: TTPTracker = field(default_factory=lambda: TTPTracker(None))
+    diverged_at_step: int | None = None
+    """The outer step whose inner training gave a non-finite loss or pseudo-gradient
+    (:meth:`diverged`): the run stopped there (``train.py`` exits 1)."""
 
     @classmethod
     def for_cluster(cls, cluster: ClusterSpec, target_ppl: float | None) -> RunStats:
@@ -75,9 +108,28 @@ class RunStats:
         w.tokens += int(tokens)
 
     def evaluated(self, val_loss: float, val_ppl: float, step: int) -> bool:
-        """Record an evaluation at the current time/tokens; True when the target is first reached."""
+        """Record an evaluation at the current time/tokens; True when the target is first
+        reached.  A validation loss that is not finite (an outer step that broke θ_global)
+        is the run's divergence (:meth:`diverged`), not an evaluation."""
+        if self.diverged([] if math.isfinite(val_loss) else ["θ_global (its validation loss)"],
+                         step):
+            return False
         self.final_val_loss, self.final_val_ppl = val_loss, val_ppl
         return self.ttp.update(val_ppl, self.time_s, self.tokens, step)
+
+    def diverged(self, bad: list[str], step: int) -> bool:
+        """Record outer step ``step`` as the run's divergence where ``bad`` names workers
+        whose round was not finite (:func:`not_finite`); log it once.  Returns whether it
+        diverged.  As an ordinary run (:func:`jobruntime.loop.run`): the loop stops at
+        that step, saves nothing of it, and ``summary.json`` holds ``diverged_at_step``
+        (``train.py`` exits 1)."""
+        if not bad:
+            return False
+        if self.diverged_at_step is None:
+            log.error("the loss or pseudo-gradient of %s is not finite (NaN or inf) in outer "
+                      "step %d; stopping", ", ".join(bad), step)
+            self.diverged_at_step = step
+        return True
 
     def _frac(self, attr: str) -> float | None:
         measured = [w for w in self.workers.values() if w.wan_idle_s is not None]
@@ -116,6 +168,8 @@ class RunStats:
             "compression_ratio": ratio,
             "workers": table,
             **device_summary(model),
+            **({} if self.diverged_at_step is None
+               else {"diverged_at_step": self.diverged_at_step}),
             **(extra or {}),
         }
 

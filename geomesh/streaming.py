@@ -206,9 +206,14 @@ class StreamingLoop(OuterLoop):
             rnd.losses = {i: mean_loss(done[i]) for i in self.pl.workers}
             self.stats.time_s = self.clock.now_s  # every fragment of this θ_global exists
             k = list(range(self.K))
-            record = self.record(rnd, per, [tokens[i] for i in k], k, k, dict(rnd.losses),
-                                 (nbytes[0], nbytes[1]))
-            self.ctx.log_outer_step(record)
+            bad = sorted(repr(self.cl.workers[i].name) for i, x in rnd.losses.items()
+                         if not math.isfinite(x))  # one process (emulated): no collective
+            if not self.stats.diverged(bad, rnd.r + 1):
+                record = self.record(rnd, per, [tokens[i] for i in k], k, k, dict(rnd.losses),
+                                     (nbytes[0], nbytes[1]))
+                self.ctx.log_outer_step(record)
+            if self.stats.diverged_at_step is not None:
+                break
             self.position += sum(s.samples for s in self.steps)
             if self.cfg.train.stop_at_target and self.stats.ttp.reached:
                 break

@@ -107,7 +107,7 @@ from .fleet.membership_plan import plan_for_members
 from .fleet.schedule import max_tp
 from .layout_switch import RegionSwitch
 from .outer import OuterNesterov
-from .report import RunStats, memory_overhead
+from .report import RunStats, memory_overhead, not_finite
 from .state import checkpoint_state, heal_state, load_heal, load_state, resume, save_state
 from .state import proxy_steps_for as _proxy
 from .wire.canonical import CanonicalSchema, layout_map
@@ -142,6 +142,10 @@ def _codec_kind(ctx: RunContext) -> str:
                     "inside 256-column chunks; this run uses sign_row", tp, list(widths))
         return "sign_row"
     return kind
+
+
+class _Diverged(Exception):
+    """A round's loss or pseudo-gradient was not finite (:meth:`OuterLoop.train`)."""
 
 
 @dataclass
@@ -308,7 +312,21 @@ class OuterLoop(RoundFigures):
 
     # -- a round -----------------------------------------------------------------------
     def run(self) -> dict:
-        """Train ``geomesh.outer_steps`` rounds; return the summary."""
+        """Train ``geomesh.outer_steps`` rounds (:meth:`rounds`); return the summary (with
+        ``diverged_at_step`` where a round was not finite: the run stopped there)."""
+        try:
+            self.rounds()
+        except _Diverged:  # stats.diverged_at_step holds it; nothing of the round is saved
+            pass
+        if self.pool is not None:
+            self.pool.shutdown()
+        if self.ft is not None:
+            self.ft.close()
+        return self.summary()
+
+    def rounds(self) -> None:
+        """The outer loop: train, exchange and finish rounds to ``outer_steps`` (or the
+        stop); raises :class:`_Diverged` from :meth:`train`."""
         pl, overlap = self.pl, self.overlap
         inflight: _Round | None = None
         stop = False
@@ -360,11 +378,6 @@ class OuterLoop(RoundFigures):
             self.r += 1
         if inflight is not None and not stop:
             self.finish(inflight)
-        if self.pool is not None:
-            self.pool.shutdown()
-        if self.ft is not None:
-            self.ft.close()
-        return self.summary()
 
     def _true_s(self, i: int, s: ProxyStep) -> float:
         """Emulated: the profile seconds of worker ``i``'s round; real: 0 (wall time)."""
@@ -390,6 +403,11 @@ class OuterLoop(RoundFigures):
             # (at tau = H_i that is all of it: 0, or a rounding error below 0)
             self.charge(i, rnd, max(self._true_s(i, s) - rnd.compute.get(i, 0.0), 0.0)
                         if self.ctx.emulated else 0.0, w0)
+            if self.stats.diverged(not_finite(res.loss, res.delta.values(),
+                                              who=repr(self.cl.workers[i].name)), self.r + 1):
+                self.ctx.log_outer_step(dict(step=self.r + 1, tokens=self.stats.tokens,
+                                             time_s=self.stats.time_s, loss=res.loss))
+                raise _Diverged  # before its encode: every process of the job stops here
             rnd.msgs[i] = self.encode(i, res)
             rnd.losses[i] = res.loss
             shares[i] = res.tokens / round_tokens
@@ -468,6 +486,8 @@ class OuterLoop(RoundFigures):
         record = self.record(rnd, per, tokens, present, counted, losses, nbytes, final=agreed)
         self.replan(record, per, counted, rnd.steps)
         self.ctx.log_outer_step(record)
+        if self.stats.diverged_at_step is not None:  # θ_global's validation: nothing saved
+            raise _Diverged
         # one job per region never stops on its own evaluation: the others would lose it
         reached = agreed if self.ft is not None else self.target_reached
         if self.save_round(step) or reached:
