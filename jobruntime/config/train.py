@@ -51,7 +51,9 @@ class TrainConfig:
     target_ppl: float | None = None
     """Validation perplexity that defines time-to-target-perplexity (TTP)."""
     stop_at_target: bool = False
-    """Stop the run once ``target_ppl`` is reached."""
+    """Stop the run once ``target_ppl`` is reached (after the step or outer step whose
+    evaluation reached it; GeoMesh with one job per region: after the next outer step,
+    when every region has heard of it, so that all stop with the same weights)."""
     max_wall_s: float | None = None
     """Stop (after the current step, with a final evaluation) past this many seconds."""
     zero_shot_tasks: list | None = None
