@@ -483,6 +483,8 @@ class OuterLoop(RoundFigures):
         tokens = self.aggregate(rnd, received)
         present, counted, losses, nbytes = self.figures(rnd, per)
         agreed = self.stop_agreed(step)
+        if self.ft is not None and (agreed or step == self.g.outer_steps):
+            self.ft.stop_watching()  # no exchange follows: a peer that ends first is not lost
         record = self.record(rnd, per, tokens, present, counted, losses, nbytes, final=agreed)
         self.replan(record, per, counted, rnd.steps)
         self.ctx.log_outer_step(record)

@@ -286,6 +286,29 @@ def test_stop_at_target_ends_every_region_after_the_same_round(cache_dir, tmp_pa
 
 
 @pytest.mark.slow
+def test_a_region_that_ends_first_is_not_lost_to_one_still_saving(cache_dir, tmp_path):
+    """Catches a finished run stopped with exit 3 under ``geomesh.on_worker_loss=fail``:
+    after the last exchange East US (one validation batch) closed, and West Europe (300
+    batches, longer than ``geomesh.heartbeat_s=1``) was still evaluating when its monitor
+    saw East US silent: "lost region(s) ['East US']", exit 1 from torchrun, no summary.
+    No exchange follows the last round, so the monitor stops there."""
+    cluster = _clusters(tmp_path, free_port())["jobs"]
+    lh = _lighthouse(cluster)
+    common = ("geomesh.on_worker_loss=fail", "geomesh.heartbeat_s=1")
+    try:
+        procs = [_torchrun(cluster, region, tmp_path / f"job-{k}", cache_dir, *common, *extra)
+                 for k, (region, extra) in enumerate((("East US", ()),
+                                                      ("West Europe", ("train.eval_iters=300",))))]
+        outs = [p.communicate(timeout=600) for p in procs]
+    finally:
+        lh.terminate()
+        lh.wait(30)
+    for p, (_, err) in zip(procs, outs):
+        assert p.returncode == 0 and "lost region" not in err, err[-3000:]
+    assert all((tmp_path / f"job-{k}" / "summary.json").is_file() for k in range(2))
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("scenario", ["late_join", "store_host_lost_fail_policy",
                                       "network_stall"])
 def test_lost_worker_scenarios(scenario, cache_dir, tmp_path):

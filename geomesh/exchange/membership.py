@@ -494,6 +494,13 @@ class Membership:
         raise PeerLostError(f"GeoMesh round {r}: the exchange failed {MAX_ATTEMPTS} times "
                             "(workers keep dropping out); restart the regions")
 
+    def stop_watching(self) -> None:
+        """No exchange follows (the run's last round, or the agreed stop at the target):
+        stop the monitor thread.  A peer that finished first and left is not lost; with
+        ``on_worker_loss=fail`` it stopped this job with exit 3 while it evaluated and
+        saved its last round (longer than ``heartbeat_s``)."""
+        self._stop.set()
+
     def close(self) -> None:
         self._stop.set()
         try:

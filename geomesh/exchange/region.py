@@ -206,6 +206,12 @@ class RegionMembership:
                      members=len(set(self.members) - set(lost)),
                      report=self.leader is not None and self.leader.report)
 
+    def stop_watching(self) -> None:
+        """:meth:`Membership.stop_watching <geomesh.exchange.membership.Membership.stop_watching>`
+        on the job's rank 0 (the others watch nothing)."""
+        if self.leader is not None:
+            self.leader.stop_watching()
+
     def close(self) -> None:
         if self.leader is not None:
             self.leader.close()
