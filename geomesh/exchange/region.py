@@ -18,8 +18,9 @@ hierarchical:
    healed to the job's ranks; each rank decodes what overlaps its own shard.
 
 Healing across layouts.  The state torchft hands a joining region is in
-canonical form: each rank's main shards of ``θ_global`` and the outer
-momentum as ``(canonical key, global offsets)`` pieces
+canonical form: each rank's main shards of ``θ_global``, the outer
+momentum and the inner AdamW moments (they are shaped and split like the
+parameters) as ``(canonical key, global offsets)`` pieces
 (:func:`geomesh.wire.canonical.main_pieces`), gathered to the serving leader on
 demand; the joiner's leader broadcasts them and each rank cuts its own
 shards out (:func:`geomesh.wire.canonical.assemble`), whatever the two layouts.
@@ -31,8 +32,9 @@ function from its quorum thread while the leader's main thread waits, so the
 leader's collectives keep one order on every rank.
 
 Costs, stated: the serving leader holds the whole ``θ_global`` and momentum
-(fp32, 8 bytes per parameter) while it sends a healing payload, and every
-rank of a region holds the round's compressed messages of all regions.
+(fp32, 8 bytes per parameter) and the inner moments (bf16, 4 bytes) while it
+sends a healing payload, and every rank of a region holds the round's
+compressed messages of all regions.
 """
 
 from __future__ import annotations
@@ -48,7 +50,10 @@ from .worker_loss import lost_workers
 
 log = logging.getLogger(__name__)
 
-_TENSOR_STATE = ("params", "momentum_buffer")  # outer-optimizer state held per shard
+# the heal state's tensors held per shard, by local name: (section, part); a section
+# absent from a state (``inner`` from tests' states) stays absent
+_TENSOR_STATE = (("outer", "params"), ("outer", "momentum_buffer"),
+                 ("inner", "exp_avg"), ("inner", "exp_avg_sq"))
 
 
 def _piece_name(key: str, offsets: tuple[int, ...]) -> str:
@@ -61,16 +66,20 @@ def _parse_piece(name: str) -> tuple[str, tuple[int, ...]]:
 
 
 def to_canonical(state: dict, layout: Mapping[str, Shard]) -> dict:
-    """A heal state's outer-optimizer tensors as ``{"key@offsets": tensor}`` main pieces.
+    """A heal state's per-shard tensors (outer optimizer, inner moments) as
+    ``{"key@offsets": tensor}`` main pieces.
 
     An empty part stays empty: the outer momentum does not exist before the first
-    outer step, nor ever with ``geomesh.compress_update`` (the workers keep it).
+    outer step, nor ever with ``geomesh.compress_update`` (the workers keep it), and
+    the inner moments not before the worker's first inner step.
     """
-    outer = dict(state["outer"])
-    for part in _TENSOR_STATE:
-        outer[part] = {_piece_name(k, o): t.detach().cpu()
-                       for k, o, t in main_pieces(layout, outer[part])} if outer[part] else {}
-    return {**state, "outer": outer}
+    out = {**state, **{sec: dict(state[sec]) for sec, _ in _TENSOR_STATE if sec in state}}
+    for sec, part in _TENSOR_STATE:
+        if sec in out:
+            out[sec][part] = {_piece_name(k, o): t.detach().cpu()
+                              for k, o, t in main_pieces(layout, out[sec][part])} \
+                if out[sec][part] else {}
+    return out
 
 
 def from_canonical(state: dict, layout: Mapping[str, Shard]) -> dict:
@@ -80,11 +89,13 @@ def from_canonical(state: dict, layout: Mapping[str, Shard]) -> dict:
     Raises:
         ValueError: the pieces do not cover this rank's shards exactly once.
     """
-    outer = dict(state["outer"])
-    for part in _TENSOR_STATE:
-        pieces = [(*_parse_piece(n), t) for n, t in outer[part].items()]
-        outer[part] = assemble(layout, pieces, what=f"healing state ({part})") if pieces else {}
-    return {**state, "outer": outer}
+    out = {**state, **{sec: dict(state[sec]) for sec, _ in _TENSOR_STATE if sec in state}}
+    for sec, part in _TENSOR_STATE:
+        if sec in out:
+            pieces = [(*_parse_piece(n), t) for n, t in out[sec][part].items()]
+            out[sec][part] = assemble(layout, pieces, what=f"healing state ({part})") \
+                if pieces else {}
+    return out
 
 
 class RegionMembership:
@@ -137,8 +148,9 @@ class RegionMembership:
         out = next(s for s in states if s is not None)
         for s in states:  # every contributing rank's pieces; the rest is the same everywhere
             if s is not None and s is not out:
-                for part in _TENSOR_STATE:
-                    out["outer"][part].update(s["outer"][part])
+                for sec, part in _TENSOR_STATE:
+                    if sec in out:
+                        out[sec][part].update(s[sec][part])
         return out
 
     def _stash(self, state: dict) -> None:
