@@ -171,7 +171,8 @@ def geomesh(root: Path, cache: str, name: str, rounds: int, *, fault: tuple[int,
             policy: str = "continue", rejoin: bool | str = False, stall: bool = False,
             act: Callable[[list[Run], Run], Run] | None = None,
             shapes: list[dict] | None = None, slowdown: list[float] | None = None,
-            overrides: tuple[str, ...] = (), heartbeat_s: float = HEARTBEAT_S) -> dict:
+            overrides: tuple[str, ...] = (), heartbeat_s: float = HEARTBEAT_S,
+            rejoin_with: tuple[str, ...] = ()) -> dict:
     """One GeoMesh scenario (module docstring); returns its result record.
 
     ``shapes``: one dict per region of worker fields over one process at TP1
@@ -186,7 +187,10 @@ def geomesh(root: Path, cache: str, name: str, rounds: int, *, fault: tuple[int,
     heals without a membership change).
     ``rejoin``: restart the victim once its fault killed it, in a new run folder
     (``True``), or with its resume command, in its own folder with ``checkpoint.load``
-    of its checkpoints (``"resume"``: the command docs/geomesh.md gives).
+    of its checkpoints (``"resume"``: the command docs/geomesh.md gives);
+    ``rejoin_with``: overrides of the restarted job only (other settings than the run's:
+    survived then means that it is refused, exit 2 with one line naming what differs,
+    while the others finish).
     ``act(jobs, lighthouse)``, if given, runs once the victim has finished round 2
     and returns the lighthouse the run goes on with (the same, or a new one).
     With ``continue``, survived also means that every job alive at the end holds
@@ -247,8 +251,8 @@ def geomesh(root: Path, cache: str, name: str, rounds: int, *, fault: tuple[int,
         jobs[victim].wait(600)  # killed by its fault
         time.sleep(2)
         extra.append(job(victim, "w", None, f"checkpoint.load={d / f'w{victim}' / 'checkpoints'}",
-                         log=f"w{victim}_resumed.log") if rejoin == "resume"
-                     else job(victim, "re", None))
+                         *rejoin_with, log=f"w{victim}_resumed.log") if rejoin == "resume"
+                     else job(victim, "re", None, *rejoin_with))
     rcs = [j.wait(1200) for j in jobs] + [j.wait(1200) for j in extra]
     seconds = time.monotonic() - t0
     lh.p.terminate()
@@ -268,9 +272,13 @@ def geomesh(root: Path, cache: str, name: str, rounds: int, *, fault: tuple[int,
         detect = max((jobs[i].t_exit or time.monotonic()) for i in survivors) - (
             jobs[victim].t_exit or time.monotonic())
     else:
-        alive = survivors + ([n] if extra else [])
+        refused = bool(extra and rejoin_with)  # a restart with other settings: refused
+        alive = survivors + ([n] if extra and not refused else [])
         ok = all(rcs[i] == 0 and f"outer step {rounds}/{rounds}" in texts[i] for i in alive)
-        if extra:  # the rejoined worker ends with the survivors' model
+        if refused:
+            errors = [x for x in texts[n].splitlines() if x.startswith("error:")]
+            ok = ok and rcs[n] == 2 and len(errors) == 1 and "other settings" in errors[0]
+        elif extra:  # the rejoined worker ends with the survivors' model
             finals = [texts[i].rsplit("final val ppl", 1)[-1].split(",")[0] for i in alive]
             ok = ok and len(set(finals)) == 1
         # θ_global in canonical form: bit-identical in every job alive at the end

@@ -331,6 +331,20 @@ def test_lost_worker_scenarios(scenario, cache_dir, tmp_path):
 
 
 @pytest.mark.slow
+def test_a_region_restarted_with_other_settings_is_refused_by_name(cache_dir, tmp_path):
+    """Catches a region restarted mid-run with other settings than the running one's that
+    tried to heal three times (their state is sealed for another run) and stopped with
+    "no working quorum" and a resume hint, not the one-line exit 2 that names what
+    differs, as in a job's first round; the survivor finishes."""
+    from bench.faults import geomesh
+
+    res = geomesh(tmp_path, cache_dir, "other_settings_rejoin", 8, fault=(1, "train@1"),
+                  rejoin=True, rejoin_with=("geomesh.outer_lr=0.5",))
+    assert res["survived"], res
+    assert res["exit_codes"][-1] == 2
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["lighthouse_restart", "lighthouse_lost"])
 def test_lighthouse_restart_and_loss(kind, cache_dir, tmp_path):
     """Catches a quorum that never completes once the lighthouse died under it

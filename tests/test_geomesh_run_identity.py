@@ -81,3 +81,19 @@ def test_differing_parts_reads_one_byte_per_part():
     theirs = int.from_bytes(bytes([0, 1, 9, 3, 4, 5, 6, 9]), "little")
     assert differing_parts(ours, theirs) == [PARTS[2], PARTS[7]]
     assert differing_parts(ours, ours) == []
+
+
+def test_a_heal_sealed_for_another_run_is_a_named_refusal():
+    """Catches a region restarted with other settings that retried its heal until "no
+    working quorum": the heal's EnvelopeError of reason ``other_run`` becomes the exit-2
+    ConfigError naming the parts that differ; any other failed heal stays a retry."""
+    from geomesh.exchange.membership import other_run_heal
+    from geomesh.wire.envelope import EnvelopeError
+    from jobruntime.config import ConfigError
+
+    ours = int.from_bytes(bytes(range(8)), "little")
+    theirs = int.from_bytes(bytes([0, 1, 2, 3, 4, 99, 6, 7]), "little")  # byte 5: geomesh
+    err = other_run_heal(EnvelopeError("sealed for another run", "other_run", theirs), ours)
+    assert isinstance(err, ConfigError) and "part(s) that differ: geomesh" in str(err)
+    assert other_run_heal(EnvelopeError("bad tag", "unauthenticated"), ours) is None
+    assert other_run_heal(RuntimeError("connection reset"), ours) is None

@@ -63,6 +63,7 @@ import torch
 from torch.distributed.distributed_c10d import AllgatherOptions
 from torchft import Manager, ProcessGroupGloo, ProcessGroupNCCL
 
+from jobruntime.config import ConfigError
 from jobruntime.faults import exit_interrupted, fault_point
 
 from ..fleet.cluster import ClusterError, ClusterSpec
@@ -80,6 +81,31 @@ for _name in ("torchft", "torchft_quorums", "torchft_commits", "torchft_errors")
 REPORT_EVERY_S = 5.0
 MAX_ATTEMPTS = 3
 REASK_S = 0.5  # pause before re-asking a restarted lighthouse for a whole quorum
+
+
+def other_run_heal(cause: BaseException, run: int) -> ConfigError | None:
+    """The error for a heal that failed because the live peers run with other settings
+    (the healing state is sealed for another run identity), else ``None``.
+
+    A region restarted with other settings than the running regions' cannot open their
+    healing state; each quorum attempt failed alike, and after :data:`MAX_ATTEMPTS` the
+    job stopped with "no working quorum", not the exit-2 refusal a region started with
+    other settings gets in its first round (:meth:`geomesh.sync.OuterLoop.refuse_other_start`).
+
+    Args:
+        cause: the exception torchft's manager recorded for the attempt.
+        run: this job's run identity (:func:`geomesh.exchange.run_identity.run_identity`).
+    """
+    if not (isinstance(cause, EnvelopeError) and cause.reason == "other_run"
+            and cause.peer_run is not None):
+        return None
+    parts = differing_parts(run, cause.peer_run)
+    return ConfigError(
+        f"the running regions run with other settings than this region (part(s) that "
+        f"differ: {', '.join(parts) or 'none named'}), so it cannot heal from them; restart "
+        "it with the run's settings: its resume command (docs/geomesh.md) or the same "
+        "overrides as the other regions (geomesh.exchange.run_identity lists what they "
+        "share)")
 
 
 class Membership:
@@ -264,6 +290,9 @@ class Membership:
             if err is None:
                 self._outages_at_quorum = self._outages
                 return
+            refused = other_run_heal(err.original_exception, self.opener.run)
+            if refused is not None:  # no attempt will heal it: the job's settings differ
+                raise refused
             failed += 1
             self._healed = None  # a heal that failed
             why = str(err.original_exception).splitlines()[0][:160]
