@@ -311,7 +311,9 @@ def _run(cfg, run_dir: Path, folder, new_run_dir: bool, outcome: dict) -> int:
         target = summary.get("target_ppl")
         at = summary.get("final_val_step")  # a resumed run that did not evaluate: an earlier one
         at = f" (at step {at})" if at is not None and at != summary.get("steps") else ""
-        print(f"final val ppl {f'{ppl:.1f}{at}' if ppl is not None else 'none (no evaluation)'}, "
+        none = "none (no finite evaluation)" if summary.get("diverged_at_step") is not None \
+            else "none (no evaluation)"
+        print(f"final val ppl {f'{ppl:.1f}{at}' if ppl is not None else none}, "
               + (f"target {target:g}, time to target (TTP) "
                  f"{f'{ttp:,.1f} s' if ttp is not None else 'not reached'}"
                  f" ({summary.get('clock', 'wall')} clock)" if target is not None else "no target")

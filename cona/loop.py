@@ -245,9 +245,14 @@ class Loop:
 
     def evaluate(self, cadence: bool = False) -> float:
         """Evaluate now, record it (and TTP; ``cadence``: an evaluation of the cadence, not
-        a dense one near the target or an extra one); return the validation loss."""
+        a dense one near the target or an extra one); return the validation loss.  A
+        loss that is not finite is not recorded: it ends the run (``progress.nan``)."""
         job, p = self.job, self.progress
         val_loss = job.evaluate()
+        if not math.isfinite(val_loss):  # the step's update broke the weights: divergence
+            log.error("validation loss is %s at step %d; stopping", val_loss, job.trainer.step)
+            p.nan = True  # ends the run, saves nothing of it (as jobruntime.loop.run)
+            return val_loss
         ppl = perplexity(val_loss)
         p.last_val_ppl = ppl
         samples, step = job.consumed_samples, job.trainer.step
@@ -304,7 +309,7 @@ class Loop:
             cadence = on_clock if self.eval_every_s else (
                 samples // self.eval_samples > prev // self.eval_samples)  # passed a multiple
             val_loss = self.evaluate(cadence=cadence)
-            record.update(val_loss=val_loss, val_ppl=p.last_val_ppl)
+            record.update(val_loss=val_loss, val_ppl=perplexity(val_loss))
             gap = dense_eval_gap([(e["samples"], e["val_ppl"]) for e in p.evals],
                                  self.cfg.train.target_ppl, self.cfg.cona.ttp_resolution,
                                  start=self.samples0)

@@ -200,24 +200,38 @@ class StreamingLoop(OuterLoop):
             tokens = {i: self.steps[i].samples * seq for i in self.pl.workers}
             for q in range(self.P):  # the round's q-th sync is fragment q's
                 self.train_span(rnd, done, offsets, q * S, (q + 1) * S - tau, per)
+                if self.stats.diverged(self._diverged_workers(done), rnd.r + 1):
+                    break  # before its fragment is encoded
                 received = self.send(q, tokens)
                 self.train_span(rnd, done, offsets, (q + 1) * S - tau, (q + 1) * S, per)
                 self.sync(q, received, tokens, per, nbytes)
+            if self.stats.diverged_at_step is not None:
+                self.ctx.log_outer_step(dict(step=rnd.r + 1, tokens=self.stats.tokens,
+                                             time_s=self.stats.time_s, loss=float("nan")))
+                break
             rnd.losses = {i: mean_loss(done[i]) for i in self.pl.workers}
             self.stats.time_s = self.clock.now_s  # every fragment of this θ_global exists
             k = list(range(self.K))
-            bad = sorted(repr(self.cl.workers[i].name) for i, x in rnd.losses.items()
-                         if not math.isfinite(x))  # one process (emulated): no collective
-            if not self.stats.diverged(bad, rnd.r + 1):
-                record = self.record(rnd, per, [tokens[i] for i in k], k, k, dict(rnd.losses),
-                                     (nbytes[0], nbytes[1]))
-                self.ctx.log_outer_step(record)
-            if self.stats.diverged_at_step is not None:
+            record = self.record(rnd, per, [tokens[i] for i in k], k, k, dict(rnd.losses),
+                                 (nbytes[0], nbytes[1]))
+            self.ctx.log_outer_step(record)
+            if self.stats.diverged_at_step is not None:  # θ_global's validation
                 break
             self.position += sum(s.samples for s in self.steps)
-            if self.cfg.train.stop_at_target and self.stats.ttp.reached:
+            if self.cfg.train.stop_at_target and self.stats.reached_here:
                 break
         return self.summary()
+
+    def _diverged_workers(self, done: dict[int, list]) -> list[str]:
+        """Workers whose inner losses so far this round or weights are not finite (one
+        process, emulated: no collective)."""
+        bad = []
+        for i in self.pl.workers:
+            params = self.workers[i].trainer.get_params().values()
+            if not (math.isfinite(mean_loss(done[i])) if done[i] else True) or \
+                    not all(bool(torch.isfinite(v).all()) for v in params):
+                bad.append(repr(self.cl.workers[i].name))
+        return bad
 
     def train_span(self, rnd: _Round, done: dict[int, list], offsets: list[int], first: int,
                    last: int, per: dict[str, dict]) -> None:

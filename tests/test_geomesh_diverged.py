@@ -21,15 +21,16 @@ SMALL = ["model.seq_length=32", "parallel.global_batch_size=8", "parallel.micro_
          "geomesh.cluster=two_worker", "geomesh.outer_steps=4", "logging.wandb=disabled"]
 
 
-@pytest.mark.parametrize("method", ["geomesh", "ddp", "async"])
+@pytest.mark.parametrize("method", ["geomesh", "ddp", "async", "streaming_diloco"])
 def test_a_diverged_geomesh_run_exits_1_and_saves_nothing_of_it(method, cache_dir, tmp_path):
     """Exit 1 with the one divergence line, ``diverged_at_step`` in a strict-JSON
     summary, no checkpoint of that outer step or later, and its step in metrics.jsonl."""
     run = tmp_path / method
-    saves = ["checkpoint.save_interval=1"] if method != "async" else []
+    saves = ["checkpoint.save_interval=1"] if method in ("geomesh", "ddp") else []
+    fragments = ["geomesh.inner_steps=4"] if method == "streaming_diloco" else []
     proc = subprocess.run(
         [sys.executable, "train.py", "--config", "tiny_gpt", "--run-dir", str(run),
-         f"data.cache_dir={cache_dir}", f"geomesh.method={method}", *SMALL, *saves,
+         f"data.cache_dir={cache_dir}", f"geomesh.method={method}", *SMALL, *saves, *fragments,
          "train.lr=1e6", "train.min_lr=0", "train.clip_grad=0"],
         cwd=REPO, capture_output=True, text=True, timeout=600,
         env={**os.environ, "OMP_NUM_THREADS": "1"})

@@ -77,6 +77,11 @@ def _diverge(cache_dir: str, root: str) -> dict:
         # step 1 evaluated on the weights its update broke: validation loss NaN
         "val_nan": train.main(["--config", "tiny_gpt", "--run-dir", f"{root}/val_nan", *TINY,
                                data, "train.eval_interval=1", "checkpoint.save_interval=1"]),
+        # the same in a real-mode CONA run (its own loop)
+        "cona_val_nan": train.main(["--config", "tiny_gpt", "--run-dir", f"{root}/cona_val_nan",
+                                    *TINY, data, "train.eval_interval=1",
+                                    "checkpoint.save_interval=1", "cona.enabled=true",
+                                    "cona.decision_interval=4"]),
     }
 
 
@@ -120,3 +125,17 @@ def test_a_nan_validation_loss_stops_the_run_without_saving(diverged):
     assert math.isfinite(records[0]["loss"]) and records[0]["val_loss"] is None
     assert summary["final_val_ppl"] is None
     assert not list((run / "checkpoints").glob("iter_*"))  # (no folder: none either)
+
+
+def test_a_nan_validation_loss_ends_a_cona_run_too(diverged):
+    """Catches CONA's loop, which checked the training loss only: with step 1's validation
+    loss NaN it saved ``iter_0000001`` and went on (exit 0 at ``train.iters=1``, "final
+    val ppl nan"; or ``diverged_at_step`` 2 a step later, break-test helper).  Now as an
+    ordinary run: exit 1 at step 1, nothing saved."""
+    root, codes = diverged
+    run = root / "cona_val_nan"
+    assert codes["cona_val_nan"] == 1
+    summary = _strict((run / "summary.json").read_text())
+    assert summary["diverged_at_step"] == 1
+    assert summary["final_val_ppl"] is None
+    assert not list((run / "checkpoints").glob("iter_*"))
