@@ -40,7 +40,14 @@ from .context import RunContext
 from .fleet.clock import async_schedule, ddp_schedule, inner_step_time_s
 from .outer import OuterNesterov
 from .report import RunStats, not_finite
-from .state import check_rounds_left, check_workers, load_state, save_state, worker_identity
+from .state import (
+    check_rounds_left,
+    check_warmup,
+    check_workers,
+    load_state,
+    save_state,
+    worker_identity,
+)
 from .wire.codec import DenseCodec
 from .wire.compression import TensorSchema
 from .worker import InnerWorker, proxy_steps
@@ -82,12 +89,13 @@ def run_ddp(ctx: RunContext) -> dict:
             raise CheckpointError(f"checkpoint is from method {st['method']}, not ddp")
         check_workers(st, cl)
         check_rounds_left(st, g.outer_steps)
+        check_warmup(st["scheduler"].get("lr_warmup_steps"), cfg.train, str(cfg.checkpoint.load))
         trainer.set_params(st["params"])
         trainer.optimizer.load_state_dict(st["optimizer"])
         trainer.scheduler.load_state_dict(st["scheduler"])
         reconcile_optimizer_settings(trainer, cfg.train,
                                      cfg.checkpoint.optimizer_settings, str(cfg.checkpoint.load),
-                                     lengths=False)
+                                     lengths=False, can_keep=False)
         trainer.step = st["step"]
         sampler.consumed_samples, start = st["position"], st["round"]
         stats.load_state_dict(st["stats"])
@@ -129,7 +137,7 @@ def run_ddp(ctx: RunContext) -> dict:
         ctx.log_outer_step(record)
         if stats.diverged(bad, step) or stats.diverged_at_step is not None:
             break  # nothing of this step is saved (train.py exits 1)
-        stop = cfg.train.stop_at_target and stats.ttp.reached
+        stop = cfg.train.stop_at_target and stats.reached_here
         every = cfg.checkpoint.save_interval
         if every and (step % every == 0 or step == g.outer_steps or stop):
             state = {"method": "ddp", "round": step, "position": sampler.consumed_samples,
@@ -228,7 +236,7 @@ def run_async(ctx: RunContext) -> dict:
                                                   cfg.parallel.micro_batch_size)
                 _eval(ctx, stats, workers[0].trainer, val, record, step)
             ctx.log_outer_step(record)
-            if cfg.train.stop_at_target and stats.ttp.reached:
+            if cfg.train.stop_at_target and stats.reached_here:
                 break
     for w in cl.workers:
         t = sched.workers[w.name]

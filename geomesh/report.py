@@ -87,6 +87,10 @@ class RunStats:
     final_val_ppl: float | None = None
     final_val_loss: float | None = None
     ttp: TTPTracker = field(default_factory=lambda: TTPTracker(None))
+    reached_here: bool = False
+    """This job's evaluations crossed ``target_ppl`` (:meth:`evaluated`), what
+    ``train.stop_at_target`` stops on; not saved: a run resumed or healed past the
+    crossing trains on, as an ordinary run does."""
     diverged_at_step: int | None = None
     """The outer step whose inner training gave a non-finite loss or pseudo-gradient
     (:meth:`diverged`): the run stopped there (``train.py`` exits 1)."""
@@ -115,7 +119,9 @@ class RunStats:
                          step):
             return False
         self.final_val_loss, self.final_val_ppl = val_loss, val_ppl
-        return self.ttp.update(val_ppl, self.time_s, self.tokens, step)
+        crossed = self.ttp.update(val_ppl, self.time_s, self.tokens, step)
+        self.reached_here = self.reached_here or crossed
+        return crossed
 
     def diverged(self, bad: list[str], step: int) -> bool:
         """Record outer step ``step`` as the run's divergence where ``bad`` names workers

@@ -31,7 +31,7 @@ from geomesh.fleet.cluster import ClusterSpec
 from geomesh.fleet.plan import Plan, WorkerPlan
 from jobruntime.checkpoint import COMPLETE, CheckpointError, committed_folder
 from jobruntime.faults import fault_point
-from jobruntime.outputs import round_folder
+from jobruntime.outputs import round_folder, saved_checkpoints
 from jobruntime.parallel import rng_state, set_rng_state
 from jobruntime.trainer import reconcile_optimizer_settings
 
@@ -121,8 +121,8 @@ def find_state(path: str | Path) -> Path:
     latest = path / "latest"
     if latest.is_file() and (path / latest.read_text().strip() / COMPLETE).is_file():
         return path / latest.read_text().strip()
-    done = sorted(p for p in path.glob("outer_*")  # a kill after COMPLETE, before the rename
-                  if (p / COMPLETE).is_file() and not p.name.endswith(".tmp"))
+    # no (valid) latest, e.g. a kill after COMPLETE, before it moved: the one saved last
+    done = saved_checkpoints(path, "outer")
     if done:
         return done[-1]
     if path.name.startswith("iter_") or list(path.glob("iter_*")):
@@ -197,6 +197,25 @@ def load_state(path: str | Path, *, rank: int) -> dict:
 # ---------------------------------------------------------------------------
 
 
+def check_warmup(saved: int | None, t, source: str) -> None:
+    """Refuse a resume whose ``train.warmup_iters`` is not the one that sized the saved LR
+    schedules (``saved``; ``None``: a checkpoint from before it was recorded, not checked).
+
+    GeoMesh scales the warmup into each worker's inner steps and keeps re-planned
+    schedules in its checkpoint, so a new value cannot be applied mid-run, and was
+    ignored while ``config.yaml`` recorded it (break-test helper); the LR, weight decay
+    and Adam's are :func:`jobruntime.trainer.reconcile_optimizer_settings`'s.
+
+    Raises:
+        CheckpointError: they differ (both values, the fix).
+    """
+    if saved is not None and int(saved) != t.warmup_iters:
+        raise CheckpointError(
+            f"{source} was trained with train.warmup_iters={saved}, this config has "
+            f"{t.warmup_iters}: the workers' LR schedules were sized with it and go on as "
+            f"saved; resume with train.warmup_iters={saved}")
+
+
 def checkpoint_state(loop, step: int) -> dict:
     """This rank's checkpoint after outer step ``step`` (everything :func:`resume` needs)."""
     ctx = loop.ctx
@@ -213,6 +232,7 @@ def checkpoint_state(loop, step: int) -> dict:
         "guard": loop.guard.state_dict(), "lr_scale": loop.lr_scales.state_dict(),
         "eager": loop.eager.state_dict() if loop.eager is not None else None,
         "schedules": loop.saved_schedules(step), "schedule_rounds": loop.schedule_rounds,
+        "warmup_iters": loop.cfg.train.warmup_iters,  # what sized the schedules
     }
 
 
@@ -239,6 +259,7 @@ def resume(loop, st: dict) -> None:
             "geomesh.error_feedback and geomesh.compress_update it was saved with"
         )
     check_rounds_left(st, g.outer_steps)
+    check_warmup(st.get("warmup_iters"), loop.cfg.train, str(loop.cfg.checkpoint.load))
     loop.outer.load_state_dict(st["outer"])  # copies into θ_global
     for i, fb in loop.feedback.items():
         fb.load_state_dict(st["feedback"][i])
@@ -256,7 +277,7 @@ def resume(loop, st: dict) -> None:
         # and its peak LR and weight decay, torch the saved Adam betas: the config's or none
         reconcile_optimizer_settings(w.trainer, loop.cfg.train,
                                      loop.cfg.checkpoint.optimizer_settings,
-                                     str(loop.cfg.checkpoint.load), lengths=False)
+                                     str(loop.cfg.checkpoint.load), lengths=False, can_keep=False)
     take_plan(loop, st["plan"], st["planner_speed"], st.get("planner_fit", {}), st["history"])
     if loop.clock is not None:
         loop.clock.load_state_dict(st["clock"])

@@ -460,7 +460,7 @@ class OuterLoop(RoundFigures):
     @property
     def target_reached(self) -> bool:
         """``train.stop_at_target`` and this job's evaluations reached ``train.target_ppl``."""
-        return self.cfg.train.stop_at_target and self.stats.ttp.reached
+        return self.cfg.train.stop_at_target and self.stats.reached_here
 
     def stop_agreed(self, step: int) -> bool:
         """One job per region: whether this round's messages carry a region's stop flag

@@ -146,8 +146,24 @@ def resume_command(run_dir: str | Path) -> str | None:
     if (last := last_checkpoint(run_dir)) is None:
         return None
     config = Path(run_dir) / "config.yaml"
+    # a run started from a checkpoint's weights alone: its resume loads the optimizer
+    full = " checkpoint.load_optimizer=true" if _weights_only(config) else ""
     return (f"resume with {f'--config {config} ' if config.is_file() else ''}--run-dir {run_dir} "
-            f"checkpoint.load={Path(run_dir) / 'checkpoints'} (last complete checkpoint: {last})")
+            f"checkpoint.load={Path(run_dir) / 'checkpoints'}{full} (last complete checkpoint: "
+            f"{last})")
+
+
+def _weights_only(config: Path) -> bool:
+    """Whether the run's saved ``config.yaml`` set ``checkpoint.load_optimizer: false`` (a
+    fine-tune from a checkpoint's weights; its own checkpoints resume with ``true``)."""
+    import yaml
+
+    try:
+        saved = yaml.safe_load(config.read_text())
+    except (OSError, yaml.YAMLError):
+        return False
+    section = saved.get("checkpoint") if isinstance(saved, dict) else None
+    return isinstance(section, dict) and section.get("load_optimizer") is False
 
 
 def resume_advice(run_dir: str | Path) -> str:

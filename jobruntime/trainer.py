@@ -212,7 +212,8 @@ def optimizer_settings(scheduler: OptimizerParamScheduler, *, lr: bool = True,
 
 
 def reconcile_optimizer_settings(trainer: Trainer, t: TrainConfig, how: str, source: str, *,
-                                 lr: bool = True, lengths: bool = True) -> None:
+                                 lr: bool = True, lengths: bool = True,
+                                 can_keep: bool = True) -> None:
     """A resumed run's optimizer settings against those its config asks for.
 
     Loading a checkpoint brings the saved settings with the state: megatron-core's
@@ -237,6 +238,8 @@ def reconcile_optimizer_settings(trainer: Trainer, t: TrainConfig, how: str, sou
         t: the run's train config (written to with ``how="checkpoint"``).
         how: ``same``, ``config`` or ``checkpoint``.
         source: the checkpoint's path, for the messages.
+        can_keep: the job accepts ``how="checkpoint"`` (GeoMesh does not: the refusal
+            then offers ``config`` only).
 
     Raises:
         CheckpointError: ``how == "same"`` and they differ (each field, both values, the fix).
@@ -252,14 +255,16 @@ def reconcile_optimizer_settings(trainer: Trainer, t: TrainConfig, how: str, sou
     diff = {k: (have[k], want[k]) for k in have if have[k] != want[k]}
     if not diff:
         return
-    told = "; ".join(f"{k}: checkpoint {old:g}, config {new:g}" for k, (old, new) in diff.items())
+    # every digit (repr: the shortest that reads back the same): the values compare exactly
+    told = "; ".join(f"{k}: checkpoint {old!r}, config {new!r}" for k, (old, new) in diff.items())
     if how == "same":
         longer = (f" (a longer run: train.lr_decay_iters={scheduler.lr_decay_steps} keeps "
                   "its decay)" if _SCHEDULE[3][1] in diff else "")
+        keep = " (=checkpoint keeps the checkpoint's)" if can_keep else ""
         raise CheckpointError(
             f"{source} was trained with other optimizer settings ({told}); resume with the "
             f"checkpoint's values{longer}, or set checkpoint.optimizer_settings=config to "
-            "train on with this config's (=checkpoint keeps the checkpoint's)")
+            f"train on with this config's{keep}")
     if how == "config":
         for group in scheduler.optimizer.param_groups:  # megatron's groups carry their own
             for key in ("max_lr", "min_lr") if lr else ():  # (the checkpoint's), lr_mult

@@ -388,7 +388,8 @@ def test_summaries_have_the_comparison_fields(results):
 
 @pytest.mark.parametrize("case", ["ef-toggled", "nothing-left", "damaged", "outer-lr-0",
                                   "momentum-1.5", "does-not-fit", "ordinary-checkpoint",
-                                  "worker-renamed", "workers-reordered", "other-adam"])
+                                  "worker-renamed", "workers-reordered", "other-adam",
+                                  "other-warmup", "ddp-other-warmup"])
 def test_bad_geomesh_input_is_one_line_exit_2(results, cache_dir, tmp_path, case):
     """Catches tracebacks (KeyError, ValueError, PlanError, a torch zip error),
     a silent no-op run, or a left-behind run folder (config.yaml, wandb/) on bad
@@ -416,6 +417,12 @@ def test_bad_geomesh_input_is_one_line_exit_2(results, cache_dir, tmp_path, case
         "other-adam": [f"checkpoint.load={ckpt}", "geomesh.outer_steps=3",
                        "geomesh.error_feedback=true", "train.adam_beta2=0.99",
                        "train.weight_decay=0.05"],
+        # the saved schedules went on, config.yaml recorded the new warmup
+        "other-warmup": [f"checkpoint.load={ckpt}", "geomesh.outer_steps=3",
+                         "geomesh.error_feedback=true", "train.warmup_iters=50"],
+        "ddp-other-warmup": [f"checkpoint.load={root / 'ddp' / 'checkpoints' / 'outer_0000001'}",
+                             "geomesh.outer_steps=2", "geomesh.method=ddp",
+                             "train.warmup_iters=50"],
     }.get(case, [])
     needle = {"ef-toggled": "error feedback", "nothing-left": "nothing left",
               "damaged": "is damaged", "outer-lr-0": "geomesh.outer_lr",
@@ -425,7 +432,9 @@ def test_bad_geomesh_input_is_one_line_exit_2(results, cache_dir, tmp_path, case
                                 "file's is 't4-northeurope'",
               "workers-reordered": "list the workers in the saved order",
               "other-adam": "train.weight_decay: checkpoint 0.1, config 0.05; "
-                            "train.adam_beta2: checkpoint 0.95, config 0.99"}[case]
+                            "train.adam_beta2: checkpoint 0.95, config 0.99",
+              "other-warmup": "train.warmup_iters=2, this config has 50",
+              "ddp-other-warmup": "train.warmup_iters=2, this config has 50"}[case]
     if case in ("worker-renamed", "workers-reordered"):
         raw = yaml.safe_load(cluster.read_text())
         assert [w["name"] for w in raw["workers"]] == ["h100-eastus", "t4-westeurope"]

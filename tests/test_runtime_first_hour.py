@@ -143,6 +143,10 @@ def test_resume_advice_says_what_the_run_folder_holds(tmp_path):
     (tmp_path / "config.yaml").write_text("name: x\n")  # the run's: the advice loads it
     assert resume_advice(tmp_path).startswith(f"resume with --config {tmp_path / 'config.yaml'} "
                                               f"--run-dir {tmp_path} checkpoint.load=")
+    # a fine-tune started from a checkpoint's weights: its config says load_optimizer:
+    # false, which the advised command refused (exit 2, break-test helper)
+    (tmp_path / "config.yaml").write_text("checkpoint:\n  load_optimizer: false\n")
+    assert f"checkpoint.load={ckpts} checkpoint.load_optimizer=true (" in resume_advice(tmp_path)
 
 
 def test_the_resume_advice_goes_on_in_the_same_run_folder_as_configured(tmp_path):
@@ -551,8 +555,9 @@ def test_saving_and_switch_keys_a_job_does_not_read_are_refused(job, key):
 
 def test_checkpoint_optimizer_settings_is_refused_where_no_resume_reads_it():
     """Catches ``checkpoint.optimizer_settings`` accepted and ignored by CONA, which trains
-    with its config's settings on a resume (review helper), and by the GeoMesh methods
-    that load no checkpoint; an ordinary run and a GeoMesh resume read it."""
+    with its config's settings on a resume (review helper), by the GeoMesh methods that
+    load no checkpoint, and by a run that resumes nothing (break-test helper); an
+    ordinary run's and a GeoMesh run's resume read it."""
     from jobruntime.config import ConfigError, check_overrides_used, load_config
 
     key = "checkpoint.optimizer_settings=config"
@@ -562,7 +567,10 @@ def test_checkpoint_optimizer_settings_is_refused_where_no_resume_reads_it():
         with pytest.raises(ConfigError, match=why):
             check_overrides_used(load_config("tiny_gpt", [*job, key]), [*job, key])
     for job in ([], ["geomesh.method=geomesh", "geomesh.cluster=two_worker"]):
-        check_overrides_used(load_config("tiny_gpt", [*job, key]), [*job, key])
+        given = [*job, key, "checkpoint.load=/runs/a/checkpoints"]
+        check_overrides_used(load_config("tiny_gpt", given), given)
+        with pytest.raises(ConfigError, match="this run resumes nothing"):  # no resume
+            check_overrides_used(load_config("tiny_gpt", [*job, key]), [*job, key])
 
 
 @pytest.mark.parametrize("job", [["cona.enabled=true", "cona.clock=emulated"],

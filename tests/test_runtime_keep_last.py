@@ -95,3 +95,20 @@ def test_a_copied_run_folder_keeps_its_save_order(tmp_path):
         os.utime(root / f"iter_{step:07d}" / COMPLETE, (t, t))
     _save(root, 12, 2)
     assert _kept(root) == ["iter_0000008", "iter_0000012"]
+
+
+def test_a_geomesh_resume_without_latest_takes_the_checkpoint_saved_last(tmp_path):
+    """Catches ``geomesh.state.find_state`` taking the highest name when ``latest`` is
+    missing (the abandoned ``outer_0000003`` of a run resumed from round 1, break-test
+    helper); the resume advice (``last_checkpoint``) already named the last save."""
+    from geomesh.state import find_state
+    from jobruntime.checkpoint import committed_folder
+    from jobruntime.outputs import last_checkpoint
+
+    root = tmp_path / "checkpoints"
+    for step in (1, 3, 2):  # round 3 of the first run, then round 2 of the resumed one
+        with committed_folder(root, f"outer_{step:07d}", keep_last=0) as tmp:
+            (tmp / "rank00000.pt").write_text(str(step))
+    (root / "latest").unlink()
+    assert find_state(root).name == "outer_0000002"
+    assert last_checkpoint(tmp_path) == "outer_0000002"

@@ -165,3 +165,18 @@ def test_a_cona_resume_runs_at_its_configs_adam(cache_dir, saved):
     consumed, _ = load_start(cfg, trainer)
     assert consumed == 3 * cfg.parallel.global_batch_size
     assert cstate.adam_hyperparameters(trainer)[::2] == pytest.approx((0.8, 1e-6))
+
+
+def test_the_refusal_prints_every_digit_and_old_configs_still_load(cache_dir, saved):
+    """Catches values printed with ``%g`` but compared exactly ("checkpoint 0.00282843,
+    config 0.00282843" for a CONA run's batch-scaled LR: advice that cannot be followed),
+    and a run folder's ``config.yaml`` from before the rename (``checkpoint.lr_schedule``)
+    that its own resume advice could no longer load (break-test helper)."""
+    from jobruntime.checkpoint import CheckpointError
+    from jobruntime.trainer import reconcile_optimizer_settings
+
+    cfg, trainer = _loaded(cache_dir, saved, "train.lr=0.0020000001")
+    with pytest.raises(CheckpointError, match=r"train.lr: checkpoint 0.002, config 0.0020000001"):
+        reconcile_optimizer_settings(trainer, cfg.train, "same", str(saved))
+    old = load_config("tiny_gpt", ["checkpoint.lr_schedule=config"])
+    assert old.checkpoint.optimizer_settings == "config"

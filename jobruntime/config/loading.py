@@ -83,6 +83,8 @@ def _check_type(value: Any, hint: Any, where: str) -> Any:
 # old value's new form); a saved config.yaml or an old override keeps working
 RENAMED: dict[str, tuple[str, Callable[[Any], Any]]] = {
     "cona.gns_preconditioned": ("gns_definition", lambda v: {True: "pollux", False: "simple"}.get(v, v)),
+    # a run folder's config.yaml from before the rename (its resume advice loads it)
+    "checkpoint.lr_schedule": ("optimizer_settings", lambda v: v),
 }
 
 

@@ -53,7 +53,8 @@ class TrainConfig:
     stop_at_target: bool = False
     """Stop the run once ``target_ppl`` is reached (after the step or outer step whose
     evaluation reached it; GeoMesh with one job per region: after the next outer step,
-    when every region has heard of it, so that all stop with the same weights)."""
+    when every region has heard of it, so that all stop with the same weights).  A run
+    resumed past that point trains on to its end."""
     max_wall_s: float | None = None
     """Stop (after the current step, with a final evaluation) past this many seconds."""
     zero_shot_tasks: list | None = None

@@ -102,6 +102,10 @@ def _why_ignored(cfg: JobConfig, section: str, key: str, value: Any,
             not geomesh:
         return ("CONA trains with its config's optimizer settings on a resume (its layout "
                 "switches rebuild them from it); drop it")
+    if section == "checkpoint" and key == "optimizer_settings" and value != "same" and not (
+            cfg.checkpoint.load and cfg.checkpoint.load_optimizer):
+        return ("it chooses the optimizer settings of a resume (checkpoint.load, with "
+                "checkpoint.load_optimizer), and this run resumes nothing; drop it")
     if section == "checkpoint" and key in CHECKPOINT_SAVES:
         if geomesh and key == "save_final":
             return ("a GeoMesh run saves every checkpoint.save_interval outer steps and after "
