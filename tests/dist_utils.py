@@ -17,7 +17,19 @@ import torch.multiprocessing as mp
 
 from jobruntime.ports import free_port
 
-__all__ = ["free_port", "launch", "launch_jobs", "popen_ranks"]
+__all__ = ["child_env", "free_port", "launch", "launch_jobs", "popen_ranks"]
+
+PROCESS_GROUP_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE",
+                     "LOCAL_WORLD_SIZE")
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    """This test process's environment for a child (``train.py``, a launcher), less the
+    process-group variables: an in-process test of this pytest worker initialised
+    ``torch.distributed`` (:func:`jobruntime.parallel.init_distributed` sets them) and
+    its store still listens on that ``MASTER_PORT``, so a child that inherited them
+    failed with EADDRINUSE (clean-clone CI, under xdist).  ``extra`` is added."""
+    return {**{k: v for k, v in os.environ.items() if k not in PROCESS_GROUP_ENV}, **extra}
 
 
 def popen_ranks(cmd: list[str], world_size: int, cwd: Path, **env: str) -> list:
@@ -31,7 +43,7 @@ def popen_ranks(cmd: list[str], world_size: int, cwd: Path, **env: str) -> list:
 
     port = free_port()
     return [subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             text=True, env={**os.environ, "MASTER_ADDR": "127.0.0.1",
+                             text=True, env={**child_env(), "MASTER_ADDR": "127.0.0.1",
                                              "MASTER_PORT": str(port), "RANK": str(r),
                                              "LOCAL_RANK": str(r), "WORLD_SIZE": str(world_size),
                                              "OMP_NUM_THREADS": "1", **env},

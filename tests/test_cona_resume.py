@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.dist_utils import launch
+from tests.dist_utils import child_env, launch
 from tests.test_cona_run_loop import _constant_scheduler, _fake_loop, _FakeJob
 
 PP2, DP2 = "dp1-tp1-pp2-mb2-gb16", "dp2-tp1-pp1-mb2-gb16"
@@ -130,7 +130,6 @@ def test_an_ordinary_run_goes_on_from_a_cona_checkpoint_in_its_own_steps(resumed
     step moved it one sample) while ``config.yaml`` recorded a warmup of 32 steps.  Now
     steps 9-12 train at the uninterrupted schedule's LR (warmup 2, decay over 16 steps of
     16 samples) and config.yaml holds the config's settings."""
-    import os
     import subprocess
     import sys
 
@@ -145,7 +144,7 @@ def test_an_ordinary_run_goes_on_from_a_cona_checkpoint_in_its_own_steps(resumed
          "train.iters=12", "train.lr_decay_iters=16", "train.eval_interval=0",
          "checkpoint.save_final=false", f"checkpoint.load={first / 'checkpoints' / 'iter_0000008'}"],
         cwd=Path(__file__).resolve().parent.parent, capture_output=True, text=True, timeout=600,
-        env={**os.environ, "OMP_NUM_THREADS": "1", "WANDB_SILENT": "true"})
+        env={**child_env(), "OMP_NUM_THREADS": "1", "WANDB_SILENT": "true"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     steps = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in steps] == [9, 10, 11, 12]

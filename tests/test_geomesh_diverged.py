@@ -8,12 +8,13 @@ NaN/Inf", exit 1 without a summary), and the baselines went on with NaN weights.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.dist_utils import child_env
 
 REPO = Path(__file__).resolve().parent.parent
 SMALL = ["model.seq_length=32", "parallel.global_batch_size=8", "parallel.micro_batch_size=4",
@@ -33,7 +34,7 @@ def test_a_diverged_geomesh_run_exits_1_and_saves_nothing_of_it(method, cache_di
          f"data.cache_dir={cache_dir}", f"geomesh.method={method}", *SMALL, *saves, *fragments,
          "train.lr=1e6", "train.min_lr=0", "train.clip_grad=0"],
         cwd=REPO, capture_output=True, text=True, timeout=600,
-        env={**os.environ, "OMP_NUM_THREADS": "1"})
+        env=child_env(OMP_NUM_THREADS="1"))
     errors = [x for x in proc.stderr.splitlines() if x.startswith("error:")]
     assert proc.returncode == 1 and len(errors) == 1 and "not finite" in errors[0], \
         proc.stderr[-3000:]

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.dist_utils import free_port
+from tests.dist_utils import child_env, free_port
 from tests.test_geomesh_real import OVERRIDES
 
 REPO = Path(__file__).resolve().parent.parent
@@ -44,7 +44,7 @@ def _cluster(root: Path, port: int, mode: str = "real", tp3: bool = False) -> Pa
 
 
 def _env(**extra: str) -> dict[str, str]:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "WANDB_SILENT": "true", **extra}
+    env = {**child_env(), "PYTHONPATH": str(REPO), "WANDB_SILENT": "true", **extra}
     for k in ("GEOCONA_FAULT", "GEOCONA_FAULT_REGION", "GEOMESH_SECRET"):
         if k not in extra:
             env.pop(k, None)

@@ -55,6 +55,7 @@ def _member(script, *, outage: bool = True, timeout_s: float = 30.0, heartbeat_s
     m.cluster, m.worker, m.report = load_cluster(CLUSTER), 0, False
     m.timeout_s, m.heartbeat_s, m.policy, m.lighthouse = timeout_s, heartbeat_s, "continue", "x"
     m.pg = types.SimpleNamespace(members=[0, 1])
+    m.opener = types.SimpleNamespace(run=0)  # the run identity a failed heal is checked against
     m.members, m._healed, m._load = [0, 1], None, None
     m._outages, m._outages_at_quorum = (1 if outage else 0), 0
     m.manager = ScriptedManager(m.pg, script)

@@ -21,7 +21,7 @@ import pytest
 import yaml
 
 from jobruntime.outputs import round_folder
-from tests.dist_utils import free_port, launch
+from tests.dist_utils import child_env, free_port, launch
 
 REPO = Path(__file__).resolve().parent.parent
 STEPS = 3
@@ -144,7 +144,7 @@ def _lighthouse(cluster: Path) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "geomesh.lighthouse", "--cluster", str(cluster),
                              "--heartbeat-s", "10", "--join-timeout-s", "60"], cwd=REPO,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            env={**os.environ, **SECRET_ENV})
+                            env={**child_env(), **SECRET_ENV})
 
 
 def _torchrun(cluster: Path, region: str, run_dir: Path, cache_dir: str, *extra: str):
@@ -153,7 +153,7 @@ def _torchrun(cluster: Path, region: str, run_dir: Path, cache_dir: str, *extra:
            f"data.cache_dir={cache_dir}", f"geomesh.cluster={cluster}", "geomesh.method=geomesh",
            f"geomesh.region={region}", *OVERRIDES, *extra]
     return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env={**os.environ, **SECRET_ENV})
+                            text=True, env={**child_env(), **SECRET_ENV})
 
 
 @pytest.mark.slow
@@ -186,7 +186,7 @@ def test_missing_region_fails_with_its_name(runs, cache_dir):
            str(root / "alone"), f"data.cache_dir={cache_dir}", f"geomesh.cluster={clusters['jobs']}",
            "geomesh.method=geomesh", "geomesh.region=East US", "geomesh.timeout_s=3",
            "geomesh.heartbeat_s=2", *OVERRIDES]
-    env = {**os.environ, **SECRET_ENV}
+    env = {**child_env(), **SECRET_ENV}
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
     line = [x for x in proc.stderr.splitlines() if x.startswith("error:")]
     assert proc.returncode in (2, 3) and len(line) == 1, proc.stderr[-3000:]
@@ -393,6 +393,6 @@ def test_lighthouse_serves_without_torch():
             "addr = 'http://127.0.0.1:' + s.address().rsplit(':', 1)[1];"
             "print('torch' in sys.modules, lighthouse_heartbeats(addr)); s.shutdown()")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
-                         timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})
+                         timeout=120, env={**child_env(), "PYTHONPATH": str(REPO)})
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["False", "{}"], out.stdout

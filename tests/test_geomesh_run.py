@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.dist_utils import launch
+from tests.dist_utils import child_env, launch
 
 OVERRIDES = [
     "model.num_layers=2", "model.hidden_size=64", "model.num_attention_heads=2",
@@ -398,7 +398,6 @@ def test_bad_geomesh_input_is_one_line_exit_2(results, cache_dir, tmp_path, case
     geomesh/fleet/clock.py, reordered workers were accepted silently (each ran the
     other's saved plan and optimizer state); both must be refused by identity.  A resume
     with other Adam betas or weight decay trained on the checkpoint's."""
-    import os
     import shutil
     import subprocess
     import sys
@@ -464,7 +463,7 @@ def test_bad_geomesh_input_is_one_line_exit_2(results, cache_dir, tmp_path, case
            f"geomesh.cluster={cluster}", "geomesh.method=geomesh", *OVERRIDES, *extra,
            "--run-dir", str(tmp_path / "run")]
     proc = subprocess.run(cmd, cwd=Path(__file__).resolve().parent.parent, capture_output=True,
-                          text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+                          text=True, timeout=300, env={**child_env(), "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 2, proc.stderr[-2000:]
     import re
 

@@ -9,10 +9,10 @@ read it as "reached": the resumed run trained one round and stopped again, whate
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
+from tests.dist_utils import child_env
 from tests.test_geomesh_diverged import REPO, SMALL
 
 
@@ -22,7 +22,7 @@ def _train(run, cache_dir, *extra):
          f"data.cache_dir={cache_dir}", "geomesh.method=geomesh", *SMALL,
          "train.target_ppl=1e9", "train.stop_at_target=true", "checkpoint.save_interval=1",
          *extra], cwd=REPO, capture_output=True, text=True, timeout=600,
-        env={**os.environ, "OMP_NUM_THREADS": "1"})
+        env=child_env(OMP_NUM_THREADS="1"))
 
 
 def test_a_run_resumed_past_its_target_trains_on(cache_dir, tmp_path):

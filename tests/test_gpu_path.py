@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.dist_utils import launch
+from tests.dist_utils import child_env, launch
 
 REPO = Path(__file__).resolve().parent.parent
 PACKAGES = ("jobruntime", "geomesh", "cona", "tools", "bench")
@@ -300,7 +300,6 @@ def test_sequence_parallel_without_te_or_apex_is_a_config_error(cache_dir, tmp_p
     LayerNorm" inside the build: a traceback, exit 1.  Without Transformer Engine and apex
     it must be one line naming the key and the fix, exit 2.  Two ranks at TP=2, started
     as torchrun starts its workers (rank 1 prints nothing: errors come from rank 0)."""
-    import os
     import subprocess
     import sys
 
@@ -316,7 +315,7 @@ def test_sequence_parallel_without_te_or_apex_is_a_config_error(cache_dir, tmp_p
            str(tmp_path / "run"), f"data.cache_dir={cache_dir}", "parallel.tp=2",
            "parallel.sequence_parallel=true", "train.iters=1", "logging.wandb=disabled"]
     procs = [subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True, env={**os.environ, "MASTER_ADDR": "127.0.0.1",
+                              text=True, env={**child_env(), "MASTER_ADDR": "127.0.0.1",
                                               "MASTER_PORT": str(port), "RANK": str(r),
                                               "LOCAL_RANK": str(r), "WORLD_SIZE": "2"})
              for r in range(2)]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import types
@@ -11,11 +10,13 @@ from pathlib import Path
 
 import pytest
 
+from tests.dist_utils import child_env
+
 REPO = Path(__file__).resolve().parent.parent
 
 
 def train(*args, cwd=REPO, timeout=600):
-    env = {**os.environ, "WANDB_SILENT": "true"}
+    env = {**child_env(), "WANDB_SILENT": "true"}
     return subprocess.run([sys.executable, str(REPO / "train.py"), *map(str, args)], cwd=cwd,
                           capture_output=True, text=True, timeout=timeout, env=env)
 
@@ -197,7 +198,7 @@ def test_model_too_large_for_the_machine_is_refused_before_the_build(cache_dir, 
     assert limit == pytest.approx(host_memory_bytes() / GIB, abs=0.06)
     assert "train.check_memory=false" in lines[0] and not (tmp_path / "huge").exists()
 
-    env = {**os.environ, "LOCAL_WORLD_SIZE": "100000"}
+    env = {**child_env(), "LOCAL_WORLD_SIZE": "100000"}
     small = ["train.iters=1", "train.eval_interval=0", f"data.cache_dir={cache_dir}",
              "logging.wandb=disabled"]
     proc = subprocess.run([sys.executable, str(REPO / "train.py"), *small, "--run-dir",

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.dist_utils import popen_ranks
+from tests.dist_utils import child_env, popen_ranks
 
 REPO = Path(__file__).resolve().parent.parent
 PIQA = REPO / "tools" / "samples" / "piqa_synthetic.jsonl"
@@ -99,7 +99,7 @@ def test_a_finished_run_has_a_final_checkpoint_for_zero_shot_at_another_layout(p
     proc = subprocess.run([sys.executable, str(REPO / "tools" / "zero_shot.py"), "--config",
                            str(run_dir / "config.yaml"), "--checkpoint", str(run_dir / "checkpoints"),
                            "--task", str(PIQA), "parallel.tp=1"], cwd=REPO, capture_output=True,
-                          text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+                          text=True, timeout=600, env={**child_env(), "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "loading checkpoint" in proc.stderr and ": done in" in proc.stderr
     tool = json.loads(proc.stdout)

@@ -8,6 +8,8 @@ import sys
 import time
 from pathlib import Path
 
+from tests.dist_utils import child_env
+
 REPO = Path(__file__).resolve().parent.parent
 
 PROBE = """
@@ -35,7 +37,7 @@ def test_checkpoint_queue_server_dies_with_a_killed_rank(tmp_path):
     with out.open("w") as f:  # a file, not a pipe: a surviving server would hold a pipe open
         proc = subprocess.run([sys.executable, str(probe)], cwd=REPO, stdout=f,
                               stderr=subprocess.DEVNULL, timeout=300,
-                              env={**os.environ, "PYTHONPATH": str(REPO)})
+                              env={**child_env(), "PYTHONPATH": str(REPO)})
     assert proc.returncode == -9
     pid = int(out.read_text().split()[-1])
     deadline = time.monotonic() + 10

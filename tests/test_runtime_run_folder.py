@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.dist_utils import free_port
+from tests.dist_utils import child_env, free_port
 from tests.test_geomesh_real import SECRET_ENV, _lighthouse
 
 REPO = Path(__file__).resolve().parent.parent
@@ -45,7 +45,7 @@ def _region_job(cluster: Path, region: str, run_dir: Path, cache_dir: str) -> su
            f"geomesh.region={region}", *OVERRIDES]
     return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True,
-                            env={**os.environ, **SECRET_ENV})
+                            env={**child_env(), **SECRET_ENV})
 
 
 @pytest.mark.slow  # ~70-85 s; a lost region's one line: test_geomesh_launch (fast tier)
@@ -180,7 +180,7 @@ def test_a_rank_lost_in_a_checkpoint_save_is_one_line_exit_3(tmp_path, cache_dir
            "train.warmup_iters=1", "logging.wandb=disabled", "checkpoint.save_interval=2",
            "checkpoint.keep_last=0", "logging.progress=off"]
     ranks = [subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              env={**os.environ, "GEOCONA_FAULT": "save@2/1", "MASTER_ADDR": "127.0.0.1",
+                              env={**child_env(), "GEOCONA_FAULT": "save@2/1", "MASTER_ADDR": "127.0.0.1",
                                    "MASTER_PORT": str(port), "RANK": str(r), "LOCAL_RANK": str(r),
                                    "WORLD_SIZE": "2", "OMP_NUM_THREADS": "1"})
              for r in range(2)]

@@ -12,6 +12,7 @@ import pytest
 
 from jobruntime.config import ConfigError, load_config
 from jobruntime.data import DataError, read_documents
+from tests.dist_utils import child_env
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -177,11 +178,10 @@ def test_convert_rejects_missing_input_and_file_output(tmp_path):
 
 
 def _convert(*args, env=None):
-    import os
 
     return subprocess.run([sys.executable, str(REPO / "tools" / "convert_checkpoint.py"),
                            *map(str, args)], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, **(env or {})})
+                          env={**child_env(), **(env or {})})
 
 
 @pytest.mark.parametrize("text", ["{not json", "[1, 2]", "\xff"], ids=["broken", "list", "binary"])
