@@ -36,7 +36,8 @@ from .fleet.cluster import ClusterSpec
 log = logging.getLogger(__name__)
 
 
-def not_finite(loss: float, tensors=(), *, who: str, group=None) -> list[str]:
+def not_finite(loss: float, tensors=(), *, who: str, group=None,
+               local: bool = False) -> list[str]:
     """Which of the job's workers gave a non-finite round: ``who`` (this process's worker)
     where ``loss`` or a value of ``tensors`` (its pseudo-gradient here) is NaN or inf,
     gathered from every process of ``group`` (default: the job's world; an object
@@ -50,10 +51,11 @@ def not_finite(loss: float, tensors=(), *, who: str, group=None) -> list[str]:
         who: the worker's name, for the log and the error.
         group: the process group that must agree; ``None`` = the default group (no
             collective where ``torch.distributed`` is not initialised).
+        local: this process alone decides (no collective).
     """
     ok = math.isfinite(loss) and all(bool(torch.isfinite(t).all()) for t in tensors)
     mine = None if ok else who
-    if dist.is_available() and dist.is_initialized():
+    if not local and dist.is_available() and dist.is_initialized():
         seen = [None] * dist.get_world_size(group)
         dist.all_gather_object(seen, mine, group=group)
     else:

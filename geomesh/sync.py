@@ -91,6 +91,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 
 from jobruntime.checkpoint import CheckpointError
 from jobruntime.config import ConfigError
@@ -404,7 +405,8 @@ class OuterLoop(RoundFigures):
             self.charge(i, rnd, max(self._true_s(i, s) - rnd.compute.get(i, 0.0), 0.0)
                         if self.ctx.emulated else 0.0, w0)
             if self.stats.diverged(not_finite(res.loss, res.delta.values(),
-                                              who=repr(self.cl.workers[i].name)), self.r + 1):
+                                              who=repr(self.cl.workers[i].name),
+                                              **self._agreeing()), self.r + 1):
                 self.ctx.log_outer_step(dict(step=self.r + 1, tokens=self.stats.tokens,
                                              time_s=self.stats.time_s, loss=res.loss))
                 raise _Diverged  # before its encode: every process of the job stops here
@@ -412,6 +414,20 @@ class OuterLoop(RoundFigures):
             rnd.losses[i] = res.loss
             shares[i] = res.tokens / round_tokens
         return shares
+
+    def _agreeing(self) -> dict:
+        """Who must agree on a worker's divergence before its message is encoded: the job
+        (one job per region, emulated: the default group), or with one ``torchrun`` for
+        the whole cluster only the worker's own ranks (a cluster-wide agreement would
+        hold every worker at the slowest one's finish before encoding: overlapped rounds
+        lost their overlap, and the wait moved out of the measured WAN idle).  There a
+        diverged worker stops alone, and the others see it lost."""
+        if self.ft is not None or self.ctx.emulated:
+            return {}
+        group = self.pl.worker_group
+        if group is None or dist.get_world_size(group) == 1:
+            return {"local": True}
+        return {"group": group}
 
     def encode(self, i: int, res) -> bytes:
         """Worker ``i``'s message: ``Δ_i`` (+ μ v_i with compress_update) in canonical form;
