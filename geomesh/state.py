@@ -216,6 +216,42 @@ def check_warmup(saved: int | None, t, source: str) -> None:
             f"saved; resume with train.warmup_iters={saved}")
 
 
+_OUTER = (("lr", "geomesh.outer_lr"), ("momentum", "geomesh.outer_momentum"),
+          ("momentum_warmup", "geomesh.outer_momentum_warmup"))
+
+
+def _OUTER_SETTINGS(outer) -> dict:  # noqa: N802 - a table's reader, named as the table
+    return {attr: getattr(outer, attr) for attr, _ in _OUTER}
+
+
+def reconcile_outer(outer, config: dict, how: str, source: str) -> None:
+    """The outer optimizer's settings after a resume against the config's (``config``:
+    what ``outer`` held before the load).  ``OuterNesterov.load_state_dict`` takes the
+    checkpoint's learning rate and momentum: a resume with another ``geomesh.outer_lr``
+    trained at the saved one while ``config.yaml`` and the run identity recorded the new
+    one (review helper).  ``same`` refuses a difference; ``config`` sets the config's
+    (``checkpoint.optimizer_settings``, as for the inner optimizer,
+    :func:`jobruntime.trainer.reconcile_optimizer_settings`).
+
+    Raises:
+        CheckpointError: ``how == "same"`` and they differ (each setting, both values).
+    """
+    diff = [(attr, name) for attr, name in _OUTER if getattr(outer, attr) != config[attr]]
+    if not diff:
+        return
+    told = "; ".join(f"{name}: checkpoint {getattr(outer, attr)!r}, config {config[attr]!r}"
+                     for attr, name in diff)
+    if how == "same":
+        raise CheckpointError(f"{source} was trained with other outer optimizer settings "
+                              f"({told}); resume with the checkpoint's values, or set "
+                              "checkpoint.optimizer_settings=config to train on with this "
+                              "config's")
+    for attr, _ in diff:
+        setattr(outer, attr, config[attr])
+    log.warning("training on with this config's outer optimizer settings, not those of %s: "
+                "%s", source, told)
+
+
 def checkpoint_state(loop, step: int) -> dict:
     """This rank's checkpoint after outer step ``step`` (everything :func:`resume` needs)."""
     ctx = loop.ctx
@@ -260,7 +296,10 @@ def resume(loop, st: dict) -> None:
         )
     check_rounds_left(st, g.outer_steps)
     check_warmup(st.get("warmup_iters"), loop.cfg.train, str(loop.cfg.checkpoint.load))
-    loop.outer.load_state_dict(st["outer"])  # copies into θ_global
+    config = _OUTER_SETTINGS(loop.outer)
+    loop.outer.load_state_dict(st["outer"])  # copies into θ_global, and the saved settings
+    reconcile_outer(loop.outer, config, loop.cfg.checkpoint.optimizer_settings,
+                    str(loop.cfg.checkpoint.load))
     for i, fb in loop.feedback.items():
         fb.load_state_dict(st["feedback"][i])
     for i, lm in loop.local_mom.items():

@@ -389,7 +389,7 @@ def test_summaries_have_the_comparison_fields(results):
 @pytest.mark.parametrize("case", ["ef-toggled", "nothing-left", "damaged", "outer-lr-0",
                                   "momentum-1.5", "does-not-fit", "ordinary-checkpoint",
                                   "worker-renamed", "workers-reordered", "other-adam",
-                                  "other-warmup", "ddp-other-warmup"])
+                                  "other-warmup", "ddp-other-warmup", "other-outer-lr"])
 def test_bad_geomesh_input_is_one_line_exit_2(results, cache_dir, tmp_path, case):
     """Catches tracebacks (KeyError, ValueError, PlanError, a torch zip error),
     a silent no-op run, or a left-behind run folder (config.yaml, wandb/) on bad
@@ -417,6 +417,9 @@ def test_bad_geomesh_input_is_one_line_exit_2(results, cache_dir, tmp_path, case
                        "geomesh.error_feedback=true", "train.adam_beta2=0.99",
                        "train.weight_decay=0.05"],
         # the saved schedules went on, config.yaml recorded the new warmup
+        # the outer step's learning rate came from the checkpoint (review helper)
+        "other-outer-lr": [f"checkpoint.load={ckpt}", "geomesh.outer_steps=3",
+                           "geomesh.error_feedback=true", "geomesh.outer_lr=0.5"],
         "other-warmup": [f"checkpoint.load={ckpt}", "geomesh.outer_steps=3",
                          "geomesh.error_feedback=true", "train.warmup_iters=50"],
         "ddp-other-warmup": [f"checkpoint.load={root / 'ddp' / 'checkpoints' / 'outer_0000001'}",
@@ -433,6 +436,7 @@ def test_bad_geomesh_input_is_one_line_exit_2(results, cache_dir, tmp_path, case
               "other-adam": "train.weight_decay: checkpoint 0.1, config 0.05; "
                             "train.adam_beta2: checkpoint 0.95, config 0.99",
               "other-warmup": "train.warmup_iters=2, this config has 50",
+              "other-outer-lr": "other outer optimizer settings (geomesh.outer_lr: checkpoint",
               "ddp-other-warmup": "train.warmup_iters=2, this config has 50"}[case]
     if case in ("worker-renamed", "workers-reordered"):
         raw = yaml.safe_load(cluster.read_text())
