@@ -417,7 +417,7 @@ class Loop:
                     "time_s": self.job.clock_s,
                     "samples": self.job.consumed_samples,
                     "val_loss": val_loss,
-                    "val_ppl": p.last_val_ppl,
+                    "val_ppl": perplexity(val_loss),  # not finite: null, the run diverged
                 }
             )
 
