@@ -53,7 +53,8 @@ def not_finite(loss: float, tensors=(), *, who: str, group=None,
             collective where ``torch.distributed`` is not initialised).
         local: this process alone decides (no collective).
     """
-    ok = math.isfinite(loss) and all(bool(torch.isfinite(t).all()) for t in tensors)
+    flags = [torch.isfinite(t).all() for t in tensors]  # one host sync below, not one each
+    ok = math.isfinite(loss) and (not flags or bool(torch.stack(flags).all()))
     mine = None if ok else who
     if not local and dist.is_available() and dist.is_initialized():
         seen = [None] * dist.get_world_size(group)
@@ -94,8 +95,8 @@ class RunStats:
     ``train.stop_at_target`` stops on; not saved: a run resumed or healed past the
     crossing trains on, as an ordinary run does."""
     diverged_at_step: int | None = None
-    """The outer step whose inner training gave a non-finite loss or pseudo-gradient
-    (:meth:`diverged`): the run stopped there (``train.py`` exits 1)."""
+    """The outer step whose inner loss, pseudo-gradient or validation loss of θ_global was
+    not finite (:meth:`diverged`): the run stopped there (``train.py`` exits 1)."""
 
     @classmethod
     def for_cluster(cls, cluster: ClusterSpec, target_ppl: float | None) -> RunStats:

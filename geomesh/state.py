@@ -220,7 +220,8 @@ _OUTER = (("lr", "geomesh.outer_lr"), ("momentum", "geomesh.outer_momentum"),
           ("momentum_warmup", "geomesh.outer_momentum_warmup"))
 
 
-def _OUTER_SETTINGS(outer) -> dict:  # noqa: N802 - a table's reader, named as the table
+def outer_settings(outer) -> dict:
+    """:data:`_OUTER`'s settings of an :class:`~geomesh.outer.OuterNesterov`, by attribute."""
     return {attr: getattr(outer, attr) for attr, _ in _OUTER}
 
 
@@ -296,7 +297,7 @@ def resume(loop, st: dict) -> None:
         )
     check_rounds_left(st, g.outer_steps)
     check_warmup(st.get("warmup_iters"), loop.cfg.train, str(loop.cfg.checkpoint.load))
-    config = _OUTER_SETTINGS(loop.outer)
+    config = outer_settings(loop.outer)
     loop.outer.load_state_dict(st["outer"])  # copies into θ_global, and the saved settings
     reconcile_outer(loop.outer, config, loop.cfg.checkpoint.optimizer_settings,
                     str(loop.cfg.checkpoint.load))

@@ -72,6 +72,7 @@ from .context import RunContext, target_canonical_schema
 from .exchange.transport import InProcessTransport
 from .fleet.clock import EmulatedClock
 from .outer import OuterNesterov
+from .report import not_finite
 from .sync import OuterLoop, _Round, _true_step_s
 from .wire.canonical import CanonicalSchema
 from .wire.canonical_codec import CanonicalCodec
@@ -225,13 +226,9 @@ class StreamingLoop(OuterLoop):
     def _diverged_workers(self, done: dict[int, list]) -> list[str]:
         """Workers whose inner losses so far this round or weights are not finite (one
         process, emulated: no collective)."""
-        bad = []
-        for i in self.pl.workers:
-            params = self.workers[i].trainer.get_params().values()
-            if not (math.isfinite(mean_loss(done[i])) if done[i] else True) or \
-                    not all(bool(torch.isfinite(v).all()) for v in params):
-                bad.append(repr(self.cl.workers[i].name))
-        return bad
+        return [w for i in self.pl.workers for w in not_finite(
+            mean_loss(done[i]) if done[i] else 0.0, self.workers[i].trainer.module.parameters(),
+            who=repr(self.cl.workers[i].name), local=True)]
 
     def train_span(self, rnd: _Round, done: dict[int, list], offsets: list[int], first: int,
                    last: int, per: dict[str, dict]) -> None:

@@ -327,7 +327,8 @@ class OuterLoop(RoundFigures):
 
     def rounds(self) -> None:
         """The outer loop: train, exchange and finish rounds to ``outer_steps`` (or the
-        stop); raises :class:`_Diverged` from :meth:`train`."""
+        stop); raises :class:`_Diverged` from :meth:`train` (a worker's round) and
+        :meth:`finish` (θ_global's validation)."""
         pl, overlap = self.pl, self.overlap
         inflight: _Round | None = None
         stop = False

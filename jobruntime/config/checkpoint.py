@@ -42,7 +42,8 @@ class CheckpointConfig:
     ``--override-opt_param-scheduler`` / ``--use-checkpoint-opt_param-scheduler``, which
     cover the LR and weight decay).  GeoMesh reads ``same`` or ``config`` (its regions
     train with the config's settings, the run identity they share; each worker sizes its
-    own warmup and decay); CONA trains with its config's."""
+    own warmup and decay, so another ``train.warmup_iters`` is refused); CONA trains with
+    its config's."""
     keep_last: int = 2
     """Number of checkpoints kept: the ones saved last, in the order they were saved (not
     by step: after a resume from an older checkpoint, higher steps of the abandoned run
